@@ -1,0 +1,121 @@
+"""`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` block ids, host mirror + device copy.
+
+Invariants (checked by ``check_invariants`` against the counts the caller owns):
+- row r holds valid block ids in columns ``[0, num_blocks[r])`` and ``-1`` beyond: a kernel that
+  reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing past a
+  request's blocks is ever anything but -1;
+- after ``sync()`` the device copy equals the host mirror.
+
+Only rows touched since the last ``sync()`` travel to the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import BatchFull, InvariantViolation
+
+
+class BlockTable:
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self.host = np.full((max_batch_size, max_blocks_per_seq), -1, dtype=np.int32)
+        self.device_table = torch.full(
+            (max_batch_size, max_blocks_per_seq), -1, dtype=torch.int32, device=device
+        )
+        self._free_rows = list(range(max_batch_size - 1, -1, -1))
+        self._dirty = np.zeros(max_batch_size, dtype=bool)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def acquire_row(self) -> int:
+        if not self._free_rows:
+            raise BatchFull(f"req_id: all {self.max_batch_size} block-table rows are in use")
+        return self._free_rows.pop()
+
+    def release_row(self, row: int) -> None:
+        self.host[row] = -1
+        self._dirty[row] = True
+        self._free_rows.append(row)
+
+    def append(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+               block_ids: np.ndarray) -> None:
+        """Write ``block_ids`` (concatenated per row) into columns ``starts[i]:starts[i]+counts[i]``."""
+        if block_ids.size == 0:
+            return
+        r, c = _ragged_cells(rows, starts, counts)
+        self.host[r, c] = block_ids
+        self._dirty[rows] = True
+
+    def truncate(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Clear ``counts[i]`` columns from ``starts[i]`` to -1; return the block ids removed."""
+        r, c = _ragged_cells(rows, starts, counts)
+        removed = self.host[r, c].copy()
+        self.host[r, c] = -1
+        self._dirty[rows] = True
+        return removed
+
+    def sync(self) -> None:
+        """Upload the rows changed since the last sync (non-blocking from pinned memory on CUDA)."""
+        rows = np.flatnonzero(self._dirty)
+        if rows.size == 0:
+            return
+        self._dirty[rows] = False
+        if rows.size == self.max_batch_size:
+            self.device_table.copy_(torch.from_numpy(self.host), non_blocking=False)
+            return
+        src = torch.from_numpy(self.host[rows])
+        idx = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            src = src.pin_memory().to(self.device, non_blocking=True)
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        self.device_table.index_copy_(0, idx, src)
+
+    def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
+                     tokens_per_block: int) -> torch.Tensor:
+        """int64 slots for a whole batch on the device; -1 where a position is padding (< 0)
+        or lies past the row's blocks (so a bad position skips its write instead of faulting).
+
+        ``rows`` and ``positions`` are same-length integer tensors on the table's device.
+        """
+        positions = positions.to(torch.int64)
+        valid = positions >= 0
+        safe_pos = torch.where(valid, positions, torch.zeros_like(positions))
+        col = safe_pos // tokens_per_block
+        in_row = col < self.max_blocks_per_seq
+        col = torch.where(in_row, col, torch.zeros_like(col))
+        block = self.device_table[rows.to(torch.int64), col].to(torch.int64)
+        slot = block * tokens_per_block + safe_pos % tokens_per_block
+        keep = valid & in_row & (block >= 0)
+        return torch.where(keep, slot, torch.full_like(slot, -1))
+
+    def check_invariants(self, rows: np.ndarray, num_blocks: np.ndarray, num_pool_blocks: int,
+                         *, synced: bool) -> None:
+        live = np.zeros(self.max_batch_size, dtype=bool)
+        live[rows] = True
+        if self.host[~live].max(initial=-1) != -1:
+            raise InvariantViolation("a free block-table row holds a block id")
+        cols = np.arange(self.max_blocks_per_seq)
+        owned = cols[None, :] < num_blocks[:, None]
+        table = self.host[rows]
+        if (table[owned] < 0).any() or (table[owned] >= num_pool_blocks).any():
+            raise InvariantViolation("a row holds an invalid block id inside its block count")
+        if (table[~owned] != -1).any():
+            raise InvariantViolation("a row holds something other than -1 past its block count")
+        if synced and not np.array_equal(self.device_table.cpu().numpy(), self.host):
+            raise InvariantViolation("device block table differs from the host mirror")
+
+
+def _ragged_cells(rows: np.ndarray, starts: np.ndarray,
+                  counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) index arrays for the ragged ranges ``starts[i] : starts[i] + counts[i]``."""
+    total = int(counts.sum())
+    r = np.repeat(rows, counts)
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    c = np.repeat(starts, counts) + offsets
+    return r, c

@@ -1,0 +1,150 @@
+"""`PoolConfig`: the shape of one GPU's paged KV pool and the limits every request lives within.
+
+Invalid combinations fail at construction with a pydantic ``ValidationError`` whose message names
+the offending field, so a bad deployment never reaches the allocator.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+KVDType = Literal["bfloat16", "float16", "fp8_e4m3"]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+class SlackPolicy(str, Enum):
+    """How grant sites treat the overlap slack.
+
+    ``reclaim`` is the only correct policy. ``none`` and ``unreclaimed`` exist to reproduce the two
+    historical production crashes on purpose: ``none`` grants 1 + D with no slack (the device's
+    write reach outruns capacity at a block boundary: IMA); ``unreclaimed`` grants the slack every
+    step and never takes it back (capacity leaks D tokens per step until the row overflows).
+    """
+
+    RECLAIM = "reclaim"
+    NONE = "none"
+    UNRECLAIMED = "unreclaimed"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class PoolConfig(BaseModel):
+    """One pool: block geometry, model KV shape, dtype, device and scheduler limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_blocks: int | None = Field(
+        default=None, gt=0, description="Blocks in the pool; or give memory_budget_bytes."
+    )
+    memory_budget_bytes: int | None = Field(
+        default=None, gt=0, description="Device bytes for K+V of all layers; sets num_blocks."
+    )
+    tokens_per_block: int = Field(default=16, gt=0)
+    num_layers: int = Field(default=2, gt=0)
+    num_kv_heads: int = Field(default=2, gt=0)
+    head_dim: int = Field(default=64, gt=0)
+    dtype: KVDType = "bfloat16"
+    k_scales: tuple[float, ...] | None = Field(
+        default=None, description="fp8 only: one K dequantisation scale per layer (default 1.0)."
+    )
+    v_scales: tuple[float, ...] | None = Field(
+        default=None, description="fp8 only: one V dequantisation scale per layer (default 1.0)."
+    )
+    device: str = Field(default_factory=default_device)
+    max_batch_size: int = Field(default=64, gt=0)
+    max_seq_len: int = Field(default=4096, gt=0)
+    max_draft_len: int = Field(default=3, ge=0)
+    overlap_scheduler: bool = True
+    slack_policy: SlackPolicy = SlackPolicy.RECLAIM
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, value: str) -> str:
+        try:
+            dev = torch.device(value)
+        except RuntimeError as exc:
+            raise ValueError(f"device: {value!r} is not a torch device ({exc})") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: {value!r} must be 'cpu' or 'cuda[:N]'")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device: {value!r} requested but CUDA is not available")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"device: {value!r} but only {torch.cuda.device_count()} CUDA devices exist"
+                )
+        return value
+
+    @field_validator("k_scales", "v_scales")
+    @classmethod
+    def _scales_positive(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if value is not None and any(not (s > 0 and math.isfinite(s)) for s in value):
+            raise ValueError("every fp8 scale must be finite and > 0")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PoolConfig:
+        if (self.num_blocks is None) == (self.memory_budget_bytes is None):
+            raise ValueError("give exactly one of num_blocks and memory_budget_bytes")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < self.bytes_per_block:
+            raise ValueError(
+                f"memory_budget_bytes: {self.memory_budget_bytes} holds no block "
+                f"(one block is {self.bytes_per_block} bytes)"
+            )
+        for name in ("k_scales", "v_scales"):
+            scales = getattr(self, name)
+            if scales is None:
+                continue
+            if self.dtype != "fp8_e4m3":
+                raise ValueError(f"{name}: only meaningful with dtype 'fp8_e4m3'")
+            if len(scales) != self.num_layers:
+                raise ValueError(
+                    f"{name}: {len(scales)} scales for num_layers={self.num_layers}"
+                )
+        if self.max_blocks_per_seq > self.total_blocks:
+            raise ValueError(
+                f"max_seq_len: {self.max_seq_len} needs {self.max_blocks_per_seq} blocks per "
+                f"sequence but the pool has {self.total_blocks}"
+            )
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * (
+            itemsize
+        )
+
+    @property
+    def total_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        assert self.memory_budget_bytes is not None
+        return self.memory_budget_bytes // self.bytes_per_block
+
+    @property
+    def max_slack(self) -> int:
+        """Slack a grant may add on top of 1 + D: D under overlap, else nothing."""
+        return self.max_draft_len if self.overlap_scheduler else 0
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """ceil((max_seq_len + max_draft_len + 1 + slack) / tokens_per_block), per DESIGN.md."""
+        tokens = self.max_seq_len + self.max_draft_len + 1 + self.max_slack
+        return -(-tokens // self.tokens_per_block)
