@@ -1,4 +1,4 @@
-"""`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` block ids, host mirror + device copy.
+"""`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` block ids, host + device copies.
 
 Invariants (checked by ``check_invariants`` against the counts the caller owns):
 - row r holds valid block ids in columns ``[0, num_blocks[r])`` and ``-1`` beyond: a kernel that
@@ -45,7 +45,7 @@ class BlockTable:
 
     def append(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                block_ids: np.ndarray) -> None:
-        """Write ``block_ids`` (concatenated per row) into columns ``starts[i]:starts[i]+counts[i]``."""
+        """Write ``block_ids`` (concatenated per row) into columns ``starts[i]`` onwards."""
         if block_ids.size == 0:
             return
         r, c = _ragged_cells(rows, starts, counts)
@@ -69,11 +69,13 @@ class BlockTable:
         if rows.size == self.max_batch_size:
             self.device_table.copy_(torch.from_numpy(self.host), non_blocking=False)
             return
-        src = torch.from_numpy(self.host[rows])
-        idx = torch.from_numpy(rows)
-        if self.device.type == "cuda":
-            src = src.pin_memory().to(self.device, non_blocking=True)
-            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        if self.device.type == "cpu":
+            # A CPU "device" copy is still a separate buffer (shared with workers through shared
+            # memory); writing it through a numpy view skips torch's dispatch overhead.
+            self.device_table.numpy()[rows] = self.host[rows]
+            return
+        src = torch.from_numpy(self.host[rows]).pin_memory().to(self.device, non_blocking=True)
+        idx = torch.from_numpy(rows).pin_memory().to(self.device, non_blocking=True)
         self.device_table.index_copy_(0, idx, src)
 
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,

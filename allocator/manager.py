@@ -49,6 +49,7 @@ from .errors import (
 from .kv_storage import KVStorage
 
 ReqId = Hashable
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -156,7 +157,7 @@ class KVCacheManager:
             raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prefill chunk")
 
     def try_allocate_generation(self, req_id: ReqId, draft_len: int) -> bool:
-        """Grant 1 + D (+ D slack under overlap). False, with nothing changed, when out of blocks."""
+        """Grant 1 + D (+ D slack under overlap); False, changing nothing, when out of blocks."""
         out = self._apply(StepPlan(grant_ids=[req_id], draft_lens=[draft_len]))
         return bool(out.granted[0])
 
@@ -248,6 +249,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ the one mutation path
 
     def _lookup(self, ids: Sequence[ReqId], what: str) -> np.ndarray:
+        if not ids:
+            return _NO_ROWS
         rows_of = self._rows
         try:
             rows = [rows_of[i] for i in ids]
@@ -255,7 +258,7 @@ class KVCacheManager:
             bad = next(i for i in ids if not _known(rows_of, i))
             raise UnknownRequest(f"{what}: unknown request {bad!r}", field=what) from None
         arr = np.array(rows, dtype=np.int64)
-        if arr.size > 1 and np.unique(arr).size != arr.size:
+        if arr.size > 1 and np.bincount(arr).max() > 1:
             raise DuplicateRequest(f"{what}: a request is listed twice", field=what)
         return arr
 
@@ -271,7 +274,7 @@ class KVCacheManager:
             raise InvalidValue(f"{what}: {int(arr.min())} is below {minimum}", field=what)
         return arr
 
-    def _apply(self, plan: StepPlan) -> StepOutcome:  # noqa: C901 - one linear validation pass
+    def _apply(self, plan: StepPlan) -> StepOutcome:
         cfg = self.config
         tpb = self.tokens_per_block
         policy = self.policy
@@ -368,7 +371,7 @@ class KVCacheManager:
                 raise InvalidValue("padded_draft_len: below the granted draft_len",
                                    field="padded_draft_len")
             want_draft[pad] = plen
-        item_rows = np.union1d(gr, pad)
+        item_rows = np.concatenate([gr, pad[~is_new_grant[pad]]]) if pad.size else gr
         item_cap = cap.copy()
         if item_rows.size:
             new_slack = slack_for(want_draft[item_rows], overlap, policy)
@@ -448,11 +451,8 @@ class KVCacheManager:
         self._move_blocks(fin)
         outcome = self._admit(new_ids, prompt, first, new_ok)
 
-        gr_ok = np.zeros(gr.size, dtype=bool)
-        if gr.size:
-            gr_ok = self._pending[gr] & np.isin(gr, ok_rows)
         self.table.sync()
-        outcome.granted = gr_ok
+        outcome.granted = item_ok[: gr.size]
         outcome.prefill_granted = pf_ok_mask
         return outcome
 

@@ -9,7 +9,7 @@ import sys
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("allocator.simulate", "step-level overlap-scheduler model: finds IMA and row overflow"),
+    "simulate": ("allocator.simulate", "overlap-scheduler model: finds IMA and row overflow"),
 }
 
 
