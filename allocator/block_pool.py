@@ -38,7 +38,8 @@ class BlockPool:
             raise InvalidValue(f"num_blocks: {n} must be >= 0", field="num_blocks")
         if n > self._top:
             raise OutOfBlocks(f"num_blocks: asked for {n} blocks, {self._top} free")
-        ids = self._free[self._top - n : self._top].copy()
+        # Pop from the top of the stack: the most recently freed block is handed out first.
+        ids = self._free[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._refcount[ids] = 1
         return ids
@@ -59,12 +60,13 @@ class BlockPool:
             return
         if ids.min() < 0 or ids.max() >= self.num_blocks:
             raise InvalidValue("block_ids: out of range", field="block_ids")
-        counts = np.bincount(ids, minlength=self.num_blocks)
-        if (self._refcount < counts).any():
+        # O(k log k) in the ids released, never O(pool size).
+        uniq, counts = np.unique(ids, return_counts=True)
+        if (self._refcount[uniq] < counts).any():
             raise InvalidValue("block_ids: releases a block more often than it is held",
                                field="block_ids")
-        self._refcount -= counts.astype(np.int32)
-        freed = np.flatnonzero((counts > 0) & (self._refcount == 0)).astype(np.int32)
+        self._refcount[uniq] -= counts.astype(np.int32)
+        freed = uniq[self._refcount[uniq] == 0].astype(np.int32)
         self._free[self._top : self._top + freed.size] = freed
         self._top += freed.size
 

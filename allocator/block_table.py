@@ -100,7 +100,7 @@ class BlockTable:
                          *, synced: bool) -> None:
         live = np.zeros(self.max_batch_size, dtype=bool)
         live[rows] = True
-        if self.host[~live].max(initial=-1) != -1:
+        if (self.host[~live] != -1).any():
             raise InvariantViolation("a free block-table row holds a block id")
         cols = np.arange(self.max_blocks_per_seq)
         owned = cols[None, :] < num_blocks[:, None]

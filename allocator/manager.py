@@ -267,9 +267,16 @@ class KVCacheManager:
         if len(values) != n:
             raise InvalidValue(f"{what}: {len(values)} values for {n} requests", field=what)
         try:
-            arr = np.array(values, dtype=np.int64)
+            arr = np.asarray(values)
         except (TypeError, ValueError, OverflowError):
             raise InvalidValue(f"{what}: expected integers", field=what) from None
+        if arr.dtype.kind not in "iu":
+            # Floats, bools and strings would be truncated or coerced silently by an int cast.
+            if arr.size:
+                raise InvalidValue(f"{what}: expected integers", field=what)
+            arr = np.zeros(0, dtype=np.int64)
+        elif arr.dtype != np.int64:
+            arr = arr.astype(np.int64)
         if arr.size and arr.min() < minimum:
             raise InvalidValue(f"{what}: {int(arr.min())} is below {minimum}", field=what)
         return arr
@@ -298,19 +305,27 @@ class KVCacheManager:
         first = self._counts([p if c is None else c for p, c in zip(prompt, chunks, strict=True)],
                              len(new_ids), "first_chunk", minimum=1)
 
-        if (dlen > cfg.max_draft_len).any() or (plen > cfg.max_draft_len).any():
+        if (dlen > cfg.max_draft_len).any():
             raise DraftLenExceeded(f"draft_len: above max_draft_len={cfg.max_draft_len}")
+        if (plen > cfg.max_draft_len).any():
+            raise DraftLenExceeded(
+                f"padded_draft_len: above max_draft_len={cfg.max_draft_len}",
+                field="padded_draft_len",
+            )
         if (prompt > cfg.max_seq_len).any():
             raise InvalidValue(f"prompt_len: above max_seq_len={cfg.max_seq_len}",
                                field="prompt_len")
         if (first > prompt).any():
             raise InvalidValue("first_chunk: larger than the prompt", field="first_chunk")
-        for name, ids in (("new", new_ids),):
-            if len(set(ids)) != len(ids):
-                raise DuplicateRequest(f"{name}: a request is listed twice", field=name)
-            known = next((i for i in ids if _known(self._rows, i)), None)
-            if known is not None:
-                raise DuplicateRequest(f"new: request {known!r} already exists", field="new")
+        try:
+            distinct = len(set(new_ids))
+        except TypeError:
+            raise InvalidValue("new: request ids must be hashable", field="new") from None
+        if distinct != len(new_ids):
+            raise DuplicateRequest("new: a request is listed twice", field="new")
+        known = [i for i in new_ids if _known(self._rows, i)]  # (None is a valid id too)
+        if known:
+            raise DuplicateRequest(f"new: request {known[0]!r} already exists", field="new")
         _disjoint(rev, res, "results", "already reverted in this step")
         busy = np.concatenate([gr, pad, pf])
         _disjoint(fin, busy, "finished", "also granted in this step")
@@ -356,9 +371,11 @@ class KVCacheManager:
         if gr.size:
             if pending[gr].any():
                 i = int(np.argmax(pending[gr]))
-                raise GrantPending(f"grants: request {plan.grant_ids[i]!r} already holds a grant")
+                raise GrantPending(f"grants: request {plan.grant_ids[i]!r} already holds a grant",
+                                   field="grants")
             if (hist[gr] < self._prompt[gr]).any():
-                raise PrefillIncomplete("grants: a request's prompt is not fully scheduled")
+                raise PrefillIncomplete("grants: a request's prompt is not fully scheduled",
+                                        field="grants")
         is_new_grant = np.zeros(cfg.max_batch_size, dtype=bool)
         is_new_grant[gr] = True
         want_draft = draft.copy()

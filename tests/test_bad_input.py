@@ -1,0 +1,458 @@
+"""Bad input: every typed error, raised through the public API, changes no state.
+
+DESIGN.md ("Bad input") and issue 2: each error is typed, its message names the field at fault
+(``str(err)`` starts with ``err.field``), and the manager is exactly as it was before the call:
+every request's capacity / history / slack / pending draft / blocks / row, the free blocks, the
+block table on the host and on the device, the pool's free stack and reference counts, and the
+counters. The one documented exception is a refusal counter (``requests_refused``,
+``grants_refused``, ``row_overflows``): a refusal is an event the metrics export, so it is counted
+once, and nothing else moves.
+
+Also: `PoolConfig` rejects invalid combinations with a pydantic ValidationError naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import pydantic
+import pytest
+import torch
+
+from allocator import (
+    AcceptedExceedsDrafts,
+    BatchFull,
+    BlockTableOverflow,
+    DraftLenExceeded,
+    DuplicateRequest,
+    GrantPending,
+    InvalidValue,
+    KVAllocError,
+    KVCacheManager,
+    NoPendingGrant,
+    OutOfBlocks,
+    PrefillIncomplete,
+    StepPlan,
+    UnknownRequest,
+)
+
+# conftest.SMALL_POOL: 64 blocks of 4 tokens, 8 rows, max_seq_len 64, max_draft_len 3, overlap:
+# max_blocks_per_seq = ceil((64 + 3 + 1 + 3) / 4) = 18.
+TPB, ROWS, MAX_SEQ, MAX_D, ROW_BLOCKS = 4, 8, 64, 3, 18
+
+
+def base(m: KVCacheManager) -> None:
+    """Three requests in the three states a request can be in.
+
+    - "run": generating, holds a pending grant of D=2 (cap 10 + 1 + 2 + 2 = 15, 4 blocks);
+    - "idle": generating, no pending grant (9 -> grant 3 -> 1 accepted: cap = history = 11);
+    - "pre": chunked prefill, 8 of its 20 prompt tokens scheduled.
+    """
+    m.add_request("run", 10)
+    assert m.try_allocate_generation("run", 2)
+    m.add_request("idle", 9)
+    assert m.try_allocate_generation("idle", 3)
+    m.update_resources("idle", 1)
+    m.add_request("pre", 20, first_chunk=8)
+
+
+def exhausted(m: KVCacheManager) -> None:
+    """base, then hogs take every free block (one row stays free)."""
+    base(m)
+    i = 0
+    while m.free_blocks:
+        m.add_request(f"hog{i}", min(m.free_blocks, MAX_SEQ // TPB) * TPB)
+        i += 1
+    assert m.free_blocks == 0 and m.table.num_free_rows > 0
+
+
+def full_rows(m: KVCacheManager) -> None:
+    """base, then one-token requests take every row (blocks are left)."""
+    base(m)
+    for i in range(ROWS - 3):
+        m.add_request(f"tiny{i}", 1)
+    assert m.table.num_free_rows == 0 and m.free_blocks > 0
+
+
+def edge(m: KVCacheManager) -> None:
+    """base, plus two requests at the end of their rows.
+
+    "edge": prompt 64, one step with all 3 drafts accepted: cap = history = 68 (17 blocks); a
+    D=3 grant would need 68 + 7 = 75 tokens = 19 blocks > 18.
+    "edge0": the same, then a D=0 grant (69 tokens, 18 blocks); padding it to 3 needs 75.
+    """
+    base(m)
+    for req in ("edge", "edge0"):
+        m.add_request(req, MAX_SEQ)
+        assert m.try_allocate_generation(req, 3)
+        m.update_resources(req, 3)
+    assert m.try_allocate_generation("edge0", 0)
+
+
+SETUPS: dict[str, Callable[[KVCacheManager], None]] = {
+    "base": base, "exhausted": exhausted, "full_rows": full_rows, "edge": edge,
+}
+
+
+def plain(value: object) -> object:
+    """A comparable, detached copy of one attribute."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.shape, value.tolist())
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), str(value.device), value.cpu().tolist())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return copy.deepcopy(value)
+
+
+def snapshot(m: KVCacheManager) -> dict:
+    """ALL manager state: the public view, and every attribute of the manager, its pool and its
+    block table (so state the queries do not show is covered too)."""
+    public = {
+        req: (m.capacity(req), m.history(req), m.pending_overlap_slack(req),
+              m.pending_draft_len(req), m.num_blocks(req), m.row(req), m.block_ids(req).tolist())
+        for req in m.request_ids
+    }
+    internals = {}
+    for owner_name, owner in (("manager", m), ("pool", m.pool), ("table", m.table)):
+        for k, v in vars(owner).items():
+            if k in ("config", "pool", "table", "storage", "device", "counters"):
+                continue
+            internals[f"{owner_name}.{k}"] = plain(v)
+    kv = m.storage.kv.float().sum().item() if m.storage is not None else None
+    return {
+        "requests": public,
+        "free_blocks": m.free_blocks,
+        "host": m.table.host.tolist(),
+        "device": m.table.device_table.cpu().tolist(),
+        "counters": dataclasses.asdict(m.counters),
+        "internals": internals,
+        "kv": kv,
+    }
+
+
+def assert_unchanged(before: dict, after: dict, counted: dict[str, int] | None = None) -> None:
+    expected = copy.deepcopy(before)
+    for name, delta in (counted or {}).items():
+        expected["counters"][name] += delta
+    for key in expected:
+        assert after[key] == expected[key], f"{key} changed"
+
+
+# (setup, call, expected error, refusal counters it bumps)
+Case = tuple[str, Callable[[KVCacheManager], object], type[KVAllocError], dict[str, int]]
+
+CASES: dict[str, Case] = {
+    # ---- unknown request
+    "capacity unknown": ("base", lambda m: m.capacity("nope"), UnknownRequest, {}),
+    "history unknown": ("base", lambda m: m.history("nope"), UnknownRequest, {}),
+    "slack unknown": ("base", lambda m: m.pending_overlap_slack("nope"), UnknownRequest, {}),
+    "num_blocks unknown": ("base", lambda m: m.num_blocks("nope"), UnknownRequest, {}),
+    "row unknown": ("base", lambda m: m.row("nope"), UnknownRequest, {}),
+    "unhashable id": ("base", lambda m: m.capacity(["run"]), UnknownRequest, {}),
+    "try_allocate unknown": ("base", lambda m: m.try_allocate_generation("nope", 1),
+                             UnknownRequest, {}),
+    "prepare_draft unknown": ("base", lambda m: m.prepare_draft_resources("nope", 1),
+                              UnknownRequest, {}),
+    "padding unknown": ("base", lambda m: m.extend_capacity_for_tokens("nope", 1),
+                        UnknownRequest, {}),
+    "revert unknown": ("base", lambda m: m.revert_allocate_generation("nope"), UnknownRequest, {}),
+    "update unknown": ("base", lambda m: m.update_resources("nope", 0), UnknownRequest, {}),
+    "free unknown": ("base", lambda m: m.free("nope"), UnknownRequest, {}),
+    "prefill unknown": ("base", lambda m: m.extend_prefill("nope", 1), UnknownRequest, {}),
+    "step: one unknown among valid entries": (
+        "base", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[1],
+                                          grant_ids=["idle", "nope"], draft_lens=[1, 1])),
+        UnknownRequest, {}),
+    "step: finish unknown": ("base", lambda m: m.step(StepPlan(finished=["run", "nope"])),
+                             UnknownRequest, {}),
+    # ---- duplicate request
+    "add existing": ("base", lambda m: m.add_request("run", 5), DuplicateRequest, {}),
+    "step: new listed twice": ("base", lambda m: m.step(StepPlan(new_ids=["n", "n"],
+                                                                 prompt_lens=[1, 1])),
+                               DuplicateRequest, {}),
+    "step: grant listed twice": ("base", lambda m: m.step(StepPlan(grant_ids=["idle", "idle"],
+                                                                   draft_lens=[1, 1])),
+                                 DuplicateRequest, {}),
+    "step: result listed twice": ("base", lambda m: m.step(StepPlan(result_ids=["run", "run"],
+                                                                    num_accepted=[0, 0])),
+                                  DuplicateRequest, {}),
+    "step: finish listed twice": ("base", lambda m: m.step(StepPlan(finished=["run", "run"])),
+                                  DuplicateRequest, {}),
+    # ---- draft_len above max_draft_len
+    "try_allocate D too big": ("base", lambda m: m.try_allocate_generation("idle", MAX_D + 1),
+                               DraftLenExceeded, {}),
+    "prepare_draft D too big": ("base", lambda m: m.prepare_draft_resources("idle", MAX_D + 1),
+                                DraftLenExceeded, {}),
+    "padding D too big": ("base", lambda m: m.extend_capacity_for_tokens("run", MAX_D + 1),
+                          DraftLenExceeded, {}),
+    "step: grant D too big": ("base", lambda m: m.step(StepPlan(grant_ids=["idle"],
+                                                                draft_lens=[MAX_D + 1])),
+                              DraftLenExceeded, {}),
+    # ---- accepted > drafts
+    "update accepted > D": ("base", lambda m: m.update_resources("run", 3),
+                            AcceptedExceedsDrafts, {}),
+    "step: accepted > D": ("base", lambda m: m.step(StepPlan(result_ids=["run"],
+                                                             num_accepted=[3])),
+                           AcceptedExceedsDrafts, {}),
+    # ---- negative / out-of-range / non-integer values
+    "negative draft_len": ("base", lambda m: m.try_allocate_generation("idle", -1),
+                           InvalidValue, {}),
+    "negative accepted": ("base", lambda m: m.update_resources("run", -1), InvalidValue, {}),
+    "negative padding": ("base", lambda m: m.extend_capacity_for_tokens("run", -1),
+                         InvalidValue, {}),
+    "padding below granted D": ("base", lambda m: m.extend_capacity_for_tokens("run", 1),
+                                InvalidValue, {}),
+    "prompt 0": ("base", lambda m: m.add_request("n", 0), InvalidValue, {}),
+    "negative prompt": ("base", lambda m: m.add_request("n", -5), InvalidValue, {}),
+    "prompt above max_seq_len": ("base", lambda m: m.add_request("n", MAX_SEQ + 1),
+                                 InvalidValue, {}),
+    "first_chunk 0": ("base", lambda m: m.add_request("n", 10, first_chunk=0), InvalidValue, {}),
+    "first_chunk > prompt": ("base", lambda m: m.add_request("n", 10, first_chunk=11),
+                             InvalidValue, {}),
+    "prefill 0 tokens": ("base", lambda m: m.extend_prefill("pre", 0), InvalidValue, {}),
+    "negative prefill": ("base", lambda m: m.extend_prefill("pre", -1), InvalidValue, {}),
+    "prefill past the prompt": ("base", lambda m: m.extend_prefill("pre", 13), InvalidValue, {}),
+    "prefill of a generating request": ("base", lambda m: m.extend_prefill("idle", 1),
+                                        InvalidValue, {}),
+    "float draft_len": ("base", lambda m: m.try_allocate_generation("idle", 1.5),
+                        InvalidValue, {}),
+    "bool accepted": ("base", lambda m: m.update_resources("run", True), InvalidValue, {}),
+    "string prompt": ("base", lambda m: m.add_request("n", "10"), InvalidValue, {}),
+    "None draft_len": ("base", lambda m: m.try_allocate_generation("idle", None),
+                       InvalidValue, {}),
+    "unhashable new id": ("base", lambda m: m.add_request(["n"], 4), InvalidValue, {}),
+    # ---- grant state machine
+    "update without grant": ("base", lambda m: m.update_resources("idle", 0), NoPendingGrant, {}),
+    "revert without grant": ("base", lambda m: m.revert_allocate_generation("idle"),
+                             NoPendingGrant, {}),
+    "padding without grant": ("base", lambda m: m.extend_capacity_for_tokens("idle", 2),
+                              NoPendingGrant, {}),
+    "step: revert without grant": ("base", lambda m: m.step(StepPlan(reverts=["idle"])),
+                                   NoPendingGrant, {}),
+    "step: padding after its revert": (
+        "base", lambda m: m.step(StepPlan(reverts=["run"], padding_ids=["run"],
+                                          padded_draft_lens=[3])), NoPendingGrant, {}),
+    "grant while pending": ("base", lambda m: m.try_allocate_generation("run", 1),
+                            GrantPending, {}),
+    "draft grant while pending": ("base", lambda m: m.prepare_draft_resources("run", 1),
+                                  GrantPending, {}),
+    "step: grant while pending": ("base", lambda m: m.step(StepPlan(grant_ids=["idle", "run"],
+                                                                    draft_lens=[1, 1])),
+                                  GrantPending, {}),
+    "grant during prefill": ("base", lambda m: m.try_allocate_generation("pre", 1),
+                             PrefillIncomplete, {}),
+    "draft grant during prefill": ("base", lambda m: m.prepare_draft_resources("pre", 1),
+                                   PrefillIncomplete, {}),
+    "step: grant during prefill": ("base", lambda m: m.step(StepPlan(grant_ids=["pre"],
+                                                                     draft_lens=[0])),
+                                   PrefillIncomplete, {}),
+    # ---- rows and blocks run out
+    "add to a full batch": ("full_rows", lambda m: m.add_request("n", 1), BatchFull,
+                            {"requests_refused": 1}),
+    "add without blocks": ("exhausted", lambda m: m.add_request("n", 5), OutOfBlocks,
+                           {"requests_refused": 1}),
+    "draft grant without blocks": ("exhausted", lambda m: m.prepare_draft_resources("idle", 3),
+                                   OutOfBlocks, {}),
+    "padding without blocks": ("exhausted", lambda m: m.extend_capacity_for_tokens("run", 3),
+                               OutOfBlocks, {}),
+    "prefill without blocks": ("exhausted", lambda m: m.extend_prefill("pre", 12), OutOfBlocks,
+                               {}),
+    "step: strict grants without blocks": (
+        "exhausted", lambda m: m.step(StepPlan(grant_ids=["idle"], draft_lens=[3],
+                                               strict_grants=True)), OutOfBlocks, {}),
+    "step: padding of an earlier grant without blocks": (
+        "exhausted", lambda m: m.step(StepPlan(padding_ids=["run"], padded_draft_lens=[3])),
+        OutOfBlocks, {}),
+    # ---- row overflow (max_blocks_per_seq)
+    "grant past the row": ("edge", lambda m: m.try_allocate_generation("edge", 3),
+                           BlockTableOverflow, {"row_overflows": 1}),
+    "draft grant past the row": ("edge", lambda m: m.prepare_draft_resources("edge", 3),
+                                 BlockTableOverflow, {"row_overflows": 1}),
+    "padding past the row": ("edge", lambda m: m.extend_capacity_for_tokens("edge0", 3),
+                             BlockTableOverflow, {"row_overflows": 1}),
+    "step: a grant past the row among valid ones": (
+        "edge", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[2],
+                                          grant_ids=["idle", "edge", "run"],
+                                          draft_lens=[1, 3, 3])),
+        BlockTableOverflow, {"row_overflows": 1}),
+    # ---- StepPlan list lengths
+    "step: fewer accepted counts than results": (
+        "base", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[])), InvalidValue, {}),
+    "step: more accepted counts than results": (
+        "base", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[0, 1])),
+        InvalidValue, {}),
+    "step: draft_lens length": ("base", lambda m: m.step(StepPlan(grant_ids=["idle"],
+                                                                  draft_lens=[1, 1])),
+                                InvalidValue, {}),
+    "step: padded_draft_lens length": (
+        "base", lambda m: m.step(StepPlan(padding_ids=["run"], padded_draft_lens=[])),
+        InvalidValue, {}),
+    "step: prefill_tokens length": ("base", lambda m: m.step(StepPlan(prefill_ids=["pre"],
+                                                                      prefill_tokens=[1, 2])),
+                                    InvalidValue, {}),
+    "step: prompt_lens length": ("base", lambda m: m.step(StepPlan(new_ids=["a", "b"],
+                                                                   prompt_lens=[3])),
+                                 InvalidValue, {}),
+    "step: first_chunks length": ("base", lambda m: m.step(StepPlan(new_ids=["a", "b"],
+                                                                    prompt_lens=[3, 4],
+                                                                    first_chunks=[1])),
+                                  InvalidValue, {}),
+    # ---- StepPlan combinations that cannot both happen
+    "step: reverted and settled": ("base", lambda m: m.step(StepPlan(
+        reverts=["run"], result_ids=["run"], num_accepted=[0])), InvalidValue, {}),
+    "step: finished and granted": ("base", lambda m: m.step(StepPlan(
+        finished=["idle"], grant_ids=["idle"], draft_lens=[1])), InvalidValue, {}),
+    "step: finished and padded": ("base", lambda m: m.step(StepPlan(
+        finished=["run"], padding_ids=["run"], padded_draft_lens=[3])), InvalidValue, {}),
+    "step: finished and prefilled": ("base", lambda m: m.step(StepPlan(
+        finished=["pre"], prefill_ids=["pre"], prefill_tokens=[1])), InvalidValue, {}),
+    "step: granted and prefilled": ("base", lambda m: m.step(StepPlan(
+        grant_ids=["pre"], draft_lens=[1], prefill_ids=["pre"], prefill_tokens=[1])),
+        InvalidValue, {}),
+    "step: padded and prefilled": ("base", lambda m: m.step(StepPlan(
+        padding_ids=["run"], padded_draft_lens=[3], prefill_ids=["run"], prefill_tokens=[1])),
+        InvalidValue, {}),
+    "step: new id of a live request": ("base", lambda m: m.step(StepPlan(
+        new_ids=["idle"], prompt_lens=[3])), DuplicateRequest, {}),
+    "step: valid work plus one bad prompt": ("base", lambda m: m.step(StepPlan(
+        result_ids=["run"], num_accepted=[1], grant_ids=["idle", "run"], draft_lens=[2, 2],
+        prefill_ids=["pre"], prefill_tokens=[4], finished=[],
+        new_ids=["ok", "bad"], prompt_lens=[4, 0])), InvalidValue, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_typed_error_names_its_field_and_changes_nothing(make_manager, case):
+    setup, call, error, counted = CASES[case]
+    m = make_manager()
+    SETUPS[setup](m)
+    m.check_invariants()
+    before = snapshot(m)
+    with pytest.raises(error) as info:
+        call(m)
+    err = info.value
+    assert isinstance(err, KVAllocError)
+    assert err.field, "the error must say which field was at fault"
+    assert str(err).startswith(f"{err.field}:"), (err.field, str(err))
+    assert_unchanged(before, snapshot(m), counted)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("site", ["per_request", "batched"])
+def test_refused_grant_when_out_of_blocks_changes_nothing_but_the_refusal_count(make_manager,
+                                                                                 site):
+    """try_allocate_generation returns False (and a batched grant comes back granted=False)
+    when the pool cannot cover it; the request keeps its state and can be granted later."""
+    m = make_manager()
+    exhausted(m)
+    before = snapshot(m)
+    if site == "per_request":
+        assert m.try_allocate_generation("idle", 3) is False
+    else:
+        out = m.step(StepPlan(grant_ids=["idle"], draft_lens=[3]))
+        assert out.granted.tolist() == [False]
+    assert_unchanged(before, snapshot(m), {"grants_refused": 1})
+    assert m.pending_draft_len("idle") is None
+    m.free("hog0")
+    assert m.try_allocate_generation("idle", 3) is True
+
+
+def test_refused_new_request_in_a_step_changes_nothing_but_the_refusal_count(make_manager):
+    m = make_manager()
+    exhausted(m)
+    before = snapshot(m)
+    out = m.step(StepPlan(new_ids=["n"], prompt_lens=[4]))
+    assert out.admitted.tolist() == [False]
+    assert "n" not in m
+    assert_unchanged(before, snapshot(m), {"requests_refused": 1})
+
+
+@pytest.mark.parametrize("req", [None, 0, ("a", 1)])
+def test_any_hashable_id_is_a_duplicate_when_added_twice(make_manager, req):
+    """Request ids are any hashable, None and 0 included: adding one twice is a duplicate."""
+    m = make_manager()
+    m.add_request(req, 4)
+    before = snapshot(m)
+    with pytest.raises(DuplicateRequest):
+        m.add_request(req, 4)
+    assert_unchanged(before, snapshot(m))
+    m.check_invariants()
+
+
+def test_errors_leave_the_manager_usable(make_manager):
+    """After a burst of rejected calls the same requests still step normally."""
+    m = make_manager()
+    base(m)
+    for _, call, error, _ in (CASES[c] for c in CASES if CASES[c][0] == "base"):
+        with pytest.raises(error):
+            call(m)
+    m.update_resources("run", 2)
+    assert m.capacity("run") == m.history("run") == 13
+    m.extend_prefill("pre", 12)
+    assert m.try_allocate_generation("pre", 3)
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------------- PoolConfig
+
+CONFIG_CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "num_blocks and memory_budget_bytes": ({"memory_budget_bytes": 1 << 20},
+                                           ("num_blocks", "memory_budget_bytes")),
+    "neither num_blocks nor memory_budget_bytes": ({"num_blocks": None},
+                                                   ("num_blocks", "memory_budget_bytes")),
+    "memory budget below one block": ({"num_blocks": None, "memory_budget_bytes": 10},
+                                      ("memory_budget_bytes",)),
+    "zero num_blocks": ({"num_blocks": 0}, ("num_blocks",)),
+    "fp8 k_scales with bfloat16": ({"k_scales": (1.0,)}, ("k_scales",)),
+    "fp8 v_scales with float16": ({"dtype": "float16", "v_scales": (1.0,)}, ("v_scales",)),
+    "wrong number of k_scales": ({"dtype": "fp8_e4m3", "k_scales": (1.0, 2.0)}, ("k_scales",)),
+    "wrong number of v_scales": ({"dtype": "fp8_e4m3", "num_layers": 2, "v_scales": (1.0,)},
+                                 ("v_scales",)),
+    "non-positive scale": ({"dtype": "fp8_e4m3", "k_scales": (0.0,)}, ("k_scales",)),
+    "infinite scale": ({"dtype": "fp8_e4m3", "v_scales": (float("inf"),)}, ("v_scales",)),
+    "unknown dtype": ({"dtype": "int8"}, ("dtype",)),
+    "max_seq_len too large for the pool": ({"max_seq_len": 1000}, ("max_seq_len",)),
+    "tokens_per_block 0": ({"tokens_per_block": 0}, ("tokens_per_block",)),
+    "num_layers 0": ({"num_layers": 0}, ("num_layers",)),
+    "num_kv_heads 0": ({"num_kv_heads": 0}, ("num_kv_heads",)),
+    "head_dim 0": ({"head_dim": 0}, ("head_dim",)),
+    "max_batch_size 0": ({"max_batch_size": 0}, ("max_batch_size",)),
+    "max_seq_len 0": ({"max_seq_len": 0}, ("max_seq_len",)),
+    "negative max_draft_len": ({"max_draft_len": -1}, ("max_draft_len",)),
+    "unknown slack_policy": ({"slack_policy": "sometimes"}, ("slack_policy",)),
+    "not a device": ({"device": "tpu"}, ("device",)),
+    "garbage device": ({"device": "cuda:x"}, ("device",)),
+    "misspelt field": ({"num_blokcs": 4}, ("num_blokcs",)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES), ids=list(CONFIG_CASES))
+def test_invalid_pool_config_is_rejected_naming_the_field(make_config, case):
+    overrides, fields = CONFIG_CASES[case]
+    with pytest.raises(pydantic.ValidationError) as info:
+        make_config(**overrides)
+    errors = info.value.errors()
+    for name in fields:
+        # In the error's location (a field validator) or its message (a model validator); not
+        # merely in the echoed input, which lists every field.
+        assert any(name in e["loc"] or name in e["msg"] for e in errors), (name, errors)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_device_without_cuda_is_rejected_naming_the_field(make_config):
+    with pytest.raises(pydantic.ValidationError) as info:
+        make_config(device="cuda")
+    assert any("device" in e["loc"] for e in info.value.errors())
+
+
+def test_memory_budget_sets_num_blocks(make_config):
+    """The derived pool size: floor(budget / bytes per block), K and V for every layer."""
+    cfg = make_config(num_blocks=None, memory_budget_bytes=10_000, num_layers=2, head_dim=8,
+                      num_kv_heads=1, tokens_per_block=4, max_seq_len=8, dtype="bfloat16")
+    per_block = 2 * 2 * 4 * 1 * 8 * 2  # K+V, layers, tokens, heads, head_dim, bytes (bf16)
+    assert cfg.bytes_per_block == per_block
+    assert cfg.total_blocks == 10_000 // per_block
