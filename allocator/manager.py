@@ -59,9 +59,10 @@ class StepPlan:
     1. ``reverts``: forwards that were skipped; their grants are undone exactly.
     2. ``results``: the previous step's accepted draft counts (``update_resources``).
     3. ``finished``: requests whose blocks go back to the pool.
-    4. ``grants`` / ``padding``: this step's generation grants (draft lengths) and CUDA-graph
-       padding of pending grants to a larger draft length. Served in order; one that does not
-       fit is refused (``granted`` False) and changes nothing.
+    4. ``padding`` / ``grants``: CUDA-graph padding of grants made in earlier calls (served first,
+       never refused: OutOfBlocks fails the step), then this step's generation grants with their
+       draft lengths and padding, served in order; one that does not fit is refused
+       (``granted`` False) and changes nothing.
     5. ``prefill``: further chunks of prompts being prefilled.
     6. ``new``: new requests with their prompt length and first chunk (None: the whole prompt).
 
@@ -92,7 +93,6 @@ class StepOutcome:
     prefill_granted: np.ndarray
     admitted: np.ndarray
     rows: dict[ReqId, int] = field(default_factory=dict)
-    changed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -388,7 +388,10 @@ class KVCacheManager:
                 raise InvalidValue("padded_draft_len: below the granted draft_len",
                                    field="padded_draft_len")
             want_draft[pad] = plen
-        item_rows = np.concatenate([gr, pad[~is_new_grant[pad]]]) if pad.size else gr
+        # Padding of grants made in earlier calls cannot be refused (the forward is already
+        # planned), so it is served before this step's new grants.
+        topups = pad[~is_new_grant[pad]] if pad.size else pad
+        item_rows = np.concatenate([topups, gr]) if topups.size else gr
         item_cap = cap.copy()
         if item_rows.size:
             new_slack = slack_for(want_draft[item_rows], overlap, policy)
@@ -469,7 +472,7 @@ class KVCacheManager:
         outcome = self._admit(new_ids, prompt, first, new_ok)
 
         self.table.sync()
-        outcome.granted = item_ok[: gr.size]
+        outcome.granted = item_ok[topups.size :]
         outcome.prefill_granted = pf_ok_mask
         return outcome
 
