@@ -28,6 +28,13 @@ class BlockTable:
         )
         self._free_rows = list(range(max_batch_size - 1, -1, -1))
         self._dirty = np.zeros(max_batch_size, dtype=bool)
+        if device.type == "cuda":
+            # Dirty rows travel through preallocated pinned buffers: a fresh pin_memory() per
+            # step costs more than the copy itself. An event guards their reuse.
+            shape = (max_batch_size, max_blocks_per_seq)
+            self._pinned_rows = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+            self._pinned_index = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=True)
+            self._upload_done: torch.cuda.Event | None = None
 
     @property
     def num_free_rows(self) -> int:
@@ -66,17 +73,21 @@ class BlockTable:
         if rows.size == 0:
             return
         self._dirty[rows] = False
-        if rows.size == self.max_batch_size:
-            self.device_table.copy_(torch.from_numpy(self.host), non_blocking=False)
-            return
         if self.device.type == "cpu":
             # A CPU "device" copy is still a separate buffer (shared with workers through shared
             # memory); writing it through a numpy view skips torch's dispatch overhead.
             self.device_table.numpy()[rows] = self.host[rows]
             return
-        src = torch.from_numpy(self.host[rows]).pin_memory().to(self.device, non_blocking=True)
-        idx = torch.from_numpy(rows).pin_memory().to(self.device, non_blocking=True)
+        if self._upload_done is not None:
+            self._upload_done.synchronize()  # the previous upload may still read the buffers
+        k = rows.size
+        self._pinned_rows.numpy()[:k] = self.host[rows]
+        self._pinned_index.numpy()[:k] = rows
+        src = self._pinned_rows[:k].to(self.device, non_blocking=True)
+        idx = self._pinned_index[:k].to(self.device, non_blocking=True)
         self.device_table.index_copy_(0, idx, src)
+        self._upload_done = torch.cuda.Event()
+        self._upload_done.record()
 
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
                      tokens_per_block: int) -> torch.Tensor:

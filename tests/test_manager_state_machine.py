@@ -269,9 +269,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data) -> None:
         """A random mixed StepPlan; the model applies DESIGN.md's rules in StepPlan's documented
-        order: reverts, results, finished, then grants (plan order) and padding of earlier
-        grants, prefill chunks, new requests; a grant that does not fit is refused, the rest
-        are still served."""
+        order: reverts, results, finished, then padding of earlier grants (never refused),
+        this step's grants (plan order), prefill chunks, new requests; a grant that does not
+        fit is refused, the rest are still served."""
         order = data.draw(st.permutations(self.ids("all")), label="order")
         plan = StepPlan(reverts=[], result_ids=[], num_accepted=[], finished=[], grant_ids=[],
                         draft_lens=[], padding_ids=[], padded_draft_lens=[], prefill_ids=[],
@@ -329,12 +329,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
         # Demands, in serving order: (kind, index, req, new capacity, blocks now).
         items = []
-        for i, (req, d) in enumerate(zip(plan.grant_ids, plan.draft_lens, strict=True)):
-            r = after[req]
-            items.append(("grant", i, req, r.cap + spec.grant(new_pad.get(req, d)), r.cap))
         for i, (req, p) in enumerate(zip(plan.padding_ids, plan.padded_draft_lens, strict=True)):
             if req not in new_pad:
                 items.append(("pad", i, req, spec.padded_cap(after[req], p), after[req].cap))
+        for i, (req, d) in enumerate(zip(plan.grant_ids, plan.draft_lens, strict=True)):
+            r = after[req]
+            items.append(("grant", i, req, r.cap + spec.grant(new_pad.get(req, d)), r.cap))
         for i, (req, n) in enumerate(zip(plan.prefill_ids, plan.prefill_tokens, strict=True)):
             items.append(("prefill", i, req, after[req].cap + n, after[req].cap))
         for i, (prompt, first) in enumerate(zip(plan.prompt_lens, plan.first_chunks,
