@@ -1,8 +1,19 @@
 """kvalloc's library: paged KV pool, block tables, overlap-slack capacity accounting, NWOR."""
 
+from .acceptance import (
+    SCV_MODE_ENV,
+    ScvAcceptor,
+    ScvMode,
+    ScvStats,
+    acceptance_mask,
+    scv_mode_from_env,
+)
+from .attention import merge_attention, paged_attention, two_source_attention
 from .block_pool import BlockPool
 from .block_table import BlockTable
+from .commit_kernel import write_staged
 from .config import PoolConfig, SlackPolicy
+from .deferred_writes import DeferredWriteManager
 from .errors import (
     AcceptedExceedsDrafts,
     BatchFull,
@@ -20,27 +31,56 @@ from .errors import (
 )
 from .kv_storage import KVStorage
 from .manager import KVCacheManager, StepOutcome, StepPlan
+from .nwor_errors import (
+    InvalidScvMode,
+    NworError,
+    NworInputError,
+    SlotDtypeError,
+    StagingOverflow,
+    WindowStateError,
+)
+from .nwor_window import NworMetrics, WindowLayout, WindowStats
 
 __all__ = [
+    "SCV_MODE_ENV",
     "AcceptedExceedsDrafts",
     "BatchFull",
     "BlockPool",
     "BlockTable",
     "BlockTableOverflow",
+    "DeferredWriteManager",
     "DraftLenExceeded",
     "DuplicateRequest",
     "GrantPending",
+    "InvalidScvMode",
     "InvalidValue",
     "InvariantViolation",
     "KVAllocError",
     "KVCacheManager",
     "KVStorage",
     "NoPendingGrant",
+    "NworError",
+    "NworInputError",
+    "NworMetrics",
     "OutOfBlocks",
     "PoolConfig",
     "PrefillIncomplete",
+    "ScvAcceptor",
+    "ScvMode",
+    "ScvStats",
     "SlackPolicy",
+    "SlotDtypeError",
+    "StagingOverflow",
     "StepOutcome",
     "StepPlan",
     "UnknownRequest",
+    "WindowLayout",
+    "WindowStateError",
+    "WindowStats",
+    "acceptance_mask",
+    "merge_attention",
+    "paged_attention",
+    "scv_mode_from_env",
+    "two_source_attention",
+    "write_staged",
 ]

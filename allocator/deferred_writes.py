@@ -1,0 +1,561 @@
+"""`DeferredWriteManager`: No-Write-On-Reject. A verify step's K/V is staged, and only the tokens
+that survive verification are written into the pool.
+
+Lifecycle of one window (one scheduler step):
+
+1. ``begin_window(layout)``: the step's requests, in slot-mapping order, with the number of tokens
+   each schedules (a prefill chunk, or a decode's last verified token plus its D drafts) and how
+   many of those are drafts (always the request's last tokens). The window counts every scheduled
+   token, because the slot mapping does.
+2. ``stage_layer(layer, key, value, slot_mapping)`` once or more per layer: each layer has its own
+   running offset, so layers stage independently and a layer may stage in several chunks. During
+   the forward, attention reads this step's K/V from ``staged_kv(layer)`` and history from the
+   pool (see `attention`).
+3. ``commit(accepted_counts)`` (or ``verify_and_commit(draft_ids, sampled_ids)``): non-draft tokens
+   are always written, a request's drafts only up to its accepted count. ``cancel(reason)`` ends a
+   window the engine abandons.
+
+Invariants:
+- the pool never receives a rejected draft, except through a fallback;
+- fallback: any failure inside a window (a layer staged only partly, an error during the write,
+  out-of-range counts in a device tensor, ``cancel``) writes every staged token, which is what an
+  engine without NWOR does, and is counted with its reason. No committed token is ever lost;
+- bad input raises a typed error before anything changes; the window stays as it was;
+- per window, staged == committed + rejected + fallback tokens, so no metric can go negative.
+
+The device commit (counts -> per-token keep mask -> rejected slots set to -1 -> one fused write
+over every layer -> device-side metrics) uses only static buffers and device operations, so it
+runs without host synchronisation and can be captured in a CUDA graph (``capture_commit_graph``,
+``capture_verify_graph``, which also captures the acceptance mask).
+
+Accepted counts given as a list are validated on the host: more accepted than drafts raises
+`AcceptedExceedsDrafts`, never a clamp. A tensor is never read back (that would synchronise): it
+is checked on the device, and an out-of-range count makes the window fall back (reason
+``accepted_out_of_range``), again never a clamp.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .acceptance import StaticAcceptance, accept, validate_inputs
+from .commit_kernel import Backend, resolve_backend, write_staged
+from .device_io import capture_graph, upload_into
+from .errors import AcceptedExceedsDrafts, InvalidValue
+from .keep_mask import NEVER, mask_rejected
+from .kv_storage import KVStorage
+from .nwor_errors import NworInputError, SlotDtypeError, StagingOverflow, WindowStateError
+from .nwor_window import NworMetrics, WindowLayout, WindowStats
+
+log = logging.getLogger(__name__)
+
+_FP8_STAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INVALID_COUNTS = "accepted_out_of_range"
+INCOMPLETE_STAGING = "incomplete_staging"
+
+
+@dataclass
+class _Graph:
+    rows: int
+    graph: torch.cuda.CUDAGraph
+    acceptance: StaticAcceptance | None = None
+
+
+class DeferredWriteManager:
+    """Stages each window's K/V and commits accepted tokens into ``storage``'s pool.
+
+    ``max_tokens`` bounds a window's scheduled tokens, ``max_requests`` its requests (default: the
+    pool's ``max_batch_size``). Staging holds ``[num_layers, 2, max_tokens, H * D]`` in
+    ``stage_dtype`` (the pool dtype; for fp8 pools the model's dtype, bf16 by default, quantised
+    with each layer's scales on commit).
+    """
+
+    def __init__(self, storage: KVStorage, *, max_tokens: int, max_requests: int | None = None,
+                 stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
+        cfg = storage.config
+        self.storage = storage
+        self.device = storage.kv.device  # "cuda:0", not the config's "cuda": compared to tensors
+        self.num_layers = cfg.num_layers
+        self.head_shape = (cfg.num_kv_heads, cfg.head_dim)
+        row = cfg.num_kv_heads * cfg.head_dim
+        if max_tokens < 1:
+            raise NworInputError("max_tokens: must be >= 1", field="max_tokens")
+        self.max_tokens = max_tokens
+        self.max_requests = cfg.max_batch_size if max_requests is None else max_requests
+        if self.max_requests < 1:
+            raise NworInputError("max_requests: must be >= 1", field="max_requests")
+        if storage.is_fp8:
+            self.stage_dtype = stage_dtype or torch.bfloat16
+            if self.stage_dtype not in _FP8_STAGE_DTYPES:
+                raise NworInputError(f"stage_dtype: {self.stage_dtype} cannot be quantised to fp8",
+                                     field="stage_dtype")
+        else:
+            self.stage_dtype = stage_dtype or cfg.torch_dtype
+            if self.stage_dtype != cfg.torch_dtype:
+                raise NworInputError(
+                    f"stage_dtype: {self.stage_dtype} differs from the pool's {cfg.torch_dtype}",
+                    field="stage_dtype")
+        self.backend = resolve_backend(backend, self.device)
+
+        dev, i64 = self.device, torch.int64
+        self._staged = torch.zeros((self.num_layers, 2, max_tokens, row), dtype=self.stage_dtype,
+                                   device=dev)
+        self._slots = torch.full((self.num_layers, max_tokens), -1, dtype=i64, device=dev)
+        self._masked_slots = torch.full_like(self._slots, -1)  # rejected tokens' slots at -1
+        self._layer_rows = torch.zeros(self.num_layers, dtype=i64, device=dev)
+        # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
+        self._positions = max(1, cfg.max_draft_len)
+        # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
+        # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
+        self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
+        self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
+                                        device=dev).expand(max_tokens, 3).contiguous()
+        # Per request: the most it may accept (NEVER past the window), then the window's tokens.
+        self._requests = torch.full((self.max_requests + 1,), NEVER, dtype=i64, device=dev)
+        self._accepted = torch.zeros(self.max_requests, dtype=i64, device=dev)
+        # Device windows' counters, this window and in total: kept tokens (windows with valid
+        # counts), windows with invalid counts, tokens of those windows.
+        self._dev_window = torch.zeros(3, dtype=i64, device=dev)
+        self._dev_total = torch.zeros(3, dtype=i64, device=dev)
+        self._dev_per_position = torch.zeros(self._positions + 1, dtype=i64, device=dev)
+        self._per_position = np.zeros(self._positions, dtype=np.int64)
+        self._inv_default: torch.Tensor | None = None
+        self._inv: torch.Tensor | None = None
+        if storage.is_fp8:
+            scales = torch.stack([storage.k_scale, storage.v_scale], dim=1)
+            self._inv_default = torch.reciprocal(scales.to(torch.float32))
+            self._inv = self._inv_default.clone()
+        self._overridden: set[tuple[int, int]] = set()
+
+        self._layout: WindowLayout | None = None
+        self._rows = [0] * self.num_layers
+        self._graphs: list[_Graph] = []
+        self._windows = self._staged_tokens = 0
+        self._committed = self._rejected = self._fallback_tokens = 0
+        self._device_windows = self._device_tokens = 0
+        self._fallbacks: dict[str, int] = {}
+        self._last: WindowStats | None = None
+        self._last_device_path: str | None = None
+        self._counted_on_device = False  # this window's counters already landed on the device
+
+    # ---- window lifecycle -------------------------------------------------------------------
+
+    @property
+    def window_open(self) -> bool:
+        return self._layout is not None
+
+    @property
+    def layout(self) -> WindowLayout | None:
+        return self._layout
+
+    def staged_rows(self, layer: int) -> int:
+        """Tokens staged so far in ``layer`` during the open window."""
+        return self._rows[layer]
+
+    def begin_window(self, layout: WindowLayout) -> None:
+        if self._layout is not None:
+            raise WindowStateError("window: begin_window while a window is open; commit or "
+                                   "cancel it first")
+        if not isinstance(layout, WindowLayout):
+            raise NworInputError("layout: expected a WindowLayout", field="layout")
+        total, reqs = layout.total_tokens, layout.num_requests
+        if total > self.max_tokens:
+            raise NworInputError(
+                f"layout: {total} scheduled tokens exceed max_tokens={self.max_tokens}",
+                field="layout")
+        if reqs > self.max_requests:
+            raise NworInputError(
+                f"layout: {reqs} requests exceed max_requests={self.max_requests}",
+                field="layout")
+        tokens = np.asarray(layout.num_tokens, dtype=np.int64)
+        drafts = np.asarray(layout.num_draft, dtype=np.int64)
+        request = np.repeat(np.arange(reqs), tokens)
+        first_draft = np.cumsum(tokens) - drafts  # flat index of each request's first draft
+        draft_index = np.arange(total) - np.repeat(first_draft, tokens)
+        bucket = np.where(draft_index < 0, self._positions,
+                          np.minimum(draft_index, self._positions - 1))
+        upload_into(self._tokens[:total], np.stack([request, draft_index, bucket], axis=1))
+        self._tokens[total:].copy_(self._pad_tokens[total:])
+        per_request = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
+        per_request[:reqs] = drafts
+        per_request[-1] = total
+        upload_into(self._requests, per_request)
+        self._accepted.zero_()  # no count from an earlier window lingers on a padded request
+        self._layer_rows.zero_()
+        self._rows = [0] * self.num_layers
+        self._layout = layout
+
+    def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
+                    v_scale: float | torch.Tensor | None = None) -> None:
+        """Stage the next ``len(slot_mapping)`` tokens of ``layer`` (``key``/``value``:
+        ``[n, H, D]`` or ``[n, H * D]`` in ``stage_dtype``; ``slot_mapping``: int64 ``[n]``).
+
+        ``k_scale``/``v_scale`` (fp8 pools only; ignored otherwise): dequantisation scales to
+        quantise this layer's K/V with on commit instead of the pool's own. They hold for the
+        layer's whole write in this window: the layer's last ``stage_layer`` call decides, and
+        None means the pool's scale. Readers must dequantise with the same scale.
+        """
+        layout = self._require_window("stage_layer")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not (
+                0 <= layer < self.num_layers):
+            raise NworInputError(f"layer: {layer!r} outside [0, {self.num_layers})",
+                                 field="layer")
+        n = self._checked_stage_tensors(key, value, slot_mapping)
+        offset = self._rows[layer]
+        if offset + n > layout.total_tokens:
+            raise StagingOverflow(
+                f"slot_mapping: layer {layer} stages {n} tokens at offset {offset}, past the "
+                f"window's {layout.total_tokens} scheduled tokens")
+        scales = [self._checked_scale(name, s) for name, s in (("k_scale", k_scale),
+                                                               ("v_scale", v_scale))]
+        end = offset + n
+        row = self.head_shape[0] * self.head_shape[1]
+        self._staged[layer, 0, offset:end].copy_(key.reshape(n, row))
+        self._staged[layer, 1, offset:end].copy_(value.reshape(n, row))
+        self._slots[layer, offset:end].copy_(slot_mapping)
+        if self._inv is not None:
+            for kv, scale in enumerate(scales):
+                self._set_scale(layer, kv, scale)
+        self._rows[layer] = end
+        self._layer_rows[layer].fill_(end)
+
+    def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[staged_rows, H, D]`` of this window's staged K and V for ``layer``."""
+        self._require_window("staged_kv")
+        rows = self._rows[layer]
+        staged = self._staged[layer, :, :rows].unflatten(-1, self.head_shape)
+        return staged[0], staged[1]
+
+    def commit(self, accepted_counts: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        """Write every staged layer's committed tokens and close the window."""
+        layout = self._require_window("commit")
+        if isinstance(accepted_counts, torch.Tensor):
+            counts = self._checked_device_counts(accepted_counts, layout)
+            self._run_window(lambda: self._commit_device(layout, counts))
+        else:
+            host = self._checked_host_counts(accepted_counts, layout)
+            self._run_window(lambda: self._commit_host(layout, host))
+
+    def verify_and_commit(self, draft_ids: torch.Tensor,
+                          sampled_ids: torch.Tensor) -> torch.Tensor:
+        """Acceptance (`acceptance_mask` over the window's requests and draft counts) and commit
+        in one call, replaying a captured verify graph when one fits. Returns the accepted counts
+        (int64 device tensor)."""
+        layout = self._require_window("verify_and_commit")
+        validate_inputs(draft_ids, sampled_ids, list(layout.num_draft))
+        if draft_ids.device != self.device:
+            raise NworInputError(f"draft_ids: on {draft_ids.device}, the pool is on {self.device}",
+                                 field="draft_ids")
+        num_draft = self._requests[: layout.num_requests]  # the layout's draft counts, on device
+        counts: torch.Tensor | None = None
+
+        def body() -> WindowStats:
+            nonlocal counts
+            graph = self._graph_for(layout.total_tokens, draft_ids, sampled_ids)
+            if graph is None:
+                counts = accept(draft_ids, sampled_ids, num_draft)[1]
+                return self._commit_device(layout, counts)
+            assert graph.acceptance is not None
+            graph.acceptance.load(draft_ids, sampled_ids, num_draft)
+            graph.graph.replay()
+            self._counted_on_device = True
+            counts = self._accepted[: layout.num_requests].clone()
+            return self._device_window(layout, "graph")
+
+        self._run_window(body)
+        if counts is None:  # the window fell back before acceptance ran
+            counts = accept(draft_ids, sampled_ids, num_draft)[1]
+        return counts
+
+    def cancel(self, reason: str) -> None:
+        """Abandon the open window: write every staged token (fallback) and record ``reason``."""
+        self._require_window("cancel")
+        if not isinstance(reason, str) or not reason:
+            raise NworInputError("reason: a non-empty string", field="reason")
+        self._close(self._fallback(reason))
+
+    # ---- CUDA graphs --------------------------------------------------------------------------
+
+    def capture_commit_graph(self, max_window_tokens: int) -> None:
+        """Capture the device commit (keep mask + fused write + metrics) for windows of up to
+        ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
+        rows = self._checked_capture(max_window_tokens)
+        graph = capture_graph(lambda: self._device_commit(rows, record=True),
+                              warmup=lambda: self._quiet_commit(rows))
+        self._graphs.append(_Graph(rows, graph))
+
+    def capture_verify_graph(self, max_window_tokens: int, *, max_requests: int, width: int,
+                             flat_drafts: bool = False) -> None:
+        """Capture acceptance + commit for windows of up to ``max_window_tokens`` tokens and
+        ``max_requests`` requests, with ``sampled_ids`` up to ``width`` columns and drafts flat
+        or padded; ``verify_and_commit`` then replays it."""
+        rows = self._checked_capture(max_window_tokens)
+        if not 1 <= max_requests <= self.max_requests:
+            raise NworInputError(f"max_requests: outside [1, {self.max_requests}]",
+                                 field="max_requests")
+        static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
+                                  device=self.device)
+
+        def body() -> None:
+            static.compute_counts(self._accepted[:max_requests])
+            self._device_commit(rows, record=True)
+
+        def warmup() -> None:
+            static.compute_counts(self._accepted[:max_requests])
+            self._quiet_commit(rows)
+
+        self._graphs.append(_Graph(rows, capture_graph(body, warmup=warmup), static))
+
+    # ---- metrics ------------------------------------------------------------------------------
+
+    def metrics(self) -> NworMetrics:
+        """Cumulative metrics. Reads the device-side counters back if any window committed from a
+        device tensor (a synchronisation, so call it off the hot path)."""
+        committed, invalid, fallback = (
+            self._dev_total.tolist() if self._device_windows else (0, 0, 0))
+        rejected = self._device_tokens - committed - fallback
+        per_position = self._per_position + (
+            self._dev_per_position[:-1].cpu().numpy() if self._device_windows else 0)
+        fallbacks = dict(self._fallbacks)
+        if invalid:
+            fallbacks[INVALID_COUNTS] = fallbacks.get(INVALID_COUNTS, 0) + invalid
+        return NworMetrics(
+            windows=self._windows,
+            staged_tokens=self._staged_tokens,
+            committed_tokens=self._committed + committed,
+            rejected_tokens=self._rejected + rejected,
+            fallback_tokens=self._fallback_tokens + fallback,
+            fallbacks=fallbacks,
+            accepted_per_position=tuple(int(c) for c in per_position),
+        )
+
+    @property
+    def last_window(self) -> WindowStats | None:
+        """The last closed window (reads device counters back if it committed on the device)."""
+        if self._last is not None and self._last_device_path is not None:
+            committed, invalid, fallback = self._dev_window.tolist()
+            tokens = self._last.tokens
+            return WindowStats(
+                tokens, committed, tokens - committed - fallback, fallback,
+                "fallback" if invalid else self._last_device_path,
+                INVALID_COUNTS if invalid else None)
+        return self._last
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _require_window(self, call: str) -> WindowLayout:
+        if self._layout is None:
+            raise WindowStateError(f"window: {call} with no open window (begin_window first)")
+        return self._layout
+
+    def _checked_stage_tensors(self, key: torch.Tensor, value: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> int:
+        heads, dim = self.head_shape
+        for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+            if not isinstance(t, torch.Tensor):
+                raise NworInputError(f"{name}: expected a tensor", field=name)
+            if t.device != self.device:
+                raise NworInputError(f"{name}: on {t.device}, the pool is on {self.device}",
+                                     field=name)
+        if key.dtype != self.stage_dtype:
+            raise NworInputError(f"key: dtype {key.dtype}, staging holds {self.stage_dtype}",
+                                 field="key")
+        n = key.shape[0] if key.dim() else 0
+        if key.shape not in ((n, heads, dim), (n, heads * dim)):
+            raise NworInputError(
+                f"key: shape {tuple(key.shape)}, expected [n, {heads}, {dim}] or "
+                f"[n, {heads * dim}]", field="key")
+        if value.shape != key.shape or value.dtype != key.dtype:
+            raise NworInputError(
+                f"value: {tuple(value.shape)} {value.dtype} differs from key's "
+                f"{tuple(key.shape)} {key.dtype}", field="value")
+        if slot_mapping.dtype != torch.int64:
+            raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
+        if slot_mapping.shape != (n,):
+            raise NworInputError(
+                f"slot_mapping: shape {tuple(slot_mapping.shape)}, expected ({n},) like key",
+                field="slot_mapping")
+        return n
+
+    def _checked_scale(self, name: str,
+                       scale: float | torch.Tensor | None) -> float | torch.Tensor | None:
+        if self._inv is None or scale is None:
+            return None
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1 or not scale.dtype.is_floating_point:
+                raise NworInputError(f"{name}: expected one floating-point value", field=name)
+            return scale
+        if not (isinstance(scale, int | float) and np.isfinite(scale) and scale > 0):
+            raise NworInputError(f"{name}: {scale!r} must be finite and > 0", field=name)
+        return float(scale)
+
+    def _set_scale(self, layer: int, kv: int, scale: float | torch.Tensor | None) -> None:
+        assert self._inv is not None and self._inv_default is not None
+        key = (layer, kv)
+        if scale is None:
+            if key in self._overridden:
+                self._inv[layer, kv].copy_(self._inv_default[layer, kv])
+                self._overridden.discard(key)
+            return
+        tensor = scale if isinstance(scale, torch.Tensor) else torch.tensor(scale)
+        self._inv[layer, kv].copy_(torch.reciprocal(
+            tensor.reshape(()).to(device=self.device, dtype=torch.float32)))
+        self._overridden.add(key)
+
+    def _checked_host_counts(self, accepted: Sequence[int] | np.ndarray,
+                             layout: WindowLayout) -> np.ndarray:
+        counts = np.asarray(accepted)
+        if counts.shape != (layout.num_requests,) or (counts.size and counts.dtype.kind not in
+                                                      "iu"):
+            raise NworInputError(
+                f"accepted_counts: expected {layout.num_requests} integers, one per request",
+                field="accepted_counts")
+        counts = counts.astype(np.int64)
+        drafts = np.asarray(layout.num_draft, dtype=np.int64)
+        if (counts < 0).any():
+            r = int(np.flatnonzero(counts < 0)[0])
+            raise InvalidValue(f"accepted_counts: request {r} has {counts[r]} accepted",
+                               field="accepted_counts")
+        if (counts > drafts).any():
+            r = int(np.flatnonzero(counts > drafts)[0])
+            raise AcceptedExceedsDrafts(
+                f"accepted_counts: request {r} accepted {counts[r]} of {drafts[r]} drafts",
+                field="accepted_counts")
+        return counts
+
+    def _checked_device_counts(self, accepted: torch.Tensor,
+                               layout: WindowLayout) -> torch.Tensor:
+        if (accepted.shape != (layout.num_requests,) or accepted.dtype.is_floating_point
+                or accepted.dtype in (torch.bool, torch.complex64, torch.complex128)):
+            raise NworInputError(
+                f"accepted_counts: expected an integer tensor of shape ({layout.num_requests},)",
+                field="accepted_counts")
+        if accepted.device != self.device:
+            raise NworInputError(
+                f"accepted_counts: on {accepted.device}, the pool is on {self.device}",
+                field="accepted_counts")
+        return accepted
+
+    def _run_window(self, body: Callable[[], WindowStats]) -> None:
+        """Run the window's write; on any failure write every staged token instead; close."""
+        assert self._layout is not None
+        total = self._layout.total_tokens
+        self._counted_on_device = False
+        if any(0 < rows < total for rows in self._rows):
+            stats = self._fallback(INCOMPLETE_STAGING)
+        else:
+            try:
+                stats = body()
+            except Exception as exc:  # any failure must still land every staged token
+                if self._counted_on_device:
+                    # The fallback counts this window; take back what the device counted
+                    # (accepted_per_position keeps it: it has no per-window copy).
+                    self._dev_total.sub_(self._dev_window)
+                stats = self._fallback(f"error:{type(exc).__name__}", exc)
+        self._close(stats)
+
+    def _commit_host(self, layout: WindowLayout, accepted: np.ndarray) -> WindowStats:
+        total = layout.total_tokens
+        if total == 0 or not any(self._rows):
+            return WindowStats(0, 0, 0, 0, "empty")
+        committed = total - sum(layout.num_draft) + int(accepted.sum())
+        if committed == total:
+            write_staged(self.storage.rows(), self._staged, self._slots, self._layer_rows,
+                         total, self._inv, backend=self.backend)
+        else:
+            upload_into(self._accepted[: layout.num_requests], accepted)
+            self._device_commit(total, record=False)
+        last = self._positions - 1
+        self._per_position[:last] += (accepted[:, None] > np.arange(last)).sum(axis=0)
+        self._per_position[last] += np.maximum(accepted - last, 0).sum()
+        return WindowStats(total, committed, total - committed, 0,
+                           "fast" if committed == total else "masked")
+
+    def _commit_device(self, layout: WindowLayout, accepted: torch.Tensor) -> WindowStats:
+        total = layout.total_tokens
+        if total == 0 or not any(self._rows):
+            return WindowStats(0, 0, 0, 0, "empty")
+        self._accepted[: layout.num_requests].copy_(accepted)
+        graph = self._graph_for(total)
+        if graph is None:
+            self._device_commit(total, record=True)
+            return self._device_window(layout, "device")
+        graph.graph.replay()
+        self._counted_on_device = True
+        return self._device_window(layout, "graph")
+
+    def _device_window(self, layout: WindowLayout, path: str) -> WindowStats:
+        """Placeholder stats for a window whose counts live on the device (see last_window)."""
+        self._last_device_path = path
+        self._device_windows += 1
+        self._device_tokens += layout.total_tokens
+        return WindowStats(layout.total_tokens, 0, 0, 0, path)
+
+    def _device_commit(self, rows: int, *, record: bool) -> None:
+        """Keep mask -> rejected slots set to -1 -> fused write (-> device metrics) over the
+        first ``rows`` staged rows. Device operations on static buffers only."""
+        counters = (self._dev_window, self._dev_total, self._dev_per_position)
+        mask_rejected(self._tokens, self._accepted, self._requests, self._slots, rows,
+                      self._masked_slots, counters if record else None, backend=self.backend)
+        self._counted_on_device = record
+        write_staged(self.storage.rows(), self._staged, self._masked_slots, self._layer_rows,
+                     rows, self._inv, backend=self.backend)
+
+    def _quiet_commit(self, rows: int) -> None:
+        """Graph warm-up: the captured kernels (compiled here, never inside a capture) with no
+        layer staged, so nothing is written, and the counters restored afterwards."""
+        counters = (self._dev_window, self._dev_total, self._dev_per_position)
+        saved = [c.clone() for c in counters]
+        self._layer_rows.zero_()
+        self._device_commit(rows, record=True)
+        for counter, value in zip(counters, saved, strict=True):
+            counter.copy_(value)
+
+    def _graph_for(self, total: int, draft_ids: torch.Tensor | None = None,
+                   sampled_ids: torch.Tensor | None = None) -> _Graph | None:
+        """The smallest captured graph of the right kind that covers this window."""
+        fits = [
+            g for g in self._graphs
+            if g.rows >= total and (
+                (g.acceptance is None) if draft_ids is None else (
+                    g.acceptance is not None and sampled_ids is not None
+                    and g.acceptance.fits(draft_ids, sampled_ids)))
+        ]
+        return min(fits, key=lambda g: g.rows, default=None)
+
+    def _checked_capture(self, max_window_tokens: int) -> int:
+        if self.device.type != "cuda":
+            raise NworInputError("device: CUDA graphs need a CUDA pool", field="device")
+        if self._layout is not None:
+            raise WindowStateError("window: capture a graph between windows, not inside one")
+        if not 1 <= max_window_tokens <= self.max_tokens:
+            raise NworInputError(f"max_window_tokens: outside [1, {self.max_tokens}]",
+                                 field="max_window_tokens")
+        return max_window_tokens
+
+    def _fallback(self, reason: str, exc: BaseException | None = None) -> WindowStats:
+        """Write every staged token with the reference torch path (what a non-NWOR engine does)."""
+        if reason not in self._fallbacks:
+            log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
+        rows = max(self._rows, default=0)
+        write_staged(self.storage.rows(), self._staged, self._slots, self._layer_rows, rows,
+                     self._inv, backend="torch")
+        self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+        return WindowStats(rows, 0, 0, rows, "fallback", reason)
+
+    def _close(self, stats: WindowStats) -> None:
+        if stats.path not in ("device", "graph"):
+            self._last_device_path = None
+            self._committed += stats.committed
+            self._rejected += stats.rejected
+            self._fallback_tokens += stats.fallback_tokens
+        self._windows += 1
+        self._staged_tokens += stats.tokens
+        self._last = stats
+        self._layout = None
