@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $@
 
 run: $(STAMP)
-	$(VENV)/bin/kvalloc simulate
+	$(VENV)/bin/kvalloc serve
 
 test: $(STAMP)
 	$(PY) -m ruff check .

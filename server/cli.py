@@ -10,6 +10,8 @@ import sys
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("allocator.simulate", "overlap-scheduler model: finds IMA and row overflow"),
+    "serve": ("server.serve", "run the allocator service (REST + IPC) until stopped"),
+    "loadgen": ("server.loadgen", "simulated inference worker driving a running service"),
 }
 
 

@@ -1,0 +1,247 @@
+"""The REST transport: FastAPI routes that validate with the pydantic contract and call the core.
+
+Routes are one line each: validate (FastAPI + `server.protocol`), convert to the wire struct, call
+the `ServiceCore` method of the same name, encode the reply. Every error, whatever raised it,
+leaves as an `ErrorBody` with the status from `server.errors`; every status a route can answer
+is listed in the OpenAPI document.
+
+Replies are encoded by msgspec straight from the core's structs (the OpenAPI schema still comes
+from the pydantic reply models, and the tests check replies against it), which keeps FastAPI's
+per-object serialisation off the per-step path. Handlers are ``async`` and call the core directly:
+its work is short and serialised by its lock anyway, so a thread hop per call would only add
+latency.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import SecretStr
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from allocator.errors import KVAllocError
+
+from . import protocol, wire
+from .core import ServiceCore
+from .errors import BodyTooLarge, MalformedBody, NotReady, Unauthorized, describe, field_path
+from .operations import OPERATIONS
+
+log = logging.getLogger("kvalloc.rest")
+
+JSON = "application/json"
+
+_STATUS_TEXT = {
+    401: "Missing or wrong bearer token (KVALLOC_TOKEN).",
+    404: "Unknown worker (never registered, or its lease expired) or unknown request.",
+    409: "Conflicts with the service's state: stale epoch (restart), step id out of order or "
+         "reused with another body, grant pending, too many workers.",
+    413: "Body larger than the service's max_body_bytes.",
+    422: "Invalid input; `field` names it. Nothing changed.",
+    500: "Internal error (a bug, never expected): logged and counted.",
+    503: "Shutting down.",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": protocol.ErrorBody, "description": _STATUS_TEXT[s]} for s in statuses}
+
+
+def _json(struct: Any, status: int = 200) -> Response:
+    return Response(wire.encode_json(struct), status_code=status, media_type=JSON)
+
+
+def create_app(core: ServiceCore, *, token: SecretStr | None = None,
+               metrics: Callable[[], tuple[bytes, str]] | None = None) -> FastAPI:
+    """The REST app over ``core``. ``metrics`` renders the Prometheus exposition (body, type)."""
+    app = FastAPI(
+        title="kvalloc", version="0.1.0",
+        description="KV-cache block allocator service: one batched call per scheduler step.",
+    )
+    app.add_middleware(TransportMiddleware, core=core, max_body_bytes=core.config.max_body_bytes)
+    _install_error_handlers(app)
+    # The document describes this service: bearer auth and its 401 appear only when it has a token.
+    auth = [Depends(_Authorize(token))] if token is not None else []
+
+    def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+        return _errors(*statuses, *((401,) if token is not None else ()))
+
+    ops = OPERATIONS
+
+    @app.post(ops["register"].path, response_model=protocol.Registration, dependencies=auth,
+              responses=errors(409, 413, 422, 500, 503), tags=["workers"])
+    async def register(body: protocol.RegisterRequest) -> Response:
+        """Register a worker (or start it afresh) and get the handles to attach the pool."""
+        return _json(core.register(wire.from_model(body, wire.RegisterRequest)))
+
+    @app.delete(ops["deregister"].path, response_model=protocol.Deregistered, dependencies=auth,
+                responses=errors(404, 413, 422, 500, 503), tags=["workers"])
+    async def deregister(
+        worker_id: Annotated[str, Path(**protocol.WORKER_ID_LIMITS)],
+    ) -> Response:
+        """Free every request of the worker and forget it."""
+        return _json(core.deregister(wire.WorkerRef(worker_id=worker_id)))
+
+    @app.post(ops["step"].path, response_model=protocol.StepReply, dependencies=auth,
+              responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"])
+    async def step(body: protocol.StepRequest) -> Response:
+        """Apply one scheduler step atomically; a retried step id returns the same reply."""
+        return _json(core.step(wire.from_model(body, wire.StepRequest)))
+
+    @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
+             responses=errors(404, 413, 422, 500, 503), tags=["inspection"])
+    async def get_request(
+        req_id: Annotated[str, Path(**protocol.REQ_ID_LIMITS)],
+        worker_id: Annotated[str, Query(**protocol.WORKER_ID_LIMITS)],
+    ) -> Response:
+        """One request's capacity, history, pending grant and blocks."""
+        return _json(core.get_request(wire.RequestRef(worker_id=worker_id, req_id=req_id)))
+
+    @app.get(ops["get_pool"].path, response_model=protocol.PoolState, dependencies=auth,
+             responses=errors(413, 422, 500, 503), tags=["inspection"])
+    async def get_pool(verify: bool = False) -> Response:
+        """Pool occupancy, workers and their leases; ``verify`` also runs check_invariants."""
+        return _json(core.get_pool(wire.PoolQuery(verify=verify)))
+
+    @app.get("/healthz", response_model=protocol.Health, responses=_errors(413, 500),
+             tags=["health"])
+    async def healthz() -> Response:
+        """The process answers."""
+        return _json(wire.Health(status="ok"))
+
+    @app.get("/readyz", response_model=protocol.Readiness, responses=_errors(413, 500, 503),
+             tags=["health"])
+    async def readyz() -> Response:
+        """The service takes calls."""
+        if not core.ready:
+            raise NotReady("service: shutting down")
+        return _json(wire.Readiness(status="ready", epoch=core.epoch))
+
+    if metrics is not None:
+        render = metrics  # narrowed to non-None for the closure
+
+        @app.get("/metrics", responses={200: {"content": {"text/plain": {}}},
+                                         **_errors(413, 500)}, tags=["health"])
+        async def prometheus() -> Response:
+            """Prometheus exposition of the allocator's metrics."""
+            body, content_type = render()
+            return Response(body, media_type=content_type)
+
+    return app
+
+
+_bearer = HTTPBearer(auto_error=False, description="The service's KVALLOC_TOKEN.")
+
+
+class _Authorize:
+    """Dependency: the bearer token must equal the service's."""
+
+    def __init__(self, token: SecretStr) -> None:
+        self.expected = token.get_secret_value().encode()
+
+    async def __call__(
+        self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if not hmac.compare_digest(given, self.expected):
+            raise Unauthorized("authorization: missing or wrong bearer token")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def error(exc: BaseException) -> Response:
+        body = describe(exc)
+        if body.status >= 500:
+            log.error("internal error: %s", body.message, exc_info=exc)
+        return _json(body, body.status)
+
+    async def typed(_: Request, exc: Exception) -> Response:
+        return error(exc)
+
+    async def invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0]
+        where = "body" if first["type"] == "json_invalid" else field_path(tuple(first["loc"]))
+        return error(MalformedBody(f"{where}: {first['msg']}", field=where))
+
+    async def http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        body = wire.ErrorBody(status=exc.status_code, code=code, field="path",
+                              message=str(exc.detail))
+        return Response(wire.encode_json(body), status_code=exc.status_code, media_type=JSON,
+                        headers=exc.headers)
+
+    app.add_exception_handler(KVAllocError, typed)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(HTTPException, http)
+    app.add_exception_handler(Exception, typed)
+
+
+class TransportMiddleware:
+    """Pure ASGI: refuses bodies over ``max_body_bytes`` with 413 before anything parses them,
+    and reports each per-step call's service time to the core (transport "rest")."""
+
+    def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int) -> None:
+        self.app = app
+        self.core = core
+        self.limit = max_body_bytes
+        self.step_path = OPERATIONS["step"].path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        body = await self._read_body(scope, receive)
+        if body is None:
+            too_big = BodyTooLarge(f"body: larger than max_body_bytes={self.limit}")
+            await _send(send, describe(too_big))
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: waits for the disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+        if scope["path"] == self.step_path:
+            self.core.observe_step("rest", time.perf_counter() - start)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it (or its declared length) exceeds the limit."""
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+async def _send(send: Send, body: wire.ErrorBody) -> None:
+    payload = wire.encode_json(body)
+    await send({"type": "http.response.start", "status": body.status,
+                "headers": [(b"content-type", JSON.encode()),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,209 @@
+"""`kvalloc serve`: one pool, REST and IPC transports over one service core, until stopped.
+
+With no arguments: the embedded default pool (`server.settings.default_pool`, CUDA when present,
+else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs where it
+listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC thread
+finishes its message, then every socket file and shared-memory segment is removed.
+``KVALLOC_TOKEN`` (environment only) makes both transports require that bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import uvicorn
+from pydantic import ValidationError
+
+from .addresses import DEFAULT_HOST, DEFAULT_PORT, claim_socket_path, default_ipc
+from .core import ServiceCore
+from .ipc import IpcServer
+from .rest import create_app
+from .settings import ServiceConfig, default_pool, token_from_env
+
+log = logging.getLogger("kvalloc.serve")
+
+# PoolConfig fields that are flags: --num-blocks etc. Unset flags keep PoolConfig's defaults.
+_POOL_FLAGS: dict[str, type] = {
+    "device": str, "num_blocks": int, "tokens_per_block": int, "num_layers": int,
+    "num_kv_heads": int, "head_dim": int, "dtype": str, "max_batch_size": int,
+    "max_seq_len": int, "max_draft_len": int,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    net = parser.add_argument_group("listen")
+    net.add_argument("--host", default=DEFAULT_HOST, help="REST TCP host (default: loopback)")
+    net.add_argument("--port", type=int, default=DEFAULT_PORT,
+                     help=f"REST TCP port (default {DEFAULT_PORT}; 0: any free port)")
+    net.add_argument("--no-tcp", action="store_true", help="no REST over TCP")
+    net.add_argument("--uds", help="also serve REST on this Unix socket (created 0600)")
+    net.add_argument("--ipc", action="append",
+                     help="ZeroMQ endpoint, ipc:///path or tcp://127.0.0.1:port; repeatable "
+                          "(default: ipc://<runtime dir>/kvalloc.ipc)")
+    pool = parser.add_argument_group("pool (defaults: the embedded small model shape)")
+    for name, kind in _POOL_FLAGS.items():
+        pool.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
+    svc = parser.add_argument_group("service")
+    defaults = ServiceConfig.model_fields
+    for name in ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes"):
+        info = defaults[name]
+        svc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=info.annotation,
+                         help=f"{info.description} (default {info.default})")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = _config(args)
+    except ValidationError as exc:
+        log.error("invalid configuration:\n%s", exc)
+        return 2
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
+    # on a busy host), never speed.
+    torch.set_num_threads(1)
+    device = torch.device(config.pool.device)
+    if device.type == "cuda":
+        # "cuda" alone names the current device; set_device needs an index.
+        torch.cuda.set_device(device.index if device.index is not None
+                              else torch.cuda.current_device())
+    core = ServiceCore(config)
+    ipc = IpcServer(core, args.ipc or [default_ipc()], token=config.token)
+    reaper = LeaseReaper(core)
+    sockets: list[socket.socket] = []
+    status = 0
+    try:
+        sockets = _rest_sockets(args)
+        rest = [_describe(s) for s in sockets]
+        app = create_app(core, token=config.token, metrics=_metrics(core))
+        endpoints = ipc.start()
+        reaper.start()
+        pool = config.pool
+        log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
+                 "tokens, %s, %d layers x %d KV heads x %d; lease %.0fs%s)",
+                 ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
+                 pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
+                 pool.num_kv_heads, pool.head_dim, config.lease_ttl_s,
+                 "; bearer token required" if config.token else "")
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                               lifespan="off", timeout_graceful_shutdown=5))
+        server.run(sockets=sockets)  # returns after a graceful stop on SIGTERM / SIGINT
+    except _Stopped as stop:
+        log.info("stopping on %s", stop)
+    except OSError as exc:  # an address in use, a path we may not create
+        log.error("cannot listen: %s", exc)
+        status = 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+        ipc.stop()
+        reaper.stop()
+        core.close()
+        for sock in sockets:
+            sock.close()  # uvicorn may have closed them already; closing twice is harmless
+        if args.uds and any(s.family == socket.AF_UNIX for s in sockets):
+            Path(args.uds).unlink(missing_ok=True)
+        log.info("stopped; shared memory and socket files removed")
+    return status
+
+
+class _Stopped(Exception):
+    """SIGTERM / SIGINT outside uvicorn's own handling (before it serves, or re-raised by it
+    once it has shut down gracefully)."""
+
+
+def _stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _config(args: argparse.Namespace) -> ServiceConfig:
+    pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
+    service = {k: getattr(args, k) for k in ("lease_ttl_s", "max_workers", "max_step_tokens",
+                                              "max_body_bytes") if getattr(args, k) is not None}
+    return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), **service)
+
+
+def _rest_sockets(args: argparse.Namespace) -> list[socket.socket]:
+    sockets = []
+    if not args.no_tcp:
+        tcp = socket.create_server((args.host, args.port))
+        # Accepted sockets inherit this. asyncio would set it itself, but only on sockets made
+        # with proto=IPPROTO_TCP; without it every reply waits ~40 ms for a delayed ACK.
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sockets.append(tcp)
+    if args.uds:
+        sockets.append(_unix_socket(Path(args.uds)))
+    for sock in sockets:
+        sock.setblocking(False)
+    return sockets
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    """Bind ``path`` 0600 (see `claim_socket_path` for an existing file)."""
+    claim_socket_path(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(1024)
+    return sock
+
+
+def _describe(sock: socket.socket) -> str:
+    if sock.family == socket.AF_UNIX:
+        return f"unix://{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"http://{host}:{port}"
+
+
+def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
+    """The Prometheus exposition of `allocator.metrics`, when it and prometheus_client exist."""
+    try:
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+        from allocator.metrics import AllocatorMetrics
+    except ImportError as exc:
+        log.warning("no /metrics: %s", exc)
+        return None
+    registry = CollectorRegistry()
+    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes, lock=core.lock)
+    core.add_observer(metrics)
+    return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
+
+
+class LeaseReaper:
+    """Expires silent workers' leases even when no call arrives to notice them."""
+
+    def __init__(self, core: ServiceCore) -> None:
+        self.core = core
+        self.interval = min(1.0, core.config.lease_ttl_s / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvalloc-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.core.expire_leases()

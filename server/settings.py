@@ -1,0 +1,50 @@
+"""`ServiceConfig`: one service's pool and the limits that keep it safe under many workers.
+
+``kvalloc serve`` with no arguments runs `default_pool()`: the small model shape of `PoolConfig`
+on CUDA when present, else on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from allocator import PoolConfig
+
+from .addresses import TOKEN_ENV
+
+
+def default_pool(**overrides: object) -> PoolConfig:
+    """The embedded default: PoolConfig's small model shape and 4096 blocks."""
+    return PoolConfig(**{"num_blocks": 4096, **overrides})
+
+
+def token_from_env() -> SecretStr | None:
+    """``KVALLOC_TOKEN`` when set and non-empty (never a command-line flag: ps would show it)."""
+    value = os.environ.get(TOKEN_ENV, "")
+    return SecretStr(value) if value else None
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pool: PoolConfig = Field(default_factory=default_pool)
+    lease_ttl_s: float = Field(default=30.0, gt=0,
+                               description="A worker that makes no call for this long loses its "
+                                           "requests; their blocks go back to the pool.")
+    max_workers: int = Field(default=16, gt=0, description="Registered workers at once; each "
+                                                           "holds one staging buffer.")
+    max_step_tokens: int = Field(default=4096, gt=0,
+                                 description="Tokens one step may schedule (staging capacity).")
+    max_body_bytes: int = Field(default=8 << 20, gt=0, description="Largest request body/message.")
+    token: SecretStr | None = Field(default=None, description="Bearer token both transports check.")
+
+    @model_validator(mode="after")
+    def _staging_fits_a_batch(self) -> ServiceConfig:
+        # A full batch of decode steps must fit, or max_batch_size is a lie.
+        need = self.pool.max_batch_size * (1 + self.pool.max_draft_len)
+        if self.max_step_tokens < need:
+            raise ValueError(f"max_step_tokens: {self.max_step_tokens} cannot hold a full decode "
+                             f"batch ({need} = max_batch_size * (1 + max_draft_len))")
+        return self

@@ -1,0 +1,132 @@
+"""msgspec structs derived from the pydantic contract in `server.protocol`, and their codecs.
+
+The core, the IPC transport and the client speak these structs; REST validates with the pydantic
+models and converts with `from_model`. Deriving (rather than writing the structs a second time)
+keeps one definition of every field, default and constraint: `_struct_for` copies each model's
+annotations, which carry ``msgspec.Meta`` next to pydantic's ``Field``, and replaces nested models
+by their structs.
+
+Invariant: for every model M, ``struct_for(M)`` has the same field names, order and defaults, and
+msgspec's JSON for a struct validates as M (tested in tests/test_service_protocol.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+import typing
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+import msgspec
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from . import protocol
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+@functools.cache
+def struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
+    """The frozen, unknown-field-rejecting msgspec struct mirroring ``model``."""
+    hints = typing.get_type_hints(model, include_extras=True)
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for name, info in model.model_fields.items():
+        tp = _wire_type(hints[name])
+        if info.default_factory is not None:
+            fields.append((name, tp, msgspec.field(default_factory=info.default_factory)))
+        elif info.default is not PydanticUndefined:
+            fields.append((name, tp, info.default))
+        else:
+            fields.append((name, tp))
+    return msgspec.defstruct(model.__name__, fields, kw_only=True, frozen=True,
+                             forbid_unknown_fields=True, module=__name__)
+
+
+def _wire_type(tp: Any) -> Any:
+    """``tp`` with every pydantic model inside it replaced by its struct."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return struct_for(tp)
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is None or origin is Literal:
+        return tp
+    if origin is Annotated:
+        return Annotated[(_wire_type(args[0]), *tp.__metadata__)]
+    if origin in (Union, types.UnionType):
+        return Union[tuple(_wire_type(a) for a in args)]  # noqa: UP007 - built from a tuple
+    return origin[tuple(_wire_type(a) for a in args)]
+
+
+ErrorBody = struct_for(protocol.ErrorBody)
+RegisterRequest = struct_for(protocol.RegisterRequest)
+WorkerRef = struct_for(protocol.WorkerRef)
+ShmRef = struct_for(protocol.ShmRef)
+CudaRef = struct_for(protocol.CudaRef)
+TensorHandle = struct_for(protocol.TensorHandle)
+EventHandle = struct_for(protocol.EventHandle)
+Attachment = struct_for(protocol.Attachment)
+PoolLayout = struct_for(protocol.PoolLayout)
+Registration = struct_for(protocol.Registration)
+Deregistered = struct_for(protocol.Deregistered)
+Result = struct_for(protocol.Result)
+Grant = struct_for(protocol.Grant)
+Padding = struct_for(protocol.Padding)
+PrefillChunk = struct_for(protocol.PrefillChunk)
+NewRequest = struct_for(protocol.NewRequest)
+StepRequest = struct_for(protocol.StepRequest)
+Scheduled = struct_for(protocol.Scheduled)
+Refused = struct_for(protocol.Refused)
+TableUpdate = struct_for(protocol.TableUpdate)
+CommitSummary = struct_for(protocol.CommitSummary)
+StepReply = struct_for(protocol.StepReply)
+RequestRef = struct_for(protocol.RequestRef)
+RequestState = struct_for(protocol.RequestState)
+PoolQuery = struct_for(protocol.PoolQuery)
+WorkerState = struct_for(protocol.WorkerState)
+PoolState = struct_for(protocol.PoolState)
+Health = struct_for(protocol.Health)
+Readiness = struct_for(protocol.Readiness)
+
+
+def from_model(model: BaseModel, struct: type[S]) -> S:
+    """A validated pydantic model as its struct (REST -> core), without re-validation costs."""
+    return msgspec.convert(model, struct, from_attributes=True)
+
+
+# ---------------------------------------------------------------- codecs
+
+_msgpack = msgspec.msgpack.Encoder()
+_json = msgspec.json.Encoder()
+
+
+def encode_msgpack(obj: msgspec.Struct) -> bytes:
+    return _msgpack.encode(obj)
+
+
+def encode_json(obj: msgspec.Struct) -> bytes:
+    return _json.encode(obj)
+
+
+@functools.cache
+def _decoder(fmt: str, struct: type[S]) -> msgspec.msgpack.Decoder[S] | msgspec.json.Decoder[S]:
+    return (msgspec.msgpack.Decoder if fmt == "msgpack" else msgspec.json.Decoder)(struct)
+
+
+def decode(data: bytes, struct: type[S], fmt: Literal["msgpack", "json"] = "msgpack") -> S:
+    """Decode and validate; raises ``msgspec.ValidationError`` / ``DecodeError``."""
+    return _decoder(fmt, struct).decode(data)
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_NAMED = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
+
+
+def error_field(exc: msgspec.ValidationError) -> str:
+    """The input msgspec's message names, as a dotted path (``grants[3].draft_len``); 'body'
+    when it names none."""
+    text = str(exc)
+    at = _AT.search(text)
+    named = _NAMED.search(text)
+    parts = [p for p in (at.group(1) if at else "", named.group(1) if named else "") if p]
+    return ".".join(parts) or "body"

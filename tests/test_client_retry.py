@@ -1,0 +1,90 @@
+"""The client's retries, against a scripted ZeroMQ ROUTER standing in for the service: a call that
+times out is sent again unchanged (same step id, so the service answers without re-applying), and
+a late reply to the abandoned attempt is never mistaken for the answer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from server import wire
+from server.client import Client, TransportTimeout
+from server.operations import OK
+
+REPLY = wire.PoolState  # any reply type will do; get_pool's is the simplest to build
+
+
+def pool_reply(free_blocks: int) -> bytes:
+    layout = wire.PoolLayout(num_blocks=8, tokens_per_block=4, num_layers=1, num_kv_heads=1,
+                             head_dim=8, dtype="bfloat16", staging_dtype="bfloat16", device="cpu",
+                             max_batch_size=2, max_blocks_per_seq=4, max_draft_len=3,
+                             max_step_tokens=8, overlap_scheduler=True)
+    return wire.encode_msgpack(REPLY(
+        epoch=1, layout=layout, free_blocks=free_blocks, used_blocks=8 - free_blocks,
+        num_requests=0, workers=[], capacity_tokens=0, history_tokens=0, pending_slack_tokens=0,
+        leases_expired=0, counters={}, invariants="unchecked"))
+
+
+@pytest.fixture
+def fake_service(tmp_path: Path) -> Iterator[Callable[[Callable[[zmq.Socket], None]], str]]:
+    """Run ``script(router_socket)`` in a thread on a fresh ipc:// endpoint; returns it."""
+    ctx = zmq.Context()
+    threads: list[threading.Thread] = []
+
+    def start(script: Callable[[zmq.Socket], None]) -> str:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        endpoint = f"ipc://{tmp_path / 'fake.ipc'}"
+        sock.bind(endpoint)
+
+        def run() -> None:
+            try:
+                script(sock)
+            finally:
+                sock.close()
+
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+        return endpoint
+
+    yield start
+    for t in threads:
+        t.join(timeout=10)
+    ctx.term()
+
+
+def test_a_timed_out_call_is_resent_unchanged_and_a_late_reply_is_dropped(
+        fake_service: Callable[[Callable[[zmq.Socket], None]], str]) -> None:
+    attempts: list[list[bytes]] = []
+
+    def script(sock: zmq.Socket) -> None:
+        attempts.append(sock.recv_multipart())  # first attempt: no answer in time
+        attempts.append(sock.recv_multipart())  # the retry
+        (peer, first_seq, *_), (_, retry_seq, *_) = attempts
+        sock.send_multipart([peer, first_seq, OK, pool_reply(free_blocks=1)])  # too late
+        sock.send_multipart([peer, retry_seq, OK, pool_reply(free_blocks=2)])
+
+    with Client(fake_service(script), timeout_s=0.3, retries=1) as client:
+        assert client.get_pool(verify=True).free_blocks == 2
+    first, retry = (a[2:] for a in attempts)
+    assert first == retry  # token, op and payload: byte for byte the same call
+    assert msgspec.msgpack.decode(first[-1]) == {"verify": True}
+
+
+def test_the_call_gives_up_after_its_retries(
+        fake_service: Callable[[Callable[[zmq.Socket], None]], str]) -> None:
+    attempts: list[list[bytes]] = []
+
+    def script(sock: zmq.Socket) -> None:
+        while sock.poll(2000):
+            attempts.append(sock.recv_multipart())
+
+    with Client(fake_service(script), timeout_s=0.2, retries=2) as client, \
+            pytest.raises(TransportTimeout):
+        client.get_pool()
+    assert len(attempts) == 3

@@ -1,0 +1,302 @@
+"""`kvalloc serve` as a real process: the bad-input table for every operation over both transports
+(4xx naming the field, the same answer on REST and IPC, state unchanged), the OpenAPI document,
+authentication, limits, socket permissions and the health and metrics endpoints."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from server.client import Client, RemoteError
+from server.launch import ServiceProcess, free_port
+from server.operations import OK, OPERATIONS
+
+SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4", "--num-layers",
+              "2", "--num-kv-heads", "1", "--head-dim", "8", "--max-batch-size", "8",
+              "--max-seq-len", "64", "--max-step-tokens", "64")
+TOKEN = "s3cret-token"
+
+
+IPC_TCP = f"tcp://127.0.0.1:{free_port()}"  # ZeroMQ over TCP too, as containers need
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ServiceProcess(tmp_path_factory.mktemp("svc"), *SMALL_POOL, "--lease-ttl-s", "300",
+                        "--max-body-bytes", "4096", "--ipc", IPC_TCP) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A service that requires KVALLOC_TOKEN."""
+    with ServiceProcess(tmp_path_factory.mktemp("guarded"), *SMALL_POOL, tcp=False,
+                        env={"KVALLOC_TOKEN": TOKEN}) as svc:
+        yield svc
+
+
+def raw_rest(svc: ServiceProcess, op: str, payload: Any, token: str | None = None
+             ) -> httpx.Response:
+    """One operation over REST, built from the same payload the IPC transport takes: path fields
+    in the path, the rest in the query (GET/DELETE) or the JSON body (POST); bytes as is."""
+    operation = OPERATIONS[op]
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(svc.uds)), base_url="http://svc",
+                      headers=headers, timeout=10) as http:
+        if isinstance(payload, bytes):
+            return http.request(operation.method, operation.path, content=payload)
+        fields = dict(payload)
+        path = operation.path.format(**{k: quote(str(fields.pop(k, "")), safe="")
+                                        for k in operation.path_fields})
+        if operation.method == "POST":
+            return http.post(path, json=fields)
+        params = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in fields.items()}
+        return http.request(operation.method, path, params=params)
+
+
+def raw_ipc(svc: ServiceProcess, op: str, payload: Any, token: str = "") -> tuple[int, dict]:
+    """One operation over IPC: msgpack of ``payload`` (bytes as is) in the documented frames."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(svc.ipc)
+        body = payload if isinstance(payload, bytes) else msgspec.msgpack.encode(payload)
+        sock.send_multipart([b"1", token.encode(), op.encode(), body])
+        assert sock.poll(10_000), "no reply"
+        seq, status, reply = sock.recv_multipart()
+        assert seq == b"1"
+        decoded = msgspec.msgpack.decode(reply)
+        return (200 if status == OK else decoded["status"]), decoded
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def send(svc: ServiceProcess, transport: str, op: str, payload: Any) -> tuple[int, dict]:
+    if transport == "ipc":
+        return raw_ipc(svc, op, payload)
+    resp = raw_rest(svc, op, payload)
+    return resp.status_code, resp.json()
+
+
+# ---------------------------------------------------------------- the bad-input table
+
+
+@dataclass
+class Table:
+    """A worker whose previous step granted request "a" 2 drafts; "b" is idle."""
+
+    epoch: int
+    next_step: int
+
+
+@pytest.fixture(scope="module")
+def table(service: ServiceProcess) -> Table:
+    client = Client(service.ipc, worker_id="table")
+    reg = client.register(attach=False)
+    client.step(new={"a": 4, "b": 4})
+    client.step(grants={"a": 2})
+    return Table(reg.epoch, client.next_step_id)
+
+
+def step(t: Table, **fields: Any) -> dict[str, Any]:
+    """A step body for the "table" worker that settles "a" unless ``fields`` say otherwise."""
+    return {"worker_id": "table", "epoch": t.epoch, "step_id": t.next_step,
+            "results": [{"req_id": "a", "num_accepted": 1}], **fields}
+
+
+NOT_DECODABLE = object()  # "{not json" on REST, an invalid msgpack byte on IPC
+
+BAD_INPUT: list[tuple[str, str, Callable[[Table], Any], int, str]] = [
+    # name, operation, payload, status, field
+    ("register: no worker_id", "register", lambda t: {}, 422, "worker_id"),
+    ("register: id with a slash", "register", lambda t: {"worker_id": "a/b"}, 422, "worker_id"),
+    ("register: id too long", "register", lambda t: {"worker_id": "w" * 65}, 422, "worker_id"),
+    ("register: id not a string", "register", lambda t: {"worker_id": 5}, 422, "worker_id"),
+    ("register: unknown field", "register", lambda t: {"worker_id": "x", "x": 1}, 422, "x"),
+    ("register: not decodable", "register", lambda t: NOT_DECODABLE, 422, "body"),
+    ("deregister: unknown worker", "deregister", lambda t: {"worker_id": "nobody"}, 404,
+     "worker_id"),
+    ("deregister: bad id", "deregister", lambda t: {"worker_id": "bad!id"}, 422, "worker_id"),
+    ("step: unknown worker", "step", lambda t: {**step(t), "worker_id": "nobody"}, 404,
+     "worker_id"),
+    ("step: stale epoch", "step", lambda t: step(t, epoch=t.epoch ^ 1), 409, "epoch"),
+    ("step: older step id", "step", lambda t: step(t, step_id=0), 409, "step_id"),
+    ("step: missing epoch", "step", lambda t: {k: v for k, v in step(t).items() if k != "epoch"},
+     422, "epoch"),
+    ("step: previous step unsettled", "step", lambda t: step(t, results=[]), 422, "results"),
+    ("step: more accepted than drafts", "step",
+     lambda t: step(t, results=[{"req_id": "a", "num_accepted": 3}]), 422, "num_accepted"),
+    ("step: result for unknown request", "step",
+     lambda t: step(t, results=[{"req_id": "a", "num_accepted": 1},
+                                {"req_id": "zz", "num_accepted": 0}]), 422, "results"),
+    ("step: negative draft_len", "step",
+     lambda t: step(t, grants=[{"req_id": "b", "draft_len": -1}]), 422, "grants[0].draft_len"),
+    ("step: draft_len above max", "step",
+     lambda t: step(t, grants=[{"req_id": "b", "draft_len": 4}]), 422, "draft_len"),
+    ("step: padding below the grant", "step",
+     lambda t: step(t, grants=[{"req_id": "b", "draft_len": 3}],
+                    padding=[{"req_id": "b", "padded_draft_len": 1}]), 422, "padded_draft_len"),
+    ("step: new request already exists", "step",
+     lambda t: step(t, new=[{"req_id": "b", "prompt_len": 3}]), 422, "new"),
+    ("step: prompt above max_seq_len", "step",
+     lambda t: step(t, new=[{"req_id": "c", "prompt_len": 65, "first_chunk": 4}]), 422,
+     "prompt_len"),
+    ("step: first chunk above prompt", "step",
+     lambda t: step(t, new=[{"req_id": "c", "prompt_len": 3, "first_chunk": 4}]), 422,
+     "first_chunk"),
+    ("step: finished and granted", "step",
+     lambda t: step(t, finished=["b"], grants=[{"req_id": "b", "draft_len": 1}]), 422,
+     "finished"),
+    ("step: more entries than rows", "step",
+     lambda t: step(t, reverts=[f"r{i}" for i in range(9)]), 422, "reverts"),
+    ("step: more tokens than staging", "step",
+     lambda t: step(t, new=[{"req_id": "c", "prompt_len": 60}, {"req_id": "d", "prompt_len": 9}]),
+     422, "new"),
+    ("step: body over max_body_bytes", "step",
+     lambda t: step(t, finished=["x" * 250] * 20), 413, "body"),
+    ("step: not decodable", "step", lambda t: NOT_DECODABLE, 422, "body"),
+    ("get_request: unknown request", "get_request",
+     lambda t: {"worker_id": "table", "req_id": "zz"}, 404, "req_id"),
+    ("get_request: unknown worker", "get_request",
+     lambda t: {"worker_id": "nobody", "req_id": "a"}, 404, "worker_id"),
+    ("get_request: no worker_id", "get_request", lambda t: {"req_id": "a"}, 422, "worker_id"),
+    ("get_pool: verify not a bool", "get_pool", lambda t: {"verify": "maybe"}, 422, "verify"),
+]
+
+
+def observable_state(svc: ServiceProcess) -> tuple[Any, ...]:
+    pool = raw_rest(svc, "get_pool", {"verify": True}).json()
+    assert pool["invariants"] == "ok"
+    requests = [raw_rest(svc, "get_request", {"worker_id": "table", "req_id": r}).json()
+                for r in ("a", "b")]
+    workers = sorted((w["worker_id"], w["num_requests"], w["last_step_id"])
+                     for w in pool.pop("workers"))
+    return pool, workers, requests
+
+
+@pytest.mark.parametrize("transport", ["rest", "ipc"])
+@pytest.mark.parametrize(("name", "op", "payload", "status", "field"), BAD_INPUT,
+                         ids=[row[0] for row in BAD_INPUT])
+def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
+        service: ServiceProcess, table: Table, transport: str, name: str, op: str,
+        payload: Callable[[Table], Any], status: int, field: str) -> None:
+    body = payload(table)
+    if body is NOT_DECODABLE:
+        body = b"{not json" if transport == "rest" else b"\xc1"
+    before = observable_state(service)
+    got_status, error = send(service, transport, op, body)
+    assert (got_status, error["status"], error["field"]) == (status, status, field), error
+    assert error["code"] and error["message"].startswith(f"{field}:"), error
+    assert observable_state(service) == before
+
+
+def openapi(svc: ServiceProcess) -> dict[str, Any]:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(svc.uds)),
+                      base_url="http://svc") as http:
+        return http.get("/openapi.json").json()
+
+
+def test_openapi_documents_every_status_each_operation_answers(service: ServiceProcess) -> None:
+    spec = openapi(service)
+    for op_name, op in OPERATIONS.items():
+        responses = spec["paths"][op.path][op.method.lower()]["responses"]
+        seen = {str(status) for _, name, _, status, _ in BAD_INPUT if name == op_name}
+        assert {"200", "422", "500", "503"} | seen <= set(responses), op_name
+        assert "401" not in responses  # this service has no token
+        for status, response in responses.items():
+            if status != "200":
+                schema = response["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (op_name, status)
+    assert "securitySchemes" not in spec.get("components", {})
+
+
+def test_openapi_of_a_guarded_service_documents_the_token(guarded: ServiceProcess) -> None:
+    spec = openapi(guarded)
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    for op in OPERATIONS.values():
+        operation = spec["paths"][op.path][op.method.lower()]
+        assert "401" in operation["responses"] and operation["security"] == [{"HTTPBearer": []}]
+
+
+# ---------------------------------------------------------------- access
+
+
+def test_the_token_is_required_on_both_transports(guarded: ServiceProcess) -> None:
+    payload = {"worker_id": "intruder"}
+    for token in (None, "wrong"):
+        resp = raw_rest(guarded, "register", payload, token=token)
+        assert (resp.status_code, resp.json()["field"]) == (401, "authorization")
+        status, error = raw_ipc(guarded, "register", payload, token=token or "")
+        assert (status, error["field"]) == (401, "authorization")
+    assert raw_rest(guarded, "get_pool", {"verify": True}, token=TOKEN).json()["workers"] == []
+    for address in (guarded.ipc, guarded.rest_unix):
+        with Client(address, worker_id="friend", token=TOKEN) as client:
+            assert client.register(attach=False).worker_id == "friend"
+    # Probes stay open: an orchestrator has no token.
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(guarded.uds)),
+                      base_url="http://svc") as http:
+        assert http.get("/healthz").status_code == http.get("/readyz").status_code == 200
+
+
+def test_socket_files_are_private_to_the_user(service: ServiceProcess) -> None:
+    for path in (service.uds, Path(service.ipc.removeprefix("ipc://"))):
+        info = path.stat()
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, path
+        assert info.st_uid == os.getuid()
+
+
+def test_tcp_binds_loopback_only_on_both_transports(service: ServiceProcess) -> None:
+    assert service.rest_tcp.startswith("http://127.0.0.1:")
+    for address in (service.rest_tcp, IPC_TCP):
+        with Client(address, worker_id="tcp") as client:
+            assert client.get_pool().layout.num_blocks == 64
+    log = service.log()
+    assert "serving REST on http://127.0.0.1:" in log and f"IPC on {service.ipc}, {IPC_TCP}" in log
+
+
+# ---------------------------------------------------------------- health and metrics
+
+
+def test_health_readiness_and_metrics(service: ServiceProcess) -> None:
+    for address in (service.ipc, service.rest_unix):
+        with Client(address, worker_id="metrics-" + address[:3]) as client:
+            client.register(attach=False)
+            client.step(new={"m": 4})
+            client.step(grants={"m": 1})  # commits the first step: one NWOR window
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(service.uds)),
+                      base_url="http://svc") as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        ready = http.get("/readyz").json()
+        assert ready["status"] == "ready" and ready["epoch"] == service.epoch
+        text = http.get("/metrics").text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line and not line.startswith("#"))
+    for series in ('kvalloc_step_latency_seconds_count{transport="ipc"}',
+                   'kvalloc_step_latency_seconds_count{transport="rest"}',
+                   "kvalloc_nwor_windows_total", "kvalloc_nwor_committed_tokens_total"):
+        assert float(values[series]) >= 2, series
+    assert int(float(values["kvalloc_pool_blocks"])) == 64
+
+
+def test_a_refused_call_raises_the_same_error_from_every_client(service: ServiceProcess) -> None:
+    errors = []
+    for address in (service.ipc, service.rest_unix, service.rest_tcp):
+        with Client(address, worker_id="same") as client:
+            client.register(attach=False)
+            client.step(new={"a": 4})
+            with pytest.raises(RemoteError) as err:
+                client.step(grants={"a": 9})
+            errors.append((err.value.status, err.value.code, err.value.field))
+    assert errors == [(422, "draft_len_exceeded", "draft_len")] * 3

@@ -1,0 +1,426 @@
+"""The service core, in process, through the same `Client` methods a worker uses over IPC or REST:
+the per-step call's semantics, NWOR commit, idempotent step ids, leases, epochs, limits."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from server import wire
+from server.client import Client, NotRegistered, RemoteError, ServiceRestarted
+from server.core import ServiceCore
+from server.settings import ServiceConfig
+from server.sharing import SHM_DIR
+from server.testing import POISON, committed_slots, nwor_scenario, pool_mismatches, stage_pattern
+
+TTL = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """A ServiceObserver that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, float]] = []
+        self.leases = 0
+        self.violations = 0
+
+    def observe_step(self, transport: str, seconds: float) -> None:
+        self.steps.append((transport, seconds))
+
+    def lease_expired(self, n: int = 1) -> None:
+        self.leases += n
+
+    def invariant_violation(self, n: int = 1) -> None:
+        self.violations += n
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_core(make_config: Callable[..., object],
+              clock: FakeClock) -> Iterator[Callable[..., ServiceCore]]:
+    cores: list[ServiceCore] = []
+
+    def factory(**pool: object) -> ServiceCore:
+        config = ServiceConfig(pool=make_config(**{"num_layers": 2, **pool}), lease_ttl_s=TTL,
+                               max_step_tokens=64)
+        cores.append(ServiceCore(config, clock=clock))
+        return cores[-1]
+
+    yield factory
+    for core in cores:
+        core.close()
+
+
+@pytest.fixture
+def core(make_core: Callable[..., ServiceCore]) -> ServiceCore:
+    return make_core()
+
+
+def worker(core: ServiceCore, worker_id: str = "w") -> Client:
+    client = Client.in_process(core, worker_id=worker_id)
+    client.register()
+    return client
+
+
+def state_of(core: ServiceCore) -> tuple[object, ...]:
+    """Everything a refused call must leave unchanged."""
+    pool = core.get_pool(wire.PoolQuery(verify=True))
+    requests = sorted((w, r, core.get_request(wire.RequestRef(worker_id=w, req_id=r)))
+                      for w, r in core.manager.request_ids)
+    return (pool.free_blocks, pool.num_requests, pool.capacity_tokens, pool.history_tokens,
+            pool.pending_slack_tokens, tuple(requests),
+            core.manager.table.host.tobytes())
+
+
+# ---------------------------------------------------------------- the step's tokens
+
+
+def test_a_step_lays_out_every_scheduled_token_on_its_requests_blocks(core: ServiceCore) -> None:
+    w = worker(core)
+    assert w.pool is not None
+    reply = w.step(new=[wire.NewRequest(req_id="a", prompt_len=5),
+                        wire.NewRequest(req_id="b", prompt_len=9, first_chunk=3)])
+    w.step(results={}, grants={"a": 3}, prefill={"b": 6})
+    reply = w.step(results={"a": 1}, grants={"a": 2, "b": 3})
+
+    # Tokens: decode grants first, in request order, each a contiguous run at consecutive
+    # positions starting at the request's history; the last num_drafts of each are drafts.
+    assert [(s.req_id, s.kind, s.token_offset, s.num_tokens, s.num_drafts, s.start_position)
+            for s in reply.scheduled] == [("a", "decode", 0, 3, 2, 7),
+                                          ("b", "decode", 3, 4, 3, 9)]
+    tpb = core.config.pool.tokens_per_block
+    table = w.pool.block_table
+    for s in reply.scheduled:
+        for i in range(s.num_tokens):
+            pos = s.start_position + i
+            block = int(table[s.row, pos // tpb])
+            assert reply.slot_mapping[s.token_offset + i] == block * tpb + pos % tpb
+    # The shared block table is the service's, row for row.
+    assert (table.numpy() == core.manager.table.host).all()
+
+
+def test_table_updates_replay_to_the_shared_block_table(core: ServiceCore) -> None:
+    w = worker(core)
+    assert w.pool is not None
+    mirror = np.full(tuple(w.pool.block_table.shape), -1, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    born: dict[str, int] = {}  # live request -> step admitted (requests live <= 8 steps)
+    ran: set[str] = set()  # decode requests of the previous step
+    for step in range(40):
+        done = [r for r, t in born.items() if rng.random() < 0.2 or step - t > 8]
+        keep = [r for r in born if r not in done]
+        new = {f"r{step}": int(rng.integers(1, 12))} if len(keep) < 6 else {}
+        reply = w.step(results={r: int(rng.integers(0, 4)) for r in ran if r in keep},
+                       finished=done, grants={r: 3 for r in keep}, new=new)
+        for u in reply.table_updates:
+            mirror[u.row, u.start:u.start + len(u.block_ids)] = u.block_ids
+            mirror[u.row, u.num_blocks:] = -1
+        assert (mirror == w.pool.block_table.numpy()).all(), step
+        ran = {s.req_id for s in reply.scheduled if s.kind == "decode"}
+        refused = {r.req_id for r in reply.refused if r.kind == "new"}
+        born = {r: born[r] for r in keep} | {r: step for r in new if r not in refused}
+
+
+def test_padding_runs_the_grant_with_the_padded_draft_length(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 4})
+    reply = w.step(grants={"a": 1}, padding={"a": 3})
+    (s,) = reply.scheduled
+    assert (s.num_tokens, s.num_drafts) == (4, 3)
+    assert w.get_request("a").pending_draft_len == 3
+
+
+# ---------------------------------------------------------------- NWOR through the core
+
+
+def test_the_next_step_commits_exactly_the_accepted_tokens(core: ServiceCore) -> None:
+    outcome = nwor_scenario(worker(core))  # see its docstring: 4 requests, 3 steps
+    assert not outcome.mismatches, outcome.mismatches
+    # Step 2 staged a 4 + b 3 + d 2 + c 4 tokens; a's 2 and b's 3 were written.
+    assert outcome.commit == wire.CommitSummary(tokens=13, written=5)
+
+
+def test_the_pool_check_sees_a_single_wrong_value(core: ServiceCore) -> None:
+    """The NWOR tests above are only as strong as pool_mismatches: it must notice one bad byte."""
+    w = worker(core)
+    assert w.pool is not None
+    w.pool.kv.fill_(POISON)
+    assert pool_mismatches(w.pool.kv, {}, POISON) == []
+    w.pool.kv[1, 1, 5, 2, 0, 7] = 0.0  # layer 1, V, block 5, offset 2, last element
+    (where,) = pool_mismatches(w.pool.kv, {}, POISON)
+    assert where.startswith(f"layer 1 V slot {5 * core.config.pool.tokens_per_block + 2}:")
+
+
+def test_a_failed_call_commits_nothing_and_its_retry_commits_once(core: ServiceCore) -> None:
+    w = worker(core)
+    assert w.pool is not None
+    w.pool.kv.fill_(POISON)
+    first = w.step(new={"a": 4})
+    stage_pattern(w.pool.staging, len(first.slot_mapping), tag=1)
+    with pytest.raises(RemoteError) as refused:
+        w.step(grants={"a": 9})  # above max_draft_len
+    assert refused.value.field == "draft_len"
+    assert not pool_mismatches(w.pool.kv, {}, POISON)
+    w.step(grants={"a": 3})
+    assert not pool_mismatches(w.pool.kv, committed_slots(first, 1, {}), POISON)
+
+
+# ---------------------------------------------------------------- step ids
+
+
+def test_a_retried_step_returns_the_same_reply_without_granting_twice(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 4})
+    req = wire.StepRequest(worker_id="w", epoch=core.epoch, step_id=w.next_step_id,
+                           grants=[wire.Grant(req_id="a", draft_len=3)])
+    reply = w.call("step", req)
+    capacity = w.get_request("a").capacity
+    assert w.call("step", req) == reply
+    assert w.get_request("a").capacity == capacity
+
+
+def test_a_step_id_reused_with_another_body_is_refused(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 4})
+    again = wire.StepRequest(worker_id="w", epoch=core.epoch, step_id=w.next_step_id - 1,
+                             new=[wire.NewRequest(req_id="b", prompt_len=1)])
+    with pytest.raises(RemoteError) as err:
+        w.call("step", again)
+    assert (err.value.status, err.value.code, err.value.field) == (409, "step_id_reused",
+                                                                   "step_id")
+
+
+def test_an_older_step_id_is_refused(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 4})
+    w.step(grants={"a": 1})
+    before = state_of(core)
+    old = wire.StepRequest(worker_id="w", epoch=core.epoch, step_id=0)
+    with pytest.raises(RemoteError) as err:
+        w.call("step", old)
+    assert (err.value.status, err.value.code) == (409, "step_out_of_order")
+    assert state_of(core) == before
+
+
+def test_step_ids_may_skip_but_never_go_back(core: ServiceCore) -> None:
+    w = worker(core)
+    w.next_step_id = 10
+    w.step(new={"a": 4})
+    assert core.get_pool(wire.PoolQuery()).workers[0].last_step_id == 10
+
+
+# ---------------------------------------------------------------- protocol and refusals
+
+
+def test_every_request_of_the_previous_step_must_be_settled(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 4, "b": 4})
+    w.step(grants={"a": 2, "b": 2})
+    before = state_of(core)
+    with pytest.raises(RemoteError) as err:
+        w.step(results={"a": 1}, grants={"a": 2})
+    assert (err.value.status, err.value.code, err.value.field) == (422, "window_not_settled",
+                                                                   "results")
+    assert "'b'" in err.value.message
+    assert state_of(core) == before
+
+
+def test_out_of_blocks_refuses_per_request_and_leaves_them_untouched(
+        make_core: Callable[..., ServiceCore]) -> None:
+    core = make_core(num_blocks=24, max_seq_len=32)
+    w = worker(core)
+    w.step(new={"a": 30, "b": 30})  # 8 + 8 blocks of 4 tokens
+    w.step(new={"c": 28})  # 7 blocks; 1 left
+    untouched = {r: w.get_request(r) for r in ("b", "c")}
+    reply = w.step(grants={"a": 1, "b": 3, "c": 3}, new={"d": 8})
+    # a fits (1 block); b, c and the new d do not: refused, scheduler may preempt.
+    assert [s.req_id for s in reply.scheduled] == ["a"]
+    assert [(r.req_id, r.kind, r.reason) for r in reply.refused] == [
+        ("b", "grant", "out_of_blocks"), ("c", "grant", "out_of_blocks"),
+        ("d", "new", "out_of_blocks")]
+    assert {r: w.get_request(r) for r in ("b", "c")} == untouched
+    assert reply.free_blocks == 0
+    core.check_invariants()
+
+
+def test_batch_full_is_its_own_refusal(make_core: Callable[..., ServiceCore]) -> None:
+    core = make_core(max_batch_size=2)
+    w = worker(core)
+    w.step(new={"a": 1, "b": 1})
+    reply = w.step(new={"c": 1})
+    assert [(r.req_id, r.reason) for r in reply.refused] == [("c", "batch_full")]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"finished": [f"r{i}" for i in range(9)]}, "finished"),
+    ({"new": {f"r{i}": 1 for i in range(9)}}, "new"),
+    ({"new": {"a": 40, "b": 30}}, "new"),  # 70 tokens > max_step_tokens = 64
+])
+def test_limits_refuse_with_the_list_at_fault(core: ServiceCore, kwargs: dict[str, object],
+                                              field: str) -> None:
+    w = worker(core)
+    before = state_of(core)
+    with pytest.raises(RemoteError) as err:
+        w.step(**kwargs)  # type: ignore[arg-type]
+    assert (err.value.status, err.value.code, err.value.field) == (422, "limit_exceeded", field)
+    assert state_of(core) == before
+
+
+def test_workers_cannot_touch_each_others_requests(core: ServiceCore) -> None:
+    a, b = worker(core, "wa"), worker(core, "wb")
+    a.step(new={"r1": 4})
+    b.step(new={"r1": 8})  # the same id, another worker: another request
+    assert a.get_request("r1").history == 4 and b.get_request("r1").history == 8
+    with pytest.raises(RemoteError) as err:
+        b.step(finished=["r2"])
+    assert err.value.field == "finished"
+    a.step(finished=["r1"])
+    assert b.get_request("r1").history == 8
+
+
+# ---------------------------------------------------------------- registration, leases, epochs
+
+
+def test_a_silent_worker_loses_its_requests_and_blocks(core: ServiceCore,
+                                                       clock: FakeClock) -> None:
+    recorder = Recorder()
+    core.add_observer(recorder)
+    quiet, busy = worker(core, "quiet"), worker(core, "busy")
+    quiet.step(new={"a": 20})
+    free = core.manager.free_blocks
+    clock.now += TTL / 2
+    busy.step(new={"b": 4})  # a call renews only the caller's lease
+    clock.now += TTL / 2 + 0.1
+    assert core.expire_leases() == 1
+    assert core.manager.free_blocks == free + 5 - 1
+    assert recorder.leases == 1 and core.get_pool(wire.PoolQuery()).leases_expired == 1
+    with pytest.raises(NotRegistered):
+        quiet.step(results={})
+    quiet.register()  # and it may come back
+    assert quiet.step(new={"a": 1}).scheduled[0].req_id == "a"
+    core.check_invariants()
+
+
+def test_a_call_after_the_ttl_finds_the_lease_gone_even_before_the_reaper(
+        core: ServiceCore, clock: FakeClock) -> None:
+    w = worker(core)
+    w.step(new={"a": 4})
+    clock.now += TTL + 1
+    with pytest.raises(NotRegistered):
+        w.step()
+    assert core.manager.num_requests == 0
+
+
+def test_a_stale_epoch_is_reported_as_a_restart(make_core: Callable[..., ServiceCore]) -> None:
+    old, new = make_core(), make_core()
+    w = worker(old)
+    w._transport = Client.in_process(new)._transport  # the service restarted underneath
+    with pytest.raises(ServiceRestarted) as err:
+        w.step(new={"a": 1})
+    assert (err.value.status, err.value.field) == (409, "epoch")
+    assert w.register().epoch == new.epoch != old.epoch
+    w.step(new={"a": 1})
+
+
+def test_registering_again_starts_the_worker_afresh(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 4, "b": 4})
+    reg = w.register()
+    assert reg.next_step_id == 0 and core.manager.num_requests == 0
+    w.step(new={"a": 4})
+
+
+def test_too_many_workers_is_refused(make_config: Callable[..., object]) -> None:
+    core = ServiceCore(ServiceConfig(pool=make_config(), max_workers=1))
+    try:
+        worker(core, "one")
+        with pytest.raises(RemoteError) as err:
+            worker(core, "two")
+        assert (err.value.status, err.value.code) == (409, "too_many_workers")
+    finally:
+        core.close()
+
+
+# ---------------------------------------------------------------- sharing and concurrency
+
+
+def test_shared_memory_is_private_to_the_user_and_removed_on_close(
+        make_core: Callable[..., ServiceCore]) -> None:
+    core = make_core()
+    worker(core)
+    segments = sorted(SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
+    assert [p.name.split("-", 2)[2] for p in segments] == ["kv", "staging-w", "table"]
+    for path in segments:
+        info = path.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
+    core.close()
+    assert not any(p.exists() for p in segments)
+
+
+def test_concurrent_callers_never_interleave_half_a_step(
+        make_core: Callable[..., ServiceCore]) -> None:
+    core = make_core(num_blocks=128)
+    tpb = core.config.pool.tokens_per_block
+    errors: list[BaseException] = []
+
+    def run(worker_id: str) -> None:
+        try:
+            w = worker(core, worker_id)
+            assert w.pool is not None
+            rng = np.random.default_rng(len(worker_id))
+            reply = w.step(new={"a": 3, "b": 5})
+            for _ in range(15):
+                for s in reply.scheduled:  # my rows, read while other threads change theirs
+                    blocks = set(w.pool.block_table[s.row].tolist())
+                    slots = reply.slot_mapping[s.token_offset:s.token_offset + s.num_tokens]
+                    assert {slot // tpb for slot in slots} <= blocks
+                ran = {s.req_id for s in reply.scheduled if s.kind == "decode"}
+                reply = w.step(results={r: int(rng.integers(0, 2)) for r in ran},
+                               grants={"a": 1, "b": 1})
+            w.deregister()
+        except BaseException as exc:  # reported to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(f"t{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    core.check_invariants()
+    assert core.manager.free_blocks == core.config.pool.total_blocks
+
+
+def test_pool_and_request_inspection_report_the_managers_state(core: ServiceCore) -> None:
+    w = worker(core)
+    w.step(new={"a": 5})
+    w.step(grants={"a": 3})
+    state = w.get_request("a")
+    mgr, key = core.manager, ("w", "a")
+    assert (state.capacity, state.history, state.pending_overlap_slack, state.pending_draft_len,
+            state.block_ids) == (mgr.capacity(key), mgr.history(key),
+                                 mgr.pending_overlap_slack(key), 3, mgr.block_ids(key).tolist())
+    pool = w.get_pool(verify=True)
+    assert pool.invariants == "ok"
+    assert pool.used_blocks == mgr.pool.num_blocks - mgr.free_blocks == len(state.block_ids)
+    assert pool.workers[0].num_requests == 1 and pool.counters["grants"] == 1
+    with pytest.raises(RemoteError) as err:
+        w.get_request("nope")
+    assert (err.value.status, err.value.field) == (404, "req_id")
