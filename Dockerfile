@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+# kvalloc: one allocator per GPU. Build from the repository root:
+#   docker build -t kvalloc:0.1.0 .
+#   docker build -t kvalloc:cpu --build-arg BASE_IMAGE=python:3.12-slim .   # no GPU
+# The default base is a CUDA runtime image that already ships torch (and Triton), so the image
+# adds only kvalloc and its small pure-Python dependencies on top.
+ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+
+# Build stage: only the kvalloc wheel; its dependencies resolve in the runtime stage, where the
+# base's torch already satisfies torch>=2.4 and is not downloaded again.
+FROM ${BASE_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY allocator allocator
+COPY server server
+RUN python -m pip wheel --no-deps --no-cache-dir --wheel-dir /wheels .
+
+FROM ${BASE_IMAGE}
+# A base without torch (python:*-slim for CPU) gets the CPU build; a CUDA base keeps its own.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN python -c "import torch" 2>/dev/null \
+    || python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    python -m pip install --no-cache-dir /wheels/*.whl
+# Non-root; /run/kvalloc holds the Unix socket and IPC endpoint shared with same-host workers.
+RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvalloc \
+    && install -d -o kvalloc -g kvalloc -m 0750 /run/kvalloc
+USER kvalloc
+ENV PYTHONUNBUFFERED=1
+EXPOSE 8900 5555
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8900/healthz', timeout=2)"]
+ENTRYPOINT ["kvalloc"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8900", "--ipc", "tcp://0.0.0.0:5555"]

@@ -1,0 +1,255 @@
+"""Prometheus metrics for one `KVCacheManager`, collected into a registry the caller provides.
+
+The library never touches prometheus_client's global registry: an engine embedding ``allocator``
+and the ``kvalloc serve`` service both build ``AllocatorMetrics(registry, manager, ...)`` and
+serve that registry however they like.
+
+Invariants:
+- Every state value (blocks, requests, token sums and maxima, counters) is read from the manager
+  at scrape time, so a scrape equals the manager's own state at that instant; nothing is mirrored
+  and nothing can drift. Pass ``lock`` (the service core's writer lock) to read a step-consistent
+  snapshot while another thread mutates the manager.
+- Names follow Prometheus rules: prefix ``kvalloc_``, base units (tokens, blocks, seconds,
+  ratios), counters end in ``_total``, no colons (reserved for recording rules).
+- Counters are monotonic: they are cumulative counts owned by the manager, the deferred-write
+  manager, the SCV engine, or this object (invariant violations, expired leases).
+
+Deferred writes (NWOR) and SCV are read through documented, duck-typed interfaces, so this
+module depends on neither implementation. ``deferred_writes`` is a `DeferredWriteManager` (its
+``metrics()`` returns `NworMetrics`) or anything whose ``metrics`` is such an object, with
+cumulative integer attributes ``windows``, ``staged_tokens``, ``committed_tokens``,
+``rejected_tokens``, ``fallback_tokens``, a mapping ``fallbacks`` of reason -> count and a
+sequence ``accepted_per_position`` (index i counts drafts accepted at draft position i). ``scv``
+is an `ScvAcceptor`, read through its ``stats``: ``graph_replays``, ``captures``, ``evictions``,
+``eager_calls`` and a mapping ``fallbacks`` of reason -> count. A missing attribute reads as 0
+(or no samples), so a partial implementation still exports every family.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .manager import KVCacheManager
+
+# Step latency spans an in-process call (~10 us) to REST under load (~100 ms); the decode step
+# this sits beside is 10-30 ms, so resolution is finest below a millisecond.
+STEP_LATENCY_BUCKETS: tuple[float, ...] = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+    1.0,
+)
+
+# ManagerCounters field -> help text. Every field is exported as kvalloc_<field>_total; a field
+# added to ManagerCounters later is exported too, with a generic help text until listed here.
+_COUNTER_HELP: dict[str, str] = {
+    "grants": "Generation grants given (try_allocate_generation and prepare_draft_resources).",
+    "draft_grants": "Grants given through the draft model's grant site.",
+    "grants_refused": "Generation grants refused for lack of blocks (allocation failures).",
+    "reverts": "Grants undone because the forward was skipped.",
+    "updates": "Grants settled with the previous step's accepted count.",
+    "rewound_tokens": "Rejected draft tokens rewound out of capacity.",
+    "reclaimed_slack_tokens": "Overlap slack tokens reclaimed at settlement.",
+    "padding_topups": "CUDA-graph padding top-ups of a pending grant.",
+    "requests_added": "Requests admitted.",
+    "requests_refused": "New requests refused for lack of blocks or rows (allocation failures).",
+    "requests_freed": "Requests whose blocks went back to the pool.",
+    "row_overflows": "Steps refused because a request would overflow its block-table row.",
+}
+
+# Deferred-write attribute -> (metric name without _total, help).
+_NWOR_COUNTERS: dict[str, tuple[str, str]] = {
+    "windows": ("kvalloc_nwor_windows", "NWOR staging windows closed."),
+    "staged_tokens": ("kvalloc_nwor_staged_tokens",
+                      "Tokens staged: committed + rejected + fallback."),
+    "committed_tokens": ("kvalloc_nwor_committed_tokens", "Staged tokens written to the pool."),
+    "rejected_tokens": ("kvalloc_nwor_rejected_tokens", "Rejected draft tokens never written."),
+    "fallback_tokens": ("kvalloc_nwor_fallback_tokens",
+                        "Tokens written unconditionally because a window fell back."),
+}
+
+_SCV_COUNTERS: dict[str, tuple[str, str]] = {
+    "graph_replays": ("kvalloc_scv_graph_replays", "Acceptance-mask CUDA graph replays."),
+    "captures": ("kvalloc_scv_graph_captures", "Acceptance-mask CUDA graphs captured."),
+    "evictions": ("kvalloc_scv_graph_evictions",
+                  "Captured graphs evicted from the bounded per-bucket cache."),
+    "eager_calls": ("kvalloc_scv_eager_calls", "Acceptance masks computed eagerly."),
+}
+
+
+class AllocatorMetrics:
+    """The allocator's metrics, registered into ``registry``.
+
+    ``observe_step``, ``lease_expired`` and ``invariant_violation`` record events the manager does
+    not see (transport latency, the service's leases, a failed ``check_invariants``); everything
+    else is read from ``manager``, ``deferred_writes`` and ``scv`` when Prometheus scrapes.
+    """
+
+    def __init__(self, registry: CollectorRegistry, manager: KVCacheManager,
+                 deferred_writes: object | None = None, *, scv: object | None = None,
+                 lock: AbstractContextManager[Any] | None = None) -> None:
+        self.manager = manager
+        self.deferred_writes = deferred_writes
+        self.scv = scv
+        self._lock = lock or contextlib.nullcontext()
+        self.step_latency = Histogram(
+            "kvalloc_step_latency_seconds",
+            "Service time of one per-step call, by transport.",
+            ["transport"], buckets=STEP_LATENCY_BUCKETS, registry=registry,
+        )
+        self.leases_expired = Counter(
+            "kvalloc_leases_expired", "Worker leases that expired; their requests were freed.",
+            registry=registry,
+        )
+        self.invariant_violations = Counter(
+            "kvalloc_invariant_violations",
+            "check_invariants() failures: states that must never exist. Expected zero.",
+            registry=registry,
+        )
+        registry.register(_StateCollector(self))
+
+    def observe_step(self, transport: str, seconds: float) -> None:
+        """Record one per-step call's service time (``transport``: e.g. "ipc", "rest")."""
+        self.step_latency.labels(transport=transport).observe(seconds)
+
+    def lease_expired(self, n: int = 1) -> None:
+        """Count ``n`` expired worker leases."""
+        self.leases_expired.inc(n)
+
+    def invariant_violation(self, n: int = 1) -> None:
+        """Count ``n`` invariant violations (call it where ``check_invariants`` raised)."""
+        self.invariant_violations.inc(n)
+
+
+class _StateCollector(Collector):
+    """Builds the state families from the live objects on every scrape."""
+
+    def __init__(self, metrics: AllocatorMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> list[Metric]:
+        # Describing by collecting lets the registry detect name clashes at registration.
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        with m._lock:
+            families = [*_manager_families(m.manager)]
+            if m.deferred_writes is not None:
+                families += _nwor_families(m.deferred_writes)
+            if m.scv is not None:
+                families += _scv_families(m.scv)
+        yield from families
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def _manager_families(manager: KVCacheManager) -> list[Metric]:
+    cfg = manager.config
+    total = manager.pool.num_blocks
+    free = manager.free_blocks
+    t = manager.totals()
+    ids = manager.request_ids
+    max_cap = max((manager.capacity(r) for r in ids), default=0)
+    max_hist = max((manager.history(r) for r in ids), default=0)
+    max_blocks = max((manager.num_blocks(r) for r in ids), default=0)
+    info = GaugeMetricFamily(
+        "kvalloc_pool_info", "Static pool configuration (value is always 1).",
+        labels=["device", "dtype", "slack_policy", "overlap_scheduler"],
+    )
+    info.add_metric([str(cfg.device), cfg.dtype, manager.policy.value,
+                     str(cfg.overlap_scheduler).lower()], 1)
+    families: list[Metric] = [
+        info,
+        _gauge("kvalloc_pool_blocks", "Blocks in the pool.", total),
+        _gauge("kvalloc_pool_free_blocks", "Blocks on the free list.", free),
+        _gauge("kvalloc_pool_used_blocks", "Blocks owned by live requests.", total - free),
+        _gauge("kvalloc_pool_usage_ratio", "Used blocks / pool blocks.", (total - free) / total),
+        _gauge("kvalloc_tokens_per_block", "Token slots per block.", cfg.tokens_per_block),
+        _gauge("kvalloc_max_blocks_per_seq", "Blocks in one block-table row.",
+               manager.max_blocks_per_seq),
+        _gauge("kvalloc_max_batch_size", "Block-table rows.", cfg.max_batch_size),
+        _gauge("kvalloc_max_draft_len", "Largest draft length a grant may ask for.",
+               cfg.max_draft_len),
+        _gauge("kvalloc_live_requests", "Requests holding a block-table row.",
+               manager.num_requests),
+        _gauge("kvalloc_capacity_tokens", "Reserved tokens, summed over live requests.",
+               t["capacity_tokens"]),
+        _gauge("kvalloc_history_tokens", "Committed tokens, summed over live requests.",
+               t["history_tokens"]),
+        _gauge("kvalloc_pending_slack_tokens",
+               "Pending overlap slack, summed over live requests.", t["pending_slack_tokens"]),
+        _gauge("kvalloc_request_max_capacity_tokens", "Largest capacity of one live request.",
+               max_cap),
+        _gauge("kvalloc_request_max_history_tokens", "Largest history of one live request.",
+               max_hist),
+        _gauge("kvalloc_request_max_pending_slack_tokens",
+               "Largest pending overlap slack of one live request.",
+               t["max_pending_slack_tokens"]),
+        _gauge("kvalloc_request_max_uncommitted_tokens",
+               "Largest capacity - history of one live request.", t["max_uncommitted_tokens"]),
+        _gauge("kvalloc_request_max_blocks",
+               "Most blocks held by one live request (row overflow at kvalloc_max_blocks_per_seq).",
+               max_blocks),
+    ]
+    for f in dataclasses.fields(manager.counters):
+        help_text = _COUNTER_HELP.get(f.name, f"ManagerCounters.{f.name}.")
+        families.append(CounterMetricFamily(f"kvalloc_{f.name}", help_text,
+                                            value=getattr(manager.counters, f.name)))
+    return families
+
+
+def _source(obj: object) -> object:
+    """The object holding the counters: ``obj.metrics`` (called when it is a method, as on
+    `DeferredWriteManager`), else ``obj.stats`` (`ScvAcceptor`), else ``obj`` itself."""
+    src = getattr(obj, "metrics", None) or getattr(obj, "stats", None) or obj
+    return src() if callable(src) else src
+
+
+def _counter_families(obj: object, table: Mapping[str, tuple[str, str]]) -> list[Metric]:
+    src = _source(obj)
+    return [CounterMetricFamily(name, help_text, value=_int(getattr(src, attr, 0)))
+            for attr, (name, help_text) in table.items()]
+
+
+def _by_reason(name: str, help_text: str, reasons: Mapping[str, Any] | None) -> Metric:
+    family = CounterMetricFamily(name, help_text, labels=["reason"])
+    for reason, count in sorted((reasons or {}).items()):
+        family.add_metric([str(reason)], _int(count))
+    return family
+
+
+def _scv_families(scv: object) -> list[Metric]:
+    src = _source(scv)
+    return [*_counter_families(src, _SCV_COUNTERS),
+            _by_reason("kvalloc_scv_graph_fallbacks",
+                       "Shape buckets whose graph capture or replay failed and fell back to eager.",
+                       getattr(src, "fallbacks", None))]
+
+
+def _nwor_families(deferred_writes: object) -> list[Metric]:
+    src = _source(deferred_writes)
+    families = _counter_families(src, _NWOR_COUNTERS)
+    fallbacks = _by_reason("kvalloc_nwor_fallbacks",
+                           "NWOR windows that fell back to writing every staged token.",
+                           getattr(src, "fallbacks", None))
+    accepted = CounterMetricFamily("kvalloc_nwor_accepted_tokens",
+                                   "Draft tokens accepted, by draft position (0 = first draft).",
+                                   labels=["position"])
+    per_pos: Sequence[Any] = getattr(src, "accepted_per_position", None) or ()
+    for pos, count in enumerate(per_pos):
+        accepted.add_metric([str(pos)], _int(count))
+    return [*families, fallbacks, accepted]
+
+
+def _int(value: Any) -> int:
+    """Counts may be Python ints, numpy scalars or 0-d tensors; expose a plain int."""
+    return int(value.item() if hasattr(value, "item") else value)

@@ -1,0 +1,315 @@
+"""`kvalloc loadgen`: a simulated inference worker driving a running service, one call per step.
+
+The worker behaves like an engine's overlap scheduler running one-model MTP with chunked
+prefill: each call settles the previous step (accepted drafts drawn at random, or a revert when
+the forward was skipped), finishes requests that produced their output, grants every running
+request ``1 + D`` (sometimes padded to ``max_draft_len`` as a CUDA-graph bucket would be),
+continues prompts being prefilled, and admits new arrivals (a Poisson number per step). A
+request whose grant or prefill chunk is refused is preempted (freed the next step), as a
+scheduler short of KV blocks does, so a full pool keeps turning over instead of stalling.
+
+Invariants the worker keeps, so the service never sees a protocol error from it:
+- every request of the previous step appears in exactly one of results, reverts, finished;
+- a request gets a generation grant only once its whole prompt was scheduled in earlier steps;
+- a step schedules at most the service's ``max_step_tokens``;
+- accepted <= the draft length it was granted.
+
+It stops after ``--steps`` or ``--duration``, whichever comes first, and prints p50/p99 call
+latency and every error by code; exit status 1 when any call failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from allocator.simulate import Acceptance
+
+from . import wire
+from .addresses import default_client_address
+from .client import Client, RemoteError, TransportTimeout
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the simulated engine does each step."""
+
+    draft_len: int = 3
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance("geometric", 0.7))
+    arrival_rate: float = 0.5  # expected new requests per step
+    prompt_len: tuple[int, int] = (16, 512)  # inclusive range, uniform
+    output_len: tuple[int, int] = (16, 256)
+    max_live: int = 32
+    skip_rate: float = 0.02  # forwards skipped (reverted)
+    pad_rate: float = 0.1  # grants padded to max_draft_len
+
+
+@dataclass
+class _Request:
+    prompt_left: int  # prompt tokens not scheduled yet (chunked prefill)
+    remaining: int  # output tokens still to produce
+    in_flight: int | None = None  # D of this step's grant, None when not scheduled
+    preempted: bool = False  # its grant or prefill chunk was refused: free it next step
+
+
+class SimulatedWorker:
+    """Builds each step's call and learns from its reply. No I/O: the driver sends the calls.
+
+    A step schedules at most ``max_step_tokens`` tokens (the service's staging capacity): decode
+    grants first (1 + D each, padding included), then prefill chunks, then new prompts' first
+    chunks, as a chunked-prefill scheduler that never starves running requests does.
+    """
+
+    def __init__(self, workload: Workload, *, max_draft_len: int, max_step_tokens: int,
+                 seed: int = 0) -> None:
+        self.w = workload
+        self.max_draft_len = max_draft_len
+        self.max_step_tokens = max_step_tokens
+        self.rng = np.random.default_rng(seed)
+        self.live: dict[str, _Request] = {}
+        self.pending_new: dict[str, _Request] = {}  # admitted when the reply does not refuse
+        self._ids = itertools.count()
+        self.stats: Counter[str] = Counter()
+
+    def next_step(self) -> dict[str, list[Any]]:
+        """The step's fields (results, reverts, finished, grants, padding, prefill, new)."""
+        results, reverts, finished = self._settle()
+        w, rng = self.w, self.rng
+        budget = self.max_step_tokens
+        grants, padding, prefill = [], [], []
+        for req_id, req in self.live.items():
+            if req.prompt_left:
+                continue
+            d = min(w.draft_len, self.max_draft_len, req.remaining - 1)
+            pad = self.max_draft_len if d < self.max_draft_len and rng.random() < w.pad_rate else d
+            if 1 + pad > budget:
+                continue  # no room this step: it simply is not scheduled
+            budget -= 1 + pad
+            grants.append(wire.Grant(req_id=req_id, draft_len=d))
+            req.in_flight = d
+            if pad > d:
+                padding.append(wire.Padding(req_id=req_id, padded_draft_len=pad))
+        for req_id, req in self.live.items():
+            chunk = min(req.prompt_left, budget)
+            if chunk:
+                budget -= chunk
+                req.prompt_left -= chunk
+                prefill.append(wire.PrefillChunk(req_id=req_id, num_tokens=chunk))
+
+        new = []
+        room = w.max_live - len(self.live)
+        for _ in range(min(room, int(rng.poisson(w.arrival_rate)))):
+            if not budget:
+                break
+            req_id = f"r{next(self._ids)}"
+            prompt = int(rng.integers(*w.prompt_len, endpoint=True))
+            first = min(prompt, budget)
+            budget -= first
+            new.append(wire.NewRequest(req_id=req_id, prompt_len=prompt, first_chunk=first))
+            self.pending_new[req_id] = _Request(
+                prompt_left=prompt - first,
+                remaining=int(rng.integers(*w.output_len, endpoint=True)))
+        return {"results": results, "reverts": reverts, "finished": finished, "grants": grants,
+                "padding": padding, "prefill": prefill, "new": new}
+
+    def _settle(self) -> tuple[list[Any], list[str], list[str]]:
+        """The previous step's outcome for every request it scheduled, and preemptions."""
+        w, rng = self.w, self.rng
+        results, reverts, finished = [], [], []
+        for req_id, req in self.live.items():
+            if req.preempted:
+                finished.append(req_id)
+            if req.in_flight is None:
+                continue
+            if rng.random() < w.skip_rate:
+                reverts.append(req_id)
+                self.stats["reverts"] += 1
+            else:
+                accepted = int(w.acceptance.sample(rng, req.in_flight, 1)[0])
+                req.remaining -= 1 + accepted
+                self.stats["accepted_tokens"] += accepted
+                self.stats["output_tokens"] += 1 + accepted
+                if req.remaining <= 0:
+                    finished.append(req_id)
+                else:
+                    results.append(wire.Result(req_id=req_id, num_accepted=accepted))
+            req.in_flight = None
+        for req_id in finished:
+            self.stats["preempted" if self.live.pop(req_id).preempted else "finished"] += 1
+        return results, reverts, finished
+
+    def apply(self, reply: Any) -> None:
+        """Learn which grants, prefill chunks and new requests the service refused."""
+        for refused in reply.refused:
+            if refused.kind == "new":
+                self.pending_new.pop(refused.req_id)
+                self.stats["requests_refused"] += 1
+                continue
+            req = self.live[refused.req_id]
+            req.in_flight, req.preempted = None, True
+            self.stats[f"{refused.kind}s_refused"] += 1  # grants_refused, prefills_refused
+        self.live.update(self.pending_new)
+        self.stats["admitted"] += len(self.pending_new)
+        self.pending_new.clear()
+
+    def reset(self) -> None:
+        """Forget every request (the service freed them: re-registration or a new epoch)."""
+        self.live.clear()
+        self.pending_new.clear()
+
+
+# ---------------------------------------------------------------- driving a service
+
+
+@dataclass
+class Report:
+    address: str
+    steps: int = 0
+    seconds: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    worker: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> dict[str, Any]:
+        lat = np.array(self.latencies_s) * 1e3
+        pct = (lambda q: round(float(np.percentile(lat, q)), 3)) if lat.size else (lambda q: None)
+        return {"address": self.address, "steps": self.steps, "seconds": round(self.seconds, 3),
+                "latency_ms": {"p50": pct(50), "p99": pct(99), "max": pct(100)},
+                "errors": dict(self.errors), **{k: self.worker[k] for k in sorted(self.worker)}}
+
+
+def drive(client: Client, worker: SimulatedWorker, *, steps: int, duration_s: float | None,
+          step_interval_s: float, progress: bool) -> Report:
+    """Run steps until ``steps`` or ``duration_s``. A refused call (or a lost service) costs the
+    worker its requests: it re-registers and starts over, as an engine would after a restart."""
+    report = Report(client.address, worker=worker.stats)
+    start = time.perf_counter()
+    deadline = start + duration_s if duration_s is not None else float("inf")
+    with tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr) as bar:
+        while report.steps < steps and time.perf_counter() < deadline:
+            fields = worker.next_step()
+            t0 = time.perf_counter()
+            try:
+                reply = client.step(**fields)
+            except (RemoteError, TransportTimeout) as exc:
+                report.errors[getattr(exc, "code", "timeout")] += 1
+                worker.reset()
+                if not _register(client, report):
+                    break
+            except Exception as exc:  # the service is gone: connection refused, ...
+                report.errors[type(exc).__name__] += 1
+                break
+            else:
+                report.latencies_s.append(time.perf_counter() - t0)
+                worker.apply(reply)
+            report.steps += 1
+            bar.update()
+            if report.steps % 100 == 0:
+                bar.set_postfix(p50_ms=f"{np.median(report.latencies_s[-100:]) * 1e3:.2f}",
+                                live=len(worker.live), errors=sum(report.errors.values()))
+            if step_interval_s:
+                time.sleep(step_interval_s)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _register(client: Client, report: Report) -> bool:
+    """Register afresh (the service freed this worker's requests); False when it cannot."""
+    try:
+        client.register(attach=False)  # the load generator never touches KV
+    except Exception as exc:  # any failure here: no usable service
+        report.errors[f"register: {type(exc).__name__}"] += 1
+        return False
+    return True
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return bounds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None,
+                        help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
+                             "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
+    parser.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds to wait for one reply (default 10)")
+    stop = parser.add_argument_group("how long (whichever comes first)")
+    stop.add_argument("--steps", type=int, default=1000, help="scheduler steps (default 1000)")
+    stop.add_argument("--duration", type=float, default=None, help="seconds")
+    sim = parser.add_argument_group("the simulated engine")
+    sim.add_argument("--draft-len", type=int, default=3, help="MTP draft length D (default 3)")
+    sim.add_argument("--acceptance", type=Acceptance.parse, default="geometric:0.7",
+                     help="geometric:P, fixed:K or uniform (default geometric:0.7)")
+    sim.add_argument("--arrival-rate", type=float, default=0.5,
+                     help="new requests per step, Poisson mean (default 0.5)")
+    sim.add_argument("--prompt-len", type=_range, default="16:512", help="MIN:MAX tokens")
+    sim.add_argument("--output-len", type=_range, default="16:256", help="MIN:MAX tokens")
+    sim.add_argument("--max-live", type=int, default=32, help="running requests at most")
+    sim.add_argument("--skip-rate", type=float, default=0.02,
+                     help="share of forwards skipped and reverted (default 0.02)")
+    sim.add_argument("--pad-rate", type=float, default=0.1,
+                     help="share of grants padded to max_draft_len (default 0.1)")
+    sim.add_argument("--step-interval", type=float, default=0.02,
+                     help="seconds between calls: the forward's duration (default 0.02)")
+    sim.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("output")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = Workload(draft_len=args.draft_len, acceptance=args.acceptance,
+                        arrival_rate=args.arrival_rate, prompt_len=args.prompt_len,
+                        output_len=args.output_len, max_live=args.max_live,
+                        skip_rate=args.skip_rate, pad_rate=args.pad_rate)
+    address = args.address or default_client_address()
+    with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
+        report = Report(address)
+        if not _register(client, report):
+            print(f"kvalloc loadgen: no service answers at {address}: {dict(report.errors)}",
+                  file=sys.stderr)
+            return 2
+        assert client.registration is not None
+        layout = client.registration.layout
+        worker = SimulatedWorker(workload, max_draft_len=layout.max_draft_len,
+                                 max_step_tokens=layout.max_step_tokens, seed=args.seed)
+        report = drive(client, worker, steps=args.steps, duration_s=args.duration,
+                       step_interval_s=args.step_interval, progress=not args.no_progress)
+        with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
+            client.deregister()
+    summary = report.summary()
+    print(json.dumps(summary) if args.json else _human(summary))
+    return 1 if report.errors else 0
+
+
+def _human(s: dict[str, Any]) -> str:
+    lat = s["latency_ms"]
+    errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"
+    return "\n".join([
+        f"kvalloc loadgen: {s['steps']} steps in {s['seconds']:.1f}s against {s['address']}",
+        f"  step call latency: p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
+        f"  requests: {s.get('admitted', 0)} admitted, {s.get('finished', 0)} finished, "
+        f"{s.get('requests_refused', 0)} refused, {s.get('preempted', 0)} preempted; "
+        f"grants refused {s.get('grants_refused', 0)}, reverts {s.get('reverts', 0)}",
+        f"  tokens: {s.get('output_tokens', 0)} output, {s.get('accepted_tokens', 0)} accepted "
+        f"drafts",
+        f"  errors: {errors}",
+    ])

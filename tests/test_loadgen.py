@@ -1,0 +1,207 @@
+"""`kvalloc loadgen`: a simulated overlap-scheduler worker that never breaks the step protocol,
+keeps a real service core consistent under block pressure, and reports latency and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from allocator import PoolConfig
+from allocator.simulate import Acceptance
+from server import wire
+from server.client import _remote
+from server.core import ServiceCore
+from server.errors import describe
+from server.launch import ServiceProcess, kvalloc_command
+from server.loadgen import SimulatedWorker, Workload, drive
+from server.settings import ServiceConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+D = 3
+
+
+class CoreClient:
+    """The client's interface over an in-process `ServiceCore`, errors mapped as a transport
+    maps them, so `drive` runs against the real service logic without sockets."""
+
+    address = "in-process"
+
+    def __init__(self, core: ServiceCore) -> None:
+        self.core = core
+        self.epoch = 0
+        self.next_step_id = 0
+
+    def register(self, *, attach: bool = True) -> wire.Registration:
+        reg = self.core.register(wire.RegisterRequest(worker_id="loadgen"))
+        self.epoch, self.next_step_id = reg.epoch, reg.next_step_id
+        return reg
+
+    def step(self, **fields: list) -> wire.StepReply:
+        req = wire.StepRequest(worker_id="loadgen", epoch=self.epoch,
+                               step_id=self.next_step_id, **fields)
+        try:
+            reply = self.core.step(req)
+        except Exception as exc:
+            raise _remote(describe(exc)) from exc
+        self.next_step_id += 1
+        return reply
+
+
+@pytest.fixture
+def core():
+    pool = PoolConfig(num_blocks=96, tokens_per_block=16, max_batch_size=16, max_seq_len=1024,
+                      max_draft_len=D + 1, num_layers=1, num_kv_heads=1, head_dim=8,
+                      device="cpu")
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=256))
+    yield core
+    core.close()
+
+
+def test_every_step_settles_each_scheduled_request_exactly_once():
+    """Each request granted in step n is in exactly one of results / reverts / finished in step
+    n + 1; grants go only to requests whose prompt was scheduled in earlier steps; accepted <=
+    granted; padding >= granted; a step schedules at most max_step_tokens."""
+    worker = SimulatedWorker(Workload(draft_len=D, arrival_rate=2.0, skip_rate=0.2,
+                                      pad_rate=0.5), max_draft_len=D + 1, max_step_tokens=300,
+                             seed=1)
+    rng = np.random.default_rng(2)
+    granted: dict[str, int] = {}
+    prompt_left: dict[str, int] = {}  # of admitted requests, after the previous step
+    for _ in range(300):
+        prefilled = {r for r, left in prompt_left.items() if left == 0}
+        step = worker.next_step()
+        settled = ([r.req_id for r in step["results"]] + list(step["reverts"])
+                   + list(step["finished"]))
+        assert len(settled) == len(set(settled))
+        assert set(granted) <= set(settled)
+        for r in step["results"]:
+            assert r.num_accepted <= granted[r.req_id]
+        for req_id in step["finished"]:
+            prompt_left.pop(req_id)
+        grants = {g.req_id: g.draft_len for g in step["grants"]}
+        assert set(grants) <= prefilled
+        padded = {p.req_id: p.padded_draft_len for p in step["padding"]}
+        assert all(padded[r] >= grants[r] for r in padded)
+        tokens = (sum(1 + padded.get(r, d) for r, d in grants.items())
+                  + sum(c.num_tokens for c in step["prefill"])
+                  + sum(n.first_chunk for n in step["new"]))
+        assert tokens <= 300
+        # the "service" refuses a random fifth of everything it can refuse
+        refused = [SimpleNamespace(req_id=r, kind=kind) for kind, ids in (
+            ("grant", list(grants)), ("prefill", [c.req_id for c in step["prefill"]]),
+            ("new", [n.req_id for n in step["new"]])) for r in ids if rng.random() < 0.2]
+        worker.apply(SimpleNamespace(refused=refused))
+        out = {r.req_id for r in refused}
+        granted = {g: d for g, d in grants.items() if g not in out}
+        for c in step["prefill"]:
+            prompt_left[c.req_id] -= c.num_tokens
+        for n in step["new"]:
+            if n.req_id not in out:
+                prompt_left[n.req_id] = n.prompt_len - n.first_chunk
+    assert worker.stats["preempted"] > 0 and worker.stats["finished"] > 0
+    assert worker.stats["prefills_refused"] > 0
+
+
+def test_drives_a_real_service_core_under_block_pressure_without_a_protocol_error(core):
+    worker = SimulatedWorker(Workload(draft_len=D, arrival_rate=1.0, prompt_len=(16, 512),
+                                      output_len=(8, 64)), max_draft_len=D + 1,
+                             max_step_tokens=core.config.max_step_tokens)
+    client = CoreClient(core)
+    client.register()
+    report = drive(client, worker, steps=400, duration_s=None, step_interval_s=0,
+                   progress=False)
+    assert report.errors == {}
+    assert report.steps == len(report.latencies_s) == 400
+    assert worker.stats["grants_refused"] > 0, "the pool was under pressure"
+    assert worker.stats["finished"] > 0 and worker.stats["preempted"] > 0
+    core.manager.check_invariants()
+    assert core.manager.counters.padding_topups > 0
+
+    # Drain: no arrivals; every request finishes or is preempted and every block comes back.
+    worker.w = Workload(draft_len=D, arrival_rate=0.0, output_len=(8, 64))
+    drive(client, worker, steps=200, duration_s=None, step_interval_s=0, progress=False)
+    assert not worker.live
+    assert core.manager.free_blocks == core.manager.pool.num_blocks
+
+
+def test_a_refused_call_is_counted_and_the_worker_starts_over(core):
+    worker = SimulatedWorker(Workload(arrival_rate=2.0), max_draft_len=D + 1,
+                             max_step_tokens=core.config.max_step_tokens)
+    client = CoreClient(core)
+    client.register()
+    drive(client, worker, steps=5, duration_s=None, step_interval_s=0, progress=False)
+    client.register()  # e.g. another process re-registered this worker id: its requests are gone
+    report = drive(client, worker, steps=20, duration_s=None, step_interval_s=0,
+                   progress=False)
+    assert report.errors == {"unknown_request": 1}
+    assert len(report.latencies_s) == 19, "every other step went through"
+
+
+def test_accepted_counts_follow_the_acceptance_model():
+    worker = SimulatedWorker(Workload(acceptance=Acceptance("fixed", 2), arrival_rate=1.0,
+                                      skip_rate=0.0), max_draft_len=D, max_step_tokens=4096)
+    for _ in range(50):
+        step = worker.next_step()
+        assert all(r.num_accepted == min(2, worker.w.draft_len) for r in step["results"])
+        worker.apply(SimpleNamespace(refused=[]))
+
+
+# ---------------------------------------------------------------- the CLI against `kvalloc serve`
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with ServiceProcess(tmp_path_factory.mktemp("serve"), "--num-blocks", "512",
+                        "--max-draft-len", "4") as svc:
+        yield svc
+
+
+def loadgen(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*kvalloc_command(), "loadgen", "--no-progress",
+                           "--json", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rest"])
+def test_cli_runs_its_steps_over_either_transport_and_reports_latency(service, transport):
+    address = service.ipc if transport == "ipc" else service.rest_tcp
+    r = loadgen("--address", address, "--steps", "150", "--step-interval", "0",
+                "--worker-id", f"test-{transport}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["steps"] == 150 and summary["errors"] == {}
+    assert 0 < summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"]
+    assert summary["admitted"] > 0 and summary["output_tokens"] > 0
+
+
+def test_cli_stops_at_its_duration(service):
+    r = loadgen("--address", service.ipc, "--steps", "1000000", "--duration", "1",
+                "--step-interval", "0.01")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(r.stdout)
+    assert 1.0 <= summary["seconds"] < 3.0  # one step past the deadline at most, on a busy CPU
+    assert 0 < summary["steps"] < 1000000
+
+
+def test_cli_prints_a_human_summary(service):
+    r = subprocess.run([*kvalloc_command(), "loadgen", "--no-progress",
+                        "--address", service.rest_tcp, "--steps", "20", "--step-interval", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("kvalloc loadgen: 20 steps in ") and service.rest_tcp in lines[0]
+    assert "step call latency: p50" in r.stdout and "errors: none" in r.stdout
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:9", "ipc:///nonexistent/kvalloc.ipc"])
+def test_cli_exits_2_with_a_message_when_no_service_answers(address):
+    r = loadgen("--address", address, "--timeout", "0.2", "--steps", "3")
+    assert r.returncode == 2
+    assert f"no service answers at {address}" in r.stderr
+    assert "Traceback" not in r.stderr
