@@ -218,6 +218,20 @@ class KVCacheManager:
         """The request's block-table row index."""
         return self._row(req_id)
 
+    def histories(self, req_ids: Sequence[ReqId]) -> np.ndarray:
+        """``history`` of each of ``req_ids`` (int64, in order; repeats allowed): one call per
+        batch instead of one per request on a scheduler's hot path."""
+        return self._hist[self._rows_for(req_ids)]
+
+    def _rows_for(self, req_ids: Sequence[ReqId]) -> np.ndarray:
+        rows_of = self._rows
+        try:
+            return np.fromiter((rows_of[r] for r in req_ids), dtype=np.int64,
+                               count=len(req_ids))
+        except (KeyError, TypeError):
+            bad = next(r for r in req_ids if not _known(rows_of, r))
+            raise UnknownRequest(f"req_id: unknown request {bad!r}") from None
+
     def block_ids(self, req_id: ReqId) -> np.ndarray:
         row = self._row(req_id)
         return self.table.host[row, : self._nblocks[row]].copy()

@@ -26,6 +26,10 @@ class WindowLayout:
             raise NworInputError(
                 f"layout: {len(tokens)} token counts but {len(drafts)} draft counts",
                 field="layout")
+        if _valid_counts(tokens, drafts):
+            return  # one vectorised check for a whole batch
+        # Otherwise find the first offending request; bools, nested sequences, ints beyond int64
+        # and anything else numpy cannot type as a flat integer array are judged one by one.
         for r, (n, d) in enumerate(zip(tokens, drafts, strict=True)):
             if not (isinstance(n, int | np.integer) and isinstance(d, int | np.integer)):
                 raise NworInputError(f"layout: request {r}: counts must be integers",
@@ -47,6 +51,16 @@ class WindowLayout:
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
+
+
+def _valid_counts(tokens: tuple[int, ...], drafts: tuple[int, ...]) -> bool:
+    """Whether both are flat integer sequences with 0 <= drafts <= tokens everywhere."""
+    try:
+        n, d = np.asarray(tokens), np.asarray(drafts)
+    except (TypeError, ValueError):  # ragged nesting
+        return False
+    return (n.ndim == d.ndim == 1 and n.dtype.kind in "iu" and d.dtype.kind in "iu"
+            and not ((n < 0) | (d < 0) | (d > n)).any())
 
 
 @dataclass(frozen=True)

@@ -331,19 +331,22 @@ class ServiceCore:
                    if ok]
         admitted = [n for n, ok in zip(req.new, outcome.admitted.tolist(), strict=True) if ok]
         ids = [*decode, *(p.req_id for p in prefill), *(n.req_id for n in admitted)]
+        n_decode, n_running = len(decode), len(decode) + len(prefill)
+        decode_drafts = np.fromiter((drafts[r] for r in decode), dtype=np.int64, count=n_decode)
+        num_tokens = np.fromiter(
+            (*(p.num_tokens for p in prefill), *(n.first_chunk or n.prompt_len for n in admitted)),
+            dtype=np.int64, count=len(ids) - n_decode)
+        # Decode tokens start at the settled history; a prefill chunk already counts in it.
+        starts = np.zeros(len(ids), dtype=np.int64)
+        starts[:n_running] = mgr.histories([*((wid, r) for r in decode),
+                                            *((wid, p.req_id) for p in prefill)])
+        starts[n_decode:n_running] -= num_tokens[:n_running - n_decode]
+        num_drafts = np.zeros(len(ids), dtype=np.int64)
+        num_drafts[:n_decode] = decode_drafts
         return Window(
-            req_ids=ids,
-            decode=[True] * len(decode) + [False] * (len(prefill) + len(admitted)),
-            rows=[rows[r] for r in ids],
-            # Decode tokens start at the settled history; a prefill chunk already counts in it.
-            starts=[*(mgr.history((wid, r)) for r in decode),
-                    *(mgr.history((wid, p.req_id)) - p.num_tokens for p in prefill),
-                    *(0 for _ in admitted)],
-            num_tokens=[*(1 + drafts[r] for r in decode), *(p.num_tokens for p in prefill),
-                        *(n.first_chunk or n.prompt_len for n in admitted)],
-            num_drafts=[*(drafts[r] for r in decode), *(0 for _ in prefill),
-                        *(0 for _ in admitted)],
-            table=mgr.table.host, tokens_per_block=self._tpb,
+            req_ids=ids, decode=np.arange(len(ids)) < n_decode, rows=[rows[r] for r in ids],
+            starts=starts, num_tokens=np.concatenate([1 + decode_drafts, num_tokens]),
+            num_drafts=num_drafts, table=mgr.table.host, tokens_per_block=self._tpb,
         )
 
     def _commit(self, worker: Worker, window: Window | None, accepted: dict[str, int],

@@ -22,8 +22,9 @@ from . import wire
 
 
 class Window:
-    def __init__(self, req_ids: Sequence[str], decode: Sequence[bool], rows: Sequence[int],
-                 starts: Sequence[int], num_tokens: Sequence[int], num_drafts: Sequence[int],
+    def __init__(self, req_ids: Sequence[str], decode: Sequence[bool] | np.ndarray,
+                 rows: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray,
+                 num_tokens: Sequence[int] | np.ndarray, num_drafts: Sequence[int] | np.ndarray,
                  table: np.ndarray, tokens_per_block: int) -> None:
         """``table`` is the block table's host mirror after the step that schedules the window."""
         self.req_ids = list(req_ids)
