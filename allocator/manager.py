@@ -267,19 +267,36 @@ class KVCacheManager:
             return _NO_ROWS
         rows_of = self._rows
         try:
-            rows = [rows_of[i] for i in ids]
+            arr = np.fromiter(map(rows_of.__getitem__, ids), dtype=np.int64, count=len(ids))
         except (KeyError, TypeError):
             bad = next(i for i in ids if not _known(rows_of, i))
             raise UnknownRequest(f"{what}: unknown request {bad!r}", field=what) from None
-        arr = np.array(rows, dtype=np.int64)
         if arr.size > 1 and np.bincount(arr).max() > 1:
             raise DuplicateRequest(f"{what}: a request is listed twice", field=what)
         return arr
+
+    def _check_new(self, new_ids: list[ReqId], prompt: np.ndarray, first: np.ndarray) -> None:
+        if (prompt > self.config.max_seq_len).any():
+            raise InvalidValue(f"prompt_len: above max_seq_len={self.config.max_seq_len}",
+                               field="prompt_len")
+        if (first > prompt).any():
+            raise InvalidValue("first_chunk: larger than the prompt", field="first_chunk")
+        try:
+            distinct = len(set(new_ids))
+        except TypeError:
+            raise InvalidValue("new: request ids must be hashable", field="new") from None
+        if distinct != len(new_ids):
+            raise DuplicateRequest("new: a request is listed twice", field="new")
+        known = [i for i in new_ids if _known(self._rows, i)]  # (None is a valid id too)
+        if known:
+            raise DuplicateRequest(f"new: request {known[0]!r} already exists", field="new")
 
     def _counts(self, values: Sequence[int | None], n: int, what: str,
                 minimum: int = 0) -> np.ndarray:
         if len(values) != n:
             raise InvalidValue(f"{what}: {len(values)} values for {n} requests", field=what)
+        if n == 0:
+            return _NO_ROWS
         try:
             arr = np.asarray(values)
         except (TypeError, ValueError, OverflowError):
@@ -319,30 +336,18 @@ class KVCacheManager:
         first = self._counts([p if c is None else c for p, c in zip(prompt, chunks, strict=True)],
                              len(new_ids), "first_chunk", minimum=1)
 
-        if (dlen > cfg.max_draft_len).any():
+        if dlen.size and dlen.max() > cfg.max_draft_len:
             raise DraftLenExceeded(f"draft_len: above max_draft_len={cfg.max_draft_len}")
-        if (plen > cfg.max_draft_len).any():
+        if plen.size and plen.max() > cfg.max_draft_len:
             raise DraftLenExceeded(
                 f"padded_draft_len: above max_draft_len={cfg.max_draft_len}",
                 field="padded_draft_len",
             )
-        if (prompt > cfg.max_seq_len).any():
-            raise InvalidValue(f"prompt_len: above max_seq_len={cfg.max_seq_len}",
-                               field="prompt_len")
-        if (first > prompt).any():
-            raise InvalidValue("first_chunk: larger than the prompt", field="first_chunk")
-        try:
-            distinct = len(set(new_ids))
-        except TypeError:
-            raise InvalidValue("new: request ids must be hashable", field="new") from None
-        if distinct != len(new_ids):
-            raise DuplicateRequest("new: a request is listed twice", field="new")
-        known = [i for i in new_ids if _known(self._rows, i)]  # (None is a valid id too)
-        if known:
-            raise DuplicateRequest(f"new: request {known[0]!r} already exists", field="new")
+        if new_ids:
+            self._check_new(new_ids, prompt, first)
         _disjoint(rev, res, "results", "already reverted in this step")
-        busy = np.concatenate([gr, pad, pf])
-        _disjoint(fin, busy, "finished", "also granted in this step")
+        if fin.size:
+            _disjoint(fin, np.concatenate([gr, pad, pf]), "finished", "also granted in this step")
         _disjoint(gr, pf, "prefill", "also granted in this step")
         _disjoint(pad, pf, "prefill", "also padded in this step")
 
@@ -423,7 +428,8 @@ class KVCacheManager:
 
         grow_rows = np.concatenate([item_rows, pf])
         over = blocks_for(item_cap[grow_rows], tpb) > self.max_blocks_per_seq
-        new_over = blocks_for(first, tpb) > self.max_blocks_per_seq
+        first_blocks = blocks_for(first, tpb)
+        new_over = first_blocks > self.max_blocks_per_seq
         if over.any() or new_over.any():
             self.counters.row_overflows += 1
             who = self._ids[int(grow_rows[np.argmax(over)])] if over.any() else new_ids[
@@ -438,7 +444,7 @@ class KVCacheManager:
         available = self.pool.num_free + int((self._nblocks - base_blocks).sum())
         demands = np.concatenate([
             blocks_for(item_cap[grow_rows], tpb) - base_blocks[grow_rows],
-            blocks_for(first, tpb),
+            first_blocks,
         ])
         ok = _serve_in_order(demands, available)
         n_items = item_rows.size
@@ -483,12 +489,10 @@ class KVCacheManager:
         self._cap, self._hist, self._slack = cap, hist, slack
         self._draft, self._granted, self._pending = draft, granted, pending
         self._move_blocks(fin)
-        outcome = self._admit(new_ids, prompt, first, new_ok)
-
+        rows = self._admit(new_ids, prompt, first, new_ok) if new_ids else {}
         self.table.sync()
-        outcome.granted = item_ok[topups.size :]
-        outcome.prefill_granted = pf_ok_mask
-        return outcome
+        return StepOutcome(granted=item_ok[topups.size :], prefill_granted=pf_ok_mask,
+                           admitted=new_ok, rows=rows)
 
     def _move_blocks(self, finished_rows: np.ndarray) -> None:
         """Make every row's blocks match ceil(capacity / tokens_per_block); free finished rows."""
@@ -520,7 +524,7 @@ class KVCacheManager:
         self._pending[row] = False
 
     def _admit(self, new_ids: list[ReqId], prompt: np.ndarray, first: np.ndarray,
-               ok: np.ndarray) -> StepOutcome:
+               ok: np.ndarray) -> dict[ReqId, int]:
         rows: dict[ReqId, int] = {}
         for i in np.flatnonzero(ok).tolist():
             req = new_ids[i]
@@ -536,8 +540,7 @@ class KVCacheManager:
             rows[req] = row
         self.counters.requests_added += len(rows)
         self.counters.requests_refused += len(new_ids) - len(rows)
-        return StepOutcome(granted=np.zeros(0, dtype=bool),
-                           prefill_granted=np.zeros(0, dtype=bool), admitted=ok, rows=rows)
+        return rows
 
     # ------------------------------------------------------------------ invariants
 

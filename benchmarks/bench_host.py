@@ -23,15 +23,19 @@ import torch
 from allocator import KVCacheManager, PoolConfig, StepPlan
 
 DRAFT_LEN = 3
+PROMPT_LEN = 512
 
 
-def make_manager(batch: int, device: str) -> tuple[KVCacheManager, list[str]]:
-    cfg = PoolConfig(num_blocks=batch * 600, tokens_per_block=16, num_layers=1, num_kv_heads=1,
-                     head_dim=8, device=device, max_batch_size=batch, max_seq_len=8192,
-                     max_draft_len=DRAFT_LEN)
+def make_manager(batch: int, device: str, steps: int) -> tuple[KVCacheManager, list[str]]:
+    # Long enough that no request reaches max_seq_len within the run (at most 1 + D per step).
+    max_seq_len = PROMPT_LEN + (steps + 1) * (1 + DRAFT_LEN)
+    blocks_per_seq = -(-(max_seq_len + 1 + 2 * DRAFT_LEN) // 16)
+    cfg = PoolConfig(num_blocks=batch * blocks_per_seq, tokens_per_block=16, num_layers=1,
+                     num_kv_heads=1, head_dim=8, device=device, max_batch_size=batch,
+                     max_seq_len=max_seq_len, max_draft_len=DRAFT_LEN)
     m = KVCacheManager(cfg, allocate_storage=False)
     ids = [f"req-{i}" for i in range(batch)]
-    m.step(StepPlan(new_ids=ids, prompt_lens=[512] * batch))
+    m.step(StepPlan(new_ids=ids, prompt_lens=[PROMPT_LEN] * batch))
     m.step(StepPlan(grant_ids=ids, draft_lens=[DRAFT_LEN] * batch))
     return m, ids
 
@@ -52,7 +56,7 @@ def measure(batch: int, steps: int, device: str, seed: int) -> dict:
     acc = rng.integers(0, DRAFT_LEN + 1, size=(steps, batch)).tolist()
     out: dict[str, dict] = {}
     # Alternate the two variants step by step so both see the same machine state.
-    managers = {name: make_manager(batch, device) for name in ("batched", "per_request")}
+    managers = {name: make_manager(batch, device, steps) for name in ("batched", "per_request")}
     fns = {"batched": run_batched, "per_request": run_per_request}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(steps):
