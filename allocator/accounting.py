@@ -14,16 +14,26 @@ import numpy as np
 from .config import SlackPolicy
 
 
-def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy) -> np.ndarray:
-    """Slack a grant of ``draft_len`` records: D under overlap (unless policy is ``none``)."""
+def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,
+              lead: np.ndarray | int = 0) -> np.ndarray:
+    """Slack a grant records under overlap (unless policy is ``none``): D, or the device's lead
+    if that is larger.
+
+    The lead is the previous step's accepted drafts, which the device has already advanced over
+    when this step writes (DESIGN.md's accepted-but-uncommitted tokens). With a constant D it
+    never exceeds D, so the slack is DESIGN.md's D; an engine that shortens D from one step to
+    the next (dynamic speculation) would otherwise see reach = history + lead + 1 + D outrun
+    capacity = history + 1 + 2D: the IMA again.
+    """
     if overlap and policy is not SlackPolicy.NONE:
-        return draft_len
+        return np.maximum(draft_len, lead)
     return np.zeros_like(draft_len)
 
 
-def grant_tokens(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy) -> np.ndarray:
+def grant_tokens(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,
+                 lead: np.ndarray | int = 0) -> np.ndarray:
     """Capacity a generation grant adds: the step's 1 + D tokens plus its slack."""
-    return 1 + draft_len + slack_for(draft_len, overlap, policy)
+    return 1 + draft_len + slack_for(draft_len, overlap, policy, lead)
 
 
 def settle(capacity: np.ndarray, history: np.ndarray, draft: np.ndarray, slack: np.ndarray,

@@ -135,6 +135,8 @@ class KVCacheManager:
         self._granted = np.zeros(n, dtype=np.int64)
         self._pending = np.zeros(n, dtype=bool)
         self._nblocks = np.zeros(n, dtype=np.int64)
+        # Accepted drafts of the last settled step: the device's lead over history under overlap.
+        self._lead = np.zeros(n, dtype=np.int64)
 
     # ------------------------------------------------------------------ per-request API
 
@@ -357,6 +359,7 @@ class KVCacheManager:
         draft = self._draft.copy()
         granted = self._granted.copy()
         pending = self._pending.copy()
+        lead = self._lead
 
         # 1. reverts
         if rev.size:
@@ -380,6 +383,8 @@ class KVCacheManager:
                 )
             cap[res], hist[res] = settle(cap[res], hist[res], draft[res], slack[res], acc, policy)
             pending[res] = False
+            lead = self._lead.copy()
+            lead[res] = acc
             slack[res] = draft[res] = granted[res] = 0
 
         # 3. finished: their blocks count as available for this step's grants.
@@ -413,10 +418,10 @@ class KVCacheManager:
         item_rows = np.concatenate([topups, gr]) if topups.size else gr
         item_cap = cap.copy()
         if item_rows.size:
-            new_slack = slack_for(want_draft[item_rows], overlap, policy)
+            new_slack = slack_for(want_draft[item_rows], overlap, policy, lead[item_rows])
             add = np.where(
                 is_new_grant[item_rows],
-                grant_tokens(want_draft[item_rows], overlap, policy),
+                grant_tokens(want_draft[item_rows], overlap, policy, lead[item_rows]),
                 (want_draft[item_rows] - draft[item_rows]) + (new_slack - slack[item_rows]),
             )
             item_cap[item_rows] = cap[item_rows] + add
@@ -468,7 +473,7 @@ class KVCacheManager:
         granted[fresh_ok] = 0
         granted[ok_rows] += item_cap[ok_rows] - cap[ok_rows]
         cap[ok_rows] = item_cap[ok_rows]
-        slack[ok_rows] = slack_for(want_draft[ok_rows], overlap, policy)
+        slack[ok_rows] = slack_for(want_draft[ok_rows], overlap, policy, lead[ok_rows])
         draft[ok_rows] = want_draft[ok_rows]
         pending[ok_rows] = True
         pf_ok = pf[pf_ok_mask]
@@ -488,6 +493,7 @@ class KVCacheManager:
 
         self._cap, self._hist, self._slack = cap, hist, slack
         self._draft, self._granted, self._pending = draft, granted, pending
+        self._lead = lead
         self._move_blocks(fin)
         rows = self._admit(new_ids, prompt, first, new_ok) if new_ids else {}
         self.table.sync()
@@ -519,6 +525,7 @@ class KVCacheManager:
 
     def _reset_row(self, row: int) -> None:
         for arr in (self._cap, self._hist, self._prompt, self._slack, self._draft, self._granted,
+                    self._lead,
                     self._nblocks):
             arr[row] = 0
         self._pending[row] = False
@@ -556,7 +563,8 @@ class KVCacheManager:
         if (self._nblocks[live] > self.max_blocks_per_seq).any():
             raise InvariantViolation("a row holds more than max_blocks_per_seq blocks")
         pend = live[self._pending[live]]
-        want = grant_tokens(self._draft[pend], self.config.overlap_scheduler, self.policy)
+        want = grant_tokens(self._draft[pend], self.config.overlap_scheduler, self.policy,
+                            self._lead[pend])
         if not np.array_equal(self._granted[pend], want):
             raise InvariantViolation("a pending grant did not record exactly what it granted")
         idle = live[~self._pending[live]]

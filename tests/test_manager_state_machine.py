@@ -78,11 +78,12 @@ class Spec:
     def blocks(self, cap: int) -> int:
         return -(-cap // self.tpb)
 
-    def slack(self, d: int) -> int:
-        return d if self.overlap and self.policy != "none" else 0
+    def slack(self, d: int, lead: int) -> int:
+        """D, or the device's lead (last accepted drafts) when D was shortened below it."""
+        return max(d, lead) if self.overlap and self.policy != "none" else 0
 
-    def grant(self, d: int) -> int:
-        return 1 + d + self.slack(d)
+    def grant(self, d: int, lead: int) -> int:
+        return 1 + d + self.slack(d, lead)
 
     def overflows(self, cap: int) -> bool:
         return self.blocks(cap) > self.row_blocks
@@ -93,16 +94,17 @@ class Spec:
     # -- transitions (mutate ``r``)
 
     def do_grant(self, r: Req, d: int) -> None:
-        r.cap += self.grant(d)
-        r.pending, r.draft, r.slack, r.granted = True, d, self.slack(d), self.grant(d)
+        r.cap += self.grant(d, r.lead)
+        r.pending, r.draft, r.slack = True, d, self.slack(d, r.lead)
+        r.granted = self.grant(d, r.lead)
 
     def padded_cap(self, r: Req, p: int) -> int:
-        return r.cap + (p - r.draft) + (self.slack(p) - r.slack)
+        return r.cap + (p - r.draft) + (self.slack(p, r.lead) - r.slack)
 
     def do_pad(self, r: Req, p: int) -> None:
         new = self.padded_cap(r, p)
         r.granted += new - r.cap
-        r.cap, r.draft, r.slack = new, p, self.slack(p)
+        r.cap, r.draft, r.slack = new, p, self.slack(p, r.lead)
 
     def do_revert(self, r: Req) -> None:
         r.cap -= r.granted
@@ -144,11 +146,9 @@ class ManagerMachine(RuleBasedStateMachine):
             return [k for k, r in self.model.items() if r.pending]
         return list(self.model)
 
-    def min_draft(self, r: Req) -> int:
-        return r.lead if self.spec.overlap else 0
-
     def draft_len(self, data, r: Req) -> int:
-        return data.draw(st.integers(self.min_draft(r), self.spec.max_d), label="draft_len")
+        """Any D, shorter than the previous step's too (dynamic speculation)."""
+        return data.draw(st.integers(0, self.spec.max_d), label="draft_len")
 
     def free(self) -> int:
         return self.spec.free_blocks(self.model)
@@ -201,7 +201,7 @@ class ManagerMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.ids("ready")), label="req")
         r = self.model[req]
         d = self.draft_len(data, r)
-        new_cap = r.cap + self.spec.grant(d)
+        new_cap = r.cap + self.spec.grant(d, r.lead)
         call = getattr(self.m, site)
         if self.spec.overflows(new_cap):
             event("grant: BlockTableOverflow")
@@ -334,7 +334,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 items.append(("pad", i, req, spec.padded_cap(after[req], p), after[req].cap))
         for i, (req, d) in enumerate(zip(plan.grant_ids, plan.draft_lens, strict=True)):
             r = after[req]
-            items.append(("grant", i, req, r.cap + spec.grant(new_pad.get(req, d)), r.cap))
+            items.append(("grant", i, req, r.cap + spec.grant(new_pad.get(req, d), r.lead),
+                          r.cap))
         for i, (req, n) in enumerate(zip(plan.prefill_ids, plan.prefill_tokens, strict=True)):
             items.append(("prefill", i, req, after[req].cap + n, after[req].cap))
         for i, (prompt, first) in enumerate(zip(plan.prompt_lens, plan.first_chunks,

@@ -263,18 +263,41 @@ def test_unreclaimed_policy_leaks_d_per_step_until_a_typed_row_overflow(manager)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_reclaim_net_growth_per_step_is_1_plus_accepted(manager, overlap):
     """Under reclaim, with any D and acceptance: capacity after the update is exactly the
-    capacity before the grant + 1 + accepted, and history == capacity after every update."""
+    capacity before the grant + 1 + accepted, and history == capacity after every update.
+    Under overlap the grant's slack is D, or the last step's accepted drafts when D shrank
+    below them (the device is that far ahead of history)."""
     m = manager(overlap_scheduler=overlap)
     req = started(m)
     rng = np.random.default_rng(5)
+    lead = 0
     for _ in range(150):
         cap = m.capacity(req)
         d = int(rng.integers(0, MAX_D + 1))
         assert m.try_allocate_generation(req, d)
-        assert m.capacity(req) == cap + 1 + d + (d if overlap else 0)
+        slack = max(d, lead) if overlap else 0
+        assert m.capacity(req) == cap + 1 + d + slack
+        assert m.pending_overlap_slack(req) == slack
         a = int(rng.integers(0, d + 1))
         m.update_resources(req, a)
         assert m.capacity(req) == cap + 1 + a == m.history(req)
+        lead = a
+
+
+def test_a_shortened_draft_len_still_covers_the_device_lead(manager):
+    """Dynamic speculation: D=3 with 3 accepted, then D=0. The device is 3 accepted drafts
+    ahead of history, so the D=0 grant records a slack of 3 and reach stays within capacity."""
+    m = manager()
+    req = started(m)
+    assert m.try_allocate_generation(req, 3)
+    m.update_resources(req, 3)
+    h = m.history(req)
+    assert m.try_allocate_generation(req, 0)
+    assert m.pending_overlap_slack(req) == 3
+    reach = h + 3 + 1 + 0
+    assert reach <= m.capacity(req) == h + 1 + 0 + 3
+    m.update_resources(req, 0)
+    assert m.capacity(req) == m.history(req) == h + 1
+    m.check_invariants()
 
 
 def test_reclaim_reach_never_exceeds_capacity_with_everything_accepted(manager):
