@@ -7,8 +7,9 @@ This is where capacity is granted: every grant site (``try_allocate_generation``
 
 Invariants (``check_invariants`` verifies all of them):
 - history <= capacity, and num_blocks == ceil(capacity / tokens_per_block) <= max_blocks_per_seq;
-- a request holds at most one generation grant at a time; while it does, the grant recorded
-  exactly what it added (``granted == 1 + draft + slack``) so a revert undoes exactly that;
+- a request holds at most one generation grant at a time; while it does, that grant added
+  exactly ``1 + draft + slack`` (slack per `accounting.slack_for`), which is what a revert
+  takes back;
 - blocks are conserved (free + owned == total) and no block sits in two rows;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host.
 
@@ -132,7 +133,6 @@ class KVCacheManager:
         self._prompt = np.zeros(n, dtype=np.int64)
         self._slack = np.zeros(n, dtype=np.int64)
         self._draft = np.zeros(n, dtype=np.int64)
-        self._granted = np.zeros(n, dtype=np.int64)
         self._pending = np.zeros(n, dtype=bool)
         self._nblocks = np.zeros(n, dtype=np.int64)
         # Accepted drafts of the last settled step: the device's lead over history under overlap.
@@ -223,16 +223,17 @@ class KVCacheManager:
     def histories(self, req_ids: Sequence[ReqId]) -> np.ndarray:
         """``history`` of each of ``req_ids`` (int64, in order; repeats allowed): one call per
         batch instead of one per request on a scheduler's hot path."""
-        return self._hist[self._rows_for(req_ids)]
+        return self._hist[self._rows_for(req_ids, "req_id")]
 
-    def _rows_for(self, req_ids: Sequence[ReqId]) -> np.ndarray:
+    def _rows_for(self, ids: Sequence[ReqId], what: str) -> np.ndarray:
+        if not ids:
+            return _NO_ROWS
         rows_of = self._rows
         try:
-            return np.fromiter((rows_of[r] for r in req_ids), dtype=np.int64,
-                               count=len(req_ids))
+            return np.fromiter(map(rows_of.__getitem__, ids), dtype=np.int64, count=len(ids))
         except (KeyError, TypeError):
-            bad = next(r for r in req_ids if not _known(rows_of, r))
-            raise UnknownRequest(f"req_id: unknown request {bad!r}") from None
+            bad = next(i for i in ids if not _known(rows_of, i))
+            raise UnknownRequest(f"{what}: unknown request {bad!r}", field=what) from None
 
     def block_ids(self, req_id: ReqId) -> np.ndarray:
         row = self._row(req_id)
@@ -265,14 +266,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ the one mutation path
 
     def _lookup(self, ids: Sequence[ReqId], what: str) -> np.ndarray:
-        if not ids:
-            return _NO_ROWS
-        rows_of = self._rows
-        try:
-            arr = np.fromiter(map(rows_of.__getitem__, ids), dtype=np.int64, count=len(ids))
-        except (KeyError, TypeError):
-            bad = next(i for i in ids if not _known(rows_of, i))
-            raise UnknownRequest(f"{what}: unknown request {bad!r}", field=what) from None
+        """Rows of a StepPlan list: known requests, each listed once."""
+        arr = self._rows_for(ids, what)
         if arr.size > 1 and np.bincount(arr).max() > 1:
             raise DuplicateRequest(f"{what}: a request is listed twice", field=what)
         return arr
@@ -357,7 +352,6 @@ class KVCacheManager:
         hist = self._hist.copy()
         slack = self._slack.copy()
         draft = self._draft.copy()
-        granted = self._granted.copy()
         pending = self._pending.copy()
         lead = self._lead
 
@@ -366,9 +360,9 @@ class KVCacheManager:
             if not pending[rev].all():
                 raise NoPendingGrant("reverts: a request holds no generation grant",
                                      field="reverts")
-            cap[rev] -= granted[rev]
+            cap[rev] -= 1 + draft[rev] + slack[rev]
             pending[rev] = False
-            slack[rev] = draft[rev] = granted[rev] = 0
+            slack[rev] = draft[rev] = 0
 
         # 2. results
         if res.size:
@@ -385,7 +379,7 @@ class KVCacheManager:
             pending[res] = False
             lead = self._lead.copy()
             lead[res] = acc
-            slack[res] = draft[res] = granted[res] = 0
+            slack[res] = draft[res] = 0
 
         # 3. finished: their blocks count as available for this step's grants.
         base_cap = cap.copy()
@@ -432,7 +426,8 @@ class KVCacheManager:
         item_cap[pf] = cap[pf] + pft
 
         grow_rows = np.concatenate([item_rows, pf])
-        over = blocks_for(item_cap[grow_rows], tpb) > self.max_blocks_per_seq
+        grow_blocks = blocks_for(item_cap[grow_rows], tpb)
+        over = grow_blocks > self.max_blocks_per_seq
         first_blocks = blocks_for(first, tpb)
         new_over = first_blocks > self.max_blocks_per_seq
         if over.any() or new_over.any():
@@ -448,7 +443,7 @@ class KVCacheManager:
         base_blocks = blocks_for(base_cap, tpb)
         available = self.pool.num_free + int((self._nblocks - base_blocks).sum())
         demands = np.concatenate([
-            blocks_for(item_cap[grow_rows], tpb) - base_blocks[grow_rows],
+            grow_blocks - base_blocks[grow_rows],
             first_blocks,
         ])
         ok = _serve_in_order(demands, available)
@@ -470,8 +465,6 @@ class KVCacheManager:
         # ---- validated: from here on nothing raises; commit the new state.
         ok_rows = item_rows[item_ok]
         fresh_ok = ok_rows[is_new_grant[ok_rows]]
-        granted[fresh_ok] = 0
-        granted[ok_rows] += item_cap[ok_rows] - cap[ok_rows]
         cap[ok_rows] = item_cap[ok_rows]
         slack[ok_rows] = slack_for(want_draft[ok_rows], overlap, policy, lead[ok_rows])
         draft[ok_rows] = want_draft[ok_rows]
@@ -492,7 +485,7 @@ class KVCacheManager:
         c.padding_topups += int(pad.size)
 
         self._cap, self._hist, self._slack = cap, hist, slack
-        self._draft, self._granted, self._pending = draft, granted, pending
+        self._draft, self._pending = draft, pending
         self._lead = lead
         self._move_blocks(fin)
         rows = self._admit(new_ids, prompt, first, new_ok) if new_ids else {}
@@ -524,8 +517,7 @@ class KVCacheManager:
         self.counters.requests_freed += finished_rows.size
 
     def _reset_row(self, row: int) -> None:
-        for arr in (self._cap, self._hist, self._prompt, self._slack, self._draft, self._granted,
-                    self._lead,
+        for arr in (self._cap, self._hist, self._prompt, self._slack, self._draft, self._lead,
                     self._nblocks):
             arr[row] = 0
         self._pending[row] = False
@@ -563,13 +555,13 @@ class KVCacheManager:
         if (self._nblocks[live] > self.max_blocks_per_seq).any():
             raise InvariantViolation("a row holds more than max_blocks_per_seq blocks")
         pend = live[self._pending[live]]
-        want = grant_tokens(self._draft[pend], self.config.overlap_scheduler, self.policy,
-                            self._lead[pend])
-        if not np.array_equal(self._granted[pend], want):
-            raise InvariantViolation("a pending grant did not record exactly what it granted")
+        want = slack_for(self._draft[pend], self.config.overlap_scheduler, self.policy,
+                         self._lead[pend])
+        if not np.array_equal(self._slack[pend], want):
+            raise InvariantViolation("a pending grant's slack is not what its grant site adds")
         idle = live[~self._pending[live]]
-        if (self._slack[idle] != 0).any() or (self._granted[idle] != 0).any():
-            raise InvariantViolation("slack or grant recorded without a pending grant")
+        if (self._slack[idle] != 0).any() or (self._draft[idle] != 0).any():
+            raise InvariantViolation("slack or drafts recorded without a pending grant")
         self.table.check_invariants(live, self._nblocks[live], self.pool.num_blocks, synced=True)
         held = self.table.host[live]
         held = held[held >= 0]
