@@ -346,7 +346,7 @@ class ServiceCore:
         return Window(
             req_ids=ids, decode=np.arange(len(ids)) < n_decode, rows=[rows[r] for r in ids],
             starts=starts, num_tokens=np.concatenate([1 + decode_drafts, num_tokens]),
-            num_drafts=num_drafts, table=mgr.table.host, tokens_per_block=self._tpb,
+            num_drafts=num_drafts, table=mgr.table, tokens_per_block=self._tpb,
         )
 
     def _commit(self, worker: Worker, window: Window | None, accepted: dict[str, int],

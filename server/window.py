@@ -18,6 +18,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
+from allocator.block_table import BlockTable
+
 from . import wire
 
 
@@ -25,8 +27,8 @@ class Window:
     def __init__(self, req_ids: Sequence[str], decode: Sequence[bool] | np.ndarray,
                  rows: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray,
                  num_tokens: Sequence[int] | np.ndarray, num_drafts: Sequence[int] | np.ndarray,
-                 table: np.ndarray, tokens_per_block: int) -> None:
-        """``table`` is the block table's host mirror after the step that schedules the window."""
+                 table: BlockTable, tokens_per_block: int) -> None:
+        """``table`` is the block table as it stands after the step that schedules the window."""
         self.req_ids = list(req_ids)
         self.decode = np.asarray(decode, dtype=bool)
         self.rows = np.asarray(rows, dtype=np.int64)
@@ -38,11 +40,9 @@ class Window:
         self.token_req = np.repeat(np.arange(len(self.req_ids)), self.num_tokens)
         self.positions = (self.starts[self.token_req]
                           + np.arange(self.token_req.size) - self.offsets[self.token_req])
-        block = table[self.rows[self.token_req], self.positions // tokens_per_block]
-        # Capacity covers every scheduled position, so block >= 0; -1 keeps a bug from faulting.
-        self.slots = np.where(block >= 0,
-                              block.astype(np.int64) * tokens_per_block
-                              + self.positions % tokens_per_block, -1)
+        # Capacity covers every scheduled position, so no slot is -1; it keeps a bug from faulting.
+        self.slots = table.host_slot_mapping(self.rows[self.token_req], self.positions,
+                                             tokens_per_block)
 
     @property
     def total_tokens(self) -> int:

@@ -199,6 +199,22 @@ def test_slot_mapping_matches_a_python_reference_on_random_batches(device):
                                       reference_slots(t.host, rows, positions, tpb))
 
 
+def test_host_slot_mapping_follows_the_same_rule_as_the_device_one():
+    """A scheduler that sends slots with its reply reads them from the host mirror: same slots,
+    same -1 for padding and past the row's blocks, on random batches."""
+    rng = np.random.default_rng(11)
+    for tpb in (1, 3, 16):
+        t = make_table("cpu", batch=8, width=6)
+        counts = rng.integers(0, 7, size=8)
+        ids = rng.permutation(200)[: counts.sum()].astype(np.int32)
+        t.append(np.arange(8), np.zeros(8, dtype=np.int64), counts, ids)
+        rows = rng.integers(0, 8, size=500)
+        positions = rng.integers(-5, 6 * tpb + 10, size=500)
+        got = t.host_slot_mapping(rows, positions, tpb)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, reference_slots(t.host, rows, positions, tpb))
+
+
 @on_each_device
 def test_slot_mapping_accepts_int32_inputs(device):
     t = make_table(device, batch=1, width=2)
