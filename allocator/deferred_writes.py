@@ -468,15 +468,6 @@ class DeferredWriteManager:
         if committed == total:
             write_staged(self.storage.rows(), self._staged, self._slots, self._layer_rows,
                          total, self._inv, backend=self.backend)
-        elif self.device.type == "cpu" and self.backend == "torch":
-            # The counts are on the host and so is the pool: mask through numpy views of the
-            # same buffers, which costs a fraction of mask_rejected's torch dispatches.
-            tokens = self._tokens[:total].numpy()
-            keep = tokens[:, 1] < accepted[tokens[:, 0]]
-            self._masked_slots[:, :total].numpy()[:] = np.where(
-                keep, self._slots[:, :total].numpy(), -1)
-            write_staged(self.storage.rows(), self._staged, self._masked_slots, self._layer_rows,
-                         total, self._inv, backend=self.backend)
         else:
             upload_into(self._accepted[: layout.num_requests], accepted)
             self._device_commit(total, record=False)

@@ -22,6 +22,7 @@ with no host synchronisation, so it is captured in the commit's CUDA graph.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .commit_kernel import Backend, resolve_backend
@@ -60,6 +61,9 @@ def mask_rejected(tokens: torch.Tensor, accepted: torch.Tensor, limits: torch.Te
 def _mask_rejected_torch(tokens: torch.Tensor, accepted: torch.Tensor, limits: torch.Tensor,
                          slots: torch.Tensor, num_rows: int, out: torch.Tensor,
                          counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    if counters is None and not slots.is_cuda:
+        _mask_rejected_numpy(tokens, accepted, limits, slots, num_rows, out)
+        return
     request, draft_index, bucket = tokens[:num_rows].unbind(1)
     invalid = ((accepted < 0) | (accepted > limits[:-1])).any()
     keep = draft_index < torch.where(invalid, NEVER, accepted)[request]
@@ -73,3 +77,13 @@ def _mask_rejected_torch(tokens: torch.Tensor, accepted: torch.Tensor, limits: t
     window.copy_(delta)
     total.add_(delta)
     hist.scatter_add_(0, bucket, committed)
+
+
+def _mask_rejected_numpy(tokens: torch.Tensor, accepted: torch.Tensor, limits: torch.Tensor,
+                         slots: torch.Tensor, num_rows: int, out: torch.Tensor) -> None:
+    """The same rule through numpy views of the same CPU buffers: on a CPU pool the commit is on
+    the service's per-step path, and torch's per-op dispatch costs more than the work."""
+    t, acc = tokens[:num_rows].numpy(), accepted.numpy()
+    invalid = ((acc < 0) | (acc > limits[:-1].numpy())).any()
+    keep = t[:, 1] < (NEVER if invalid else acc[t[:, 0]])
+    out[:, :num_rows].numpy()[:] = np.where(keep, slots[:, :num_rows].numpy(), -1)
