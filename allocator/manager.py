@@ -225,6 +225,11 @@ class KVCacheManager:
         batch instead of one per request on a scheduler's hot path."""
         return self._hist[self._rows_for(req_ids, "req_id")]
 
+    def row_block_counts(self, rows: np.ndarray) -> np.ndarray:
+        """``num_blocks`` of block-table ``rows`` (a copy). Blocks only ever change at a row's
+        tail, so two counts taken around a step say exactly which cells it rewrote."""
+        return self._nblocks[rows]
+
     def _rows_for(self, ids: Sequence[ReqId], what: str) -> np.ndarray:
         if not ids:
             return _NO_ROWS

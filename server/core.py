@@ -294,7 +294,8 @@ class ServiceCore:
         finishing = set(req.finished)
         rows = {r: worker.rows[r] for r in touched if r in worker.rows and r not in finishing}
         finished_rows = {r: worker.rows[r] for r in req.finished if r in worker.rows}
-        before = mgr.table.host[np.fromiter(rows.values(), dtype=np.int64, count=len(rows))]  # copy
+        touched_rows = np.fromiter(rows.values(), dtype=np.int64, count=len(rows))
+        blocks_before = mgr.row_block_counts(touched_rows)
 
         if worker.fence is not None:
             worker.fence.service_begin()
@@ -312,7 +313,7 @@ class ServiceCore:
         return wire.StepReply(
             epoch=self.epoch, step_id=req.step_id, scheduled=worker.window.scheduled(),
             refused=self._refused(req, outcome),
-            table_updates=[*_row_changes(rows, before, host),
+            table_updates=[*_row_changes(rows, touched_rows, blocks_before, mgr),
                            *(wire.TableUpdate(req_id=r, row=row, start=0, block_ids=[],
                                               num_blocks=0) for r, row in finished_rows.items()),
                            *_new_rows(admitted_rows, host)],
@@ -455,22 +456,19 @@ def _plan(wid: str, req: wire.StepRequest) -> StepPlan:
     )
 
 
-def _row_changes(rows: dict[str, int], before: np.ndarray,
-                 host: np.ndarray) -> list[wire.TableUpdate]:
-    """Updates for the rows of requests that stayed alive and whose blocks changed."""
+def _row_changes(rows: dict[str, int], idx: np.ndarray, before: np.ndarray,
+                 mgr: KVCacheManager) -> list[wire.TableUpdate]:
+    """Updates for the rows of requests that stayed alive and whose block count changed (a
+    row only grows or shrinks at its tail, so the counts locate every rewritten cell)."""
     if not rows:
         return []
-    idx = np.fromiter(rows.values(), dtype=np.int64, count=len(rows))
-    after = host[idx]
-    diff = before != after
-    changed = np.flatnonzero(diff.any(axis=1))
-    starts = diff.argmax(axis=1)
-    counts = (after >= 0).sum(axis=1)
-    names = list(rows)
+    after = mgr.row_block_counts(idx)
+    starts = np.minimum(before, after)
+    host, names = mgr.table.host, list(rows)
     return [wire.TableUpdate(req_id=names[i], row=int(idx[i]), start=int(starts[i]),
-                             block_ids=after[i, starts[i]:counts[i]].tolist(),
-                             num_blocks=int(counts[i]))
-            for i in changed.tolist()]
+                             block_ids=host[idx[i], starts[i]:after[i]].tolist(),
+                             num_blocks=int(after[i]))
+            for i in np.flatnonzero(before != after).tolist()]
 
 
 def _new_rows(admitted: dict[str, int], host: np.ndarray) -> list[wire.TableUpdate]:

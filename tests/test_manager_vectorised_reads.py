@@ -46,3 +46,23 @@ def test_histories_unknown_request_raises(make_manager: Callable[..., KVCacheMan
     mgr = _running(make_manager)
     with pytest.raises(UnknownRequest, match="unknown request"):
         mgr.histories(["a", bad])
+
+
+def test_row_block_counts_locate_what_a_step_rewrote(make_manager: Callable[..., KVCacheManager]
+                                                     ) -> None:
+    """Counts around a step differ exactly for the rows whose blocks changed, and the cells past
+    the smaller count are the only ones that differ."""
+    mgr = _running(make_manager)
+    rows = np.array([mgr.row(r) for r in ("a", "b", "c")])
+    before_counts = mgr.row_block_counts(rows)
+    before_table = mgr.table.host[rows].copy()
+    mgr.step(StepPlan(grant_ids=["a", "c"], draft_lens=[3, 0]))
+    after_counts = mgr.row_block_counts(rows)
+    assert after_counts.tolist() == [mgr.num_blocks(r) for r in ("a", "b", "c")]
+    after_table = mgr.table.host[rows]
+    for i in range(3):
+        lo = min(before_counts[i], after_counts[i])
+        assert (before_table[i, :lo] == after_table[i, :lo]).all()
+        if before_counts[i] == after_counts[i]:
+            assert (before_table[i] == after_table[i]).all()
+    assert (before_counts != after_counts).any(), "the scenario must change some row"
