@@ -62,6 +62,10 @@ class BlockTableOverflow(KVAllocError):
 
     field = "capacity"
 
+    def __init__(self, message: str, *, req_id: object = None) -> None:
+        super().__init__(message)
+        self.req_id = req_id  # the overflowing request, so a batch's caller need not guess
+
 
 class BatchFull(KVAllocError):
     """Every block-table row (max_batch_size) is in use."""

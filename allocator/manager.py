@@ -441,7 +441,7 @@ class KVCacheManager:
                 int(np.argmax(new_over))]
             raise BlockTableOverflow(
                 f"capacity: request {who!r} would need more than max_blocks_per_seq="
-                f"{self.max_blocks_per_seq} blocks"
+                f"{self.max_blocks_per_seq} blocks", req_id=who,
             )
 
         # Blocks: what the settled state frees, then each item's demand served in order.

@@ -162,8 +162,8 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
                         grant_ids=grants, draft_lens=[d] * len(grants))
         try:
             outcome = manager.step(plan)
-        except BlockTableOverflow:
-            who = _first_overflowing(manager, results, accepted, grants, d)
+        except BlockTableOverflow as exc:
+            who = exc.req_id
             result.first_row_overflow = _failure(manager, step, who, in_flight.get(who, 0), d)
             break
         result.steps = step
@@ -206,18 +206,6 @@ def _failure(manager: KVCacheManager, step: int, req: int, uncommitted: int,
         capacity=manager.capacity(req),
         allocated_tokens=manager.num_blocks(req) * manager.tokens_per_block, history=history,
     )
-
-
-def _first_overflowing(manager: KVCacheManager, results: list[int], accepted: list[int],
-                       grants: list[int], draft_len: int) -> int:
-    """The request whose grant overflows its row (the batched step names it in its error)."""
-    settled = dict(zip(results, accepted, strict=True))
-    for r in grants:
-        probe = manager.capacity(r) + 1 + 2 * draft_len - (
-            (draft_len - settled[r]) if r in settled else 0)
-        if -(-probe // manager.tokens_per_block) > manager.max_blocks_per_seq:
-            return r
-    return grants[0]
 
 
 class _NoProgress:

@@ -456,3 +456,16 @@ def test_memory_budget_sets_num_blocks(make_config):
     per_block = 2 * 2 * 4 * 1 * 8 * 2  # K+V, layers, tokens, heads, head_dim, bytes (bf16)
     assert cfg.bytes_per_block == per_block
     assert cfg.total_blocks == 10_000 // per_block
+
+
+def test_row_overflow_in_a_batch_names_the_overflowing_request(make_manager):
+    """In a batched step the error carries which request would overflow its row, so a scheduler
+    can finish or preempt exactly that one."""
+    m = make_manager()
+    m.step(StepPlan(new_ids=["short", "full"], prompt_lens=[4, m.config.max_seq_len]))
+    for _ in range(4):  # walk "full" to its row limit one committed token at a time
+        m.step(StepPlan(grant_ids=["full"], draft_lens=[0]))
+        m.step(StepPlan(result_ids=["full"], num_accepted=[0]))
+    with pytest.raises(BlockTableOverflow) as err:
+        m.step(StepPlan(grant_ids=["short", "full"], draft_lens=[3, 3]))
+    assert err.value.req_id == "full"
