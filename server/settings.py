@@ -14,10 +14,12 @@ from allocator import PoolConfig
 
 from .addresses import TOKEN_ENV
 
+DEFAULT_NUM_BLOCKS = 4096
+
 
 def default_pool(**overrides: object) -> PoolConfig:
-    """The embedded default: PoolConfig's small model shape and 4096 blocks."""
-    return PoolConfig(**{"num_blocks": 4096, **overrides})
+    """The embedded default: PoolConfig's small model shape and `DEFAULT_NUM_BLOCKS` blocks."""
+    return PoolConfig(**{"num_blocks": DEFAULT_NUM_BLOCKS, **overrides})
 
 
 def token_from_env() -> SecretStr | None:
