@@ -68,19 +68,28 @@ def port_number(text: str) -> int:
     return port
 
 
-def socket_file(text: str) -> Path:
-    """A path where a Unix socket can be created: its directory must exist."""
+def socket_file(text: str) -> str:
+    """A Unix socket path as a flag names it. Whether its directory exists is checked where the
+    socket is made (`require_directory`): a command line may be read on another host."""
     if not text:
         raise AddressError("socket path is empty")
-    path = Path(text)
+    return text
+
+
+def require_directory(path: Path) -> None:
+    """The directory a socket file will be created in must exist."""
     if not path.parent.is_dir():
         raise AddressError(f"{path}: directory {path.parent} does not exist")
-    return path
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ``ipc://`` endpoint; None for ``tcp://``."""
+    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
 
 
 def server_endpoint(endpoint: str) -> str:
-    """A ZeroMQ endpoint the service can bind: ``ipc:///path`` in an existing directory, or
-    ``tcp://host:port`` with a port in range (``*`` or 0: any free port)."""
+    """A ZeroMQ endpoint the service can bind: ``ipc:///path`` or ``tcp://host:port`` with a port
+    in range (``*`` or 0: any free port)."""
     scheme, sep, rest = endpoint.partition("://")
     if sep and scheme == "ipc":
         socket_file(rest)

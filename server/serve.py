@@ -31,9 +31,12 @@ from allocator.config import KVDType
 from .addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
+    AddressError,
     claim_socket_path,
     default_ipc,
+    ipc_path,
     port_number,
+    require_directory,
     server_endpoint,
     socket_file,
 )
@@ -100,8 +103,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _config(args)
+        _check_socket_directories(args)
     except ValidationError as exc:
         print(f"kvalloc serve: error: {flag_errors(exc)}", file=sys.stderr)
+        return 2
+    except AddressError as exc:
+        print(f"kvalloc serve: error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -166,6 +173,17 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), **service)
+
+
+def _check_socket_directories(args: argparse.Namespace) -> None:
+    """Every socket file's directory exists, before anything is bound (the default IPC socket's
+    directory is created by `default_ipc`)."""
+    for flag, path in [("--uds", args.uds), *(("--ipc", ipc_path(e)) for e in args.ipc or [])]:
+        if path is not None:
+            try:
+                require_directory(Path(path))
+            except AddressError as exc:
+                raise AddressError(f"argument {flag}: {exc}") from None
 
 
 def _rest_sockets(args: argparse.Namespace) -> list[socket.socket]:

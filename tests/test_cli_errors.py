@@ -31,11 +31,8 @@ def fails_with(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     (["--port", "-1"], "argument --port: port -1 is out of range 0-65535"),
     (["--port", "http"], "argument --port: port 'http' is not a number"),
     (["--ipc", "garbage"], "argument --ipc: 'garbage' is not ipc:///path or tcp://host:port"),
-    (["--ipc", "ipc:///nonexistent/x"], "/nonexistent/x: directory /nonexistent does not exist"),
     (["--ipc", "tcp://127.0.0.1:99999"], "argument --ipc: port 99999 is out of range 0-65535"),
     (["--ipc", "tcp://:5555"], "need tcp://host:port"),
-    (["--uds", "/nonexistent/dir/rest.sock"],
-     "argument --uds: /nonexistent/dir/rest.sock: directory /nonexistent/dir does not exist"),
     (["--num-blocks", "many"], "argument --num-blocks: invalid int value: 'many'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
 ])
@@ -49,6 +46,12 @@ def test_serve_refuses_a_bad_flag_naming_it_and_the_value(capsys, argv, message)
     (["--num-blocks", "-3"], "--num-blocks -3: Input should be greater than 0"),
     (["--max-workers", "0"], "--max-workers 0: Input should be greater than 0"),
     (["--device", "tpu"], "--device tpu: Value error, device: 'tpu' is not a torch device"),
+    # Socket directories are checked where the service runs (a deployed command line is also
+    # read elsewhere), before anything is bound.
+    (["--ipc", "ipc:///nonexistent/x"],
+     "argument --ipc: /nonexistent/x: directory /nonexistent does not exist"),
+    (["--uds", "/nonexistent/dir/rest.sock"],
+     "argument --uds: /nonexistent/dir/rest.sock: directory /nonexistent/dir does not exist"),
 ])
 def test_serve_reports_an_invalid_configuration_by_its_flag(capsys, argv, message):
     assert cli.main(["serve", "--no-tcp", *argv]) == 2
