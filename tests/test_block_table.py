@@ -1,6 +1,6 @@
 """`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` on the device with a host mirror.
 
-Rules (DESIGN.md "block table" and "slot"):
+Rules (docs/design.md "Words": block table and slot):
 - entries past a row's blocks are -1, on the host and on the device;
 - ``sync()`` uploads only the rows touched since the last sync, and afterwards the device copy
   equals the host mirror;
@@ -50,7 +50,7 @@ def fill_row(table: BlockTable, row: int, ids: list[int]) -> None:
 
 def reference_slots(host: np.ndarray, rows: np.ndarray, positions: np.ndarray,
                     tpb: int) -> np.ndarray:
-    """DESIGN.md's slot rule, one token at a time in plain Python."""
+    """the design's slot rule, one token at a time in plain Python."""
     out = []
     for r, p in zip(rows.tolist(), positions.tolist(), strict=True):
         col = p // tpb if p >= 0 else -1

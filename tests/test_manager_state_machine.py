@@ -3,7 +3,7 @@
 Rules drive the manager with random draft lengths D in 0..max_draft_len, random acceptance,
 CUDA-graph padding, skipped forwards (reverts), chunked prefill, frees, small pools that run out of
 blocks and rows, and batched ``step(StepPlan(...))`` calls mixing every kind of entry. Next to the
-manager runs `Spec`, a plain-Python model of DESIGN.md's accounting table (one request at a time,
+manager runs `Spec`, a plain-Python model of the design's accounting table (one request at a time,
 no numpy): after every rule the manager must agree with it exactly (capacity, history, pending
 slack and draft, blocks, free blocks, which calls are refused or raise), and independently:
 
@@ -17,7 +17,7 @@ slack and draft, blocks, free blocks, which calls are refused or raise), and ind
 - under ``reclaim``: capacity - history <= 1 + 2 * max_draft_len;
 - freeing everything returns the whole pool (teardown).
 
-DESIGN.md says the device runs "up to D" accepted-but-uncommitted tokens ahead: the slack of D
+docs/design.md says the device runs "up to D" accepted-but-uncommitted tokens ahead: the slack of D
 covers the previous step's u only when u <= D, so under overlap a grant's D is drawn from
 [u, max_draft_len] (a scheduler with a fixed draft length always satisfies this).
 """
@@ -63,7 +63,7 @@ class Req:
 
 
 class Spec:
-    """DESIGN.md's capacity accounting, written out per request."""
+    """the design's capacity accounting, written out per request."""
 
     def __init__(self, cfg: PoolConfig) -> None:
         self.tpb = cfg.tokens_per_block
@@ -268,7 +268,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def step(self, data) -> None:
-        """A random mixed StepPlan; the model applies DESIGN.md's rules in StepPlan's documented
+        """A random mixed StepPlan; the model applies the design's rules in StepPlan's documented
         order: reverts, results, finished, then padding of earlier grants (never refused),
         this step's grants (plan order), prefill chunks, new requests; a grant that does not
         fit is refused, the rest are still served."""

@@ -102,7 +102,8 @@ def test_scripted_steps_export_exactly_the_managers_state(manager, registry):
 
 
 def test_design_reference_values_are_what_prometheus_sees(manager, registry):
-    """DESIGN.md: D=3, cap 100: allocate -> 107, slack 3; update with 1 accepted -> 102, slack 0."""
+    """docs/design.md: D=3, cap 100: allocate -> 107, slack 3; update with 1 accepted -> 102,
+    slack 0."""
     m = small_manager(num_blocks=64, max_seq_len=128)
     AllocatorMetrics(registry, m)
     m.add_request("r", 100)
