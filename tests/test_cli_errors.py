@@ -145,6 +145,7 @@ def test_a_refused_token_is_named_as_such_on_every_transport(guarded, monkeypatc
     assert str(exc_info.value) == f"401 unauthorized: {says}"
     with Client(getattr(guarded, transport), token="s3cret") as client:
         assert client.register(attach=False).epoch == guarded.epoch
+        client.deregister()
 
 
 def test_loadgen_against_a_guarded_service_says_the_token_is_missing(guarded, monkeypatch):
