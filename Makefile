@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_host.py
+	$(PY) benchmarks/bench_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
