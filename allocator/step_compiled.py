@@ -475,22 +475,24 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
             changed_from, changed_blocks, changed_ids, changed_cells)
 
 
-def _jit(function):
+def _jit(function, **options):
     try:
-        return numba.njit(cache=True, nogil=True)(function)
+        return numba.njit(cache=True, nogil=True, **options)(function)
     except RuntimeError:  # no writable cache directory at all: compile in every process
-        return numba.njit(nogil=True)(function)
+        return numba.njit(nogil=True, **options)(function)
 
 
 if numba is not None:
-    _fail = _jit(_fail)
-    _check_rows = _jit(_check_rows)
-    _check_minimum = _jit(_check_minimum)
-    _check_maximum = _jit(_check_maximum)
-    _check_apart = _jit(_check_apart)
-    _validate = _jit(_validate)
-    _slack_for = _jit(_slack_for)
-    _blocks_for = _jit(_blocks_for)
+    # The helpers are inlined into the step: compiled on their own, every call site's constant
+    # arguments would make a separately compiled variant (dozens, seconds each).
+    _fail = _jit(_fail, inline="always")
+    _check_rows = _jit(_check_rows, inline="always")
+    _check_minimum = _jit(_check_minimum, inline="always")
+    _check_maximum = _jit(_check_maximum, inline="always")
+    _check_apart = _jit(_check_apart, inline="always")
+    _validate = _jit(_validate, inline="always")
+    _slack_for = _jit(_slack_for, inline="always")
+    _blocks_for = _jit(_blocks_for, inline="always")
     _step = _jit(_step)
 
 
