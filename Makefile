@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_host.py
+	$(PY) benchmarks/bench_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
