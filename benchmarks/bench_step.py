@@ -1,7 +1,7 @@
 """Per-step cost of the scheduler step path, side by side in one run.
 
     python benchmarks/bench_step.py [--quick] [--json] [--batches 64 256 1024] [--steps N]
-                                    [--device cpu|cuda] [--out results.json]
+                                    [--device cpu|cuda] [--layers L] [--out results.json]
 
 The workload is an overlap scheduler's steady decode: ``batch`` requests, MTP3 (D=3), each step
 settles every request's previous grant with a random accepted count (0..D) and grants the next
@@ -12,10 +12,22 @@ as integer arrays of handles (a manager's handles are its rows); every measureme
 copy of the same workload.
 
 Measurements (`MEASUREMENTS`, name -> factory) alternate step by step, so all of them see the
-same machine state; each reports the median and p99 of its timed part in microseconds. With
-``--json`` the script prints one JSON object: ``<name>_us`` (median at batch 256) for every
-measurement, and the full results under ``"batches"``. ``--quick`` runs batch 256 only, with
-fewer steps.
+same machine state; each reports the median and p99 of its timed part in microseconds:
+
+- ``manager_numpy``, ``manager``: `KVCacheManager.step`, the numpy reference and the compiled
+  step (host-only: no KV memory);
+- ``service_inproc``: `ServiceCore.step` in this process through `Client.in_process`, for an
+  attached worker, so it includes the NWOR commit of the previous step; ``commit`` is that
+  commit's own time inside it (a host memory copy on a CPU pool; on a CUDA pool the kernels,
+  synchronised so their device time counts);
+- ``ipc``, ``rest_tcp``: the round trip to a real ``kvalloc serve`` subprocess over ZeroMQ and
+  over HTTP on TCP, attached too: encoding, transport, the service's step, decoding.
+
+The service's pool has the model shape ``--layers`` x ``--kv-heads`` x ``--head-dim`` (bf16; by
+default the embedded 2 x 2 x 64) and as many blocks as the run's steps can fill, so its memory
+stays bounded; the manager alone keeps 200k blocks. With ``--json`` the script prints one JSON
+object: ``<name>_us`` (median at batch 256) for every measurement, and the full results under
+``"batches"``. ``--quick`` runs batch 256 only, with fewer steps.
 """
 
 from __future__ import annotations
@@ -26,15 +38,25 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from allocator import KVCacheManager, PoolConfig, StepOutcome, StepPlan
+from server.client import Client
+from server.columns import StepCall, StepResult
+from server.core import ServiceCore
+from server.launch import ServiceProcess
+from server.settings import ServiceConfig
 
 DRAFT_LEN = 3
 PROMPT_LEN = 1000
@@ -104,12 +126,39 @@ class Setup:
     batch: int
     seed: int
     device: str
+    steps: int = 400
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 64
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(num_blocks=NUM_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
                           num_layers=1, num_kv_heads=1, head_dim=8, device=self.device,
                           max_batch_size=self.batch, max_seq_len=MAX_SEQ_LEN,
                           max_draft_len=DRAFT_LEN)
+
+    def service_config(self) -> ServiceConfig:
+        """A pool of the model shape with room for what ``steps`` steps can grow: every
+        request of the batch, plus its replacements, to its prompt and 1 + D tokens a step."""
+        requests = self.batch + int(FINISH_RATE * self.steps) + 1
+        tokens = requests * PROMPT_LEN + self.batch * (1 + DRAFT_LEN) * (self.steps + 1)
+        blocks = tokens // TOKENS_PER_BLOCK + requests + 1024
+        pool = PoolConfig(num_blocks=blocks, tokens_per_block=TOKENS_PER_BLOCK,
+                          num_layers=self.layers, num_kv_heads=self.kv_heads,
+                          head_dim=self.head_dim, device=self.device,
+                          max_batch_size=self.batch + 8, max_seq_len=MAX_SEQ_LEN,
+                          max_draft_len=DRAFT_LEN)
+        return ServiceConfig(pool=pool, max_step_tokens=(self.batch + 8) * (1 + DRAFT_LEN)
+                             + (self.batch + 1) * PROMPT_LEN)
+
+    def serve_flags(self) -> list[str]:
+        config = self.service_config()
+        pool = config.pool
+        return [f"--num-blocks={pool.num_blocks}", f"--tokens-per-block={TOKENS_PER_BLOCK}",
+                f"--max-seq-len={MAX_SEQ_LEN}", f"--max-batch-size={pool.max_batch_size}",
+                f"--max-draft-len={DRAFT_LEN}", f"--num-layers={self.layers}",
+                f"--num-kv-heads={self.kv_heads}", f"--head-dim={self.head_dim}",
+                f"--device={self.device}", f"--max-step-tokens={config.max_step_tokens}"]
 
 
 class Measurement(Protocol):
@@ -149,9 +198,87 @@ class ManagerStep:
         self.manager.check_invariants()
 
 
+class ServiceStep:
+    """One step call of an attached worker through ``client`` (handles are the service's)."""
+
+    def __init__(self, setup: Setup, client: Client) -> None:
+        self.client = client
+        self.registration = client.register()
+        self.workload = DecodeWorkload(setup.batch, setup.seed)
+
+    def prepare(self) -> StepCall:
+        s = self.workload.next_step()
+        reg, client = self.registration, self.client
+        return StepCall.build(
+            client.worker_id, reg.session, reg.epoch, client.next_step_id,
+            result_handles=s.result_handles, num_accepted=s.num_accepted,
+            finished_handles=s.finished_handles, grant_handles=s.grant_handles,
+            draft_lens=s.draft_lens, prompt_lens=s.prompt_lens,
+            new_req_ids=[f"r{client.next_step_id}-{i}" for i in range(s.prompt_lens.size)])
+
+    def run(self, prepared: object) -> StepResult:
+        assert isinstance(prepared, StepCall)
+        return self.client.send_step(prepared)
+
+    def observe(self, result: object) -> None:
+        assert isinstance(result, StepResult)
+        step = self.workload._step
+        assert step is not None
+        granted = np.ones(step.grant_handles.size, dtype=bool)
+        granted[result.refused.of_kind("grant")] = False
+        self.workload.observe(result.admitted, granted)
+
+    def close(self) -> None:
+        self.client.deregister()
+        self.client.close()
+
+
+class InProcessService(ServiceStep):
+    """`ServiceCore.step` in this process; also times the commit inside it (``commit``)."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.core = ServiceCore(setup.service_config())
+        self.commit_us: list[float] = []
+        commit = self.core.committer.commit
+        synchronize = torch.cuda.synchronize if self.core.device.type == "cuda" else None
+
+        def timed_commit(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            out = commit(*args, **kwargs)
+            if synchronize is not None:
+                synchronize()
+            self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
+            return out
+
+        self.core.committer.commit = timed_commit  # type: ignore[method-assign]
+        super().__init__(setup, Client.in_process(self.core, worker_id="bench"))
+
+    def close(self) -> None:
+        super().close()
+        self.core.close()
+
+
+class RemoteService(ServiceStep):
+    """The round trip to a real ``kvalloc serve`` process over ``transport``."""
+
+    def __init__(self, setup: Setup, transport: str) -> None:
+        self._workdir = tempfile.TemporaryDirectory(prefix="kvbench-")
+        self.service = ServiceProcess(Path(self._workdir.name), *setup.serve_flags()).start()
+        address = {"ipc": self.service.ipc, "rest_tcp": self.service.rest_tcp}[transport]
+        super().__init__(setup, Client(address, worker_id=f"bench-{transport}"))
+
+    def close(self) -> None:
+        super().close()
+        self.service.stop()
+        self._workdir.cleanup()
+
+
 MEASUREMENTS: dict[str, Callable[[Setup], Measurement]] = {
     "manager_numpy": lambda setup: ManagerStep(setup, compiled=False),
     "manager": lambda setup: ManagerStep(setup, compiled=True),
+    "service_inproc": InProcessService,
+    "ipc": lambda setup: RemoteService(setup, "ipc"),
+    "rest_tcp": lambda setup: RemoteService(setup, "rest_tcp"),
 }
 
 
@@ -174,42 +301,72 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
             result = m.run(prepared)
             samples[name].append((time.perf_counter_ns() - t0) / 1e3)
             m.observe(result)
-    out = {}
-    for name, m in runs.items():
+    for m in runs.values():
+        if isinstance(m, InProcessService):
+            samples["commit"] = m.commit_us
         m.close()
-        warm = samples[name][max(2, steps // 10):]  # past admission and warm-up
-        out[name] = {"median_us": statistics.median(warm),
-                     "p99_us": float(np.percentile(warm, 99))}
+    out = {}
+    for name, taken in samples.items():
+        warm = taken[max(2, len(taken) // 10):]  # past admission and warm-up
+        out[name] = {"median_us": round(statistics.median(warm), 1),
+                     "p99_us": round(float(np.percentile(warm, 99)), 1)}
     return out
+
+
+def targets(r: dict[str, float]) -> dict[str, float]:
+    """The step path's targets as numbers, each met when <= 1 (or <= the stated microseconds)."""
+    out = {"compiled_over_numpy": r["manager_us"] / r["manager_numpy_us"]}
+    if "service_inproc_us" in r and "commit_us" in r:
+        out["service_over_2x_manager_plus_commit"] = (
+            r["service_inproc_us"] / (2 * r["manager_us"] + r["commit_us"]))
+    for key in ("ipc_us", "rest_tcp_us"):
+        if key in r and "service_inproc_us" in r:
+            out[f"{key.removesuffix('_us')}_minus_inproc_us"] = r[key] - r["service_inproc_us"]
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--quick", action="store_true", help=f"batch {REPORTED_BATCH} only, 400 steps")
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024],
+                   help="requests per step (default: 64 256 1024)")
+    p.add_argument("--steps", type=int, default=400, help="timed steps per batch (default 400)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"batch {REPORTED_BATCH} only, 200 steps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), default=list(MEASUREMENTS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="where the block table's device copy lives")
+    p.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), default=list(MEASUREMENTS),
+                   help="run these measurements only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--device", default="cpu",
+                   help="where the block table's device copy and the service's pool live")
+    p.add_argument("--layers", type=int, default=2, help="the service pool's layers (default 2)")
+    p.add_argument("--kv-heads", type=int, default=2, help="its KV heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=64, help="its head dim (default 64)")
     p.add_argument("--out", help="also write the JSON results here")
     args = p.parse_args()
-    batches, steps = ([REPORTED_BATCH], 400) if args.quick else (args.batches, args.steps)
+    torch.set_num_threads(1)
+    batches, steps = ([REPORTED_BATCH], 200) if args.quick else (args.batches, args.steps)
     first_call = first_call_seconds(args.device)
-    per_batch = {str(b): measure(Setup(b, args.seed, args.device), steps, args.only)
+    per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
+                                       args.kv_heads, args.head_dim), steps, args.only)
                  for b in batches}
     results: dict[str, object] = {
         "benchmark": "bench_step",
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, "
+                   f"load average {os.getloadavg()[0]:.1f} at the end",
         "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "service_pool": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, "
+                        "bfloat16",
         "steps": steps,
-        "compiled_first_call_s": first_call,
+        "compiled_first_call_s": round(first_call, 3),
         "batches": per_batch,
     }
     if str(REPORTED_BATCH) in per_batch:
         for name, r in per_batch[str(REPORTED_BATCH)].items():
             results[f"{name}_us"] = r["median_us"]
+    results["targets"] = {b: targets({f"{n}_us": v["median_us"] for n, v in r.items()})
+                          for b, r in per_batch.items()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
@@ -217,12 +374,15 @@ def main() -> None:
         json.dump(results, sys.stdout)
         print()
         return
+    names = list(next(iter(per_batch.values())))
     print(f"compiled step, first call: {first_call:.2f} s")
-    print("| requests | " + " | ".join(f"{n} median (us) | p99" for n in args.only) + " |")
-    print("|---|" + "---|---|" * len(args.only))
+    print("| requests | " + " | ".join(f"{n} median (us) | p99" for n in names) + " |")
+    print("|---|" + "---|---|" * len(names))
     for b, r in per_batch.items():
-        cells = " | ".join(f"{r[n]['median_us']:.1f} | {r[n]['p99_us']:.1f}" for n in args.only)
+        cells = " | ".join(f"{r[n]['median_us']:.1f} | {r[n]['p99_us']:.1f}" for n in names)
         print(f"| {b} | {cells} |")
+    for b, t in results["targets"].items():  # type: ignore[union-attr]
+        print(f"batch {b}: {t}")
 
 
 if __name__ == "__main__":
