@@ -31,7 +31,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        # Identity, not equality: a default of 0 is shown, a flag's False is not.
+        if "default" in text or any(action.default is v for v in (None, False,
+                                                                   argparse.SUPPRESS)):
             return text
         return f"{text} (default: %(default)s)"
 

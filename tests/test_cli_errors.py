@@ -110,7 +110,7 @@ def test_every_option_has_a_help_text_and_shows_its_default(command):
         if isinstance(action, argparse._HelpAction):
             continue
         assert action.help, f"{action.option_strings} has no help text"
-        if action.default not in (None, False):
+        if action.default is not None and action.default is not False:
             assert "default" in action.help or f"(default: {action.default})" in text, (
                 f"{action.option_strings} does not show its default {action.default!r}")
 
