@@ -19,40 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import step_errors as codes
 from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
 from .config import SlackPolicy
-from .step_errors import (
-    ABOVE_MAX_DRAFT,
-    ACCEPTED,
-    ACCEPTED_EXCEEDS_DRAFTS,
-    BELOW_MINIMUM,
-    CHUNK_PAST_PROMPT,
-    CHUNK_TOKENS,
-    DRAFTS,
-    DUPLICATE_ROW,
-    ERROR_SLOTS,
-    FINISHED,
-    FINISHED_AND_SCHEDULED,
-    FIRST_CHUNKS,
-    GRANT_PENDING,
-    GRANTS,
-    NO_PENDING_GRANT,
-    OUT_OF_BLOCKS,
-    PADDED,
-    PADDING,
-    PADDING_BELOW_DRAFT,
-    PREFILL,
-    PREFILL_INCOMPLETE,
-    PREFILL_PAST_PROMPT,
-    PROMPT_TOO_LONG,
-    PROMPTS,
-    RESULTS,
-    REVERTED_AND_SETTLED,
-    REVERTS,
-    ROW_OVERFLOW,
-    SCHEDULED_AND_PREFILLED,
-    UNKNOWN_ROW,
-)
 from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
 from .step_reference import StepResult
 
@@ -96,7 +65,7 @@ def _check_rows(rows, subject, live, seen, error):
     for i in range(rows.size):
         row = rows[i]
         if row < 0 or row >= n or not live[row]:
-            return _fail(error, UNKNOWN_ROW, subject, i, 0)
+            return _fail(error, codes.UNKNOWN_ROW, subject, i, 0)
     duplicate = -1
     for i in range(rows.size):
         if seen[rows[i]]:
@@ -106,14 +75,14 @@ def _check_rows(rows, subject, live, seen, error):
     for i in range(rows.size):
         seen[rows[i]] = False
     if duplicate >= 0:
-        return _fail(error, DUPLICATE_ROW, subject, duplicate, 0)
+        return _fail(error, codes.DUPLICATE_ROW, subject, duplicate, 0)
     return False
 
 
 def _check_minimum(values, subject, minimum, error):
     for i in range(values.size):
         if values[i] < minimum:
-            return _fail(error, BELOW_MINIMUM, subject, i, minimum)
+            return _fail(error, codes.BELOW_MINIMUM, subject, i, minimum)
     return False
 
 
@@ -146,33 +115,35 @@ def _validate(plan, live, max_draft_len, max_seq_len, seen, error):
     (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens, padding_rows,
      padded, prefill_rows, prefill_tokens, prompt_lens, first_chunks) = plan
     none = revert_rows[:0]
-    if (_check_rows(revert_rows, REVERTS, live, seen, error)
-            or _check_rows(result_rows, RESULTS, live, seen, error)
-            or _check_minimum(num_accepted, ACCEPTED, 0, error)
-            or _check_rows(finished_rows, FINISHED, live, seen, error)
-            or _check_rows(grant_rows, GRANTS, live, seen, error)
-            or _check_minimum(draft_lens, DRAFTS, 0, error)
-            or _check_rows(padding_rows, PADDING, live, seen, error)
-            or _check_minimum(padded, PADDED, 0, error)
-            or _check_rows(prefill_rows, PREFILL, live, seen, error)
-            or _check_minimum(prefill_tokens, CHUNK_TOKENS, 1, error)
-            or _check_minimum(prompt_lens, PROMPTS, 1, error)
-            or _check_minimum(first_chunks, FIRST_CHUNKS, 0, error)
-            or _check_maximum(draft_lens, DRAFTS, max_draft_len, ABOVE_MAX_DRAFT, error)
-            or _check_maximum(padded, PADDED, max_draft_len, ABOVE_MAX_DRAFT, error)
-            or _check_maximum(prompt_lens, PROMPTS, max_seq_len, PROMPT_TOO_LONG, error)):
+    if (_check_rows(revert_rows, codes.REVERTS, live, seen, error)
+            or _check_rows(result_rows, codes.RESULTS, live, seen, error)
+            or _check_minimum(num_accepted, codes.ACCEPTED, 0, error)
+            or _check_rows(finished_rows, codes.FINISHED, live, seen, error)
+            or _check_rows(grant_rows, codes.GRANTS, live, seen, error)
+            or _check_minimum(draft_lens, codes.DRAFTS, 0, error)
+            or _check_rows(padding_rows, codes.PADDING, live, seen, error)
+            or _check_minimum(padded, codes.PADDED, 0, error)
+            or _check_rows(prefill_rows, codes.PREFILL, live, seen, error)
+            or _check_minimum(prefill_tokens, codes.CHUNK_TOKENS, 1, error)
+            or _check_minimum(prompt_lens, codes.PROMPTS, 1, error)
+            or _check_minimum(first_chunks, codes.FIRST_CHUNKS, 0, error)
+            or _check_maximum(draft_lens, codes.DRAFTS, max_draft_len, codes.ABOVE_MAX_DRAFT,
+                              error)
+            or _check_maximum(padded, codes.PADDED, max_draft_len, codes.ABOVE_MAX_DRAFT, error)
+            or _check_maximum(prompt_lens, codes.PROMPTS, max_seq_len, codes.PROMPT_TOO_LONG,
+                              error)):
         return True
     for i in range(first_chunks.size):
         if first_chunks[i] > prompt_lens[i]:
-            return _fail(error, CHUNK_PAST_PROMPT, FIRST_CHUNKS, i, 0)
-    return (_check_apart(result_rows, RESULTS, revert_rows, none, none, REVERTED_AND_SETTLED,
-                         seen, error)
-            or _check_apart(finished_rows, FINISHED, grant_rows, padding_rows, prefill_rows,
-                            FINISHED_AND_SCHEDULED, seen, error)
-            or _check_apart(prefill_rows, GRANTS, grant_rows, none, none,
-                            SCHEDULED_AND_PREFILLED, seen, error)
-            or _check_apart(prefill_rows, PADDING, padding_rows, none, none,
-                            SCHEDULED_AND_PREFILLED, seen, error))
+            return _fail(error, codes.CHUNK_PAST_PROMPT, codes.FIRST_CHUNKS, i, 0)
+    return (_check_apart(result_rows, codes.RESULTS, revert_rows, none, none,
+                         codes.REVERTED_AND_SETTLED, seen, error)
+            or _check_apart(finished_rows, codes.FINISHED, grant_rows, padding_rows, prefill_rows,
+                            codes.FINISHED_AND_SCHEDULED, seen, error)
+            or _check_apart(prefill_rows, codes.GRANTS, grant_rows, none, none,
+                            codes.SCHEDULED_AND_PREFILLED, seen, error)
+            or _check_apart(prefill_rows, codes.PADDING, padding_rows, none, none,
+                            codes.SCHEDULED_AND_PREFILLED, seen, error))
 
 
 def _slack_for(draft, lead, overlap, policy):
@@ -217,16 +188,15 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
         return failed
 
     # ---- 2. settle reverts and results (in scratch)
-    for row in range(n):
-        settled_capacity[row] = capacity[row]
-        settled_history[row] = history[row]
-        settled_slack[row] = slack[row]
-        settled_draft[row] = draft_len[row]
-        settled_lead[row] = lead[row]
-        settled_pending[row] = pending[row]
+    # The settled copies of the counts, in the same order.
+    settled = (settled_capacity, settled_history, settled_slack, settled_draft, settled_lead)
+    current = (capacity, history, slack, draft_len, lead)
+    for which in range(len(settled)):
+        settled[which][:] = current[which]
+    settled_pending[:] = pending
     for i in range(revert_rows.size):
         if not settled_pending[revert_rows[i]]:
-            _fail(error, NO_PENDING_GRANT, REVERTS, i, 0)
+            _fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
             return failed
     for row in revert_rows:
         settled_capacity[row] -= 1 + settled_draft[row] + settled_slack[row]
@@ -235,12 +205,12 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
         settled_draft[row] = 0
     for i in range(result_rows.size):
         if not settled_pending[result_rows[i]]:
-            _fail(error, NO_PENDING_GRANT, RESULTS, i, 0)
+            _fail(error, codes.NO_PENDING_GRANT, codes.RESULTS, i, 0)
             return failed
     for i in range(result_rows.size):
         drafts = settled_draft[result_rows[i]]
         if num_accepted[i] > drafts:
-            _fail(error, ACCEPTED_EXCEEDS_DRAFTS, ACCEPTED, i, drafts)
+            _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts)
             return failed
     for i in range(result_rows.size):
         row, accepted = result_rows[i], num_accepted[i]
@@ -257,12 +227,12 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     # ---- 3. grants, padding, prefill: the capacity each one wants
     for i in range(num_grants):
         if settled_pending[grant_rows[i]]:
-            _fail(error, GRANT_PENDING, GRANTS, i, 0)
+            _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
             return failed
     for i in range(num_grants):
         row = grant_rows[i]
         if settled_history[row] < prompt_len[row]:
-            _fail(error, PREFILL_INCOMPLETE, GRANTS, i, 0)
+            _fail(error, codes.PREFILL_INCOMPLETE, codes.GRANTS, i, 0)
             return failed
     for row in padding_rows:
         wanted[row] = settled_draft[row]
@@ -272,11 +242,11 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for i in range(padding_rows.size):
         row = padding_rows[i]
         if not (settled_pending[row] or is_new_grant[row]):
-            _fail(error, NO_PENDING_GRANT, PADDING, i, 0)
+            _fail(error, codes.NO_PENDING_GRANT, codes.PADDING, i, 0)
             return failed
     for i in range(padding_rows.size):
         if padded[i] < wanted[padding_rows[i]]:
-            _fail(error, PADDING_BELOW_DRAFT, PADDED, i, wanted[padding_rows[i]])
+            _fail(error, codes.PADDING_BELOW_DRAFT, codes.PADDED, i, wanted[padding_rows[i]])
             return failed
     num_items = 0
     for i in range(padding_rows.size):
@@ -300,7 +270,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for i in range(num_chunks):
         row = prefill_rows[i]
         if settled_history[row] + prefill_tokens[i] > prompt_len[row]:
-            _fail(error, PREFILL_PAST_PROMPT, CHUNK_TOKENS, i, prompt_len[row])
+            _fail(error, codes.PREFILL_PAST_PROMPT, codes.CHUNK_TOKENS, i, prompt_len[row])
             return failed
         target[row] = settled_capacity[row] + prefill_tokens[i]
     for i in range(num_chunks):  # rows are distinct across items and chunks: <= rows in all
@@ -311,7 +281,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for k in range(num_grown):
         row = items[k]
         if _blocks_for(target[row], tpb) > max_blocks:
-            _fail(error, ROW_OVERFLOW, GRANTS, row, max_blocks)
+            _fail(error, codes.ROW_OVERFLOW, codes.GRANTS, row, max_blocks)
             return failed
     for row in finished_rows:
         rewritten[row] = True  # finished rows free all their blocks (and may be rewritten)
@@ -344,7 +314,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
                 refusals[i] = REFUSED_BATCH_FULL
     for k in range(num_items):
         if (k < num_topups or strict) and not item_ok[k]:
-            _fail(error, OUT_OF_BLOCKS, GRANTS, items[k], available)
+            _fail(error, codes.OUT_OF_BLOCKS, codes.GRANTS, items[k], available)
             return failed
 
     # ---- validated: from here on nothing fails. 5. commit
@@ -362,13 +332,9 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     deltas[COUNT_REVERTS] = revert_rows.size
     deltas[COUNT_UPDATES] = result_rows.size
     deltas[COUNT_TOPUPS] = padding_rows.size
-    for row in range(n):
-        capacity[row] = settled_capacity[row]
-        history[row] = settled_history[row]
-        slack[row] = settled_slack[row]
-        draft_len[row] = settled_draft[row]
-        lead[row] = settled_lead[row]
-        pending[row] = settled_pending[row]
+    for which in range(len(settled)):
+        current[which][:] = settled[which]
+    pending[:] = settled_pending
     for k in range(num_items):
         if item_ok[k]:
             row = items[k]
@@ -516,7 +482,7 @@ class CompiledStep:
 
     def run(self, plan: PlanArrays, state: CapacityState) -> StepResult:
         rows, pool, table = state.rows, state.pool, state.table
-        error = np.zeros(ERROR_SLOTS, dtype=np.int64)
+        error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
         self.tops[0] = pool.num_free
         self.tops[1] = table.num_free_rows
