@@ -36,6 +36,11 @@ SUBJECTS = tuple(FIELDS)
 REVERTS, RESULTS, ACCEPTED, FINISHED, GRANTS, DRAFTS, PADDING, PADDED, PREFILL, CHUNK_TOKENS, \
     PROMPTS, FIRST_CHUNKS = range(len(SUBJECTS))
 
+# Per plan list, in `PlanArrays` order (which is also the order the step checks them in): does
+# it name rows (else it holds counts), and the least value a count may take.
+NAMES_ROWS = (True, True, False, True, True, False, True, False, True, False, False, False)
+LEAST_VALUE = (0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0)
+
 # Kinds, in no particular order (the order the step checks them is the step's).
 OK = 0
 UNKNOWN_ROW = 1  # a row that is out of range or not live

@@ -2,8 +2,9 @@
 
 `reference_step` applies a coerced plan to a `CapacityState` in named phases:
 
-1. ``validate``: every row live and listed once, every value in bounds, no request in two lists
-   that exclude each other;
+1. ``validate``: list by list in plan order, every row live and listed once and every count at
+   least its least value (`step_errors.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then
+   no request in two lists that exclude each other;
 2. ``settle``: reverts, then results, on copies of the row state (`Settled`);
 3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
    (`Demand`);
@@ -111,23 +112,17 @@ def reference_step(plan: PlanArrays, state: CapacityState) -> StepResult:
 
 def validate(plan: PlanArrays, state: CapacityState) -> None:
     live, limits = state.rows.live, state.limits
-    _check_rows(plan.revert_rows, codes.REVERTS, live)
-    _check_rows(plan.result_rows, codes.RESULTS, live)
-    _check_minimum(plan.num_accepted, codes.ACCEPTED, 0)
-    _check_rows(plan.finished_rows, codes.FINISHED, live)
-    _check_rows(plan.grant_rows, codes.GRANTS, live)
-    _check_minimum(plan.draft_lens, codes.DRAFTS, 0)
-    _check_rows(plan.padding_rows, codes.PADDING, live)
-    _check_minimum(plan.padded_draft_lens, codes.PADDED, 0)
-    _check_rows(plan.prefill_rows, codes.PREFILL, live)
-    _check_minimum(plan.prefill_tokens, codes.CHUNK_TOKENS, 1)
-    _check_minimum(plan.prompt_lens, codes.PROMPTS, 1)
-    _check_minimum(plan.first_chunks, codes.FIRST_CHUNKS, 0)
+    for subject, values in enumerate(plan[: len(codes.NAMES_ROWS)]):
+        if codes.NAMES_ROWS[subject]:
+            _check_rows(values, subject, live)
+        else:
+            _check_minimum(values, subject, codes.LEAST_VALUE[subject])
     _check_maximum(plan.draft_lens, codes.DRAFTS, limits.max_draft_len, codes.ABOVE_MAX_DRAFT)
     _check_maximum(plan.padded_draft_lens, codes.PADDED, limits.max_draft_len,
                    codes.ABOVE_MAX_DRAFT)
     _check_maximum(plan.prompt_lens, codes.PROMPTS, limits.max_seq_len, codes.PROMPT_TOO_LONG)
-    _first_where(plan.first_chunks > plan.prompt_lens, codes.CHUNK_PAST_PROMPT, codes.FIRST_CHUNKS)
+    _first_where(plan.first_chunks > plan.prompt_lens, codes.CHUNK_PAST_PROMPT,
+                 codes.FIRST_CHUNKS)
     num_rows = live.size
     _check_apart(plan.result_rows, codes.RESULTS, [plan.revert_rows], num_rows,
                  codes.REVERTED_AND_SETTLED)

@@ -23,8 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan
-from allocator import step_compiled
+from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan, step_compiled
 from allocator.step_compiled import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
