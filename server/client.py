@@ -165,7 +165,7 @@ class Client:
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
                                                          attached=attach, replace=replace))
         self.registration, self.next_step_id = reg, reg.next_step_id
-        self.pool = AttachedPool.attach(reg.attachment) if attach else None
+        self.pool = self._transport.attach(reg) if attach else None
         return reg
 
     def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
@@ -266,6 +266,12 @@ class _LocalTransport:
         except Exception as exc:
             raise _remote(describe(exc)) from exc
 
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
+        process there is nothing to map."""
+        kv, table, staging, fence = self._core.shared_tensors(reg.worker_id)
+        return AttachedPool(kv, table, staging, fence)
+
     def close(self) -> None:
         pass
 
@@ -310,6 +316,9 @@ class _IpcTransport:
                 return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
             assert status == ERROR
             raise _remote(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
+
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        return AttachedPool.attach(reg.attachment)
 
     def close(self) -> None:
         self._sock.close()
@@ -358,6 +367,9 @@ class _RestTransport:
             return op.decode_reply(wire.decode(resp.content, op.reply, "json"))
         raise _remote(wire.decode(resp.content, wire.ErrorBody, "json"),
                       token_sent=self._token_sent)
+
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        return AttachedPool.attach(reg.attachment)
 
     def close(self) -> None:
         self._http.close()

@@ -235,6 +235,14 @@ class ServiceCore:
                 raise LimitExceeded(f"{name}: {n} entries, more than max_batch_size={cap}",
                                     field=name)
 
+    def shared_tensors(self, worker_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      StepFence | None]:
+        """The pool, the block table, ``worker_id``'s staging buffer and fence, as this process
+        holds them: what an in-process worker uses instead of mapping the handles."""
+        with self.lock:
+            worker = self.registry.worker(worker_id, None)
+            return self.storage.kv, self.manager.table.device_table, worker.staging, worker.fence
+
     # ------------------------------------------------------------------ inspection
 
     def get_request(self, req: wire.RequestRef) -> wire.RequestState:
