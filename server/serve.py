@@ -4,14 +4,22 @@ With no arguments: the embedded default pool (`server.settings.default_pool`, CU
 else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs where it
 listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC thread
 finishes its message, then every socket file and shared-memory segment is removed.
-``KVALLOC_TOKEN`` (environment only) makes both transports require that bearer token.
+Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports require that
+bearer token; without it the service generates one for its lifetime and writes it 0600 where its
+own user's clients find it (`server.token_files`), so no other local user can call ``/v1``.
+Listening beyond loopback without ``KVALLOC_TOKEN`` is refused unless ``--insecure-no-token``.
+
+At start it raises RLIMIT_NOFILE to the hard limit, bounds REST connections so a descriptor
+reserve stays free (`server.network`), and removes the shared memory of dead instances.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -22,13 +30,23 @@ from typing import Any
 
 import torch
 import uvicorn
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from .addresses import DEFAULT_HOST, DEFAULT_PORT, claim_socket_path, default_ipc
 from .core import ServiceCore
 from .ipc import IpcServer
+from .network import (
+    DEFAULT_LIMITS,
+    LimitsError,
+    RestLimits,
+    bounded_protocol,
+    connection_budget,
+    raise_nofile_limit,
+)
 from .rest import create_app
 from .settings import ServiceConfig, default_pool, token_from_env
+from .sharing import reap_dead_instances
+from .token_files import previous_token, write_token_files
 
 log = logging.getLogger("kvalloc.serve")
 
@@ -59,6 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         info = defaults[name]
         svc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=info.annotation,
                          help=f"{info.description} (default {info.default})")
+    limits = parser.add_argument_group("network limits")
+    limits.add_argument("--max-connections", type=int, default=DEFAULT_LIMITS.max_connections,
+                        help="REST connections at once; lowered to fit RLIMIT_NOFILE (default "
+                             f"{DEFAULT_LIMITS.max_connections})")
+    limits.add_argument("--max-in-flight", type=int, default=DEFAULT_LIMITS.max_in_flight,
+                        help="REST calls being served at once; more are answered 503 with "
+                             f"Retry-After (default {DEFAULT_LIMITS.max_in_flight})")
+    limits.add_argument("--header-timeout-s", type=float, default=DEFAULT_LIMITS.header_timeout_s,
+                        help="close a REST connection whose request headers take longer "
+                             f"(default {DEFAULT_LIMITS.header_timeout_s:g})")
+    limits.add_argument("--body-timeout-s", type=float, default=DEFAULT_LIMITS.body_timeout_s,
+                        help=f"answer 408 to a body that takes longer "
+                             f"(default {DEFAULT_LIMITS.body_timeout_s:g})")
+    parser.add_argument("--insecure-no-token", action="store_true",
+                        help="serve without any token, even beyond loopback: anyone who can "
+                             "connect controls the service")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
 
@@ -71,6 +105,15 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         log.error("invalid configuration:\n%s", exc)
         return 2
+    try:
+        token = _token(args, config.token)
+        limits = _limits(args)
+    except (InsecureBinding, LimitsError) as exc:
+        log.error("%s", exc)
+        return 2
+    reaped = reap_dead_instances()
+    if reaped:
+        log.info("removed %d shared-memory segments of dead instances", reaped)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
@@ -82,15 +125,17 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
     core = ServiceCore(config)
-    ipc = IpcServer(core, args.ipc or [default_ipc()], token=config.token)
+    ipc = IpcServer(core, args.ipc or [default_ipc()], token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
     status = 0
     try:
         sockets = _rest_sockets(args)
         rest = [_describe(s) for s in sockets]
-        app = create_app(core, token=config.token, metrics=_metrics(core))
+        app = create_app(core, token=token, metrics=_metrics(core), limits=limits)
         endpoints = ipc.start()
+        if token is not None and config.token is None:  # generated: for our own user's clients
+            write_token_files(token.get_secret_value(), [*rest, *endpoints])
         reaper.start()
         pool = config.pool
         log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
@@ -98,9 +143,11 @@ def run(args: argparse.Namespace) -> int:
                  ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
                  pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
                  pool.num_kv_heads, pool.head_dim, config.lease_ttl_s,
-                 "; bearer token required" if config.token else "")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                               lifespan="off", timeout_graceful_shutdown=5))
+                 _token_note(config.token, token))
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=args.log_level, access_log=False, lifespan="off",
+            timeout_graceful_shutdown=5, http=bounded_protocol(limits),
+            timeout_keep_alive=int(limits.keep_alive_s)))
         server.run(sockets=sockets)  # returns after a graceful stop on SIGTERM / SIGINT
     except _Stopped as stop:
         log.info("stopping on %s", stop)
@@ -135,6 +182,68 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     service = {k: getattr(args, k) for k in ("lease_ttl_s", "max_workers", "max_step_tokens",
                                               "max_body_bytes") if getattr(args, k) is not None}
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), **service)
+
+
+class InsecureBinding(ValueError):
+    """Listening beyond loopback with no token configured."""
+
+
+def _token(args: argparse.Namespace, configured: SecretStr | None) -> SecretStr | None:
+    """The token both transports require: ``KVALLOC_TOKEN``, else a fresh random one, else none
+    (``--insecure-no-token``: logged loudly)."""
+    if configured is not None:
+        return configured
+    if args.insecure_no_token:
+        log.warning("INSECURE: --insecure-no-token: no token at all; anyone who can connect to "
+                    "%s can read the pool, deregister workers and take every worker slot",
+                    ", ".join(_exposed(args)) or "the local endpoints")
+        return None
+    exposed = _exposed(args)
+    if exposed:
+        raise InsecureBinding(
+            f"listen: {', '.join(exposed)} is reachable beyond this host and KVALLOC_TOKEN is "
+            f"not set; set KVALLOC_TOKEN (or pass --insecure-no-token to serve it open)")
+    return SecretStr(previous_token(_addresses(args)) or secrets.token_urlsafe(32))
+
+
+def _addresses(args: argparse.Namespace) -> list[str]:
+    """The endpoints this service will listen on that are known before binding (port 0 is not)."""
+    tcp = [] if args.no_tcp or args.port == 0 else [f"http://{args.host}:{args.port}"]
+    uds = [f"unix://{args.uds}"] if args.uds else []
+    return [*uds, *(args.ipc or [default_ipc()]), *tcp]
+
+
+def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:
+    if token is None:
+        return "; NO TOKEN (insecure)"
+    return ("; bearer token required" if configured is not None
+            else "; generated token required (written 0600 beside each endpoint)")
+
+
+def _exposed(args: argparse.Namespace) -> list[str]:
+    """The TCP endpoints that listen beyond loopback."""
+    hosts = [] if args.no_tcp else [(f"http://{args.host}:{args.port}", args.host)]
+    for address in args.ipc or []:
+        if address.startswith("tcp://"):
+            hosts.append((address, address.removeprefix("tcp://").rpartition(":")[0]))
+    return [address for address, host in hosts if not _is_loopback(host)]
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", "0.0.0.0" parse; a name or an interface may be anything
+        return False
+
+
+def _limits(args: argparse.Namespace) -> RestLimits:
+    nofile = raise_nofile_limit()
+    return RestLimits(max_connections=connection_budget(args.max_connections, nofile),
+                      max_in_flight=args.max_in_flight, header_timeout_s=args.header_timeout_s,
+                      body_timeout_s=args.body_timeout_s)
 
 
 def _rest_sockets(args: argparse.Namespace) -> list[socket.socket]:
