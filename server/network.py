@@ -4,9 +4,10 @@ A connection the service accepts costs one file descriptor until it closes, and 
 whole process when its IPC listener cannot accept for lack of descriptors. So:
 
 - at start RLIMIT_NOFILE is raised to its hard limit (`raise_nofile_limit`);
-- REST may hold at most ``max_connections`` connections, chosen so that REST connections plus a
-  reserve (`FD_RESERVE`: IPC peers, shared-memory segments, log files, Python's own) never reach
-  the limit; a connection over the bound is answered 503 with Retry-After and closed at once;
+- REST may hold at most ``max_connections`` connections, chosen so that REST connections, the
+  ones accepted but not yet refused, and a reserve (`FD_RESERVE`: IPC peers, shared-memory
+  segments, log files, Python's own) never reach the limit; a connection over the bound is
+  answered 503 with Retry-After and closed at once;
 - a connection must deliver its request line and headers within ``header_timeout_s`` of opening
   (or of its previous response) and its body within ``body_timeout_s``, or it is closed: a peer
   that opens connections and never finishes a request cannot hold them.
@@ -30,6 +31,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 # Descriptors kept out of REST's reach for ZeroMQ's peers and listeners, shared-memory segments,
 # socket files, logs and the interpreter's own files.
 FD_RESERVE = 256
+# The listen backlog, which is also how many connections asyncio accepts per wakeup before any
+# of them reaches the protocol. A refused connection's descriptor is closed a loop turn or two
+# later, so up to a few batches are open beyond the connections counted: the budget leaves room
+# for ACCEPT_BATCHES of them.
+ACCEPT_BACKLOG = 64
+ACCEPT_BATCHES = 4
 
 OVERLOADED_RETRY_AFTER_S = 1
 
@@ -61,8 +68,9 @@ def raise_nofile_limit() -> int:
 
 def connection_budget(requested: int, nofile: int) -> int:
     """REST connections allowed under a descriptor limit of ``nofile``: ``requested``, lowered so
-    `FD_RESERVE` descriptors stay free for everything else."""
-    budget = min(requested, nofile - FD_RESERVE)
+    that `FD_RESERVE` descriptors stay free for everything else even while batches of refused
+    connections wait to be closed."""
+    budget = min(requested, nofile - FD_RESERVE - ACCEPT_BATCHES * ACCEPT_BACKLOG)
     if budget < 1:
         raise LimitsError(f"max_connections: RLIMIT_NOFILE is {nofile}, no room for REST "
                           f"connections beside the {FD_RESERVE} descriptors kept in reserve")

@@ -36,6 +36,7 @@ from .addresses import DEFAULT_HOST, DEFAULT_PORT, claim_socket_path, default_ip
 from .core import ServiceCore
 from .ipc import IpcServer
 from .network import (
+    ACCEPT_BACKLOG,
     DEFAULT_LIMITS,
     LimitsError,
     RestLimits,
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=False, lifespan="off",
             timeout_graceful_shutdown=5, http=bounded_protocol(limits),
-            timeout_keep_alive=int(limits.keep_alive_s)))
+            timeout_keep_alive=int(limits.keep_alive_s), backlog=ACCEPT_BACKLOG))
         server.run(sockets=sockets)  # returns after a graceful stop on SIGTERM / SIGINT
     except _Stopped as stop:
         log.info("stopping on %s", stop)
@@ -270,7 +271,7 @@ def _unix_socket(path: Path) -> socket.socket:
         sock.bind(str(path))
     finally:
         os.umask(old)
-    sock.listen(1024)
+    sock.listen(ACCEPT_BACKLOG)
     return sock
 
 
