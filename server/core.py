@@ -63,6 +63,10 @@ class ServiceObserver(Protocol):
 
     def invariant_violation(self, n: int = 1) -> None: ...
 
+    def state_changed(self) -> None:
+        """Called under the lock after each change and on every lease check (about once a
+        second), so an observer can copy the state it reports without taking the lock later."""
+
 
 @dataclass
 class Worker:
@@ -130,6 +134,10 @@ class ServiceCore:
             self._workers.clear()
             self._exporter.close()
 
+    def _state_changed(self) -> None:
+        for obs in self._observers:
+            obs.state_changed()
+
     def _check_open(self) -> None:
         if self._closed:
             raise NotReady("service: shutting down")
@@ -149,6 +157,7 @@ class ServiceCore:
             else:
                 worker = self._new_worker(req.worker_id)
             worker.last_seen = self.clock()
+            self._state_changed()
             return wire.Registration(
                 worker_id=worker.worker_id, epoch=self.epoch, lease_ttl_s=self.config.lease_ttl_s,
                 next_step_id=0, layout=self.layout, attachment=worker.attachment,
@@ -185,12 +194,17 @@ class ServiceCore:
             self._check_open()
             worker = self._worker(req.worker_id)
             freed = self._drop_worker(worker)
+            self._state_changed()
             return wire.Deregistered(worker_id=req.worker_id, freed_requests=freed)
 
     def expire_leases(self) -> int:
         """Drop every worker whose lease ran out; returns how many. The reaper calls this."""
         with self.lock:
-            return 0 if self._closed else self._expire(self.clock())
+            if self._closed:
+                return 0
+            expired = self._expire(self.clock())
+            self._state_changed()
+            return expired
 
     def _expire(self, now: float) -> int:
         ttl = self.config.lease_ttl_s
@@ -252,6 +266,7 @@ class ServiceCore:
             self._check_limits(req)
             reply = self._apply(worker, req)
             worker.last_step_id, worker.last_request, worker.last_reply = req.step_id, req, reply
+            self._state_changed()
             return reply
 
     def _check_limits(self, req: wire.StepRequest) -> None:

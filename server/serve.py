@@ -292,8 +292,11 @@ def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
         log.warning("no /metrics: %s", exc)
         return None
     registry = CollectorRegistry()
-    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes, lock=core.lock)
-    core.add_observer(metrics)
+    # Scrapes read what the core publishes under its lock: they never take it themselves.
+    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes)
+    with core.lock:
+        core.add_observer(metrics)
+        metrics.state_changed()
     return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
 
 
