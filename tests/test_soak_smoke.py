@@ -13,7 +13,8 @@ SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 
 def test_a_short_soak_ends_healthy() -> None:
     out = subprocess.run([sys.executable, str(SOAK), "--duration", "3", "--workers", "2",
-                          "--warm-up", "0.5", "--json"], capture_output=True, text=True, timeout=180)
+                          "--warm-up", "0.5", "--json"],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     assert report["steps"] > 0 and report["churn"]["cycles"] > 0
