@@ -120,7 +120,7 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait()
         if self.epoch is not None:
-            for leftover in SHM_DIR.glob(f"kvalloc-{self.epoch:016x}-*"):
+            for leftover in SHM_DIR.glob(f"kvalloc-{self.epoch:016x}[-.]*"):  # segments, owner
                 leftover.unlink(missing_ok=True)
 
     def log(self) -> str:
