@@ -43,7 +43,7 @@ def kvalloc_command() -> list[str]:
 class ServiceProcess:
     def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None,
                  tcp: bool = True, ready_timeout_s: float = 60.0,
-                 nofile: int | None = None) -> None:
+                 nofile: tuple[int, int] | None = None) -> None:
         self.workdir = Path(workdir)
         self.args = args
         self.env = {**os.environ, **(env or {})}
@@ -52,7 +52,7 @@ class ServiceProcess:
         self.ipc = f"ipc://{self.workdir / 'kvalloc.ipc'}"
         self.log_path = self.workdir / "serve.log"
         self.ready_timeout_s = ready_timeout_s
-        self.nofile = nofile  # RLIMIT_NOFILE (soft and hard) for the service, e.g. to exhaust it
+        self.nofile = nofile  # RLIMIT_NOFILE (soft, hard) for the service, e.g. to exhaust it
         self.proc: subprocess.Popen[bytes] | None = None
         self.epoch: int | None = None
 
@@ -133,12 +133,12 @@ class ServiceProcess:
         self.stop()
 
 
-def _prepare_child(nofile: int | None) -> None:
+def _prepare_child(nofile: tuple[int, int] | None) -> None:
     """In the child, before exec: its descriptor limit, if given; and on Linux, SIGTERM it when
     the thread that started it dies, so a killed test run (even SIGKILL) leaves no service
     behind."""
     if nofile is not None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -17,7 +17,7 @@ import pytest
 
 from server.client import Client
 from server.launch import ServiceProcess
-from server.network import connection_budget
+from server.network import LimitsError, connection_budget
 from server.token_files import discover_token
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
@@ -75,7 +75,7 @@ def memory_kib(pid: int, field: str) -> int:
 @pytest.fixture
 def limited(tmp_path: Path) -> Iterator[ServiceProcess]:
     with ServiceProcess(tmp_path, *SMALL_POOL, "--header-timeout-s", str(HEADER_TIMEOUT_S),
-                        nofile=NOFILE) as svc:
+                        nofile=(NOFILE, NOFILE)) as svc:
         yield svc
 
 
@@ -110,7 +110,7 @@ def test_connections_over_the_bound_get_503_with_retry_after(tmp_path: Path) -> 
     bound = connection_budget(10**6, NOFILE)
     # A header deadline far longer than opening the connections takes: none closes early.
     with ServiceProcess(tmp_path, *SMALL_POOL, "--header-timeout-s", "120",
-                        nofile=NOFILE) as svc:
+                        nofile=(NOFILE, NOFILE)) as svc:
         assert svc.port is not None
         held = [socket.create_connection(("127.0.0.1", svc.port), timeout=5)
                 for _ in range(bound + 5)]
@@ -171,3 +171,17 @@ def test_calls_beyond_the_in_flight_bound_get_503_and_a_slow_body_gets_408(
             sock.close()
         with Client(svc.rest_tcp, worker_id="after") as client:  # the bound is free again
             assert client.get_pool().num_requests == 0
+
+
+def test_the_descriptor_limit_is_raised_to_the_hard_limit_at_start(tmp_path: Path) -> None:
+    with ServiceProcess(tmp_path, *SMALL_POOL, nofile=(256, 2048)) as svc:
+        assert svc.proc is not None
+        limits = Path(f"/proc/{svc.proc.pid}/limits").read_text()
+        (line,) = [ln for ln in limits.splitlines() if ln.startswith("Max open files")]
+        assert line.split()[3:5] == ["2048", "2048"]
+
+
+def test_a_limit_with_no_room_beside_the_reserve_is_refused() -> None:
+    assert connection_budget(100, 4096) == 100
+    with pytest.raises(LimitsError, match="RLIMIT_NOFILE is 300"):
+        connection_budget(100, 300)
