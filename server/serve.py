@@ -59,6 +59,16 @@ _POOL_FLAGS: dict[str, type] = {
 }
 
 
+# RestLimits fields that are flags: name, type, help.
+_LIMIT_FLAGS: tuple[tuple[str, type[int] | type[float], str], ...] = (
+    ("max_connections", int, "REST connections at once; lowered to fit RLIMIT_NOFILE"),
+    ("max_in_flight", int, "REST calls being served at once; more are answered 503 with "
+                           "Retry-After"),
+    ("header_timeout_s", float, "close a REST connection whose request headers take longer"),
+    ("body_timeout_s", float, "answer 408 to a request body that takes longer"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("listen")
     net.add_argument("--host", default=DEFAULT_HOST, help="REST TCP host (default: loopback)")
@@ -79,23 +89,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         svc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=info.annotation,
                          help=f"{info.description} (default {info.default})")
     limits = parser.add_argument_group("network limits")
-    limits.add_argument("--max-connections", type=int, default=DEFAULT_LIMITS.max_connections,
-                        help="REST connections at once; lowered to fit RLIMIT_NOFILE (default "
-                             f"{DEFAULT_LIMITS.max_connections})")
-    limits.add_argument("--max-in-flight", type=int, default=DEFAULT_LIMITS.max_in_flight,
-                        help="REST calls being served at once; more are answered 503 with "
-                             f"Retry-After (default {DEFAULT_LIMITS.max_in_flight})")
-    limits.add_argument("--header-timeout-s", type=float, default=DEFAULT_LIMITS.header_timeout_s,
-                        help="close a REST connection whose request headers take longer "
-                             f"(default {DEFAULT_LIMITS.header_timeout_s:g})")
-    limits.add_argument("--body-timeout-s", type=float, default=DEFAULT_LIMITS.body_timeout_s,
-                        help=f"answer 408 to a body that takes longer "
-                             f"(default {DEFAULT_LIMITS.body_timeout_s:g})")
+    for name, kind, help_text in _LIMIT_FLAGS:
+        default = getattr(DEFAULT_LIMITS, name)
+        limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive(kind),
+                            default=default, help=f"{help_text} (default {default:g})")
     parser.add_argument("--insecure-no-token", action="store_true",
                         help="serve without any token, even beyond loopback: anyone who can "
                              "connect controls the service")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type: a number of ``kind`` above zero (argparse names the flag on error)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,10 +257,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def _limits(args: argparse.Namespace) -> RestLimits:
+    flags = {name: getattr(args, name) for name, _, _ in _LIMIT_FLAGS}
     nofile = raise_nofile_limit()
-    return RestLimits(max_connections=connection_budget(args.max_connections, nofile),
-                      max_in_flight=args.max_in_flight, header_timeout_s=args.header_timeout_s,
-                      body_timeout_s=args.body_timeout_s)
+    return RestLimits(**{**flags, "max_connections": connection_budget(flags["max_connections"],
+                                                                       nofile)})
 
 
 def _rest_sockets(args: argparse.Namespace) -> list[socket.socket]:

@@ -6,6 +6,7 @@ body that never completes. Each is bounded in count and time."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from server import serve
 from server.client import Client
 from server.launch import ServiceProcess
 from server.network import LimitsError, connection_budget
@@ -185,3 +187,17 @@ def test_a_limit_with_no_room_beside_the_reserve_is_refused() -> None:
     assert connection_budget(100, 4096) == 100
     with pytest.raises(LimitsError, match="RLIMIT_NOFILE is 300"):
         connection_budget(100, 300)
+
+
+@pytest.mark.parametrize("flag", ["--max-connections", "--max-in-flight", "--header-timeout-s",
+                                  "--body-timeout-s"])
+def test_a_limit_flag_must_be_a_positive_number(flag: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="kvalloc serve")
+    serve.add_arguments(parser)
+    assert getattr(parser.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([flag, bad])
+        assert exit_info.value.code == 2
+        assert f"argument {flag}: {bad!r}" in capsys.readouterr().err
