@@ -192,8 +192,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 class TransportMiddleware:
     """Pure ASGI, in front of every route; each guard answers before the next costs anything:
 
-    1. more than ``limits.max_in_flight`` requests at once: 503 ``overloaded`` with Retry-After
-       (a bounded queue instead of an unbounded one);
+    1. more than ``limits.max_in_flight`` ``/v1`` calls at once: 503 ``overloaded`` with
+       Retry-After (a bounded queue instead of an unbounded one; probes and scrapes are cheap
+       and never refused, so an overloaded service is not mistaken for a dead one);
     2. a ``/v1`` call without the bearer token: 401 before a byte of its body is read;
     3. a body over ``max_body_bytes`` (declared or streamed): 413 as soon as the limit is
        crossed; a body not complete within ``limits.body_timeout_s``: 408.
@@ -201,14 +202,13 @@ class TransportMiddleware:
     An early answer closes the connection, so an unread body is never drained. It also reports
     each per-step call's service time to the core (transport "rest")."""
 
-    def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int,
+    def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int, *,
                  token: SecretStr | None = None, limits: RestLimits = DEFAULT_LIMITS) -> None:
         self.app = app
         self.core = core
         self.limit = max_body_bytes
         self.limits = limits
-        self.expected = (b"Bearer " + token.get_secret_value().encode()
-                         if token is not None else None)
+        self.expected = token.get_secret_value().encode() if token is not None else None
         self.step_path = OPERATIONS["step"].path
         self.in_flight = 0
 
@@ -216,10 +216,14 @@ class TransportMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not _is_operation(scope):  # probes, scrapes, the document: no token, no bound
+            await self._serve(scope, receive, send)
+            return
         if self.in_flight >= self.limits.max_in_flight:
             await _send(send, wire.ErrorBody(
-                status=503, code="overloaded", field="connection",
-                message=f"service: {self.in_flight} requests in flight; retry later"),
+                status=503, code="overloaded", field="service",
+                message=f"service: {self.in_flight} calls in flight; retry after "
+                        f"{OVERLOADED_RETRY_AFTER_S} s"),
                 retry_after=OVERLOADED_RETRY_AFTER_S)
             return
         self.in_flight += 1
@@ -260,12 +264,13 @@ class TransportMiddleware:
             self.core.observe_step("rest", time.perf_counter() - start)
 
     def _authorized(self, scope: Scope) -> bool:
-        """The token guards the operations (``/v1``); health, metrics and the OpenAPI document
-        stay open for probes and scrapers."""
-        if self.expected is None or not scope["path"].startswith("/v1/"):
+        """A ``/v1`` call carries the bearer token (the scheme's case does not matter)."""
+        if self.expected is None or not _is_operation(scope):
             return True
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        scheme, _, credentials = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(),
+                                                                   self.expected)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None as soon as it (or its declared length) exceeds the limit."""
@@ -283,6 +288,10 @@ class TransportMiddleware:
             if not message.get("more_body", False):
                 break
         return bytes(body)
+
+
+def _is_operation(scope: Scope) -> bool:
+    return bool(scope["path"].startswith("/v1/"))
 
 
 async def _send(send: Send, body: wire.ErrorBody, retry_after: int | None = None) -> None:

@@ -168,6 +168,9 @@ def test_calls_beyond_the_in_flight_bound_get_503_and_a_slow_body_gets_408(
         status, headers = status_of(extra)
         assert status == 503 and headers["retry-after"] == "1"
         extra.close()
+        probe = send_head(svc.port, "GET", "/healthz")  # never mistaken for a dead service
+        assert status_of(probe)[0] == 200
+        probe.close()
         for sock in slow:
             assert status_of(sock)[0] == 408
             sock.close()

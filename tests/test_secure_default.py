@@ -80,6 +80,10 @@ def test_a_generated_token_guards_every_transport_and_the_owner_finds_it(
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     assert httpx.get(f"{service.rest_tcp}/v1/pool").status_code == 401
     assert httpx.get(f"{service.rest_tcp}/healthz").status_code == 200  # probes stay open
+    token = discover_token(service.rest_tcp)
+    for scheme in ("Bearer", "bearer"):
+        headers = {"authorization": f"{scheme} {token}"}
+        assert httpx.get(f"{service.rest_tcp}/v1/pool", headers=headers).status_code == 200
     with pytest.raises(Exception, match="401"):
         Client(service.ipc, worker_id="w", token="guess").register()
     for address in (service.ipc, service.rest_unix, service.rest_tcp):
