@@ -230,7 +230,7 @@ def _map_segment(handle: wire.TensorHandle, ref: wire.ShmRef, dtype: torch.dtype
         raise AttachError(f"shm.name: {ref.name!r} is not a kvalloc segment name")
     itemsize = torch.empty((), dtype=dtype).element_size()
     span = _span(handle)
-    if ref.nbytes % itemsize or span * itemsize > ref.nbytes:
+    if ref.nbytes <= 0 or ref.nbytes % itemsize or span * itemsize > ref.nbytes:
         raise AttachError(f"shm.nbytes: {ref.nbytes} bytes cannot hold {handle.dtype} "
                           f"{handle.shape} (stride {handle.stride}, offset "
                           f"{handle.storage_offset})")

@@ -82,6 +82,8 @@ def test_sizes_must_match_the_file_and_hold_the_tensor(exported: Exported) -> No
     with pytest.raises(AttachError, match="regular file"):
         attach(with_shm(handle, nbytes=size * 2))  # never grown to fit
     assert path.stat().st_size == size
+    with pytest.raises(AttachError, match="cannot hold"):
+        attach(with_shm(handle, nbytes=0))
     too_big = msgspec.structs.replace(handle, shape=[8, 8])
     with pytest.raises(AttachError, match="cannot hold"):
         attach(too_big)
