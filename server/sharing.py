@@ -70,7 +70,9 @@ class TensorExporter:
     """Creates and owns the service's shared tensors. Segment names are ``<prefix>-<name>``.
 
     Segments are unlinked by ``release`` / ``close``, and at the latest when the exporter is
-    garbage-collected or the interpreter exits (a weakref finalizer): only SIGKILL leaves any.
+    garbage-collected or the interpreter exits (a weakref finalizer). A death that runs no Python
+    (SIGKILL, an abort, the OOM killer) leaves them, with an unlocked owner file, for the next
+    service's `reap_dead_instances`.
     """
 
     def __init__(self, prefix: str) -> None:
