@@ -40,6 +40,7 @@ from .columns import ColumnInput, StepCall, StepResult
 from .errors import ServiceError, describe
 from .operations import ERROR, OK, OPERATIONS, Operation
 from .sharing import StepFence, attach
+from .token_files import discover_token
 
 
 class RemoteError(Exception):
@@ -114,7 +115,8 @@ class AttachedPool:
         fence = None
         if attachment.forward_done is not None and attachment.commit_done is not None:
             fence = StepFence.open(attachment.forward_done, attachment.commit_done)
-        return cls(attach(attachment.kv), attach(attachment.block_table),
+        # The block table is the service's to write; workers only read it.
+        return cls(attach(attachment.kv), attach(attachment.block_table, writable=False),
                    attach(attachment.staging), fence)
 
     def slot_mapping(self, reply: StepResult) -> torch.Tensor:
@@ -132,7 +134,8 @@ class Client:
     def __init__(self, address: str | None = None, *, worker_id: str | None = None,
                  token: str | None = None, timeout_s: float = 10.0, retries: int = 2) -> None:
         self.address = address or default_client_address()
-        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        if token is None:  # KVALLOC_TOKEN, else the token a local service generated for us
+            token = os.environ.get(TOKEN_ENV) or discover_token(self.address)
         transport = (_IpcTransport(self.address, token, timeout_s)
                      if transport_of(self.address) == "ipc"
                      else _RestTransport(self.address, token, timeout_s))
