@@ -53,7 +53,7 @@ class Churn(threading.Thread):
             while not self.stop.wait(0.05):
                 try:
                     client.register(attach=False)
-                    client.step(new={"c": 16})
+                    client.step(new=(["c"], [16]))
                     client.deregister()
                     self.cycles += 1
                 except Exception as exc:  # counted, never fatal: the soak reports it

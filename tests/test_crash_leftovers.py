@@ -41,7 +41,7 @@ def test_a_killed_service_leaves_nothing_after_the_next_start(tmp_path: Path) ->
         dead.proc.kill()  # SIGKILL: no finalizer, no cleanup
         dead.proc.wait()
         left = segments(dead.epoch)
-        assert {p.name.rsplit("-", 1)[-1] for p in left} >= {"kv", "table", "w"}
+        assert {p.name.rsplit("-", 1)[-1] for p in left} >= {"kv", "block_table", "w"}
         mine = segments(live.epoch)
         with ServiceProcess(tmp_path / "dead", *SMALL_POOL) as restarted:  # same addresses
             assert not any(p.exists() for p in left)

@@ -89,6 +89,7 @@ def test_a_generated_token_guards_every_transport_and_the_owner_finds_it(
     for address in (service.ipc, service.rest_unix, service.rest_tcp):
         with Client(address, worker_id="owner") as client:  # no token given: discovered
             client.register()
+            client.deregister()
 
 
 @pytest.fixture

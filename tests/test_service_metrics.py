@@ -9,6 +9,7 @@ from collections.abc import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from server import serve, wire
+from server.columns import StepCall
 from server.core import ServiceCore
 from server.settings import ServiceConfig
 
@@ -23,9 +24,9 @@ def test_a_scrape_answers_while_a_step_holds_the_lock(make_config: Callable[...,
     try:
         render = serve._metrics(core)
         assert render is not None
-        core.register(wire.RegisterRequest(worker_id="w"))
-        core.step(wire.StepRequest(worker_id="w", epoch=core.epoch, step_id=0,
-                                   new=[wire.NewRequest(req_id="a", prompt_len=4)]))
+        reg = core.register(wire.RegisterRequest(worker_id="w"))
+        core.step(StepCall.build("w", reg.session, reg.epoch, 0, new_req_ids=["a"],
+                                 prompt_lens=[4]))
         time.sleep(0.3)  # past min_interval_s: the lease check publishes what it held back
         core.expire_leases()
         bodies: list[bytes] = []
