@@ -48,6 +48,7 @@ _STATUS_TEXT = {
     409: "Conflicts with the service's state: stale epoch (restart), stale session, worker id "
          "in use, step id out of order or reused with another body, grant pending, too many "
          "workers.",
+    408: "The body did not arrive within the service's body timeout.",
     413: "Body larger than the service's max_body_bytes.",
     422: "Invalid input; `field` names it. Nothing changed.",
     500: "Internal error (a bug, never expected): logged and counted.",
@@ -78,7 +79,9 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
     auth = [Depends(_Authorize(token))] if token is not None else []
 
     def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-        return _errors(*statuses, *((401,) if token is not None else ()))
+        """The statuses of a /v1 operation: its own, plus what the transport may answer before
+        the route runs (a slow body, overload; a missing token where one is required)."""
+        return _errors(*sorted({*statuses, 408, 503, *((401,) if token is not None else ())}))
 
     ops = OPERATIONS
 

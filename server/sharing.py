@@ -41,7 +41,7 @@ from . import wire
 SHM_DIR = Path("/dev/shm")
 OWNER_SUFFIX = ".owner"
 # What `TensorExporter` names its segments: "kvalloc-" + the epoch in 16 hex digits + "-" + kv,
-# table or staging-<worker id>. A client maps nothing else.
+# block_table or staging-<worker id>. A client maps nothing else.
 SEGMENT_NAME = re.compile(r"kvalloc-[0-9a-f]{16}-[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 _DTYPES: dict[str, torch.dtype] = {
