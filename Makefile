@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e '.[dev]'
+	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e '.[dev,worker]'
 	touch $@
 
 run: $(STAMP)
