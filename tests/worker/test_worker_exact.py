@@ -1,0 +1,151 @@
+"""The worker's tokens, logits and pool against transformers' own answers (float32, CPU).
+
+Every run poisons the pool with NaN first and checks, after every service call, that each
+scheduled request's committed history in the pool (positions below its start position, read
+through its block-table row) equals the K/V of a plain forward over its tokens; at the end, every
+block no request ever held is still poison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
+
+from worker.drafters import Drafter, NgramDrafter, OracleDrafter
+from worker.engine import Engine, Request, StepRecord
+
+
+class PoolWatch:
+    """The on_step observer: checks committed history and records the blocks requests held."""
+
+    def __init__(self, oracle: Oracle, kv: torch.Tensor, block_table: torch.Tensor) -> None:
+        self.oracle, self.kv, self.block_table = oracle, kv, block_table
+        self.tokens_per_block = kv.shape[3]
+        self.used_blocks: set[int] = set()
+        self.checked_positions = 0
+
+    def __call__(self, record: StepRecord) -> None:
+        sched = record.reply.scheduled
+        for r, row, start in zip(record.requests, np.asarray(sched.rows).tolist(),
+                                 np.asarray(sched.start_positions).tolist(), strict=True):
+            blocks = self.block_table[row]
+            self.used_blocks.update(blocks[blocks >= 0].tolist())
+            self.check_history(r, blocks, start)
+
+    def check_history(self, r: Request, blocks: torch.Tensor, length: int) -> None:
+        pos = torch.arange(length)
+        slots = blocks[pos // self.tokens_per_block].long()
+        assert (slots >= 0).all(), f"{r.req_id}: history position without a block"
+        got = self.kv[:, :, slots, pos % self.tokens_per_block]  # [L, 2, length, H, D]
+        want = self.oracle.kv[r.req_id][:, :, :length]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{r.req_id} history of {length}: {m}")
+        self.checked_positions += length
+
+    def assert_untouched_outside(self) -> None:
+        unused = sorted(set(range(self.kv.shape[2])) - self.used_blocks)
+        assert self.kv[:, :, unused].isnan().all(), "a block no request held was written"
+
+
+def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft_len: int,
+               on_step: Callable[[StepRecord], None] | None = None,
+               **pool: object) -> tuple[Engine, dict[str, list[int]], PoolWatch]:
+    client = connect(pool_config(oracle.model, **pool))
+    client.pool.kv.fill_(float("nan"))
+    watch = PoolWatch(oracle, client.pool.kv, client.pool.block_table)
+
+    def observe(record: StepRecord) -> None:
+        watch(record)
+        if on_step is not None:
+            on_step(record)
+
+    engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
+                    stop_token_ids=oracle.stop_tokens())
+    outputs = engine.run(oracle.prompts, MAX_NEW_TOKENS, on_step=observe)
+    watch.assert_untouched_outside()
+    return engine, outputs, watch
+
+
+DRAFTS = [  # (draft_len, drafter: None, "ngram" or an oracle acceptance rate)
+    (0, None), (1, 0.5), (1, 1.0), (3, 0.0), (3, 0.5), (3, 1.0), (3, "ngram"),
+]
+
+
+def make_drafter(oracle: Oracle, kind: object) -> Drafter | None:
+    if kind is None:
+        return None
+    if kind == "ngram":
+        return NgramDrafter()
+    return OracleDrafter(oracle.expected, float(kind), vocab_size=oracle.model.config.vocab_size,
+                         seed=7)
+
+
+@pytest.mark.parametrize(("draft_len", "kind"), DRAFTS)
+def test_tokens_equal_generate(oracle: Oracle, connect: Callable, draft_len: int,
+                               kind: object) -> None:
+    engine, outputs, watch = run_worker(oracle, connect, make_drafter(oracle, kind), draft_len)
+    assert outputs == oracle.expected
+    stats = engine.stats
+    assert stats.generated_tokens == sum(map(len, oracle.expected.values()))
+    assert watch.checked_positions > 0
+    if kind == 1.0:
+        assert stats.proposed_drafts > 0 and stats.acceptance_rate == 1.0
+    elif kind == 0.0:
+        assert stats.proposed_drafts > 0 and stats.accepted_drafts == 0
+    elif kind == 0.5:
+        assert 0.1 < stats.acceptance_rate < 0.7
+
+
+def test_refused_grants_preempt_and_still_give_the_exact_tokens(oracle: Oracle,
+                                                                connect: Callable) -> None:
+    # 30 blocks of 4 tokens: the longest request alone needs 21, so requests keep getting
+    # refused and preempted, and come back through a recompute of prompt + output.
+    engine, outputs, _ = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3,
+                                    num_blocks=30)
+    assert outputs == oracle.expected
+    assert engine.stats.preemptions > 0 and engine.stats.refused_new > 0
+
+
+def test_logits_equal_a_plain_full_sequence_forward(llama_oracle: Oracle,
+                                                    connect: Callable) -> None:
+    oracle, compared = llama_oracle, []
+
+    def compare(record: StepRecord) -> None:
+        if len(compared) >= 40:
+            return
+        offsets = np.asarray(record.reply.scheduled.token_offsets).tolist()
+        for r, off in zip(record.requests, offsets, strict=True):
+            rows = np.flatnonzero((record.logit_rows >= off) &
+                                  (record.logit_rows < off + _step_tokens(r)))
+            if not rows.size:
+                continue
+            sequence = _sequence_through_step(r)
+            with torch.inference_mode():
+                plain = oracle.reference(torch.tensor([sequence])).logits[0]
+            positions = record.positions[torch.as_tensor(record.logit_rows[rows])]
+            torch.testing.assert_close(record.logits[torch.as_tensor(rows)], plain[positions],
+                                       atol=1e-4, rtol=1e-4)
+            compared.append(r.req_id)
+
+    _, outputs, _ = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3, on_step=compare)
+    assert outputs == oracle.expected
+    assert len(compared) >= 40
+
+
+def _step_tokens(r: Request) -> int:
+    """Tokens ``r`` runs in the step being observed (before the engine's verification)."""
+    if r.drafts is not None:
+        return 1 + r.drafts.size
+    return r.chunk
+
+
+def _sequence_through_step(r: Request) -> list[int]:
+    """``r``'s tokens from position 0 through the last token of the observed step."""
+    if r.drafts is not None:
+        return [*r.tokens.tolist(), *r.drafts.tolist()]
+    assert r.admitted is not None
+    return r.admitted[:r.scheduled].tolist()
