@@ -27,13 +27,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from allocator import PoolConfig
 from server.client import Client, RemoteError
 from server.settings import ServiceConfig
 
 from .drafters import Drafter, DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
 from .engine import Engine, EngineError, Prompt, RunStats
-from .model import DTYPES, ModelLoadError, config_from_file, kv_shape, load_model, random_model
+from .model import (
+    DTYPES,
+    ModelLoadError,
+    config_from_file,
+    load_model,
+    pool_for_model,
+    random_model,
+)
 
 
 class PromptFileError(ValueError):
@@ -193,15 +199,11 @@ def _client(args: argparse.Namespace, model: Any,
 def in_process_config(args: argparse.Namespace, model: Any,
                       prompts: Sequence[Prompt]) -> ServiceConfig:
     """A pool shaped like ``model``'s KV, long enough for the longest prompt's output."""
-    layers, kv_heads, head_dim = kv_shape(model.config)
-    tpb, draft = args.tokens_per_block, args.draft_len
-    longest = max(len(p.token_ids) for p in prompts) + args.max_new_tokens
-    per_request = -(-(longest + 1 + 2 * draft) // tpb)
-    pool = PoolConfig(
-        num_blocks=args.num_blocks or per_request * len(prompts), tokens_per_block=tpb,
-        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=args.dtype,
-        device=args.device, max_batch_size=args.max_batch_size, max_seq_len=longest,
-        max_draft_len=draft, overlap_scheduler=True)
+    pool = pool_for_model(
+        model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,
+        num_requests=len(prompts), draft_len=args.draft_len, dtype=args.dtype,
+        device=args.device, tokens_per_block=args.tokens_per_block,
+        max_batch_size=args.max_batch_size, num_blocks=args.num_blocks)
     return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens)
 
 

@@ -37,6 +37,7 @@ engine that does run ahead.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -111,6 +112,10 @@ class RunStats:
     accepted_drafts: int = 0
     preemptions: int = 0
     refused_new: int = 0
+    # Steps that only decode (no prefill chunk, no new prompt): the steady state of serving.
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_call_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,13 +130,15 @@ class RunStats:
         """The share of step wall time spent in the service call."""
         return self.call_s / self.wall_s if self.wall_s else 0.0
 
+    @property
+    def decode_call_share(self) -> float:
+        """The call's share of the wall time of decode-only steps."""
+        return self.decode_call_s / self.decode_wall_s if self.decode_wall_s else 0.0
+
     def as_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "wall_s": self.wall_s, "call_s": self.call_s,
-                "forward_s": self.forward_s, "generated_tokens": self.generated_tokens,
-                "tokens_per_s": self.tokens_per_s, "proposed_drafts": self.proposed_drafts,
-                "accepted_drafts": self.accepted_drafts, "acceptance_rate": self.acceptance_rate,
-                "call_share": self.call_share, "preemptions": self.preemptions,
-                "refused_new": self.refused_new}
+        return {**dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s,
+                "acceptance_rate": self.acceptance_rate, "call_share": self.call_share,
+                "decode_call_share": self.decode_call_share}
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,7 @@ class Engine:
             plan = self._plan(waiting, live, in_flight)
             called = time.perf_counter()
             reply = self.client.step(**plan.call)
-            self.stats.call_s += time.perf_counter() - called
+            call_s = time.perf_counter() - called
             for r in reversed(plan.finished):
                 del live[r.handle]
                 r.handle = -1
@@ -227,9 +234,19 @@ class Engine:
                 raise PoolTooSmall(f"prompt {waiting[0].req_id!r} ({waiting[0].tokens.size} "
                                    f"tokens) was refused with nothing else running: the pool is "
                                    f"too small for it")
-            self.stats.steps += 1
-            self.stats.wall_s += time.perf_counter() - step_started
+            self._count_step(time.perf_counter() - step_started, call_s,
+                             decode_only=not (plan.prefilling or plan.new))
         return {r.req_id: r.output for r in requests}
+
+    def _count_step(self, wall_s: float, call_s: float, *, decode_only: bool) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.wall_s += wall_s
+        stats.call_s += call_s
+        if decode_only:
+            stats.decode_steps += 1
+            stats.decode_wall_s += wall_s
+            stats.decode_call_s += call_s
 
     def _request(self, prompt: Prompt, max_new_tokens: int) -> Request:
         ids = np.asarray(prompt.token_ids, dtype=np.int64)

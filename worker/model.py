@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from allocator import PoolConfig
+
 from .attention import ATTN_IMPLEMENTATION, register
 
 # Decoder-only families whose attention is plain (optionally grouped-query) softmax attention
@@ -74,6 +76,20 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
+
+
+def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
+                   draft_len: int, dtype: str, device: str, tokens_per_block: int = 16,
+                   max_batch_size: int = 64, num_blocks: int | None = None) -> PoolConfig:
+    """A pool shaped like the model's KV whose rows hold ``longest`` tokens (prompt + output);
+    by default with blocks for ``num_requests`` such requests at once."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    per_request = -(-(longest + 1 + 2 * draft_len) // tokens_per_block)
+    return PoolConfig(
+        num_blocks=num_blocks or per_request * num_requests, tokens_per_block=tokens_per_block,
+        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+        max_batch_size=max_batch_size, max_seq_len=longest, max_draft_len=draft_len,
+        overlap_scheduler=True)
 
 
 def _check_family(model_type: str, field: str) -> None:
