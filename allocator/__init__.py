@@ -30,7 +30,7 @@ from .errors import (
     UnknownRequest,
 )
 from .kv_storage import KVStorage
-from .manager import KVCacheManager, StepOutcome, StepPlan
+from .manager import KVCacheManager
 from .nwor_errors import (
     InvalidScvMode,
     NworError,
@@ -40,8 +40,20 @@ from .nwor_errors import (
     WindowStateError,
 )
 from .nwor_window import NworMetrics, WindowLayout, WindowStats
+from .placement import TensorAllocator, plain_tensor
+from .step_plan import (
+    ADMITTED,
+    REFUSED_BATCH_FULL,
+    REFUSED_OUT_OF_BLOCKS,
+    RequestView,
+    StepOutcome,
+    StepPlan,
+)
 
 __all__ = [
+    "ADMITTED",
+    "REFUSED_BATCH_FULL",
+    "REFUSED_OUT_OF_BLOCKS",
     "SCV_MODE_ENV",
     "AcceptedExceedsDrafts",
     "BatchFull",
@@ -65,6 +77,7 @@ __all__ = [
     "OutOfBlocks",
     "PoolConfig",
     "PrefillIncomplete",
+    "RequestView",
     "ScvAcceptor",
     "ScvMode",
     "ScvStats",
@@ -73,6 +86,7 @@ __all__ = [
     "StagingOverflow",
     "StepOutcome",
     "StepPlan",
+    "TensorAllocator",
     "UnknownRequest",
     "WindowLayout",
     "WindowStateError",
@@ -80,6 +94,7 @@ __all__ = [
     "acceptance_mask",
     "merge_attention",
     "paged_attention",
+    "plain_tensor",
     "scv_mode_from_env",
     "two_source_attention",
     "write_staged",

@@ -1,4 +1,4 @@
-"""The capacity-accounting rules of DESIGN.md as pure, vectorised functions.
+"""The capacity-accounting rules of docs/design.md as pure, vectorised functions.
 
 Every grant site and every settlement in `KVCacheManager` goes through these, for one request or
 for a whole batch (numpy arrays), so the per-request methods and the batched ``step`` cannot drift.
@@ -20,8 +20,8 @@ def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,
     if that is larger.
 
     The lead is the previous step's accepted drafts, which the device has already advanced over
-    when this step writes (DESIGN.md's accepted-but-uncommitted tokens). With a constant D it
-    never exceeds D, so the slack is DESIGN.md's D; an engine that shortens D from one step to
+    when this step writes (docs/design.md's accepted-but-uncommitted tokens). With a constant D it
+    never exceeds D, so the slack is the design's D; an engine that shortens D from one step to
     the next (dynamic speculation) would otherwise see reach = history + lead + 1 + D outrun
     capacity = history + 1 + 2D: the IMA again.
     """

@@ -4,9 +4,12 @@ Invariants (checked by ``check_invariants`` against the counts the caller owns):
 - row r holds valid block ids in columns ``[0, num_blocks[r])`` and ``-1`` beyond: a kernel that
   reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing past a
   request's blocks is ever anything but -1;
+- a row is either held (acquired, not released) or on the free-row stack, exactly once;
 - after ``sync()`` the device copy equals the host mirror.
 
-Only rows touched since the last ``sync()`` travel to the device.
+Only the cells changed since the last ``sync()`` travel to the device: a step touches the tail
+of a few rows (tens of cells), not whole 2049-wide rows. The device copy comes from a
+`placement.TensorAllocator`, so a service can hand out a table other processes map.
 """
 
 from __future__ import annotations
@@ -14,41 +17,49 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import BatchFull, InvariantViolation
+from .errors import BatchFull, InvalidValue, InvariantViolation
+from .placement import TensorAllocator, plain_tensor
 
 
 class BlockTable:
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device, *,
+                 allocate: TensorAllocator = plain_tensor) -> None:
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        self.host = np.full((max_batch_size, max_blocks_per_seq), -1, dtype=np.int32)
-        self.device_table = torch.full(
-            (max_batch_size, max_blocks_per_seq), -1, dtype=torch.int32, device=device
-        )
-        self._free_rows = list(range(max_batch_size - 1, -1, -1))
-        self._dirty = np.zeros(max_batch_size, dtype=bool)
+        shape = (max_batch_size, max_blocks_per_seq)
+        self.host = np.full(shape, -1, dtype=np.int32)
+        self.device_table = allocate("block_table", shape, torch.int32, device)
+        self.device_table.fill_(-1)
+        # Free rows as a stack (``free_rows[:num_free_rows]``, top at the end), row 0 on top;
+        # the compiled step pushes and pops on it directly.
+        self.free_rows = np.arange(max_batch_size - 1, -1, -1, dtype=np.int64)
+        self.num_free_rows = max_batch_size
+        # Cell ranges [start, end) of rows changed since the last sync, one array per change.
+        self._changed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         if device.type == "cuda":
-            # Dirty rows travel through preallocated pinned buffers: a fresh pin_memory() per
-            # step costs more than the copy itself. An event guards their reuse.
-            shape = (max_batch_size, max_blocks_per_seq)
-            self._pinned_rows = torch.empty(shape, dtype=torch.int32, pin_memory=True)
-            self._pinned_index = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=True)
+            # Changed cells travel through preallocated pinned buffers (grown on demand): a
+            # fresh pin_memory() per step costs more than the copy itself. An event guards
+            # their reuse.
+            self._pinned_cells = torch.empty(0, dtype=torch.int64, pin_memory=True)
+            self._pinned_values = torch.empty(0, dtype=torch.int32, pin_memory=True)
             self._upload_done: torch.cuda.Event | None = None
 
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
-
     def acquire_row(self) -> int:
-        if not self._free_rows:
+        if self.num_free_rows == 0:
             raise BatchFull(f"req_id: all {self.max_batch_size} block-table rows are in use")
-        return self._free_rows.pop()
+        self.num_free_rows -= 1
+        return int(self.free_rows[self.num_free_rows])
 
     def release_row(self, row: int) -> None:
-        self.host[row] = -1
-        self._dirty[row] = True
-        self._free_rows.append(row)
+        if (self.free_rows[: self.num_free_rows] == row).any():
+            raise InvalidValue(f"row: {row} is not held", field="row")
+        held = np.flatnonzero(self.host[row] != -1)
+        if held.size:
+            self.host[row] = -1
+            self.mark_changed(np.array([row]), np.array([0]), np.array([held[-1] + 1]))
+        self.free_rows[self.num_free_rows] = row
+        self.num_free_rows += 1
 
     def append(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                block_ids: np.ndarray) -> None:
@@ -57,35 +68,49 @@ class BlockTable:
             return
         r, c = _ragged_cells(rows, starts, counts)
         self.host[r, c] = block_ids
-        self._dirty[rows] = True
+        self.mark_changed(rows, starts, starts + counts)
 
     def truncate(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Clear ``counts[i]`` columns from ``starts[i]`` to -1; return the block ids removed."""
         r, c = _ragged_cells(rows, starts, counts)
         removed = self.host[r, c].copy()
         self.host[r, c] = -1
-        self._dirty[rows] = True
+        self.mark_changed(rows, starts, starts + counts)
         return removed
 
+    def mark_changed(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Record that host cells ``[starts[i], ends[i])`` of ``rows[i]`` changed (for a writer
+        that changes ``host`` directly, like the compiled step)."""
+        if rows.size:
+            self._changed.append((rows, starts, ends))
+
     def sync(self) -> None:
-        """Upload the rows changed since the last sync (non-blocking from pinned memory on CUDA)."""
-        rows = np.flatnonzero(self._dirty)
-        if rows.size == 0:
+        """Upload the cells changed since the last sync (non-blocking from pinned memory on
+        CUDA)."""
+        if not self._changed:
             return
-        self._dirty[rows] = False
+        rows, starts, ends = (np.concatenate(parts) for parts in zip(*self._changed, strict=True))
+        self._changed.clear()
+        r, c = _ragged_cells(rows, starts, ends - starts)
+        cells = r * self.max_blocks_per_seq + c
+        values = self.host.reshape(-1)[cells]
         if self.device.type == "cpu":
             # A CPU "device" copy is still a separate buffer (shared with workers through shared
             # memory); writing it through a numpy view skips torch's dispatch overhead.
-            self.device_table.numpy()[rows] = self.host[rows]
+            self.device_table.numpy().reshape(-1)[cells] = values
             return
         if self._upload_done is not None:
             self._upload_done.synchronize()  # the previous upload may still read the buffers
-        k = rows.size
-        self._pinned_rows.numpy()[:k] = self.host[rows]
-        self._pinned_index.numpy()[:k] = rows
-        src = self._pinned_rows[:k].to(self.device, non_blocking=True)
-        idx = self._pinned_index[:k].to(self.device, non_blocking=True)
-        self.device_table.index_copy_(0, idx, src)
+        k = cells.size
+        if k > self._pinned_cells.numel():
+            size = max(k, 2 * self._pinned_cells.numel())
+            self._pinned_cells = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._pinned_values = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        self._pinned_cells.numpy()[:k] = cells
+        self._pinned_values.numpy()[:k] = values
+        index = self._pinned_cells[:k].to(self.device, non_blocking=True)
+        src = self._pinned_values[:k].to(self.device, non_blocking=True)
+        self.device_table.view(-1).index_copy_(0, index, src)
         self._upload_done = torch.cuda.Event()
         self._upload_done.record()
 
@@ -133,6 +158,17 @@ class BlockTable:
             raise InvariantViolation("a row holds something other than -1 past its block count")
         if synced and not np.array_equal(self.device_table.cpu().numpy(), self.host):
             raise InvariantViolation("device block table differs from the host mirror")
+
+
+    def check_held_rows(self, live: np.ndarray) -> None:
+        """The rows off the free-row stack are exactly the ``live`` ones (a bool per row)."""
+        held = np.ones(self.max_batch_size, dtype=bool)
+        free = self.free_rows[: self.num_free_rows]
+        held[free] = False
+        if np.unique(free).size != free.size:
+            raise InvariantViolation("a row is on the free-row stack twice")
+        if not np.array_equal(held, live):
+            raise InvariantViolation("held block-table rows differ from the live requests")
 
 
 def _ragged_cells(rows: np.ndarray, starts: np.ndarray,

@@ -147,6 +147,6 @@ class PoolConfig(BaseModel):
 
     @property
     def max_blocks_per_seq(self) -> int:
-        """ceil((max_seq_len + max_draft_len + 1 + slack) / tokens_per_block), per DESIGN.md."""
+        """ceil((max_seq_len + max_draft_len + 1 + slack) / tokens_per_block) (docs/design.md)."""
         tokens = self.max_seq_len + self.max_draft_len + 1 + self.max_slack
         return -(-tokens // self.tokens_per_block)

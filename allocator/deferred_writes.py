@@ -10,7 +10,10 @@ Lifecycle of one window (one scheduler step):
 2. ``stage_layer(layer, key, value, slot_mapping)`` once or more per layer: each layer has its own
    running offset, so layers stage independently and a layer may stage in several chunks. During
    the forward, attention reads this step's K/V from ``staged_kv(layer)`` and history from the
-   pool (see `attention`).
+   pool (see `attention`). Or, when the forward already wrote every layer's K/V into a buffer of
+   its own (a worker's shared staging buffer), ``stage_from(staging, slot_mapping)`` once: the
+   commit then reads that buffer directly, so a window costs the same few launches whatever the
+   number of layers.
 3. ``commit(accepted_counts)`` (or ``verify_and_commit(draft_ids, sampled_ids)``): non-draft tokens
    are always written, a request's drafts only up to its accepted count. ``cancel(reason)`` ends a
    window the engine abandons.
@@ -105,6 +108,8 @@ class DeferredWriteManager:
         dev, i64 = self.device, torch.int64
         self._staged = torch.zeros((self.num_layers, 2, max_tokens, row), dtype=self.stage_dtype,
                                    device=dev)
+        # What the commit reads: ``_staged``, or for one window the caller's buffer (stage_from).
+        self._source = self._staged
         self._slots = torch.full((self.num_layers, max_tokens), -1, dtype=i64, device=dev)
         self._masked_slots = torch.full_like(self._slots, -1)  # rejected tokens' slots at -1
         self._layer_rows = torch.zeros(self.num_layers, dtype=i64, device=dev)
@@ -188,6 +193,7 @@ class DeferredWriteManager:
         self._accepted.zero_()  # no count from an earlier window lingers on a padded request
         self._layer_rows.zero_()
         self._rows = [0] * self.num_layers
+        self._source = self._staged
         self._layout = layout
 
     def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
@@ -202,6 +208,9 @@ class DeferredWriteManager:
         None means the pool's scale. Readers must dequantise with the same scale.
         """
         layout = self._require_window("stage_layer")
+        if self._source is not self._staged:
+            raise WindowStateError("window: stage_layer after stage_from; a window stages from "
+                                   "one place")
         if isinstance(layer, bool) or not isinstance(layer, int) or not (
                 0 <= layer < self.num_layers):
             raise NworInputError(f"layer: {layer!r} outside [0, {self.num_layers})",
@@ -225,11 +234,51 @@ class DeferredWriteManager:
         self._rows[layer] = end
         self._layer_rows[layer].fill_(end)
 
+    def stage_from(self, staging: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Stage the whole window, every layer at once, from the caller's buffer: token ``i`` of
+        layer ``l`` is ``staging[l, 0 (K) / 1 (V), i]`` and goes to ``slot_mapping[i]``.
+
+        ``staging`` is a contiguous ``[num_layers, 2, capacity, H, D]`` (or ``[..., H * D]``)
+        tensor in ``stage_dtype`` on the pool's device with capacity >= the window's tokens. It is
+        read, never copied, by the commit: it must hold this window's K/V until ``commit``
+        returns (on CUDA: until the commit's work on the current stream has run). Instead of, not
+        as well as, ``stage_layer``.
+        """
+        layout = self._require_window("stage_from")
+        if any(self._rows):
+            raise WindowStateError("window: stage_from after stage_layer; a window stages from "
+                                   "one place")
+        total = layout.total_tokens
+        heads, dim = self.head_shape
+        if not isinstance(staging, torch.Tensor) or not isinstance(slot_mapping, torch.Tensor):
+            raise NworInputError("staging: expected tensors", field="staging")
+        shape = tuple(staging.shape)
+        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
+                or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < total
+                or not staging.is_contiguous()):
+            raise NworInputError(
+                f"staging: shape {shape}, expected contiguous [{self.num_layers}, 2, >= {total}, "
+                f"{heads}, {dim}]", field="staging")
+        if staging.dtype != self.stage_dtype or staging.device != self.device:
+            raise NworInputError(
+                f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
+                f"{self.device}", field="staging")
+        if slot_mapping.dtype != torch.int64:
+            raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
+        if slot_mapping.shape != (total,) or slot_mapping.device != self.device:
+            raise NworInputError(
+                f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
+                f"expected ({total},) on {self.device}", field="slot_mapping")
+        self._slots[:, :total].copy_(slot_mapping.expand(self.num_layers, total))
+        self._layer_rows.fill_(total)
+        self._rows = [total] * self.num_layers
+        self._source = staging.view(self.num_layers, 2, shape[2], heads * dim)
+
     def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[staged_rows, H, D]`` of this window's staged K and V for ``layer``."""
         self._require_window("staged_kv")
         rows = self._rows[layer]
-        staged = self._staged[layer, :, :rows].unflatten(-1, self.head_shape)
+        staged = self._source[layer, :, :rows].unflatten(-1, self.head_shape)
         return staged[0], staged[1]
 
     def commit(self, accepted_counts: Sequence[int] | np.ndarray | torch.Tensor) -> None:
@@ -466,7 +515,7 @@ class DeferredWriteManager:
             return WindowStats(0, 0, 0, 0, "empty")
         committed = total - sum(layout.num_draft) + int(accepted.sum())
         if committed == total:
-            write_staged(self.storage.rows(), self._staged, self._slots, self._layer_rows,
+            write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows,
                          total, self._inv, backend=self.backend)
         else:
             upload_into(self._accepted[: layout.num_requests], accepted)
@@ -504,7 +553,7 @@ class DeferredWriteManager:
         mask_rejected(self._tokens, self._accepted, self._requests, self._slots, rows,
                       self._masked_slots, counters if record else None, backend=self.backend)
         self._counted_on_device = record
-        write_staged(self.storage.rows(), self._staged, self._masked_slots, self._layer_rows,
+        write_staged(self.storage.rows(), self._source, self._masked_slots, self._layer_rows,
                      rows, self._inv, backend=self.backend)
 
     def _quiet_commit(self, rows: int) -> None:
@@ -519,7 +568,10 @@ class DeferredWriteManager:
 
     def _graph_for(self, total: int, draft_ids: torch.Tensor | None = None,
                    sampled_ids: torch.Tensor | None = None) -> _Graph | None:
-        """The smallest captured graph of the right kind that covers this window."""
+        """The smallest captured graph of the right kind that covers this window. None for a
+        window staged with ``stage_from``: a graph replays reads of the internal staging."""
+        if self._source is not self._staged:
+            return None
         fits = [
             g for g in self._graphs
             if g.rows >= total and (
@@ -544,7 +596,7 @@ class DeferredWriteManager:
         if reason not in self._fallbacks:
             log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
         rows = max(self._rows, default=0)
-        write_staged(self.storage.rows(), self._staged, self._slots, self._layer_rows, rows,
+        write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows, rows,
                      self._inv, backend="torch")
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
         return WindowStats(rows, 0, 0, rows, "fallback", reason)

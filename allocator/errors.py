@@ -62,9 +62,12 @@ class BlockTableOverflow(KVAllocError):
 
     field = "capacity"
 
-    def __init__(self, message: str, *, req_id: object = None) -> None:
+    def __init__(self, message: str, *, row: int = -1, req_id: object = None) -> None:
         super().__init__(message)
-        self.req_id = req_id  # the overflowing request, so a batch's caller need not guess
+        # The overflowing request (its row, and its id if it has one), so a batch's caller need
+        # not guess which one to finish or preempt.
+        self.row = row
+        self.req_id = req_id
 
 
 class BatchFull(KVAllocError):

@@ -12,6 +12,9 @@ Why this layout:
   ``slot = block * tokens_per_block + offset``, so the NWOR commit writes whole rows and one
   fused kernel addresses every layer as ``(layer * 2 + kv) * num_slots + slot``.
 
+The tensor comes from a `placement.TensorAllocator` (shared memory or CUDA IPC in a service,
+a plain tensor by default) and is zero-filled here.
+
 fp8 pools store ``float8_e4m3fn`` with per-layer K and V dequantisation scales
 (``value = stored * scale``); writers quantise with ``stored = value / scale``.
 """
@@ -21,25 +24,18 @@ from __future__ import annotations
 import torch
 
 from .config import PoolConfig
+from .placement import TensorAllocator, plain_tensor
 
 
 class KVStorage:
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.num_slots = config.total_blocks * config.tokens_per_block
-        self.kv = torch.zeros(
-            (
-                config.num_layers,
-                2,
-                config.total_blocks,
-                config.tokens_per_block,
-                config.num_kv_heads,
-                config.head_dim,
-            ),
-            dtype=config.torch_dtype,
-            device=self.device,
-        )
+        shape = (config.num_layers, 2, config.total_blocks, config.tokens_per_block,
+                 config.num_kv_heads, config.head_dim)
+        self.kv = allocate("kv", shape, config.torch_dtype, self.device)
+        self.kv.zero_()
         ones = [1.0] * config.num_layers
         self.k_scale = torch.tensor(config.k_scales or ones, dtype=torch.float32,
                                     device=self.device)

@@ -157,10 +157,6 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
     total = manager.pool.num_blocks
     free = manager.free_blocks
     t = manager.totals()
-    ids = manager.request_ids
-    max_cap = max((manager.capacity(r) for r in ids), default=0)
-    max_hist = max((manager.history(r) for r in ids), default=0)
-    max_blocks = max((manager.num_blocks(r) for r in ids), default=0)
     info = GaugeMetricFamily(
         "kvalloc_pool_info", "Static pool configuration (value is always 1).",
         labels=["device", "dtype", "slack_policy", "overlap_scheduler"],
@@ -188,9 +184,9 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
         _gauge("kvalloc_pending_slack_tokens",
                "Pending overlap slack, summed over live requests.", t["pending_slack_tokens"]),
         _gauge("kvalloc_request_max_capacity_tokens", "Largest capacity of one live request.",
-               max_cap),
+               t["max_capacity_tokens"]),
         _gauge("kvalloc_request_max_history_tokens", "Largest history of one live request.",
-               max_hist),
+               t["max_history_tokens"]),
         _gauge("kvalloc_request_max_pending_slack_tokens",
                "Largest pending overlap slack of one live request.",
                t["max_pending_slack_tokens"]),
@@ -198,7 +194,7 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
                "Largest capacity - history of one live request.", t["max_uncommitted_tokens"]),
         _gauge("kvalloc_request_max_blocks",
                "Most blocks held by one live request (row overflow at kvalloc_max_blocks_per_seq).",
-               max_blocks),
+               t["max_blocks"]),
     ]
     for f in dataclasses.fields(manager.counters):
         help_text = _COUNTER_HELP.get(f.name, f"ManagerCounters.{f.name}.")

@@ -3,7 +3,7 @@
 The host side is the real `KVCacheManager`: every iteration is one batched ``step`` that settles
 the previous step (``update_resources`` with its accepted count), frees finished requests and
 grants this step (``try_allocate_generation``). The device side is a model of where the forward
-writes, following DESIGN.md's write-reach formula::
+writes, following docs/design.md's write-reach formula::
 
     reach = history + uncommitted + 1 + D
 
@@ -135,18 +135,19 @@ class SimulationSpec:
 
 def simulate(spec: SimulationSpec) -> SimulationResult:
     """Run every request from prefill to ``osl`` output tokens or the first row overflow."""
-    manager = KVCacheManager(spec.pool_config(), allocate_storage=False)
+    manager = KVCacheManager(spec.pool_config())
     rng = np.random.default_rng(spec.seed)
     n, d, tpb = spec.num_requests, spec.draft_len, spec.tokens_per_block
-    ids = list(range(n))
-    manager.step(StepPlan(new_ids=ids, prompt_lens=[spec.isl] * n))
+    admitted = manager.step(StepPlan(prompt_lens=np.full(n, spec.isl, dtype=np.int64)))
+    rows = admitted.admitted_rows  # request i lives in rows[i] (-1: not admitted)
+    request_of = {int(row): i for i, row in enumerate(rows.tolist()) if row >= 0}
     result = SimulationResult(
         policy=spec.policy.value, steps=0, requests_finished=0, requests_total=n,
         output_tokens=0, grants_refused=0, max_capacity_minus_history=0,
         max_blocks_per_seq=manager.max_blocks_per_seq, tokens_per_block=tpb,
         trace={k: [] for k in ("capacity", "history", "reach", "allocated")},
     )
-    live = [i for i in ids if i in manager]
+    live = [i for i in range(n) if rows[i] >= 0]
     in_flight: dict[int, int] = {}  # request -> accepted drafts of its last forward
     finished_tokens = 0
     max_steps = spec.osl + 1  # every step commits at least one token
@@ -154,17 +155,19 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
     for step in range(1, max_steps + 1):
         results = list(in_flight)
         accepted = [in_flight[r] for r in results]
-        produced = {r: manager.history(r) + 1 + a - spec.isl
+        produced = {r: manager.view(int(rows[r])).history + 1 + a - spec.isl
                     for r, a in zip(results, accepted, strict=True)}
         done = [r for r, out in produced.items() if out >= spec.osl]
         grants = [r for r in live if r not in done]
-        plan = StepPlan(result_ids=results, num_accepted=accepted, finished=done,
-                        grant_ids=grants, draft_lens=[d] * len(grants))
+        plan = StepPlan(result_rows=rows[results], num_accepted=accepted,
+                        finished_rows=rows[done], grant_rows=rows[grants],
+                        draft_lens=np.full(len(grants), d, dtype=np.int64))
         try:
             outcome = manager.step(plan)
         except BlockTableOverflow as exc:
-            who = exc.req_id
-            result.first_row_overflow = _failure(manager, step, who, in_flight.get(who, 0), d)
+            who = request_of[exc.row]
+            result.first_row_overflow = _failure(manager, step, who, int(rows[who]),
+                                                 in_flight.get(who, 0), d)
             break
         result.steps = step
         result.requests_finished += len(done)
@@ -178,7 +181,7 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
             if not ok:
                 result.grants_refused += 1
                 continue
-            f = _failure(manager, step, r, lead.get(r, 0), d)
+            f = _failure(manager, step, r, int(rows[r]), lead.get(r, 0), d)
             if f.reach > f.allocated_tokens and result.first_ima is None:
                 result.first_ima = f
             if f.reach > f.capacity and result.first_reach_past_capacity is None:
@@ -193,18 +196,18 @@ def simulate(spec: SimulationSpec) -> SimulationResult:
         progress.update(1)
     progress.close()
     result.output_tokens = finished_tokens + sum(
-        manager.history(r) - spec.isl for r in manager.request_ids)
+        manager.view(row).history - spec.isl for row in manager.live_rows.tolist())
     manager.check_invariants()
     return result
 
 
-def _failure(manager: KVCacheManager, step: int, req: int, uncommitted: int,
+def _failure(manager: KVCacheManager, step: int, req: int, row: int, uncommitted: int,
              draft_len: int) -> Failure:
-    history = manager.history(req)
+    view = manager.view(row)
     return Failure(
-        step=step, request=req, reach=history + uncommitted + 1 + draft_len,
-        capacity=manager.capacity(req),
-        allocated_tokens=manager.num_blocks(req) * manager.tokens_per_block, history=history,
+        step=step, request=req, reach=view.history + uncommitted + 1 + draft_len,
+        capacity=view.capacity,
+        allocated_tokens=view.num_blocks * manager.tokens_per_block, history=view.history,
     )
 
 

@@ -1,12 +1,13 @@
 """Bad input: every typed error, raised through the public API, changes no state.
 
-DESIGN.md ("Bad input") and issue 2: each error is typed, its message names the field at fault
+docs/design.md ("Bad input"): each error is typed, its message names the field at fault
 (``str(err)`` starts with ``err.field``), and the manager is exactly as it was before the call:
 every request's capacity / history / slack / pending draft / blocks / row, the free blocks, the
-block table on the host and on the device, the pool's free stack and reference counts, and the
-counters. The one documented exception is a refusal counter (``requests_refused``,
-``grants_refused``, ``row_overflows``): a refusal is an event the metrics export, so it is counted
-once, and nothing else moves.
+block table on the host and on the device, the pool's free stack and reference counts, the
+free-row stack, the request-id edge, and the counters. Batched steps name requests by row: a row
+that is out of range or not live is an unknown request. The one documented exception is a
+refusal counter (``requests_refused``, ``grants_refused``, ``row_overflows``): a refusal is an
+event the metrics export, so it is counted once, and nothing else moves.
 
 Also: `PoolConfig` rejects invalid combinations with a pydantic ValidationError naming the field.
 """
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from allocator import (
+    REFUSED_OUT_OF_BLOCKS,
     AcceptedExceedsDrafts,
     BatchFull,
     BlockTableOverflow,
@@ -92,9 +94,22 @@ def edge(m: KVCacheManager) -> None:
     assert m.try_allocate_generation("edge0", 0)
 
 
+def freed(m: KVCacheManager) -> None:
+    """base, then a request that was admitted and freed: its row is stale."""
+    base(m)
+    m.freed_row = m.add_request("gone", 4)
+    m.free("gone")
+
+
 SETUPS: dict[str, Callable[[KVCacheManager], None]] = {
-    "base": base, "exhausted": exhausted, "full_rows": full_rows, "edge": edge,
+    "base": base, "exhausted": exhausted, "full_rows": full_rows, "edge": edge, "freed": freed,
 }
+
+
+def rows(m: KVCacheManager, *names: str) -> np.ndarray:
+    """The rows of requests added by id; "nope" stands for a row no live request holds."""
+    free = sorted(set(range(ROWS)) - set(m.live_rows.tolist()))
+    return np.array([free[0] if n == "nope" else m.row(n) for n in names], dtype=np.int64)
 
 
 def plain(value: object) -> object:
@@ -117,20 +132,21 @@ def snapshot(m: KVCacheManager) -> dict:
         for req in m.request_ids
     }
     internals = {}
-    for owner_name, owner in (("manager", m), ("pool", m.pool), ("table", m.table)):
+    for owner_name, owner in (("manager", m), ("rows", m.rows), ("pool", m.pool),
+                              ("table", m.table)):
         for k, v in vars(owner).items():
-            if k in ("config", "pool", "table", "storage", "device", "counters"):
+            if k in ("config", "pool", "table", "rows", "state", "device", "counters",
+                     "device_table", "_run"):
                 continue
             internals[f"{owner_name}.{k}"] = plain(v)
-    kv = m.storage.kv.float().sum().item() if m.storage is not None else None
     return {
         "requests": public,
+        "views": [m.view(row) for row in m.live_rows.tolist()].__repr__(),
         "free_blocks": m.free_blocks,
         "host": m.table.host.tolist(),
         "device": m.table.device_table.cpu().tolist(),
         "counters": dataclasses.asdict(m.counters),
         "internals": internals,
-        "kv": kv,
     }
 
 
@@ -164,24 +180,32 @@ CASES: dict[str, Case] = {
     "free unknown": ("base", lambda m: m.free("nope"), UnknownRequest, {}),
     "prefill unknown": ("base", lambda m: m.extend_prefill("nope", 1), UnknownRequest, {}),
     "step: one unknown among valid entries": (
-        "base", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[1],
-                                          grant_ids=["idle", "nope"], draft_lens=[1, 1])),
+        "base", lambda m: m.step(StepPlan(result_rows=rows(m, "run"), num_accepted=[1],
+                                          grant_rows=rows(m, "idle", "nope"), draft_lens=[1, 1])),
         UnknownRequest, {}),
-    "step: finish unknown": ("base", lambda m: m.step(StepPlan(finished=["run", "nope"])),
-                             UnknownRequest, {}),
+    "step: finish unknown": ("base", lambda m: m.step(StepPlan(
+        finished_rows=rows(m, "run", "nope"))),
+        UnknownRequest, {}),
     # ---- duplicate request
     "add existing": ("base", lambda m: m.add_request("run", 5), DuplicateRequest, {}),
-    "step: new listed twice": ("base", lambda m: m.step(StepPlan(new_ids=["n", "n"],
-                                                                 prompt_lens=[1, 1])),
-                               DuplicateRequest, {}),
-    "step: grant listed twice": ("base", lambda m: m.step(StepPlan(grant_ids=["idle", "idle"],
-                                                                   draft_lens=[1, 1])),
-                                 DuplicateRequest, {}),
-    "step: result listed twice": ("base", lambda m: m.step(StepPlan(result_ids=["run", "run"],
-                                                                    num_accepted=[0, 0])),
-                                  DuplicateRequest, {}),
-    "step: finish listed twice": ("base", lambda m: m.step(StepPlan(finished=["run", "run"])),
-                                  DuplicateRequest, {}),
+    "step: revert listed twice": ("base", lambda m: m.step(StepPlan(
+        revert_rows=rows(m, "run", "run"))),
+        DuplicateRequest, {}),
+    "step: padding listed twice": ("base", lambda m: m.step(StepPlan(
+        padding_rows=rows(m, "run", "run"), padded_draft_lens=[3, 3])), DuplicateRequest, {}),
+    "step: prefill listed twice": ("base", lambda m: m.step(StepPlan(
+        prefill_rows=rows(m, "pre", "pre"), prefill_tokens=[1, 1])), DuplicateRequest, {}),
+    "step: grant listed twice": ("base", lambda m: m.step(StepPlan(
+        grant_rows=rows(m, "idle", "idle"),
+        draft_lens=[1, 1])),
+        DuplicateRequest, {}),
+    "step: result listed twice": ("base", lambda m: m.step(StepPlan(
+        result_rows=rows(m, "run", "run"),
+        num_accepted=[0, 0])),
+        DuplicateRequest, {}),
+    "step: finish listed twice": ("base", lambda m: m.step(StepPlan(
+        finished_rows=rows(m, "run", "run"))),
+        DuplicateRequest, {}),
     # ---- draft_len above max_draft_len
     "try_allocate D too big": ("base", lambda m: m.try_allocate_generation("idle", MAX_D + 1),
                                DraftLenExceeded, {}),
@@ -189,13 +213,13 @@ CASES: dict[str, Case] = {
                                 DraftLenExceeded, {}),
     "padding D too big": ("base", lambda m: m.extend_capacity_for_tokens("run", MAX_D + 1),
                           DraftLenExceeded, {}),
-    "step: grant D too big": ("base", lambda m: m.step(StepPlan(grant_ids=["idle"],
+    "step: grant D too big": ("base", lambda m: m.step(StepPlan(grant_rows=rows(m, "idle"),
                                                                 draft_lens=[MAX_D + 1])),
                               DraftLenExceeded, {}),
     # ---- accepted > drafts
     "update accepted > D": ("base", lambda m: m.update_resources("run", 3),
                             AcceptedExceedsDrafts, {}),
-    "step: accepted > D": ("base", lambda m: m.step(StepPlan(result_ids=["run"],
+    "step: accepted > D": ("base", lambda m: m.step(StepPlan(result_rows=rows(m, "run"),
                                                              num_accepted=[3])),
                            AcceptedExceedsDrafts, {}),
     # ---- negative / out-of-range / non-integer values
@@ -231,23 +255,24 @@ CASES: dict[str, Case] = {
                              NoPendingGrant, {}),
     "padding without grant": ("base", lambda m: m.extend_capacity_for_tokens("idle", 2),
                               NoPendingGrant, {}),
-    "step: revert without grant": ("base", lambda m: m.step(StepPlan(reverts=["idle"])),
+    "step: revert without grant": ("base", lambda m: m.step(StepPlan(revert_rows=rows(m, "idle"))),
                                    NoPendingGrant, {}),
     "step: padding after its revert": (
-        "base", lambda m: m.step(StepPlan(reverts=["run"], padding_ids=["run"],
+        "base", lambda m: m.step(StepPlan(revert_rows=rows(m, "run"), padding_rows=rows(m, "run"),
                                           padded_draft_lens=[3])), NoPendingGrant, {}),
     "grant while pending": ("base", lambda m: m.try_allocate_generation("run", 1),
                             GrantPending, {}),
     "draft grant while pending": ("base", lambda m: m.prepare_draft_resources("run", 1),
                                   GrantPending, {}),
-    "step: grant while pending": ("base", lambda m: m.step(StepPlan(grant_ids=["idle", "run"],
-                                                                    draft_lens=[1, 1])),
-                                  GrantPending, {}),
+    "step: grant while pending": ("base", lambda m: m.step(StepPlan(
+        grant_rows=rows(m, "idle", "run"),
+        draft_lens=[1, 1])),
+        GrantPending, {}),
     "grant during prefill": ("base", lambda m: m.try_allocate_generation("pre", 1),
                              PrefillIncomplete, {}),
     "draft grant during prefill": ("base", lambda m: m.prepare_draft_resources("pre", 1),
                                    PrefillIncomplete, {}),
-    "step: grant during prefill": ("base", lambda m: m.step(StepPlan(grant_ids=["pre"],
+    "step: grant during prefill": ("base", lambda m: m.step(StepPlan(grant_rows=rows(m, "pre"),
                                                                      draft_lens=[0])),
                                    PrefillIncomplete, {}),
     # ---- rows and blocks run out
@@ -262,10 +287,10 @@ CASES: dict[str, Case] = {
     "prefill without blocks": ("exhausted", lambda m: m.extend_prefill("pre", 12), OutOfBlocks,
                                {}),
     "step: strict grants without blocks": (
-        "exhausted", lambda m: m.step(StepPlan(grant_ids=["idle"], draft_lens=[3],
+        "exhausted", lambda m: m.step(StepPlan(grant_rows=rows(m, "idle"), draft_lens=[3],
                                                strict_grants=True)), OutOfBlocks, {}),
     "step: padding of an earlier grant without blocks": (
-        "exhausted", lambda m: m.step(StepPlan(padding_ids=["run"], padded_draft_lens=[3])),
+        "exhausted", lambda m: m.step(StepPlan(padding_rows=rows(m, "run"), padded_draft_lens=[3])),
         OutOfBlocks, {}),
     # ---- row overflow (max_blocks_per_seq)
     "grant past the row": ("edge", lambda m: m.try_allocate_generation("edge", 3),
@@ -275,53 +300,73 @@ CASES: dict[str, Case] = {
     "padding past the row": ("edge", lambda m: m.extend_capacity_for_tokens("edge0", 3),
                              BlockTableOverflow, {"row_overflows": 1}),
     "step: a grant past the row among valid ones": (
-        "edge", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[2],
-                                          grant_ids=["idle", "edge", "run"],
+        "edge", lambda m: m.step(StepPlan(result_rows=rows(m, "run"), num_accepted=[2],
+                                          grant_rows=rows(m, "idle", "edge", "run"),
                                           draft_lens=[1, 3, 3])),
         BlockTableOverflow, {"row_overflows": 1}),
     # ---- StepPlan list lengths
     "step: fewer accepted counts than results": (
-        "base", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[])), InvalidValue, {}),
+        "base", lambda m: m.step(StepPlan(
+        result_rows=rows(m, "run"), num_accepted=[])), InvalidValue, {}),
     "step: more accepted counts than results": (
-        "base", lambda m: m.step(StepPlan(result_ids=["run"], num_accepted=[0, 1])),
+        "base", lambda m: m.step(StepPlan(result_rows=rows(m, "run"), num_accepted=[0, 1])),
         InvalidValue, {}),
-    "step: draft_lens length": ("base", lambda m: m.step(StepPlan(grant_ids=["idle"],
+    "step: draft_lens length": ("base", lambda m: m.step(StepPlan(grant_rows=rows(m, "idle"),
                                                                   draft_lens=[1, 1])),
                                 InvalidValue, {}),
     "step: padded_draft_lens length": (
-        "base", lambda m: m.step(StepPlan(padding_ids=["run"], padded_draft_lens=[])),
+        "base", lambda m: m.step(StepPlan(padding_rows=rows(m, "run"), padded_draft_lens=[])),
         InvalidValue, {}),
-    "step: prefill_tokens length": ("base", lambda m: m.step(StepPlan(prefill_ids=["pre"],
+    "step: prefill_tokens length": ("base", lambda m: m.step(StepPlan(prefill_rows=rows(m, "pre"),
                                                                       prefill_tokens=[1, 2])),
                                     InvalidValue, {}),
-    "step: prompt_lens length": ("base", lambda m: m.step(StepPlan(new_ids=["a", "b"],
-                                                                   prompt_lens=[3])),
-                                 InvalidValue, {}),
-    "step: first_chunks length": ("base", lambda m: m.step(StepPlan(new_ids=["a", "b"],
-                                                                    prompt_lens=[3, 4],
+    "step: more first chunks than prompts": ("base", lambda m: m.step(StepPlan(
+        prompt_lens=[3], first_chunks=[1, 2])), InvalidValue, {}),
+    "step: first_chunks length": ("base", lambda m: m.step(StepPlan(prompt_lens=[3, 4],
                                                                     first_chunks=[1])),
                                   InvalidValue, {}),
     # ---- StepPlan combinations that cannot both happen
     "step: reverted and settled": ("base", lambda m: m.step(StepPlan(
-        reverts=["run"], result_ids=["run"], num_accepted=[0])), InvalidValue, {}),
+        revert_rows=rows(m, "run"), result_rows=rows(m, "run"), num_accepted=[0])),
+        InvalidValue, {}),
     "step: finished and granted": ("base", lambda m: m.step(StepPlan(
-        finished=["idle"], grant_ids=["idle"], draft_lens=[1])), InvalidValue, {}),
+        finished_rows=rows(m, "idle"), grant_rows=rows(m, "idle"), draft_lens=[1])),
+        InvalidValue, {}),
     "step: finished and padded": ("base", lambda m: m.step(StepPlan(
-        finished=["run"], padding_ids=["run"], padded_draft_lens=[3])), InvalidValue, {}),
+        finished_rows=rows(m, "run"), padding_rows=rows(m, "run"), padded_draft_lens=[3])),
+        InvalidValue, {}),
     "step: finished and prefilled": ("base", lambda m: m.step(StepPlan(
-        finished=["pre"], prefill_ids=["pre"], prefill_tokens=[1])), InvalidValue, {}),
+        finished_rows=rows(m, "pre"), prefill_rows=rows(m, "pre"), prefill_tokens=[1])),
+        InvalidValue, {}),
     "step: granted and prefilled": ("base", lambda m: m.step(StepPlan(
-        grant_ids=["pre"], draft_lens=[1], prefill_ids=["pre"], prefill_tokens=[1])),
+        grant_rows=rows(m, "pre"), draft_lens=[1],
+        prefill_rows=rows(m, "pre"), prefill_tokens=[1])),
         InvalidValue, {}),
     "step: padded and prefilled": ("base", lambda m: m.step(StepPlan(
-        padding_ids=["run"], padded_draft_lens=[3], prefill_ids=["run"], prefill_tokens=[1])),
+        padding_rows=rows(m, "run"), padded_draft_lens=[3],
+        prefill_rows=rows(m, "run"), prefill_tokens=[1])),
         InvalidValue, {}),
-    "step: new id of a live request": ("base", lambda m: m.step(StepPlan(
-        new_ids=["idle"], prompt_lens=[3])), DuplicateRequest, {}),
+    # ---- rows that name no live request
+    "step: row past the batch": ("base", lambda m: m.step(StepPlan(
+        grant_rows=[ROWS], draft_lens=[1])), UnknownRequest, {}),
+    "step: negative row": ("base", lambda m: m.step(StepPlan(
+        result_rows=[-1], num_accepted=[0])), UnknownRequest, {}),
+    "step: row of a freed request": ("freed", lambda m: m.step(StepPlan(
+        prefill_rows=[m.freed_row], prefill_tokens=[1])), UnknownRequest, {}),
+    "step: float rows": ("base", lambda m: m.step(StepPlan(
+        finished_rows=np.array([0.0]))), InvalidValue, {}),
+    "step: nested rows": ("base", lambda m: m.step(StepPlan(
+        revert_rows=[[0]])), InvalidValue, {}),
+    "step: negative first chunk": ("base", lambda m: m.step(StepPlan(
+        prompt_lens=[4], first_chunks=[-1])), InvalidValue, {}),
+    "view of a free row": ("base", lambda m: m.view(ROWS - 1), UnknownRequest, {}),
+    "view past the batch": ("base", lambda m: m.view(ROWS), UnknownRequest, {}),
+    "rows_of unknown": ("base", lambda m: m.rows_of(["run", "nope"]), UnknownRequest, {}),
     "step: valid work plus one bad prompt": ("base", lambda m: m.step(StepPlan(
-        result_ids=["run"], num_accepted=[1], grant_ids=["idle", "run"], draft_lens=[2, 2],
-        prefill_ids=["pre"], prefill_tokens=[4], finished=[],
-        new_ids=["ok", "bad"], prompt_lens=[4, 0])), InvalidValue, {}),
+        result_rows=rows(m, "run"), num_accepted=[1],
+        grant_rows=rows(m, "idle", "run"), draft_lens=[2, 2],
+        prefill_rows=rows(m, "pre"), prefill_tokens=[4], finished_rows=rows(m),
+        prompt_lens=[4, 0])), InvalidValue, {}),
 }
 
 
@@ -353,7 +398,7 @@ def test_refused_grant_when_out_of_blocks_changes_nothing_but_the_refusal_count(
     if site == "per_request":
         assert m.try_allocate_generation("idle", 3) is False
     else:
-        out = m.step(StepPlan(grant_ids=["idle"], draft_lens=[3]))
+        out = m.step(StepPlan(grant_rows=rows(m, "idle"), draft_lens=[3]))
         assert out.granted.tolist() == [False]
     assert_unchanged(before, snapshot(m), {"grants_refused": 1})
     assert m.pending_draft_len("idle") is None
@@ -365,9 +410,9 @@ def test_refused_new_request_in_a_step_changes_nothing_but_the_refusal_count(mak
     m = make_manager()
     exhausted(m)
     before = snapshot(m)
-    out = m.step(StepPlan(new_ids=["n"], prompt_lens=[4]))
-    assert out.admitted.tolist() == [False]
-    assert "n" not in m
+    out = m.step(StepPlan(prompt_lens=[4]))
+    assert out.admitted_rows.tolist() == [-1]
+    assert out.new_refusals.tolist() == [REFUSED_OUT_OF_BLOCKS]
     assert_unchanged(before, snapshot(m), {"requests_refused": 1})
 
 
@@ -462,10 +507,22 @@ def test_row_overflow_in_a_batch_names_the_overflowing_request(make_manager):
     """In a batched step the error carries which request would overflow its row, so a scheduler
     can finish or preempt exactly that one."""
     m = make_manager()
-    m.step(StepPlan(new_ids=["short", "full"], prompt_lens=[4, m.config.max_seq_len]))
+    short = m.add_request("short", 4)
+    full = m.step(StepPlan(prompt_lens=[m.config.max_seq_len])).admitted_rows[0]
     for _ in range(4):  # walk "full" to its row limit one committed token at a time
-        m.step(StepPlan(grant_ids=["full"], draft_lens=[0]))
-        m.step(StepPlan(result_ids=["full"], num_accepted=[0]))
+        m.step(StepPlan(grant_rows=[full], draft_lens=[0]))
+        m.step(StepPlan(result_rows=[full], num_accepted=[0]))
     with pytest.raises(BlockTableOverflow) as err:
-        m.step(StepPlan(grant_ids=["short", "full"], draft_lens=[3, 3]))
-    assert err.value.req_id == "full"
+        m.step(StepPlan(grant_rows=[short, full], draft_lens=[3, 3]))
+    assert err.value.row == full and err.value.req_id is None  # admitted by row, no id
+    with pytest.raises(BlockTableOverflow) as err:
+        m.step(StepPlan(grant_rows=[full, short], draft_lens=[3, 3]))
+    assert err.value.row == full
+    m.free("short")
+    m.add_request("named", m.config.max_seq_len)
+    for _ in range(4):
+        assert m.try_allocate_generation("named", 0)
+        m.update_resources("named", 0)
+    with pytest.raises(BlockTableOverflow) as err:
+        m.step(StepPlan(grant_rows=m.rows_of(["named"]), draft_lens=[3]))
+    assert err.value.req_id == "named" and err.value.row == m.row("named")

@@ -1,4 +1,4 @@
-"""`BlockPool`: host-side ownership of block ids (DESIGN.md "pool": free list and reference counts).
+"""`BlockPool`: host-side ownership of block ids (docs/design.md "pool": free list, refcounts).
 
 Rules checked here:
 - blocks are conserved: free + owned == total, after any sequence of operations;

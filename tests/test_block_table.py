@@ -1,8 +1,8 @@
 """`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` on the device with a host mirror.
 
-Rules (DESIGN.md "block table" and "slot"):
+Rules (docs/design.md "block table" and "slot"):
 - entries past a row's blocks are -1, on the host and on the device;
-- ``sync()`` uploads only the rows touched since the last sync, and afterwards the device copy
+- ``sync()`` uploads only the cells changed since the last sync, and afterwards the device copy
   equals the host mirror;
 - ``slot_mapping`` turns token positions into int64 slots ``block_id * tokens_per_block + offset``
   for a whole batch on the device, with -1 for padding (position < 0) and for positions past the
@@ -20,6 +20,7 @@ import torch
 from allocator import (
     BatchFull,
     BlockTable,
+    InvalidValue,
     InvariantViolation,
     KVCacheManager,
     PoolConfig,
@@ -50,7 +51,7 @@ def fill_row(table: BlockTable, row: int, ids: list[int]) -> None:
 
 def reference_slots(host: np.ndarray, rows: np.ndarray, positions: np.ndarray,
                     tpb: int) -> np.ndarray:
-    """DESIGN.md's slot rule, one token at a time in plain Python."""
+    """The design's slot rule, one token at a time in plain Python."""
     out = []
     for r, p in zip(rows.tolist(), positions.tolist(), strict=True):
         col = p // tpb if p >= 0 else -1
@@ -100,41 +101,66 @@ def test_truncate_returns_the_removed_ids_and_clears_them_to_minus_one(device):
 
 
 @on_each_device
-def test_sync_uploads_only_the_rows_touched_since_the_last_sync(device):
-    """Poison the device copy, touch one row on the host, sync: only that row is overwritten."""
+def test_sync_uploads_only_the_cells_touched_since_the_last_sync(device):
+    """Poison the device copy, change cells on the host, sync: exactly those cells are
+    overwritten (not their whole rows)."""
     t = make_table(device)
+    assert [t.acquire_row() for _ in range(3)] == [0, 1, 2]
     fill_row(t, 0, [3, 4])
     t.sync()
     t.device_table.fill_(POISON)
 
-    fill_row(t, 2, [9])
+    t.append(np.array([2]), np.array([1]), np.array([2]), np.array([9, 8], dtype=np.int32))
     t.sync()
-    dev = device_rows(t)
-    np.testing.assert_array_equal(dev[2], t.host[2])
-    assert (np.delete(dev, 2, axis=0) == POISON).all()
+    expected = np.full((6, 5), POISON, dtype=np.int32)
+    expected[2, 1:3] = [9, 8]
+    np.testing.assert_array_equal(device_rows(t), expected)
 
-    # Nothing dirty: a sync uploads nothing at all.
+    # Nothing changed: a sync uploads nothing at all.
     t.device_table.fill_(POISON)
     t.sync()
     assert (device_rows(t) == POISON).all()
 
-    # truncate and release_row mark exactly their row dirty, too.
+    # truncate and release_row mark exactly the cells they clear, too.
     t.truncate(np.array([0]), np.array([1]), np.array([1]))
-    t.release_row(5)
+    t.release_row(2)
     t.sync()
-    dev = device_rows(t)
-    np.testing.assert_array_equal(dev[[0, 5]], t.host[[0, 5]])
-    assert (dev[[1, 2, 3, 4]] == POISON).all()
+    expected = np.full((6, 5), POISON, dtype=np.int32)
+    expected[0, 1] = -1
+    expected[2, :3] = -1  # release_row clears up to the last id it held
+    np.testing.assert_array_equal(device_rows(t), expected)
 
 
 @on_each_device
-def test_sync_with_every_row_dirty_uploads_the_whole_table(device):
+def test_sync_of_changes_since_several_writes_lands_every_one(device):
+    """Changes accumulate until the next sync, overlapping ones included; afterwards the device
+    equals the host wherever the host changed."""
     t = make_table(device, batch=4, width=3)
     for r in range(4):
         fill_row(t, r, list(range(r * 3, r * 3 + 1 + r % 3)))
+    t.truncate(np.array([2]), np.array([1]), np.array([2]))
+    fill_row(t, 2, [11, 10])
     t.device_table.fill_(POISON)
     t.sync()
-    np.testing.assert_array_equal(device_rows(t), t.host)
+    dev = device_rows(t)
+    touched = np.zeros((4, 3), dtype=bool)
+    for r in range(4):
+        touched[r, : 1 + r % 3] = True
+    touched[2, :3] = True
+    np.testing.assert_array_equal(dev[touched], t.host[touched])
+    assert (dev[~touched] == POISON).all()
+
+
+@on_each_device
+def test_sync_through_the_pinned_buffers_grows_them_for_a_large_change(device):
+    """A change larger than any before (every cell of a wide table) still lands exactly."""
+    t = make_table(device, batch=8, width=64)
+    fill_row(t, 0, [1])
+    t.sync()
+    ids = np.arange(8 * 64, dtype=np.int32)
+    t.append(np.arange(8), np.zeros(8, dtype=np.int64), np.full(8, 64), ids)
+    t.sync()
+    np.testing.assert_array_equal(device_rows(t), ids.reshape(8, 64))
 
 
 @on_each_device
@@ -151,6 +177,10 @@ def test_released_row_goes_back_to_minus_one_and_is_reused(device):
     t.sync()
     assert (t.host[a] == -1).all() and (device_rows(t)[a] == -1).all()
     assert t.acquire_row() == a
+    t.release_row(b)
+    with pytest.raises(InvalidValue):
+        t.release_row(b)  # not held any more
+    assert t.num_free_rows == 1
 
 
 @on_each_device
@@ -260,11 +290,13 @@ def test_manager_keeps_the_device_table_exact_through_a_scheduler_run(device):
     cfg = PoolConfig(num_blocks=48, tokens_per_block=tpb, num_layers=1, num_kv_heads=1,
                      head_dim=8, device=device, max_batch_size=4, max_seq_len=40,
                      max_draft_len=3)
-    m = KVCacheManager(cfg, allocate_storage=False)
+    m = KVCacheManager(cfg)
     rng = np.random.default_rng(3)
     ids = ["a", "b", "c"]
-    m.step(StepPlan(new_ids=ids, prompt_lens=[5, 8, 13]))
-    m.step(StepPlan(grant_ids=ids, draft_lens=[3, 3, 3]))
+    for req, prompt in zip(ids, [5, 8, 13], strict=True):
+        m.add_request(req, prompt)
+    rows = m.rows_of(ids)
+    m.step(StepPlan(grant_rows=rows, draft_lens=[3, 3, 3]))
     dev = torch.device(device)
     for _ in range(6):
         m.check_invariants()
@@ -283,8 +315,9 @@ def test_manager_keeps_the_device_table_exact_through_a_scheduler_run(device):
             np.testing.assert_array_equal(slots, expect)
             assert (slots[:-1] >= 0).all()  # history .. capacity - 1 all writable
         acc = rng.integers(0, 4, size=3).tolist()
-        m.step(StepPlan(result_ids=ids, num_accepted=acc, grant_ids=ids, draft_lens=[3, 3, 3]))
-    m.step(StepPlan(finished=ids))
+        m.step(StepPlan(result_rows=rows, num_accepted=acc, grant_rows=rows,
+                        draft_lens=[3, 3, 3]))
+    m.step(StepPlan(finished_rows=rows))
     m.check_invariants()
     assert m.free_blocks == 48
     assert (device_rows(m.table) == -1).all()

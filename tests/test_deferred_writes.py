@@ -419,3 +419,80 @@ def test_verify_and_commit_rejects_inputs_that_do_not_match_the_window():
     assert err.value.field == "num_draft_tokens"
     assert mgr.window_open and mgr.metrics().windows == 0
     assert mgr.verify_and_commit(draft_ids, sampled).tolist() == [1, 3]
+
+
+def _caller_staging(window, mgr, capacity: int) -> torch.Tensor:
+    """The worker's own ``[L, 2, capacity, H, D]`` buffer holding ``window``'s K/V for every
+    layer (stage_from stages all layers, so the window counts as fully staged)."""
+    num_layers, n, heads, dim = window.keys.shape
+    staging = torch.zeros((num_layers, 2, capacity, heads, dim), dtype=mgr.stage_dtype)
+    staging[:, 0, :n] = window.keys
+    staging[:, 1, :n] = window.values
+    return staging
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_stage_from_a_caller_buffer_commits_exactly_what_stage_layer_commits(dtype, backend):
+    """Committing straight from the worker's buffer writes the same bytes as staging each layer
+    through stage_layer: the accepted tokens of every layer, poison everywhere else."""
+    storage, mgr = _manager(dtype, backend)
+    reference_storage, reference = _manager(dtype, backend)
+    rng = np.random.default_rng(23)
+    for _ in range(8 if backend == "torch" else 3):
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window.staged_layers = list(range(storage.config.num_layers))
+        window.chunks = [[window.layout.total_tokens]] * len(window.staged_layers)
+        reference.begin_window(window.layout)
+        stage(reference, window)
+        reference.commit(window.accepted)
+        mgr.begin_window(window.layout)
+        mgr.stage_from(_caller_staging(window, mgr, capacity=64), window.slots)
+        mgr.commit(window.accepted)
+        assert torch.equal(bits(storage.kv), bits(reference_storage.kv))
+        assert mgr.last_window == reference.last_window
+    assert mgr.metrics() == reference.metrics()
+
+
+def test_stage_from_exposes_the_callers_buffer_to_attention_without_copying():
+    storage, mgr = _manager()
+    window = random_window(np.random.default_rng(5), storage, max_tokens=48,
+                           stage_dtype=mgr.stage_dtype)
+    staging = _caller_staging(window, mgr, capacity=48)
+    mgr.begin_window(window.layout)
+    mgr.stage_from(staging, window.slots)
+    key, value = mgr.staged_kv(1)
+    n = window.layout.total_tokens
+    assert key.data_ptr() == staging[1, 0].data_ptr()
+    assert torch.equal(bits(value), bits(staging[1, 1, :n]))
+    mgr.commit(window.accepted)
+
+
+def test_stage_from_refuses_bad_buffers_and_mixing_with_stage_layer():
+    storage, mgr = _manager()
+    window = random_window(np.random.default_rng(8), storage, max_tokens=48,
+                           stage_dtype=mgr.stage_dtype)
+    n = window.layout.total_tokens
+    good = _caller_staging(window, mgr, capacity=n)
+    mgr.begin_window(window.layout)
+    bad_inputs = [
+        (good[:, :, : n - 1], window.slots, NworInputError),  # capacity below the window
+        (good[:1], window.slots, NworInputError),  # one layer short
+        (good.float(), window.slots, NworInputError),  # not the staging dtype
+        (good.transpose(3, 4), window.slots, NworInputError),  # not contiguous
+        (good, window.slots.int(), SlotDtypeError),
+        (good, window.slots[:-1], NworInputError),
+    ]
+    for staging, slots, error in bad_inputs:
+        with pytest.raises(error):
+            mgr.stage_from(staging, slots)
+        assert mgr.staged_rows(0) == 0  # nothing staged
+    mgr.stage_from(good, window.slots)
+    with pytest.raises(WindowStateError):
+        mgr.stage_layer(0, window.keys[0], window.values[0], window.slots)
+    mgr.commit(window.accepted)
+    mgr.begin_window(window.layout)
+    mgr.stage_layer(0, window.keys[0, :1], window.values[0, :1], window.slots[:1])
+    with pytest.raises(WindowStateError):
+        mgr.stage_from(good, window.slots)
+    mgr.cancel("test")

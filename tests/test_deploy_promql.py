@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from allocator import KVCacheManager, PoolConfig
+from allocator import KVCacheManager, KVStorage, PoolConfig
 from allocator.acceptance import ScvAcceptor
 from allocator.deferred_writes import DeferredWriteManager
 from allocator.metrics import AllocatorMetrics
@@ -77,11 +77,10 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 def exported_families() -> dict[str, str]:
     """Family name -> type, from a live `AllocatorMetrics` with the real NWOR and SCV objects
     attached: the library's whole surface (the service attaches NWOR; SCV runs in workers)."""
-    manager = KVCacheManager(PoolConfig(num_blocks=8, tokens_per_block=4, max_seq_len=16,
-                                        device="cpu"))
-    assert manager.storage is not None
+    config = PoolConfig(num_blocks=8, tokens_per_block=4, max_seq_len=16, device="cpu")
+    manager = KVCacheManager(config)
     registry = CollectorRegistry()
-    AllocatorMetrics(registry, manager, DeferredWriteManager(manager.storage, max_tokens=8),
+    AllocatorMetrics(registry, manager, DeferredWriteManager(KVStorage(config), max_tokens=8),
                      scv=ScvAcceptor("off"))
     return {fam.name: fam.type for fam in registry.collect()}
 

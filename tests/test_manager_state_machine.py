@@ -2,8 +2,10 @@
 
 Rules drive the manager with random draft lengths D in 0..max_draft_len, random acceptance,
 CUDA-graph padding, skipped forwards (reverts), chunked prefill, frees, small pools that run out of
-blocks and rows, and batched ``step(StepPlan(...))`` calls mixing every kind of entry. Next to the
-manager runs `Spec`, a plain-Python model of DESIGN.md's accounting table (one request at a time,
+blocks and rows, and batched ``step(StepPlan(...))`` calls (requests named by row) mixing every
+kind of entry. Requests admitted by a batched step have no id: the per-request rules act on the
+requests added by id, the batched step on all of them. Next to the
+manager runs `Spec`, a plain-Python model of the design's accounting table (one request at a time,
 no numpy): after every rule the manager must agree with it exactly (capacity, history, pending
 slack and draft, blocks, free blocks, which calls are refused or raise), and independently:
 
@@ -17,7 +19,7 @@ slack and draft, blocks, free blocks, which calls are refused or raise), and ind
 - under ``reclaim``: capacity - history <= 1 + 2 * max_draft_len;
 - freeing everything returns the whole pool (teardown).
 
-DESIGN.md says the device runs "up to D" accepted-but-uncommitted tokens ahead: the slack of D
+docs/design.md says the device runs "up to D" accepted-but-uncommitted tokens ahead: the slack of D
 covers the previous step's u only when u <= D, so under overlap a grant's D is drawn from
 [u, max_draft_len] (a scheduler with a fixed draft length always satisfies this).
 """
@@ -25,7 +27,7 @@ covers the previous step's u only when u <= D, so under overlap a grant's D is d
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -63,7 +65,7 @@ class Req:
 
 
 class Spec:
-    """DESIGN.md's capacity accounting, written out per request."""
+    """docs/design.md's capacity accounting, written out per request."""
 
     def __init__(self, cfg: PoolConfig) -> None:
         self.tpb = cfg.tokens_per_block
@@ -119,6 +121,52 @@ class Spec:
         r.lead = accepted
 
 
+def apply_changes(host: np.ndarray, out) -> np.ndarray:
+    """The block table a reader holding ``host`` rebuilds from a step's ``changed_*`` arrays."""
+    table = host.copy()
+    offset = 0
+    for row, start, count in zip(out.changed_rows.tolist(), out.changed_from.tolist(),
+                                 out.changed_num_blocks.tolist(), strict=True):
+        table[row, start:count] = out.changed_block_ids[offset : offset + count - start]
+        table[row, count:] = -1
+        offset += count - start
+    assert offset == out.changed_block_ids.size
+    return table
+
+
+@dataclass
+class Plan:
+    """A step's plan by request id, in `StepPlan`'s order."""
+
+    reverts: list[str] = field(default_factory=list)
+    result_ids: list[str] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    grant_ids: list[str] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
+    padding_ids: list[str] = field(default_factory=list)
+    padded_draft_lens: list[int] = field(default_factory=list)
+    prefill_ids: list[str] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
+    new_ids: list[str] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+    first_chunks: list[int | None] = field(default_factory=list)
+    strict_grants: bool = False
+
+    def rows(self, row_of: dict[str, int]) -> StepPlan:
+        def rows(ids: list[str]) -> np.ndarray:
+            return np.array([row_of[i] for i in ids], dtype=np.int64)
+
+        return StepPlan(
+            revert_rows=rows(self.reverts), result_rows=rows(self.result_ids),
+            num_accepted=self.num_accepted, finished_rows=rows(self.finished),
+            grant_rows=rows(self.grant_ids), draft_lens=self.draft_lens,
+            padding_rows=rows(self.padding_ids), padded_draft_lens=self.padded_draft_lens,
+            prefill_rows=rows(self.prefill_ids), prefill_tokens=self.prefill_tokens,
+            prompt_lens=self.prompt_lens, first_chunks=[c or 0 for c in self.first_chunks],
+            strict_grants=self.strict_grants)
+
+
 class ManagerMachine(RuleBasedStateMachine):
     CONFIG: ClassVar[dict] = {}
 
@@ -126,25 +174,36 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.cfg = PoolConfig(**{"num_layers": 1, "num_kv_heads": 1, "head_dim": 8,
                                  "device": "cpu", **self.CONFIG})
-        self.m = KVCacheManager(self.cfg, allocate_storage=False)
+        self.m = KVCacheManager(self.cfg)
         self.spec = Spec(self.cfg)
         self.model: dict[str, Req] = {}
+        self.rows: dict[str, int] = {}  # every live request's row
+        self.named: set[str] = set()  # the requests added by id (add_request)
         self.serial = 0
 
     # ------------------------------------------------------------------ helpers
+
+    def req_of_rows(self) -> list[str | None]:
+        """The live request of each row (None: a free row)."""
+        out: list[str | None] = [None] * self.spec.max_batch
+        for req, row in self.rows.items():
+            out[row] = req
+        return out
 
     def new_id(self) -> str:
         self.serial += 1
         return f"r{self.serial}"
 
-    def ids(self, kind: str) -> list[str]:
+    def ids(self, kind: str, named: bool = True) -> list[str]:
+        """Requests in state ``kind``; only those added by id unless ``named`` is False."""
+        reqs = [k for k in self.model if not named or k in self.named]
         if kind == "prefilling":
-            return [k for k, r in self.model.items() if r.prefilling]
+            return [k for k in reqs if self.model[k].prefilling]
         if kind == "ready":
-            return [k for k, r in self.model.items() if not r.prefilling and not r.pending]
+            return [k for k in reqs if not self.model[k].prefilling and not self.model[k].pending]
         if kind == "pending":
-            return [k for k, r in self.model.items() if r.pending]
-        return list(self.model)
+            return [k for k in reqs if self.model[k].pending]
+        return reqs
 
     def draft_len(self, data, r: Req) -> int:
         """Any D, shorter than the previous step's too (dynamic speculation)."""
@@ -174,10 +233,12 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.m.add_request(req, prompt, first_chunk=first)
         else:
             if first is None:
-                self.m.add_request(req, prompt)
+                row = self.m.add_request(req, prompt)
             else:
-                self.m.add_request(req, prompt, first_chunk=first)
+                row = self.m.add_request(req, prompt, first_chunk=first)
             self.model[req] = Req(prompt=prompt, cap=first or prompt, hist=first or prompt)
+            self.rows[req] = row
+            self.named.add(req)
 
     @precondition(lambda self: self.ids("prefilling"))
     @rule(data=st.data())
@@ -257,25 +318,28 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.spec.policy == "reclaim":
             assert self.m.capacity(req) - self.m.history(req) <= 1 + 2 * self.spec.max_d
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self.named)
     @rule(data=st.data())
     def free_request(self, data) -> None:
         req = data.draw(st.sampled_from(self.ids("all")), label="req")
         self.m.free(req)
+        self.forget(req)
+
+    def forget(self, req: str) -> None:
         del self.model[req]
+        del self.rows[req]
+        self.named.discard(req)
 
     # ------------------------------------------------------------------ the batched step
 
     @rule(data=st.data())
     def step(self, data) -> None:
-        """A random mixed StepPlan; the model applies DESIGN.md's rules in StepPlan's documented
+        """A random mixed StepPlan; the model applies the design's rules in StepPlan's documented
         order: reverts, results, finished, then padding of earlier grants (never refused),
         this step's grants (plan order), prefill chunks, new requests; a grant that does not
         fit is refused, the rest are still served."""
-        order = data.draw(st.permutations(self.ids("all")), label="order")
-        plan = StepPlan(reverts=[], result_ids=[], num_accepted=[], finished=[], grant_ids=[],
-                        draft_lens=[], padding_ids=[], padded_draft_lens=[], prefill_ids=[],
-                        prefill_tokens=[], new_ids=[], prompt_lens=[], first_chunks=[])
+        order = data.draw(st.permutations(self.ids("all", named=False)), label="order")
+        plan = Plan()
         after = copy.deepcopy(self.model)  # state after reverts / results / finished
         spec = self.spec
         new_pad: dict[str, int] = {}
@@ -326,6 +390,7 @@ class ManagerMachine(RuleBasedStateMachine):
         plan.strict_grants = data.draw(st.integers(0, 4), label="strict") == 0
         for req in plan.finished:
             del after[req]
+        step_plan = plan.rows(self.rows)
 
         # Demands, in serving order: (kind, index, req, new capacity, blocks now).
         items = []
@@ -345,7 +410,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if any(spec.overflows(new) for _, _, _, new, _ in items):
             event("step: BlockTableOverflow")
             with pytest.raises(BlockTableOverflow):
-                self.m.step(plan)
+                self.m.step(step_plan)
             return
         left = spec.free_blocks(after)
         rows_left = spec.max_batch - len(after)
@@ -362,10 +427,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if not all(served["pad"]) or (plan.strict_grants and not all(served["grant"])):
             event("step: OutOfBlocks")
             with pytest.raises(OutOfBlocks):
-                self.m.step(plan)
+                self.m.step(step_plan)
             return
 
-        out = self.m.step(plan)
+        host_before = self.m.table.host.copy()
+        out = self.m.step(step_plan)
+        assert np.array_equal(apply_changes(host_before, out), self.m.table.host)
         event(f"step: {len(items)} demands, {len(plan.reverts)} reverts, "
               f"{len(plan.result_ids)} results, {len(plan.finished)} finished")
         for kind, flags in served.items():
@@ -373,7 +440,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 event(f"step: a {kind} refused")
         assert out.granted.tolist() == served["grant"]
         assert out.prefill_granted.tolist() == served["prefill"]
-        assert out.admitted.tolist() == served["new"]
+        assert (out.admitted_rows >= 0).tolist() == served["new"]
+        assert ((out.new_refusals == 0) == (out.admitted_rows >= 0)).all()
+        assert out.grant_starts.tolist() == [after[req].hist for req in plan.grant_ids]
+        assert out.prefill_starts.tolist() == [after[req].hist for req in plan.prefill_ids]
         for i, (req, d) in enumerate(zip(plan.grant_ids, plan.draft_lens, strict=True)):
             if served["grant"][i]:
                 spec.do_grant(after[req], d)
@@ -386,11 +456,16 @@ class ManagerMachine(RuleBasedStateMachine):
             if served["prefill"][i]:
                 after[req].cap += n
                 after[req].hist += n
+        for req in plan.finished:
+            self.forget(req)
         for i, req in enumerate(plan.new_ids):
             if served["new"][i]:
                 first = plan.first_chunks[i] or plan.prompt_lens[i]
                 after[req] = Req(prompt=plan.prompt_lens[i], cap=first, hist=first)
+                self.rows[req] = int(out.admitted_rows[i])
         self.model = after
+        assert out.num_blocks.tolist() == [
+            spec.blocks(self.model[req].cap) if req else 0 for req in self.req_of_rows()]
 
     # ------------------------------------------------------------------ checks after every rule
 
@@ -398,26 +473,35 @@ class ManagerMachine(RuleBasedStateMachine):
     def manager_matches_the_model_and_every_invariant_holds(self) -> None:
         m, spec = self.m, self.spec
         m.check_invariants()
-        assert sorted(m.request_ids) == sorted(self.model)
+        assert sorted(m.request_ids) == sorted(self.named)
+        assert m.num_requests == len(self.model)
         assert m.free_blocks == spec.free_blocks(self.model)
 
         host = m.table.host
         owned: list[np.ndarray] = []
         rows = []
         for req, r in self.model.items():
-            assert m.capacity(req) == r.cap, req
-            assert m.history(req) == r.hist, req
-            assert m.pending_overlap_slack(req) == r.slack, req
-            assert m.pending_draft_len(req) == (r.draft if r.pending else None), req
+            row = self.rows[req]
+            view = m.view(row)
+            assert view.capacity == r.cap, req
+            assert view.history == r.hist, req
+            assert view.pending_overlap_slack == r.slack, req
+            assert view.pending_draft_len == (r.draft if r.pending else None), req
+            if req in self.named:  # the id edge reads the same state
+                assert m.row(req) == row
+                assert (m.capacity(req), m.history(req), m.pending_overlap_slack(req),
+                        m.pending_draft_len(req), m.num_blocks(req)) == (
+                    view.capacity, view.history, view.pending_overlap_slack,
+                    view.pending_draft_len, view.num_blocks)
+                assert m.block_ids(req).tolist() == view.block_ids.tolist()
             assert r.hist <= r.cap
-            nb = m.num_blocks(req)
+            nb = view.num_blocks
             assert nb == spec.blocks(r.cap) <= spec.row_blocks
-            row = m.row(req)
             rows.append(row)
             ids = host[row, :nb]
             assert ((ids >= 0) & (ids < spec.total)).all()
             assert (host[row, nb:] == -1).all()
-            assert m.block_ids(req).tolist() == ids.tolist()
+            assert view.block_ids.tolist() == ids.tolist()
             owned.append(ids)
             if spec.policy == "reclaim":
                 assert r.cap - r.hist <= 1 + 2 * spec.max_d
@@ -437,9 +521,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 continue
             u = r.lead if spec.overlap else 0
             reach = r.hist + u + 1 + r.draft
-            assert reach <= m.capacity(req), (req, reach, m.capacity(req))
+            assert reach <= r.cap, (req, reach, r.cap)
             positions = range(r.hist + u, reach)
-            rows_t.extend([m.row(req)] * len(positions))
+            rows_t.extend([self.rows[req]] * len(positions))
             pos_t.extend(positions)
         if pos_t:
             slots = m.table.slot_mapping(torch.tensor(rows_t), torch.tensor(pos_t),
@@ -452,7 +536,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         """Freeing every request, one by one, returns the whole pool and clears every row."""
         for req in list(self.model):
-            self.m.free(req)
+            if req in self.named:
+                self.m.free(req)
+            else:
+                self.m.step(StepPlan(finished_rows=[self.rows[req]]))
         self.m.check_invariants()
         assert self.m.num_requests == 0
         assert self.m.free_blocks == self.spec.total

@@ -1,5 +1,6 @@
-"""`KVCacheManager.histories`: the batched read equals the per-request getter, in the caller's
-order, and an unknown id raises `UnknownRequest` naming it."""
+"""Row-based reads of `KVCacheManager`: ``rows_of`` translates ids for a batched step (in the
+caller's order, an unknown id raises `UnknownRequest` naming it), ``view(row)`` equals the
+per-request getters, and a step's outcome says which block-table cells it rewrote."""
 
 from __future__ import annotations
 
@@ -13,56 +14,79 @@ from allocator import KVCacheManager, StepPlan, UnknownRequest
 
 def _running(make_manager: Callable[..., KVCacheManager]) -> KVCacheManager:
     mgr = make_manager()
-    mgr.step(StepPlan(new_ids=["a", "b", "c"], prompt_lens=[5, 17, 3], first_chunks=[5, 9, 3]))
-    mgr.step(StepPlan(grant_ids=["a", "c"], draft_lens=[2, 1], prefill_ids=["b"],
+    for req, prompt, first in (("a", 5, 5), ("b", 17, 9), ("c", 3, 3)):
+        mgr.add_request(req, prompt, first_chunk=first)
+    a, b, c = mgr.rows_of(["a", "b", "c"])
+    mgr.step(StepPlan(grant_rows=[a, c], draft_lens=[2, 1], prefill_rows=[b],
                       prefill_tokens=[4]))
-    mgr.step(StepPlan(result_ids=["a", "c"], num_accepted=[2, 0]))
+    mgr.step(StepPlan(result_rows=[a, c], num_accepted=[2, 0]))
     return mgr
 
 
-def test_histories_match_the_per_request_getter(make_manager: Callable[..., KVCacheManager]
-                                                ) -> None:
+def test_rows_of_match_the_per_request_getter(make_manager: Callable[..., KVCacheManager]
+                                              ) -> None:
     mgr = _running(make_manager)
     ids = ["c", "a", "b", "a"]  # any order, repeats allowed
-    got = mgr.histories(ids)
+    got = mgr.rows_of(ids)
     assert got.dtype == np.int64
-    assert got.tolist() == [mgr.history(r) for r in ids] == [4, 8, 13, 8]
+    assert got.tolist() == [mgr.row(r) for r in ids]
+    assert [mgr.view(row).history for row in got] == [mgr.history(r) for r in ids] == [
+        4, 8, 13, 8]
 
 
-def test_histories_of_nothing_is_empty(make_manager: Callable[..., KVCacheManager]) -> None:
-    got = make_manager().histories([])
+def test_rows_of_nothing_is_empty(make_manager: Callable[..., KVCacheManager]) -> None:
+    got = make_manager().rows_of([])
     assert got.dtype == np.int64 and got.shape == (0,)
 
 
-def test_histories_is_a_copy(make_manager: Callable[..., KVCacheManager]) -> None:
-    mgr = _running(make_manager)
-    mgr.histories(["a"])[0] = 99
-    assert mgr.history("a") == 8
-
-
 @pytest.mark.parametrize("bad", ["zz", ["unhashable"]])
-def test_histories_unknown_request_raises(make_manager: Callable[..., KVCacheManager],
-                                          bad: object) -> None:
+def test_rows_of_unknown_request_raises(make_manager: Callable[..., KVCacheManager],
+                                        bad: object) -> None:
     mgr = _running(make_manager)
     with pytest.raises(UnknownRequest, match="unknown request"):
-        mgr.histories(["a", bad])
+        mgr.rows_of(["a", bad])
 
 
-def test_row_block_counts_locate_what_a_step_rewrote(make_manager: Callable[..., KVCacheManager]
-                                                     ) -> None:
-    """Counts around a step differ exactly for the rows whose blocks changed, and the cells past
-    the smaller count are the only ones that differ."""
+def test_view_equals_the_per_request_getters_and_is_a_copy(
+        make_manager: Callable[..., KVCacheManager]) -> None:
     mgr = _running(make_manager)
-    rows = np.array([mgr.row(r) for r in ("a", "b", "c")])
-    before_counts = mgr.row_block_counts(rows)
-    before_table = mgr.table.host[rows].copy()
-    mgr.step(StepPlan(grant_ids=["a", "c"], draft_lens=[3, 0]))
-    after_counts = mgr.row_block_counts(rows)
-    assert after_counts.tolist() == [mgr.num_blocks(r) for r in ("a", "b", "c")]
-    after_table = mgr.table.host[rows]
-    for i in range(3):
-        lo = min(before_counts[i], after_counts[i])
-        assert (before_table[i, :lo] == after_table[i, :lo]).all()
-        if before_counts[i] == after_counts[i]:
-            assert (before_table[i] == after_table[i]).all()
-    assert (before_counts != after_counts).any(), "the scenario must change some row"
+    assert mgr.try_allocate_generation("a", 3)
+    for req in ("a", "b", "c"):
+        view = mgr.view(mgr.row(req))
+        assert view.row == mgr.row(req)
+        assert (view.capacity, view.history, view.pending_overlap_slack,
+                view.pending_draft_len, view.num_blocks) == (
+            mgr.capacity(req), mgr.history(req), mgr.pending_overlap_slack(req),
+            mgr.pending_draft_len(req), mgr.num_blocks(req))
+        assert view.block_ids.tolist() == mgr.block_ids(req).tolist()
+    view = mgr.view(mgr.row("a"))
+    view.block_ids[0] = 99
+    assert mgr.block_ids("a")[0] != 99
+
+
+def test_outcome_names_exactly_the_cells_a_step_rewrote(
+        make_manager: Callable[..., KVCacheManager]) -> None:
+    """changed_rows / changed_from / changed_num_blocks / changed_block_ids rebuild the table
+    from the one before the step; rows not listed did not change at all."""
+    mgr = _running(make_manager)
+    a, b = mgr.rows_of(["a", "b"])
+    before = mgr.table.host.copy()
+    out = mgr.step(StepPlan(grant_rows=[a], draft_lens=[3], finished_rows=[b],
+                            prompt_lens=[6]))
+    new_row = int(out.admitted_rows[0])
+    assert new_row == b  # the freed row is handed out again at once (LIFO)
+    assert out.changed_rows.tolist() == sorted({int(a), int(b)})  # c is not in the plan
+    live = set(mgr.live_rows.tolist())
+    assert out.num_blocks.tolist() == [mgr.view(r).num_blocks if r in live else 0
+                                       for r in range(mgr.config.max_batch_size)]
+    rebuilt = before.copy()
+    offset = 0
+    for row, start, count in zip(out.changed_rows, out.changed_from, out.changed_num_blocks,
+                                 strict=True):
+        rebuilt[row, start:count] = out.changed_block_ids[offset : offset + count - start]
+        rebuilt[row, count:] = -1
+        offset += count - start
+    np.testing.assert_array_equal(rebuilt, mgr.table.host)
+    unchanged = np.setdiff1d(np.arange(mgr.config.max_batch_size), out.changed_rows)
+    np.testing.assert_array_equal(before[unchanged], mgr.table.host[unchanged])
+    assert out.changed_from[list(out.changed_rows).index(b)] == 0  # freed and readmitted

@@ -31,7 +31,7 @@ def small_manager(**overrides: object) -> KVCacheManager:
     cfg = dict(num_blocks=16, tokens_per_block=4, max_seq_len=32, max_batch_size=4,
                max_draft_len=D, num_layers=1, num_kv_heads=1, head_dim=8, device="cpu")
     cfg.update(overrides)
-    return KVCacheManager(PoolConfig(**cfg), allocate_storage=False)
+    return KVCacheManager(PoolConfig(**cfg))
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
@@ -60,10 +60,12 @@ def assert_matches_manager(registry: CollectorRegistry, m: KVCacheManager) -> No
     assert value(s, "kvalloc_pending_slack_tokens") == t["pending_slack_tokens"]
     assert value(s, "kvalloc_request_max_pending_slack_tokens") == t["max_pending_slack_tokens"]
     assert value(s, "kvalloc_request_max_uncommitted_tokens") == t["max_uncommitted_tokens"]
-    ids = m.request_ids
-    assert value(s, "kvalloc_request_max_capacity_tokens") == max(map(m.capacity, ids), default=0)
-    assert value(s, "kvalloc_request_max_history_tokens") == max(map(m.history, ids), default=0)
-    assert value(s, "kvalloc_request_max_blocks") == max(map(m.num_blocks, ids), default=0)
+    views = [m.view(row) for row in m.live_rows.tolist()]  # with or without an id
+    assert value(s, "kvalloc_request_max_capacity_tokens") == max(
+        (v.capacity for v in views), default=0)
+    assert value(s, "kvalloc_request_max_history_tokens") == max(
+        (v.history for v in views), default=0)
+    assert value(s, "kvalloc_request_max_blocks") == max((v.num_blocks for v in views), default=0)
     for f in dataclasses.fields(m.counters):
         assert value(s, f"kvalloc_{f.name}_total") == getattr(m.counters, f.name), f.name
 
@@ -96,13 +98,16 @@ def test_scripted_steps_export_exactly_the_managers_state(manager, registry):
     m.revert_allocate_generation("b")
     assert_matches_manager(registry, m)
 
-    m.step(StepPlan(grant_ids=["a", "b"], draft_lens=[D, D], new_ids=["c"], prompt_lens=[12]))
-    m.step(StepPlan(result_ids=["a", "b"], num_accepted=[D, 0], finished=["c"]))
+    rows = m.rows_of(["a", "b"])
+    out = m.step(StepPlan(grant_rows=rows, draft_lens=[D, D], prompt_lens=[12]))
+    assert_matches_manager(registry, m)  # "c", admitted by row, counts as a live request
+    m.step(StepPlan(result_rows=rows, num_accepted=[D, 0], finished_rows=out.admitted_rows))
     assert_matches_manager(registry, m)
 
 
 def test_design_reference_values_are_what_prometheus_sees(manager, registry):
-    """DESIGN.md: D=3, cap 100: allocate -> 107, slack 3; update with 1 accepted -> 102, slack 0."""
+    """docs/design.md: D=3, cap 100: allocate -> 107, slack 3; update with 1 accepted -> 102,
+    slack 0."""
     m = small_manager(num_blocks=64, max_seq_len=128)
     AllocatorMetrics(registry, m)
     m.add_request("r", 100)

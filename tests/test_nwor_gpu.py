@@ -84,6 +84,32 @@ def test_random_windows_commit_exactly_the_accepted_tokens_on_gpu(dtype):
     assert m.staged_tokens == m.committed_tokens + m.rejected_tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(dtype):
+    """The service's path: every layer committed straight from the worker's staging buffer, with
+    device counts and no host synchronisation, in as many launches for 2 layers as for 32."""
+    storage = poisoned_storage(pool_config("cuda", dtype=dtype, scales=dtype == "fp8_e4m3"))
+    mgr = DeferredWriteManager(storage, max_tokens=48)
+    rng = np.random.default_rng(31)
+    for _ in range(8):
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window.staged_layers = list(range(storage.config.num_layers))
+        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        n = window.layout.total_tokens
+        num_layers, _, heads, dim = window.keys.shape
+        staging = torch.zeros((num_layers, 2, 48, heads, dim), dtype=mgr.stage_dtype,
+                              device="cuda")
+        staging[:, 0, :n] = window.keys
+        staging[:, 1, :n] = window.values
+        accepted = torch.tensor(window.accepted, device="cuda")
+        mgr.begin_window(window.layout)
+        with no_host_sync():
+            mgr.stage_from(staging, window.slots)
+            mgr.commit(accepted)
+        assert torch.equal(bits(storage.kv), bits(want))
+    assert mgr.metrics().fallbacks == {}
+
+
 def _twin_managers():
     """Two identical poisoned pools: one commits eagerly, the other replays a captured graph."""
     storages = [poisoned_storage(pool_config("cuda")) for _ in range(2)]

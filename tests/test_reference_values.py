@@ -1,6 +1,6 @@
-"""DESIGN.md "Capacity accounting": every reference value, each as its own test.
+"""docs/design.md "Capacity accounting": every reference value, each as its own test.
 
-The numbers below are DESIGN.md's (cap = capacity, D = draft_len); where DESIGN.md gives only the
+The numbers below are the design's (cap = capacity, D = draft_len); where it gives only the
 starting capacity, the request starts with history == capacity (a fully prefilled prompt: prefill
 tokens carry no speculation). Each per-request test runs twice: through the per-request methods
 and through the batched ``step(StepPlan(...))``, which must agree exactly.
@@ -32,7 +32,7 @@ def manager(make_manager):
 
 
 class PerRequest:
-    """The per-request methods of DESIGN.md's accounting table."""
+    """The per-request methods of the design's accounting table."""
 
     name = "per_request"
 
@@ -53,26 +53,26 @@ class PerRequest:
 
 
 class Batched:
-    """The same calls as one-entry batched steps."""
+    """The same calls as one-entry batched steps, naming the request by row."""
 
     name = "batched"
 
     def grant(self, m: KVCacheManager, req, d: int) -> None:
-        out = m.step(StepPlan(grant_ids=[req], draft_lens=[d]))
+        out = m.step(StepPlan(grant_rows=m.rows_of([req]), draft_lens=[d]))
         assert out.granted.tolist() == [True]
 
     def draft_grant(self, m: KVCacheManager, req, d: int) -> None:
-        out = m.step(StepPlan(grant_ids=[req], draft_lens=[d], strict_grants=True))
+        out = m.step(StepPlan(grant_rows=m.rows_of([req]), draft_lens=[d], strict_grants=True))
         assert out.granted.tolist() == [True]
 
     def pad(self, m: KVCacheManager, req, padded: int) -> None:
-        m.step(StepPlan(padding_ids=[req], padded_draft_lens=[padded]))
+        m.step(StepPlan(padding_rows=m.rows_of([req]), padded_draft_lens=[padded]))
 
     def revert(self, m: KVCacheManager, req) -> None:
-        m.step(StepPlan(reverts=[req]))
+        m.step(StepPlan(revert_rows=m.rows_of([req])))
 
     def update(self, m: KVCacheManager, req, accepted: int) -> None:
-        m.step(StepPlan(result_ids=[req], num_accepted=[accepted]))
+        m.step(StepPlan(result_rows=m.rows_of([req]), num_accepted=[accepted]))
 
 
 APIS = [pytest.param(PerRequest(), id="per_request"), pytest.param(Batched(), id="batched")]
@@ -162,7 +162,7 @@ def test_d1_padding_then_revert_undoes_the_grant_and_the_padding(manager):
 def test_d0_pending_slack_5_history_99_cap_100_reclaim_clamps_at_history_99():
     """D=0, pending slack 5, history 99, cap 100: reclaim clamps at history -> 99.
 
-    ``settle`` clamps at the history *after* the step (history += 1 + accepted), so DESIGN.md's
+    ``settle`` clamps at the history *after* the step (history += 1 + accepted), so the design's
     "history 99" is the new history: history before the step is 98 (98 + 1 + 0 = 99). Rewinding
     0 rejected drafts and reclaiming 5 would give 95 < 99; the clamp keeps capacity at 99.
 

@@ -1,0 +1,446 @@
+"""The batched step in numpy: the executable specification of what one step does.
+
+`reference_step` applies a coerced plan to a `CapacityState` in named phases:
+
+1. ``validate``: every row live and listed once, every value in bounds, no request in two lists
+   that exclude each other;
+2. ``settle``: reverts, then results, on copies of the row state (`Settled`);
+3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
+   (`Demand`);
+4. ``serve_blocks``: row overflow, then blocks served in order (running requests first, then
+   prefill, then new requests), then rows for the new requests (`Served`);
+
+and only then, when nothing can fail any more,
+
+5. ``commit``: the settled and granted state replaces the old one;
+6. ``move_blocks``: every row's blocks follow its capacity (finished rows go back to the pool),
+   then new requests are admitted.
+
+A phase that finds bad input stops the step with a ``[kind, subject, index, detail]`` error (see
+`step_errors`) before any state changed. `step_compiled` is the same step as one compiled loop;
+the two are tested against each other on random plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NoReturn
+
+import numpy as np
+
+from .accounting import blocks_for, grant_tokens, settle, slack_for
+from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, CapacityState, RowState
+from .config import SlackPolicy
+from .step_errors import (
+    ABOVE_MAX_DRAFT,
+    ACCEPTED,
+    ACCEPTED_EXCEEDS_DRAFTS,
+    BELOW_MINIMUM,
+    CHUNK_PAST_PROMPT,
+    CHUNK_TOKENS,
+    DRAFTS,
+    DUPLICATE_ROW,
+    FINISHED,
+    FINISHED_AND_SCHEDULED,
+    FIRST_CHUNKS,
+    GRANT_PENDING,
+    GRANTS,
+    NO_PENDING_GRANT,
+    OUT_OF_BLOCKS,
+    PADDED,
+    PADDING,
+    PADDING_BELOW_DRAFT,
+    PREFILL,
+    PREFILL_INCOMPLETE,
+    PREFILL_PAST_PROMPT,
+    PROMPT_TOO_LONG,
+    PROMPTS,
+    RESULTS,
+    REVERTED_AND_SETTLED,
+    REVERTS,
+    ROW_OVERFLOW,
+    SCHEDULED_AND_PREFILLED,
+    UNKNOWN_ROW,
+    no_error,
+)
+from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
+
+
+@dataclass
+class StepResult:
+    """A step's result: ``error[0] != 0`` (and nothing changed), or its outcome and the
+    counter deltas (one per `ManagerCounters` field)."""
+
+    error: np.ndarray
+    outcome: StepOutcome | None = None
+    counter_deltas: np.ndarray | None = None
+
+
+class _Failed(Exception):
+    def __init__(self, kind: int, subject: int, index: int, detail: int = 0) -> None:
+        super().__init__(kind)
+        self.error = np.array([kind, subject, index, detail], dtype=np.int64)
+
+
+def _fail(kind: int, subject: int, index: int, detail: int = 0) -> NoReturn:
+    raise _Failed(kind, subject, int(index), int(detail))
+
+
+@dataclass
+class Settled:
+    """Row state after this step's reverts and results (copies; the state itself is untouched)."""
+
+    capacity: np.ndarray
+    history: np.ndarray
+    slack: np.ndarray
+    draft_len: np.ndarray
+    pending: np.ndarray
+    lead: np.ndarray
+
+
+@dataclass
+class Demand:
+    """What this step's grants, padding and prefill chunks ask for."""
+
+    item_rows: np.ndarray  # padding of earlier grants (top-ups), then this step's grants
+    num_topups: int
+    is_new_grant: np.ndarray  # bool per row
+    wanted_draft: np.ndarray  # per row: D after this step's grants and padding
+    target_capacity: np.ndarray  # per row: capacity if every item and chunk is served
+
+
+@dataclass
+class Served:
+    item_ok: np.ndarray
+    granted: np.ndarray  # this step's grants' part of item_ok
+    prefill_ok: np.ndarray
+    admitted: np.ndarray  # bool per new request
+    refusals: np.ndarray  # int8 per new request
+    first_tokens: np.ndarray  # per new request: tokens its admission reserves
+    grant_starts: np.ndarray  # per grant: settled history
+    prefill_starts: np.ndarray  # per prefill chunk: history before it
+
+
+def reference_step(plan: PlanArrays, state: CapacityState) -> StepResult:
+    try:
+        validate(plan, state)
+        settled = settle_step(plan, state)
+        demand = plan_grants(plan, state, settled)
+        plan_prefill(plan, state, settled, demand)
+        served = serve_blocks(plan, state, settled, demand)
+    except _Failed as failed:
+        return StepResult(failed.error)
+    deltas = commit(plan, state, settled, demand, served)
+    outcome = move_blocks(plan, state, served)
+    deltas[COUNTER_INDEX["requests_added"]] = int(served.admitted.sum())
+    deltas[COUNTER_INDEX["requests_refused"]] = int((~served.admitted).sum())
+    deltas[COUNTER_INDEX["requests_freed"]] = plan.finished_rows.size
+    return StepResult(no_error(), outcome, deltas)
+
+
+# ---------------------------------------------------------------------- 1. validate
+
+def validate(plan: PlanArrays, state: CapacityState) -> None:
+    live, limits = state.rows.live, state.limits
+    _check_rows(plan.revert_rows, REVERTS, live)
+    _check_rows(plan.result_rows, RESULTS, live)
+    _check_minimum(plan.num_accepted, ACCEPTED, 0)
+    _check_rows(plan.finished_rows, FINISHED, live)
+    _check_rows(plan.grant_rows, GRANTS, live)
+    _check_minimum(plan.draft_lens, DRAFTS, 0)
+    _check_rows(plan.padding_rows, PADDING, live)
+    _check_minimum(plan.padded_draft_lens, PADDED, 0)
+    _check_rows(plan.prefill_rows, PREFILL, live)
+    _check_minimum(plan.prefill_tokens, CHUNK_TOKENS, 1)
+    _check_minimum(plan.prompt_lens, PROMPTS, 1)
+    _check_minimum(plan.first_chunks, FIRST_CHUNKS, 0)
+    _check_maximum(plan.draft_lens, DRAFTS, limits.max_draft_len, ABOVE_MAX_DRAFT)
+    _check_maximum(plan.padded_draft_lens, PADDED, limits.max_draft_len, ABOVE_MAX_DRAFT)
+    _check_maximum(plan.prompt_lens, PROMPTS, limits.max_seq_len, PROMPT_TOO_LONG)
+    _first_where(plan.first_chunks > plan.prompt_lens, CHUNK_PAST_PROMPT, FIRST_CHUNKS)
+    num_rows = live.size
+    _check_apart(plan.result_rows, RESULTS, [plan.revert_rows], num_rows, REVERTED_AND_SETTLED)
+    _check_apart(plan.finished_rows, FINISHED,
+                 [plan.grant_rows, plan.padding_rows, plan.prefill_rows], num_rows,
+                 FINISHED_AND_SCHEDULED)
+    _check_apart(plan.prefill_rows, GRANTS, [plan.grant_rows], num_rows,
+                 SCHEDULED_AND_PREFILLED)
+    _check_apart(plan.prefill_rows, PADDING, [plan.padding_rows], num_rows,
+                 SCHEDULED_AND_PREFILLED)
+
+
+def _first_where(bad: np.ndarray, kind: int, subject: int, detail: int = 0) -> None:
+    if bad.any():
+        _fail(kind, subject, np.argmax(bad), detail)
+
+
+def _check_rows(rows: np.ndarray, subject: int, live: np.ndarray) -> None:
+    """Every row in range and live, then none listed twice."""
+    if rows.size == 0:
+        return
+    in_range = (rows >= 0) & (rows < live.size)
+    _first_where(~in_range, UNKNOWN_ROW, subject)
+    _first_where(~live[rows], UNKNOWN_ROW, subject)
+    if rows.size > 1:
+        order = np.argsort(rows, kind="stable")
+        repeats = order[1:][rows[order[1:]] == rows[order[:-1]]]
+        if repeats.size:
+            _fail(DUPLICATE_ROW, subject, repeats.min())
+
+
+def _check_minimum(values: np.ndarray, subject: int, minimum: int) -> None:
+    if values.size:
+        _first_where(values < minimum, BELOW_MINIMUM, subject, minimum)
+
+
+def _check_maximum(values: np.ndarray, subject: int, maximum: int, kind: int) -> None:
+    if values.size:
+        _first_where(values > maximum, kind, subject, maximum)
+
+
+def _check_apart(rows: np.ndarray, subject: int, others: list[np.ndarray], num_rows: int,
+                 kind: int) -> None:
+    """The first of ``rows`` that also appears in one of ``others`` fails the step."""
+    if rows.size == 0 or not any(o.size for o in others):
+        return
+    listed = np.zeros(num_rows, dtype=bool)
+    for other in others:
+        listed[other] = True
+    _first_where(listed[rows], kind, subject)
+
+
+# ---------------------------------------------------------------------- 2. settle
+
+def settle_step(plan: PlanArrays, state: CapacityState) -> Settled:
+    rows = state.rows
+    s = Settled(rows.capacity.copy(), rows.history.copy(), rows.slack.copy(),
+                rows.draft_len.copy(), rows.pending.copy(), rows.lead.copy())
+    reverts = plan.revert_rows
+    if reverts.size:
+        _first_where(~s.pending[reverts], NO_PENDING_GRANT, REVERTS)
+        s.capacity[reverts] -= 1 + s.draft_len[reverts] + s.slack[reverts]
+        s.pending[reverts] = False
+        s.slack[reverts] = s.draft_len[reverts] = 0
+    results, accepted = plan.result_rows, plan.num_accepted
+    if results.size:
+        _first_where(~s.pending[results], NO_PENDING_GRANT, RESULTS)
+        drafts = s.draft_len[results]
+        over = accepted > drafts
+        if over.any():
+            i = int(np.argmax(over))
+            _fail(ACCEPTED_EXCEEDS_DRAFTS, ACCEPTED, i, drafts[i])
+        s.capacity[results], s.history[results] = settle(
+            s.capacity[results], s.history[results], drafts, s.slack[results], accepted,
+            state.limits.policy)
+        s.pending[results] = False
+        s.lead[results] = accepted
+        s.slack[results] = s.draft_len[results] = 0
+    return s
+
+
+# ---------------------------------------------------------------------- 3. grants and prefill
+
+def plan_grants(plan: PlanArrays, state: CapacityState, settled: Settled) -> Demand:
+    limits = state.limits
+    grants, padding = plan.grant_rows, plan.padding_rows
+    if grants.size:
+        _first_where(settled.pending[grants], GRANT_PENDING, GRANTS)
+        _first_where(settled.history[grants] < state.rows.prompt_len[grants], PREFILL_INCOMPLETE,
+                     GRANTS)
+    is_new_grant = np.zeros(limits.max_batch_size, dtype=bool)
+    is_new_grant[grants] = True
+    wanted = settled.draft_len.copy()
+    wanted[grants] = plan.draft_lens
+    if padding.size:
+        _first_where(~(settled.pending[padding] | is_new_grant[padding]), NO_PENDING_GRANT,
+                     PADDING)
+        below = plan.padded_draft_lens < wanted[padding]
+        if below.any():
+            i = int(np.argmax(below))
+            _fail(PADDING_BELOW_DRAFT, PADDED, i, wanted[padding[i]])
+        wanted[padding] = plan.padded_draft_lens
+    # Padding of grants made in earlier calls cannot be refused (the forward is already
+    # planned), so it is served before this step's new grants.
+    topups = padding[~is_new_grant[padding]]
+    items = np.concatenate([topups, grants])
+    target = settled.capacity.copy()
+    if items.size:
+        lead, draft = settled.lead[items], wanted[items]
+        new_slack = slack_for(draft, limits.overlap, limits.policy, lead)
+        added = np.where(
+            is_new_grant[items],
+            grant_tokens(draft, limits.overlap, limits.policy, lead),
+            (draft - settled.draft_len[items]) + (new_slack - settled.slack[items]),
+        )
+        target[items] = settled.capacity[items] + added
+    return Demand(items, topups.size, is_new_grant, wanted, target)
+
+
+def plan_prefill(plan: PlanArrays, state: CapacityState, settled: Settled,
+                 demand: Demand) -> None:
+    rows, tokens = plan.prefill_rows, plan.prefill_tokens
+    if rows.size == 0:
+        return
+    prompt = state.rows.prompt_len[rows]
+    past = settled.history[rows] + tokens > prompt
+    if past.any():
+        i = int(np.argmax(past))
+        _fail(PREFILL_PAST_PROMPT, CHUNK_TOKENS, i, prompt[i])
+    demand.target_capacity[rows] = settled.capacity[rows] + tokens
+
+
+# ---------------------------------------------------------------------- 4. blocks and rows
+
+def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
+                 demand: Demand) -> Served:
+    limits = state.limits
+    tpb = limits.tokens_per_block
+    grow_rows = np.concatenate([demand.item_rows, plan.prefill_rows])
+    grow_blocks = blocks_for(demand.target_capacity[grow_rows], tpb)
+    over = grow_blocks > limits.max_blocks_per_seq
+    if over.any():
+        _fail(ROW_OVERFLOW, GRANTS, grow_rows[np.argmax(over)], limits.max_blocks_per_seq)
+
+    # What the settled state frees (finished rows included), then each demand in order.
+    base_capacity = settled.capacity.copy()
+    base_capacity[plan.finished_rows] = 0
+    base_blocks = blocks_for(base_capacity, tpb)
+    available = state.pool.num_free + int((state.rows.num_blocks - base_blocks).sum())
+    first_tokens = np.where(plan.first_chunks == 0, plan.prompt_lens, plan.first_chunks)
+    demands = np.concatenate([grow_blocks - base_blocks[grow_rows], blocks_for(first_tokens, tpb)])
+    ok = serve_in_order(demands, available)
+    num_items, num_prefill = demand.item_rows.size, plan.prefill_rows.size
+    item_ok = ok[:num_items]
+    prefill_ok = ok[num_items : num_items + num_prefill]
+    admitted = ok[num_items + num_prefill :]
+    refusals = np.where(admitted, 0, REFUSED_OUT_OF_BLOCKS).astype(np.int8)
+    # Rows are the other resource: admit in order while rows last.
+    free_rows = state.table.num_free_rows + plan.finished_rows.size
+    if int(admitted.sum()) > free_rows:
+        no_row = admitted & (np.cumsum(admitted) > free_rows)
+        admitted = admitted & ~no_row
+        refusals[no_row] = REFUSED_BATCH_FULL
+    # Padding of an earlier grant, and strict grants, are not allowed to be refused.
+    must = ~demand.is_new_grant[demand.item_rows] | plan.strict_grants
+    refused = must & ~item_ok
+    if refused.any():
+        _fail(OUT_OF_BLOCKS, GRANTS, demand.item_rows[np.argmax(refused)], available)
+    return Served(item_ok, item_ok[demand.num_topups :], prefill_ok, admitted, refusals,
+                  first_tokens, settled.history[plan.grant_rows],
+                  settled.history[plan.prefill_rows])
+
+
+def serve_in_order(demands: np.ndarray, available: int) -> np.ndarray:
+    """Which demands are met when served in order, each one only if it still fits."""
+    if int(demands.sum()) <= available:
+        return np.ones(demands.size, dtype=bool)
+    ok = np.zeros(demands.size, dtype=bool)
+    left = available
+    for i, need in enumerate(demands.tolist()):
+        if need <= left:
+            ok[i] = True
+            left -= need
+    return ok
+
+
+# ---------------------------------------------------------------------- 5. commit
+
+def commit(plan: PlanArrays, state: CapacityState, settled: Settled, demand: Demand,
+           served: Served) -> np.ndarray:
+    """The settled and granted state replaces the row state; returns the counter deltas."""
+    limits, rows = state.limits, state.rows
+    granted = demand.item_rows[served.item_ok]
+    settled.capacity[granted] = demand.target_capacity[granted]
+    settled.slack[granted] = slack_for(demand.wanted_draft[granted], limits.overlap,
+                                       limits.policy, settled.lead[granted])
+    settled.draft_len[granted] = demand.wanted_draft[granted]
+    settled.pending[granted] = True
+    chunks = plan.prefill_rows[served.prefill_ok]
+    tokens = plan.prefill_tokens[served.prefill_ok]
+    settled.capacity[chunks] += tokens
+    settled.history[chunks] += tokens
+
+    deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
+    results = plan.result_rows
+    fresh = int(demand.is_new_grant[granted].sum())
+    deltas[COUNTER_INDEX["reverts"]] = plan.revert_rows.size
+    deltas[COUNTER_INDEX["updates"]] = results.size
+    deltas[COUNTER_INDEX["rewound_tokens"]] = int((rows.draft_len[results]
+                                                   - plan.num_accepted).sum())
+    if limits.policy is SlackPolicy.RECLAIM:
+        deltas[COUNTER_INDEX["reclaimed_slack_tokens"]] = int(rows.slack[results].sum())
+    deltas[COUNTER_INDEX["grants"]] = fresh
+    deltas[COUNTER_INDEX["grants_refused"]] = plan.grant_rows.size - fresh
+    deltas[COUNTER_INDEX["padding_topups"]] = plan.padding_rows.size
+
+    for name in (f.name for f in fields(Settled)):
+        np.copyto(getattr(rows, name), getattr(settled, name))
+    return deltas
+
+
+# ---------------------------------------------------------------------- 6. blocks follow
+
+def move_blocks(plan: PlanArrays, state: CapacityState, served: Served) -> StepOutcome:
+    """Every row's blocks follow ceil(capacity / tokens_per_block); finished rows go back to the
+    pool; admitted requests take rows and their first blocks. Returns the outcome."""
+    rows, pool, table = state.rows, state.pool, state.table
+    tpb = state.limits.tokens_per_block
+    finished = plan.finished_rows
+    old_blocks = rows.num_blocks.copy()
+    target = blocks_for(rows.capacity, tpb)
+    target[finished] = 0
+    delta = target - old_blocks
+    shrink = np.flatnonzero(delta < 0)
+    if shrink.size:
+        pool.release_unique(table.truncate(shrink, target[shrink], -delta[shrink]))
+    grow = np.flatnonzero(delta > 0)
+    if grow.size:
+        table.append(grow, old_blocks[grow], delta[grow], pool.allocate(int(delta[grow].sum())))
+    rows.num_blocks[:] = target
+    for row in finished.tolist():
+        rows.reset(row)
+        table.release_row(row)
+
+    rewritten = np.zeros(rows.live.size, dtype=bool)  # freed or admitted: from column 0
+    rewritten[finished] = True
+    admitted_rows = _admit(plan, rows, state, served)
+    rewritten[admitted_rows[admitted_rows >= 0]] = True
+    table.sync()
+
+    new_blocks = rows.num_blocks
+    changed = np.flatnonzero((new_blocks != old_blocks) | rewritten)
+    starts = np.where(rewritten[changed], 0, np.minimum(old_blocks, new_blocks)[changed])
+    counts = new_blocks[changed] - starts
+    r = np.repeat(changed, counts)
+    c = np.repeat(starts, counts) + np.arange(int(counts.sum())) - np.repeat(
+        np.cumsum(counts) - counts, counts)
+    return StepOutcome(
+        granted=served.granted,
+        prefill_granted=served.prefill_ok,
+        admitted_rows=admitted_rows,
+        new_refusals=served.refusals,
+        grant_starts=served.grant_starts,
+        prefill_starts=served.prefill_starts,
+        changed_rows=changed,
+        changed_from=starts,
+        changed_num_blocks=new_blocks[changed],
+        changed_block_ids=table.host[r, c],
+        num_blocks=new_blocks.copy(),
+    )
+
+
+def _admit(plan: PlanArrays, rows: RowState, state: CapacityState,
+           served: Served) -> np.ndarray:
+    tpb = state.limits.tokens_per_block
+    admitted_rows = np.full(plan.prompt_lens.size, -1, dtype=np.int64)
+    for i in np.flatnonzero(served.admitted).tolist():
+        row = state.table.acquire_row()
+        tokens = int(served.first_tokens[i])
+        n = int(blocks_for(tokens, tpb))
+        state.table.append(np.array([row]), np.array([0]), np.array([n]), state.pool.allocate(n))
+        rows.live[row] = True
+        rows.capacity[row] = rows.history[row] = tokens
+        rows.prompt_len[row] = plan.prompt_lens[i]
+        rows.num_blocks[row] = n
+        admitted_rows[i] = row
+    return admitted_rows
