@@ -31,8 +31,9 @@ from transformers import AttentionInterface
 ATTN_IMPLEMENTATION = "kvalloc"
 
 
-class UnsupportedAttention(ValueError):
-    """The model asks for an attention feature the pool path does not implement."""
+class KvallocAttentionError(ValueError):
+    """Input the pool attention cannot serve: no step layout, a step larger than the staging
+    buffer, or a feature it does not implement (soft-capping, a sliding window in reach)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class PackedStep:
         Entries of at most ``group_width`` tokens are attended as one padded group."""
         total = int(num_tokens.sum())
         if total > staging.shape[2]:
-            raise ValueError(f"num_tokens: the step has {total} tokens, staging holds "
+            raise KvallocAttentionError(f"num_tokens: the step has {total} tokens, staging holds "
                              f"{staging.shape[2]}")
         short = np.flatnonzero(num_tokens <= group_width)
         long = np.flatnonzero(num_tokens > group_width)
@@ -121,18 +122,18 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention signature: ``query [1, Hq, N, D]``, ``key``/``value``
     ``[1, Hkv, N, D]``; returns ``([1, N, Hq, D], None)``."""
     if kvalloc_step is None:
-        raise UnsupportedAttention(
+        raise KvallocAttentionError(
             "kvalloc_step: the kvalloc attention needs the step layout; run the model through "
             "worker.engine, or switch attn_implementation back for a plain forward")
     step = kvalloc_step
     if query.shape[0] != 1 or query.shape[2] != step.num_tokens:
-        raise UnsupportedAttention(f"query: expected one packed sequence of {step.num_tokens} "
+        raise KvallocAttentionError(f"query: expected one packed sequence of {step.num_tokens} "
                                    f"tokens, got shape {tuple(query.shape)}")
     if kwargs.get("softcap") is not None:
-        raise UnsupportedAttention("softcap: attention logit soft-capping is not supported")
+        raise KvallocAttentionError("softcap: attention logit soft-capping is not supported")
     window = kwargs.get("sliding_window")
     if window is not None and step.max_position >= window:
-        raise UnsupportedAttention(f"sliding_window: position {step.max_position} is outside "
+        raise KvallocAttentionError(f"sliding_window: position {step.max_position} is outside "
                                    f"the model's window of {window}; not supported")
     layer, n = module.layer_idx, step.num_tokens
     staged_k, staged_v = step.staging[layer, 0, :n], step.staging[layer, 1, :n]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from worker_oracle import CONFIGS, Oracle, pool_config
 
-from worker.attention import UnsupportedAttention
+from worker.attention import KvallocAttentionError
 from worker.cli import PromptFileError, read_prompts
 from worker.drafters import DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
 from worker.engine import Engine, EngineError, LayoutMismatch, Prompt
@@ -107,7 +107,7 @@ def test_model_loading_errors(tmp_path: Path) -> None:
 
 
 def test_the_kvalloc_attention_needs_a_step(llama_oracle: Oracle) -> None:
-    with pytest.raises(UnsupportedAttention, match="kvalloc_step"):
+    with pytest.raises(KvallocAttentionError, match="kvalloc_step"):
         llama_oracle.model(torch.tensor([[1, 2, 3]]), use_cache=False)
 
 
