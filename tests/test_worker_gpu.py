@@ -12,13 +12,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from allocator import PoolConfig
 from server.client import Client
 from server.core import ServiceCore
 from server.settings import ServiceConfig
 from worker.drafters import NgramDrafter, OracleDrafter
 from worker.engine import Engine, Prompt
-from worker.model import kv_shape, random_model
+from worker.model import pool_for_model, random_model
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +26,10 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                     head_dim=64, max_position_embeddings=4096, eos_token_id=None)
 
 
-def _client(model: torch.nn.Module, *, num_blocks: int, max_seq_len: int, max_batch_size: int,
+def _client(model: torch.nn.Module, *, longest: int, batch: int,
             dtype: str) -> tuple[ServiceCore, Client]:
-    layers, heads, head_dim = kv_shape(model.config)
-    pool = PoolConfig(num_blocks=num_blocks, tokens_per_block=16, num_layers=layers,
-                      num_kv_heads=heads, head_dim=head_dim, dtype=dtype, device="cuda",
-                      max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_draft_len=3,
-                      overlap_scheduler=True)
+    pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
+                          dtype=dtype, device="cuda", max_batch_size=batch)
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048))
     client = Client.in_process(core, worker_id="gpu-worker")
     client.register()
@@ -68,8 +64,8 @@ def test_float32_on_cuda_equals_generate(cuda_device: str) -> None:
                                      max_new_tokens=16)
             expected[p.req_id] = out[0, ids.shape[1]:].tolist()
     drafter = OracleDrafter(expected, 0.5, vocab_size=96)
-    outputs, engine = _run(model, prompts, 16, drafter, 3, num_blocks=256, max_seq_len=400,
-                           max_batch_size=8, dtype="float32")
+    outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316, batch=8,
+                           dtype="float32")
     assert outputs == expected
     assert engine.stats.accepted_drafts > 0
 
@@ -79,7 +75,7 @@ def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(cuda_device: st
     rng = np.random.default_rng(0)
     prompts = [Prompt(str(i), rng.integers(0, ONE_B.vocab_size, int(n)).tolist())
                for i, n in enumerate(rng.integers(64, 512, 16))]
-    pool = {"num_blocks": 1024, "max_seq_len": 600, "max_batch_size": 16, "dtype": "bfloat16"}
+    pool = {"longest": 512 + 32, "batch": 16, "dtype": "bfloat16"}
     plain, _ = _run(model, prompts, 32, None, 0, **pool)
     agreement = {}
     for name, drafter in [("oracle:0.6", OracleDrafter(plain, 0.6, vocab_size=32000)),

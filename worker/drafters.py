@@ -41,12 +41,16 @@ class NgramDrafter:
 
     def propose(self, req_id: str, context: np.ndarray, num_generated: int,
                 num: int) -> np.ndarray:
+        # Earlier positions holding the last token (never the last position itself, so a match
+        # has a continuation); longer n-grams filter these candidates further. One pass over
+        # the context per call, whatever max_ngram is.
+        ends = np.flatnonzero(context[:-1] == context[-1])
         for n in range(min(self.max_ngram, context.size - 1), self.min_ngram - 1, -1):
-            # Windows that start before the suffix itself, so a match has a continuation.
-            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
-            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+            hits = ends[ends >= n - 1]
+            for back in range(1, n):
+                hits = hits[context[hits - back] == context[-1 - back]]
             if hits.size:
-                start = int(hits[-1]) + n  # the most recent occurrence
+                start = int(hits[-1]) + 1  # after the most recent occurrence
                 return context[start:start + num].copy()
         return context[:0].copy()
 
