@@ -13,7 +13,7 @@ from server.core import ServiceCore
 from server.settings import ServiceConfig
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny matrices: torch's thread pool only adds contention on a shared CPU."""
     threads = torch.get_num_threads()

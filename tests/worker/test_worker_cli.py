@@ -6,6 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
 from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle
 
 from server.cli import main
@@ -37,7 +41,8 @@ def test_in_process_cli_prints_the_generated_tokens(oracle: Oracle, tmp_path: Pa
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     config, prompts = write_inputs(oracle, tmp_path)
     assert main(worker_args(config, prompts, "--in-process", "--draft-len", "3",
-                            "--drafter", "oracle:0.5", "--max-step-tokens", "64")) == 0
+                            "--drafter", "oracle:0.5", "--max-step-tokens", "64",
+                            "--max-batch-size", "8")) == 0
     out = capsys.readouterr().out
     assert outputs(out) == oracle.expected
     assert 0 < json.loads(out)["acceptance_rate"] < 1
@@ -66,3 +71,23 @@ def test_cli_errors_exit_2_with_the_reason(llama_oracle: Oracle, tmp_path: Path,
     config, prompts = write_inputs(llama_oracle, tmp_path)
     assert main(worker_args(config, prompts, "--in-process", *extra)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_saved_checkpoint_with_a_tokenizer_serves_text_prompts(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    llama_oracle.model.save_pretrained(checkpoint)
+    vocab = {f"w{i}": i for i in range(llama_oracle.model.config.vocab_size - 1)}
+    vocab["[UNK]"] = len(vocab)
+    words = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(checkpoint)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"id": p.req_id, "text": " ".join(f"w{t}" for t in p.token_ids)}) + "\n"
+        for p in llama_oracle.prompts if max(p.token_ids) < len(vocab) - 1))
+    assert main(["worker", "--model", str(checkpoint), "--prompts", str(prompts),
+                 "--max-new-tokens", str(MAX_NEW_TOKENS), "--draft-len", "3", "--in-process",
+                 "--json", "--no-progress"]) == 0
+    got = outputs(capsys.readouterr().out)
+    assert got and got == {k: llama_oracle.expected[k] for k in got}
