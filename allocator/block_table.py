@@ -19,6 +19,7 @@ import torch
 
 from .errors import BatchFull, InvalidValue, InvariantViolation
 from .placement import TensorAllocator, plain_tensor
+from .slots import slot_mapping
 
 
 class BlockTable:
@@ -127,21 +128,10 @@ class BlockTable:
 
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
                      tokens_per_block: int) -> torch.Tensor:
-        """int64 slots for a whole batch on the device; -1 where a position is padding (< 0)
-        or lies past the row's blocks (so a bad position skips its write instead of faulting).
-
-        ``rows`` and ``positions`` are same-length integer tensors on the table's device.
+        """int64 slots for a whole batch on the device (`allocator.slots.slot_mapping` on the
+        device copy); ``rows`` and ``positions`` are same-length integer tensors on its device.
         """
-        positions = positions.to(torch.int64)
-        valid = positions >= 0
-        safe_pos = torch.where(valid, positions, torch.zeros_like(positions))
-        col = safe_pos // tokens_per_block
-        in_row = col < self.max_blocks_per_seq
-        col = torch.where(in_row, col, torch.zeros_like(col))
-        block = self.device_table[rows.to(torch.int64), col].to(torch.int64)
-        slot = block * tokens_per_block + safe_pos % tokens_per_block
-        keep = valid & in_row & (block >= 0)
-        return torch.where(keep, slot, torch.full_like(slot, -1))
+        return slot_mapping(self.device_table, rows, positions, tokens_per_block)
 
     def check_invariants(self, rows: np.ndarray, num_blocks: np.ndarray, num_pool_blocks: int,
                          *, synced: bool) -> None:

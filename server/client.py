@@ -3,13 +3,14 @@
     from server.client import Client
 
     kv = Client("ipc:///run/user/1000/kvalloc/kvalloc.ipc", worker_id="rank0")
-    kv.register()                          # maps the pool, block table and staging buffer
-    reply = kv.step(new={"r1": 12})        # admit a 12-token prompt; reply.slot_mapping[i] is
-                                           # where token i of this step goes
+    kv.register()                                # maps the pool, block table and staging buffer
+    reply = kv.step(new=(["r1"], [12]))          # admit a 12-token prompt
+    handle = reply.admitted[0]                   # the request's name from now on
     # forward: write layer l's K/V of token i into kv.pool.staging[l, 0 / 1, i]
-    reply = kv.step(results={"r1": 0}, grants={"r1": 3})   # commit step 1, grant 1 + 3 tokens
-    reply = kv.step(results={"r1": 2}, finished=["r1"])    # 2 drafts accepted; done
+    reply = kv.step(grants=([handle], [3]))      # commit step 1, grant 1 + 3 tokens (MTP3)
+    reply = kv.step(results=([handle], [2]), finished=[handle])   # 2 drafts accepted; done
 
+Columns are sequences or int64 arrays; replies (`server.columns.StepResult`) are int64 arrays.
 Both transports offer the same methods and raise the same errors (`RemoteError` and its
 subclasses, carrying the service's status / code / field). The client numbers steps itself and
 retries a call that timed out with the same step id, which the service answers without applying
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -31,8 +32,12 @@ import msgspec
 import torch
 import zmq
 
+from allocator.slots import slot_mapping as table_slot_mapping
+
 from . import wire
 from .addresses import TOKEN_ENV, default_client_address, transport_of
+from .columns import ColumnInput, StepCall, StepResult
+from .errors import ServiceError, describe
 from .operations import ERROR, OK, OPERATIONS, Operation
 from .sharing import StepFence, attach
 
@@ -58,9 +63,14 @@ class TransportTimeout(TimeoutError):
     """No reply within the timeout, after every retry."""
 
 
+class SessionEnded(RemoteError):
+    """This worker's session ended (another process registered the id with ``replace``, or the
+    lease expired and the id was registered again): register again."""
+
+
 def _remote(body: wire.ErrorBody) -> RemoteError:
-    cls = {"stale_epoch": ServiceRestarted, "unknown_worker": NotRegistered}.get(body.code,
-                                                                                 RemoteError)
+    cls = {"stale_epoch": ServiceRestarted, "unknown_worker": NotRegistered,
+           "stale_session": SessionEnded}.get(body.code, RemoteError)
     return cls(body)
 
 
@@ -80,6 +90,16 @@ class AttachedPool:
             fence = StepFence.open(attachment.forward_done, attachment.commit_done)
         return cls(attach(attachment.kv), attach(attachment.block_table),
                    attach(attachment.staging), fence)
+
+    def slot_mapping(self, reply: StepResult) -> torch.Tensor:
+        """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
+        shared block table (-1 where a position lies past its row's blocks)."""
+        scheduled = reply.scheduled
+        device = self.block_table.device
+        request, positions = scheduled.positions()
+        rows = torch.from_numpy(scheduled.rows[request]).to(device)
+        return table_slot_mapping(self.block_table, rows, torch.from_numpy(positions).to(device),
+                                  self.kv.shape[3])
 
 
 class Client:
@@ -111,39 +131,59 @@ class Client:
 
     # ------------------------------------------------------------------ operations
 
-    def register(self, *, attach: bool = True) -> wire.Registration:
-        """Register (a re-registration frees this worker's requests) and, unless ``attach`` is
-        False (another host), map the pool, block table and staging buffer."""
-        reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id))
+    def register(self, *, attach: bool = True, replace: bool = False) -> wire.Registration:
+        """Open a session and, unless ``attach`` is False (another host: replies then carry table
+        deltas and slot mappings), map the pool, block table and staging buffer. ``replace``
+        takes the worker id over from a live session (a restarted worker), freeing its requests.
+        """
+        reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
+                                                         attached=attach, replace=replace))
         self.registration, self.next_step_id = reg, reg.next_step_id
         self.pool = AttachedPool.attach(reg.attachment) if attach else None
         return reg
 
-    def step(self, *, results: Mapping[str, int] | Sequence[Any] | None = None,
-             reverts: Sequence[str] = (), finished: Sequence[str] = (),
-             grants: Mapping[str, int] | Sequence[Any] | None = None,
-             padding: Mapping[str, int] | Sequence[Any] | None = None,
-             prefill: Mapping[str, int] | Sequence[Any] | None = None,
-             new: Mapping[str, int] | Sequence[Any] | None = None) -> wire.StepReply:
-        """One scheduler step. Mappings are ``req_id -> number`` (accepted drafts, draft length,
-        padded draft length, prefill tokens, prompt length); sequences hold `server.wire`
-        structs (e.g. ``wire.NewRequest`` with a ``first_chunk``)."""
+    def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
+             reverts: ColumnInput = (), finished: ColumnInput = (),
+             grants: tuple[ColumnInput, ColumnInput] | None = None,
+             padding: tuple[ColumnInput, ColumnInput] | None = None,
+             prefill: tuple[ColumnInput, ColumnInput] | None = None,
+             new: tuple[Sequence[str], ColumnInput] | tuple[Sequence[str], ColumnInput,
+                                                            ColumnInput] | None = None,
+             ) -> StepResult:
+        """One scheduler step. ``results`` is (handles, accepted drafts), ``grants`` (handles,
+        draft lengths), ``padding`` (handles, padded draft lengths), ``prefill`` (handles, chunk
+        tokens), ``new`` (request ids, prompt lengths[, first chunks, 0 = whole prompt]);
+        ``reverts`` and ``finished`` are handles."""
         if self.registration is None:
             raise RuntimeError("register() first")
-        req = wire.StepRequest(
-            worker_id=self.worker_id, epoch=self.registration.epoch, step_id=self.next_step_id,
-            results=_entries(results, wire.Result, "num_accepted"),
-            reverts=list(reverts), finished=list(finished),
-            grants=_entries(grants, wire.Grant, "draft_len"),
-            padding=_entries(padding, wire.Padding, "padded_draft_len"),
-            prefill=_entries(prefill, wire.PrefillChunk, "num_tokens"),
-            new=_entries(new, wire.NewRequest, "prompt_len"),
-        )
+        columns: dict[str, ColumnInput] = {"revert_handles": reverts,
+                                           "finished_handles": finished}
+        for pair, names in ((results, ("result_handles", "num_accepted")),
+                            (grants, ("grant_handles", "draft_lens")),
+                            (padding, ("padding_handles", "padded_draft_lens")),
+                            (prefill, ("prefill_handles", "prefill_tokens"))):
+            if pair is not None:
+                columns.update(zip(names, pair, strict=True))
+        new_ids: Sequence[str] = ()
+        if new is not None:
+            new_ids, columns["prompt_lens"], *chunks = new
+            if chunks:
+                columns["first_chunks"] = chunks[0]
+        reg = self.registration
+        try:
+            call = StepCall.build(self.worker_id, reg.session, reg.epoch, self.next_step_id,
+                                  new_req_ids=new_ids, **columns)
+        except ServiceError as exc:  # the same error the service would answer
+            raise _remote(describe(exc)) from None
+        return self.send_step(call)
+
+    def send_step(self, call: StepCall) -> StepResult:
+        """Send a prepared `StepCall` (its step id must be ``next_step_id``)."""
         fence = self.pool.fence if self.pool is not None else None
         if fence is not None:
             fence.worker_forward_done()
-        reply = self.call("step", req)
-        self.next_step_id = req.step_id + 1
+        reply = self.call("step", call)
+        self.next_step_id = call.step_id + 1
         if fence is not None:
             fence.worker_before_forward()
         return reply
@@ -155,12 +195,16 @@ class Client:
         return self.call("get_pool", wire.PoolQuery(verify=verify))
 
     def deregister(self) -> wire.Deregistered:
-        out = self.call("deregister", wire.WorkerRef(worker_id=self.worker_id))
+        if self.registration is None:
+            raise RuntimeError("register() first")
+        out = self.call("deregister", wire.WorkerRef(worker_id=self.worker_id,
+                                                     session=self.registration.session))
         self.registration = self.pool = None
         return out
 
-    def call(self, op: str, request: msgspec.Struct) -> Any:
-        """Send ``request`` as operation ``op``; a timed-out attempt is retried unchanged."""
+    def call(self, op: str, request: Any) -> Any:
+        """Send ``request`` (a `server.wire` struct; a `StepCall` for the step) as operation
+        ``op``; a timed-out attempt is retried unchanged."""
         operation = OPERATIONS[op]
         for attempt in range(self.retries + 1):
             try:
@@ -180,29 +224,21 @@ class Client:
         self.close()
 
 
-def _entries(value: Mapping[str, int] | Sequence[Any] | None, struct: type[msgspec.Struct],
-             number: str) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, Mapping):
-        return [struct(req_id=k, **{number: v}) for k, v in value.items()]
-    return list(value)
-
-
 class _LocalTransport:
-    """Calls the core directly; its errors become the `RemoteError` a transport would raise."""
+    """Calls the core directly with the core's own types (a `StepCall` for the step: no
+    encoding at all); its errors become the `RemoteError` a transport would raise. Other
+    requests pass msgspec's validation first, as they would on a wire."""
 
     def __init__(self, core: Any) -> None:
-        from .errors import describe  # the service's error table; only in-process clients
-
         self._core = core
-        self._describe = describe
 
-    def call(self, op: Operation, request: msgspec.Struct) -> Any:
+    def call(self, op: Operation, request: Any) -> Any:
         try:
+            if not isinstance(request, StepCall):
+                request = msgspec.convert(msgspec.structs.asdict(request), type(request))
             return getattr(self._core, op.name)(request)
         except Exception as exc:
-            raise _remote(self._describe(exc)) from exc
+            raise _remote(describe(exc)) from exc
 
     def close(self) -> None:
         pass
@@ -220,11 +256,11 @@ class _IpcTransport:
         self._timeout_ms = int(timeout_s * 1000)
         self._seq = 0
 
-    def call(self, op: Operation, request: msgspec.Struct) -> Any:
+    def call(self, op: Operation, request: Any) -> Any:
         self._seq += 1
         seq = self._seq.to_bytes(8, "big")
         self._sock.send_multipart([seq, self._token, op.name.encode(),
-                                   wire.encode_msgpack(request)])
+                                   wire.encode_msgpack(op.encode_call(request, binary=True))])
         while True:
             if not self._sock.poll(self._timeout_ms):
                 raise TransportTimeout(f"{op.name}: no reply within {self._timeout_ms} ms")
@@ -232,7 +268,7 @@ class _IpcTransport:
             if reply_seq != seq:
                 continue  # a late reply to an attempt that already timed out
             if status == OK:
-                return wire.decode(payload, op.reply)
+                return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
             assert status == ERROR
             raise _remote(wire.decode(payload, wire.ErrorBody))
 
@@ -261,7 +297,8 @@ class _RestTransport:
         self._http = httpx.Client(base_url=base, transport=transport, timeout=timeout_s,
                                   headers=headers)
 
-    def call(self, op: Operation, request: msgspec.Struct) -> Any:
+    def call(self, op: Operation, request: Any) -> Any:
+        request = op.encode_call(request, binary=False)
         fields = msgspec.structs.asdict(request)
         path = op.path.format(**{k: quote(str(fields.pop(k)), safe="") for k in op.path_fields})
         try:
@@ -273,7 +310,7 @@ class _RestTransport:
         except self._httpx.TimeoutException as exc:
             raise TransportTimeout(f"{op.name}: {exc}") from None
         if resp.status_code == 200:
-            return wire.decode(resp.content, op.reply, "json")
+            return op.decode_reply(wire.decode(resp.content, op.reply, "json"))
         raise _remote(wire.decode(resp.content, wire.ErrorBody, "json"))
 
     def close(self) -> None:

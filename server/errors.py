@@ -32,6 +32,28 @@ class RequestNotFound(ServiceError):
     status, code, field = 404, "unknown_request", "req_id"
 
 
+class UnknownHandle(ServiceError):
+    """A handle names no live request of the calling worker (freed, another worker's, made up)."""
+
+    status, code = 422, "unknown_handle"
+
+
+class DuplicateRequestId(ServiceError):
+    status, code = 422, "duplicate_request"
+
+
+class StaleSession(ServiceError):
+    """The worker's session ended (it registered again, or was replaced): nothing is applied."""
+
+    status, code, field = 409, "stale_session", "session"
+
+
+class WorkerIdInUse(ServiceError):
+    """Another live session holds the worker id; ``replace`` takes it over explicitly."""
+
+    status, code, field = 409, "worker_id_in_use", "worker_id"
+
+
 class StaleEpoch(ServiceError):
     """The service restarted: the worker's registration and requests are gone; re-register."""
 
@@ -52,10 +74,10 @@ class TooManyWorkers(ServiceError):
     status, code, field = 409, "too_many_workers", "worker_id"
 
 
-class WindowNotSettled(ServiceError):
-    """A request of the previous step is in none of results / reverts / finished."""
+class StepNotSettled(ServiceError):
+    """A decode request of the previous step is in none of results / reverts / finished."""
 
-    status, code, field = 422, "window_not_settled", "results"
+    status, code, field = 422, "unsettled_requests", "results"
 
 
 class LimitExceeded(ServiceError):
@@ -125,6 +147,3 @@ def field_path(loc: tuple[int | str, ...]) -> str:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
-
-# Statuses each kind of operation can answer, for the OpenAPI document.
-ERROR_STATUSES = (401, 404, 409, 413, 422, 500, 503)

@@ -1,4 +1,5 @@
-"""The IPC transport: a ZeroMQ ROUTER socket carrying msgpack-encoded `server.wire` structs.
+"""The IPC transport: a ZeroMQ ROUTER socket carrying msgpack-encoded `server.wire` structs
+(the step's columns as raw int64 buffers).
 
 Frames, client (DEALER) -> service: ``[seq, token, op, payload]``; the ROUTER adds the peer's
 identity in front, so many workers share one socket. Reply: ``[seq, b"ok" | b"error", payload]``
@@ -102,8 +103,9 @@ class IpcServer:
             operation = OPERATIONS.get(op_name)
             if operation is None:
                 raise UnknownOperation(f"op: {op_name!r} is not one of {sorted(OPERATIONS)}")
-            request = _decode(payload, operation.request)
-            reply = [seq, OK, wire.encode_msgpack(getattr(self.core, op_name)(request))]
+            request = operation.to_core(_decode(payload, operation.request_struct(binary=True)))
+            value = getattr(self.core, op_name)(request)
+            reply = [seq, OK, wire.encode_msgpack(operation.from_core(value, binary=True))]
         except Exception as exc:
             body = describe(exc)
             if body.status >= 500:

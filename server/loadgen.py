@@ -35,9 +35,9 @@ from tqdm import tqdm
 
 from allocator.simulate import Acceptance
 
-from . import wire
 from .addresses import default_client_address
 from .client import Client, RemoteError, TransportTimeout
+from .columns import StepResult
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,22 @@ class _Request:
     preempted: bool = False  # its grant or prefill chunk was refused: free it next step
 
 
+@dataclass
+class _Call:
+    """What the last call asked for, to read its reply's refusals (indices into these)."""
+
+    grants: list[int] = field(default_factory=list)
+    prefill: list[int] = field(default_factory=list)
+    new: list[_Request] = field(default_factory=list)
+
+
 class SimulatedWorker:
     """Builds each step's call and learns from its reply. No I/O: the driver sends the calls.
 
     A step schedules at most ``max_step_tokens`` tokens (the service's staging capacity): decode
     grants first (1 + D each, padding included), then prefill chunks, then new prompts' first
-    chunks, as a chunked-prefill scheduler that never starves running requests does.
+    chunks, as a chunked-prefill scheduler that never starves running requests does. Requests are
+    named by the handles the service gives them.
     """
 
     def __init__(self, workload: Workload, *, max_draft_len: int, max_step_tokens: int,
@@ -76,18 +86,19 @@ class SimulatedWorker:
         self.max_draft_len = max_draft_len
         self.max_step_tokens = max_step_tokens
         self.rng = np.random.default_rng(seed)
-        self.live: dict[str, _Request] = {}
-        self.pending_new: dict[str, _Request] = {}  # admitted when the reply does not refuse
+        self.live: dict[int, _Request] = {}  # by handle
+        self._call = _Call()
         self._ids = itertools.count()
         self.stats: Counter[str] = Counter()
 
-    def next_step(self) -> dict[str, list[Any]]:
-        """The step's fields (results, reverts, finished, grants, padding, prefill, new)."""
+    def next_step(self) -> dict[str, Any]:
+        """The step's columns, as `Client.step` takes them."""
         results, reverts, finished = self._settle()
         w, rng = self.w, self.rng
         budget = self.max_step_tokens
-        grants, padding, prefill = [], [], []
-        for req_id, req in self.live.items():
+        call = self._call = _Call()
+        drafts, pad_handles, pads, chunks = [], [], [], []
+        for handle, req in self.live.items():
             if req.prompt_left:
                 continue
             d = min(w.draft_len, self.max_draft_len, req.remaining - 1)
@@ -95,44 +106,48 @@ class SimulatedWorker:
             if 1 + pad > budget:
                 continue  # no room this step: it simply is not scheduled
             budget -= 1 + pad
-            grants.append(wire.Grant(req_id=req_id, draft_len=d))
+            call.grants.append(handle)
+            drafts.append(d)
             req.in_flight = d
             if pad > d:
-                padding.append(wire.Padding(req_id=req_id, padded_draft_len=pad))
-        for req_id, req in self.live.items():
+                pad_handles.append(handle)
+                pads.append(pad)
+        for handle, req in self.live.items():
             chunk = min(req.prompt_left, budget)
             if chunk:
                 budget -= chunk
                 req.prompt_left -= chunk
-                prefill.append(wire.PrefillChunk(req_id=req_id, num_tokens=chunk))
+                call.prefill.append(handle)
+                chunks.append(chunk)
 
-        new = []
+        new_ids, prompts, firsts = [], [], []
         room = w.max_live - len(self.live)
         for _ in range(min(room, int(rng.poisson(w.arrival_rate)))):
             if not budget:
                 break
-            req_id = f"r{next(self._ids)}"
             prompt = int(rng.integers(*w.prompt_len, endpoint=True))
             first = min(prompt, budget)
             budget -= first
-            new.append(wire.NewRequest(req_id=req_id, prompt_len=prompt, first_chunk=first))
-            self.pending_new[req_id] = _Request(
-                prompt_left=prompt - first,
-                remaining=int(rng.integers(*w.output_len, endpoint=True)))
-        return {"results": results, "reverts": reverts, "finished": finished, "grants": grants,
-                "padding": padding, "prefill": prefill, "new": new}
+            new_ids.append(f"r{next(self._ids)}")
+            prompts.append(prompt)
+            firsts.append(first)
+            call.new.append(_Request(prompt_left=prompt - first,
+                                     remaining=int(rng.integers(*w.output_len, endpoint=True))))
+        return {"results": results, "reverts": reverts, "finished": finished,
+                "grants": (call.grants, drafts), "padding": (pad_handles, pads),
+                "prefill": (call.prefill, chunks), "new": (new_ids, prompts, firsts)}
 
-    def _settle(self) -> tuple[list[Any], list[str], list[str]]:
+    def _settle(self) -> tuple[tuple[list[int], list[int]], list[int], list[int]]:
         """The previous step's outcome for every request it scheduled, and preemptions."""
         w, rng = self.w, self.rng
-        results, reverts, finished = [], [], []
-        for req_id, req in self.live.items():
+        handles, accepted_counts, reverts, finished = [], [], [], []
+        for handle, req in self.live.items():
             if req.preempted:
-                finished.append(req_id)
+                finished.append(handle)
             if req.in_flight is None:
                 continue
             if rng.random() < w.skip_rate:
-                reverts.append(req_id)
+                reverts.append(handle)
                 self.stats["reverts"] += 1
             else:
                 accepted = int(w.acceptance.sample(rng, req.in_flight, 1)[0])
@@ -140,32 +155,35 @@ class SimulatedWorker:
                 self.stats["accepted_tokens"] += accepted
                 self.stats["output_tokens"] += 1 + accepted
                 if req.remaining <= 0:
-                    finished.append(req_id)
+                    finished.append(handle)
                 else:
-                    results.append(wire.Result(req_id=req_id, num_accepted=accepted))
+                    handles.append(handle)
+                    accepted_counts.append(accepted)
             req.in_flight = None
-        for req_id in finished:
-            self.stats["preempted" if self.live.pop(req_id).preempted else "finished"] += 1
-        return results, reverts, finished
+        for handle in finished:
+            self.stats["preempted" if self.live.pop(handle).preempted else "finished"] += 1
+        return (handles, accepted_counts), reverts, finished
 
-    def apply(self, reply: Any) -> None:
-        """Learn which grants, prefill chunks and new requests the service refused."""
-        for refused in reply.refused:
-            if refused.kind == "new":
-                self.pending_new.pop(refused.req_id)
+    def apply(self, reply: StepResult) -> None:
+        """Learn which grants, prefill chunks and new requests the service refused, and the
+        handles of the admitted ones."""
+        call = self._call
+        for kind, listed in (("grant", call.grants), ("prefill", call.prefill)):
+            for i in reply.refused.of_kind(kind).tolist():
+                req = self.live[listed[i]]
+                req.in_flight, req.preempted = None, True
+                self.stats[f"{kind}s_refused"] += 1  # grants_refused, prefills_refused
+        for handle, req in zip(reply.admitted.tolist(), call.new, strict=True):
+            if handle < 0:
                 self.stats["requests_refused"] += 1
-                continue
-            req = self.live[refused.req_id]
-            req.in_flight, req.preempted = None, True
-            self.stats[f"{refused.kind}s_refused"] += 1  # grants_refused, prefills_refused
-        self.live.update(self.pending_new)
-        self.stats["admitted"] += len(self.pending_new)
-        self.pending_new.clear()
+            else:
+                self.live[handle] = req
+                self.stats["admitted"] += 1
 
     def reset(self) -> None:
         """Forget every request (the service freed them: re-registration or a new epoch)."""
         self.live.clear()
-        self.pending_new.clear()
+        self._call = _Call()
 
 
 # ---------------------------------------------------------------- driving a service
@@ -226,7 +244,8 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int, duration_s: fl
 def _register(client: Client, report: Report) -> bool:
     """Register afresh (the service freed this worker's requests); False when it cannot."""
     try:
-        client.register(attach=False)  # the load generator never touches KV
+        # The load generator never touches KV; it takes its own id back (replace) after an error.
+        client.register(attach=False, replace=True)
     except Exception as exc:  # any failure here: no usable service
         report.errors[f"register: {type(exc).__name__}"] += 1
         return False

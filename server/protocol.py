@@ -22,8 +22,16 @@ INT63_MAX = 2**63 - 1
 
 
 def _constrained(base: type, **limits: Any) -> Any:
-    """``base`` with ``limits`` that both pydantic and msgspec enforce."""
-    return Annotated[base, Field(**limits), msgspec.Meta(**limits)]
+    """``base`` with ``limits`` that both pydantic and msgspec enforce.
+
+    A pattern's final ``$`` means the end of the text to pydantic (Rust regex) but "the end, or
+    before a final newline" to msgspec (Python's re): msgspec gets ``\\Z`` instead, so ``"x\\n"``
+    is refused on both transports alike.
+    """
+    meta = dict(limits)
+    if meta.get("pattern", "").endswith("$"):
+        meta["pattern"] = meta["pattern"][:-1] + r"\Z"
+    return Annotated[base, Field(**limits), msgspec.Meta(**meta)]
 
 
 # Worker ids name shared-memory segments too, hence the conservative alphabet.
@@ -61,13 +69,20 @@ class ErrorBody(Contract):
 
 
 class RegisterRequest(Contract):
-    """Register (or re-register) a worker. Re-registering frees every request it held."""
+    """Register a worker and open a session. An id held by another live session is refused
+    unless ``replace`` is set (a restarted worker taking its place back): its requests are then
+    freed and its session ends, so a zombie of the old process can no longer act."""
 
     worker_id: WorkerId
+    attached: bool = Field(
+        default=True, description="The worker maps the pool and block table (same host); "
+                                  "false: every reply carries table deltas and slot mappings.")
+    replace: bool = Field(default=False, description="Take over the id from a live session.")
 
 
 class WorkerRef(Contract):
     worker_id: WorkerId
+    session: Serial
 
 
 class ShmRef(Contract):
@@ -146,6 +161,8 @@ class PoolLayout(Contract):
 
 class Registration(Contract):
     worker_id: str
+    session: int = Field(description="This registration's session; send it with every call. "
+                                     "A call with an ended session is refused (stale_session).")
     epoch: int = Field(description="The service's epoch; send it with every step.")
     lease_ttl_s: float = Field(description="A worker silent this long loses its requests.")
     next_step_id: int = Field(description="Step ids start here and only increase.")
@@ -161,92 +178,130 @@ class Deregistered(Contract):
 # ---------------------------------------------------------------- the per-step call
 
 
-class Result(Contract):
-    """The previous step's accepted draft count for one request (commit + update_resources)."""
+class Column:
+    """Marks a list of integers as a column of the step messages. REST carries it as a JSON list;
+    IPC as raw little-endian int64 bytes (`server.wire` derives that struct), so a batch costs
+    no Python object per element on the hot transport. ``ge`` / ``le`` bound every element on
+    both transports."""
 
-    req_id: ReqId
-    num_accepted: Count
+    def __init__(self, ge: int, le: int) -> None:
+        self.ge, self.le = ge, le
 
-
-class Grant(Contract):
-    """A generation grant for this step: 1 + draft_len tokens (+ overlap slack)."""
-
-    req_id: ReqId
-    draft_len: Count
-
-
-class Padding(Contract):
-    """CUDA-graph padding: run this step's grant with ``padded_draft_len`` drafts."""
-
-    req_id: ReqId
-    padded_draft_len: Count
+    def __repr__(self) -> str:
+        return f"Column(ge={self.ge}, le={self.le})"
 
 
-class PrefillChunk(Contract):
-    req_id: ReqId
-    num_tokens: Positive
+def _column(ge: int, le: int, description: str) -> Any:
+    return Annotated[list[_constrained(int, ge=ge, le=le)], Column(ge, le),
+                     Field(default_factory=list, description=description)]
 
 
-class NewRequest(Contract):
-    req_id: ReqId
-    prompt_len: Positive
-    first_chunk: Positive | None = Field(
-        default=None, description="Tokens of the prompt scheduled now; None: the whole prompt."
-    )
+HANDLE_LIMIT = INT63_MAX
+Handles = _column(0, HANDLE_LIMIT, "Request handles, as `admitted` returned them.")
+
+
+class ResultColumns(Contract):
+    """The previous step's accepted draft counts: the next call commits those tokens and settles
+    the grant (rewinds rejected drafts, reclaims the overlap slack)."""
+
+    handles: Handles
+    num_accepted: _column(0, INT32_MAX, "Accepted drafts, one per handle.")
+
+
+class HandleColumn(Contract):
+    handles: Handles
+
+
+class GrantColumns(Contract):
+    """Generation grants for this step: 1 + draft_len tokens each (+ overlap slack)."""
+
+    handles: Handles
+    draft_lens: _column(0, INT32_MAX, "Drafts of each grant.")
+
+
+class PaddingColumns(Contract):
+    """CUDA-graph padding: run a grant with ``padded_draft_lens`` drafts."""
+
+    handles: Handles
+    padded_draft_lens: _column(0, INT32_MAX, "Padded draft count, >= the grant's draft_len.")
+
+
+class PrefillColumns(Contract):
+    """Further chunks of prompts being prefilled."""
+
+    handles: Handles
+    num_tokens: _column(1, INT32_MAX, "Prompt tokens of the chunk.")
+
+
+class NewColumns(Contract):
+    """Requests admitted by this step. The only place a request's id travels: the reply's
+    ``admitted`` gives each its handle."""
+
+    req_ids: list[ReqId] = Field(default_factory=list)
+    prompt_lens: _column(1, INT32_MAX, "Prompt length of each new request.")
+    first_chunks: _column(0, INT32_MAX, "Prompt tokens scheduled now (0: the whole prompt); "
+                                        "empty: every prompt whole.")
 
 
 class StepRequest(Contract):
     """One scheduler step. Applied atomically, in this order: reverts, results, finished, grants
-    and padding, prefill, new. Every request of the previous step must appear in exactly one of
-    ``results``, ``reverts`` or ``finished``.
+    and padding, prefill, new. Every decode request of the previous step must appear in exactly
+    one of ``results``, ``reverts`` or ``finished``.
 
     ``step_id`` must exceed the last applied one; repeating the last one returns its reply again
     without applying anything.
     """
 
     worker_id: WorkerId
+    session: Serial = Field(description="The session `register` returned.")
     epoch: Serial
     step_id: Serial
-    results: list[Result] = Field(default_factory=list)
-    reverts: list[ReqId] = Field(default_factory=list)
-    finished: list[ReqId] = Field(default_factory=list)
-    grants: list[Grant] = Field(default_factory=list)
-    padding: list[Padding] = Field(default_factory=list)
-    prefill: list[PrefillChunk] = Field(default_factory=list)
-    new: list[NewRequest] = Field(default_factory=list)
+    results: ResultColumns = Field(default_factory=ResultColumns)
+    reverts: HandleColumn = Field(default_factory=HandleColumn)
+    finished: HandleColumn = Field(default_factory=HandleColumn)
+    grants: GrantColumns = Field(default_factory=GrantColumns)
+    padding: PaddingColumns = Field(default_factory=PaddingColumns)
+    prefill: PrefillColumns = Field(default_factory=PrefillColumns)
+    new: NewColumns = Field(default_factory=NewColumns)
 
 
-class Scheduled(Contract):
-    """A request in this step's forward. Its tokens are ``token_offset .. token_offset +
-    num_tokens`` of the step, at positions ``start_position ..``; the last ``num_drafts`` are
-    drafts."""
+class ScheduledColumns(Contract):
+    """This step's forward, in token order: granted decodes (in grant order), then granted
+    prefill chunks, then admitted new requests. Request ``i`` owns tokens ``token_offsets[i] ..
+    + num_tokens[i]`` of the step at positions ``start_positions[i] ..``; its last
+    ``num_drafts[i]`` tokens are drafts. ``rows`` index the block table."""
 
-    req_id: str
-    kind: Literal["decode", "prefill"]
-    row: int
-    token_offset: int
-    num_tokens: int
-    num_drafts: int
-    start_position: int
-
-
-class Refused(Contract):
-    """Not scheduled this step; nothing changed for it, so the scheduler can preempt or retry."""
-
-    req_id: str
-    kind: Literal["grant", "prefill", "new"]
-    reason: Literal["out_of_blocks", "batch_full"]
+    handles: Handles
+    rows: _column(0, INT32_MAX, "Block-table row of each request.")
+    token_offsets: _column(0, INT32_MAX, "First token of each request in the step.")
+    num_tokens: _column(1, INT32_MAX, "Tokens of each request in the step.")
+    num_drafts: _column(0, INT32_MAX, "Drafts among them (the last ones).")
+    start_positions: _column(0, INT32_MAX, "Sequence position of each request's first token.")
 
 
-class TableUpdate(Contract):
-    """Block-table row change: ``row[start:start + len(block_ids)] = block_ids`` and
-    ``row[num_blocks:] = -1``. A freed request has ``num_blocks`` 0."""
+REFUSED_KINDS = {0: "grant", 1: "prefill", 2: "new"}
+REFUSAL_REASONS = {1: "out_of_blocks", 2: "batch_full"}
 
-    req_id: str
-    row: int
-    start: int
-    block_ids: list[int]
-    num_blocks: int
+
+class RefusedColumns(Contract):
+    """Not scheduled this step; nothing changed for them, so the scheduler can preempt or retry.
+    ``kinds``: 0 grant, 1 prefill chunk, 2 new request; ``indices``: position in that list of the
+    request; ``reasons``: 1 out of blocks, 2 every block-table row in use."""
+
+    kinds: _column(0, 2, "0 grant, 1 prefill, 2 new.")
+    indices: _column(0, INT32_MAX, "Index into the request's list of that kind.")
+    reasons: _column(1, 2, "1 out_of_blocks, 2 batch_full.")
+
+
+class TableDeltas(Contract):
+    """Block-table changes, for workers that did not map the block table: for each ``i``,
+    ``table[rows[i], starts[i]:num_blocks[i]]`` = the next ``num_blocks[i] - starts[i]`` ids of
+    ``block_ids`` and ``table[rows[i], num_blocks[i]:] = -1`` (a freed row has 0 blocks)."""
+
+    rows: _column(0, INT32_MAX, "Rows that changed.")
+    starts: _column(0, INT32_MAX, "First changed column of each row.")
+    num_blocks: _column(0, INT32_MAX, "Each row's block count after the step.")
+    block_ids: _column(0, INT32_MAX, "The new ids, row after row.")
 
 
 class CommitSummary(Contract):
@@ -260,12 +315,15 @@ class CommitSummary(Contract):
 class StepReply(Contract):
     epoch: int
     step_id: int
-    scheduled: list[Scheduled]
-    refused: list[Refused]
-    table_updates: list[TableUpdate]
-    slot_mapping: list[int] = Field(description="int64 slot per token of the step; -1: skip.")
+    admitted: _column(-1, HANDLE_LIMIT, "Per new request: its handle, or -1 when refused.")
+    scheduled: ScheduledColumns
+    refused: RefusedColumns
     committed: CommitSummary
     free_blocks: int
+    tables: TableDeltas | None = Field(
+        default=None, description="Only for workers registered with attached=false.")
+    slot_mapping: _column(-1, INT63_MAX, "Only for workers registered with attached=false: the "
+                                         "pool slot of each token of the step; -1: skip.")
 
 
 # ---------------------------------------------------------------- inspection
@@ -279,6 +337,7 @@ class RequestRef(Contract):
 class RequestState(Contract):
     worker_id: str
     req_id: str
+    handle: int
     row: int
     capacity: int
     history: int

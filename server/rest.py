@@ -42,8 +42,9 @@ JSON = "application/json"
 _STATUS_TEXT = {
     401: "Missing or wrong bearer token (KVALLOC_TOKEN).",
     404: "Unknown worker (never registered, or its lease expired) or unknown request.",
-    409: "Conflicts with the service's state: stale epoch (restart), step id out of order or "
-         "reused with another body, grant pending, too many workers.",
+    409: "Conflicts with the service's state: stale epoch (restart), stale session, worker id "
+         "in use, step id out of order or reused with another body, grant pending, too many "
+         "workers.",
     413: "Body larger than the service's max_body_bytes.",
     422: "Invalid input; `field` names it. Nothing changed.",
     500: "Internal error (a bug, never expected): logged and counted.",
@@ -83,18 +84,20 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         return _json(core.register(wire.from_model(body, wire.RegisterRequest)))
 
     @app.delete(ops["deregister"].path, response_model=protocol.Deregistered, dependencies=auth,
-                responses=errors(404, 413, 422, 500, 503), tags=["workers"])
+                responses=errors(404, 409, 413, 422, 500, 503), tags=["workers"])
     async def deregister(
         worker_id: Annotated[str, Path(**protocol.WORKER_ID_LIMITS)],
+        session: Annotated[int, Query(ge=0, le=protocol.INT63_MAX)],
     ) -> Response:
-        """Free every request of the worker and forget it."""
-        return _json(core.deregister(wire.WorkerRef(worker_id=worker_id)))
+        """End the worker's session: free every request of it and forget it."""
+        return _json(core.deregister(wire.WorkerRef(worker_id=worker_id, session=session)))
 
     @app.post(ops["step"].path, response_model=protocol.StepReply, dependencies=auth,
               responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"])
     async def step(body: protocol.StepRequest) -> Response:
         """Apply one scheduler step atomically; a retried step id returns the same reply."""
-        return _json(core.step(wire.from_model(body, wire.StepRequest)))
+        step_op = ops["step"]
+        return _json(step_op.from_core(core.step(step_op.to_core(body)), binary=False))
 
     @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
              responses=errors(404, 413, 422, 500, 503), tags=["inspection"])

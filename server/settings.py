@@ -14,6 +14,9 @@ from allocator import PoolConfig
 
 from .addresses import TOKEN_ENV
 
+# Request handles carry a block-table row in their low 20 bits (see `server.registry`).
+MAX_ROWS = 1 << 20
+
 
 def default_pool(**overrides: object) -> PoolConfig:
     """The embedded default: PoolConfig's small model shape and 4096 blocks."""
@@ -43,6 +46,9 @@ class ServiceConfig(BaseModel):
     @model_validator(mode="after")
     def _staging_fits_a_batch(self) -> ServiceConfig:
         # A full batch of decode steps must fit, or max_batch_size is a lie.
+        if self.pool.max_batch_size > MAX_ROWS:
+            raise ValueError(f"pool.max_batch_size: {self.pool.max_batch_size} rows do not fit a "
+                             f"request handle (at most {MAX_ROWS})")
         need = self.pool.max_batch_size * (1 + self.pool.max_draft_len)
         if self.max_step_tokens < need:
             raise ValueError(f"max_step_tokens: {self.max_step_tokens} cannot hold a full decode "

@@ -14,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import wire
 from .client import Client
+from .columns import StepResult
 
 
 def stage_pattern(staging: torch.Tensor, num_tokens: int, tag: int) -> None:
@@ -32,18 +34,22 @@ def stage_pattern(staging: torch.Tensor, num_tokens: int, tag: int) -> None:
                                 dtype=staging.dtype).view(layers, 2, 1, 1)
 
 
-def committed_slots(reply: wire.StepReply, tag: int, accepted: Mapping[str, int],
-                    dropped: Collection[str] = ()) -> dict[int, tuple[int, int]]:
+def committed_slots(reply: StepResult, slots: np.ndarray, tag: int,
+                    accepted: Mapping[int, int], dropped: Collection[int] = ()
+                    ) -> dict[int, tuple[int, int]]:
     """slot -> (tag, token index) for the tokens of ``reply``'s step that the next call commits:
-    every non-draft token and the first ``accepted[req]`` drafts, none of a ``dropped`` request
-    (reverted or finished)."""
+    every non-draft token and the first ``accepted[handle]`` drafts, none of a ``dropped``
+    request (reverted or finished). ``slots`` is the step's slot mapping."""
     out: dict[int, tuple[int, int]] = {}
-    for s in reply.scheduled:
-        if s.req_id in dropped:
+    s = reply.scheduled
+    for handle, offset, n, drafts in zip(s.handles.tolist(), s.token_offsets.tolist(),
+                                         s.num_tokens.tolist(), s.num_drafts.tolist(),
+                                         strict=True):
+        if handle in dropped:
             continue
-        keep = s.num_tokens - s.num_drafts + accepted.get(s.req_id, 0)
-        for i in range(s.token_offset, s.token_offset + keep):
-            out[reply.slot_mapping[i]] = (tag, i)
+        keep = n - drafts + accepted.get(handle, 0)
+        for i in range(offset, offset + keep):
+            out[int(slots[i])] = (tag, i)
     return out
 
 
@@ -92,19 +98,22 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
     assert pool is not None, "register() with attach first"
     pool.kv.fill_(POISON)
 
-    def forward(reply: wire.StepReply, tag: int) -> None:
+    def forward(reply: StepResult, tag: int) -> np.ndarray:
+        """Stage the step's pattern; returns its slots, read from the attached block table as
+        the worker's forward would."""
         if slow_forward is not None:
             slow_forward()
-        stage_pattern(pool.staging, len(reply.slot_mapping), tag)
+        stage_pattern(pool.staging, reply.scheduled.total_tokens, tag)
+        return pool.slot_mapping(reply).cpu().numpy()
 
-    first = client.step(new=[wire.NewRequest(req_id="a", prompt_len=6),
-                             wire.NewRequest(req_id="b", prompt_len=3),
-                             wire.NewRequest(req_id="c", prompt_len=9, first_chunk=5),
-                             wire.NewRequest(req_id="d", prompt_len=4)])
-    forward(first, 1)
-    second = client.step(grants={"a": 3, "b": 2, "d": 1}, prefill={"c": 4})
-    forward(second, 2)
-    accepted = {"a": 1, "b": 2}
-    third = client.step(results=accepted, reverts=["d"], finished=["c"])
-    expected = committed_slots(first, 1, {}) | committed_slots(second, 2, accepted, {"c", "d"})
+    first = client.step(new=(["a", "b", "c", "d"], [6, 3, 9, 4], [0, 0, 5, 0]))
+    a, b, c, d = first.admitted.tolist()
+    first_slots = forward(first, 1)
+    second = client.step(grants=([a, b, d], [3, 2, 1]), prefill=([c], [4]))
+    second_slots = forward(second, 2)
+    accepted = {a: 1, b: 2}
+    third = client.step(results=(list(accepted), list(accepted.values())), reverts=[d],
+                        finished=[c])
+    expected = (committed_slots(first, first_slots, 1, {})
+                | committed_slots(second, second_slots, 2, accepted, {c, d}))
     return NworOutcome(pool_mismatches(pool.kv, expected, POISON), third.committed)

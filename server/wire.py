@@ -1,10 +1,13 @@
 """msgspec structs derived from the pydantic contract in `server.protocol`, and their codecs.
 
-The core, the IPC transport and the client speak these structs; REST validates with the pydantic
-models and converts with `from_model`. Deriving (rather than writing the structs a second time)
-keeps one definition of every field, default and constraint: `_struct_for` copies each model's
-annotations, which carry ``msgspec.Meta`` next to pydantic's ``Field``, and replaces nested models
-by their structs.
+The IPC transport and the client speak these structs; REST validates with the pydantic models.
+Deriving (rather than writing the structs a second time) keeps one definition of every field,
+default and constraint: `struct_for` copies each model's annotations, which carry
+``msgspec.Meta`` next to pydantic's ``Field``, and replaces nested models by their structs.
+
+Step messages exist in two encodings of the same shape: ``struct_for(M)`` keeps every
+`protocol.Column` a list of integers (JSON), ``struct_for(M, binary=True)`` makes it raw
+little-endian int64 ``bytes`` (msgpack ``bin``: one buffer per column, no object per element).
 
 Invariant: for every model M, ``struct_for(M)`` has the same field names, order and defaults, and
 msgspec's JSON for a struct validates as M (tested in tests/test_service_protocol.py).
@@ -27,35 +30,65 @@ from . import protocol
 S = TypeVar("S", bound=msgspec.Struct)
 
 
+def struct_for(model: type[BaseModel], binary: bool = False) -> type[msgspec.Struct]:
+    """The frozen, unknown-field-rejecting msgspec struct mirroring ``model``; with ``binary``,
+    columns are int64 bytes (a model with no column has one struct for both)."""
+    return _struct_for(model, binary and _has_columns(model))
+
+
 @functools.cache
-def struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
-    """The frozen, unknown-field-rejecting msgspec struct mirroring ``model``."""
+def _struct_for(model: type[BaseModel], binary: bool) -> type[msgspec.Struct]:
     hints = typing.get_type_hints(model, include_extras=True)
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for name, info in model.model_fields.items():
-        tp = _wire_type(hints[name])
-        if info.default_factory is not None:
-            fields.append((name, tp, msgspec.field(default_factory=info.default_factory)))
+        tp = _wire_type(hints[name], binary)
+        factory = info.default_factory
+        if binary and tp is bytes:
+            fields.append((name, tp, b""))
+        elif isinstance(factory, type) and issubclass(factory, BaseModel):
+            fields.append((name, tp, msgspec.field(default_factory=struct_for(factory, binary))))
+        elif factory is not None:
+            fields.append((name, tp, msgspec.field(default_factory=factory)))
         elif info.default is not PydanticUndefined:
             fields.append((name, tp, info.default))
         else:
             fields.append((name, tp))
-    return msgspec.defstruct(model.__name__, fields, kw_only=True, frozen=True,
-                             forbid_unknown_fields=True, module=__name__)
+    return msgspec.defstruct(model.__name__ + ("Binary" if binary else ""), fields, kw_only=True,
+                             frozen=True, forbid_unknown_fields=True, module=__name__)
 
 
-def _wire_type(tp: Any) -> Any:
-    """``tp`` with every pydantic model inside it replaced by its struct."""
+def _has_columns(model: type[BaseModel]) -> bool:
+    hints = typing.get_type_hints(model, include_extras=True)
+    return any(column_of(tp) is not None or _nested_columns(tp) for tp in hints.values())
+
+
+def _nested_columns(tp: Any) -> bool:
+    return any(isinstance(a, type) and issubclass(a, BaseModel) and _has_columns(a)
+               for a in (tp, *get_args(tp)))
+
+
+def column_of(tp: Any) -> protocol.Column | None:
+    """The `protocol.Column` marker of an annotation, if it is a column."""
+    if get_origin(tp) is Annotated:
+        return next((m for m in tp.__metadata__ if isinstance(m, protocol.Column)), None)
+    return None
+
+
+def _wire_type(tp: Any, binary: bool) -> Any:
+    """``tp`` with every pydantic model inside it replaced by its struct (and, with ``binary``,
+    every column by bytes)."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return struct_for(tp)
+        return struct_for(tp, binary)
     origin, args = get_origin(tp), get_args(tp)
     if origin is None or origin is Literal:
         return tp
     if origin is Annotated:
-        return Annotated[(_wire_type(args[0]), *tp.__metadata__)]
+        if binary and column_of(tp) is not None:
+            return bytes
+        return Annotated[(_wire_type(args[0], binary), *tp.__metadata__)]
     if origin in (Union, types.UnionType):
-        return Union[tuple(_wire_type(a) for a in args)]  # noqa: UP007 - built from a tuple
-    return origin[tuple(_wire_type(a) for a in args)]
+        return Union[tuple(_wire_type(a, binary) for a in args)]  # noqa: UP007 - from a tuple
+    return origin[tuple(_wire_type(a, binary) for a in args)]
 
 
 ErrorBody = struct_for(protocol.ErrorBody)
@@ -69,17 +102,11 @@ Attachment = struct_for(protocol.Attachment)
 PoolLayout = struct_for(protocol.PoolLayout)
 Registration = struct_for(protocol.Registration)
 Deregistered = struct_for(protocol.Deregistered)
-Result = struct_for(protocol.Result)
-Grant = struct_for(protocol.Grant)
-Padding = struct_for(protocol.Padding)
-PrefillChunk = struct_for(protocol.PrefillChunk)
-NewRequest = struct_for(protocol.NewRequest)
 StepRequest = struct_for(protocol.StepRequest)
-Scheduled = struct_for(protocol.Scheduled)
-Refused = struct_for(protocol.Refused)
-TableUpdate = struct_for(protocol.TableUpdate)
-CommitSummary = struct_for(protocol.CommitSummary)
 StepReply = struct_for(protocol.StepReply)
+StepRequestBinary = struct_for(protocol.StepRequest, binary=True)
+StepReplyBinary = struct_for(protocol.StepReply, binary=True)
+CommitSummary = struct_for(protocol.CommitSummary)
 RequestRef = struct_for(protocol.RequestRef)
 RequestState = struct_for(protocol.RequestState)
 PoolQuery = struct_for(protocol.PoolQuery)

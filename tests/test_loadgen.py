@@ -14,43 +14,15 @@ import pytest
 
 from allocator import PoolConfig
 from allocator.simulate import Acceptance
-from server import wire
-from server.client import _remote
+from server.client import Client
+from server.columns import NO_VALUES, Refused
 from server.core import ServiceCore
-from server.errors import describe
 from server.launch import ServiceProcess, kvalloc_command
 from server.loadgen import SimulatedWorker, Workload, drive
 from server.settings import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 3
-
-
-class CoreClient:
-    """The client's interface over an in-process `ServiceCore`, errors mapped as a transport
-    maps them, so `drive` runs against the real service logic without sockets."""
-
-    address = "in-process"
-
-    def __init__(self, core: ServiceCore) -> None:
-        self.core = core
-        self.epoch = 0
-        self.next_step_id = 0
-
-    def register(self, *, attach: bool = True) -> wire.Registration:
-        reg = self.core.register(wire.RegisterRequest(worker_id="loadgen"))
-        self.epoch, self.next_step_id = reg.epoch, reg.next_step_id
-        return reg
-
-    def step(self, **fields: list) -> wire.StepReply:
-        req = wire.StepRequest(worker_id="loadgen", epoch=self.epoch,
-                               step_id=self.next_step_id, **fields)
-        try:
-            reply = self.core.step(req)
-        except Exception as exc:
-            raise _remote(describe(exc)) from exc
-        self.next_step_id += 1
-        return reply
 
 
 @pytest.fixture
@@ -63,6 +35,18 @@ def core():
     core.close()
 
 
+def fake_reply(refused: dict[str, list[int]], admitted: list[int]) -> SimpleNamespace:
+    """What `SimulatedWorker.apply` reads of a reply: refusals (indices per kind) and handles."""
+    kinds = {"grant": 0, "prefill": 1, "new": 2}
+    pairs = [(kinds[k], i) for k, ids in refused.items() for i in ids]
+    return SimpleNamespace(
+        refused=Refused(np.array([k for k, _ in pairs], dtype=np.int64),
+                        np.array([i for _, i in pairs], dtype=np.int64),
+                        np.ones(len(pairs), dtype=np.int64)) if pairs else
+        Refused(NO_VALUES, NO_VALUES, NO_VALUES),
+        admitted=np.array(admitted, dtype=np.int64))
+
+
 def test_every_step_settles_each_scheduled_request_exactly_once():
     """Each request granted in step n is in exactly one of results / reverts / finished in step
     n + 1; grants go only to requests whose prompt was scheduled in earlier steps; accepted <=
@@ -71,39 +55,40 @@ def test_every_step_settles_each_scheduled_request_exactly_once():
                                       pad_rate=0.5), max_draft_len=D + 1, max_step_tokens=300,
                              seed=1)
     rng = np.random.default_rng(2)
-    granted: dict[str, int] = {}
-    prompt_left: dict[str, int] = {}  # of admitted requests, after the previous step
+    handles = iter(range(1 << 20, 1 << 30))
+    granted: dict[int, int] = {}
+    prompt_left: dict[int, int] = {}  # of admitted requests, after the previous step
     for _ in range(300):
         prefilled = {r for r, left in prompt_left.items() if left == 0}
         step = worker.next_step()
-        settled = ([r.req_id for r in step["results"]] + list(step["reverts"])
-                   + list(step["finished"]))
+        (result_handles, accepted) = step["results"]
+        settled = [*result_handles, *step["reverts"], *step["finished"]]
         assert len(settled) == len(set(settled))
         assert set(granted) <= set(settled)
-        for r in step["results"]:
-            assert r.num_accepted <= granted[r.req_id]
-        for req_id in step["finished"]:
-            prompt_left.pop(req_id)
-        grants = {g.req_id: g.draft_len for g in step["grants"]}
+        for h, n in zip(result_handles, accepted, strict=True):
+            assert n <= granted[h]
+        for h in step["finished"]:
+            prompt_left.pop(h)
+        grants = dict(zip(*step["grants"], strict=True))
         assert set(grants) <= prefilled
-        padded = {p.req_id: p.padded_draft_len for p in step["padding"]}
+        padded = dict(zip(*step["padding"], strict=True))
         assert all(padded[r] >= grants[r] for r in padded)
+        new_ids, prompts, chunks = step["new"]
         tokens = (sum(1 + padded.get(r, d) for r, d in grants.items())
-                  + sum(c.num_tokens for c in step["prefill"])
-                  + sum(n.first_chunk for n in step["new"]))
+                  + sum(step["prefill"][1]) + sum(chunks))
         assert tokens <= 300
         # the "service" refuses a random fifth of everything it can refuse
-        refused = [SimpleNamespace(req_id=r, kind=kind) for kind, ids in (
-            ("grant", list(grants)), ("prefill", [c.req_id for c in step["prefill"]]),
-            ("new", [n.req_id for n in step["new"]])) for r in ids if rng.random() < 0.2]
-        worker.apply(SimpleNamespace(refused=refused))
-        out = {r.req_id for r in refused}
-        granted = {g: d for g, d in grants.items() if g not in out}
-        for c in step["prefill"]:
-            prompt_left[c.req_id] -= c.num_tokens
-        for n in step["new"]:
-            if n.req_id not in out:
-                prompt_left[n.req_id] = n.prompt_len - n.first_chunk
+        refused = {kind: [i for i in range(n) if rng.random() < 0.2] for kind, n in (
+            ("grant", len(grants)), ("prefill", len(step["prefill"][0])), ("new", len(new_ids)))}
+        admitted = [-1 if i in refused["new"] else next(handles) for i in range(len(new_ids))]
+        worker.apply(fake_reply(refused, admitted))
+        out_grants = {step["grants"][0][i] for i in refused["grant"]}
+        granted = {g: d for g, d in grants.items() if g not in out_grants}
+        for h, n in zip(*step["prefill"], strict=True):
+            prompt_left[h] -= n
+        for h, prompt, chunk in zip(admitted, prompts, chunks, strict=True):
+            if h >= 0:
+                prompt_left[h] = prompt - chunk
     assert worker.stats["preempted"] > 0 and worker.stats["finished"] > 0
     assert worker.stats["prefills_refused"] > 0
 
@@ -112,8 +97,8 @@ def test_drives_a_real_service_core_under_block_pressure_without_a_protocol_erro
     worker = SimulatedWorker(Workload(draft_len=D, arrival_rate=1.0, prompt_len=(16, 512),
                                       output_len=(8, 64)), max_draft_len=D + 1,
                              max_step_tokens=core.config.max_step_tokens)
-    client = CoreClient(core)
-    client.register()
+    client = Client.in_process(core, worker_id="loadgen")
+    client.register(attach=False)
     report = drive(client, worker, steps=400, duration_s=None, step_interval_s=0,
                    progress=False)
     assert report.errors == {}
@@ -133,23 +118,25 @@ def test_drives_a_real_service_core_under_block_pressure_without_a_protocol_erro
 def test_a_refused_call_is_counted_and_the_worker_starts_over(core):
     worker = SimulatedWorker(Workload(arrival_rate=2.0), max_draft_len=D + 1,
                              max_step_tokens=core.config.max_step_tokens)
-    client = CoreClient(core)
-    client.register()
+    client = Client.in_process(core, worker_id="loadgen")
+    client.register(attach=False)
     drive(client, worker, steps=5, duration_s=None, step_interval_s=0, progress=False)
-    client.register()  # e.g. another process re-registered this worker id: its requests are gone
+    # Another process took this worker id over: this session ended, its requests are gone.
+    Client.in_process(core, worker_id="loadgen").register(attach=False, replace=True)
     report = drive(client, worker, steps=20, duration_s=None, step_interval_s=0,
                    progress=False)
-    assert report.errors == {"unknown_request": 1}
+    assert report.errors == {"stale_session": 1}
     assert len(report.latencies_s) == 19, "every other step went through"
 
 
 def test_accepted_counts_follow_the_acceptance_model():
     worker = SimulatedWorker(Workload(acceptance=Acceptance("fixed", 2), arrival_rate=1.0,
                                       skip_rate=0.0), max_draft_len=D, max_step_tokens=4096)
+    handles = iter(range(1 << 20, 1 << 30))
     for _ in range(50):
         step = worker.next_step()
-        assert all(r.num_accepted == min(2, worker.w.draft_len) for r in step["results"])
-        worker.apply(SimpleNamespace(refused=[]))
+        assert all(n == min(2, worker.w.draft_len) for n in step["results"][1])
+        worker.apply(fake_reply({}, [next(handles) for _ in step["new"][0]]))
 
 
 # ---------------------------------------------------------------- the CLI against `kvalloc serve`

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from named_worker import NamedWorker
 
 from server import wire
 from server.client import Client, ServiceRestarted
+from server.columns import StepCall
 from server.launch import ServiceProcess
 from server.sharing import SHM_DIR
 from server.testing import nwor_scenario
@@ -64,20 +66,24 @@ def traffic_worker(addr: str, worker_id: str, steps: int, seed: int) -> int:
         reg = client.register()
         assert client.pool is not None
         table, tpb = client.pool.block_table, reg.layout.tokens_per_block
+        named = NamedWorker(client)
         age: dict[str, int] = {}
         ran: set[str] = set()
         for step in range(steps):
             done = [r for r, a in age.items() if a > 6 or rng.random() < 0.15]
             keep = [r for r in age if r not in done]
             new = {f"{worker_id}-{step}": int(rng.integers(1, 9))} if len(keep) < 4 else {}
-            reply = client.step(results={r: int(rng.integers(0, 3)) for r in ran if r in keep},
-                                finished=done, grants={r: 2 for r in keep}, new=new)
-            for s in reply.scheduled:
-                run = reply.slot_mapping[s.token_offset:s.token_offset + s.num_tokens]
-                assert {slot // tpb for slot in run} <= set(table[s.row].tolist()), s
-            ran = {s.req_id for s in reply.scheduled if s.kind == "decode"}
-            refused = {r.req_id for r in reply.refused if r.kind == "new"}
-            age = {r: age[r] + 1 for r in keep} | {r: 0 for r in new if r not in refused}
+            reply = named.step(results={r: int(rng.integers(0, 3)) for r in ran if r in keep},
+                               finished=done, grants={r: 2 for r in keep}, new=new)
+            slots = client.pool.slot_mapping(reply).numpy()
+            request, _ = reply.scheduled.positions()
+            rows = reply.scheduled.rows[request]
+            assert (slots >= 0).all()
+            for token, row in enumerate(rows.tolist()):
+                assert slots[token] // tpb in set(table[row].tolist())
+            ran = {name for name, *_ in named.scheduled(reply)} & set(keep)  # granted ones
+            admitted = {named.name(h) for h in reply.admitted.tolist() if h >= 0}
+            age = {r: age[r] + 1 for r in keep} | {r: 0 for r in new if r in admitted}
         client.deregister()
     return steps
 
@@ -87,8 +93,8 @@ def holding_worker(addr: str, ready: Any) -> None:
     torch.set_num_threads(1)
     client = Client(addr, worker_id="doomed")
     client.register()
-    client.step(new={"a": 20, "b": 12})
-    client.step(grants={"a": 3, "b": 3})
+    handles = client.step(new=(["a", "b"], [20, 12])).admitted
+    client.step(grants=(handles, [3, 3]))
     ready.put(client.get_pool().used_blocks)
     time.sleep(600)
 
@@ -123,14 +129,13 @@ def test_concurrent_worker_processes_leave_a_consistent_pool(service: ServicePro
 def test_a_retried_step_is_answered_again_not_applied_again(service: ServiceProcess,
                                                             transport: str) -> None:
     with Client(address(service, transport), worker_id=f"retry-{transport}") as client:
-        client.register(attach=False)
-        client.step(new={"a": 4})
-        req = wire.StepRequest(worker_id=client.worker_id, epoch=client.registration.epoch,
-                               step_id=client.next_step_id,
-                               grants=[wire.Grant(req_id="a", draft_len=3)])
-        first = client.call("step", req)
+        reg = client.register(attach=False)
+        handle = client.step(new=(["a"], [4])).admitted[0]
+        call = StepCall.build(client.worker_id, reg.session, reg.epoch, client.next_step_id,
+                              grant_handles=[handle], draft_lens=[3])
+        first = client.call("step", call)
         capacity, free = client.get_request("a").capacity, pool_state(service).free_blocks
-        assert client.call("step", req) == first
+        assert client.call("step", call) == first
         assert (client.get_request("a").capacity, pool_state(service).free_blocks) == (
             capacity, free)
         client.deregister()
@@ -139,13 +144,14 @@ def test_a_retried_step_is_answered_again_not_applied_again(service: ServiceProc
 def test_out_of_blocks_is_a_clean_refusal_over_the_wire(service: ServiceProcess) -> None:
     with Client(service.ipc, worker_id="greedy") as client:
         client.register(attach=False)
+        named = NamedWorker(client)
         for pair in range(pool_state(service).free_blocks // 32):  # 16 blocks per request
-            assert not client.step(new={f"h{2 * pair}": 64, f"h{2 * pair + 1}": 64}).refused
+            assert not len(named.step(new={f"h{2 * pair}": 64, f"h{2 * pair + 1}": 64}).refused)
         before = client.get_request("h0")
-        reply = client.step(grants={"h0": 3}, new={"late": 4})
-        assert [(r.req_id, r.kind, r.reason) for r in reply.refused] == [
+        reply = named.step(grants={"h0": 3}, new={"late": 4})
+        assert named.refused(reply, {"grant": ["h0"], "new": ["late"]}) == [
             ("h0", "grant", "out_of_blocks"), ("late", "new", "out_of_blocks")]
-        assert client.get_request("h0") == before and not reply.scheduled
+        assert client.get_request("h0") == before and not len(reply.scheduled)
         client.deregister()
     assert pool_state(service).invariants == "ok"
 
@@ -175,18 +181,19 @@ def test_a_restarted_service_is_noticed_and_workers_register_again(tmp_path: Pat
     try:
         with Client(address(svc, transport), worker_id="survivor") as client:
             old = client.register()
-            client.step(new={"a": 4})
+            handle = client.step(new=(["a"], [4])).admitted[0]
             old_epoch = svc.epoch
             assert svc.stop() == 0  # SIGTERM: graceful, exit status 0, nothing left behind
             assert not list(SHM_DIR.glob(f"kvalloc-{old_epoch:016x}-*"))
             assert not svc.uds.exists() and not Path(svc.ipc.removeprefix("ipc://")).exists()
             svc.start()  # same addresses, new process
             with pytest.raises(ServiceRestarted):
-                client.step(grants={"a": 1})
+                client.step(grants=([handle], [1]))
             new = client.register()
             assert new.epoch == svc.epoch != old.epoch
             assert client.pool is not None and client.pool.kv.shape == (2, 2, 128, 4, 1, 8)
-            reply = client.step(new={"a": 4})
-            assert reply.epoch == new.epoch and reply.scheduled[0].req_id == "a"
+            reply = client.step(new=(["a"], [4]))
+            assert reply.epoch == new.epoch and client.get_request("a").handle == \
+                reply.scheduled.handles[0] == reply.admitted[0]
     finally:
         svc.stop()

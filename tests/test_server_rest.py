@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -64,13 +65,24 @@ def raw_rest(svc: ServiceProcess, op: str, payload: Any, token: str | None = Non
         return http.request(operation.method, path, params=params)
 
 
+def columns_as_bytes(payload: Any) -> Any:
+    """A step body as IPC carries it: every integer column as little-endian int64 bytes."""
+    if not isinstance(payload, dict):
+        return payload
+    return {k: (np.asarray(v, dtype="<i8").tobytes() if isinstance(v, list) and k != "req_ids"
+                else columns_as_bytes(v)) for k, v in payload.items()}
+
+
 def raw_ipc(svc: ServiceProcess, op: str, payload: Any, token: str = "") -> tuple[int, dict]:
-    """One operation over IPC: msgpack of ``payload`` (bytes as is) in the documented frames."""
+    """One operation over IPC: msgpack of ``payload`` (bytes as is) in the documented frames;
+    a step's columns as int64 bytes."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(svc.ipc)
+        if op == "step":
+            payload = columns_as_bytes(payload)
         body = payload if isinstance(payload, bytes) else msgspec.msgpack.encode(payload)
         sock.send_multipart([b"1", token.encode(), op.encode(), body])
         assert sock.poll(10_000), "no reply"
@@ -95,25 +107,37 @@ def send(svc: ServiceProcess, transport: str, op: str, payload: Any) -> tuple[in
 
 @dataclass
 class Table:
-    """A worker whose previous step granted request "a" 2 drafts; "b" is idle."""
+    """A worker whose previous step granted request "a" (handle ``a``) 2 drafts; "b" is idle."""
 
     epoch: int
+    session: int
     next_step: int
+    a: int
+    b: int
 
 
 @pytest.fixture(scope="module")
 def table(service: ServiceProcess) -> Table:
     client = Client(service.ipc, worker_id="table")
     reg = client.register(attach=False)
-    client.step(new={"a": 4, "b": 4})
-    client.step(grants={"a": 2})
-    return Table(reg.epoch, client.next_step_id)
+    a, b = client.step(new=(["a", "b"], [4, 4])).admitted.tolist()
+    client.step(grants=([a], [2]))
+    return Table(reg.epoch, reg.session, client.next_step_id, a, b)
 
 
 def step(t: Table, **fields: Any) -> dict[str, Any]:
     """A step body for the "table" worker that settles "a" unless ``fields`` say otherwise."""
-    return {"worker_id": "table", "epoch": t.epoch, "step_id": t.next_step,
-            "results": [{"req_id": "a", "num_accepted": 1}], **fields}
+    return {"worker_id": "table", "session": t.session, "epoch": t.epoch, "step_id": t.next_step,
+            "results": {"handles": [t.a], "num_accepted": [1]}, **fields}
+
+
+def grants(handles: list[int], drafts: list[int]) -> dict[str, list[int]]:
+    return {"handles": handles, "draft_lens": drafts}
+
+
+def new(req_ids: list[str], prompts: list[int], chunks: list[int] | None = None
+        ) -> dict[str, list[Any]]:
+    return {"req_ids": req_ids, "prompt_lens": prompts, "first_chunks": chunks or []}
 
 
 NOT_DECODABLE = object()  # "{not json" on REST, an invalid msgpack byte on IPC
@@ -126,47 +150,57 @@ BAD_INPUT: list[tuple[str, str, Callable[[Table], Any], int, str]] = [
     ("register: id not a string", "register", lambda t: {"worker_id": 5}, 422, "worker_id"),
     ("register: unknown field", "register", lambda t: {"worker_id": "x", "x": 1}, 422, "x"),
     ("register: not decodable", "register", lambda t: NOT_DECODABLE, 422, "body"),
-    ("deregister: unknown worker", "deregister", lambda t: {"worker_id": "nobody"}, 404,
+    ("deregister: unknown worker", "deregister", lambda t: {"worker_id": "nobody", "session": 1},
+     404, "worker_id"),
+    ("deregister: stale session", "deregister",
+     lambda t: {"worker_id": "table", "session": t.session ^ 1}, 409, "session"),
+    ("deregister: no session", "deregister", lambda t: {"worker_id": "table"}, 422, "session"),
+    ("register: id held by a live session", "register", lambda t: {"worker_id": "table"}, 409,
+     "worker_id"),
+    ("register: id ending in a newline", "register", lambda t: {"worker_id": "x\n"}, 422,
      "worker_id"),
     ("deregister: bad id", "deregister", lambda t: {"worker_id": "bad!id"}, 422, "worker_id"),
     ("step: unknown worker", "step", lambda t: {**step(t), "worker_id": "nobody"}, 404,
      "worker_id"),
     ("step: stale epoch", "step", lambda t: step(t, epoch=t.epoch ^ 1), 409, "epoch"),
+    ("step: stale session", "step", lambda t: step(t, session=t.session ^ 1), 409, "session"),
     ("step: older step id", "step", lambda t: step(t, step_id=0), 409, "step_id"),
     ("step: missing epoch", "step", lambda t: {k: v for k, v in step(t).items() if k != "epoch"},
      422, "epoch"),
-    ("step: previous step unsettled", "step", lambda t: step(t, results=[]), 422, "results"),
+    ("step: previous step unsettled", "step",
+     lambda t: step(t, results={"handles": [], "num_accepted": []}), 422, "results"),
     ("step: more accepted than drafts", "step",
-     lambda t: step(t, results=[{"req_id": "a", "num_accepted": 3}]), 422, "num_accepted"),
-    ("step: result for unknown request", "step",
-     lambda t: step(t, results=[{"req_id": "a", "num_accepted": 1},
-                                {"req_id": "zz", "num_accepted": 0}]), 422, "results"),
+     lambda t: step(t, results={"handles": [t.a], "num_accepted": [3]}), 422, "num_accepted"),
+    ("step: unknown handle", "step",
+     lambda t: step(t, results={"handles": [t.a, t.b + (1 << 20)], "num_accepted": [1, 0]}), 422,
+     "results.handles[1]"),
+    ("step: a row, not a handle", "step",
+     lambda t: step(t, grants=grants([t.b & ((1 << 20) - 1)], [1])), 422, "grants.handles[0]"),
     ("step: negative draft_len", "step",
-     lambda t: step(t, grants=[{"req_id": "b", "draft_len": -1}]), 422, "grants[0].draft_len"),
+     lambda t: step(t, grants=grants([t.b], [-1])), 422, "grants.draft_lens[0]"),
+    ("step: columns of different lengths", "step",
+     lambda t: step(t, grants=grants([t.b], [])), 422, "grants.draft_lens"),
     ("step: draft_len above max", "step",
-     lambda t: step(t, grants=[{"req_id": "b", "draft_len": 4}]), 422, "draft_len"),
+     lambda t: step(t, grants=grants([t.b], [4])), 422, "draft_len"),
     ("step: padding below the grant", "step",
-     lambda t: step(t, grants=[{"req_id": "b", "draft_len": 3}],
-                    padding=[{"req_id": "b", "padded_draft_len": 1}]), 422, "padded_draft_len"),
-    ("step: new request already exists", "step",
-     lambda t: step(t, new=[{"req_id": "b", "prompt_len": 3}]), 422, "new"),
-    ("step: prompt above max_seq_len", "step",
-     lambda t: step(t, new=[{"req_id": "c", "prompt_len": 65, "first_chunk": 4}]), 422,
-     "prompt_len"),
-    ("step: first chunk above prompt", "step",
-     lambda t: step(t, new=[{"req_id": "c", "prompt_len": 3, "first_chunk": 4}]), 422,
-     "first_chunk"),
+     lambda t: step(t, grants=grants([t.b], [3]),
+                    padding={"handles": [t.b], "padded_draft_lens": [1]}), 422,
+     "padded_draft_len"),
+    ("step: new id already used", "step", lambda t: step(t, new=new(["b"], [3])), 422,
+     "new.req_ids[0]"),
+    ("step: prompt above max_seq_len", "step", lambda t: step(t, new=new(["c"], [65], [4])),
+     422, "prompt_len"),
+    ("step: first chunk past the prompt", "step", lambda t: step(t, new=new(["c"], [3], [4])),
+     422, "first_chunk"),
     ("step: finished and granted", "step",
-     lambda t: step(t, finished=["b"], grants=[{"req_id": "b", "draft_len": 1}]), 422,
+     lambda t: step(t, finished={"handles": [t.b]}, grants=grants([t.b], [1])), 422,
      "finished"),
-    ("step: more entries than rows", "step",
-     lambda t: step(t, reverts=[f"r{i}" for i in range(9)]), 422, "reverts"),
-    ("step: more tokens than staging", "step",
-     lambda t: step(t, new=[{"req_id": "c", "prompt_len": 60}, {"req_id": "d", "prompt_len": 9}]),
-     422, "new"),
-    ("step: body over max_body_bytes", "step",
-     lambda t: step(t, finished=["x" * 250] * 20), 413, "body"),
-    ("step: not decodable", "step", lambda t: NOT_DECODABLE, 422, "body"),
+    ("step: more entries than max_batch_size", "step",
+     lambda t: step(t, reverts={"handles": [t.b] * 9}), 422, "reverts"),
+    ("step: more tokens than max_step_tokens", "step",
+     lambda t: step(t, new=new(["c", "d"], [60, 9])), 422, "new"),
+    ("step: body too large", "step",
+     lambda t: step(t, finished={"handles": [t.b] * 1000}), 413, "body"),
     ("get_request: unknown request", "get_request",
      lambda t: {"worker_id": "table", "req_id": "zz"}, 404, "req_id"),
     ("get_request: unknown worker", "get_request",
@@ -244,6 +278,7 @@ def test_the_token_is_required_on_both_transports(guarded: ServiceProcess) -> No
     for address in (guarded.ipc, guarded.rest_unix):
         with Client(address, worker_id="friend", token=TOKEN) as client:
             assert client.register(attach=False).worker_id == "friend"
+            client.deregister()
     # Probes stay open: an orchestrator has no token.
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(guarded.uds)),
                       base_url="http://svc") as http:
@@ -273,8 +308,9 @@ def test_health_readiness_and_metrics(service: ServiceProcess) -> None:
     for address in (service.ipc, service.rest_unix):
         with Client(address, worker_id="metrics-" + address[:3]) as client:
             client.register(attach=False)
-            client.step(new={"m": 4})
-            client.step(grants={"m": 1})  # commits the first step: one NWOR window
+            handles = client.step(new=(["m"], [4])).admitted
+            client.step(grants=(handles, [1]))  # commits the first step: one NWOR window
+            client.deregister()
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(service.uds)),
                       base_url="http://svc") as http:
         assert http.get("/healthz").json() == {"status": "ok"}
@@ -295,8 +331,9 @@ def test_a_refused_call_raises_the_same_error_from_every_client(service: Service
     for address in (service.ipc, service.rest_unix, service.rest_tcp):
         with Client(address, worker_id="same") as client:
             client.register(attach=False)
-            client.step(new={"a": 4})
+            handles = client.step(new=(["a"], [4])).admitted
             with pytest.raises(RemoteError) as err:
-                client.step(grants={"a": 9})
+                client.step(grants=(handles, [9]))
             errors.append((err.value.status, err.value.code, err.value.field))
+            client.deregister()
     assert errors == [(422, "draft_len_exceeded", "draft_len")] * 3

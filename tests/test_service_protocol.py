@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import msgspec
+import numpy as np
 import pytest
 from pydantic import BaseModel, ValidationError
 
 from server import protocol, wire
-from server.errors import field_path
+from server.columns import Refused, Scheduled, StepCall, StepResult, TableChanges
+from server.errors import MalformedBody, field_path
 from server.operations import OPERATIONS
 
 MODELS = [m for m in vars(protocol).values() if isinstance(m, type)
@@ -18,45 +20,91 @@ MODELS = [m for m in vars(protocol).values() if isinstance(m, type)
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
-def test_every_model_has_a_struct_with_the_same_fields_and_defaults(model: type[BaseModel]) -> None:
-    fields = msgspec.structs.fields(wire.struct_for(model))
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_every_model_has_a_struct_with_the_same_fields_and_defaults(
+        model: type[BaseModel], binary: bool) -> None:
+    struct = wire.struct_for(model, binary)
+    fields = msgspec.structs.fields(struct)
     assert [f.name for f in fields] == list(model.model_fields)
     for f in fields:
         info = model.model_fields[f.name]
         assert f.required == info.is_required(), f.name
-        if info.default_factory is not None:
-            assert f.default_factory() == info.default_factory(), f.name
+        if not f.required and f.default_factory is msgspec.NODEFAULT and f.default == b"":
+            assert binary and info.default_factory is list, f.name  # an empty column
+        elif info.default_factory is not None:
+            made, want = f.default_factory(), info.default_factory()
+            if isinstance(want, BaseModel):
+                assert list(msgspec.structs.asdict(made)) == list(type(want).model_fields)
+            else:
+                assert made == want, f.name
         elif not f.required:
             assert f.default == info.default, f.name
 
 
 def test_every_operation_uses_derived_structs() -> None:
     for op in OPERATIONS.values():
-        assert op.request.__module__ == op.reply.__module__ == wire.__name__
+        for binary in (False, True):
+            assert (op.request_struct(binary).__module__ == op.reply_struct(binary).__module__
+                    == wire.__name__)
 
 
-def test_a_struct_encoded_as_json_validates_as_its_model() -> None:
-    step = wire.StepRequest(
-        worker_id="w-1", epoch=7, step_id=3,
-        results=[wire.Result(req_id="a", num_accepted=2)], reverts=["b"], finished=["c"],
-        grants=[wire.Grant(req_id="a", draft_len=3)],
-        padding=[wire.Padding(req_id="a", padded_draft_len=3)],
-        prefill=[wire.PrefillChunk(req_id="d", num_tokens=5)],
-        new=[wire.NewRequest(req_id="e", prompt_len=9, first_chunk=4)],
-    )
-    model = protocol.StepRequest.model_validate_json(wire.encode_json(step))
-    assert wire.from_model(model, wire.StepRequest) == step
-    assert wire.decode(wire.encode_msgpack(step), wire.StepRequest) == step
+def _call() -> StepCall:
+    return StepCall.build(
+        "w-1", session=5, epoch=7, step_id=3, result_handles=[1 << 20], num_accepted=[2],
+        revert_handles=[2 << 20], finished_handles=[(3 << 20) | 1],
+        grant_handles=[1 << 20], draft_lens=[3], padding_handles=[1 << 20],
+        padded_draft_lens=[3], prefill_handles=[(1 << 20) | 4], prefill_tokens=[5],
+        new_req_ids=["e", "f"], prompt_lens=[9, 2], first_chunks=[4, 0])
+
+
+def test_a_call_round_trips_through_both_encodings_and_the_pydantic_model() -> None:
+    call = _call()
+    json_struct = call.to_wire(binary=False)
+    model = protocol.StepRequest.model_validate_json(wire.encode_json(json_struct))
+    assert StepCall.from_wire(model) == call
+    assert StepCall.from_wire(wire.decode(wire.encode_json(json_struct), wire.StepRequest,
+                                          "json")) == call
+    binary = wire.encode_msgpack(call.to_wire(binary=True))
+    assert StepCall.from_wire(wire.decode(binary, wire.StepRequestBinary)) == call
+
+
+def test_ipc_columns_travel_as_one_buffer_each_not_an_object_per_element() -> None:
+    call = StepCall.build("w", 1, 1, 0, finished_handles=np.arange(1000) + (1 << 20))
+    decoded = msgspec.msgpack.decode(wire.encode_msgpack(call.to_wire(binary=True)))
+    column = decoded["finished"]["handles"]
+    assert isinstance(column, bytes) and len(column) == 8000
+    assert np.array_equal(np.frombuffer(column, "<i8"), call.finished_handles)
+
+
+def test_a_reply_round_trips_through_both_encodings() -> None:
+    ints = [np.arange(n, dtype=np.int64) for n in (2, 3)]
+    result = StepResult(
+        epoch=1, step_id=2, admitted=np.array([5 << 20, -1]),
+        scheduled=Scheduled(*[ints[0] + k for k in range(6)]),
+        refused=Refused(np.array([2]), np.array([1]), np.array([2])),
+        committed=wire.CommitSummary(tokens=4, written=3, fallback=None), free_blocks=9,
+        tables=TableChanges(ints[0], ints[0], ints[0] + 1, ints[1]),
+        slot_mapping=np.array([-1, 7, 8]))
+    for binary, struct, fmt in ((True, wire.StepReplyBinary, "msgpack"),
+                                (False, wire.StepReply, "json")):
+        encode = wire.encode_msgpack if binary else wire.encode_json
+        back = StepResult.from_wire(wire.decode(encode(result.to_wire(binary)), struct, fmt))
+        assert back == result
+    attached = StepResult(**{**result.__dict__, "tables": None, "slot_mapping": None})
+    assert StepResult.from_wire(attached.to_wire(binary=True)) == attached
 
 
 BAD_STEPS = [
-    ({"grants": [{"req_id": "a", "draft_len": -1}]}, "grants[0].draft_len"),
-    ({"new": [{"req_id": "a", "prompt_len": 0}]}, "new[0].prompt_len"),
-    ({"results": [{"req_id": "", "num_accepted": 1}]}, "results[0].req_id"),
-    ({"results": [{"num_accepted": 1}]}, "results[0].req_id"),
-    ({"reverts": [3]}, "reverts[0]"),
+    ({"grants": {"handles": [1], "draft_lens": [-1]}}, "grants.draft_lens[0]"),
+    ({"new": {"req_ids": ["a"], "prompt_lens": [0]}}, "new.prompt_lens[0]"),
+    ({"new": {"req_ids": [""], "prompt_lens": [1]}}, "new.req_ids[0]"),
+    ({"results": {"num_accepted": [1.5]}}, "results.num_accepted[0]"),
+    ({"reverts": {"handles": ["3"]}}, "reverts.handles[0]"),
+    ({"reverts": [3]}, "reverts"),
     ({"worker_id": "has/slash"}, "worker_id"),
+    ({"worker_id": "x\n"}, "worker_id"),
     ({"step_id": -1}, "step_id"),
+    ({"step_id": 2**63}, "step_id"),
     ({"epoch": "7"}, "epoch"),
     ({"surprise": 1}, "surprise"),
 ]
@@ -65,10 +113,34 @@ BAD_STEPS = [
 @pytest.mark.parametrize(("change", "field"), BAD_STEPS, ids=[f for _, f in BAD_STEPS])
 def test_both_validators_refuse_the_same_input_and_name_the_same_field(
         change: dict[str, object], field: str) -> None:
-    body = json.dumps({"worker_id": "w", "epoch": 1, "step_id": 0, **change}).encode()
+    body = json.dumps({"worker_id": "w", "session": 1, "epoch": 1, "step_id": 0,
+                       **change}).encode()
     with pytest.raises(msgspec.ValidationError) as by_msgspec:
         wire.decode(body, wire.StepRequest, "json")
     with pytest.raises(ValidationError) as by_pydantic:
         protocol.StepRequest.model_validate_json(body)
     assert wire.error_field(by_msgspec.value) == field
     assert field_path(tuple(by_pydantic.value.errors()[0]["loc"])) == field
+
+
+@pytest.mark.parametrize(("columns", "field"), [
+    ({"draft_lens": b"\x01" * 7, "grant_handles": b""}, "grants.draft_lens"),
+    ({"grant_handles": np.array([1 << 20]).tobytes(), "draft_lens": np.array([-2]).tobytes()},
+     "grants.draft_lens[0]"),
+    ({"prompt_lens": [3]}, "new.prompt_lens"),
+    ({"finished_handles": [1.0]}, "finished.handles"),
+    ({"finished_handles": [True]}, "finished.handles"),
+    ({"finished_handles": [[1]]}, "finished.handles"),
+])
+def test_binary_and_array_columns_are_checked_with_the_same_bounds(
+        columns: dict[str, object], field: str) -> None:
+    with pytest.raises(MalformedBody) as err:
+        StepCall.build("w", 1, 1, 0, **columns)  # type: ignore[arg-type]
+    assert err.value.field == field
+
+
+def test_integer_bounds_are_integers_in_the_openapi_document() -> None:
+    """JSON Schema readers must see 2**63 - 1 exactly, not a float that rounds to 2**63."""
+    schema = protocol.StepRequest.model_json_schema()
+    text = json.dumps(schema)
+    assert "9223372036854775807" in text and "e+18" not in text

@@ -1,0 +1,313 @@
+"""The per-step call as arrays: `StepCall` in, `StepResult` out, and their two wire encodings.
+
+The core consumes a `StepCall` and produces a `StepResult`, both made of int64 numpy columns, so
+the step path holds no Python object per request between the wire and the manager. A transport
+converts once at its edge: IPC columns are raw little-endian int64 bytes (`np.frombuffer`, no
+copy), REST columns JSON lists; the in-process client hands the arrays over as they are.
+
+Every column is checked here, with the bounds its `protocol.Column` declares, whichever way it
+arrived: a bad one raises `MalformedBody` naming the element (``grants.draft_lens[3]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel
+
+from . import protocol, wire
+from .errors import MalformedBody
+
+INT64 = np.dtype("<i8")
+NO_VALUES = np.zeros(0, dtype=np.int64)
+NO_VALUES.flags.writeable = False
+
+ColumnInput = Sequence[int] | np.ndarray | bytes | memoryview
+
+# StepCall attribute -> (group, column) of `protocol.StepRequest`.
+_REQUEST_COLUMNS: dict[str, tuple[str, str]] = {
+    "result_handles": ("results", "handles"),
+    "num_accepted": ("results", "num_accepted"),
+    "revert_handles": ("reverts", "handles"),
+    "finished_handles": ("finished", "handles"),
+    "grant_handles": ("grants", "handles"),
+    "draft_lens": ("grants", "draft_lens"),
+    "padding_handles": ("padding", "handles"),
+    "padded_draft_lens": ("padding", "padded_draft_lens"),
+    "prefill_handles": ("prefill", "handles"),
+    "prefill_tokens": ("prefill", "num_tokens"),
+    "prompt_lens": ("new", "prompt_lens"),
+    "first_chunks": ("new", "first_chunks"),
+}
+# Columns of one group that pair up element by element: (group, first, second).
+_PAIRED = (("results", "handles", "num_accepted"), ("grants", "handles", "draft_lens"),
+           ("padding", "handles", "padded_draft_lens"), ("prefill", "handles", "num_tokens"))
+
+
+@functools.cache
+def _bounds(model: type[BaseModel]) -> dict[str, protocol.Column]:
+    hints = typing.get_type_hints(model, include_extras=True)
+    return {name: col for name, tp in hints.items() if (col := wire.column_of(tp)) is not None}
+
+
+def column(value: ColumnInput, bounds: protocol.Column, where: str) -> np.ndarray:
+    """``value`` as an int64 array within ``bounds``; `MalformedBody` naming ``where`` if not."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        if len(value) % INT64.itemsize:
+            raise MalformedBody(f"{where}: {len(value)} bytes is not a whole number of int64",
+                                field=where)
+        array = np.frombuffer(value, dtype=INT64)
+    else:
+        array = np.asarray(value)
+        if array.size == 0:
+            return NO_VALUES
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            # Floats and bools would be cast silently; they are not counts.
+            raise MalformedBody(f"{where}: expected a flat list of integers", field=where)
+        if array.dtype != np.int64:
+            if array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
+                raise MalformedBody(f"{where}: a value exceeds int64", field=where)
+            array = array.astype(np.int64)
+    if array.size and (array.min() < bounds.ge or array.max() > bounds.le):
+        bad = int(np.flatnonzero((array < bounds.ge) | (array > bounds.le))[0])
+        raise MalformedBody(f"{where}[{bad}]: {int(array[bad])} is outside [{bounds.ge}, "
+                            f"{bounds.le}]", field=f"{where}[{bad}]")
+    return array
+
+
+class _ArrayRecord:
+    """Equality field by field, arrays compared element by element (a retried step's reply
+    equals the first one)."""
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name))
+                   for f in fields(self))  # type: ignore[arg-type]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b
+
+
+@dataclass(frozen=True, eq=False)
+class StepCall(_ArrayRecord):
+    """One scheduler step of one worker, every column an int64 array (see
+    `protocol.StepRequest` for the meaning and order)."""
+
+    worker_id: str
+    session: int
+    epoch: int
+    step_id: int
+    result_handles: np.ndarray
+    num_accepted: np.ndarray
+    revert_handles: np.ndarray
+    finished_handles: np.ndarray
+    grant_handles: np.ndarray
+    draft_lens: np.ndarray
+    padding_handles: np.ndarray
+    padded_draft_lens: np.ndarray
+    prefill_handles: np.ndarray
+    prefill_tokens: np.ndarray
+    new_req_ids: tuple[str, ...]
+    prompt_lens: np.ndarray
+    first_chunks: np.ndarray
+
+    @classmethod
+    def from_wire(cls, message: Any) -> StepCall:
+        """From a `wire.StepRequest` / `wire.StepRequestBinary` struct or a validated
+        `protocol.StepRequest` model: columns checked, lengths matched."""
+        columns = {attr: getattr(getattr(message, group), name)
+                   for attr, (group, name) in _REQUEST_COLUMNS.items()}
+        return cls.build(message.worker_id, message.session, message.epoch, message.step_id,
+                         new_req_ids=tuple(message.new.req_ids), **columns)
+
+    @classmethod
+    def build(cls, worker_id: str, session: int, epoch: int, step_id: int, *,
+              new_req_ids: Sequence[str] = (), **columns: ColumnInput) -> StepCall:
+        """A call from columns given as sequences, arrays or int64 bytes (missing ones empty);
+        `MalformedBody` naming the first bad element or mismatched length."""
+        unknown = set(columns) - set(_REQUEST_COLUMNS)
+        if unknown:
+            raise TypeError(f"unknown columns: {sorted(unknown)}")
+        arrays = {attr: column(columns[attr], _bounds(_MODELS[group])[name], f"{group}.{name}")
+                  if attr in columns else NO_VALUES
+                  for attr, (group, name) in _REQUEST_COLUMNS.items()}
+        by_name = {(g, n): arrays[a] for a, (g, n) in _REQUEST_COLUMNS.items()}
+        for group, first, second in _PAIRED:
+            _same_length(by_name[group, first], by_name[group, second], group, first, second)
+        req_ids = tuple(new_req_ids)
+        if len(req_ids) != arrays["prompt_lens"].size:
+            raise MalformedBody(f"new.prompt_lens: {arrays['prompt_lens'].size} values for "
+                                f"{len(req_ids)} req_ids", field="new.prompt_lens")
+        if arrays["first_chunks"].size not in (0, len(req_ids)):
+            raise MalformedBody(f"new.first_chunks: {arrays['first_chunks'].size} values for "
+                                f"{len(req_ids)} req_ids (give none or one each)",
+                                field="new.first_chunks")
+        return cls(worker_id=worker_id, session=session, epoch=epoch, step_id=step_id,
+                   new_req_ids=req_ids, **arrays)
+
+    def to_wire(self, binary: bool) -> Any:
+        """As a `wire.StepRequestBinary` (IPC) or `wire.StepRequest` (REST JSON) struct."""
+        request = wire.StepRequestBinary if binary else wire.StepRequest
+        groups: dict[str, dict[str, Any]] = {}
+        for attr, (group, name) in _REQUEST_COLUMNS.items():
+            groups.setdefault(group, {})[name] = _encode(getattr(self, attr), binary)
+        groups["new"]["req_ids"] = list(self.new_req_ids)
+        return request(
+            worker_id=self.worker_id, session=self.session, epoch=self.epoch,
+            step_id=self.step_id,
+            **{group: wire.struct_for(_MODELS[group], binary)(**columns)
+               for group, columns in groups.items()})
+
+    def entries(self) -> dict[str, int]:
+        """Entries per list, for the service's batch limits."""
+        return {"results": self.result_handles.size, "reverts": self.revert_handles.size,
+                "finished": self.finished_handles.size, "grants": self.grant_handles.size,
+                "padding": self.padding_handles.size, "prefill": self.prefill_handles.size,
+                "new": len(self.new_req_ids)}
+
+
+_MODELS: dict[str, type[BaseModel]] = {
+    "results": protocol.ResultColumns, "reverts": protocol.HandleColumn,
+    "finished": protocol.HandleColumn, "grants": protocol.GrantColumns,
+    "padding": protocol.PaddingColumns, "prefill": protocol.PrefillColumns,
+    "new": protocol.NewColumns,
+}
+
+
+def _same_length(a: np.ndarray, b: np.ndarray, group: str, first: str, second: str) -> None:
+    if a.size != b.size:
+        raise MalformedBody(f"{group}.{second}: {b.size} values for {a.size} {first}",
+                            field=f"{group}.{second}")
+
+
+def _encode(array: np.ndarray, binary: bool) -> bytes | list[int]:
+    return np.ascontiguousarray(array, dtype=INT64).tobytes() if binary else array.tolist()
+
+
+# ---------------------------------------------------------------- the reply
+
+
+@dataclass(frozen=True, eq=False)
+class Scheduled(_ArrayRecord):
+    """This step's forward in token order (see `protocol.ScheduledColumns`)."""
+
+    handles: np.ndarray
+    rows: np.ndarray
+    token_offsets: np.ndarray
+    num_tokens: np.ndarray
+    num_drafts: np.ndarray
+    start_positions: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.handles.size)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.num_tokens.sum())
+
+    def positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per token of the step: the index of its request here, and its sequence position."""
+        request = np.repeat(np.arange(len(self)), self.num_tokens)
+        within = np.arange(request.size) - self.token_offsets[request]
+        return request, self.start_positions[request] + within
+
+
+@dataclass(frozen=True, eq=False)
+class Refused(_ArrayRecord):
+    """Requests this step could not schedule (see `protocol.RefusedColumns`)."""
+
+    kinds: np.ndarray
+    indices: np.ndarray
+    reasons: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.kinds.size)
+
+    def of_kind(self, kind: str) -> np.ndarray:
+        """Indices refused among the ``"grant"``, ``"prefill"`` or ``"new"`` entries."""
+        code = {v: k for k, v in protocol.REFUSED_KINDS.items()}[kind]
+        return self.indices[self.kinds == code]
+
+
+@dataclass(frozen=True, eq=False)
+class TableChanges(_ArrayRecord):
+    """Block-table changes for a worker that did not map the table (`protocol.TableDeltas`)."""
+
+    rows: np.ndarray
+    starts: np.ndarray
+    num_blocks: np.ndarray
+    block_ids: np.ndarray
+
+    def apply(self, table: np.ndarray) -> None:
+        """Bring a worker's own copy of the block table up to date."""
+        offset = 0
+        for row, start, count in zip(self.rows.tolist(), self.starts.tolist(),
+                                     self.num_blocks.tolist(), strict=True):
+            n = count - start
+            table[row, start:count] = self.block_ids[offset:offset + n]
+            table[row, count:] = -1
+            offset += n
+
+
+@dataclass(frozen=True, eq=False)
+class StepResult(_ArrayRecord):
+    """The reply to a `StepCall`, columns as int64 arrays."""
+
+    epoch: int
+    step_id: int
+    admitted: np.ndarray  # per new request: its handle, -1 if refused
+    scheduled: Scheduled
+    refused: Refused
+    committed: Any  # wire.CommitSummary
+    free_blocks: int
+    tables: TableChanges | None = None
+    slot_mapping: np.ndarray | None = None
+
+    def to_wire(self, binary: bool) -> Any:
+        """As a `wire.StepReplyBinary` (IPC) or `wire.StepReply` (REST JSON) struct."""
+        reply = wire.StepReplyBinary if binary else wire.StepReply
+
+        def write(part: Any, model: type[BaseModel]) -> Any:
+            return wire.struct_for(model, binary)(
+                **{f.name: _encode(getattr(part, f.name), binary) for f in fields(part)})
+
+        slots = self.slot_mapping if self.slot_mapping is not None else NO_VALUES
+        return reply(
+            epoch=self.epoch, step_id=self.step_id, admitted=_encode(self.admitted, binary),
+            scheduled=write(self.scheduled, protocol.ScheduledColumns),
+            refused=write(self.refused, protocol.RefusedColumns),
+            committed=self.committed, free_blocks=self.free_blocks,
+            tables=None if self.tables is None else write(self.tables, protocol.TableDeltas),
+            slot_mapping=_encode(slots, binary))
+
+    @classmethod
+    def from_wire(cls, reply: Any) -> StepResult:
+        """From either reply struct. ``tables`` and ``slot_mapping`` are None for an attached
+        worker (the service sends tables exactly to workers that did not attach)."""
+        def read(part: Any, holder: type, model: type[BaseModel]) -> Any:
+            bounds = _bounds(model)
+            return holder(**{f.name: column(getattr(part, f.name), bounds[f.name], f.name)
+                             for f in fields(holder)})
+
+        tables = (None if reply.tables is None
+                  else read(reply.tables, TableChanges, protocol.TableDeltas))
+        reply_bounds = _bounds(protocol.StepReply)
+        return cls(
+            epoch=reply.epoch, step_id=reply.step_id,
+            admitted=column(reply.admitted, reply_bounds["admitted"], "admitted"),
+            scheduled=read(reply.scheduled, Scheduled, protocol.ScheduledColumns),
+            refused=read(reply.refused, Refused, protocol.RefusedColumns),
+            committed=reply.committed, free_blocks=reply.free_blocks, tables=tables,
+            slot_mapping=None if tables is None else column(
+                reply.slot_mapping, reply_bounds["slot_mapping"], "slot_mapping"))

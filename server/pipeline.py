@@ -1,0 +1,161 @@
+"""`StepPipeline`: one worker's step, from its `StepCall` to its `StepResult`, as arrays.
+
+Order inside one call (all checks come first; from the manager's step on nothing raises):
+1. handles -> rows (the registry checks ownership and generation), new ids unique, every decode
+   of the previous batch settled, the step's token demand within ``max_step_tokens``;
+2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
+   `allocator.StepOutcome` with everything the rest needs;
+3. the registry frees finished requests and hands out handles for admitted ones;
+4. the previous batch is committed from the worker's staging buffer: exactly its accepted
+   tokens, into blocks their requests still own;
+5. this step's batch is scheduled, and the reply built from the outcome.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from allocator import KVCacheManager, StepOutcome, StepPlan
+
+from . import protocol, wire
+from .batch import ScheduledBatch
+from .columns import NO_VALUES, Refused, Scheduled, StepCall, StepResult, TableChanges
+from .commit import NOTHING, Committer
+from .errors import LimitExceeded
+from .registry import Worker, WorkerRegistry
+
+_KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
+_OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
+
+
+class StepPipeline:
+    def __init__(self, manager: KVCacheManager, committer: Committer, registry: WorkerRegistry,
+                 *, max_step_tokens: int) -> None:
+        self.manager = manager
+        self.committer = committer
+        self.registry = registry
+        self.max_step_tokens = max_step_tokens
+        self._rows = manager.config.max_batch_size
+        self._tpb = manager.config.tokens_per_block
+
+    def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
+        registry = self.registry
+        rows_of = registry.rows_of
+        revert_rows = rows_of(worker, call.revert_handles, "reverts.handles")
+        result_rows = rows_of(worker, call.result_handles, "results.handles")
+        finished_rows = rows_of(worker, call.finished_handles, "finished.handles")
+        grant_rows = rows_of(worker, call.grant_handles, "grants.handles")
+        padding_rows = rows_of(worker, call.padding_handles, "padding.handles")
+        prefill_rows = rows_of(worker, call.prefill_handles, "prefill.handles")
+        registry.check_new(worker, call.new_req_ids)
+        previous = worker.batch
+        dropped = self._mask(revert_rows, finished_rows)
+        if previous is not None:
+            previous.check_settled(dropped | self._mask(result_rows), worker.last_step_id)
+        drafts = self._drafts(grant_rows, padding_rows, call)
+        prompt_tokens = (call.prompt_lens if call.first_chunks.size == 0
+                         else np.where(call.first_chunks > 0, call.first_chunks, call.prompt_lens))
+        self._check_demand(drafts, call.prefill_tokens, prompt_tokens)
+
+        if worker.fence is not None:
+            worker.fence.service_begin()
+        outcome = self.manager.step(StepPlan(
+            revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
+            finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
+            padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
+            prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
+            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks))
+        # ---- applied: nothing below raises on input.
+        registry.release(worker, finished_rows)
+        admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
+        committed = NOTHING
+        if previous is not None:
+            committed = self._commit(worker, previous, call, result_rows, dropped, outcome)
+        scheduled, num_decodes = self._schedule(call, outcome, grant_rows, drafts, prefill_rows,
+                                                prompt_tokens, admitted)
+        worker.batch = ScheduledBatch.build(scheduled, num_decodes, self.manager.table, self._tpb)
+        if worker.fence is not None:
+            worker.fence.service_end()
+        return StepResult(
+            epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
+            refused=self._refused(outcome), committed=committed,
+            free_blocks=self.manager.free_blocks,
+            tables=None if worker.attached else TableChanges(
+                outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
+                outcome.changed_block_ids.astype(np.int64)),
+            slot_mapping=None if worker.attached else worker.batch.slots)
+
+    def _mask(self, *rows: np.ndarray) -> np.ndarray:
+        """Per block-table row: is it one of ``rows``."""
+        mask = np.zeros(self._rows, dtype=bool)
+        for part in rows:
+            mask[part] = True
+        return mask
+
+    def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
+                call: StepCall) -> np.ndarray:
+        """Drafts each grant runs with: its draft_len, or its padded_draft_len when padded (the
+        manager refuses padding below the grant, so the padded value is the larger)."""
+        if call.padding_handles.size == 0:
+            return call.draft_lens
+        by_row = np.zeros(self._rows, dtype=np.int64)
+        by_row[grant_rows] = call.draft_lens
+        by_row[padding_rows] = np.maximum(by_row[padding_rows], call.padded_draft_lens)
+        return by_row[grant_rows]
+
+    def _check_demand(self, drafts: np.ndarray, prefill: np.ndarray, prompts: np.ndarray) -> None:
+        demand = {"grants": int(drafts.sum()) + drafts.size, "prefill": int(prefill.sum()),
+                  "new": int(prompts.sum())}
+        total = 0
+        for name, tokens in demand.items():
+            total += tokens
+            if total > self.max_step_tokens:
+                raise LimitExceeded(f"{name}: the step would schedule {sum(demand.values())} "
+                                    f"tokens, more than max_step_tokens={self.max_step_tokens}",
+                                    field=name)
+
+    def _commit(self, worker: Worker, batch: ScheduledBatch, call: StepCall,
+                result_rows: np.ndarray, dropped_rows: np.ndarray,
+                outcome: StepOutcome) -> wire.CommitSummary:
+        rows = batch.scheduled.rows
+        accepted_by_row = np.zeros(self._rows, dtype=np.int64)
+        accepted_by_row[result_rows] = call.num_accepted
+        dropped = dropped_rows[rows]
+        slots = batch.commit_slots(dropped, outcome.num_blocks[rows])
+        return self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped, slots)
+
+    def _schedule(self, call: StepCall, outcome: StepOutcome, grant_rows: np.ndarray,
+                  drafts: np.ndarray, prefill_rows: np.ndarray, prompt_tokens: np.ndarray,
+                  admitted: np.ndarray) -> tuple[Scheduled, int]:
+        """This step's forward: the granted decodes, prefill chunks and admitted prompts."""
+        granted, chunks = outcome.granted, outcome.prefill_granted
+        new = outcome.admitted_rows >= 0
+        decode_drafts = drafts[granted]
+        num_tokens = np.concatenate([1 + decode_drafts, call.prefill_tokens[chunks],
+                                     prompt_tokens[new]])
+        no_drafts = np.zeros(num_tokens.size - decode_drafts.size, dtype=np.int64)
+        scheduled = Scheduled(
+            handles=np.concatenate([call.grant_handles[granted], call.prefill_handles[chunks],
+                                    admitted[new]]),
+            rows=np.concatenate([grant_rows[granted], prefill_rows[chunks],
+                                 outcome.admitted_rows[new]]),
+            token_offsets=np.cumsum(num_tokens) - num_tokens,
+            num_tokens=num_tokens,
+            num_drafts=np.concatenate([decode_drafts, no_drafts]),
+            start_positions=np.concatenate([outcome.grant_starts[granted],
+                                            outcome.prefill_starts[chunks],
+                                            np.zeros(int(new.sum()), dtype=np.int64)]),
+        )
+        return scheduled, int(decode_drafts.size)
+
+    def _refused(self, outcome: StepOutcome) -> Refused:
+        grants = np.flatnonzero(~outcome.granted)
+        chunks = np.flatnonzero(~outcome.prefill_granted)
+        new = np.flatnonzero(outcome.admitted_rows < 0)
+        if grants.size + chunks.size + new.size == 0:
+            return Refused(NO_VALUES, NO_VALUES, NO_VALUES)
+        kinds = np.repeat([_KIND["grant"], _KIND["prefill"], _KIND["new"]],
+                          [grants.size, chunks.size, new.size])
+        reasons = np.concatenate([np.full(grants.size + chunks.size, _OUT_OF_BLOCKS),
+                                  outcome.new_refusals[new].astype(np.int64)])
+        return Refused(kinds.astype(np.int64), np.concatenate([grants, chunks, new]), reasons)

@@ -1,0 +1,208 @@
+"""`WorkerRegistry`: who is registered, under which session, and which requests each one owns.
+
+A worker registers once per process and gets a *session*, a random number it sends with every
+call: a call with an ended session is refused (`StaleSession`), so a worker whose lease expired,
+or whose id was taken over by its replacement, can never act in the new session. An id held by a
+live session is only taken over on request (``replace``), never silently.
+
+Requests are named by a string id once, at admission, and by an integer *handle* afterwards:
+``handle = generation << ROW_BITS | row``, where ``row`` is the request's block-table row and
+``generation`` counts the admissions into that row. Handles are checked as arrays: the row must
+be owned by the caller's session and hold the same generation, so the handle of a freed request
+is refused even after its row was given to another request.
+
+Invariants (`check_invariants`):
+- a row is owned (``owner[row]`` = a live session) exactly when the manager holds a request in
+  it, and that session's worker lists the request's id for that row;
+- handles are never reused: a row's generation only grows.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from allocator import InvariantViolation
+
+from . import wire
+from .batch import ScheduledBatch
+from .columns import StepCall, StepResult
+from .errors import (
+    DuplicateRequestId,
+    RequestNotFound,
+    StaleSession,
+    TooManyWorkers,
+    UnknownHandle,
+    UnknownWorker,
+    WorkerIdInUse,
+)
+from .settings import MAX_ROWS
+from .sharing import StepFence
+
+log = logging.getLogger("kvalloc.service")
+
+ROW_BITS = MAX_ROWS.bit_length() - 1
+NO_OWNER = -1
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    session: int
+    attached: bool
+    staging: torch.Tensor
+    attachment: wire.Attachment
+    fence: StepFence | None
+    last_seen: float
+    req_ids: dict[str, int] = field(default_factory=dict)  # live request id -> row
+    last_step_id: int | None = None
+    last_call: StepCall | None = None
+    last_result: StepResult | None = None
+    batch: ScheduledBatch | None = None  # its last step's forward; the next call commits it
+
+
+class WorkerRegistry:
+    def __init__(self, num_rows: int, max_workers: int) -> None:
+        self.max_workers = max_workers
+        self._workers: dict[str, Worker] = {}
+        self.owner = np.full(num_rows, NO_OWNER, dtype=np.int64)  # session owning each row
+        self.generation = np.zeros(num_rows, dtype=np.int64)
+        self._row_req_id: list[str | None] = [None] * num_rows
+
+    # ------------------------------------------------------------------ sessions
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def check_capacity(self, worker_id: str, replace: bool) -> Worker | None:
+        """The worker ``register`` would replace (None: a new id); raises if it may not."""
+        current = self._workers.get(worker_id)
+        if current is not None and not replace:
+            raise WorkerIdInUse(f"worker_id: {worker_id!r} is registered by a live session; "
+                                f"deregister it, wait for its lease to expire, or register "
+                                f"with replace=true")
+        if current is None and len(self._workers) >= self.max_workers:
+            raise TooManyWorkers(f"worker_id: {self.max_workers} workers are registered "
+                                 f"(max_workers); deregister one first")
+        return current
+
+    def add(self, make: Callable[[int], Worker]) -> Worker:
+        """Register the worker ``make(session)`` builds, under a fresh session."""
+        session = secrets.randbits(52)  # exact in every JSON reader, doubles included
+        worker = make(session)
+        self._workers[worker.worker_id] = worker
+        return worker
+
+    def remove(self, worker: Worker) -> np.ndarray:
+        """Forget ``worker``; returns the rows of its requests (the caller frees them)."""
+        del self._workers[worker.worker_id]
+        rows = np.fromiter(worker.req_ids.values(), dtype=np.int64, count=len(worker.req_ids))
+        self.release(worker, rows)
+        return rows
+
+    def worker(self, worker_id: str, session: int | None) -> Worker:
+        """The live worker of ``session`` (None: any session, for inspection)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorker(f"worker_id: {worker_id!r} is not registered (never, or its "
+                                f"lease expired); register again")
+        if session is not None and session != worker.session:
+            raise StaleSession(f"session: {session} has ended (worker {worker_id!r} registered "
+                               f"again since); register again")
+        return worker
+
+    def expired(self, now: float, ttl: float) -> list[Worker]:
+        return [w for w in self._workers.values() if now - w.last_seen > ttl]
+
+    # ------------------------------------------------------------------ handles
+
+    def rows_of(self, worker: Worker, handles: np.ndarray, where: str) -> np.ndarray:
+        """Rows of ``handles``; `UnknownHandle` naming the first that is not a live request of
+        ``worker``."""
+        if handles.size == 0:
+            return handles
+        rows = handles & (MAX_ROWS - 1)
+        in_range = rows < self.owner.size
+        safe = np.where(in_range, rows, 0)
+        live = (in_range & (self.owner[safe] == worker.session)
+                & (self.generation[safe] == handles >> ROW_BITS))
+        if not live.all():
+            bad = int(np.argmin(live))
+            raise UnknownHandle(f"{where}[{bad}]: handle {int(handles[bad])} names no live "
+                                f"request of worker {worker.worker_id!r}", field=f"{where}[{bad}]")
+        return rows
+
+    def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
+        """New ids must be unique in the call and among the worker's live requests."""
+        if not req_ids:
+            return
+        known = worker.req_ids
+        if len(set(req_ids)) != len(req_ids) or any(r in known for r in req_ids):
+            seen: set[str] = set()
+            for i, req_id in enumerate(req_ids):
+                if req_id in known or req_id in seen:
+                    raise DuplicateRequestId(f"new.req_ids[{i}]: worker {worker.worker_id!r} "
+                                             f"already has a request {req_id!r}",
+                                             field=f"new.req_ids[{i}]")
+                seen.add(req_id)
+
+    def admit(self, worker: Worker, req_ids: tuple[str, ...], rows: np.ndarray) -> np.ndarray:
+        """Give the admitted requests (``rows`` >= 0) to ``worker``; returns their handles
+        (-1 where a request was refused)."""
+        admitted = rows >= 0
+        if not admitted.any():
+            return np.full(rows.size, -1, dtype=np.int64)
+        taken = rows[admitted]
+        self.owner[taken] = worker.session
+        self.generation[taken] += 1
+        for i in np.flatnonzero(admitted).tolist():
+            row = int(rows[i])
+            worker.req_ids[req_ids[i]] = row
+            self._row_req_id[row] = req_ids[i]
+        return np.where(admitted, (self.generation[np.maximum(rows, 0)] << ROW_BITS) | rows, -1)
+
+    def release(self, worker: Worker, rows: np.ndarray) -> None:
+        """The requests in ``rows`` are gone (finished, or their worker left)."""
+        self.owner[rows] = NO_OWNER
+        for row in rows.tolist():
+            req_id = self._row_req_id[row]
+            self._row_req_id[row] = None
+            worker.req_ids.pop(req_id, None)  # type: ignore[arg-type]
+
+    def handle(self, row: int) -> int:
+        return int(self.generation[row] << ROW_BITS | row)
+
+    def row_of(self, worker: Worker, req_id: str) -> int:
+        try:
+            return worker.req_ids[req_id]
+        except KeyError:
+            raise RequestNotFound(f"req_id: worker {worker.worker_id!r} has no request "
+                                  f"{req_id!r}") from None
+
+    def check_invariants(self, live_rows: np.ndarray) -> None:
+        """Rows owned here are exactly the manager's ``live_rows``, each listed by its worker."""
+        owned = np.flatnonzero(self.owner != NO_OWNER)
+        if not np.array_equal(np.sort(live_rows), owned):
+            raise InvariantViolation("rows owned by workers differ from the manager's requests")
+        sessions = {w.session: w for w in self._workers.values()}
+        listed = 0
+        for row in owned.tolist():
+            worker = sessions.get(int(self.owner[row]))
+            req_id = self._row_req_id[row]
+            if worker is None or req_id is None or worker.req_ids.get(req_id) != row:
+                raise InvariantViolation(f"row {row} is owned by no live worker's request")
+        for worker in self._workers.values():
+            listed += len(worker.req_ids)
+        if listed != owned.size:
+            raise InvariantViolation("a worker lists a request the registry does not own")
