@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             **stats.as_dict()}
 
 
-def generate(model: Any, client: Any, prompts: Sequence[Prompt], args: argparse.Namespace,
+def generate(model: Any, client: Client, prompts: Sequence[Prompt], args: argparse.Namespace,
              drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]], RunStats]:
     engine = Engine(model, client, drafter, draft_len=draft_len,
                     stop_token_ids=_stop_tokens(model))

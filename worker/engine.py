@@ -48,6 +48,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from server import wire
+from server.client import Client
+from server.columns import StepResult
+
 from .attention import PackedStep
 from .drafters import Drafter
 from .model import kv_shape
@@ -145,7 +149,7 @@ class RunStats:
 class StepRecord:
     """What one step ran, for observers (tests check the pool and the logits with it)."""
 
-    reply: Any
+    reply: StepResult
     requests: list[Request]  # one per scheduled entry, in reply order
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
@@ -153,21 +157,18 @@ class StepRecord:
     logits: torch.Tensor  # [len(logit_rows), vocab]
 
 
-# Refusal kinds in the reply's `refused.kinds`.
-REFUSED_GRANT, REFUSED_PREFILL, REFUSED_NEW = 0, 1, 2
-
-
 class Engine:
     """Serves prompts with ``model`` through ``client`` (registered and attached)."""
 
-    def __init__(self, model: PreTrainedModel, client: Any, drafter: Drafter | None, *,
+    def __init__(self, model: PreTrainedModel, client: Client, drafter: Drafter | None, *,
                  draft_len: int, stop_token_ids: Iterable[int] = ()) -> None:
         if client.registration is None or client.pool is None:
             raise EngineError("client: register() with the pool attached first")
         self.model, self.client, self.drafter = model, client, drafter
+        self.pool = client.pool
         layout = client.registration.layout
         self.layout = layout
-        self._check_layout(model, layout, client.pool.staging.dtype)
+        self._check_layout(model, layout, self.pool.staging.dtype)
         if draft_len and drafter is None:
             raise EngineError("drafter: draft_len > 0 needs a drafter")
         if not 0 <= draft_len <= layout.max_draft_len:
@@ -182,7 +183,8 @@ class Engine:
         self.stats = RunStats()
 
     @staticmethod
-    def _check_layout(model: PreTrainedModel, layout: Any, staging_dtype: torch.dtype) -> None:
+    def _check_layout(model: PreTrainedModel, layout: wire.PoolLayout,
+                      staging_dtype: torch.dtype) -> None:
         want = dict(zip(("num_layers", "num_kv_heads", "head_dim"), kv_shape(model.config),
                         strict=True))
         for name, value in want.items():
@@ -309,28 +311,25 @@ class Engine:
                            _ints(r.chunk for r in plan.new))
         return plan
 
-    def _admit(self, reply: Any, plan: _Plan, waiting: deque[Request],
+    def _admit(self, reply: StepResult, plan: _Plan, waiting: deque[Request],
                live: dict[int, Request]) -> None:
         """Take the reply's handles for admitted prompts; preempt refused grants and chunks."""
         for r, handle in zip(plan.new, np.asarray(reply.admitted).tolist(), strict=True):
             if handle >= 0:
                 r.handle = handle
                 live[handle] = r
-        refused_new = []
-        for kind, index in zip(np.asarray(reply.refused.kinds).tolist(),
-                               np.asarray(reply.refused.indices).tolist(), strict=True):
-            if kind == REFUSED_NEW:
-                refused_new.append(plan.new[index])
-                continue
-            r = (plan.granted if kind == REFUSED_GRANT else plan.prefilling)[index]
-            r.preempted, r.drafts = True, None
-            self.stats.preemptions += 1
+        refused = reply.refused
+        for kind, requests in (("grant", plan.granted), ("prefill", plan.prefilling)):
+            for i in refused.of_kind(kind).tolist():
+                requests[i].preempted, requests[i].drafts = True, None
+                self.stats.preemptions += 1
+        refused_new = [plan.new[i] for i in refused.of_kind("new").tolist()]
         for r in reversed(refused_new):
             r.admitted = None
             waiting.appendleft(r)  # keeps its place at the head of the queue
         self.stats.refused_new += len(refused_new)
 
-    def _forward(self, reply: Any, scheduled: list[Request],
+    def _forward(self, reply: StepResult, scheduled: list[Request],
                  on_step: Callable[[StepRecord], None] | None) -> int:
         """Run the step's packed tokens through the model; verify, emit. Returns the number of
         tokens generated."""
@@ -361,8 +360,8 @@ class Engine:
         positions = np.repeat(starts - offsets, num_tokens) + np.arange(total)
         logit_rows = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
         forward_started = time.perf_counter()
-        step = PackedStep.build(self.client.pool.kv, self.client.pool.staging,
-                                self.client.pool.block_table, offsets, num_tokens, starts, rows,
+        step = PackedStep.build(self.pool.kv, self.pool.staging, self.pool.block_table, offsets,
+                                num_tokens, starts, rows,
                                 group_width=1 + self.layout.max_draft_len)
         dev = self.device
         input_ids = torch.as_tensor(ids, device=dev)
