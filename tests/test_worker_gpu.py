@@ -7,6 +7,8 @@ each request's tokens before its first difference) rather than demanding bit equ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +72,8 @@ def test_float32_on_cuda_equals_generate(cuda_device: str) -> None:
     assert engine.stats.accepted_drafts > 0
 
 
-def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(cuda_device: str) -> None:
+def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
+        cuda_device: str, record_property: Callable[[str, object], None]) -> None:
     model = random_model(ONE_B, seed=0, dtype=torch.bfloat16, device=cuda_device)
     rng = np.random.default_rng(0)
     prompts = [Prompt(str(i), rng.integers(0, ONE_B.vocab_size, int(n)).tolist())
@@ -84,6 +87,9 @@ def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(cuda_device: st
         assert all(len(outputs[p.req_id]) == 32 for p in prompts)
         agreement[name] = float(np.mean([_agreed_prefix(plain[k], outputs[k]) / 32
                                          for k in plain]))
+        # In the junit XML of the GPU run, beside the log.
+        record_property(f"agreement[{name}]", round(agreement[name], 4))
+        record_property(f"acceptance[{name}]", round(engine.stats.acceptance_rate, 4))
         print(f"bf16 1B shape, {name}: agreement with the plain run {agreement[name]:.1%}, "
               f"acceptance {engine.stats.acceptance_rate:.1%}")
     # Each request's first token comes from its prompt alone; drift after that is bf16 noise.
