@@ -149,6 +149,7 @@ class RunStats:
 class StepRecord:
     """What one step ran, for observers (tests check the pool and the logits with it)."""
 
+    call: dict[str, Any]  # the client's step() keywords: settles the previous step
     reply: StepResult
     requests: list[Request]  # one per scheduled entry, in reply order
     input_ids: torch.Tensor  # [N]
@@ -229,7 +230,7 @@ class Engine:
             scheduled = [live[h] for h in np.asarray(reply.scheduled.handles).tolist()]
             in_flight = [r for r in scheduled if r.drafts is not None]
             if scheduled:
-                generated = self._forward(reply, scheduled, on_step)
+                generated = self._forward(plan.call, reply, scheduled, on_step)
                 if on_progress is not None:
                     on_progress(generated)
             elif not live and waiting:
@@ -329,7 +330,7 @@ class Engine:
             waiting.appendleft(r)  # keeps its place at the head of the queue
         self.stats.refused_new += len(refused_new)
 
-    def _forward(self, reply: StepResult, scheduled: list[Request],
+    def _forward(self, call: dict[str, Any], reply: StepResult, scheduled: list[Request],
                  on_step: Callable[[StepRecord], None] | None) -> int:
         """Run the step's packed tokens through the model; verify, emit. Returns the number of
         tokens generated."""
@@ -374,7 +375,8 @@ class Engine:
             predicted = logits.argmax(dim=-1).cpu().numpy()
         self.stats.forward_s += time.perf_counter() - forward_started
         if on_step is not None:
-            on_step(StepRecord(reply, scheduled, input_ids, position_ids, logit_rows, logits))
+            on_step(StepRecord(call, reply, scheduled, input_ids, position_ids, logit_rows,
+                               logits))
         return self._verify(scheduled, offsets, logit_rows, predicted)
 
     def _verify(self, scheduled: list[Request], offsets: np.ndarray, logit_rows: np.ndarray,
