@@ -170,6 +170,10 @@ class Engine:
         layout = client.registration.layout
         self.layout = layout
         self._check_layout(model, layout, self.pool.staging.dtype)
+        self.device = next(model.parameters()).device
+        if self.pool.kv.device != self.device:
+            raise LayoutMismatch(f"device: the pool is on {self.pool.kv.device}, the model on "
+                                 f"{self.device}; run the model where the pool is")
         if draft_len and drafter is None:
             raise EngineError("drafter: draft_len > 0 needs a drafter")
         if not 0 <= draft_len <= layout.max_draft_len:
@@ -177,7 +181,6 @@ class Engine:
                               f"{layout.max_draft_len} (max_draft_len)")
         self.draft_len = draft_len
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
-        self.device = next(model.parameters()).device
         # A decode near the end of a row still needs room for 1 + D tokens and D of slack.
         self.max_seq_len = (layout.max_blocks_per_seq * layout.tokens_per_block
                             - 1 - 2 * layout.max_draft_len)

@@ -118,6 +118,9 @@ def test_the_engine_refuses_a_pool_that_does_not_fit_the_model(llama_oracle: Ora
         Engine(model, connect(pool_config(model, num_kv_heads=1)), None, draft_len=0)
     with pytest.raises(LayoutMismatch, match="dtype"):
         Engine(model, connect(pool_config(model, dtype="bfloat16")), None, draft_len=0)
+    elsewhere = random_model(CONFIGS["llama"], seed=0, device="meta")
+    with pytest.raises(LayoutMismatch, match="device: the pool is on cpu, the model on meta"):
+        Engine(elsewhere, connect(pool_config(model)), None, draft_len=0)
 
 
 def test_the_engine_refuses_bad_requests_before_any_call(llama_oracle: Oracle,
