@@ -120,6 +120,8 @@ class DeferredWriteManager:
         self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
         self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
                                         device=dev).expand(max_tokens, 3).contiguous()
+        self._tokens.copy_(self._pad_tokens)
+        self._tokens_written = 0  # rows of _tokens written since they last read as padding
         # Per request: the most it may accept (NEVER past the window), then the window's tokens.
         self._requests = torch.full((self.max_requests + 1,), NEVER, dtype=i64, device=dev)
         self._accepted = torch.zeros(self.max_requests, dtype=i64, device=dev)
@@ -185,7 +187,11 @@ class DeferredWriteManager:
         bucket = np.where(draft_index < 0, self._positions,
                           np.minimum(draft_index, self._positions - 1))
         upload_into(self._tokens[:total], np.stack([request, draft_index, bucket], axis=1))
-        self._tokens[total:].copy_(self._pad_tokens[total:])
+        # Rows past the window must read as padding; only rows an earlier window wrote can not.
+        if self._tokens_written > total:
+            self._tokens[total:self._tokens_written].copy_(
+                self._pad_tokens[total:self._tokens_written])
+        self._tokens_written = total
         per_request = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
         per_request[:reqs] = drafts
         per_request[-1] = total

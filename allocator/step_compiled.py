@@ -1,7 +1,535 @@
-"""The compiled step (numba) is not built yet: the manager runs the numpy step."""
+"""The batched step as one compiled loop (numba), for the hot path.
+
+`step_reference` is the specification; this is the same step written as plain loops over int64
+arrays so that numba compiles it into one native routine: the same checks in the same order (so
+the same error for the same bad plan), the same block moves in the same order (so the same block
+ids, free stack and table cells), the same outcome and counter deltas. Tests run both on random
+plans and compare every array of the state after each step.
+
+Nothing is changed before every check has passed: the settled state is built in scratch arrays
+and copied back only then. The routine reports bad input as ``[kind, subject, index, detail]``
+(`step_errors`) and returns empty outputs.
+
+numba caches the compiled routine on disk (``cache=True``, next to this file or, when that is
+not writable, in numba's user cache directory; ``NUMBA_CACHE_DIR`` overrides both), so only the
+first process on a machine pays the compile.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
+from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
+from .config import SlackPolicy
+from .step_errors import (
+    ABOVE_MAX_DRAFT,
+    ACCEPTED,
+    ACCEPTED_EXCEEDS_DRAFTS,
+    BELOW_MINIMUM,
+    CHUNK_PAST_PROMPT,
+    CHUNK_TOKENS,
+    DRAFTS,
+    DUPLICATE_ROW,
+    ERROR_SLOTS,
+    FINISHED,
+    FINISHED_AND_SCHEDULED,
+    FIRST_CHUNKS,
+    GRANT_PENDING,
+    GRANTS,
+    NO_PENDING_GRANT,
+    OUT_OF_BLOCKS,
+    PADDED,
+    PADDING,
+    PADDING_BELOW_DRAFT,
+    PREFILL,
+    PREFILL_INCOMPLETE,
+    PREFILL_PAST_PROMPT,
+    PROMPT_TOO_LONG,
+    PROMPTS,
+    RESULTS,
+    REVERTED_AND_SETTLED,
+    REVERTS,
+    ROW_OVERFLOW,
+    SCHEDULED_AND_PREFILLED,
+    UNKNOWN_ROW,
+)
+from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
+from .step_reference import StepResult
+
+try:
+    import numba
+except ImportError:  # the numpy step runs instead
+    numba = None
+
 
 def available() -> bool:
+    """Whether numba imports here (the manager's default then is the compiled step)."""
+    return numba is not None
+
+
+RECLAIM = POLICY_CODES[SlackPolicy.RECLAIM]
+NO_SLACK = POLICY_CODES[SlackPolicy.NONE]
+COUNT_GRANTS = COUNTER_INDEX["grants"]
+COUNT_REFUSED = COUNTER_INDEX["grants_refused"]
+COUNT_REVERTS = COUNTER_INDEX["reverts"]
+COUNT_UPDATES = COUNTER_INDEX["updates"]
+COUNT_REWOUND = COUNTER_INDEX["rewound_tokens"]
+COUNT_RECLAIMED = COUNTER_INDEX["reclaimed_slack_tokens"]
+COUNT_TOPUPS = COUNTER_INDEX["padding_topups"]
+COUNT_ADDED = COUNTER_INDEX["requests_added"]
+COUNT_NOT_ADDED = COUNTER_INDEX["requests_refused"]
+COUNT_FREED = COUNTER_INDEX["requests_freed"]
+
+
+def _fail(error, kind, subject, index, detail):
+    error[0] = kind
+    error[1] = subject
+    error[2] = index
+    error[3] = detail
+    return True
+
+
+def _check_rows(rows, subject, live, seen, error):
+    """Every row in range and live, then none listed twice (``seen`` is all False on entry and
+    on return)."""
+    n = live.size
+    for i in range(rows.size):
+        row = rows[i]
+        if row < 0 or row >= n or not live[row]:
+            return _fail(error, UNKNOWN_ROW, subject, i, 0)
+    duplicate = -1
+    for i in range(rows.size):
+        if seen[rows[i]]:
+            duplicate = i
+            break
+        seen[rows[i]] = True
+    for i in range(rows.size):
+        seen[rows[i]] = False
+    if duplicate >= 0:
+        return _fail(error, DUPLICATE_ROW, subject, duplicate, 0)
     return False
+
+
+def _check_minimum(values, subject, minimum, error):
+    for i in range(values.size):
+        if values[i] < minimum:
+            return _fail(error, BELOW_MINIMUM, subject, i, minimum)
+    return False
+
+
+def _check_maximum(values, subject, maximum, kind, error):
+    for i in range(values.size):
+        if values[i] > maximum:
+            return _fail(error, kind, subject, i, maximum)
+    return False
+
+
+def _check_apart(rows, subject, first, second, third, kind, seen, error):
+    """The first of ``rows`` also listed in ``first``, ``second`` or ``third`` fails the step."""
+    for others in (first, second, third):
+        for i in range(others.size):
+            seen[others[i]] = True
+    found = -1
+    for i in range(rows.size):
+        if seen[rows[i]]:
+            found = i
+            break
+    for others in (first, second, third):
+        for i in range(others.size):
+            seen[others[i]] = False
+    if found >= 0:
+        return _fail(error, kind, subject, found, 0)
+    return False
+
+
+def _validate(plan, live, max_draft_len, max_seq_len, seen, error):
+    (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens, padding_rows,
+     padded, prefill_rows, prefill_tokens, prompt_lens, first_chunks) = plan
+    none = revert_rows[:0]
+    if (_check_rows(revert_rows, REVERTS, live, seen, error)
+            or _check_rows(result_rows, RESULTS, live, seen, error)
+            or _check_minimum(num_accepted, ACCEPTED, 0, error)
+            or _check_rows(finished_rows, FINISHED, live, seen, error)
+            or _check_rows(grant_rows, GRANTS, live, seen, error)
+            or _check_minimum(draft_lens, DRAFTS, 0, error)
+            or _check_rows(padding_rows, PADDING, live, seen, error)
+            or _check_minimum(padded, PADDED, 0, error)
+            or _check_rows(prefill_rows, PREFILL, live, seen, error)
+            or _check_minimum(prefill_tokens, CHUNK_TOKENS, 1, error)
+            or _check_minimum(prompt_lens, PROMPTS, 1, error)
+            or _check_minimum(first_chunks, FIRST_CHUNKS, 0, error)
+            or _check_maximum(draft_lens, DRAFTS, max_draft_len, ABOVE_MAX_DRAFT, error)
+            or _check_maximum(padded, PADDED, max_draft_len, ABOVE_MAX_DRAFT, error)
+            or _check_maximum(prompt_lens, PROMPTS, max_seq_len, PROMPT_TOO_LONG, error)):
+        return True
+    for i in range(first_chunks.size):
+        if first_chunks[i] > prompt_lens[i]:
+            return _fail(error, CHUNK_PAST_PROMPT, FIRST_CHUNKS, i, 0)
+    return (_check_apart(result_rows, RESULTS, revert_rows, none, none, REVERTED_AND_SETTLED,
+                         seen, error)
+            or _check_apart(finished_rows, FINISHED, grant_rows, padding_rows, prefill_rows,
+                            FINISHED_AND_SCHEDULED, seen, error)
+            or _check_apart(prefill_rows, GRANTS, grant_rows, none, none,
+                            SCHEDULED_AND_PREFILLED, seen, error)
+            or _check_apart(prefill_rows, PADDING, padding_rows, none, none,
+                            SCHEDULED_AND_PREFILLED, seen, error))
+
+
+def _slack_for(draft, lead, overlap, policy):
+    if overlap and policy != NO_SLACK:
+        return max(draft, lead)
+    return 0
+
+
+def _blocks_for(tokens, tokens_per_block):
+    return -(-tokens // tokens_per_block)
+
+
+def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refcounts, host,
+          free_rows, tops, scratch, flags, items, item_ok, error, deltas):
+    """One step. ``counts``: capacity, history, prompt_len, slack, draft_len, lead, num_blocks
+    (int64 per row); ``limits``: max_batch_size, tokens_per_block, max_blocks_per_seq,
+    max_draft_len, max_seq_len, policy; ``tops``: free blocks, free rows (updated). Scratch:
+    ``scratch`` int64 [8, rows], ``flags`` bool [4, rows], ``items`` int64 and ``item_ok`` bool
+    [rows] (top-ups, grants and prefill chunks name distinct rows)."""
+    (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens, padding_rows,
+     padded, prefill_rows, prefill_tokens, prompt_lens, first_chunks) = plan
+    n, tpb, max_blocks, max_draft_len, max_seq_len, policy = limits
+    capacity, history, prompt_len, slack, draft_len, lead, num_blocks = counts
+    flags[:] = False
+    seen, is_new_grant, settled_pending, rewritten = flags[0], flags[1], flags[2], flags[3]
+    settled_capacity, settled_history, settled_slack, settled_draft = (
+        scratch[0], scratch[1], scratch[2], scratch[3])
+    settled_lead, wanted, target, old_blocks = scratch[4], scratch[5], scratch[6], scratch[7]
+    num_grants, num_chunks, num_new = grant_rows.size, prefill_rows.size, prompt_lens.size
+    granted = np.zeros(num_grants, dtype=np.bool_)
+    chunk_ok = np.zeros(num_chunks, dtype=np.bool_)
+    admitted_rows = np.full(num_new, -1, dtype=np.int64)
+    refusals = np.zeros(num_new, dtype=np.int8)
+    grant_starts = np.empty(num_grants, dtype=np.int64)
+    chunk_starts = np.empty(num_chunks, dtype=np.int64)
+    nothing = np.empty(0, dtype=np.int64)
+    failed = (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, nothing,
+              nothing, nothing, nothing, np.empty(0, dtype=np.int32))
+
+    # ---- 1. validate
+    if _validate(plan, live, max_draft_len, max_seq_len, seen, error):
+        return failed
+
+    # ---- 2. settle reverts and results (in scratch)
+    for row in range(n):
+        settled_capacity[row] = capacity[row]
+        settled_history[row] = history[row]
+        settled_slack[row] = slack[row]
+        settled_draft[row] = draft_len[row]
+        settled_lead[row] = lead[row]
+        settled_pending[row] = pending[row]
+    for i in range(revert_rows.size):
+        if not settled_pending[revert_rows[i]]:
+            _fail(error, NO_PENDING_GRANT, REVERTS, i, 0)
+            return failed
+    for row in revert_rows:
+        settled_capacity[row] -= 1 + settled_draft[row] + settled_slack[row]
+        settled_pending[row] = False
+        settled_slack[row] = 0
+        settled_draft[row] = 0
+    for i in range(result_rows.size):
+        if not settled_pending[result_rows[i]]:
+            _fail(error, NO_PENDING_GRANT, RESULTS, i, 0)
+            return failed
+    for i in range(result_rows.size):
+        drafts = settled_draft[result_rows[i]]
+        if num_accepted[i] > drafts:
+            _fail(error, ACCEPTED_EXCEEDS_DRAFTS, ACCEPTED, i, drafts)
+            return failed
+    for i in range(result_rows.size):
+        row, accepted = result_rows[i], num_accepted[i]
+        new_history = settled_history[row] + 1 + accepted
+        reclaimed = settled_slack[row] if policy == RECLAIM else 0
+        settled_capacity[row] = max(
+            settled_capacity[row] - (settled_draft[row] - accepted) - reclaimed, new_history)
+        settled_history[row] = new_history
+        settled_pending[row] = False
+        settled_lead[row] = accepted
+        settled_slack[row] = 0
+        settled_draft[row] = 0
+
+    # ---- 3. grants, padding, prefill: the capacity each one wants
+    for i in range(num_grants):
+        if settled_pending[grant_rows[i]]:
+            _fail(error, GRANT_PENDING, GRANTS, i, 0)
+            return failed
+    for i in range(num_grants):
+        row = grant_rows[i]
+        if settled_history[row] < prompt_len[row]:
+            _fail(error, PREFILL_INCOMPLETE, GRANTS, i, 0)
+            return failed
+    for row in padding_rows:
+        wanted[row] = settled_draft[row]
+    for i in range(num_grants):
+        is_new_grant[grant_rows[i]] = True
+        wanted[grant_rows[i]] = draft_lens[i]
+    for i in range(padding_rows.size):
+        row = padding_rows[i]
+        if not (settled_pending[row] or is_new_grant[row]):
+            _fail(error, NO_PENDING_GRANT, PADDING, i, 0)
+            return failed
+    for i in range(padding_rows.size):
+        if padded[i] < wanted[padding_rows[i]]:
+            _fail(error, PADDING_BELOW_DRAFT, PADDED, i, wanted[padding_rows[i]])
+            return failed
+    num_items = 0
+    for i in range(padding_rows.size):
+        row = padding_rows[i]
+        wanted[row] = padded[i]
+        if not is_new_grant[row]:  # top-ups of earlier grants are served first
+            items[num_items] = row
+            num_items += 1
+    num_topups = num_items
+    for row in grant_rows:
+        items[num_items] = row
+        num_items += 1
+    for k in range(num_items):
+        row = items[k]
+        new_slack = _slack_for(wanted[row], settled_lead[row], overlap, policy)
+        if is_new_grant[row]:
+            added = 1 + wanted[row] + new_slack
+        else:
+            added = (wanted[row] - settled_draft[row]) + (new_slack - settled_slack[row])
+        target[row] = settled_capacity[row] + added
+    for i in range(num_chunks):
+        row = prefill_rows[i]
+        if settled_history[row] + prefill_tokens[i] > prompt_len[row]:
+            _fail(error, PREFILL_PAST_PROMPT, CHUNK_TOKENS, i, prompt_len[row])
+            return failed
+        target[row] = settled_capacity[row] + prefill_tokens[i]
+    for i in range(num_chunks):  # rows are distinct across items and chunks: <= rows in all
+        items[num_items + i] = prefill_rows[i]
+    num_grown = num_items + num_chunks
+
+    # ---- 4. blocks, served in order, then rows for the new requests
+    for k in range(num_grown):
+        row = items[k]
+        if _blocks_for(target[row], tpb) > max_blocks:
+            _fail(error, ROW_OVERFLOW, GRANTS, row, max_blocks)
+            return failed
+    for row in finished_rows:
+        rewritten[row] = True  # finished rows free all their blocks (and may be rewritten)
+    available = tops[0]
+    for row in range(n):
+        if rewritten[row]:
+            available += num_blocks[row]
+        else:
+            available += num_blocks[row] - _blocks_for(settled_capacity[row], tpb)
+    left = available
+    for k in range(num_grown):
+        row = items[k]
+        need = _blocks_for(target[row], tpb) - _blocks_for(settled_capacity[row], tpb)
+        item_ok[k] = need <= left
+        if item_ok[k]:
+            left -= need
+    for i in range(num_new):
+        tokens = first_chunks[i] if first_chunks[i] > 0 else prompt_lens[i]
+        need = _blocks_for(tokens, tpb)
+        if need <= left:
+            left -= need
+        else:
+            refusals[i] = REFUSED_OUT_OF_BLOCKS
+    rows_left = tops[1] + finished_rows.size
+    for i in range(num_new):
+        if refusals[i] == 0:
+            if rows_left > 0:
+                rows_left -= 1
+            else:
+                refusals[i] = REFUSED_BATCH_FULL
+    for k in range(num_items):
+        if (k < num_topups or strict) and not item_ok[k]:
+            _fail(error, OUT_OF_BLOCKS, GRANTS, items[k], available)
+            return failed
+
+    # ---- validated: from here on nothing fails. 5. commit
+    for i in range(num_grants):
+        grant_starts[i] = settled_history[grant_rows[i]]
+        granted[i] = item_ok[num_topups + i]
+    for i in range(num_chunks):
+        chunk_starts[i] = settled_history[prefill_rows[i]]
+        chunk_ok[i] = item_ok[num_items + i]
+    deltas[:] = 0
+    for i in range(result_rows.size):
+        deltas[COUNT_REWOUND] += draft_len[result_rows[i]] - num_accepted[i]
+        if policy == RECLAIM:
+            deltas[COUNT_RECLAIMED] += slack[result_rows[i]]
+    deltas[COUNT_REVERTS] = revert_rows.size
+    deltas[COUNT_UPDATES] = result_rows.size
+    deltas[COUNT_TOPUPS] = padding_rows.size
+    for row in range(n):
+        capacity[row] = settled_capacity[row]
+        history[row] = settled_history[row]
+        slack[row] = settled_slack[row]
+        draft_len[row] = settled_draft[row]
+        lead[row] = settled_lead[row]
+        pending[row] = settled_pending[row]
+    for k in range(num_items):
+        if item_ok[k]:
+            row = items[k]
+            capacity[row] = target[row]
+            slack[row] = _slack_for(wanted[row], lead[row], overlap, policy)
+            draft_len[row] = wanted[row]
+            pending[row] = True
+            if is_new_grant[row]:
+                deltas[COUNT_GRANTS] += 1
+    deltas[COUNT_REFUSED] = num_grants - deltas[COUNT_GRANTS]
+    for i in range(num_chunks):
+        if chunk_ok[i]:
+            capacity[prefill_rows[i]] += prefill_tokens[i]
+            history[prefill_rows[i]] += prefill_tokens[i]
+
+    # ---- 6. blocks follow capacity: all shrinks (LIFO pushes), then all growth (pops)
+    top = tops[0]
+    for row in range(n):
+        old_blocks[row] = num_blocks[row]
+        new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
+        for column in range(new, num_blocks[row]):
+            block = host[row, column]
+            host[row, column] = -1
+            refcounts[block] -= 1
+            if refcounts[block] == 0:
+                free_stack[top] = block
+                top += 1
+        num_blocks[row] = min(new, num_blocks[row])
+    for row in range(n):
+        new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
+        for column in range(num_blocks[row], new):
+            top -= 1
+            block = free_stack[top]
+            host[row, column] = block
+            refcounts[block] = 1
+        num_blocks[row] = max(new, num_blocks[row])
+    free_top = tops[1]
+    for row in finished_rows:
+        live[row] = False
+        capacity[row] = history[row] = prompt_len[row] = 0
+        slack[row] = draft_len[row] = lead[row] = 0
+        pending[row] = False
+        free_rows[free_top] = row
+        free_top += 1
+    admitted = 0
+    for i in range(num_new):
+        if refusals[i] != 0:
+            continue
+        free_top -= 1
+        row = free_rows[free_top]
+        tokens = first_chunks[i] if first_chunks[i] > 0 else prompt_lens[i]
+        blocks = _blocks_for(tokens, tpb)
+        for column in range(blocks):
+            top -= 1
+            block = free_stack[top]
+            host[row, column] = block
+            refcounts[block] = 1
+        live[row] = True
+        capacity[row] = history[row] = tokens
+        prompt_len[row] = prompt_lens[i]
+        num_blocks[row] = blocks
+        rewritten[row] = True
+        admitted_rows[i] = row
+        admitted += 1
+    tops[0] = top
+    tops[1] = free_top
+    deltas[COUNT_ADDED] = admitted
+    deltas[COUNT_NOT_ADDED] = num_new - admitted
+    deltas[COUNT_FREED] = finished_rows.size
+
+    # ---- the outcome: every row whose cells changed
+    num_changed = 0
+    num_ids = 0
+    for row in range(n):
+        if rewritten[row] or num_blocks[row] != old_blocks[row]:
+            num_changed += 1
+            start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
+            num_ids += num_blocks[row] - start
+    changed_rows = np.empty(num_changed, dtype=np.int64)
+    changed_from = np.empty(num_changed, dtype=np.int64)
+    changed_blocks = np.empty(num_changed, dtype=np.int64)
+    changed_ends = np.empty(num_changed, dtype=np.int64)
+    changed_ids = np.empty(num_ids, dtype=np.int32)
+    k = 0
+    j = 0
+    for row in range(n):
+        if rewritten[row] or num_blocks[row] != old_blocks[row]:
+            start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
+            changed_rows[k] = row
+            changed_from[k] = start
+            changed_blocks[k] = num_blocks[row]
+            changed_ends[k] = max(old_blocks[row], num_blocks[row])
+            for column in range(start, num_blocks[row]):
+                changed_ids[j] = host[row, column]
+                j += 1
+            k += 1
+    return (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
+            changed_from, changed_blocks, changed_ends, changed_ids)
+
+
+def _jit(function):
+    try:
+        return numba.njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # no writable cache directory at all: compile in every process
+        return numba.njit(nogil=True)(function)
+
+
+if numba is not None:
+    _fail = _jit(_fail)
+    _check_rows = _jit(_check_rows)
+    _check_minimum = _jit(_check_minimum)
+    _check_maximum = _jit(_check_maximum)
+    _check_apart = _jit(_check_apart)
+    _validate = _jit(_validate)
+    _slack_for = _jit(_slack_for)
+    _blocks_for = _jit(_blocks_for)
+    _step = _jit(_step)
+
+
+class CompiledStep:
+    """The compiled step over one manager's `CapacityState`, with its scratch arrays."""
+
+    def __init__(self, state: CapacityState) -> None:
+        if numba is None:
+            raise ImportError("the compiled step needs numba (pip install numba)")
+        limits = state.limits
+        n = limits.max_batch_size
+        self.limits = np.array([n, limits.tokens_per_block, limits.max_blocks_per_seq,
+                                limits.max_draft_len, limits.max_seq_len,
+                                POLICY_CODES[limits.policy]], dtype=np.int64)
+        self.overlap = bool(limits.overlap)
+        self.scratch = np.zeros((8, n), dtype=np.int64)
+        self.flags = np.zeros((4, n), dtype=bool)
+        self.items = np.zeros(n, dtype=np.int64)
+        self.item_ok = np.zeros(n, dtype=bool)
+        self.tops = np.zeros(2, dtype=np.int64)
+
+    def run(self, plan: PlanArrays, state: CapacityState) -> StepResult:
+        rows, pool, table = state.rows, state.pool, state.table
+        error = np.zeros(ERROR_SLOTS, dtype=np.int64)
+        deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
+        self.tops[0] = pool.num_free
+        self.tops[1] = table.num_free_rows
+        counts = (rows.capacity, rows.history, rows.prompt_len, rows.slack, rows.draft_len,
+                  rows.lead, rows.num_blocks)
+        (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
+         changed_from, changed_blocks, changed_ends, changed_ids) = _step(
+            tuple(plan[:12]), plan.strict_grants, self.limits, self.overlap, counts, rows.live,
+            rows.pending, pool.free_stack, pool.refcounts, table.host, table.free_rows,
+            self.tops, self.scratch, self.flags, self.items, self.item_ok, error, deltas)
+        if error[0]:
+            return StepResult(error)
+        pool.num_free = int(self.tops[0])
+        table.num_free_rows = int(self.tops[1])
+        table.mark_changed(changed_rows, changed_from, changed_ends)
+        table.sync()
+        outcome = StepOutcome(
+            granted=granted, prefill_granted=chunk_ok, admitted_rows=admitted_rows,
+            new_refusals=refusals, grant_starts=grant_starts, prefill_starts=chunk_starts,
+            changed_rows=changed_rows, changed_from=changed_from,
+            changed_num_blocks=changed_blocks, changed_block_ids=changed_ids,
+            num_blocks=rows.num_blocks.copy(),
+        )
+        return StepResult(error, outcome, deltas)

@@ -127,8 +127,7 @@ FIELDS: dict[str, str] = {
     "first_chunks": "first_chunk",
 }
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.setflags(write=False)
+_EMPTY = np.zeros(0, dtype=np.int64)  # (nothing can be written into it)
 
 
 def coerce(plan: StepPlan) -> PlanArrays:
@@ -158,7 +157,8 @@ def coerce(plan: StepPlan) -> PlanArrays:
 
 def _integers(values: ArrayLike, name: str, expected: int | None = None) -> np.ndarray:
     field = FIELDS[name]
-    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+    if (type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1
+            and values.flags.c_contiguous and values.flags.writeable):
         arr = values  # the fast path: nothing to convert
     elif isinstance(values, tuple | list) and not values:
         arr = _EMPTY
@@ -175,10 +175,12 @@ def _integers(values: ArrayLike, name: str, expected: int | None = None) -> np.n
             if arr.size:
                 raise InvalidValue(f"{field}: expected integers", field=field)
             arr = _EMPTY
-        elif arr.dtype != np.int64:
+        else:
             if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
                 raise InvalidValue(f"{field}: {int(arr.max())} is out of range", field=field)
-            arr = arr.astype(np.int64)
+            # One array type for the compiled step: int64, contiguous, writeable (read-only
+            # buffers from a transport are copied; the step never writes a plan array).
+            arr = np.array(arr, dtype=np.int64)
     if expected is not None and arr.size != expected:
         raise InvalidValue(f"{field}: {arr.size} values for {expected} requests", field=field)
     return arr

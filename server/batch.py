@@ -45,11 +45,11 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return int(self.token_request.size)
 
-    def check_settled(self, settled: np.ndarray, step_id: int | None) -> None:
-        """Every decode request must be in ``settled`` (a per-row mask of the rows the settling
-        call reports, reverts or finishes)."""
+    def check_settled(self, settlement: np.ndarray, step_id: int | None) -> None:
+        """Every decode request must be settled: ``settlement`` is non-zero, per block-table
+        row, for the rows the settling call reports, reverts or finishes."""
         decode_rows = self.scheduled.rows[: self.num_decodes]
-        missing = decode_rows[~settled[decode_rows]]
+        missing = decode_rows[settlement[decode_rows] == 0]
         if missing.size:
             raise StepNotSettled(
                 f"results: the request of handle {self._handle_of(int(missing[0]))} ran in step "

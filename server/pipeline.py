@@ -25,6 +25,7 @@ from .errors import LimitExceeded
 from .registry import Worker, WorkerRegistry
 
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
+_REPORTED, _DROPPED = 1, 2
 _OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
 
 
@@ -40,18 +41,20 @@ class StepPipeline:
 
     def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
         registry = self.registry
-        rows_of = registry.rows_of
-        revert_rows = rows_of(worker, call.revert_handles, "reverts.handles")
-        result_rows = rows_of(worker, call.result_handles, "results.handles")
-        finished_rows = rows_of(worker, call.finished_handles, "finished.handles")
-        grant_rows = rows_of(worker, call.grant_handles, "grants.handles")
-        padding_rows = rows_of(worker, call.padding_handles, "padding.handles")
-        prefill_rows = rows_of(worker, call.prefill_handles, "prefill.handles")
+        rows = registry.rows_of(worker, {
+            "reverts.handles": call.revert_handles, "results.handles": call.result_handles,
+            "finished.handles": call.finished_handles, "grants.handles": call.grant_handles,
+            "padding.handles": call.padding_handles, "prefill.handles": call.prefill_handles})
+        revert_rows, result_rows, finished_rows, grant_rows, padding_rows, prefill_rows = (
+            rows.values())
         registry.check_new(worker, call.new_req_ids)
         previous = worker.batch
-        dropped = self._mask(revert_rows, finished_rows)
+        # Per block-table row: reported (1), reverted or finished (2), neither (0).
+        settlement = np.zeros(self._rows, dtype=np.int8)
+        settlement[result_rows] = _REPORTED
+        settlement[revert_rows] = settlement[finished_rows] = _DROPPED
         if previous is not None:
-            previous.check_settled(dropped | self._mask(result_rows), worker.last_step_id)
+            previous.check_settled(settlement, worker.last_step_id)
         drafts = self._drafts(grant_rows, padding_rows, call)
         prompt_tokens = (call.prompt_lens if call.first_chunks.size == 0
                          else np.where(call.first_chunks > 0, call.first_chunks, call.prompt_lens))
@@ -70,7 +73,7 @@ class StepPipeline:
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
         committed = NOTHING
         if previous is not None:
-            committed = self._commit(worker, previous, call, result_rows, dropped, outcome)
+            committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
         scheduled, num_decodes = self._schedule(call, outcome, grant_rows, drafts, prefill_rows,
                                                 prompt_tokens, admitted)
         worker.batch = ScheduledBatch.build(scheduled, num_decodes, self.manager.table, self._tpb)
@@ -84,13 +87,6 @@ class StepPipeline:
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
                 outcome.changed_block_ids.astype(np.int64)),
             slot_mapping=None if worker.attached else worker.batch.slots)
-
-    def _mask(self, *rows: np.ndarray) -> np.ndarray:
-        """Per block-table row: is it one of ``rows``."""
-        mask = np.zeros(self._rows, dtype=bool)
-        for part in rows:
-            mask[part] = True
-        return mask
 
     def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
                 call: StepCall) -> np.ndarray:
@@ -115,12 +111,12 @@ class StepPipeline:
                                     field=name)
 
     def _commit(self, worker: Worker, batch: ScheduledBatch, call: StepCall,
-                result_rows: np.ndarray, dropped_rows: np.ndarray,
+                result_rows: np.ndarray, settlement: np.ndarray,
                 outcome: StepOutcome) -> wire.CommitSummary:
         rows = batch.scheduled.rows
         accepted_by_row = np.zeros(self._rows, dtype=np.int64)
         accepted_by_row[result_rows] = call.num_accepted
-        dropped = dropped_rows[rows]
+        dropped = settlement[rows] == _DROPPED
         slots = batch.commit_slots(dropped, outcome.num_blocks[rows])
         return self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped, slots)
 

@@ -127,11 +127,12 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ handles
 
-    def rows_of(self, worker: Worker, handles: np.ndarray, where: str) -> np.ndarray:
-        """Rows of ``handles``; `UnknownHandle` naming the first that is not a live request of
-        ``worker``."""
+    def rows_of(self, worker: Worker, lists: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows of every list of handles, checked in one pass; `UnknownHandle` naming the first
+        that is not a live request of ``worker`` (``<list>[<index>]``)."""
+        handles = np.concatenate(list(lists.values()))
         if handles.size == 0:
-            return handles
+            return dict.fromkeys(lists, handles)
         rows = handles & (MAX_ROWS - 1)
         in_range = rows < self.owner.size
         safe = np.where(in_range, rows, 0)
@@ -139,9 +140,14 @@ class WorkerRegistry:
                 & (self.generation[safe] == handles >> ROW_BITS))
         if not live.all():
             bad = int(np.argmin(live))
-            raise UnknownHandle(f"{where}[{bad}]: handle {int(handles[bad])} names no live "
-                                f"request of worker {worker.worker_id!r}", field=f"{where}[{bad}]")
-        return rows
+            for where, part in lists.items():
+                if bad < part.size:
+                    raise UnknownHandle(f"{where}[{bad}]: handle {int(part[bad])} names no live "
+                                        f"request of worker {worker.worker_id!r}",
+                                        field=f"{where}[{bad}]")
+                bad -= part.size
+        ends = np.cumsum([part.size for part in lists.values()])
+        return dict(zip(lists, np.split(rows, ends[:-1]), strict=True))
 
     def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
         """New ids must be unique in the call and among the worker's live requests."""

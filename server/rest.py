@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -92,12 +93,19 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         """End the worker's session: free every request of it and forget it."""
         return _json(core.deregister(wire.WorkerRef(worker_id=worker_id, session=session)))
 
-    @app.post(ops["step"].path, response_model=protocol.StepReply, dependencies=auth,
-              responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"])
-    async def step(body: protocol.StepRequest) -> Response:
+    step_op = ops["step"]
+
+    @app.post(step_op.path, response_model=protocol.StepReply, dependencies=auth,
+              responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"],
+              openapi_extra={"requestBody": _body_schema(protocol.StepRequest)})
+    async def step(request: Request) -> Response:
         """Apply one scheduler step atomically; a retried step id returns the same reply."""
-        step_op = ops["step"]
-        return _json(step_op.from_core(core.step(step_op.to_core(body)), binary=False))
+        # msgspec validates the columns in C against the same bounds the document states;
+        # pydantic would build a Python object per element first.
+        struct = _decode_json(await request.body(), step_op.request)
+        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
+
+    _document_models(app, protocol.StepRequest)
 
     @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
              responses=errors(404, 413, 422, 500, 503), tags=["inspection"])
@@ -139,6 +147,55 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
             return Response(body, media_type=content_type)
 
     return app
+
+
+def _body_schema(model: type[protocol.Contract]) -> dict[str, Any]:
+    return {"required": True, "content": {JSON: {"schema": {
+        "$ref": f"#/components/schemas/{model.__name__}"}}}}
+
+
+def _document_models(app: FastAPI, *models: type[protocol.Contract]) -> None:
+    """Add ``models`` (and the models they nest) to the OpenAPI components: routes that decode
+    their body themselves do not declare it as a parameter, so FastAPI would not list it. Also
+    write every integer bound exactly (see `_exact_bounds`)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                doc = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(doc.pop("$defs", {}))
+                components[model.__name__] = doc
+            app.openapi_schema = _exact_bounds(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# FastAPI's document model types bounds as floats: 2**63 - 1 would read 9.223372036854776e+18,
+# i.e. 2**63, and a client that trusts the document sends values the service refuses.
+_BOUNDS = {float(b): b for b in (protocol.INT63_MAX, protocol.INT32_MAX)}
+
+
+def _exact_bounds(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: (_BOUNDS.get(v, int(v)) if k in ("minimum", "maximum") and isinstance(v, float)
+                    and v.is_integer() else _exact_bounds(v)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_exact_bounds(v) for v in node]
+    return node
+
+
+def _decode_json(body: bytes, struct: type[wire.S]) -> wire.S:
+    try:
+        return wire.decode(body, struct, "json")
+    except msgspec.ValidationError as exc:
+        where = wire.error_field(exc)
+        raise MalformedBody(f"{where}: {exc}", field=where) from None
+    except msgspec.DecodeError as exc:
+        raise MalformedBody(f"body: not JSON ({exc})", field="body") from None
 
 
 _bearer = HTTPBearer(auto_error=False, description="The service's KVALLOC_TOKEN.")

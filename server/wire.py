@@ -57,6 +57,7 @@ def _struct_for(model: type[BaseModel], binary: bool) -> type[msgspec.Struct]:
                              frozen=True, forbid_unknown_fields=True, module=__name__)
 
 
+@functools.cache
 def _has_columns(model: type[BaseModel]) -> bool:
     hints = typing.get_type_hints(model, include_extras=True)
     return any(column_of(tp) is not None or _nested_columns(tp) for tp in hints.values())

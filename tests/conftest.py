@@ -3,6 +3,8 @@
 - ``make_config(**overrides)``: a small CPU `PoolConfig` (tiny KV shape, small pool) so tests run
   in milliseconds; overrides win.
 - ``make_manager(**overrides)``: a `KVCacheManager` over ``make_config(**overrides)``.
+- ``make_each_manager(**overrides)``: the same, once with the numpy step and once with the
+  compiled one (the test runs twice).
 - ``cuda_device``: ``"cuda"``, or skip.
 
 GPU variants: parametrise ``device`` over "cpu" and a "cuda" param carrying the ``gpu`` marker
@@ -50,6 +52,15 @@ def make_config() -> Callable[..., PoolConfig]:
 def make_manager(make_config: Callable[..., PoolConfig]) -> Callable[..., KVCacheManager]:
     def factory(**overrides: object) -> KVCacheManager:
         return KVCacheManager(make_config(**overrides))
+
+    return factory
+
+
+@pytest.fixture(params=[False, True], ids=["numpy_step", "compiled_step"])
+def make_each_manager(make_config: Callable[..., PoolConfig],
+                      request: pytest.FixtureRequest) -> Callable[..., KVCacheManager]:
+    def factory(**overrides: object) -> KVCacheManager:
+        return KVCacheManager(make_config(**overrides), compiled=request.param)
 
     return factory
 

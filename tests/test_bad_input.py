@@ -371,9 +371,9 @@ CASES: dict[str, Case] = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_typed_error_names_its_field_and_changes_nothing(make_manager, case):
+def test_typed_error_names_its_field_and_changes_nothing(make_each_manager, case):
     setup, call, error, counted = CASES[case]
-    m = make_manager()
+    m = make_each_manager()
     SETUPS[setup](m)
     m.check_invariants()
     before = snapshot(m)
@@ -388,11 +388,11 @@ def test_typed_error_names_its_field_and_changes_nothing(make_manager, case):
 
 
 @pytest.mark.parametrize("site", ["per_request", "batched"])
-def test_refused_grant_when_out_of_blocks_changes_nothing_but_the_refusal_count(make_manager,
+def test_refused_grant_when_out_of_blocks_changes_nothing_but_the_refusal_count(make_each_manager,
                                                                                  site):
     """try_allocate_generation returns False (and a batched grant comes back granted=False)
     when the pool cannot cover it; the request keeps its state and can be granted later."""
-    m = make_manager()
+    m = make_each_manager()
     exhausted(m)
     before = snapshot(m)
     if site == "per_request":
@@ -406,8 +406,8 @@ def test_refused_grant_when_out_of_blocks_changes_nothing_but_the_refusal_count(
     assert m.try_allocate_generation("idle", 3) is True
 
 
-def test_refused_new_request_in_a_step_changes_nothing_but_the_refusal_count(make_manager):
-    m = make_manager()
+def test_refused_new_request_in_a_step_changes_nothing_but_the_refusal_count(make_each_manager):
+    m = make_each_manager()
     exhausted(m)
     before = snapshot(m)
     out = m.step(StepPlan(prompt_lens=[4]))
@@ -417,9 +417,9 @@ def test_refused_new_request_in_a_step_changes_nothing_but_the_refusal_count(mak
 
 
 @pytest.mark.parametrize("req", [None, 0, ("a", 1)])
-def test_any_hashable_id_is_a_duplicate_when_added_twice(make_manager, req):
+def test_any_hashable_id_is_a_duplicate_when_added_twice(make_each_manager, req):
     """Request ids are any hashable, None and 0 included: adding one twice is a duplicate."""
-    m = make_manager()
+    m = make_each_manager()
     m.add_request(req, 4)
     before = snapshot(m)
     with pytest.raises(DuplicateRequest):
@@ -428,9 +428,9 @@ def test_any_hashable_id_is_a_duplicate_when_added_twice(make_manager, req):
     m.check_invariants()
 
 
-def test_errors_leave_the_manager_usable(make_manager):
+def test_errors_leave_the_manager_usable(make_each_manager):
     """After a burst of rejected calls the same requests still step normally."""
-    m = make_manager()
+    m = make_each_manager()
     base(m)
     for _, call, error, _ in (CASES[c] for c in CASES if CASES[c][0] == "base"):
         with pytest.raises(error):
@@ -503,10 +503,10 @@ def test_memory_budget_sets_num_blocks(make_config):
     assert cfg.total_blocks == 10_000 // per_block
 
 
-def test_row_overflow_in_a_batch_names_the_overflowing_request(make_manager):
+def test_row_overflow_in_a_batch_names_the_overflowing_request(make_each_manager):
     """In a batched step the error carries which request would overflow its row, so a scheduler
     can finish or preempt exactly that one."""
-    m = make_manager()
+    m = make_each_manager()
     short = m.add_request("short", 4)
     full = m.step(StepPlan(prompt_lens=[m.config.max_seq_len])).admitted_rows[0]
     for _ in range(4):  # walk "full" to its row limit one committed token at a time

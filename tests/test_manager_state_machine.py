@@ -169,12 +169,13 @@ class Plan:
 
 class ManagerMachine(RuleBasedStateMachine):
     CONFIG: ClassVar[dict] = {}
+    COMPILED: ClassVar[bool | None] = None  # the manager's default: compiled when numba imports
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg = PoolConfig(**{"num_layers": 1, "num_kv_heads": 1, "head_dim": 8,
                                  "device": "cpu", **self.CONFIG})
-        self.m = KVCacheManager(self.cfg)
+        self.m = KVCacheManager(self.cfg, compiled=self.COMPILED)
         self.spec = Spec(self.cfg)
         self.model: dict[str, Req] = {}
         self.rows: dict[str, int] = {}  # every live request's row
@@ -584,6 +585,12 @@ class OverlapUnreclaimed(ManagerMachine):
     }
 
 
+class OverlapReclaimNumpyStep(OverlapReclaim):
+    """The numpy step, the compiled one's specification, against the same model."""
+
+    COMPILED: ClassVar[bool | None] = False
+
+
 TestOverlapReclaim = OverlapReclaim.TestCase
 TestOverlapReclaim.settings = SETTINGS
 TestNoOverlapReclaim = NoOverlapReclaim.TestCase
@@ -592,3 +599,5 @@ TestOverlapReclaimOneTokenBlocks = OverlapReclaimOneTokenBlocks.TestCase
 TestOverlapReclaimOneTokenBlocks.settings = settings(SETTINGS, max_examples=100)
 TestOverlapUnreclaimed = OverlapUnreclaimed.TestCase
 TestOverlapUnreclaimed.settings = settings(SETTINGS, max_examples=100)
+TestOverlapReclaimNumpyStep = OverlapReclaimNumpyStep.TestCase
+TestOverlapReclaimNumpyStep.settings = settings(SETTINGS, max_examples=100)

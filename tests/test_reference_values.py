@@ -22,11 +22,11 @@ MAX_D = 3
 
 
 @pytest.fixture
-def manager(make_manager):
+def manager(make_each_manager):
     def factory(**overrides) -> KVCacheManager:
         base = {"num_blocks": 128, "tokens_per_block": TPB, "max_seq_len": 1024,
                 "max_draft_len": MAX_D, "max_batch_size": 4}
-        return make_manager(**{**base, **overrides})
+        return make_each_manager(**{**base, **overrides})
 
     return factory
 

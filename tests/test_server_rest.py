@@ -256,6 +256,19 @@ def test_openapi_documents_every_status_each_operation_answers(service: ServiceP
     assert "securitySchemes" not in spec.get("components", {})
 
 
+def test_openapi_writes_integer_bounds_exactly(service: ServiceProcess) -> None:
+    """2**63 - 1 as an integer: a float rounds it to 2**63, which the service refuses."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(service.uds)),
+                      base_url="http://svc") as http:
+        text = http.get("/openapi.json").text
+    assert "9223372036854775807" in text and "e+18" not in text
+    schemas = openapi(service)["components"]["schemas"]
+    handles = schemas["GrantColumns"]["properties"]["handles"]["items"]
+    assert (handles["minimum"], handles["maximum"]) == (0, 2**63 - 1)
+    body = openapi(service)["paths"]["/v1/steps"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"].endswith("/StepRequest")
+
+
 def test_openapi_of_a_guarded_service_documents_the_token(guarded: ServiceProcess) -> None:
     spec = openapi(guarded)
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
