@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from server.client import Client, RemoteError
+from server.addresses import default_client_address
+from server.client import Client, RemoteError, TransportTimeout
 from server.settings import ServiceConfig
 
 from .drafters import Drafter, DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
@@ -100,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
                           "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
     svc.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
+    svc.add_argument("--timeout", type=float, default=30.0,
+                     help="seconds to wait for one reply (default 30)")
     svc.add_argument("--in-process", action="store_true",
                      help="run a service core in this process instead of calling one")
     pool = parser.add_argument_group("the in-process pool")
@@ -119,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
             ValueError) as exc:
         print(f"kvalloc worker: {exc}", file=sys.stderr)
+        return 2
+    except TransportTimeout as exc:
+        print(f"kvalloc worker: no service answers at {args.address or default_client_address()}"
+              f" ({exc}); start one with `kvalloc serve`, or use --in-process", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else _human(result))
     return 0
@@ -177,7 +184,7 @@ def _client(args: argparse.Namespace, model: Any,
             prompts: Sequence[Prompt]) -> Iterator[Client]:
     """A registered, attached client: to ``--address``, or to a core made here."""
     if not args.in_process:
-        with Client(args.address, worker_id=args.worker_id) as client:
+        with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
             client.register()
             try:
                 yield client

@@ -61,6 +61,14 @@ def test_worker_against_a_running_service_over_ipc(llama_oracle: Oracle, tmp_pat
     assert outputs(capsys.readouterr().out) == llama_oracle.expected
 
 
+def test_no_service_at_the_address_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    address = f"ipc://{tmp_path / 'nobody.ipc'}"
+    assert main(worker_args(config, prompts, "--address", address, "--timeout", "0.2")) == 2
+    assert f"no service answers at {address}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--drafter", "eagle"], "'eagle' is not ngram or oracle:RATE"),
     (["--max-new-tokens", "0"], "max_new_tokens: 0 must be >= 1"),
