@@ -1,4 +1,4 @@
-"""The worker tests' oracle: tiny random Llama and Qwen2 models, prompts of varied lengths,
+"""The worker tests' oracle: tiny random Llama, Qwen2 and Mistral models, prompts of varied lengths,
 and transformers' own answers for them (``generate`` and a plain forward's K/V), which are the
 oracle every worker run is checked against.
 
@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, PreTrainedModel, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
 from allocator import PoolConfig
 from server.settings import ServiceConfig
@@ -32,6 +32,8 @@ CONFIGS = {
     # Llama's default eos id (2) stays: a prompt that samples it stops early, as generate does.
     "llama": LlamaConfig(**TINY),
     "qwen2": Qwen2Config(**TINY, eos_token_id=None),
+    # Mistral passes its sliding window (4096) to the attention: out of reach of these prompts.
+    "mistral": MistralConfig(**TINY, eos_token_id=None),
 }
 
 
