@@ -33,7 +33,7 @@ ATTN_IMPLEMENTATION = "kvalloc"
 
 class KvallocAttentionError(ValueError):
     """Input the pool attention cannot serve: no step layout, a step larger than the staging
-    buffer, or a feature it does not implement (soft-capping, a sliding window in reach)."""
+    buffer, or a feature it does not implement (soft-capping)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class _Group:
     history_at: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     staged_at: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     mask: torch.Tensor  # bool [R, 1, Q, S]: query i of request r sees key j
+    query_positions: torch.Tensor  # int64 [R, 1, Q, 1]: position of each query
+    key_positions: torch.Tensor  # int64 [S]: position of each key (j)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,6 @@ class PackedStep:
     kv: torch.Tensor  # the pool, [L, 2, num_blocks, tokens_per_block, H, D]
     staging: torch.Tensor  # [L, 2, max_step_tokens, H, D]
     num_tokens: int
-    max_position: int  # highest position any token of the step has
     groups: tuple[_Group, ...]
 
     @classmethod
@@ -79,8 +80,7 @@ class PackedStep:
             _group(block_table, tokens_per_block, token_offsets[m], num_tokens[m],
                    start_positions[m], rows[m], kv.device)
             for m in members)
-        ends = start_positions + num_tokens
-        return cls(kv, staging, total, int(ends.max()) - 1 if ends.size else -1, groups)
+        return cls(kv, staging, total, groups)
 
 
 def _group(block_table: torch.Tensor, tokens_per_block: int, offsets: np.ndarray,
@@ -112,6 +112,8 @@ def _group(block_table: torch.Tensor, tokens_per_block: int, offsets: np.ndarray
         history_at=(r_history, j_history, slots),
         staged_at=tuple(torch.as_tensor(a, **to) for a in (r_staged, j_staged, packed)),
         mask=torch.as_tensor(mask[:, None], **to),
+        query_positions=torch.as_tensor((starts[:, None] + i[None, :])[:, None, :, None], **to),
+        key_positions=torch.as_tensor(j, **to),
     )
 
 
@@ -131,10 +133,7 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                    f"tokens, got shape {tuple(query.shape)}")
     if kwargs.get("softcap") is not None:
         raise KvallocAttentionError("softcap: attention logit soft-capping is not supported")
-    window = kwargs.get("sliding_window")
-    if window is not None and step.max_position >= window:
-        raise KvallocAttentionError(f"sliding_window: position {step.max_position} is outside "
-                                   f"the model's window of {window}; not supported")
+    window = kwargs.get("sliding_window")  # this layer's, when it slides
     layer, n = module.layer_idx, step.num_tokens
     staged_k, staged_v = step.staging[layer, 0, :n], step.staging[layer, 1, :n]
     staged_k.copy_(key[0].transpose(0, 1))
@@ -152,10 +151,19 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             k[r, j], v[r, j] = from_k[source], from_v[source]
         attended = F.scaled_dot_product_attention(
             q[group.query_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=group.mask, scale=scaling,
+            attn_mask=_windowed(group, window), scale=scaling,
             enable_gqa=True)  # [R, Hq, Q, D]
         out[group.query_index[group.query_valid]] = attended.transpose(1, 2)[group.query_valid]
     return out.unsqueeze(0), None
+
+
+def _windowed(group: _Group, window: int | None) -> torch.Tensor:
+    """The group's mask, limited to the last ``window`` positions when the layer slides (as
+    transformers does: key j is visible to query i iff i - window < j <= i). A padded query row
+    may lose its one key; its output is dropped."""
+    if window is None:
+        return group.mask
+    return group.mask & (group.key_positions > group.query_positions - window)
 
 
 def register() -> None:

@@ -69,8 +69,6 @@ def test_rejects_what_it_does_not_implement() -> None:
     module = torch.nn.Module()
     module.layer_idx = 0
     q, k = torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8)
-    with pytest.raises(KvallocAttentionError, match="sliding_window: position 7"):
-        kvalloc_attention(module, q, k, k, None, kvalloc_step=step, sliding_window=6)
     with pytest.raises(KvallocAttentionError, match="softcap"):
         kvalloc_attention(module, q, k, k, None, kvalloc_step=step, softcap=30.0)
     with pytest.raises(KvallocAttentionError, match="expected one packed sequence of 3"):

@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
 from allocator import PoolConfig
 from server.settings import ServiceConfig
@@ -32,8 +32,8 @@ CONFIGS = {
     # Llama's default eos id (2) stays: a prompt that samples it stops early, as generate does.
     "llama": LlamaConfig(**TINY),
     "qwen2": Qwen2Config(**TINY, eos_token_id=None),
-    # Mistral passes its sliding window (4096) to the attention: out of reach of these prompts.
-    "mistral": MistralConfig(**TINY, eos_token_id=None),
+    # A window of 16 positions: most prompts and every output slide out of it.
+    "mistral": MistralConfig(**TINY, eos_token_id=None, sliding_window=16),
 }
 
 
@@ -70,7 +70,8 @@ def make_oracle(family: str) -> Oracle:
             out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=MAX_NEW_TOKENS)
             expected[p.req_id] = out[0, ids.shape[1]:].tolist()
-            cache = reference(out, use_cache=True).cache
+            # A cache without a config keeps every position, sliding layers too.
+            cache = reference(out, cache=DynamicCache(), use_cache=True).cache
             kv[p.req_id] = torch.stack([torch.stack([layer.keys[0], layer.values[0]])
                                         for layer in cache.layers]).transpose(2, 3)
     return Oracle(model, reference, prompts, expected, kv)
