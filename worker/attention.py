@@ -11,7 +11,8 @@ Per layer the function
    there, so nothing here writes the pool;
 2. attends, per request, over two sources in one softmax: its history in the pool (positions
    below its start position, read through its block-table row) and its own staged tokens of this
-   step (causal among themselves).
+   step (causal among themselves). A layer with a sliding window (Mistral, Qwen2's windowed
+   layers) sees only the last ``window`` positions, as in transformers' own masks.
 
 Requests are attended in groups of equal padded shape: all short entries (decodes) together,
 and each long prefill chunk on its own, so a long chunk never pads a whole decode batch.
