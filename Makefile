@@ -1,15 +1,21 @@
 # Quick start targets. `make run` and `make test` create .venv on first use.
-# CPU machines pin torch to the local CPU build; on a CUDA machine use
-# `make TORCH_CONSTRAINT=/dev/null ...` to keep the torch that is already installed.
+#
+# By default the venv is isolated and torch is kept at the release of constraints-cpu.txt.
+# `make SYSTEM_TORCH=1 ...` builds the venv over this interpreter's site-packages instead and
+# pins nothing, so a torch that is already installed (a CUDA build, say) is the one used.
+# Switching between the two needs `make clean` first.
 VENV ?= .venv
+PYTHON ?= python3
 PY := $(VENV)/bin/python
-TORCH_CONSTRAINT ?= constraints-cpu.txt
+SYSTEM_TORCH ?=
+TORCH_CONSTRAINT ?= $(if $(SYSTEM_TORCH),/dev/null,constraints-cpu.txt)
+VENV_FLAGS := $(if $(SYSTEM_TORCH),--system-site-packages,)
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-deps lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e '.[dev,worker]'
 	touch $@
@@ -17,9 +23,24 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 run: $(STAMP)
 	$(VENV)/bin/kvalloc serve
 
-test: $(STAMP)
+# The Prometheus tests run Debian's prometheus and promtool; without them they skip.
+test-deps:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing prometheus (prometheus + promtool) for the Prometheus tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends prometheus; \
+	else \
+		echo "NOTE: prometheus and promtool are not on PATH, so the Prometheus tests will skip."; \
+		echo "      Install them (Debian/Ubuntu: sudo apt-get install prometheus) to run them."; \
+	fi
+
+test: $(STAMP) test-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_host.py

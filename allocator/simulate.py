@@ -30,6 +30,7 @@ import numpy as np
 from .config import PoolConfig, SlackPolicy
 from .errors import BlockTableOverflow
 from .manager import KVCacheManager, StepPlan
+from .simulate_plot import plot
 
 # The production case: a 128k prompt that ends 8 tokens before a 256-token block boundary, so
 # the first MTP3 steps' writes straddle it.
@@ -227,41 +228,6 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="steps", unit="step", file=sys.stderr, leave=False)
 
 
-def plot(result: SimulationResult, path: Path) -> None:
-    """Capacity, history, write reach and allocated tokens of request 0, per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t = result.trace
-    steps = np.arange(1, len(t["history"]) + 1)
-    hist = np.asarray(t["history"])
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    for key, style in (("capacity", "-"), ("history", "-"), ("reach", "--"), ("allocated", ":")):
-        top.plot(steps, t[key], style, label=key)
-    top.axhline(result.max_blocks_per_seq * result.tokens_per_block, color="grey",
-                linewidth=1, label="row limit (max_blocks_per_seq)")
-    top.set_ylabel("tokens")
-    top.legend(loc="upper left")
-    top.set_title(f"kvalloc simulate: policy={result.policy}")
-    for key, style in (("capacity", "-"), ("reach", "--"), ("allocated", ":")):
-        bottom.plot(steps, np.asarray(t[key]) - hist, style, label=f"{key} - history")
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("tokens above history")
-    for name, failure, color in (("IMA", result.first_ima, "red"),
-                                 ("row overflow", result.first_row_overflow, "purple")):
-        if failure is not None:
-            for ax in (top, bottom):
-                ax.axvline(failure.step, color=color, linewidth=1)
-            bottom.annotate(f"{name} @ step {failure.step}", (failure.step, 0), color=color,
-                            textcoords="offset points", xytext=(4, 4))
-    bottom.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = SimulationSpec()
     p.add_argument("--isl", type=int, default=d.isl, help="prompt length (tokens)")
@@ -269,16 +235,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=d.draft_len, help="MTP draft length D")
     p.add_argument("--acceptance", type=Acceptance.parse, default=d.acceptance,
                    help="geometric:P | fixed:K | uniform (default geometric:0.7)")
-    p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block)
-    p.add_argument("--num-requests", type=int, default=d.num_requests)
+    p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block,
+                   help="token slots per KV block")
+    p.add_argument("--num-requests", type=int, default=d.num_requests,
+                   help="requests decoded side by side")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="pool size (default: max_blocks_per_seq per request)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--policy", choices=[x.value for x in SlackPolicy], default=d.policy.value)
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed of the acceptance")
+    p.add_argument("--policy", choices=[x.value for x in SlackPolicy], default=d.policy.value,
+                   help="overlap slack: reclaim (correct), none (reproduces the IMA), "
+                        "unreclaimed (reproduces the row overflow)")
     p.add_argument("--no-overlap", action="store_true", help="model a non-overlap scheduler")
     p.add_argument("--json", type=Path, help="write the JSON summary here (also printed)")
     p.add_argument("--plot", type=Path, help="write a PNG of capacity/history/reach per step")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,11 +35,11 @@ until curl -sf "http://127.0.0.1:$REST_PORT/readyz" >/dev/null; do sleep 0.5; do
 
 SECONDS_TOTAL=$((MINUTES * 60))
 "$PY" -m server.cli loadgen --address "$IPC" --worker-id demo-ipc --no-progress \
-    --steps 100000000 --duration "$SECONDS_TOTAL" --arrival-rate 0.5 --max-live 40 \
+    --duration "$SECONDS_TOTAL" --arrival-rate 0.5 --max-live 40 \
     --output-len 64:512 --seed 1 &
 PIDS+=($!)
 "$PY" -m server.cli loadgen --address "http://127.0.0.1:$REST_PORT" --worker-id demo-rest \
-    --no-progress --steps 100000000 --duration "$SECONDS_TOTAL" \
+    --no-progress --duration "$SECONDS_TOTAL" \
     --step-interval 0.05 --arrival-rate 0.2 --acceptance geometric:0.5 --seed 2 &
 PIDS+=($!)
 wait "${PIDS[2]}" "${PIDS[3]}"

@@ -89,7 +89,10 @@ def _stat(ax: Any, series: list[tuple[str, list[float], list[float]]]) -> None:
 
 
 def _timeseries(ax: Any, series: list[tuple[str, list[float], list[float]]], unit: str) -> None:
-    scale, label = {"s": (1e3, "ms"), "percentunit": (100.0, "%")}.get(unit, (1.0, ""))
+    # Grafana's units as the axis would show them; a custom "suffix: X" unit is X.
+    suffix = unit.removeprefix("suffix:").strip() if unit.startswith("suffix:") else ""
+    scale, label = {"s": (1e3, "ms"), "percentunit": (100.0, "%"),
+                    "reqps": (1.0, "requests/s"), "ops": (1.0, "ops/s")}.get(unit, (1.0, suffix))
     for name, t, v in series:
         ax.plot(t, [x * scale for x in v], label=name, linewidth=1.4)
     ax.set_xlabel("minutes ago", fontsize=8)

@@ -53,6 +53,75 @@ def transport_of(address: str) -> Transport:
     raise ValueError(f"address: {address!r} must start with ipc://, tcp://, http:// or unix://")
 
 
+class AddressError(ValueError):
+    """An address, port or socket path that cannot work; the message names it and says why."""
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 meaning any free one. Out of range is an error, never wrapped or replaced."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise AddressError(f"port {text!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise AddressError(f"port {port} is out of range 0-65535")
+    return port
+
+
+def socket_file(text: str) -> str:
+    """A Unix socket path as a flag names it. Whether its directory exists is checked where the
+    socket is made (`require_directory`): a command line may be read on another host."""
+    if not text:
+        raise AddressError("socket path is empty")
+    return text
+
+
+def require_directory(path: Path) -> None:
+    """The directory a socket file will be created in must exist."""
+    if not path.parent.is_dir():
+        raise AddressError(f"{path}: directory {path.parent} does not exist")
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ``ipc://`` endpoint; None for ``tcp://``."""
+    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
+
+
+def server_endpoint(endpoint: str) -> str:
+    """A ZeroMQ endpoint the service can bind: ``ipc:///path`` or ``tcp://host:port`` with a port
+    in range (``*`` or 0: any free port)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme == "ipc":
+        socket_file(rest)
+        return endpoint
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host:
+            raise AddressError(f"{endpoint!r}: need tcp://host:port")
+        if port != "*":
+            port_number(port)
+        return endpoint
+    raise AddressError(f"{endpoint!r} is not ipc:///path or tcp://host:port")
+
+
+def client_address(address: str) -> str:
+    """An address a client can call: a known scheme, and a port in 1-65535 where there is one."""
+    try:
+        kind = transport_of(address)
+    except ValueError as exc:
+        raise AddressError(str(exc)) from None
+    scheme, _, rest = address.partition("://")
+    if not rest:
+        raise AddressError(f"{address!r}: nothing after {scheme}://")
+    if scheme in ("tcp", "http"):
+        host, colon, port = rest.split("/", 1)[0].rpartition(":")
+        if kind == "ipc" and not colon:
+            raise AddressError(f"{address!r}: need tcp://host:port")
+        if colon and (not host or port_number(port) == 0):
+            raise AddressError(f"{address!r}: need a host and a port in 1-65535")
+    return address
+
+
 def claim_socket_path(path: Path) -> None:
     """Make ``path`` free for a new Unix socket: a stale socket file (its server is gone) is
     removed; a live one is an error, so two services never steal each other's clients."""

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from allocator.block_table import BlockTable
-
 from .columns import Scheduled
 from .errors import StepNotSettled
+from .schedule import Layout
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,11 @@ class ScheduledBatch:
     tokens_per_block: int
 
     @classmethod
-    def build(cls, scheduled: Scheduled, num_decodes: int, table: BlockTable,
-              tokens_per_block: int) -> ScheduledBatch:
-        """``table`` is the block table as the step that schedules the batch left it."""
-        request, positions = scheduled.positions()
-        slots = table.host_slot_mapping(scheduled.rows[request], positions, tokens_per_block)
-        return cls(scheduled, num_decodes, request, positions, slots, tokens_per_block)
+    def from_layout(cls, layout: Layout, tokens_per_block: int) -> ScheduledBatch:
+        scheduled = Scheduled(layout.handles, layout.rows, layout.token_offsets,
+                              layout.num_tokens, layout.num_drafts, layout.start_positions)
+        return cls(scheduled, layout.num_decodes, layout.token_request, layout.positions,
+                   layout.slots, tokens_per_block)
 
     @property
     def total_tokens(self) -> int:

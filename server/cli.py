@@ -1,11 +1,23 @@
 """The `kvalloc` console script: one subcommand per module, each exposing
-``add_arguments(parser)`` and ``run(args) -> int`` (the exit status)."""
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status).
+
+A bad flag is argparse's error: usage, the flag and the bad value, exit status 2, no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+DESCRIPTION = ("KV-cache block allocator for LLM inference with speculative decoding: run the "
+               "allocator service, drive it with a simulated worker, or reproduce the two "
+               "capacity crashes in a simulation.")
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -15,13 +27,52 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker.cli", "a transformers model decoding speculatively, KV in the pool"),
 }
 
+T = TypeVar("T")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default to its help, unless the help already speaks of its default or
+    there is nothing to show (no default, or a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def argument_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type=``: its ValueError's message becomes argparse's error
+    (argparse would otherwise replace it with a bare "invalid value")."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def flag_errors(exc: ValidationError) -> str:
+    """A configuration's validation errors as the flags that set them: ``--num-blocks -3: Input
+    should be greater than 0``, one line each."""
+    lines = []
+    for error in exc.errors():
+        flag = "--" + str(error["loc"][-1]).replace("_", "-") if error["loc"] else "configuration"
+        given = f" {error['input']}" if error["loc"] else ""
+        lines.append(f"{flag}{given}: {error['msg']}")
+    return "\n".join(lines)
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvalloc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvalloc", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=HelpFormatter)
         # Only the chosen command's module is imported: `simulate` never pays for FastAPI.
         if argv and argv[0] == name:
             importlib.import_module(module).add_arguments(p)

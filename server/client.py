@@ -59,6 +59,16 @@ class NotRegistered(RemoteError):
     """The worker is unknown to the service (its lease expired): register again."""
 
 
+class TokenRejected(RemoteError):
+    """The service requires a bearer token and this client sent none, or a wrong one."""
+
+    def __init__(self, body: wire.ErrorBody, token_sent: bool) -> None:
+        super().__init__(body)
+        hint = ("the service rejected the token (KVALLOC_TOKEN or token=) as wrong" if token_sent
+                else "the service requires a token and none was sent: set KVALLOC_TOKEN")
+        self.args = (f"{body.status} {body.code}: {hint}",)
+
+
 class TransportTimeout(TimeoutError):
     """No reply within the timeout, after every retry."""
 
@@ -68,7 +78,23 @@ class SessionEnded(RemoteError):
     lease expired and the id was registered again): register again."""
 
 
-def _remote(body: wire.ErrorBody) -> RemoteError:
+class ServiceUnreachable(ConnectionError):
+    """Nothing accepts a connection at the address: no call was delivered."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot reach {address} ({reason}): is kvalloc serve running at "
+                         f"{address}?")
+        self.address = address
+
+
+# How long a call waits for a connection before the service counts as absent. The reply timeout
+# is separate: a service may take longer to answer than to accept.
+CONNECT_TIMEOUT_S = 2.0
+
+
+def _remote(body: wire.ErrorBody, *, token_sent: bool = False) -> RemoteError:
+    if body.code == "unauthorized":
+        return TokenRejected(body, token_sent)
     cls = {"stale_epoch": ServiceRestarted, "unknown_worker": NotRegistered,
            "stale_session": SessionEnded}.get(body.code, RemoteError)
     return cls(body)
@@ -248,10 +274,19 @@ class _IpcTransport:
     """A DEALER socket: ``[seq, token, op, payload]`` out, ``[seq, status, payload]`` back."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
+        self._address = address
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        # Queue nothing for a peer that is not connected: a send then waits up to SNDTIMEO for a
+        # connection and fails, instead of waiting out every reply timeout against nothing.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(CONNECT_TIMEOUT_S * 1000))
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ServiceUnreachable(address, str(exc)) from None
         self._token = (token or "").encode()
         self._timeout_ms = int(timeout_s * 1000)
         self._seq = 0
@@ -259,8 +294,12 @@ class _IpcTransport:
     def call(self, op: Operation, request: Any) -> Any:
         self._seq += 1
         seq = self._seq.to_bytes(8, "big")
-        self._sock.send_multipart([seq, self._token, op.name.encode(),
-                                   wire.encode_msgpack(op.encode_call(request, binary=True))])
+        try:
+            self._sock.send_multipart([seq, self._token, op.name.encode(),
+                                       wire.encode_msgpack(op.encode_call(request, binary=True))])
+        except zmq.Again:
+            raise ServiceUnreachable(
+                self._address, f"no connection within {CONNECT_TIMEOUT_S:g} s") from None
         while True:
             if not self._sock.poll(self._timeout_ms):
                 raise TransportTimeout(f"{op.name}: no reply within {self._timeout_ms} ms")
@@ -270,7 +309,7 @@ class _IpcTransport:
             if status == OK:
                 return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
             assert status == ERROR
-            raise _remote(wire.decode(payload, wire.ErrorBody))
+            raise _remote(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
 
     def close(self) -> None:
         self._sock.close()
@@ -294,8 +333,11 @@ class _RestTransport:
             transport = httpx.HTTPTransport(
                 socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base, transport=transport, timeout=timeout_s,
-                                  headers=headers)
+        self._address = address
+        self._token_sent = bool(token)
+        self._http = httpx.Client(
+            base_url=base, transport=transport, headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)))
 
     def call(self, op: Operation, request: Any) -> Any:
         request = op.encode_call(request, binary=False)
@@ -307,11 +349,15 @@ class _RestTransport:
                                        headers={"content-type": "application/json"})
             else:
                 resp = self._http.request(op.method, path, params=fields)
+        except (self._httpx.ConnectError, self._httpx.ConnectTimeout) as exc:
+            # Nothing was sent: no retry can be a duplicate, and none would find a service.
+            raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
         except self._httpx.TimeoutException as exc:
             raise TransportTimeout(f"{op.name}: {exc}") from None
         if resp.status_code == 200:
             return op.decode_reply(wire.decode(resp.content, op.reply, "json"))
-        raise _remote(wire.decode(resp.content, wire.ErrorBody, "json"))
+        raise _remote(wire.decode(resp.content, wire.ErrorBody, "json"),
+                      token_sent=self._token_sent)
 
     def close(self) -> None:
         self._http.close()

@@ -14,8 +14,9 @@ Invariants the worker keeps, so the service never sees a protocol error from it:
 - a step schedules at most the service's ``max_step_tokens``;
 - accepted <= the draft length it was granted.
 
-It stops after ``--steps`` or ``--duration``, whichever comes first, and prints p50/p99 call
-latency and every error by code; exit status 1 when any call failed.
+It stops after ``--steps`` or ``--duration``, whichever comes first (``--duration`` alone: for that
+long; neither: 1000 steps), and prints p50/p99 call latency and every error by code; exit status 1
+when any call failed, 2 when no service could be registered with.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ from tqdm import tqdm
 
 from allocator.simulate import Acceptance
 
-from .addresses import default_client_address
-from .client import Client, RemoteError, TransportTimeout
+from .addresses import client_address, default_client_address
+from .cli import argument_type
+from .client import Client, RemoteError, ServiceUnreachable, TransportTimeout
 from .columns import StepResult
+
+DEFAULT_STEPS = 1000  # when neither --steps nor --duration is given
 
 
 @dataclass(frozen=True)
@@ -206,15 +210,17 @@ class Report:
                 "errors": dict(self.errors), **{k: self.worker[k] for k in sorted(self.worker)}}
 
 
-def drive(client: Client, worker: SimulatedWorker, *, steps: int, duration_s: float | None,
-          step_interval_s: float, progress: bool) -> Report:
-    """Run steps until ``steps`` or ``duration_s``. A refused call (or a lost service) costs the
-    worker its requests: it re-registers and starts over, as an engine would after a restart."""
+def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
+          duration_s: float | None, step_interval_s: float, progress: bool) -> Report:
+    """Run steps until ``steps`` or ``duration_s`` (None: no such bound). A refused call (or a
+    lost service) costs the worker its requests: it re-registers and starts over, as an engine
+    would after a restart."""
     report = Report(client.address, worker=worker.stats)
     start = time.perf_counter()
     deadline = start + duration_s if duration_s is not None else float("inf")
+    limit = steps if steps is not None else float("inf")
     with tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr) as bar:
-        while report.steps < steps and time.perf_counter() < deadline:
+        while report.steps < limit and time.perf_counter() < deadline:
             fields = worker.next_step()
             t0 = time.perf_counter()
             try:
@@ -263,32 +269,53 @@ def _range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _bounded(kind: type[int] | type[float], low: float, high: float = float("inf"), *,
+             low_open: bool = False):
+    """An argparse type: a number of ``kind`` in [low, high] ((low, high] with ``low_open``)."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value < low or value > high or (low_open and value == low):
+            lo = "(" if low_open else "["
+            raise ValueError(f"{text} is not in {lo}{low:g}, {high:g}]")
+        return value
+
+    parse.__name__ = kind.__name__
+    return argument_type(parse)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=None,
+    parser.add_argument("--address", default=None, type=argument_type(client_address),
                         help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
                              "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
-    parser.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
-    parser.add_argument("--timeout", type=float, default=10.0,
-                        help="seconds to wait for one reply (default 10)")
-    stop = parser.add_argument_group("how long (whichever comes first)")
-    stop.add_argument("--steps", type=int, default=1000, help="scheduler steps (default 1000)")
-    stop.add_argument("--duration", type=float, default=None, help="seconds")
+    parser.add_argument("--worker-id", default=None,
+                        help="the worker's name at the service (default: <host>-<pid>)")
+    parser.add_argument("--timeout", type=_bounded(float, 0, low_open=True), default=10.0,
+                        help="seconds to wait for one reply")
+    stop = parser.add_argument_group(
+        "how long", f"whichever comes first; --duration alone runs that long, neither runs "
+                    f"{DEFAULT_STEPS} steps")
+    stop.add_argument("--steps", type=_bounded(int, 1), default=None,
+                      help="scheduler steps, one call each")
+    stop.add_argument("--duration", type=_bounded(float, 0, low_open=True), default=None,
+                      help="seconds")
     sim = parser.add_argument_group("the simulated engine")
-    sim.add_argument("--draft-len", type=int, default=3, help="MTP draft length D (default 3)")
+    sim.add_argument("--draft-len", type=_bounded(int, 0), default=3, help="MTP draft length D")
     sim.add_argument("--acceptance", type=Acceptance.parse, default="geometric:0.7",
-                     help="geometric:P, fixed:K or uniform (default geometric:0.7)")
-    sim.add_argument("--arrival-rate", type=float, default=0.5,
-                     help="new requests per step, Poisson mean (default 0.5)")
+                     help="geometric:P, fixed:K or uniform")
+    sim.add_argument("--arrival-rate", type=_bounded(float, 0), default=0.5,
+                     help="new requests per step, Poisson mean")
     sim.add_argument("--prompt-len", type=_range, default="16:512", help="MIN:MAX tokens")
     sim.add_argument("--output-len", type=_range, default="16:256", help="MIN:MAX tokens")
-    sim.add_argument("--max-live", type=int, default=32, help="running requests at most")
-    sim.add_argument("--skip-rate", type=float, default=0.02,
-                     help="share of forwards skipped and reverted (default 0.02)")
-    sim.add_argument("--pad-rate", type=float, default=0.1,
-                     help="share of grants padded to max_draft_len (default 0.1)")
-    sim.add_argument("--step-interval", type=float, default=0.02,
-                     help="seconds between calls: the forward's duration (default 0.02)")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--max-live", type=_bounded(int, 1), default=32,
+                     help="running requests at most")
+    sim.add_argument("--skip-rate", type=_bounded(float, 0, 1), default=0.02,
+                     help="share of forwards skipped and reverted")
+    sim.add_argument("--pad-rate", type=_bounded(float, 0, 1), default=0.1,
+                     help="share of grants padded to max_draft_len")
+    sim.add_argument("--step-interval", type=_bounded(float, 0), default=0.02,
+                     help="seconds between calls: the forward's duration")
+    sim.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     out = parser.add_argument_group("output")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -300,17 +327,17 @@ def run(args: argparse.Namespace) -> int:
                         output_len=args.output_len, max_live=args.max_live,
                         skip_rate=args.skip_rate, pad_rate=args.pad_rate)
     address = args.address or default_client_address()
+    steps = DEFAULT_STEPS if args.steps is None and args.duration is None else args.steps
     with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
-        report = Report(address)
-        if not _register(client, report):
-            print(f"kvalloc loadgen: no service answers at {address}: {dict(report.errors)}",
-                  file=sys.stderr)
+        try:
+            registration = client.register(attach=False)  # the load generator never touches KV
+        except (ServiceUnreachable, RemoteError, TransportTimeout) as exc:
+            print(f"kvalloc loadgen: cannot register at {address}: {exc}", file=sys.stderr)
             return 2
-        assert client.registration is not None
-        layout = client.registration.layout
+        layout = registration.layout
         worker = SimulatedWorker(workload, max_draft_len=layout.max_draft_len,
                                  max_step_tokens=layout.max_step_tokens, seed=args.seed)
-        report = drive(client, worker, steps=args.steps, duration_s=args.duration,
+        report = drive(client, worker, steps=steps, duration_s=args.duration,
                        step_interval_s=args.step_interval, progress=not args.no_progress)
         with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
             client.deregister()

@@ -8,7 +8,7 @@ Order inside one call (all checks come first; from the manager's step on nothing
 3. the registry frees finished requests and hands out handles for admitted ones;
 4. the previous batch is committed from the worker's staging buffer: exactly its accepted
    tokens, into blocks their requests still own;
-5. this step's batch is scheduled, and the reply built from the outcome.
+5. this step's batch is laid out (`server.schedule`), and the reply built from the outcome.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from allocator import KVCacheManager, StepOutcome, StepPlan
 
 from . import protocol, wire
 from .batch import ScheduledBatch
-from .columns import NO_VALUES, Refused, Scheduled, StepCall, StepResult, TableChanges
+from .columns import NO_VALUES, Refused, StepCall, StepResult, TableChanges
 from .commit import NOTHING, Committer
 from .errors import LimitExceeded
 from .registry import Worker, WorkerRegistry
+from .schedule import schedule
 
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
 _REPORTED, _DROPPED = 1, 2
@@ -74,9 +75,13 @@ class StepPipeline:
         committed = NOTHING
         if previous is not None:
             committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
-        scheduled, num_decodes = self._schedule(call, outcome, grant_rows, drafts, prefill_rows,
-                                                prompt_tokens, admitted)
-        worker.batch = ScheduledBatch.build(scheduled, num_decodes, self.manager.table, self._tpb)
+        layout = schedule(
+            call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
+            call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
+            outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
+            self.manager.table.host, self._tpb)
+        worker.batch = batch = ScheduledBatch.from_layout(layout, self._tpb)
+        scheduled = batch.scheduled
         if worker.fence is not None:
             worker.fence.service_end()
         return StepResult(
@@ -86,7 +91,7 @@ class StepPipeline:
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
                 outcome.changed_block_ids.astype(np.int64)),
-            slot_mapping=None if worker.attached else worker.batch.slots)
+            slot_mapping=None if worker.attached else batch.slots)
 
     def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
                 call: StepCall) -> np.ndarray:
@@ -119,30 +124,6 @@ class StepPipeline:
         dropped = settlement[rows] == _DROPPED
         slots = batch.commit_slots(dropped, outcome.num_blocks[rows])
         return self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped, slots)
-
-    def _schedule(self, call: StepCall, outcome: StepOutcome, grant_rows: np.ndarray,
-                  drafts: np.ndarray, prefill_rows: np.ndarray, prompt_tokens: np.ndarray,
-                  admitted: np.ndarray) -> tuple[Scheduled, int]:
-        """This step's forward: the granted decodes, prefill chunks and admitted prompts."""
-        granted, chunks = outcome.granted, outcome.prefill_granted
-        new = outcome.admitted_rows >= 0
-        decode_drafts = drafts[granted]
-        num_tokens = np.concatenate([1 + decode_drafts, call.prefill_tokens[chunks],
-                                     prompt_tokens[new]])
-        no_drafts = np.zeros(num_tokens.size - decode_drafts.size, dtype=np.int64)
-        scheduled = Scheduled(
-            handles=np.concatenate([call.grant_handles[granted], call.prefill_handles[chunks],
-                                    admitted[new]]),
-            rows=np.concatenate([grant_rows[granted], prefill_rows[chunks],
-                                 outcome.admitted_rows[new]]),
-            token_offsets=np.cumsum(num_tokens) - num_tokens,
-            num_tokens=num_tokens,
-            num_drafts=np.concatenate([decode_drafts, no_drafts]),
-            start_positions=np.concatenate([outcome.grant_starts[granted],
-                                            outcome.prefill_starts[chunks],
-                                            np.zeros(int(new.sum()), dtype=np.int64)]),
-        )
-        return scheduled, int(decode_drafts.size)
 
     def _refused(self, outcome: StepOutcome) -> Refused:
         grants = np.flatnonzero(~outcome.granted)

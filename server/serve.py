@@ -14,53 +14,88 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import uvicorn
 from pydantic import ValidationError
 
-from .addresses import DEFAULT_HOST, DEFAULT_PORT, claim_socket_path, default_ipc
+from allocator import PoolConfig
+from allocator.config import KVDType
+
+from .addresses import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    AddressError,
+    claim_socket_path,
+    default_ipc,
+    ipc_path,
+    port_number,
+    require_directory,
+    server_endpoint,
+    socket_file,
+)
+from .cli import argument_type, flag_errors
 from .core import ServiceCore
 from .ipc import IpcServer
 from .rest import create_app
-from .settings import ServiceConfig, default_pool, token_from_env
+from .settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
 
 log = logging.getLogger("kvalloc.serve")
 
-# PoolConfig fields that are flags: --num-blocks etc. Unset flags keep PoolConfig's defaults.
-_POOL_FLAGS: dict[str, type] = {
-    "device": str, "num_blocks": int, "tokens_per_block": int, "num_layers": int,
-    "num_kv_heads": int, "head_dim": int, "dtype": str, "max_batch_size": int,
-    "max_seq_len": int, "max_draft_len": int,
+# PoolConfig fields that are flags, with their help. Unset flags keep `default_pool()`'s values.
+_POOL_FLAGS: dict[str, tuple[type, str]] = {
+    "device": (str, "torch device of the pool: cpu, cuda or cuda:N (default: cuda when present, "
+                    "else cpu)"),
+    "num_blocks": (int, "blocks in the pool"),
+    "tokens_per_block": (int, "token slots per block"),
+    "num_layers": (int, "model layers whose K/V the pool holds"),
+    "num_kv_heads": (int, "KV heads per layer"),
+    "head_dim": (int, "elements per head"),
+    "dtype": (str, "K/V element type"),
+    "max_batch_size": (int, "requests live at once, one block-table row each"),
+    "max_seq_len": (int, "longest request: prompt + output tokens"),
+    "max_draft_len": (int, "largest draft length D a grant may ask for"),
 }
+_SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("listen")
     net.add_argument("--host", default=DEFAULT_HOST, help="REST TCP host (default: loopback)")
-    net.add_argument("--port", type=int, default=DEFAULT_PORT,
-                     help=f"REST TCP port (default {DEFAULT_PORT}; 0: any free port)")
+    net.add_argument("--port", type=argument_type(port_number), default=DEFAULT_PORT,
+                     help=f"REST TCP port, 0 for any free one (default {DEFAULT_PORT})")
     net.add_argument("--no-tcp", action="store_true", help="no REST over TCP")
-    net.add_argument("--uds", help="also serve REST on this Unix socket (created 0600)")
-    net.add_argument("--ipc", action="append",
+    net.add_argument("--uds", type=argument_type(socket_file), metavar="PATH",
+                     help="also serve REST on this Unix socket (created 0600; its directory "
+                          "must exist)")
+    net.add_argument("--ipc", action="append", type=argument_type(server_endpoint),
+                     metavar="ENDPOINT",
                      help="ZeroMQ endpoint, ipc:///path or tcp://127.0.0.1:port; repeatable "
                           "(default: ipc://<runtime dir>/kvalloc.ipc)")
-    pool = parser.add_argument_group("pool (defaults: the embedded small model shape)")
-    for name, kind in _POOL_FLAGS.items():
-        pool.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind)
+    pool = parser.add_argument_group("pool")
+    defaults = PoolConfig.model_fields
+    for name, (kind, help_text) in _POOL_FLAGS.items():
+        default = DEFAULT_NUM_BLOCKS if name == "num_blocks" else defaults[name].default
+        pool.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
+                          metavar="N" if kind is int else None,
+                          choices=get_args(KVDType) if name == "dtype" else None,
+                          help=help_text if name == "device" else f"{help_text} "
+                                                                  f"(default {default})")
     svc = parser.add_argument_group("service")
-    defaults = ServiceConfig.model_fields
-    for name in ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes"):
-        info = defaults[name]
+    service = ServiceConfig.model_fields
+    for name in _SERVICE_FLAGS:
+        info = service[name]
         svc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=info.annotation,
+                         metavar="N",
                          help=f"{info.description} (default {info.default})")
     parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+                        choices=["debug", "info", "warning", "error"], help="log verbosity")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,8 +103,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _config(args)
+        _check_socket_directories(args)
     except ValidationError as exc:
-        log.error("invalid configuration:\n%s", exc)
+        print(f"kvalloc serve: error: {flag_errors(exc)}", file=sys.stderr)
+        return 2
+    except AddressError as exc:
+        print(f"kvalloc serve: error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -132,9 +171,19 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 
 def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
-    service = {k: getattr(args, k) for k in ("lease_ttl_s", "max_workers", "max_step_tokens",
-                                              "max_body_bytes") if getattr(args, k) is not None}
+    service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), **service)
+
+
+def _check_socket_directories(args: argparse.Namespace) -> None:
+    """Every socket file's directory exists, before anything is bound (the default IPC socket's
+    directory is created by `default_ipc`)."""
+    for flag, path in [("--uds", args.uds), *(("--ipc", ipc_path(e)) for e in args.ipc or [])]:
+        if path is not None:
+            try:
+                require_directory(Path(path))
+            except AddressError as exc:
+                raise AddressError(f"argument {flag}: {exc}") from None
 
 
 def _rest_sockets(args: argparse.Namespace) -> list[socket.socket]:

@@ -16,11 +16,12 @@ from .addresses import TOKEN_ENV
 
 # Request handles carry a block-table row in their low 20 bits (see `server.registry`).
 MAX_ROWS = 1 << 20
+DEFAULT_NUM_BLOCKS = 4096
 
 
 def default_pool(**overrides: object) -> PoolConfig:
-    """The embedded default: PoolConfig's small model shape and 4096 blocks."""
-    return PoolConfig(**{"num_blocks": 4096, **overrides})
+    """The embedded default: PoolConfig's small model shape and `DEFAULT_NUM_BLOCKS` blocks."""
+    return PoolConfig(**{"num_blocks": DEFAULT_NUM_BLOCKS, **overrides})
 
 
 def token_from_env() -> SecretStr | None:

@@ -1,6 +1,6 @@
 """Bad input: every typed error, raised through the public API, changes no state.
 
-docs/design.md ("Bad input"): each error is typed, its message names the field at fault
+docs/design.md ("Errors and invariants"): each error is typed, its message names the field at fault
 (``str(err)`` starts with ``err.field``), and the manager is exactly as it was before the call:
 every request's capacity / history / slack / pending draft / blocks / row, the free blocks, the
 block table on the host and on the device, the pool's free stack and reference counts, the

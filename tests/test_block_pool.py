@@ -1,4 +1,5 @@
-"""`BlockPool`: host-side ownership of block ids (docs/design.md "pool": free list, refcounts).
+"""`BlockPool`: host-side ownership of block ids (docs/design.md "Words": the pool's free list
+and reference counts).
 
 Rules checked here:
 - blocks are conserved: free + owned == total, after any sequence of operations;

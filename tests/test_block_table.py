@@ -1,6 +1,6 @@
 """`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` on the device with a host mirror.
 
-Rules (docs/design.md "block table" and "slot"):
+Rules (docs/design.md "Words": block table and slot):
 - entries past a row's blocks are -1, on the host and on the device;
 - ``sync()`` uploads only the cells changed since the last sync, and afterwards the device copy
   equals the host mirror;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_triton_interpreter
 
 from allocator.commit_kernel import quantise_fp8, resolve_backend, write_staged
 from allocator.nwor_errors import NworInputError, SlotDtypeError
@@ -12,9 +13,6 @@ from allocator.nwor_errors import NworInputError, SlotDtypeError
 FP8 = torch.float8_e4m3fn
 BITS = {1: torch.uint8, 2: torch.int16}
 
-needs_triton = pytest.mark.skipif(
-    not __import__("allocator.commit_kernel").commit_kernel.triton_available(),
-    reason="triton is not installed")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +70,7 @@ def test_torch_path_writes_exactly_the_selected_rows(pool_dtype, stage_dtype):
     assert torch.equal(_bits(pool), _bits(want))
 
 
-@needs_triton
+@needs_triton_interpreter
 @pytest.mark.parametrize(("pool_dtype", "stage_dtype"), CASES)
 @pytest.mark.parametrize("seed", [2, 3])
 def test_triton_kernel_equals_torch_path_bit_for_bit(pool_dtype, stage_dtype, seed):
@@ -84,7 +82,7 @@ def test_triton_kernel_equals_torch_path_bit_for_bit(pool_dtype, stage_dtype, se
     assert (_bits(pool) != 0x7F if pool_dtype == FP8 else _bits(pool) != 0x7FC1).any()
 
 
-@needs_triton
+@needs_triton_interpreter
 def test_triton_fp8_rounding_matches_torch_on_every_code_and_midpoint():
     """All e4m3 values, the midpoints between neighbours (ties round to even) and one ulp either
     side, saturation past 448 and subnormals: the kernel's integer rounding equals torch's cast."""

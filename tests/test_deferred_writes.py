@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import needs_triton_interpreter
 from nwor_scenarios import (
     POISON_BITS,
     bits,
@@ -17,7 +18,6 @@ from nwor_scenarios import (
 )
 
 import allocator.deferred_writes as deferred_writes
-from allocator.commit_kernel import triton_available
 from allocator.deferred_writes import DeferredWriteManager
 from allocator.errors import AcceptedExceedsDrafts, InvalidValue
 from allocator.nwor_errors import (
@@ -28,8 +28,7 @@ from allocator.nwor_errors import (
 )
 from allocator.nwor_window import WindowLayout, WindowStats
 
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not triton_available(), reason="triton is not installed"))]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_interpreter)]
 
 
 def _manager(dtype: str = "bfloat16", backend: str = "torch", **kw):

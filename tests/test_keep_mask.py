@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import needs_triton_interpreter
 
-from allocator.commit_kernel import triton_available
 from allocator.keep_mask import NEVER, mask_rejected
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -75,7 +75,7 @@ def test_rejected_slots_are_minus_one_and_counters_add_up(device, invalid):
         assert per_position.tolist() == np.bincount(counted, minlength=POSITIONS + 1).tolist()
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@needs_triton_interpreter
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("invalid", [False, True])
 def test_triton_kernel_equals_torch_path(device, invalid):

@@ -1,0 +1,151 @@
+"""This step's forward, laid out: which requests run, where their tokens sit in the step and in
+the pool.
+
+Input: the manager's `StepOutcome` and the call's columns. Output: the `Scheduled` columns of the
+reply plus, per token, its request, position and slot (what the next call commits). Order: granted
+decodes (in grant order), then granted prefill chunks, then admitted new requests; request ``i``
+owns tokens ``token_offsets[i] ..`` at positions ``start_positions[i] ..``, its last
+``num_drafts[i]`` are drafts; ``slot = table[row, pos // tpb] * tpb + pos % tpb`` (-1 past the
+row's blocks, which capacity rules out but a bug must not turn into a write).
+
+`schedule_reference` is the specification in numpy; `schedule_compiled` the same as one numba
+loop (the per-step cost is a few dozen tiny array operations otherwise). Tests compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # the reference runs instead
+    numba = None
+
+
+class Layout(NamedTuple):
+    handles: np.ndarray
+    rows: np.ndarray
+    token_offsets: np.ndarray
+    num_tokens: np.ndarray
+    num_drafts: np.ndarray
+    start_positions: np.ndarray
+    token_request: np.ndarray  # per token: index of its request
+    positions: np.ndarray  # per token: sequence position
+    slots: np.ndarray  # per token: pool slot
+    num_decodes: int
+
+
+def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,
+                       drafts: np.ndarray, grant_starts: np.ndarray,
+                       prefill_handles: np.ndarray, prefill_rows: np.ndarray,
+                       prefill_granted: np.ndarray, prefill_tokens: np.ndarray,
+                       prefill_starts: np.ndarray, new_handles: np.ndarray,
+                       admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
+                       table: np.ndarray, tokens_per_block: int) -> Layout:
+    new = admitted_rows >= 0
+    decode_drafts = drafts[granted]
+    num_tokens = np.concatenate([1 + decode_drafts, prefill_tokens[prefill_granted],
+                                 prompt_tokens[new]])
+    offsets = np.cumsum(num_tokens) - num_tokens
+    rows = np.concatenate([grant_rows[granted], prefill_rows[prefill_granted],
+                           admitted_rows[new]])
+    starts = np.concatenate([grant_starts[granted], prefill_starts[prefill_granted],
+                             np.zeros(int(new.sum()), dtype=np.int64)])
+    request = np.repeat(np.arange(rows.size), num_tokens)
+    positions = starts[request] + np.arange(request.size) - offsets[request]
+    column = positions // tokens_per_block
+    in_row = column < table.shape[1]
+    block = table[rows[request], np.where(in_row, column, 0)].astype(np.int64)
+    slots = np.where(in_row & (block >= 0), block * tokens_per_block
+                     + positions % tokens_per_block, -1)
+    return Layout(
+        handles=np.concatenate([grant_handles[granted], prefill_handles[prefill_granted],
+                                new_handles[new]]),
+        rows=rows, token_offsets=offsets, num_tokens=num_tokens,
+        num_drafts=np.concatenate([decode_drafts,
+                                   np.zeros(rows.size - decode_drafts.size, dtype=np.int64)]),
+        start_positions=starts, token_request=request, positions=positions, slots=slots,
+        num_decodes=int(decode_drafts.size))
+
+
+def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
+                   prefill_rows, prefill_granted, prefill_tokens, prefill_starts, new_handles,
+                   admitted_rows, prompt_tokens, table, tokens_per_block):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    entries = 0
+    tokens = 0
+    for i in range(granted.size):
+        if granted[i]:
+            entries += 1
+            tokens += 1 + drafts[i]
+    num_decodes = entries
+    for i in range(prefill_granted.size):
+        if prefill_granted[i]:
+            entries += 1
+            tokens += prefill_tokens[i]
+    for i in range(admitted_rows.size):
+        if admitted_rows[i] >= 0:
+            entries += 1
+            tokens += prompt_tokens[i]
+    handles = np.empty(entries, np.int64)
+    rows = np.empty(entries, np.int64)
+    offsets = np.empty(entries, np.int64)
+    num_tokens = np.empty(entries, np.int64)
+    num_drafts = np.zeros(entries, np.int64)
+    starts = np.zeros(entries, np.int64)
+    request = np.empty(tokens, np.int64)
+    positions = np.empty(tokens, np.int64)
+    slots = np.empty(tokens, np.int64)
+    e = 0
+    for i in range(granted.size):
+        if granted[i]:
+            handles[e], rows[e] = grant_handles[i], grant_rows[i]
+            num_tokens[e], num_drafts[e], starts[e] = 1 + drafts[i], drafts[i], grant_starts[i]
+            e += 1
+    for i in range(prefill_granted.size):
+        if prefill_granted[i]:
+            handles[e], rows[e] = prefill_handles[i], prefill_rows[i]
+            num_tokens[e], starts[e] = prefill_tokens[i], prefill_starts[i]
+            e += 1
+    for i in range(admitted_rows.size):
+        if admitted_rows[i] >= 0:
+            handles[e], rows[e], num_tokens[e] = new_handles[i], admitted_rows[i], prompt_tokens[i]
+            e += 1
+    width = table.shape[1]
+    t = 0
+    for e in range(entries):
+        offsets[e] = t
+        for k in range(num_tokens[e]):
+            position = starts[e] + k
+            column = position // tokens_per_block
+            slot = -1
+            if column < width:
+                block = table[rows[e], column]
+                if block >= 0:
+                    slot = block * tokens_per_block + position % tokens_per_block
+            request[t], positions[t], slots[t] = e, position, slot
+            t += 1
+    return (handles, rows, offsets, num_tokens, num_drafts, starts, request, positions, slots,
+            num_decodes)
+
+
+def _jit(function):  # type: ignore[no-untyped-def]
+    try:
+        return numba.njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # no writable cache directory: compile in every process
+        return numba.njit(nogil=True)(function)
+
+
+if numba is not None:
+    _compiled_loop = _jit(_schedule_loop)
+
+
+def schedule_compiled(*args: object) -> Layout:
+    """`schedule_reference` as one compiled loop (same arguments, same result)."""
+    *columns, num_decodes = _compiled_loop(*args)
+    return Layout(*columns, num_decodes=int(num_decodes))
+
+
+schedule = schedule_compiled if numba is not None else schedule_reference

@@ -1,0 +1,62 @@
+"""The install: what `make` runs for each kind of venv, and a constraints file that never
+contradicts torch's own pins (torch pins its Triton; a second pin made stock pip fail)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import conftest
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def make_dry_run(tmp_path: Path, *variables: str) -> str:
+    """The commands `make` would run to build a venv in ``tmp_path`` (nothing is run)."""
+    r = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *variables,
+                        f"{tmp_path / 'venv'}/.installed"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, check=True)
+    return r.stdout
+
+
+@needs_make
+def test_the_default_venv_is_isolated_and_keeps_torch_at_the_constraint(tmp_path):
+    commands = make_dry_run(tmp_path)
+    assert "-m venv " in commands and "--system-site-packages" not in commands
+    assert "-c constraints-cpu.txt -e '.[dev]'" in commands
+
+
+@needs_make
+def test_system_torch_builds_over_site_packages_and_pins_nothing(tmp_path):
+    commands = make_dry_run(tmp_path, "SYSTEM_TORCH=1")
+    assert "-m venv --system-site-packages " in commands
+    assert "-c /dev/null -e '.[dev]'" in commands and "constraints-cpu.txt -e" not in commands
+
+
+def test_the_constraints_pin_torch_alone():
+    pins = [line.split("#")[0].strip() for line in (ROOT / "constraints-cpu.txt").read_text()
+            .splitlines()]
+    assert [p for p in pins if p] == ["torch==2.13.0"]
+
+
+def test_the_triton_interpreter_tests_skip_with_a_reason_only_below_the_oldest_checked(
+        monkeypatch: pytest.MonkeyPatch):
+    def installed(version: str | None):
+        def lookup(name: str) -> str:
+            if version is None:
+                raise metadata.PackageNotFoundError(name)
+            return version
+        return lookup
+
+    monkeypatch.setattr(metadata, "version", installed("3.5.2"))
+    assert conftest._triton_interpreter_gap() == (
+        "triton 3.5.2: its interpreter predates 3.6, the oldest checked")
+    for version in ("3.6.0", "3.7.1", "3.9.0", "4.0.0+git1234"):
+        monkeypatch.setattr(metadata, "version", installed(version))
+        assert conftest._triton_interpreter_gap() is None, version
+    monkeypatch.setattr(metadata, "version", installed(None))
+    assert conftest._triton_interpreter_gap() == "triton is not installed"

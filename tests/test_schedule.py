@@ -1,0 +1,66 @@
+"""`server.schedule`: the compiled layout of a step's forward equals the numpy reference on
+random outcomes, and the reference states the rules (token order, offsets, positions, slots)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server import schedule as sched
+
+pytestmark = pytest.mark.skipif(sched.numba is None, reason="numba is not installed")
+
+TPB = 4
+WIDTH = 6
+
+
+@st.composite
+def step_outcomes(draw: st.DrawFn) -> tuple[object, ...]:
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows = rng.permutation(32)
+    grants, chunks, new = (draw(st.integers(0, 6)) for _ in range(3))
+    grant_rows, prefill_rows, admitted_rows = np.split(rows[:grants + chunks + new],
+                                                       [grants, grants + chunks])
+    admitted_rows = np.where(rng.random(new) < 0.3, -1, admitted_rows)
+    table = rng.integers(-1, 500, size=(32, WIDTH)).astype(np.int32)
+    return (rng.integers(1 << 20, 1 << 30, grants), grant_rows.astype(np.int64),
+            rng.random(grants) < 0.8, rng.integers(0, 4, grants),
+            rng.integers(0, WIDTH * TPB - 4, grants),
+            rng.integers(1 << 20, 1 << 30, chunks), prefill_rows.astype(np.int64),
+            rng.random(chunks) < 0.7, rng.integers(1, 9, chunks),
+            rng.integers(0, WIDTH * TPB, chunks),
+            np.where(admitted_rows >= 0, rng.integers(1 << 20, 1 << 30, new), -1),
+            admitted_rows.astype(np.int64), rng.integers(1, WIDTH * TPB + 6, new), table, TPB)
+
+
+@settings(max_examples=300, deadline=None)
+@given(step_outcomes())
+def test_the_compiled_layout_equals_the_reference(args: tuple[object, ...]) -> None:
+    want = sched.schedule_reference(*args)
+    got = sched.schedule_compiled(*args)
+    assert got.num_decodes == want.num_decodes
+    for name in sched.Layout._fields[:-1]:
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        assert getattr(got, name).dtype == np.int64, name
+
+
+def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
+    table = np.full((4, WIDTH), -1, dtype=np.int32)
+    table[0, :2] = [7, 3]
+    table[1, :1] = [9]
+    table[2, :1] = [5]
+    i64 = np.int64
+    layout = sched.schedule_reference(
+        np.array([100, 101], i64), np.array([0, 3], i64), np.array([True, False]),
+        np.array([2, 3], i64), np.array([3, 0], i64),
+        np.array([200], i64), np.array([1], i64), np.array([True]), np.array([2], i64),
+        np.array([1], i64),
+        np.array([300], i64), np.array([2], i64), np.array([3], i64), table, TPB)
+    assert layout.handles.tolist() == [100, 200, 300]  # the refused grant is left out
+    assert layout.num_tokens.tolist() == [3, 2, 3] and layout.num_drafts.tolist() == [2, 0, 0]
+    assert layout.token_offsets.tolist() == [0, 3, 5] and layout.num_decodes == 1
+    assert layout.positions.tolist() == [3, 4, 5, 1, 2, 0, 1, 2]
+    # row 0: position 3 is block 7 offset 3, positions 4-5 are block 3 offsets 0-1
+    assert layout.slots.tolist() == [31, 12, 13, 37, 38, 20, 21, 22]
