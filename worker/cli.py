@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from server.addresses import default_client_address
-from server.client import Client, RemoteError, TransportTimeout
+from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
 from server.settings import ServiceConfig
 
 from .drafters import Drafter, DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
@@ -88,14 +88,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--model", help="a local Llama / Mistral / Qwen2 checkpoint directory "
                                        "(or a model id already in the local cache)")
     which.add_argument("--model-config", help="a config JSON (with model_type): random weights")
-    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    model.add_argument("--seed", type=int, default=0, help="random weights and drafter seed")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                       help="weights and KV (default float32: exactly generate's tokens)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.add_argument("--device", default=device,
+                       help=f"where the model runs; the pool must be there too (default {device})")
+    model.add_argument("--seed", type=int, default=0,
+                       help="seed of the random weights and the oracle drafter (default 0)")
     gen = parser.add_argument_group("generation")
     gen.add_argument("--prompts", required=True, help="JSON lines: {\"id\", \"token_ids\"}")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--draft-len", type=int, default=3, help="drafts per step D (0: none)")
-    gen.add_argument("--drafter", default="ngram", help="ngram (default) or oracle:RATE")
+    gen.add_argument("--max-new-tokens", type=int, default=32,
+                     help="tokens to generate per prompt, fewer at a stop token (default 32)")
+    gen.add_argument("--draft-len", type=int, default=3,
+                     help="drafts per step D, 0 for none (default 3)")
+    gen.add_argument("--drafter", default="ngram",
+                     help="ngram (prompt lookup) or oracle:RATE (the true continuation, each "
+                          "token right with probability RATE) (default ngram)")
     svc = parser.add_argument_group("the service")
     svc.add_argument("--address", default=None,
                      help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
@@ -108,9 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool = parser.add_argument_group("the in-process pool")
     pool.add_argument("--num-blocks", type=int, default=None,
                       help="default: room for every prompt at once")
-    pool.add_argument("--tokens-per-block", type=int, default=16)
-    pool.add_argument("--max-batch-size", type=int, default=64)
-    pool.add_argument("--max-step-tokens", type=int, default=2048)
+    pool.add_argument("--tokens-per-block", type=int, default=16,
+                      help="block size in tokens (default 16)")
+    pool.add_argument("--max-batch-size", type=int, default=64,
+                      help="requests running at once (default 64)")
+    pool.add_argument("--max-step-tokens", type=int, default=2048,
+                      help="tokens one step may schedule (default 2048)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -122,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
             ValueError) as exc:
         print(f"kvalloc worker: {exc}", file=sys.stderr)
+        return 2
+    except ServiceUnreachable as exc:
+        print(f"kvalloc worker: {exc} (or run with --in-process)", file=sys.stderr)
         return 2
     except TransportTimeout as exc:
         print(f"kvalloc worker: no service answers at {args.address or default_client_address()}"

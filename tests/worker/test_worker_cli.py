@@ -66,7 +66,7 @@ def test_no_service_at_the_address_is_a_clear_error(llama_oracle: Oracle, tmp_pa
     config, prompts = write_inputs(llama_oracle, tmp_path)
     address = f"ipc://{tmp_path / 'nobody.ipc'}"
     assert main(worker_args(config, prompts, "--address", address, "--timeout", "0.2")) == 2
-    assert f"no service answers at {address}" in capsys.readouterr().err
+    assert f"cannot reach {address}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("extra", "message"), [
