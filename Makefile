@@ -2,13 +2,15 @@
 #
 # By default the venv is isolated and torch is kept at the release of constraints-cpu.txt.
 # `make SYSTEM_TORCH=1 ...` builds the venv over this interpreter's site-packages instead and
-# pins nothing, so a torch that is already installed (a CUDA build, say) is the one used.
-# Switching between the two needs `make clean` first.
+# pins nothing, so a torch that is already installed (a CUDA build, say) is the one used; the
+# older spelling `make TORCH_CONSTRAINT=/dev/null ...` means the same. Switching between the two
+# needs `make clean` first.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-SYSTEM_TORCH ?=
-TORCH_CONSTRAINT ?= $(if $(SYSTEM_TORCH),/dev/null,constraints-cpu.txt)
+TORCH_CONSTRAINT ?= constraints-cpu.txt
+SYSTEM_TORCH ?= $(if $(filter /dev/null,$(TORCH_CONSTRAINT)),1,)
+CONSTRAINT := $(if $(SYSTEM_TORCH),/dev/null,$(TORCH_CONSTRAINT))
 VENV_FLAGS := $(if $(SYSTEM_TORCH),--system-site-packages,)
 STAMP := $(VENV)/.installed
 
@@ -17,7 +19,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e '.[dev,worker]'
+	$(PY) -m pip install -q -c $(CONSTRAINT) -e '.[dev,worker]'
 	touch $@
 
 run: $(STAMP)
@@ -43,7 +45,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_host.py
+	$(PY) benchmarks/bench_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

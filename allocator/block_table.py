@@ -31,14 +31,22 @@ class BlockTable:
         shape = (max_batch_size, max_blocks_per_seq)
         self.host = np.full(shape, -1, dtype=np.int32)
         self.device_table = allocate("block_table", shape, torch.int32, device)
+        if not self.device_table.is_contiguous():
+            raise InvalidValue("block_table: the allocator returned a non-contiguous tensor",
+                               field="block_table")
         self.device_table.fill_(-1)
+        self._host_cells = self.host.reshape(-1)  # views: cell = row * max_blocks_per_seq + col
         # Free rows as a stack (``free_rows[:num_free_rows]``, top at the end), row 0 on top;
         # the compiled step pushes and pops on it directly.
         self.free_rows = np.arange(max_batch_size - 1, -1, -1, dtype=np.int64)
         self.num_free_rows = max_batch_size
-        # Cell ranges [start, end) of rows changed since the last sync, one array per change.
-        self._changed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        if device.type == "cuda":
+        # Flat indices of the cells changed since the last sync, one array per change.
+        self._changed: list[np.ndarray] = []
+        if device.type == "cpu":
+            # A CPU "device" copy is still a separate buffer (shared with workers through shared
+            # memory); writing it through a numpy view skips torch's dispatch overhead.
+            self._device_cells = self.device_table.numpy().reshape(-1)
+        else:
             # Changed cells travel through preallocated pinned buffers (grown on demand): a
             # fresh pin_memory() per step costs more than the copy itself. An event guards
             # their reuse.
@@ -80,25 +88,27 @@ class BlockTable:
         return removed
 
     def mark_changed(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Record that host cells ``[starts[i], ends[i])`` of ``rows[i]`` changed (for a writer
-        that changes ``host`` directly, like the compiled step)."""
+        """Record that host cells ``[starts[i], ends[i])`` of ``rows[i]`` changed."""
         if rows.size:
-            self._changed.append((rows, starts, ends))
+            r, c = _ragged_cells(rows, starts, ends - starts)
+            self.mark_cells(r * self.max_blocks_per_seq + c)
+
+    def mark_cells(self, cells: np.ndarray) -> None:
+        """Record changed cells by flat index ``row * max_blocks_per_seq + column`` (for a writer
+        that changes ``host`` directly, like the compiled step)."""
+        if cells.size:
+            self._changed.append(cells)
 
     def sync(self) -> None:
         """Upload the cells changed since the last sync (non-blocking from pinned memory on
         CUDA)."""
         if not self._changed:
             return
-        rows, starts, ends = (np.concatenate(parts) for parts in zip(*self._changed, strict=True))
+        cells = self._changed[0] if len(self._changed) == 1 else np.concatenate(self._changed)
         self._changed.clear()
-        r, c = _ragged_cells(rows, starts, ends - starts)
-        cells = r * self.max_blocks_per_seq + c
-        values = self.host.reshape(-1)[cells]
+        values = self._host_cells[cells]
         if self.device.type == "cpu":
-            # A CPU "device" copy is still a separate buffer (shared with workers through shared
-            # memory); writing it through a numpy view skips torch's dispatch overhead.
-            self.device_table.numpy().reshape(-1)[cells] = values
+            self._device_cells[cells] = values
             return
         if self._upload_done is not None:
             self._upload_done.synchronize()  # the previous upload may still read the buffers

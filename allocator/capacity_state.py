@@ -3,14 +3,15 @@
 `RowState` holds one entry per block-table row (index = row); `CapacityState` bundles it with the
 block pool (free stack, reference counts), the block table (host cells, free-row stack) and the
 limits of the pool. Both step implementations (`step_reference`, `step_compiled`) change exactly
-this state and nothing else, so comparing two copies of it compares everything a step can do.
+this state and nothing else (the counters move by the deltas a step returns), so comparing two
+copies of it compares everything a step can do.
 
 A row is ``live`` while a request holds it. For a row that is not live every entry is 0/False.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -103,4 +104,3 @@ class CapacityState:
     rows: RowState
     pool: BlockPool
     table: BlockTable
-    counters: ManagerCounters = field(default_factory=ManagerCounters)

@@ -75,8 +75,7 @@ class KVCacheManager:
                                 allocate=allocate)
         self.rows = RowState.empty(config.max_batch_size)
         self.counters = ManagerCounters()
-        self.state = CapacityState(StepLimits.of(config), self.rows, self.pool, self.table,
-                                   self.counters)
+        self.state = CapacityState(StepLimits.of(config), self.rows, self.pool, self.table)
         if compiled is None:
             compiled = step_compiled.available()
         self.compiled = compiled

@@ -23,10 +23,11 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
+from .arguments import bounded, output_file
 from .config import PoolConfig, SlackPolicy
 from .errors import BlockTableOverflow
 from .manager import KVCacheManager, StepPlan
@@ -230,41 +231,41 @@ def _progress(total: int, enabled: bool):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = SimulationSpec()
-    p.add_argument("--isl", type=int, default=d.isl, help="prompt length (tokens)")
-    p.add_argument("--osl", type=int, default=d.osl, help="output tokens per request")
-    p.add_argument("--draft-len", type=int, default=d.draft_len, help="MTP draft length D")
+    p.add_argument("--isl", type=bounded(int, 1), default=d.isl, help="prompt length (tokens)")
+    p.add_argument("--osl", type=bounded(int, 1), default=d.osl, help="output tokens per request")
+    p.add_argument("--draft-len", type=bounded(int, 0), default=d.draft_len,
+                   help="MTP draft length D")
     p.add_argument("--acceptance", type=Acceptance.parse, default=d.acceptance,
                    help="geometric:P | fixed:K | uniform (default geometric:0.7)")
-    p.add_argument("--tokens-per-block", type=int, default=d.tokens_per_block,
+    p.add_argument("--tokens-per-block", type=bounded(int, 1), default=d.tokens_per_block,
                    help="token slots per KV block")
-    p.add_argument("--num-requests", type=int, default=d.num_requests,
+    p.add_argument("--num-requests", type=bounded(int, 1), default=d.num_requests,
                    help="requests decoded side by side")
-    p.add_argument("--num-blocks", type=int, default=None,
+    p.add_argument("--num-blocks", type=bounded(int, 1), default=None,
                    help="pool size (default: max_blocks_per_seq per request)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed of the acceptance")
     p.add_argument("--policy", choices=[x.value for x in SlackPolicy], default=d.policy.value,
                    help="overlap slack: reclaim (correct), none (reproduces the IMA), "
                         "unreclaimed (reproduces the row overflow)")
     p.add_argument("--no-overlap", action="store_true", help="model a non-overlap scheduler")
-    p.add_argument("--json", type=Path, help="write the JSON summary here (also printed)")
-    p.add_argument("--plot", type=Path, help="write a PNG of capacity/history/reach per step")
+    p.add_argument("--json", type=output_file, help="write the JSON summary here (also printed)")
+    p.add_argument("--plot", type=output_file,
+                   help="write a PNG of capacity/history/reach per step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("isl", "osl", "tokens_per_block", "num_requests"):
-        if getattr(args, name) <= 0:
-            print(f"kvalloc simulate: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
-            return 2
-    if args.draft_len < 0:
-        print("kvalloc simulate: --draft-len must be >= 0", file=sys.stderr)
-        return 2
     spec = SimulationSpec(
         isl=args.isl, osl=args.osl, draft_len=args.draft_len, acceptance=args.acceptance,
         tokens_per_block=args.tokens_per_block, num_requests=args.num_requests,
         num_blocks=args.num_blocks, seed=args.seed, policy=SlackPolicy(args.policy),
         overlap=not args.no_overlap, progress=not args.no_progress and sys.stderr.isatty(),
     )
+    try:
+        spec.pool_config()
+    except ValidationError as exc:  # flags that make no pool, e.g. too few --num-blocks
+        print(f"kvalloc simulate: error: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
     result = simulate(spec)
     text = json.dumps(result.summary(), indent=2)
     print(text)

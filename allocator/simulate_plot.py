@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from .simulate import Failure, SimulationResult
 
 CAPACITY, REACH, ALLOCATED, HISTORY, LIMIT = "#4C72B0", "#DD8452", "#55A868", "#333333", "#8C8C8C"
@@ -25,6 +27,15 @@ FAILURE_COLOR = {"IMA": "#C44E52", "row overflow": "#8172B3"}
 
 def plot(result: SimulationResult, path: Path) -> None:
     """Write the PNG of ``result``'s trace to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(result: SimulationResult) -> Figure:
+    """The picture of ``result``'s trace (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,8 +84,7 @@ def plot(result: SimulationResult, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _mark(top: Any, bottom: Any, name: str, failure: Failure, num_steps: int) -> None:

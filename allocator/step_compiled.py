@@ -210,7 +210,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     chunk_starts = np.empty(num_chunks, dtype=np.int64)
     nothing = np.empty(0, dtype=np.int64)
     failed = (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, nothing,
-              nothing, nothing, nothing, np.empty(0, dtype=np.int32))
+              nothing, nothing, np.empty(0, dtype=np.int32), nothing)
 
     # ---- 1. validate
     if _validate(plan, live, max_draft_len, max_seq_len, seen, error):
@@ -439,52 +439,60 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     deltas[COUNT_NOT_ADDED] = num_new - admitted
     deltas[COUNT_FREED] = finished_rows.size
 
-    # ---- the outcome: every row whose cells changed
+    # ---- the outcome: every row whose cells changed, and those cells (flat indices)
     num_changed = 0
     num_ids = 0
+    num_cells = 0
     for row in range(n):
         if rewritten[row] or num_blocks[row] != old_blocks[row]:
-            num_changed += 1
             start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
+            num_changed += 1
             num_ids += num_blocks[row] - start
+            num_cells += max(old_blocks[row], num_blocks[row]) - start
     changed_rows = np.empty(num_changed, dtype=np.int64)
     changed_from = np.empty(num_changed, dtype=np.int64)
     changed_blocks = np.empty(num_changed, dtype=np.int64)
-    changed_ends = np.empty(num_changed, dtype=np.int64)
     changed_ids = np.empty(num_ids, dtype=np.int32)
+    changed_cells = np.empty(num_cells, dtype=np.int64)
+    width = host.shape[1]
     k = 0
     j = 0
+    c = 0
     for row in range(n):
         if rewritten[row] or num_blocks[row] != old_blocks[row]:
             start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
             changed_rows[k] = row
             changed_from[k] = start
             changed_blocks[k] = num_blocks[row]
-            changed_ends[k] = max(old_blocks[row], num_blocks[row])
             for column in range(start, num_blocks[row]):
                 changed_ids[j] = host[row, column]
                 j += 1
+            for column in range(start, max(old_blocks[row], num_blocks[row])):
+                changed_cells[c] = row * width + column
+                c += 1
             k += 1
     return (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
-            changed_from, changed_blocks, changed_ends, changed_ids)
+            changed_from, changed_blocks, changed_ids, changed_cells)
 
 
-def _jit(function):
+def _jit(function, **options):
     try:
-        return numba.njit(cache=True, nogil=True)(function)
+        return numba.njit(cache=True, nogil=True, **options)(function)
     except RuntimeError:  # no writable cache directory at all: compile in every process
-        return numba.njit(nogil=True)(function)
+        return numba.njit(nogil=True, **options)(function)
 
 
 if numba is not None:
-    _fail = _jit(_fail)
-    _check_rows = _jit(_check_rows)
-    _check_minimum = _jit(_check_minimum)
-    _check_maximum = _jit(_check_maximum)
-    _check_apart = _jit(_check_apart)
-    _validate = _jit(_validate)
-    _slack_for = _jit(_slack_for)
-    _blocks_for = _jit(_blocks_for)
+    # The helpers are inlined into the step: compiled on their own, every call site's constant
+    # arguments would make a separately compiled variant (dozens, seconds each).
+    _fail = _jit(_fail, inline="always")
+    _check_rows = _jit(_check_rows, inline="always")
+    _check_minimum = _jit(_check_minimum, inline="always")
+    _check_maximum = _jit(_check_maximum, inline="always")
+    _check_apart = _jit(_check_apart, inline="always")
+    _validate = _jit(_validate, inline="always")
+    _slack_for = _jit(_slack_for, inline="always")
+    _blocks_for = _jit(_blocks_for, inline="always")
     _step = _jit(_step)
 
 
@@ -515,7 +523,7 @@ class CompiledStep:
         counts = (rows.capacity, rows.history, rows.prompt_len, rows.slack, rows.draft_len,
                   rows.lead, rows.num_blocks)
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
-         changed_from, changed_blocks, changed_ends, changed_ids) = _step(
+         changed_from, changed_blocks, changed_ids, changed_cells) = _step(
             tuple(plan[:12]), plan.strict_grants, self.limits, self.overlap, counts, rows.live,
             rows.pending, pool.free_stack, pool.refcounts, table.host, table.free_rows,
             self.tops, self.scratch, self.flags, self.items, self.item_ok, error, deltas)
@@ -523,7 +531,7 @@ class CompiledStep:
             return StepResult(error)
         pool.num_free = int(self.tops[0])
         table.num_free_rows = int(self.tops[1])
-        table.mark_changed(changed_rows, changed_from, changed_ends)
+        table.mark_cells(changed_cells)
         table.sync()
         outcome = StepOutcome(
             granted=granted, prefill_granted=chunk_ok, admitted_rows=admitted_rows,

@@ -1,20 +1,33 @@
-"""The per-step call, side by side in one run: the manager's numpy step (the reference), its
-compiled step, the service's step in process, and the IPC and REST-TCP round trips.
+"""Per-step cost of the scheduler step path, side by side in one run.
 
-    python benchmarks/bench_step.py                  # batches 64, 256, 1024; markdown table
-    python benchmarks/bench_step.py --quick --json   # batch 256 only; one JSON object
+    python benchmarks/bench_step.py [--quick] [--json] [--batches 64 256 1024] [--steps N]
+                                    [--device cpu|cuda] [--layers L] [--out results.json]
 
-Workload (a decode-heavy engine under an overlap scheduler): ``batch`` decode requests with MTP3
-(3 drafts per grant, 0-3 accepted at random), each step settling the previous one; about 0.5
-requests finish per step and are replaced by new 1000-token prompts, which get their first grant
-the step after admission. tokens_per_block 16, max_seq_len 32768. The manager runs on a 200k
-block pool (it is host-only: no KV memory). The service runs the default small model shape
-(2 layers x 2 KV heads x 64, bf16) on a pool sized for the run, with an attached worker, so each
-call includes the real NWOR commit of the previous step; ``commit_us`` is that commit's own time
-inside the service step (on a CPU pool a host memory copy, on a GPU pool kernel launches).
-``--layers`` and friends reshape the service's pool (e.g. a real model's 32 x 8 x 128 on a GPU).
+The workload is an overlap scheduler's steady decode: ``batch`` requests, MTP3 (D=3), each step
+settles every request's previous grant with a random accepted count (0..D) and grants the next
+step; about 0.5 requests per step finish and are replaced by new 1000-token prompts (admitted in
+the same step, granted from the next). Pool: tokens_per_block 16, max_seq_len 32768, 200k
+blocks; the block table's device copy lives on ``--device``. `DecodeWorkload` yields each step
+as integer arrays of handles (a manager's handles are its rows); every measurement runs its own
+copy of the same workload.
 
-Medians in microseconds. Bounded: ``--quick`` finishes in well under 3 minutes on 2 cores.
+Measurements (`MEASUREMENTS`, name -> factory) alternate step by step, so all of them see the
+same machine state; each reports the median and p99 of its timed part in microseconds:
+
+- ``manager_numpy``, ``manager``: `KVCacheManager.step`, the numpy reference and the compiled
+  step (host-only: no KV memory);
+- ``service_inproc``: `ServiceCore.step` in this process through `Client.in_process`, for an
+  attached worker, so it includes the NWOR commit of the previous step; ``commit`` is that
+  commit's own time inside it (a host memory copy on a CPU pool; on a CUDA pool the kernels,
+  synchronised so their device time counts);
+- ``ipc``, ``rest_tcp``: the round trip to a real ``kvalloc serve`` subprocess over ZeroMQ and
+  over HTTP on TCP, attached too: encoding, transport, the service's step, decoding.
+
+The service's pool has the model shape ``--layers`` x ``--kv-heads`` x ``--head-dim`` (bf16; by
+default the embedded 2 x 2 x 64) and as many blocks as the run's steps can fill, so its memory
+stays bounded; the manager alone keeps 200k blocks. With ``--json`` the script prints one JSON
+object: ``<name>_us`` (median at batch 256) for every measurement, and the full results under
+``"batches"``. ``--quick`` runs batch 256 only, with fewer steps.
 """
 
 from __future__ import annotations
@@ -23,291 +36,354 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from allocator import KVCacheManager, PoolConfig, StepPlan
+from allocator import KVCacheManager, PoolConfig, StepOutcome, StepPlan
 from server.client import Client
-from server.columns import StepCall
+from server.columns import StepCall, StepResult
 from server.core import ServiceCore
 from server.launch import ServiceProcess
 from server.settings import ServiceConfig
 
-DRAFT = 3
-PROMPT = 1000
+DRAFT_LEN = 3
+PROMPT_LEN = 1000
+FINISH_RATE = 0.5  # finished (and replaced) requests per step
 TOKENS_PER_BLOCK = 16
 MAX_SEQ_LEN = 32768
-MANAGER_BLOCKS = 200_000
-FINISH_RATE = 0.5
-
-
-@dataclass
-class DecodeWorkload:
-    """The engine's side of the workload, in terms of the handles (or rows) it names requests
-    by: which requests decode, which were just admitted, and what this step sends."""
-
-    batch: int
-    seed: int = 0
-    decoding: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    admitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    next_id: int = 0
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.seed)
-
-    def fill_step(self) -> dict[str, Any]:
-        """Admit up to 8 new prompts per step until ``batch`` requests run (not timed)."""
-        running = self.decoding.size + self.admitted.size
-        return self._step(finish=0, new=min(8, self.batch - running))
-
-    def decode_step(self) -> dict[str, Any]:
-        """Settle the previous grants, finish ~0.5, grant the rest and last step's admissions,
-        admit replacements."""
-        finish = min(int(self.rng.poisson(FINISH_RATE)), self.decoding.size)
-        return self._step(finish=finish, new=finish)
-
-    def _step(self, *, finish: int, new: int) -> dict[str, Any]:
-        decoding = self.decoding
-        done = self.rng.choice(decoding.size, size=finish, replace=False)
-        stays = np.ones(decoding.size, dtype=bool)
-        stays[done] = False
-        grants = np.concatenate([decoding[stays], self.admitted])
-        ids = [f"r{self.next_id + i}" for i in range(new)]
-        self.next_id += new
-        self._granted = grants
-        return {"result_handles": decoding[stays],
-                "num_accepted": self.rng.integers(0, DRAFT + 1, int(stays.sum())),
-                "finished_handles": decoding[done], "grant_handles": grants,
-                "draft_lens": np.full(grants.size, DRAFT), "new_req_ids": ids,
-                "prompt_lens": np.full(new, PROMPT)}
-
-    def learn(self, admitted: np.ndarray) -> None:
-        """The step's reply: the handles (rows) of the admitted requests (-1 refused)."""
-        self.decoding = self._granted
-        self.admitted = admitted[admitted >= 0]
-
-
-# ---------------------------------------------------------------- the manager alone
-
-
-def manager_config(batch: int) -> PoolConfig:
-    return PoolConfig(num_blocks=MANAGER_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
-                      max_seq_len=MAX_SEQ_LEN, max_batch_size=batch + 64, max_draft_len=DRAFT,
-                      device="cpu")
-
-
-def as_plan(fields: dict[str, Any]) -> StepPlan:
-    """A workload step as the manager takes it: handles are rows here."""
-    return StepPlan(result_rows=fields["result_handles"], num_accepted=fields["num_accepted"],
-                    finished_rows=fields["finished_handles"], grant_rows=fields["grant_handles"],
-                    draft_lens=fields["draft_lens"], prompt_lens=fields["prompt_lens"])
-
-
-def measure_managers(batch: int, steps: int) -> dict[str, float]:
-    """The numpy and the compiled step on the same plans, alternating, identical outcomes."""
-    managers = {"manager_numpy_us": KVCacheManager(manager_config(batch), compiled=False),
-                "manager_us": KVCacheManager(manager_config(batch), compiled=True)}
-    workload = DecodeWorkload(batch)
-    while workload.decoding.size + workload.admitted.size < batch:
-        plan = as_plan(workload.fill_step())
-        rows = [m.step(plan).admitted_rows for m in managers.values()]
-        workload.learn(rows[0])
-    times: dict[str, list[float]] = {name: [] for name in managers}
-    for _ in range(steps):
-        plan = as_plan(workload.decode_step())
-        outcomes = []
-        for name, manager in managers.items():
-            start = time.perf_counter()
-            outcomes.append(manager.step(plan))
-            times[name].append(time.perf_counter() - start)
-        assert np.array_equal(outcomes[0].admitted_rows, outcomes[1].admitted_rows)
-        workload.learn(outcomes[0].admitted_rows)
-    for manager in managers.values():
-        manager.check_invariants()
-    return {name: _median_us(t) for name, t in times.items()}
-
-
-# ---------------------------------------------------------------- the service
+NUM_BLOCKS = 200_000
+REPORTED_BATCH = 256
 
 
 @dataclass(frozen=True)
-class PoolShape:
+class StepArrays:
+    """One step of the workload, by handle."""
+
+    result_handles: np.ndarray
+    num_accepted: np.ndarray
+    finished_handles: np.ndarray
+    grant_handles: np.ndarray
+    draft_lens: np.ndarray
+    prompt_lens: np.ndarray  # new requests
+
+
+class DecodeWorkload:
+    """The steady decode workload as a sequence of `StepArrays`.
+
+    ``next_step()`` gives the next step; ``observe(admitted, granted)`` tells the workload which
+    handles the new requests got (-1: refused) and which grants were made, so the next step
+    settles exactly those.
+    """
+
+    def __init__(self, batch: int, seed: int) -> None:
+        self.batch = batch
+        self.rng = np.random.default_rng(seed)
+        self.pending = np.zeros(0, dtype=np.int64)  # handles holding a grant
+        self.waiting = np.zeros(0, dtype=np.int64)  # admitted, not granted yet
+        self._step: StepArrays | None = None
+
+    def next_step(self) -> StepArrays:
+        rng = self.rng
+        if self._step is None and not self.pending.size and not self.waiting.size:
+            new = self.batch  # the first step admits the whole batch
+        else:
+            new = 0
+        results = self.pending
+        accepted = rng.integers(0, DRAFT_LEN + 1, size=results.size)
+        finished = np.zeros(0, dtype=np.int64)
+        if results.size and rng.random() < FINISH_RATE:
+            finished = results[rng.integers(0, results.size, size=1)]
+            new += 1
+        running = np.concatenate([results, self.waiting])
+        grants = running[~np.isin(running, finished)] if finished.size else running
+        self._step = StepArrays(results, accepted, finished, grants,
+                                np.full(grants.size, DRAFT_LEN, dtype=np.int64),
+                                np.full(new, PROMPT_LEN, dtype=np.int64))
+        return self._step
+
+    def observe(self, admitted: np.ndarray, granted: np.ndarray) -> None:
+        assert self._step is not None
+        self.pending = self._step.grant_handles[granted]
+        self.waiting = admitted[admitted >= 0]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every measurement of one run shares."""
+
+    batch: int
+    seed: int
+    device: str
+    steps: int = 400
     layers: int = 2
     kv_heads: int = 2
     head_dim: int = 64
-    device: str = "cpu"
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(num_blocks=NUM_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
+                          num_layers=1, num_kv_heads=1, head_dim=8, device=self.device,
+                          max_batch_size=self.batch, max_seq_len=MAX_SEQ_LEN,
+                          max_draft_len=DRAFT_LEN)
+
+    def service_config(self) -> ServiceConfig:
+        """A pool of the model shape with room for what ``steps`` steps can grow: every
+        request of the batch, plus its replacements, to its prompt and 1 + D tokens a step."""
+        requests = self.batch + int(FINISH_RATE * self.steps) + 1
+        tokens = requests * PROMPT_LEN + self.batch * (1 + DRAFT_LEN) * (self.steps + 1)
+        blocks = tokens // TOKENS_PER_BLOCK + requests + 1024
+        pool = PoolConfig(num_blocks=blocks, tokens_per_block=TOKENS_PER_BLOCK,
+                          num_layers=self.layers, num_kv_heads=self.kv_heads,
+                          head_dim=self.head_dim, device=self.device,
+                          max_batch_size=self.batch + 8, max_seq_len=MAX_SEQ_LEN,
+                          max_draft_len=DRAFT_LEN)
+        return ServiceConfig(pool=pool, max_step_tokens=(self.batch + 8) * (1 + DRAFT_LEN)
+                             + (self.batch + 1) * PROMPT_LEN)
+
+    def serve_flags(self) -> list[str]:
+        config = self.service_config()
+        pool = config.pool
+        return [f"--num-blocks={pool.num_blocks}", f"--tokens-per-block={TOKENS_PER_BLOCK}",
+                f"--max-seq-len={MAX_SEQ_LEN}", f"--max-batch-size={pool.max_batch_size}",
+                f"--max-draft-len={DRAFT_LEN}", f"--num-layers={self.layers}",
+                f"--num-kv-heads={self.kv_heads}", f"--head-dim={self.head_dim}",
+                f"--device={self.device}", f"--max-step-tokens={config.max_step_tokens}"]
 
 
-def service_config(batch: int, steps: int, shape: PoolShape) -> ServiceConfig:
-    """Room for ``batch`` requests growing by up to 4 tokens a step, plus replacements."""
-    tokens = (batch + 64) * (PROMPT + (1 + 2 * DRAFT) * (steps + 100))
-    pool = PoolConfig(num_blocks=tokens // TOKENS_PER_BLOCK + 1024,
-                      tokens_per_block=TOKENS_PER_BLOCK, max_seq_len=MAX_SEQ_LEN,
-                      max_batch_size=batch + 64, max_draft_len=DRAFT, num_layers=shape.layers,
-                      num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, device=shape.device)
-    step_tokens = (batch + 64) * (1 + DRAFT) + 8 * PROMPT
-    return ServiceConfig(pool=pool, max_step_tokens=step_tokens)
+class Measurement(Protocol):
+    """One way of running a step. ``prepare`` and ``observe`` are not timed; ``run`` is."""
+
+    def prepare(self) -> object: ...
+
+    def run(self, prepared: object) -> object: ...
+
+    def observe(self, result: object) -> None: ...
+
+    def close(self) -> None: ...
 
 
-def drive(client: Client, batch: int, steps: int, warmup: int,
-          timed: Callable[[StepCall], Any]) -> list[float]:
-    """Run the workload through ``client``; ``timed`` sends one prepared call (the clock runs
-    around it only)."""
-    reg = client.register()
-    workload = DecodeWorkload(batch)
+class ManagerStep:
+    """`KVCacheManager.step` on a row plan (handles are rows)."""
 
-    def send(fields: dict[str, Any]) -> Any:
-        call = StepCall.build(client.worker_id, reg.session, reg.epoch, client.next_step_id,
-                              **fields)
-        start = time.perf_counter()
-        reply = timed(call)
-        return reply, time.perf_counter() - start
+    def __init__(self, setup: Setup, *, compiled: bool) -> None:
+        self.manager = KVCacheManager(setup.pool_config(), compiled=compiled)
+        self.workload = DecodeWorkload(setup.batch, setup.seed)
 
-    while workload.decoding.size + workload.admitted.size < batch:
-        reply, _ = send(workload.fill_step())
-        workload.learn(reply.admitted)
-    times = []
-    for _ in range(warmup + steps):
-        reply, seconds = send(workload.decode_step())
-        workload.learn(reply.admitted)
-        times.append(seconds)
-    client.deregister()
-    return times[warmup:]
+    def prepare(self) -> StepPlan:
+        s = self.workload.next_step()
+        return StepPlan(result_rows=s.result_handles, num_accepted=s.num_accepted,
+                        finished_rows=s.finished_handles, grant_rows=s.grant_handles,
+                        draft_lens=s.draft_lens, prompt_lens=s.prompt_lens)
 
+    def run(self, prepared: object) -> StepOutcome:
+        assert isinstance(prepared, StepPlan)
+        return self.manager.step(prepared)
 
-def measure_in_process(batch: int, steps: int, warmup: int, shape: PoolShape
-                       ) -> dict[str, float]:
-    core = ServiceCore(service_config(batch, steps + warmup, shape))
-    commit_times: list[float] = []
-    commit = core.committer.commit
+    def observe(self, result: object) -> None:
+        assert isinstance(result, StepOutcome)
+        self.workload.observe(result.admitted_rows, result.granted)
 
-    def timed_commit(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        out = commit(*args, **kwargs)
-        if core.device.type == "cuda":
-            torch.cuda.synchronize()  # the commit's device time, not only its launches
-        commit_times.append(time.perf_counter() - start)
-        return out
-
-    core.committer.commit = timed_commit  # type: ignore[method-assign]
-    try:
-        with Client.in_process(core, worker_id="bench") as client:
-            times = drive(client, batch, steps, warmup, client.send_step)
-    finally:
-        core.close()
-    return {"service_inproc_us": _median_us(times),
-            "commit_us": _median_us(commit_times[-steps:])}
+    def close(self) -> None:
+        self.manager.check_invariants()
 
 
-def measure_transports(batch: int, steps: int, warmup: int, shape: PoolShape
-                       ) -> dict[str, float]:
-    config = service_config(batch, steps + warmup, shape)
-    pool = config.pool
-    flags = [f"--num-blocks={pool.num_blocks}", f"--tokens-per-block={TOKENS_PER_BLOCK}",
-             f"--max-seq-len={MAX_SEQ_LEN}", f"--max-batch-size={pool.max_batch_size}",
-             f"--max-draft-len={DRAFT}", f"--num-layers={shape.layers}",
-             f"--num-kv-heads={shape.kv_heads}", f"--head-dim={shape.head_dim}",
-             f"--device={shape.device}", f"--max-step-tokens={config.max_step_tokens}"]
+class ServiceStep:
+    """One step call of an attached worker through ``client`` (handles are the service's)."""
+
+    def __init__(self, setup: Setup, client: Client) -> None:
+        self.client = client
+        self.registration = client.register()
+        self.workload = DecodeWorkload(setup.batch, setup.seed)
+
+    def prepare(self) -> StepCall:
+        s = self.workload.next_step()
+        reg, client = self.registration, self.client
+        return StepCall.build(
+            client.worker_id, reg.session, reg.epoch, client.next_step_id,
+            result_handles=s.result_handles, num_accepted=s.num_accepted,
+            finished_handles=s.finished_handles, grant_handles=s.grant_handles,
+            draft_lens=s.draft_lens, prompt_lens=s.prompt_lens,
+            new_req_ids=[f"r{client.next_step_id}-{i}" for i in range(s.prompt_lens.size)])
+
+    def run(self, prepared: object) -> StepResult:
+        assert isinstance(prepared, StepCall)
+        return self.client.send_step(prepared)
+
+    def observe(self, result: object) -> None:
+        assert isinstance(result, StepResult)
+        step = self.workload._step
+        assert step is not None
+        granted = np.ones(step.grant_handles.size, dtype=bool)
+        granted[result.refused.of_kind("grant")] = False
+        self.workload.observe(result.admitted, granted)
+
+    def close(self) -> None:
+        self.client.deregister()
+        self.client.close()
+
+
+class InProcessService(ServiceStep):
+    """`ServiceCore.step` in this process; also times the commit inside it (``commit``)."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.core = ServiceCore(setup.service_config())
+        self.commit_us: list[float] = []
+        commit = self.core.committer.commit
+        synchronize = torch.cuda.synchronize if self.core.device.type == "cuda" else None
+
+        def timed_commit(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            out = commit(*args, **kwargs)
+            if synchronize is not None:
+                synchronize()
+            self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
+            return out
+
+        self.core.committer.commit = timed_commit  # type: ignore[method-assign]
+        super().__init__(setup, Client.in_process(self.core, worker_id="bench"))
+
+    def close(self) -> None:
+        super().close()
+        self.core.close()
+
+
+class RemoteService(ServiceStep):
+    """The round trip to a real ``kvalloc serve`` process over ``transport``."""
+
+    def __init__(self, setup: Setup, transport: str) -> None:
+        self._workdir = tempfile.TemporaryDirectory(prefix="kvbench-")
+        self.service = ServiceProcess(Path(self._workdir.name), *setup.serve_flags()).start()
+        address = {"ipc": self.service.ipc, "rest_tcp": self.service.rest_tcp}[transport]
+        super().__init__(setup, Client(address, worker_id=f"bench-{transport}"))
+
+    def close(self) -> None:
+        super().close()
+        self.service.stop()
+        self._workdir.cleanup()
+
+
+MEASUREMENTS: dict[str, Callable[[Setup], Measurement]] = {
+    "manager_numpy": lambda setup: ManagerStep(setup, compiled=False),
+    "manager": lambda setup: ManagerStep(setup, compiled=True),
+    "service_inproc": InProcessService,
+    "ipc": lambda setup: RemoteService(setup, "ipc"),
+    "rest_tcp": lambda setup: RemoteService(setup, "rest_tcp"),
+}
+
+
+def first_call_seconds(device: str) -> float:
+    """Seconds from a fresh compiled manager to its first step's return: numba loading its
+    cached code (or compiling it, on a machine's first run)."""
+    t0 = time.perf_counter()
+    ManagerStep(Setup(8, 0, device), compiled=True).manager.step(
+        StepPlan(prompt_lens=[PROMPT_LEN]))
+    return time.perf_counter() - t0
+
+
+def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, float]]:
+    runs = {name: MEASUREMENTS[name](setup) for name in names}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(steps):
+        for name, m in runs.items():
+            prepared = m.prepare()
+            t0 = time.perf_counter_ns()
+            result = m.run(prepared)
+            samples[name].append((time.perf_counter_ns() - t0) / 1e3)
+            m.observe(result)
+    for m in runs.values():
+        if isinstance(m, InProcessService):
+            samples["commit"] = m.commit_us
+        m.close()
     out = {}
-    with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp, \
-            ServiceProcess(Path(tmp), *flags) as svc:
-        for key, address in (("ipc_us", svc.ipc), ("rest_tcp_us", svc.rest_tcp)):
-            with Client(address, worker_id="bench") as client:
-                out[key] = _median_us(drive(client, batch, steps, warmup, client.send_step))
+    for name, taken in samples.items():
+        warm = taken[max(2, len(taken) // 10):]  # past admission and warm-up
+        out[name] = {"median_us": round(statistics.median(warm), 1),
+                     "p99_us": round(float(np.percentile(warm, 99)), 1)}
     return out
 
 
-def _median_us(seconds: list[float]) -> float:
-    return round(float(np.median(seconds)) * 1e6, 1)
+def targets(r: dict[str, float]) -> dict[str, float]:
+    """The step path's targets as numbers, each met when <= 1 (or <= the stated microseconds)."""
+    out = {"compiled_over_numpy": r["manager_us"] / r["manager_numpy_us"]}
+    if "service_inproc_us" in r and "commit_us" in r:
+        out["service_over_2x_manager_plus_commit"] = (
+            r["service_inproc_us"] / (2 * r["manager_us"] + r["commit_us"]))
+    for key in ("ipc_us", "rest_tcp_us"):
+        if key in r and "service_inproc_us" in r:
+            out[f"{key.removesuffix('_us')}_minus_inproc_us"] = r[key] - r["service_inproc_us"]
+    return {k: round(v, 3) for k, v in out.items()}
 
 
-# ---------------------------------------------------------------- report
-
-
-def run(batches: Iterator[int] | list[int], steps: int, warmup: int, shape: PoolShape
-        ) -> dict[str, dict[str, float]]:
-    results = {}
-    for batch in batches:
-        row = measure_managers(batch, steps)
-        row |= measure_in_process(batch, steps, warmup, shape)
-        row |= measure_transports(batch, steps, warmup, shape)
-        results[str(batch)] = row
-        print(f"batch {batch}: {row}", file=sys.stderr)
-    return results
-
-
-def ratios(row: dict[str, float]) -> dict[str, float]:
-    """The targets, as numbers: each <= 1 when met."""
-    return {
-        "compiled_vs_numpy": round(row["manager_us"] / row["manager_numpy_us"], 3),
-        "service_vs_2x_manager_plus_commit": round(
-            row["service_inproc_us"] / (2 * row["manager_us"] + row["commit_us"]), 3),
-        "ipc_minus_inproc_us": round(row["ipc_us"] - row["service_inproc_us"], 1),
-        "rest_tcp_minus_inproc_us": round(row["rest_tcp_us"] - row["service_inproc_us"], 1),
-    }
-
-
-def host() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "load_average_at_start": os.getloadavg()}
-
-
-def markdown(results: dict[str, dict[str, float]]) -> str:
-    keys = ["manager_numpy_us", "manager_us", "service_inproc_us", "commit_us", "ipc_us",
-            "rest_tcp_us"]
-    lines = ["| batch | " + " | ".join(keys) + " | compiled / numpy | service / (2 manager + "
-             "commit) |", "|---:|" + "---:|" * (len(keys) + 2)]
-    for batch, row in results.items():
-        r = ratios(row)
-        lines.append(f"| {batch} | " + " | ".join(f"{row[k]:.0f}" for k in keys)
-                     + f" | {r['compiled_vs_numpy']:.2f} | "
-                       f"{r['service_vs_2x_manager_plus_commit']:.2f} |")
-    return "\n".join(lines)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="batch 256 only, fewer steps (default: batches 64, 256, 1024)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (batch 256 with --quick) instead of a table")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement "
-                        "(default 150 with --quick, 400 otherwise)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")
-    parser.add_argument("--device", default="cpu", help="the service's pool device")
-    parser.add_argument("--layers", type=int, default=2, help="the service pool's layers")
-    parser.add_argument("--kv-heads", type=int, default=2, help="the service pool's KV heads")
-    parser.add_argument("--head-dim", type=int, default=64, help="the service pool's head dim")
-    parser.add_argument("--out", type=Path, help="also write the full results here (JSON)")
-    args = parser.parse_args()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024],
+                   help="requests per step (default: 64 256 1024)")
+    p.add_argument("--steps", type=int, default=400, help="timed steps per batch (default 400)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"batch {REPORTED_BATCH} only, 200 steps")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), default=list(MEASUREMENTS),
+                   help="run these measurements only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--device", default="cpu",
+                   help="where the block table's device copy and the service's pool live")
+    p.add_argument("--layers", type=int, default=2, help="the service pool's layers (default 2)")
+    p.add_argument("--kv-heads", type=int, default=2, help="its KV heads (default 2)")
+    p.add_argument("--head-dim", type=int, default=64, help="its head dim (default 64)")
+    p.add_argument("--out", help="also write the JSON results here")
+    args = p.parse_args()
     torch.set_num_threads(1)
-    steps = args.steps or (150 if args.quick else 400)
-    shape = PoolShape(args.layers, args.kv_heads, args.head_dim, args.device)
-    batches = [256] if args.quick else [64, 256, 1024]
-    results = run(batches, steps, args.warmup, shape)
-    full = {"host": host(), "shape": shape.__dict__, "steps": steps, "batches": results,
-            "ratios": {b: ratios(row) for b, row in results.items()}}
+    batches, steps = ([REPORTED_BATCH], 200) if args.quick else (args.batches, args.steps)
+    first_call = first_call_seconds(args.device)
+    per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
+                                       args.kv_heads, args.head_dim), steps, args.only)
+                 for b in batches}
+    results: dict[str, object] = {
+        "benchmark": "bench_step",
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, "
+                   f"load average {os.getloadavg()[0]:.1f} at the end",
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "service_pool": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, "
+                        "bfloat16",
+        "steps": steps,
+        "compiled_first_call_s": round(first_call, 3),
+        "batches": per_batch,
+    }
+    if str(REPORTED_BATCH) in per_batch:
+        for name, r in per_batch[str(REPORTED_BATCH)].items():
+            results[f"{name}_us"] = r["median_us"]
+    results["targets"] = {b: targets({f"{n}_us": v["median_us"] for n, v in r.items()})
+                          for b, r in per_batch.items()}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(full, indent=2) + "\n")
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
     if args.json:
-        print(json.dumps(results["256"] if args.quick else full))
-    else:
-        print(markdown(results))
-    return 0
+        json.dump(results, sys.stdout)
+        print()
+        return
+    names = list(next(iter(per_batch.values())))
+    print(f"compiled step, first call: {first_call:.2f} s")
+    print("| requests | " + " | ".join(f"{n} median (us) | p99" for n in names) + " |")
+    print("|---|" + "---|---|" * len(names))
+    for b, r in per_batch.items():
+        cells = " | ".join(f"{r[n]['median_us']:.1f} | {r[n]['p99_us']:.1f}" for n in names)
+        print(f"| {b} | {cells} |")
+    for b, t in results["targets"].items():  # type: ignore[union-attr]
+        print(f"batch {b}: {t}")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -33,6 +33,6 @@ tests_rc=${PIPESTATUS[0]}
 
 step() { echo "== $*"; timeout 400 "$@" || echo "FAILED ($?): $*"; }
 step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee "$OUT/bench.log"
-step "$PYTHON" benchmarks/bench_host.py --device cuda --steps 2000 \
-    --out "$OUT/bench_host_cuda.json" 2>&1 | tee -a "$OUT/bench.log"
+step "$PYTHON" benchmarks/bench_step.py --device cuda --out "$OUT/bench_step_cuda.json" \
+    2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"

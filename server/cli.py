@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -27,32 +26,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker.cli", "a transformers model decoding speculatively, KV in the pool"),
 }
 
-T = TypeVar("T")
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends an option's default to its help, unless the help already speaks of its default or
     there is nothing to show (no default, or a flag that is off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        # Identity, not equality: a default of 0 is shown, a flag's False is not.
+        if "default" in text or any(action.default is v for v in (None, False,
+                                                                   argparse.SUPPRESS)):
             return text
         return f"{text} (default: %(default)s)"
-
-
-def argument_type(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """``parse`` as an argparse ``type=``: its ValueError's message becomes argparse's error
-    (argparse would otherwise replace it with a bare "invalid value")."""
-
-    def convert(text: str) -> T:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
 
 
 def flag_errors(exc: ValidationError) -> str:

@@ -57,27 +57,40 @@ def _bounds(model: type[BaseModel]) -> dict[str, protocol.Column]:
 
 def column(value: ColumnInput, bounds: protocol.Column, where: str) -> np.ndarray:
     """``value`` as an int64 array within ``bounds``; `MalformedBody` naming ``where`` if not."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        if len(value) % INT64.itemsize:
-            raise MalformedBody(f"{where}: {len(value)} bytes is not a whole number of int64",
-                                field=where)
-        array = np.frombuffer(value, dtype=INT64)
-    else:
-        array = np.asarray(value)
-        if array.size == 0:
-            return NO_VALUES
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            # Floats and bools would be cast silently; they are not counts.
-            raise MalformedBody(f"{where}: expected a flat list of integers", field=where)
-        if array.dtype != np.int64:
-            if array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
-                raise MalformedBody(f"{where}: a value exceeds int64", field=where)
-            array = array.astype(np.int64)
-    if array.size and (array.min() < bounds.ge or array.max() > bounds.le):
+    array = as_int64(value, where)
+    # A bound at the edge of int64 holds for every int64: only the other one costs a pass.
+    if array.size and ((bounds.ge > _INT64_MIN and array.min() < bounds.ge) or (
+            bounds.le < _INT64_MAX and array.max() > bounds.le)):
         bad = int(np.flatnonzero((array < bounds.ge) | (array > bounds.le))[0])
         raise MalformedBody(f"{where}[{bad}]: {int(array[bad])} is outside [{bounds.ge}, "
                             f"{bounds.le}]", field=f"{where}[{bad}]")
     return array
+
+
+def as_int64(value: ColumnInput, where: str) -> np.ndarray:
+    """``value`` as a flat int64 array (int64 bytes are viewed, not copied); `MalformedBody`
+    naming ``where`` if it holds anything but integers."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        if not value:
+            return NO_VALUES
+        if len(value) % INT64.itemsize:
+            raise MalformedBody(f"{where}: {len(value)} bytes is not a whole number of int64",
+                                field=where)
+        return np.frombuffer(value, dtype=INT64)
+    array = np.asarray(value)
+    if array.size == 0:
+        return NO_VALUES
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        # Floats and bools would be cast silently; they are not counts.
+        raise MalformedBody(f"{where}: expected a flat list of integers", field=where)
+    if array.dtype != np.int64:
+        if array.dtype.kind == "u" and array.max() > _INT64_MAX:
+            raise MalformedBody(f"{where}: a value exceeds int64", field=where)
+        array = array.astype(np.int64)
+    return array
+
+
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 class _ArrayRecord:
@@ -139,9 +152,8 @@ class StepCall(_ArrayRecord):
         unknown = set(columns) - set(_REQUEST_COLUMNS)
         if unknown:
             raise TypeError(f"unknown columns: {sorted(unknown)}")
-        arrays = {attr: column(columns[attr], _bounds(_MODELS[group])[name], f"{group}.{name}")
-                  if attr in columns else NO_VALUES
-                  for attr, (group, name) in _REQUEST_COLUMNS.items()}
+        arrays = {attr: column(columns[attr], bounds, where) if attr in columns else NO_VALUES
+                  for attr, (bounds, where) in _request_specs().items()}
         by_name = {(g, n): arrays[a] for a, (g, n) in _REQUEST_COLUMNS.items()}
         for group, first, second in _PAIRED:
             _same_length(by_name[group, first], by_name[group, second], group, first, second)
@@ -183,6 +195,18 @@ _MODELS: dict[str, type[BaseModel]] = {
     "padding": protocol.PaddingColumns, "prefill": protocol.PrefillColumns,
     "new": protocol.NewColumns,
 }
+
+
+@functools.cache
+def _field_names(holder: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(holder))
+
+
+@functools.cache
+def _request_specs() -> dict[str, tuple[protocol.Column, str]]:
+    """Per StepCall column: its bounds and its name in errors (``grants.draft_lens``)."""
+    return {attr: (_bounds(_MODELS[group])[name], f"{group}.{name}")
+            for attr, (group, name) in _REQUEST_COLUMNS.items()}
 
 
 def _same_length(a: np.ndarray, b: np.ndarray, group: str, first: str, second: str) -> None:
@@ -294,20 +318,17 @@ class StepResult(_ArrayRecord):
     @classmethod
     def from_wire(cls, reply: Any) -> StepResult:
         """From either reply struct. ``tables`` and ``slot_mapping`` are None for an attached
-        worker (the service sends tables exactly to workers that did not attach)."""
-        def read(part: Any, holder: type, model: type[BaseModel]) -> Any:
-            bounds = _bounds(model)
-            return holder(**{f.name: column(getattr(part, f.name), bounds[f.name], f.name)
-                             for f in fields(holder)})
+        worker (the service sends tables exactly to workers that did not attach). Columns are
+        typed, not range-checked: the service checked what it computed them from."""
+        def read(part: Any, holder: type) -> Any:
+            return holder(*[as_int64(getattr(part, name), name)
+                            for name in _field_names(holder)])
 
-        tables = (None if reply.tables is None
-                  else read(reply.tables, TableChanges, protocol.TableDeltas))
-        reply_bounds = _bounds(protocol.StepReply)
+        tables = None if reply.tables is None else read(reply.tables, TableChanges)
         return cls(
             epoch=reply.epoch, step_id=reply.step_id,
-            admitted=column(reply.admitted, reply_bounds["admitted"], "admitted"),
-            scheduled=read(reply.scheduled, Scheduled, protocol.ScheduledColumns),
-            refused=read(reply.refused, Refused, protocol.RefusedColumns),
+            admitted=as_int64(reply.admitted, "admitted"),
+            scheduled=read(reply.scheduled, Scheduled), refused=read(reply.refused, Refused),
             committed=reply.committed, free_blocks=reply.free_blocks, tables=tables,
-            slot_mapping=None if tables is None else column(
-                reply.slot_mapping, reply_bounds["slot_mapping"], "slot_mapping"))
+            slot_mapping=None if tables is None else as_int64(reply.slot_mapping,
+                                                              "slot_mapping"))

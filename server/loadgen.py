@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from allocator.arguments import argument_type, bounded
 from allocator.simulate import Acceptance
 
 from .addresses import client_address, default_client_address
-from .cli import argument_type
 from .client import Client, RemoteError, ServiceUnreachable, TransportTimeout
 from .columns import StepResult
 
@@ -269,51 +269,36 @@ def _range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def _bounded(kind: type[int] | type[float], low: float, high: float = float("inf"), *,
-             low_open: bool = False):
-    """An argparse type: a number of ``kind`` in [low, high] ((low, high] with ``low_open``)."""
-
-    def parse(text: str) -> int | float:
-        value = kind(text)
-        if value < low or value > high or (low_open and value == low):
-            lo = "(" if low_open else "["
-            raise ValueError(f"{text} is not in {lo}{low:g}, {high:g}]")
-        return value
-
-    parse.__name__ = kind.__name__
-    return argument_type(parse)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, type=argument_type(client_address),
                         help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
                              "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
     parser.add_argument("--worker-id", default=None,
                         help="the worker's name at the service (default: <host>-<pid>)")
-    parser.add_argument("--timeout", type=_bounded(float, 0, low_open=True), default=10.0,
+    parser.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=10.0,
                         help="seconds to wait for one reply")
     stop = parser.add_argument_group(
         "how long", f"whichever comes first; --duration alone runs that long, neither runs "
                     f"{DEFAULT_STEPS} steps")
-    stop.add_argument("--steps", type=_bounded(int, 1), default=None,
+    stop.add_argument("--steps", type=bounded(int, 1), default=None,
                       help="scheduler steps, one call each")
-    stop.add_argument("--duration", type=_bounded(float, 0, low_open=True), default=None,
+    stop.add_argument("--duration", type=bounded(float, 0, low_open=True), default=None,
                       help="seconds")
     sim = parser.add_argument_group("the simulated engine")
-    sim.add_argument("--draft-len", type=_bounded(int, 0), default=3, help="MTP draft length D")
+    sim.add_argument("--draft-len", type=bounded(int, 0), default=3, help="MTP draft length D")
     sim.add_argument("--acceptance", type=Acceptance.parse, default="geometric:0.7",
                      help="geometric:P, fixed:K or uniform")
-    sim.add_argument("--arrival-rate", type=_bounded(float, 0), default=0.5,
+    sim.add_argument("--arrival-rate", type=bounded(float, 0), default=0.5,
                      help="new requests per step, Poisson mean")
     sim.add_argument("--prompt-len", type=_range, default="16:512", help="MIN:MAX tokens")
     sim.add_argument("--output-len", type=_range, default="16:256", help="MIN:MAX tokens")
-    sim.add_argument("--max-live", type=_bounded(int, 1), default=32,
+    sim.add_argument("--max-live", type=bounded(int, 1), default=32,
                      help="running requests at most")
-    sim.add_argument("--skip-rate", type=_bounded(float, 0, 1), default=0.02,
+    sim.add_argument("--skip-rate", type=bounded(float, 0, 1), default=0.02,
                      help="share of forwards skipped and reverted")
-    sim.add_argument("--pad-rate", type=_bounded(float, 0, 1), default=0.1,
+    sim.add_argument("--pad-rate", type=bounded(float, 0, 1), default=0.1,
                      help="share of grants padded to max_draft_len")
-    sim.add_argument("--step-interval", type=_bounded(float, 0), default=0.02,
+    sim.add_argument("--step-interval", type=bounded(float, 0), default=0.02,
                      help="seconds between calls: the forward's duration")
     sim.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     out = parser.add_argument_group("output")

@@ -26,6 +26,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from allocator import PoolConfig
+from allocator.arguments import argument_type
 from allocator.config import KVDType
 
 from .addresses import (
@@ -40,7 +41,7 @@ from .addresses import (
     server_endpoint,
     socket_file,
 )
-from .cli import argument_type, flag_errors
+from .cli import flag_errors
 from .core import ServiceCore
 from .ipc import IpcServer
 from .rest import create_app

@@ -72,6 +72,23 @@ def test_loadgen_refuses_a_bad_flag_naming_it_and_the_value(capsys, argv, messag
     assert message in fails_with(capsys, "loadgen", *argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--num-blocks", "0"], "argument --num-blocks: 0 is not in [1, inf]"),
+    (["--osl", "0"], "argument --osl: 0 is not in [1, inf]"),
+    (["--plot", "/nonexistent/sim.png"], "argument --plot: /nonexistent/sim.png: directory "
+                                         "/nonexistent does not exist"),
+    (["--json", "/nonexistent/sim.json"], "argument --json: /nonexistent/sim.json"),
+])
+def test_simulate_refuses_a_bad_flag_before_simulating(capsys, argv, message):
+    assert message in fails_with(capsys, "simulate", *argv)
+
+
+def test_simulate_reports_flags_that_make_no_pool(capsys):
+    assert cli.main(["simulate", "--num-blocks", "3", "--no-progress"]) == 2
+    assert "kvalloc simulate: error: Value error, max_seq_len: 132088 needs 516 blocks per " \
+           "sequence but the pool has 3" in capsys.readouterr().err
+
+
 def test_a_bad_flag_from_the_installed_command_is_no_traceback(tmp_path: Path):
     r = subprocess.run([*kvalloc_command(), "serve", "--ipc", "tcp://127.0.0.1:99999"],
                        capture_output=True, text=True, timeout=60)
@@ -93,7 +110,7 @@ def test_every_option_has_a_help_text_and_shows_its_default(command):
         if isinstance(action, argparse._HelpAction):
             continue
         assert action.help, f"{action.option_strings} has no help text"
-        if action.default not in (None, False):
+        if action.default is not None and action.default is not False:
             assert "default" in action.help or f"(default: {action.default})" in text, (
                 f"{action.option_strings} does not show its default {action.default!r}")
 
@@ -145,6 +162,7 @@ def test_a_refused_token_is_named_as_such_on_every_transport(guarded, monkeypatc
     assert str(exc_info.value) == f"401 unauthorized: {says}"
     with Client(getattr(guarded, transport), token="s3cret") as client:
         assert client.register(attach=False).epoch == guarded.epoch
+        client.deregister()
 
 
 def test_loadgen_against_a_guarded_service_says_the_token_is_missing(guarded, monkeypatch):

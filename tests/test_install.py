@@ -27,14 +27,16 @@ def make_dry_run(tmp_path: Path, *variables: str) -> str:
 def test_the_default_venv_is_isolated_and_keeps_torch_at_the_constraint(tmp_path):
     commands = make_dry_run(tmp_path)
     assert "-m venv " in commands and "--system-site-packages" not in commands
-    assert "-c constraints-cpu.txt -e '.[dev]'" in commands
+    assert "-c constraints-cpu.txt -e '.[dev,worker]'" in commands
 
 
 @needs_make
-def test_system_torch_builds_over_site_packages_and_pins_nothing(tmp_path):
-    commands = make_dry_run(tmp_path, "SYSTEM_TORCH=1")
+@pytest.mark.parametrize("variable", ["SYSTEM_TORCH=1", "TORCH_CONSTRAINT=/dev/null"])
+def test_system_torch_builds_over_site_packages_and_pins_nothing(tmp_path, variable):
+    commands = make_dry_run(tmp_path, variable)
     assert "-m venv --system-site-packages " in commands
-    assert "-c /dev/null -e '.[dev]'" in commands and "constraints-cpu.txt -e" not in commands
+    assert "-c /dev/null -e '.[dev,worker]'" in commands
+    assert "constraints-cpu.txt -e" not in commands
 
 
 def test_the_constraints_pin_torch_alone():

@@ -111,3 +111,34 @@ def test_cli_rejects_bad_arguments_naming_them(argv, message):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize("policy, verdict", [
+    (SlackPolicy.NONE, "IMA at step"), (SlackPolicy.UNRECLAIMED, "row overflow at step"),
+    (SlackPolicy.RECLAIM, "clean: the write reach stays within granted capacity")])
+def test_the_plot_names_the_outcome_and_keeps_its_legends_off_the_data(policy, verdict):
+    import matplotlib.pyplot as plt
+
+    from allocator.simulate_plot import figure
+
+    result = run(policy)
+    fig = figure(result)
+    try:
+        assert verdict in fig._suptitle.get_text()
+        top, bottom = fig.axes
+        failure = result.first_ima or result.first_row_overflow
+        if failure is not None:  # labelled on the picture, at the step it happened
+            label = next(t for t in top.texts if t.get_text().startswith(verdict))
+            assert f"step {failure.step}\n" in label.get_text() + "\n"
+            assert any(line.get_xdata()[0] == failure.step for line in bottom.lines[2:])
+        fig.canvas.draw()
+        for ax in (top, bottom):
+            legend = ax.get_legend().get_window_extent()
+            assert legend.x0 >= ax.get_window_extent().x1, "the legend covers no data"
+        labels = {line.get_label() for line in top.lines}
+        assert {"granted capacity (shaded)", "write reach: last position the forward writes",
+                "committed history"} <= labels
+        assert top.get_ylabel() == "tokens above committed history"
+        assert bottom.get_xlabel() == "scheduler step"
+    finally:
+        plt.close(fig)
