@@ -15,6 +15,8 @@ from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracl
 from server.cli import main
 from server.launch import ServiceProcess
 
+pytest_plugins = ["worker_fixtures"]
+
 
 def write_inputs(oracle: Oracle, tmp_path: Path) -> tuple[Path, Path]:
     config, prompts = tmp_path / "cfg.json", tmp_path / "prompts.jsonl"

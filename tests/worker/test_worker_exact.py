@@ -19,6 +19,8 @@ from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
 from worker.drafters import Drafter, NgramDrafter, OracleDrafter
 from worker.engine import Engine, Request, StepRecord
 
+pytest_plugins = ["worker_fixtures"]
+
 
 class PoolWatch:
     """The on_step observer: the pool must equal exactly the tokens committed so far."""

@@ -18,6 +18,8 @@ from worker.drafters import DrafterSpecError, NgramDrafter, OracleDrafter, parse
 from worker.engine import Engine, EngineError, LayoutMismatch, Prompt
 from worker.model import ModelLoadError, config_from_file, load_model, random_model
 
+pytest_plugins = ["worker_fixtures"]
+
 
 def test_ngram_proposes_what_followed_the_most_recent_match() -> None:
     context = np.array([5, 1, 2, 7, 8, 9, 1, 2, 3, 4, 0, 1, 2])

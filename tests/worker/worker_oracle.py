@@ -1,6 +1,6 @@
-"""The worker tests' oracle: tiny random Llama, Qwen2 and Mistral models, prompts of varied lengths,
-and transformers' own answers for them (``generate`` and a plain forward's K/V), which are the
-oracle every worker run is checked against.
+"""The worker tests' oracle: tiny random Llama, Qwen2 and Mistral models, prompts of varied
+lengths, and transformers' own answers for them (``generate`` and a plain forward's K/V), which
+are the oracle every worker run is checked against.
 
 Pool shape: 4 tokens per block, so the longest prompt crosses many block boundaries, and
 ``max_step_tokens`` 48, so the 70-token prompt is prefilled in chunks.
@@ -84,5 +84,3 @@ def pool_config(model: PreTrainedModel, **overrides: object) -> ServiceConfig:
             "device": "cpu", "max_batch_size": 8, "max_seq_len": 96,
             "max_draft_len": MAX_DRAFT_LEN, "overlap_scheduler": True, **overrides}
     return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS)
-
-

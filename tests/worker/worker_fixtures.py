@@ -1,4 +1,6 @@
-"""Fixtures for the worker's tests (the oracle itself lives in worker_oracle.py)."""
+"""The worker tests' fixtures. Test modules load them with ``pytest_plugins =
+["worker_fixtures"]``: a conftest.py in this directory would take the module name ``conftest``
+from the suite's own."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from server.core import ServiceCore
 from server.settings import ServiceConfig
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def one_thread() -> Iterator[None]:
     """Tiny matrices: torch's thread pool only adds contention on a shared CPU."""
     threads = torch.get_num_threads()
@@ -23,12 +25,12 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))
-def oracle(request: pytest.FixtureRequest) -> Oracle:
+def oracle(request: pytest.FixtureRequest, one_thread: None) -> Oracle:
     return make_oracle(request.param)
 
 
 @pytest.fixture(scope="session")
-def llama_oracle() -> Oracle:
+def llama_oracle(one_thread: None) -> Oracle:
     return make_oracle("llama")
 
 
