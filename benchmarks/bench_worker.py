@@ -125,6 +125,8 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp:
             for transport in TRANSPORTS:
                 with connect(transport, config, Path(tmp)) as client:
+                    # Warm-up, not measured: first calls compile and allocate (service and model).
+                    measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
                     truth, row = measure(model, client, prompts, setup["new_tokens"], None, 0)
                     rows.append({"batch": batch, "transport": transport, "drafter": "none",
                                  "draft_len": 0, **row})
