@@ -19,40 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import step_errors as codes
 from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
 from .config import SlackPolicy
-from .step_errors import (
-    ABOVE_MAX_DRAFT,
-    ACCEPTED,
-    ACCEPTED_EXCEEDS_DRAFTS,
-    BELOW_MINIMUM,
-    CHUNK_PAST_PROMPT,
-    CHUNK_TOKENS,
-    DRAFTS,
-    DUPLICATE_ROW,
-    ERROR_SLOTS,
-    FINISHED,
-    FINISHED_AND_SCHEDULED,
-    FIRST_CHUNKS,
-    GRANT_PENDING,
-    GRANTS,
-    NO_PENDING_GRANT,
-    OUT_OF_BLOCKS,
-    PADDED,
-    PADDING,
-    PADDING_BELOW_DRAFT,
-    PREFILL,
-    PREFILL_INCOMPLETE,
-    PREFILL_PAST_PROMPT,
-    PROMPT_TOO_LONG,
-    PROMPTS,
-    RESULTS,
-    REVERTED_AND_SETTLED,
-    REVERTS,
-    ROW_OVERFLOW,
-    SCHEDULED_AND_PREFILLED,
-    UNKNOWN_ROW,
-)
 from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
 from .step_reference import StepResult
 
@@ -89,43 +58,38 @@ def _fail(error, kind, subject, index, detail):
     return True
 
 
-def _check_rows(rows, subject, live, seen, error):
-    """Every row in range and live, then none listed twice (``seen`` is all False on entry and
-    on return)."""
-    n = live.size
+def _first_unknown(rows, live):
+    """Index of the first row that is out of range or not live, or -1."""
     for i in range(rows.size):
-        row = rows[i]
-        if row < 0 or row >= n or not live[row]:
-            return _fail(error, UNKNOWN_ROW, subject, i, 0)
-    duplicate = -1
+        if rows[i] < 0 or rows[i] >= live.size or not live[rows[i]]:
+            return i
+    return -1
+
+
+def _first_repeat(rows, seen):
+    """Index of the first row listed earlier in ``rows``, or -1 (``seen``: all False on entry
+    and on return)."""
+    repeat = -1
     for i in range(rows.size):
         if seen[rows[i]]:
-            duplicate = i
+            repeat = i
             break
         seen[rows[i]] = True
     for i in range(rows.size):
         seen[rows[i]] = False
-    if duplicate >= 0:
-        return _fail(error, DUPLICATE_ROW, subject, duplicate, 0)
-    return False
+    return repeat
 
 
-def _check_minimum(values, subject, minimum, error):
+def _first_outside(values, least, most):
+    """Index of the first value below ``least`` or above ``most``, or -1."""
     for i in range(values.size):
-        if values[i] < minimum:
-            return _fail(error, BELOW_MINIMUM, subject, i, minimum)
-    return False
+        if values[i] < least or values[i] > most:
+            return i
+    return -1
 
 
-def _check_maximum(values, subject, maximum, kind, error):
-    for i in range(values.size):
-        if values[i] > maximum:
-            return _fail(error, kind, subject, i, maximum)
-    return False
-
-
-def _check_apart(rows, subject, first, second, third, kind, seen, error):
-    """The first of ``rows`` also listed in ``first``, ``second`` or ``third`` fails the step."""
+def _first_listed(rows, first, second, third, seen):
+    """Index of the first of ``rows`` also in ``first``, ``second`` or ``third``, or -1."""
     for others in (first, second, third):
         for i in range(others.size):
             seen[others[i]] = True
@@ -137,42 +101,56 @@ def _check_apart(rows, subject, first, second, third, kind, seen, error):
     for others in (first, second, third):
         for i in range(others.size):
             seen[others[i]] = False
-    if found >= 0:
-        return _fail(error, kind, subject, found, 0)
-    return False
+    return found
 
 
 def _validate(plan, live, max_draft_len, max_seq_len, seen, error):
-    (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens, padding_rows,
-     padded, prefill_rows, prefill_tokens, prompt_lens, first_chunks) = plan
-    none = revert_rows[:0]
-    if (_check_rows(revert_rows, REVERTS, live, seen, error)
-            or _check_rows(result_rows, RESULTS, live, seen, error)
-            or _check_minimum(num_accepted, ACCEPTED, 0, error)
-            or _check_rows(finished_rows, FINISHED, live, seen, error)
-            or _check_rows(grant_rows, GRANTS, live, seen, error)
-            or _check_minimum(draft_lens, DRAFTS, 0, error)
-            or _check_rows(padding_rows, PADDING, live, seen, error)
-            or _check_minimum(padded, PADDED, 0, error)
-            or _check_rows(prefill_rows, PREFILL, live, seen, error)
-            or _check_minimum(prefill_tokens, CHUNK_TOKENS, 1, error)
-            or _check_minimum(prompt_lens, PROMPTS, 1, error)
-            or _check_minimum(first_chunks, FIRST_CHUNKS, 0, error)
-            or _check_maximum(draft_lens, DRAFTS, max_draft_len, ABOVE_MAX_DRAFT, error)
-            or _check_maximum(padded, PADDED, max_draft_len, ABOVE_MAX_DRAFT, error)
-            or _check_maximum(prompt_lens, PROMPTS, max_seq_len, PROMPT_TOO_LONG, error)):
-        return True
+    (revert_rows, result_rows, _, finished_rows, grant_rows, draft_lens, padding_rows, padded,
+     prefill_rows, _, prompt_lens, first_chunks) = plan
+    no_limit = np.iinfo(np.int64).max
+    for subject in range(len(plan)):
+        values = plan[subject]
+        if codes.NAMES_ROWS[subject]:
+            i = _first_unknown(values, live)
+            if i >= 0:
+                return _fail(error, codes.UNKNOWN_ROW, subject, i, 0)
+            i = _first_repeat(values, seen)
+            if i >= 0:
+                return _fail(error, codes.DUPLICATE_ROW, subject, i, 0)
+        else:
+            least = codes.LEAST_VALUE[subject]
+            i = _first_outside(values, least, no_limit)
+            if i >= 0:
+                return _fail(error, codes.BELOW_MINIMUM, subject, i, least)
+    for values, subject, most, kind in (
+            (draft_lens, codes.DRAFTS, max_draft_len, codes.ABOVE_MAX_DRAFT),
+            (padded, codes.PADDED, max_draft_len, codes.ABOVE_MAX_DRAFT),
+            (prompt_lens, codes.PROMPTS, max_seq_len, codes.PROMPT_TOO_LONG)):
+        i = _first_outside(values, -no_limit, most)
+        if i >= 0:
+            return _fail(error, kind, subject, i, most)
     for i in range(first_chunks.size):
         if first_chunks[i] > prompt_lens[i]:
-            return _fail(error, CHUNK_PAST_PROMPT, FIRST_CHUNKS, i, 0)
-    return (_check_apart(result_rows, RESULTS, revert_rows, none, none, REVERTED_AND_SETTLED,
-                         seen, error)
-            or _check_apart(finished_rows, FINISHED, grant_rows, padding_rows, prefill_rows,
-                            FINISHED_AND_SCHEDULED, seen, error)
-            or _check_apart(prefill_rows, GRANTS, grant_rows, none, none,
-                            SCHEDULED_AND_PREFILLED, seen, error)
-            or _check_apart(prefill_rows, PADDING, padding_rows, none, none,
-                            SCHEDULED_AND_PREFILLED, seen, error))
+            return _fail(error, codes.CHUNK_PAST_PROMPT, codes.FIRST_CHUNKS, i, 0)
+    none = revert_rows[:0]
+    for rows, subject, first, second, third, kind in (
+            (result_rows, codes.RESULTS, revert_rows, none, none, codes.REVERTED_AND_SETTLED),
+            (finished_rows, codes.FINISHED, grant_rows, padding_rows, prefill_rows,
+             codes.FINISHED_AND_SCHEDULED),
+            (prefill_rows, codes.GRANTS, grant_rows, none, none, codes.SCHEDULED_AND_PREFILLED),
+            (prefill_rows, codes.PADDING, padding_rows, none, none,
+             codes.SCHEDULED_AND_PREFILLED)):
+        i = _first_listed(rows, first, second, third, seen)
+        if i >= 0:
+            return _fail(error, kind, subject, i, 0)
+    return False
+
+
+def _copy_into(destination, source):
+    """``destination[:] = source`` for arrays of one length (as a loop: numba's slice assignment
+    brings a shape check whose error message alone takes seconds to compile)."""
+    for i in range(source.size):
+        destination[i] = source[i]
 
 
 def _slack_for(draft, lead, overlap, policy):
@@ -217,16 +195,15 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
         return failed
 
     # ---- 2. settle reverts and results (in scratch)
-    for row in range(n):
-        settled_capacity[row] = capacity[row]
-        settled_history[row] = history[row]
-        settled_slack[row] = slack[row]
-        settled_draft[row] = draft_len[row]
-        settled_lead[row] = lead[row]
-        settled_pending[row] = pending[row]
+    # The settled copies of the counts, in the same order.
+    settled = (settled_capacity, settled_history, settled_slack, settled_draft, settled_lead)
+    current = (capacity, history, slack, draft_len, lead)
+    for which in range(len(settled)):
+        _copy_into(settled[which], current[which])
+    _copy_into(settled_pending, pending)
     for i in range(revert_rows.size):
         if not settled_pending[revert_rows[i]]:
-            _fail(error, NO_PENDING_GRANT, REVERTS, i, 0)
+            _fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
             return failed
     for row in revert_rows:
         settled_capacity[row] -= 1 + settled_draft[row] + settled_slack[row]
@@ -235,12 +212,12 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
         settled_draft[row] = 0
     for i in range(result_rows.size):
         if not settled_pending[result_rows[i]]:
-            _fail(error, NO_PENDING_GRANT, RESULTS, i, 0)
+            _fail(error, codes.NO_PENDING_GRANT, codes.RESULTS, i, 0)
             return failed
     for i in range(result_rows.size):
         drafts = settled_draft[result_rows[i]]
         if num_accepted[i] > drafts:
-            _fail(error, ACCEPTED_EXCEEDS_DRAFTS, ACCEPTED, i, drafts)
+            _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts)
             return failed
     for i in range(result_rows.size):
         row, accepted = result_rows[i], num_accepted[i]
@@ -257,12 +234,12 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     # ---- 3. grants, padding, prefill: the capacity each one wants
     for i in range(num_grants):
         if settled_pending[grant_rows[i]]:
-            _fail(error, GRANT_PENDING, GRANTS, i, 0)
+            _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
             return failed
     for i in range(num_grants):
         row = grant_rows[i]
         if settled_history[row] < prompt_len[row]:
-            _fail(error, PREFILL_INCOMPLETE, GRANTS, i, 0)
+            _fail(error, codes.PREFILL_INCOMPLETE, codes.GRANTS, i, 0)
             return failed
     for row in padding_rows:
         wanted[row] = settled_draft[row]
@@ -272,11 +249,11 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for i in range(padding_rows.size):
         row = padding_rows[i]
         if not (settled_pending[row] or is_new_grant[row]):
-            _fail(error, NO_PENDING_GRANT, PADDING, i, 0)
+            _fail(error, codes.NO_PENDING_GRANT, codes.PADDING, i, 0)
             return failed
     for i in range(padding_rows.size):
         if padded[i] < wanted[padding_rows[i]]:
-            _fail(error, PADDING_BELOW_DRAFT, PADDED, i, wanted[padding_rows[i]])
+            _fail(error, codes.PADDING_BELOW_DRAFT, codes.PADDED, i, wanted[padding_rows[i]])
             return failed
     num_items = 0
     for i in range(padding_rows.size):
@@ -300,7 +277,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for i in range(num_chunks):
         row = prefill_rows[i]
         if settled_history[row] + prefill_tokens[i] > prompt_len[row]:
-            _fail(error, PREFILL_PAST_PROMPT, CHUNK_TOKENS, i, prompt_len[row])
+            _fail(error, codes.PREFILL_PAST_PROMPT, codes.CHUNK_TOKENS, i, prompt_len[row])
             return failed
         target[row] = settled_capacity[row] + prefill_tokens[i]
     for i in range(num_chunks):  # rows are distinct across items and chunks: <= rows in all
@@ -311,7 +288,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for k in range(num_grown):
         row = items[k]
         if _blocks_for(target[row], tpb) > max_blocks:
-            _fail(error, ROW_OVERFLOW, GRANTS, row, max_blocks)
+            _fail(error, codes.ROW_OVERFLOW, codes.GRANTS, row, max_blocks)
             return failed
     for row in finished_rows:
         rewritten[row] = True  # finished rows free all their blocks (and may be rewritten)
@@ -344,7 +321,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
                 refusals[i] = REFUSED_BATCH_FULL
     for k in range(num_items):
         if (k < num_topups or strict) and not item_ok[k]:
-            _fail(error, OUT_OF_BLOCKS, GRANTS, items[k], available)
+            _fail(error, codes.OUT_OF_BLOCKS, codes.GRANTS, items[k], available)
             return failed
 
     # ---- validated: from here on nothing fails. 5. commit
@@ -362,13 +339,9 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     deltas[COUNT_REVERTS] = revert_rows.size
     deltas[COUNT_UPDATES] = result_rows.size
     deltas[COUNT_TOPUPS] = padding_rows.size
-    for row in range(n):
-        capacity[row] = settled_capacity[row]
-        history[row] = settled_history[row]
-        slack[row] = settled_slack[row]
-        draft_len[row] = settled_draft[row]
-        lead[row] = settled_lead[row]
-        pending[row] = settled_pending[row]
+    for which in range(len(settled)):
+        _copy_into(current[which], settled[which])
+    _copy_into(pending, settled_pending)
     for k in range(num_items):
         if item_ok[k]:
             row = items[k]
@@ -483,16 +456,18 @@ def _jit(function, **options):
 
 
 if numba is not None:
-    # The helpers are inlined into the step: compiled on their own, every call site's constant
-    # arguments would make a separately compiled variant (dozens, seconds each).
+    # Helpers take no constant arguments: numba compiles a separate variant of a function for
+    # every distinct constant it is called with. The one that does (the error setter) is
+    # inlined instead.
     _fail = _jit(_fail, inline="always")
-    _check_rows = _jit(_check_rows, inline="always")
-    _check_minimum = _jit(_check_minimum, inline="always")
-    _check_maximum = _jit(_check_maximum, inline="always")
-    _check_apart = _jit(_check_apart, inline="always")
-    _validate = _jit(_validate, inline="always")
-    _slack_for = _jit(_slack_for, inline="always")
-    _blocks_for = _jit(_blocks_for, inline="always")
+    _first_unknown = _jit(_first_unknown)
+    _first_repeat = _jit(_first_repeat)
+    _first_outside = _jit(_first_outside)
+    _first_listed = _jit(_first_listed)
+    _validate = _jit(_validate)
+    _copy_into = _jit(_copy_into)
+    _slack_for = _jit(_slack_for)
+    _blocks_for = _jit(_blocks_for)
     _step = _jit(_step)
 
 
@@ -516,7 +491,7 @@ class CompiledStep:
 
     def run(self, plan: PlanArrays, state: CapacityState) -> StepResult:
         rows, pool, table = state.rows, state.pool, state.table
-        error = np.zeros(ERROR_SLOTS, dtype=np.int64)
+        error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
         self.tops[0] = pool.num_free
         self.tops[1] = table.num_free_rows

@@ -11,6 +11,7 @@ an error differently.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -22,6 +23,7 @@ from .errors import (
     DuplicateRequest,
     GrantPending,
     InvalidValue,
+    KVAllocError,
     NoPendingGrant,
     OutOfBlocks,
     PrefillIncomplete,
@@ -33,6 +35,11 @@ from .step_plan import FIELDS, PlanArrays
 SUBJECTS = tuple(FIELDS)
 REVERTS, RESULTS, ACCEPTED, FINISHED, GRANTS, DRAFTS, PADDING, PADDED, PREFILL, CHUNK_TOKENS, \
     PROMPTS, FIRST_CHUNKS = range(len(SUBJECTS))
+
+# Per plan list, in `PlanArrays` order (which is also the order the step checks them in): does
+# it name rows (else it holds counts), and the least value a count may take.
+NAMES_ROWS = (True, True, False, True, True, False, True, False, True, False, False, False)
+LEAST_VALUE = (0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0)
 
 # Kinds, in no particular order (the order the step checks them is the step's).
 OK = 0
@@ -61,68 +68,75 @@ def no_error() -> np.ndarray:
     return np.zeros(ERROR_SLOTS, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """A decoded error array, with what its message quotes."""
+
+    field: str
+    value: int  # the plan entry at fault (the index itself for the block errors)
+    index: int
+    detail: int
+    plan: PlanArrays
+    request_of: Callable[[int], object]
+
+    def describe(self, row: int) -> str:
+        req = self.request_of(row)
+        return f"row {row}" if req is None else f"row {row} (request {req!r})"
+
+    def row_of(self, list_name: str) -> str:
+        """The row at ``index`` of another plan list, described."""
+        return self.describe(int(getattr(self.plan, list_name)[self.index]))
+
+
+# kind -> (error class, its message after "<field>: ").
+_MESSAGES: dict[int, tuple[type[KVAllocError], Callable[[_Failure], str]]] = {
+    UNKNOWN_ROW: (UnknownRequest, lambda f: f"row {f.value} is not a live request"),
+    DUPLICATE_ROW: (DuplicateRequest, lambda f: f"{f.describe(f.value)} is listed twice"),
+    BELOW_MINIMUM: (InvalidValue, lambda f: f"{f.value} is below {f.detail}"),
+    ABOVE_MAX_DRAFT: (DraftLenExceeded, lambda f: f"{f.value} is above max_draft_len={f.detail}"),
+    PROMPT_TOO_LONG: (InvalidValue, lambda f: f"{f.value} is above max_seq_len={f.detail}"),
+    CHUNK_PAST_PROMPT: (InvalidValue, lambda f: f"{f.value} is larger than the prompt "
+                        f"({int(f.plan.prompt_lens[f.index])} tokens)"),
+    REVERTED_AND_SETTLED: (InvalidValue, lambda f: f"{f.describe(f.value)} is already "
+                           "reverted in this step"),
+    FINISHED_AND_SCHEDULED: (InvalidValue, lambda f: f"{f.describe(f.value)} is also "
+                             "scheduled in this step"),
+    SCHEDULED_AND_PREFILLED: (InvalidValue, lambda f: f"{f.row_of('prefill_rows')} is also "
+                              f"{'granted' if f.field == 'grants' else 'padded'} in this step"),
+    NO_PENDING_GRANT: (NoPendingGrant, lambda f: f"{f.describe(f.value)} holds no generation "
+                       "grant"),
+    ACCEPTED_EXCEEDS_DRAFTS: (AcceptedExceedsDrafts, lambda f: f"{f.value} accepted for "
+                              f"{f.detail} drafts ({f.row_of('result_rows')})"),
+    GRANT_PENDING: (GrantPending, lambda f: f"{f.describe(f.value)} already holds a grant"),
+    PREFILL_INCOMPLETE: (PrefillIncomplete, lambda f: f"{f.describe(f.value)}'s prompt is not "
+                         "fully scheduled"),
+    PADDING_BELOW_DRAFT: (InvalidValue, lambda f: f"{f.value} is below the granted "
+                          f"draft_len={f.detail}"),
+    PREFILL_PAST_PROMPT: (InvalidValue, lambda f: f"{f.value} tokens go past the end of "
+                          f"{f.row_of('prefill_rows')}'s prompt ({f.detail} tokens)"),
+    ROW_OVERFLOW: (BlockTableOverflow, lambda f: f"{f.describe(f.index)} would need more than "
+                   f"max_blocks_per_seq={f.detail} blocks"),
+    OUT_OF_BLOCKS: (OutOfBlocks, lambda f: f"{f.detail} blocks available, not enough for "
+                    f"{f.describe(f.index)}"),
+}
+
+# The errors whose field is their own, not the plan list's.
+_OWN_FIELD = {SCHEDULED_AND_PREFILLED: "prefill", ROW_OVERFLOW: "capacity",
+              OUT_OF_BLOCKS: "num_blocks"}
+
+
 def raise_step_error(error: np.ndarray, plan: PlanArrays,
                      request_of: Callable[[int], object]) -> NoReturn:
     """Raise the typed error ``error`` reports. ``request_of(row)``: the request id a row was
     admitted under, or None; messages name both."""
     kind, subject, index, detail = (int(v) for v in error)
-
-    def describe(row: int) -> str:
-        req = request_of(row)
-        return f"row {row}" if req is None else f"row {row} (request {req!r})"
-
-    name = SUBJECTS[subject]
-    field = FIELDS[name]
     values = plan[subject]
-    value = int(values[index]) if 0 <= index < values.size else index
-    if kind == UNKNOWN_ROW:
-        raise UnknownRequest(f"{field}: row {value} is not a live request", field=field)
-    if kind == DUPLICATE_ROW:
-        raise DuplicateRequest(f"{field}: {describe(value)} is listed twice", field=field)
-    if kind == BELOW_MINIMUM:
-        raise InvalidValue(f"{field}: {value} is below {detail}", field=field)
-    if kind == ABOVE_MAX_DRAFT:
-        raise DraftLenExceeded(f"{field}: {value} is above max_draft_len={detail}", field=field)
-    if kind == PROMPT_TOO_LONG:
-        raise InvalidValue(f"{field}: {value} is above max_seq_len={detail}", field=field)
-    if kind == CHUNK_PAST_PROMPT:
-        raise InvalidValue(f"{field}: {value} is larger than the prompt "
-                           f"({int(plan.prompt_lens[index])} tokens)", field=field)
-    if kind == REVERTED_AND_SETTLED:
-        raise InvalidValue(f"{field}: {describe(value)} is already reverted in this step",
-                           field=field)
-    if kind == FINISHED_AND_SCHEDULED:
-        raise InvalidValue(f"{field}: {describe(value)} is also scheduled in this step",
-                           field=field)
-    if kind == SCHEDULED_AND_PREFILLED:
-        what = "granted" if subject == GRANTS else "padded"
-        row = int(plan.prefill_rows[index])
-        raise InvalidValue(f"prefill: {describe(row)} is also {what} in this step",
-                           field="prefill")
-    if kind == NO_PENDING_GRANT:
-        raise NoPendingGrant(f"{field}: {describe(value)} holds no generation grant",
-                             field=field)
-    if kind == ACCEPTED_EXCEEDS_DRAFTS:
-        row = int(plan.result_rows[index])
-        raise AcceptedExceedsDrafts(f"num_accepted: {value} accepted for {detail} drafts "
-                                    f"({describe(row)})")
-    if kind == GRANT_PENDING:
-        raise GrantPending(f"{field}: {describe(value)} already holds a grant", field=field)
-    if kind == PREFILL_INCOMPLETE:
-        raise PrefillIncomplete(f"{field}: {describe(value)}'s prompt is not fully scheduled",
-                                field=field)
-    if kind == PADDING_BELOW_DRAFT:
-        raise InvalidValue(f"{field}: {value} is below the granted draft_len={detail}",
-                           field=field)
-    if kind == PREFILL_PAST_PROMPT:
-        row = int(plan.prefill_rows[index])
-        raise InvalidValue(f"{field}: {value} tokens go past the end of {describe(row)}'s "
-                           f"prompt ({detail} tokens)", field=field)
-    if kind == ROW_OVERFLOW:
-        raise BlockTableOverflow(f"capacity: {describe(index)} would need more than "
-                                 f"max_blocks_per_seq={detail} blocks", row=index,
-                                 req_id=request_of(index))
-    if kind == OUT_OF_BLOCKS:
-        raise OutOfBlocks(f"num_blocks: {detail} blocks available, not enough for "
-                          f"{describe(index)}")
-    raise AssertionError(f"unknown step error kind {kind}")
+    failure = _Failure(FIELDS[SUBJECTS[subject]],
+                       int(values[index]) if 0 <= index < values.size else index, index,
+                       detail, plan, request_of)
+    cls, message = _MESSAGES[kind]
+    field = _OWN_FIELD.get(kind, failure.field)
+    text = f"{field}: {message(failure)}"
+    if cls is BlockTableOverflow:
+        raise BlockTableOverflow(text, row=index, req_id=request_of(index))
+    raise cls(text, field=field)

@@ -2,8 +2,9 @@
 
 `reference_step` applies a coerced plan to a `CapacityState` in named phases:
 
-1. ``validate``: every row live and listed once, every value in bounds, no request in two lists
-   that exclude each other;
+1. ``validate``: list by list in plan order, every row live and listed once and every count at
+   least its least value (`step_errors.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then
+   no request in two lists that exclude each other;
 2. ``settle``: reverts, then results, on copies of the row state (`Settled`);
 3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
    (`Demand`);
@@ -28,41 +29,10 @@ from typing import NoReturn
 
 import numpy as np
 
+from . import step_errors as codes
 from .accounting import blocks_for, grant_tokens, settle, slack_for
 from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, CapacityState, RowState
 from .config import SlackPolicy
-from .step_errors import (
-    ABOVE_MAX_DRAFT,
-    ACCEPTED,
-    ACCEPTED_EXCEEDS_DRAFTS,
-    BELOW_MINIMUM,
-    CHUNK_PAST_PROMPT,
-    CHUNK_TOKENS,
-    DRAFTS,
-    DUPLICATE_ROW,
-    FINISHED,
-    FINISHED_AND_SCHEDULED,
-    FIRST_CHUNKS,
-    GRANT_PENDING,
-    GRANTS,
-    NO_PENDING_GRANT,
-    OUT_OF_BLOCKS,
-    PADDED,
-    PADDING,
-    PADDING_BELOW_DRAFT,
-    PREFILL,
-    PREFILL_INCOMPLETE,
-    PREFILL_PAST_PROMPT,
-    PROMPT_TOO_LONG,
-    PROMPTS,
-    RESULTS,
-    REVERTED_AND_SETTLED,
-    REVERTS,
-    ROW_OVERFLOW,
-    SCHEDULED_AND_PREFILLED,
-    UNKNOWN_ROW,
-    no_error,
-)
 from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
 
 
@@ -135,38 +105,34 @@ def reference_step(plan: PlanArrays, state: CapacityState) -> StepResult:
     deltas[COUNTER_INDEX["requests_added"]] = int(served.admitted.sum())
     deltas[COUNTER_INDEX["requests_refused"]] = int((~served.admitted).sum())
     deltas[COUNTER_INDEX["requests_freed"]] = plan.finished_rows.size
-    return StepResult(no_error(), outcome, deltas)
+    return StepResult(codes.no_error(), outcome, deltas)
 
 
 # ---------------------------------------------------------------------- 1. validate
 
 def validate(plan: PlanArrays, state: CapacityState) -> None:
     live, limits = state.rows.live, state.limits
-    _check_rows(plan.revert_rows, REVERTS, live)
-    _check_rows(plan.result_rows, RESULTS, live)
-    _check_minimum(plan.num_accepted, ACCEPTED, 0)
-    _check_rows(plan.finished_rows, FINISHED, live)
-    _check_rows(plan.grant_rows, GRANTS, live)
-    _check_minimum(plan.draft_lens, DRAFTS, 0)
-    _check_rows(plan.padding_rows, PADDING, live)
-    _check_minimum(plan.padded_draft_lens, PADDED, 0)
-    _check_rows(plan.prefill_rows, PREFILL, live)
-    _check_minimum(plan.prefill_tokens, CHUNK_TOKENS, 1)
-    _check_minimum(plan.prompt_lens, PROMPTS, 1)
-    _check_minimum(plan.first_chunks, FIRST_CHUNKS, 0)
-    _check_maximum(plan.draft_lens, DRAFTS, limits.max_draft_len, ABOVE_MAX_DRAFT)
-    _check_maximum(plan.padded_draft_lens, PADDED, limits.max_draft_len, ABOVE_MAX_DRAFT)
-    _check_maximum(plan.prompt_lens, PROMPTS, limits.max_seq_len, PROMPT_TOO_LONG)
-    _first_where(plan.first_chunks > plan.prompt_lens, CHUNK_PAST_PROMPT, FIRST_CHUNKS)
+    for subject, values in enumerate(plan[: len(codes.NAMES_ROWS)]):
+        if codes.NAMES_ROWS[subject]:
+            _check_rows(values, subject, live)
+        else:
+            _check_minimum(values, subject, codes.LEAST_VALUE[subject])
+    _check_maximum(plan.draft_lens, codes.DRAFTS, limits.max_draft_len, codes.ABOVE_MAX_DRAFT)
+    _check_maximum(plan.padded_draft_lens, codes.PADDED, limits.max_draft_len,
+                   codes.ABOVE_MAX_DRAFT)
+    _check_maximum(plan.prompt_lens, codes.PROMPTS, limits.max_seq_len, codes.PROMPT_TOO_LONG)
+    _first_where(plan.first_chunks > plan.prompt_lens, codes.CHUNK_PAST_PROMPT,
+                 codes.FIRST_CHUNKS)
     num_rows = live.size
-    _check_apart(plan.result_rows, RESULTS, [plan.revert_rows], num_rows, REVERTED_AND_SETTLED)
-    _check_apart(plan.finished_rows, FINISHED,
+    _check_apart(plan.result_rows, codes.RESULTS, [plan.revert_rows], num_rows,
+                 codes.REVERTED_AND_SETTLED)
+    _check_apart(plan.finished_rows, codes.FINISHED,
                  [plan.grant_rows, plan.padding_rows, plan.prefill_rows], num_rows,
-                 FINISHED_AND_SCHEDULED)
-    _check_apart(plan.prefill_rows, GRANTS, [plan.grant_rows], num_rows,
-                 SCHEDULED_AND_PREFILLED)
-    _check_apart(plan.prefill_rows, PADDING, [plan.padding_rows], num_rows,
-                 SCHEDULED_AND_PREFILLED)
+                 codes.FINISHED_AND_SCHEDULED)
+    _check_apart(plan.prefill_rows, codes.GRANTS, [plan.grant_rows], num_rows,
+                 codes.SCHEDULED_AND_PREFILLED)
+    _check_apart(plan.prefill_rows, codes.PADDING, [plan.padding_rows], num_rows,
+                 codes.SCHEDULED_AND_PREFILLED)
 
 
 def _first_where(bad: np.ndarray, kind: int, subject: int, detail: int = 0) -> None:
@@ -179,18 +145,18 @@ def _check_rows(rows: np.ndarray, subject: int, live: np.ndarray) -> None:
     if rows.size == 0:
         return
     in_range = (rows >= 0) & (rows < live.size)
-    _first_where(~in_range, UNKNOWN_ROW, subject)
-    _first_where(~live[rows], UNKNOWN_ROW, subject)
+    _first_where(~in_range, codes.UNKNOWN_ROW, subject)
+    _first_where(~live[rows], codes.UNKNOWN_ROW, subject)
     if rows.size > 1:
         order = np.argsort(rows, kind="stable")
         repeats = order[1:][rows[order[1:]] == rows[order[:-1]]]
         if repeats.size:
-            _fail(DUPLICATE_ROW, subject, repeats.min())
+            _fail(codes.DUPLICATE_ROW, subject, repeats.min())
 
 
 def _check_minimum(values: np.ndarray, subject: int, minimum: int) -> None:
     if values.size:
-        _first_where(values < minimum, BELOW_MINIMUM, subject, minimum)
+        _first_where(values < minimum, codes.BELOW_MINIMUM, subject, minimum)
 
 
 def _check_maximum(values: np.ndarray, subject: int, maximum: int, kind: int) -> None:
@@ -217,18 +183,18 @@ def settle_step(plan: PlanArrays, state: CapacityState) -> Settled:
                 rows.draft_len.copy(), rows.pending.copy(), rows.lead.copy())
     reverts = plan.revert_rows
     if reverts.size:
-        _first_where(~s.pending[reverts], NO_PENDING_GRANT, REVERTS)
+        _first_where(~s.pending[reverts], codes.NO_PENDING_GRANT, codes.REVERTS)
         s.capacity[reverts] -= 1 + s.draft_len[reverts] + s.slack[reverts]
         s.pending[reverts] = False
         s.slack[reverts] = s.draft_len[reverts] = 0
     results, accepted = plan.result_rows, plan.num_accepted
     if results.size:
-        _first_where(~s.pending[results], NO_PENDING_GRANT, RESULTS)
+        _first_where(~s.pending[results], codes.NO_PENDING_GRANT, codes.RESULTS)
         drafts = s.draft_len[results]
         over = accepted > drafts
         if over.any():
             i = int(np.argmax(over))
-            _fail(ACCEPTED_EXCEEDS_DRAFTS, ACCEPTED, i, drafts[i])
+            _fail(codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts[i])
         s.capacity[results], s.history[results] = settle(
             s.capacity[results], s.history[results], drafts, s.slack[results], accepted,
             state.limits.policy)
@@ -244,20 +210,20 @@ def plan_grants(plan: PlanArrays, state: CapacityState, settled: Settled) -> Dem
     limits = state.limits
     grants, padding = plan.grant_rows, plan.padding_rows
     if grants.size:
-        _first_where(settled.pending[grants], GRANT_PENDING, GRANTS)
-        _first_where(settled.history[grants] < state.rows.prompt_len[grants], PREFILL_INCOMPLETE,
-                     GRANTS)
+        _first_where(settled.pending[grants], codes.GRANT_PENDING, codes.GRANTS)
+        _first_where(settled.history[grants] < state.rows.prompt_len[grants],
+                     codes.PREFILL_INCOMPLETE, codes.GRANTS)
     is_new_grant = np.zeros(limits.max_batch_size, dtype=bool)
     is_new_grant[grants] = True
     wanted = settled.draft_len.copy()
     wanted[grants] = plan.draft_lens
     if padding.size:
-        _first_where(~(settled.pending[padding] | is_new_grant[padding]), NO_PENDING_GRANT,
-                     PADDING)
+        _first_where(~(settled.pending[padding] | is_new_grant[padding]), codes.NO_PENDING_GRANT,
+                     codes.PADDING)
         below = plan.padded_draft_lens < wanted[padding]
         if below.any():
             i = int(np.argmax(below))
-            _fail(PADDING_BELOW_DRAFT, PADDED, i, wanted[padding[i]])
+            _fail(codes.PADDING_BELOW_DRAFT, codes.PADDED, i, wanted[padding[i]])
         wanted[padding] = plan.padded_draft_lens
     # Padding of grants made in earlier calls cannot be refused (the forward is already
     # planned), so it is served before this step's new grants.
@@ -285,7 +251,7 @@ def plan_prefill(plan: PlanArrays, state: CapacityState, settled: Settled,
     past = settled.history[rows] + tokens > prompt
     if past.any():
         i = int(np.argmax(past))
-        _fail(PREFILL_PAST_PROMPT, CHUNK_TOKENS, i, prompt[i])
+        _fail(codes.PREFILL_PAST_PROMPT, codes.CHUNK_TOKENS, i, prompt[i])
     demand.target_capacity[rows] = settled.capacity[rows] + tokens
 
 
@@ -299,7 +265,8 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
     grow_blocks = blocks_for(demand.target_capacity[grow_rows], tpb)
     over = grow_blocks > limits.max_blocks_per_seq
     if over.any():
-        _fail(ROW_OVERFLOW, GRANTS, grow_rows[np.argmax(over)], limits.max_blocks_per_seq)
+        _fail(codes.ROW_OVERFLOW, codes.GRANTS, grow_rows[np.argmax(over)],
+              limits.max_blocks_per_seq)
 
     # What the settled state frees (finished rows included), then each demand in order.
     base_capacity = settled.capacity.copy()
@@ -324,7 +291,7 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
     must = ~demand.is_new_grant[demand.item_rows] | plan.strict_grants
     refused = must & ~item_ok
     if refused.any():
-        _fail(OUT_OF_BLOCKS, GRANTS, demand.item_rows[np.argmax(refused)], available)
+        _fail(codes.OUT_OF_BLOCKS, codes.GRANTS, demand.item_rows[np.argmax(refused)], available)
     return Served(item_ok, item_ok[demand.num_topups :], prefill_ok, admitted, refusals,
                   first_tokens, settled.history[plan.grant_rows],
                   settled.history[plan.prefill_rows])

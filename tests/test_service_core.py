@@ -39,6 +39,7 @@ class Recorder:
         self.steps: list[tuple[str, float]] = []
         self.leases = 0
         self.violations = 0
+        self.changes = 0
 
     def observe_step(self, transport: str, seconds: float) -> None:
         self.steps.append((transport, seconds))
@@ -48,6 +49,9 @@ class Recorder:
 
     def invariant_violation(self, n: int = 1) -> None:
         self.violations += n
+
+    def state_changed(self) -> None:
+        self.changes += 1
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan
+from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan, step_compiled
 from allocator.step_compiled import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
@@ -241,6 +241,15 @@ def test_per_request_calls_agree_too(config):
 def test_compiled_is_the_default_when_numba_imports(make_config):
     assert KVCacheManager(make_config()).compiled is True
     assert KVCacheManager(make_config(), compiled=False).compiled is False
+
+
+def test_without_numba_the_default_is_the_numpy_step(make_config, monkeypatch):
+    monkeypatch.setattr(step_compiled, "numba", None)
+    m = KVCacheManager(make_config())
+    assert m.compiled is False
+    assert m.step(StepPlan(prompt_lens=[5])).admitted_rows.tolist() == [0]
+    with pytest.raises(ImportError, match="numba"):
+        KVCacheManager(make_config(), compiled=True)
 
 
 def test_read_only_and_strided_plan_arrays_are_accepted(make_config):
