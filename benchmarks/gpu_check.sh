@@ -44,4 +44,6 @@ for layers in 2 32; do
         --layers "$layers" --kv-heads 8 --head-dim 128 --only manager service_inproc ipc \
         --out "$OUT/bench_step_cuda_${layers}_layers.json" 2>&1 | tee -a "$OUT/bench.log"
 done
+# A real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
+step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"
