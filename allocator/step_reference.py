@@ -13,7 +13,7 @@
 
 and only then, when nothing can fail any more,
 
-5. ``commit``: the settled and granted state replaces the old one;
+5. ``replace_state``: the settled and granted state replaces the old one;
 6. ``move_blocks``: every row's blocks follow its capacity (finished rows go back to the pool),
    then new requests are admitted.
 
@@ -100,7 +100,7 @@ def reference_step(plan: PlanArrays, state: CapacityState) -> StepResult:
         served = serve_blocks(plan, state, settled, demand)
     except _Failed as failed:
         return StepResult(failed.error)
-    deltas = commit(plan, state, settled, demand, served)
+    deltas = replace_state(plan, state, settled, demand, served)
     outcome = move_blocks(plan, state, served)
     deltas[COUNTER_INDEX["requests_added"]] = int(served.admitted.sum())
     deltas[COUNTER_INDEX["requests_refused"]] = int((~served.admitted).sum())
@@ -310,9 +310,9 @@ def serve_in_order(demands: np.ndarray, available: int) -> np.ndarray:
     return ok
 
 
-# ---------------------------------------------------------------------- 5. commit
+# ---------------------------------------------------------------------- 5. replace_state
 
-def commit(plan: PlanArrays, state: CapacityState, settled: Settled, demand: Demand,
+def replace_state(plan: PlanArrays, state: CapacityState, settled: Settled, demand: Demand,
            served: Served) -> np.ndarray:
     """The settled and granted state replaces the row state; returns the counter deltas."""
     limits, rows = state.limits, state.rows
