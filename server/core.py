@@ -91,7 +91,7 @@ class ServiceCore:
         self._table_handle = placement.handles["block_table"]
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
         self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
-                                   stage_dtype=self.staging_dtype)
+                                   stage_dtype=self.staging_dtype, nwor=config.nwor)
         self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
         self.pipeline = StepPipeline(self.manager, self.committer, self.registry,
                                      max_step_tokens=config.max_step_tokens)

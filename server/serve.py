@@ -129,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(DEFAULT_LIMITS, name)
         limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive(kind),
                             default=default, help=f"{help_text} (default {default:g})")
+    parser.add_argument("--no-nwor", dest="nwor", action="store_false",
+                        help="write every staged token, rejected drafts too (as an engine "
+                             "without No-Write-On-Reject; default: only accepted ones)")
     parser.add_argument("--insecure-no-token", action="store_true",
                         help="serve without any token, even beyond loopback: anyone who can "
                              "connect controls the service")
@@ -237,7 +240,8 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
-    return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), **service)
+    return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
+                         **service)
 
 
 def _check_socket_directories(args: argparse.Namespace) -> None:

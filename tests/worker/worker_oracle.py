@@ -77,10 +77,11 @@ def make_oracle(family: str) -> Oracle:
     return Oracle(model, reference, prompts, expected, kv)
 
 
-def pool_config(model: PreTrainedModel, **overrides: object) -> ServiceConfig:
+def pool_config(model: PreTrainedModel, *, nwor: bool = True,
+                **overrides: object) -> ServiceConfig:
     layers, kv_heads, head_dim = kv_shape(model.config)
     pool = {"num_blocks": 256, "tokens_per_block": TOKENS_PER_BLOCK, "num_layers": layers,
             "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32",
             "device": "cpu", "max_batch_size": 8, "max_seq_len": 96,
             "max_draft_len": MAX_DRAFT_LEN, "overlap_scheduler": True, **overrides}
-    return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS)
+    return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS, nwor=nwor)
