@@ -37,6 +37,7 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from . import step_compiled
 from .accounting import blocks_for, slack_for
@@ -52,19 +53,32 @@ from .errors import (
     OutOfBlocks,
     UnknownRequest,
 )
+from .kv_events import AllBlocksCleared, KVCacheEvent
 from .placement import TensorAllocator, plain_tensor
+from .prefix_cache import PrefixCache, Prompt, block_hashes
 from .step_errors import ROW_OVERFLOW, raise_step_error
-from .step_plan import REFUSED_BATCH_FULL, RequestView, StepOutcome, StepPlan, coerce
-from .step_reference import StepResult, reference_step
+from .step_plan import (
+    REFUSED_BATCH_FULL,
+    PlanArrays,
+    RequestView,
+    StepOutcome,
+    StepPlan,
+    coerce,
+    prompt_token_arrays,
+)
+from .step_reference import NO_HITS, StepResult, reference_step
 
 ReqId = Hashable
 
 
 class KVCacheManager:
     def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
-                 compiled: bool | None = None) -> None:
+                 compiled: bool | None = None, prefix_caching: bool = False,
+                 cache_key: bytes = b"", kv_events: bool = False) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
-        imports (None)."""
+        imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
+        share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
+        ``kv_events``: record KV events for ``drain_kv_events``."""
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -80,6 +94,9 @@ class KVCacheManager:
             compiled = step_compiled.available()
         self.compiled = compiled
         self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
+        self.cache_key = bytes(cache_key)
+        self.cache = (PrefixCache(config.tokens_per_block, record_events=kv_events)
+                      if prefix_caching else None)
         # The id edge: requests added by id (rows admitted by a batched step have none).
         self._row_of: dict[ReqId, int] = {}
         self._id_of: dict[int, ReqId] = {}
@@ -90,13 +107,23 @@ class KVCacheManager:
         """Apply a whole scheduler step in one call (see `StepPlan` for the order); rows as
         integer arrays. Raises a typed error, changing nothing, on bad input."""
         arrays = coerce(plan)
-        result: StepResult = self._run(arrays, self.state)
+        tokens = prompt_token_arrays(plan.prompt_tokens, arrays.prompt_lens)
+        prompts: list[Prompt | None] = []
+        hits = NO_HITS
+        if self.cache is not None and any(t is not None for t in tokens):
+            tpb = self.tokens_per_block
+            prompts = [None if t is None else Prompt(t, block_hashes(t, tpb, self.cache_key))
+                       for t in tokens]
+            hits = self.cache.lookup(prompts, arrays.prompt_lens)
+        result: StepResult = self._run(arrays, self.state, hits)
         if result.error[0]:
             if result.error[0] == ROW_OVERFLOW:
                 self.counters.row_overflows += 1
             raise_step_error(result.error, arrays, self._id_of.get)
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
+        if self.cache is not None:
+            self._cache_after(arrays, result, prompts)
         if self._id_of and arrays.finished_rows.size:
             for row in arrays.finished_rows.tolist():
                 req = self._id_of.pop(row, _NO_ID)
@@ -104,10 +131,51 @@ class KVCacheManager:
                     del self._row_of[req]
         return result.outcome
 
+    def _cache_after(self, arrays: PlanArrays, result: StepResult,
+                     prompts: list[Prompt | None]) -> None:
+        """Evicted blocks lose their hashes; finished rows their prompts; admitted rows and
+        scheduled prefill chunks register the blocks they filled."""
+        cache, outcome = self.cache, result.outcome
+        assert cache is not None and outcome is not None and result.evicted is not None
+        if result.evicted.size:
+            cache.forget(result.evicted)
+        if cache.prompts and arrays.finished_rows.size:
+            for row in arrays.finished_rows.tolist():
+                cache.prompts.pop(row, None)
+        for i, prompt in enumerate(prompts):
+            row = int(outcome.admitted_rows[i])
+            if prompt is not None and row >= 0:
+                cache.prompts[row] = prompt
+                cache.register(row, self.rows, self.table.host)
+                self.counters.prefix_queried_tokens += prompt.tokens.size
+                self.counters.prefix_hit_tokens += int(outcome.cached_tokens[i])
+        if cache.prompts and arrays.prefill_rows.size:
+            for row in arrays.prefill_rows[outcome.prefill_granted].tolist():
+                if row in cache.prompts:
+                    cache.register(row, self.rows, self.table.host)
+
+    def drain_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""
+        return self.cache.drain_events() if self.cache is not None else []
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every parked block's content (an epoch change): they go back on the free stack,
+        and the event stream says ``AllBlocksCleared``. Blocks live requests hold stay cached."""
+        if self.cache is None:
+            return
+        evicted = [self.pool.evict_oldest() for _ in range(self.pool.num_parked)]
+        self.cache.forget(np.array(evicted, dtype=np.int64))
+        self.counters.evicted_blocks += len(evicted)
+        if self.cache.record_events:
+            self.cache.events.append(AllBlocksCleared())
+
     # ------------------------------------------------------------------ per-request API
 
-    def add_request(self, req_id: ReqId, prompt_len: int, first_chunk: int | None = None) -> int:
+    def add_request(self, req_id: ReqId, prompt_len: int, first_chunk: int | None = None, *,
+                    prompt_tokens: ArrayLike | None = None) -> int:
         """Admit a request, reserve its prompt (or its first prefill chunk), return its row.
+        With ``prompt_tokens`` (and prefix caching on) its cached prefix is reused:
+        ``view(row).history`` then starts past it.
 
         Raises OutOfBlocks / BatchFull when it cannot be admitted; nothing changes then.
         """
@@ -121,7 +189,8 @@ class KVCacheManager:
             first_chunk = 0  # the plan's "whole prompt"
         elif isinstance(first_chunk, int | np.integer) and first_chunk < 1:
             raise InvalidValue(f"first_chunk: {first_chunk} is below 1", field="first_chunk")
-        out = self.step(StepPlan(prompt_lens=[prompt_len], first_chunks=[first_chunk]))
+        out = self.step(StepPlan(prompt_lens=[prompt_len], first_chunks=[first_chunk],
+                                 prompt_tokens=() if prompt_tokens is None else [prompt_tokens]))
         row = int(out.admitted_rows[0])
         if row < 0:
             if out.new_refusals[0] == REFUSED_BATCH_FULL:
@@ -289,12 +358,14 @@ class KVCacheManager:
         self.table.check_held_rows(r.live)
         held = self.table.host[live]
         held = held[held >= 0]
-        if np.unique(held).size != held.size:
-            raise InvariantViolation("a block is owned by two rows")
         refs = np.zeros(self.pool.num_blocks, dtype=np.int64)
         np.add.at(refs, held, 1)
         if not np.array_equal(refs, self.pool.refcounts):
             raise InvariantViolation("block-table ownership disagrees with reference counts")
+        if self.cache is not None:
+            self.cache.check_invariants(r, self.table.host, self.pool)
+        elif self.pool.num_parked or r.cached.any() or (self.pool.refcounts > 1).any():
+            raise InvariantViolation("cached or shared blocks without prefix caching")
         if any(not r.live[row] or self._row_of.get(req, -1) != row
                for row, req in self._id_of.items()) or len(self._row_of) != len(self._id_of):
             raise InvariantViolation("the request-id edge disagrees with the live rows")
