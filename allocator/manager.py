@@ -95,7 +95,8 @@ class KVCacheManager:
         self.compiled = compiled
         self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
         self.cache_key = bytes(cache_key)
-        self.cache = (PrefixCache(config.tokens_per_block, record_events=kv_events)
+        self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
+                                  record_events=kv_events)
                       if prefix_caching else None)
         # The id edge: requests added by id (rows admitted by a batched step have none).
         self._row_of: dict[ReqId, int] = {}
@@ -153,6 +154,7 @@ class KVCacheManager:
             for row in arrays.prefill_rows[outcome.prefill_granted].tolist():
                 if row in cache.prompts:
                     cache.register(row, self.rows, self.table.host)
+        cache.end_step()
 
     def drain_kv_events(self) -> list[KVCacheEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""

@@ -15,6 +15,11 @@ at the first block whose content another block already holds.
 
 Only prompt blocks are cached (generated tokens reach the manager as counts, not ids).
 
+Write protection (``protected``, for `DeferredWriteManager.protect`): a block's producer writes
+its tokens in the commit that follows the step that scheduled them, so a block registered by
+step K is protected from the end of step K + 1 on; until evicted. ``drain_protection`` gives the
+flips since the last drain, for a device copy.
+
 Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps; every row's
 first ``cached`` columns are registered blocks whose hashes are the row's prompt hashes in order;
 every registered block is owned (in some row's cached columns) or parked, never on the free
@@ -60,8 +65,13 @@ class Prompt:
 
 
 class PrefixCache:
-    def __init__(self, tokens_per_block: int, *, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, tokens_per_block: int, *,
+                 record_events: bool = False) -> None:
         self.tokens_per_block = tokens_per_block
+        self.protected = np.zeros(num_blocks, dtype=bool)
+        self._registered_last: list[int] = []  # registered by the last step: still being written
+        self._registered_now: list[int] = []
+        self._flipped: list[int] = []
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.prompts: dict[int, Prompt] = {}  # rows admitted with token ids
@@ -92,7 +102,10 @@ class PrefixCache:
 
     def forget(self, evicted: np.ndarray) -> None:
         """Evicted blocks' content is gone: drop their hashes."""
-        removed = [self.hash_of.pop(block) for block in evicted.tolist()]
+        blocks = evicted.tolist()
+        removed = [self.hash_of.pop(block) for block in blocks]
+        self.protected[blocks] = False
+        self._flipped.extend(blocks)
         for block_hash in removed:
             del self.block_of[block_hash]
         if self.record_events and removed:
@@ -112,6 +125,7 @@ class PrefixCache:
             block = int(host[row, column])
             self.block_of[block_hash] = block
             self.hash_of[block] = block_hash
+            self._registered_now.append(block)
             stored.append(block_hash)
         rows.cached[row] = first + len(stored)
         if self.record_events and stored:
@@ -120,6 +134,19 @@ class PrefixCache:
                 [external(h) for h in stored], None if parent is None else external(parent),
                 prompt.tokens[first * tpb : (first + len(stored)) * tpb].tolist(), tpb, None,
                 MEDIUM))
+
+    def end_step(self) -> None:
+        """Protect what the step before this one registered (its content is committed now)."""
+        last = [b for b in self._registered_last if b in self.hash_of]
+        self.protected[last] = True
+        self._flipped.extend(last)
+        self._registered_last, self._registered_now = self._registered_now, []
+
+    def drain_protection(self) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks whose protection changed since the last drain, and their protection now."""
+        blocks = np.array(self._flipped, dtype=np.int64)
+        self._flipped = []
+        return blocks, self.protected[blocks]
 
     def check_invariants(self, rows: RowState, host: np.ndarray, pool: BlockPool) -> None:
         if len(self.block_of) != len(self.hash_of) or any(
@@ -143,5 +170,7 @@ class PrefixCache:
         if not np.array_equal(registered, in_rows | parked):
             raise InvariantViolation("registered blocks are not exactly the cached columns and "
                                      "the parked blocks")
+        if (self.protected & ~registered).any():
+            raise InvariantViolation("a block that is not cached is write-protected")
         if (pool.refcounts[~registered] > 1).any():
             raise InvariantViolation("a block with more than one owner is not a cached block")
