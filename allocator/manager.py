@@ -53,7 +53,7 @@ from .errors import (
     OutOfBlocks,
     UnknownRequest,
 )
-from .kv_events import AllBlocksCleared, KVCacheEvent
+from .kv_events import KVCacheEvent
 from .placement import TensorAllocator, plain_tensor
 from .prefix_cache import PrefixCache, Prompt, block_hashes
 from .step_errors import ROW_OVERFLOW, raise_step_error
@@ -161,15 +161,13 @@ class KVCacheManager:
         return self.cache.drain_events() if self.cache is not None else []
 
     def clear_prefix_cache(self) -> None:
-        """Forget every parked block's content (an epoch change): they go back on the free stack,
-        and the event stream says ``AllBlocksCleared``. Blocks live requests hold stay cached."""
+        """Evict every parked block (they go back on the free stack; the event stream says
+        ``BlockRemoved``). Blocks live requests hold stay cached."""
         if self.cache is None:
             return
         evicted = [self.pool.evict_oldest() for _ in range(self.pool.num_parked)]
         self.cache.forget(np.array(evicted, dtype=np.int64))
         self.counters.evicted_blocks += len(evicted)
-        if self.cache.record_events:
-            self.cache.events.append(AllBlocksCleared())
 
     # ------------------------------------------------------------------ per-request API
 
