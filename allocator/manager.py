@@ -74,11 +74,14 @@ ReqId = Hashable
 class KVCacheManager:
     def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
                  compiled: bool | None = None, prefix_caching: bool = False,
-                 cache_key: bytes = b"", kv_events: bool = False) -> None:
+                 cache_key: bytes = b"", kv_events: bool = False,
+                 register_when_written: bool = False) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
         imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
-        ``kv_events``: record KV events for ``drain_kv_events``."""
+        ``kv_events``: record KV events for ``drain_kv_events``; ``register_when_written``:
+        a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
+        not when its prefill is scheduled."""
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -98,6 +101,7 @@ class KVCacheManager:
         self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
                                   record_events=kv_events)
                       if prefix_caching else None)
+        self.register_when_written = register_when_written
         # The id edge: requests added by id (rows admitted by a batched step have none).
         self._row_of: dict[ReqId, int] = {}
         self._id_of: dict[int, ReqId] = {}
@@ -147,14 +151,26 @@ class KVCacheManager:
             row = int(outcome.admitted_rows[i])
             if prompt is not None and row >= 0:
                 cache.prompts[row] = prompt
-                cache.register(row, self.rows, self.table.host)
+                if not self.register_when_written:
+                    cache.register(row, self.rows, self.table.host)
                 self.counters.prefix_queried_tokens += prompt.tokens.size
                 self.counters.prefix_hit_tokens += int(outcome.cached_tokens[i])
-        if cache.prompts and arrays.prefill_rows.size:
+        if cache.prompts and arrays.prefill_rows.size and not self.register_when_written:
             for row in arrays.prefill_rows[outcome.prefill_granted].tolist():
                 if row in cache.prompts:
                     cache.register(row, self.rows, self.table.host)
-        cache.end_step()
+
+    def mark_written(self, rows: np.ndarray, written_tokens: np.ndarray) -> None:
+        """With ``register_when_written``: the first ``written_tokens[i]`` tokens of live row
+        ``rows[i]`` are in the pool, so its full prompt blocks among them become shareable (and
+        write-protected). Rows admitted without token ids are skipped."""
+        cache = self.cache
+        if cache is None or not cache.prompts:
+            return
+        for row, written in zip(np.asarray(rows).tolist(), np.asarray(written_tokens).tolist(),
+                                strict=True):
+            if row in cache.prompts and self.rows.live[row]:
+                cache.register(row, self.rows, self.table.host, written)
 
     def drain_kv_events(self) -> list[KVCacheEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""

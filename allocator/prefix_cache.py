@@ -15,10 +15,12 @@ at the first block whose content another block already holds.
 
 Only prompt blocks are cached (generated tokens reach the manager as counts, not ids).
 
-Write protection (``protected``, for `DeferredWriteManager.protect`): a block's producer writes
-its tokens in the commit that follows the step that scheduled them, so a block registered by
-step K is protected from the end of step K + 1 on; until evicted. ``drain_protection`` gives the
-flips since the last drain, for a device copy.
+When a block is registered is the caller's choice (`KVCacheManager`'s ``register_when_written``):
+as soon as its tokens are scheduled (an engine that writes a step's K/V before the next step, as
+vLLM does), or only once the caller says they are written (``mark_written``: a service whose
+commit runs after the next step, or may drop a finished request's last tokens). Registered blocks
+are write-protected (``protected``, for `DeferredWriteManager.protect`) until evicted;
+``drain_protection`` gives the flips since the last drain, for a device copy.
 
 Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps; every row's
 first ``cached`` columns are registered blocks whose hashes are the row's prompt hashes in order;
@@ -68,9 +70,7 @@ class PrefixCache:
     def __init__(self, num_blocks: int, tokens_per_block: int, *,
                  record_events: bool = False) -> None:
         self.tokens_per_block = tokens_per_block
-        self.protected = np.zeros(num_blocks, dtype=bool)
-        self._registered_last: list[int] = []  # registered by the last step: still being written
-        self._registered_now: list[int] = []
+        self.protected = np.zeros(num_blocks, dtype=bool)  # exactly the registered blocks
         self._flipped: list[int] = []
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
@@ -111,11 +111,14 @@ class PrefixCache:
         if self.record_events and removed:
             self.events.append(BlockRemoved([external(h) for h in removed], MEDIUM))
 
-    def register(self, row: int, rows: RowState, host: np.ndarray) -> None:
-        """Register the row's prompt blocks that are now full and committed."""
+    def register(self, row: int, rows: RowState, host: np.ndarray,
+                 written: int | None = None) -> None:
+        """Register the row's prompt blocks that are now full and committed (and, when
+        ``written`` is given, within its first ``written`` tokens)."""
         prompt = self.prompts[row]
         tpb = self.tokens_per_block
-        full = min(int(rows.history[row]), prompt.tokens.size) // tpb
+        full = min(int(rows.history[row]), prompt.tokens.size,
+                   prompt.tokens.size if written is None else written) // tpb
         first = int(rows.cached[row])
         stored = []
         for column in range(first, full):
@@ -125,7 +128,8 @@ class PrefixCache:
             block = int(host[row, column])
             self.block_of[block_hash] = block
             self.hash_of[block] = block_hash
-            self._registered_now.append(block)
+            self.protected[block] = True
+            self._flipped.append(block)
             stored.append(block_hash)
         rows.cached[row] = first + len(stored)
         if self.record_events and stored:
@@ -134,13 +138,6 @@ class PrefixCache:
                 [external(h) for h in stored], None if parent is None else external(parent),
                 prompt.tokens[first * tpb : (first + len(stored)) * tpb].tolist(), tpb, None,
                 MEDIUM))
-
-    def end_step(self) -> None:
-        """Protect what the step before this one registered (its content is committed now)."""
-        last = [b for b in self._registered_last if b in self.hash_of]
-        self.protected[last] = True
-        self._flipped.extend(last)
-        self._registered_last, self._registered_now = self._registered_now, []
 
     def drain_protection(self) -> tuple[np.ndarray, np.ndarray]:
         """Blocks whose protection changed since the last drain, and their protection now."""
@@ -170,7 +167,7 @@ class PrefixCache:
         if not np.array_equal(registered, in_rows | parked):
             raise InvariantViolation("registered blocks are not exactly the cached columns and "
                                      "the parked blocks")
-        if (self.protected & ~registered).any():
-            raise InvariantViolation("a block that is not cached is write-protected")
+        if not np.array_equal(self.protected, registered):
+            raise InvariantViolation("write protection differs from the registered blocks")
         if (pool.refcounts[~registered] > 1).any():
             raise InvariantViolation("a block with more than one owner is not a cached block")

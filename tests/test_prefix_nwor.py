@@ -28,17 +28,18 @@ SYSTEM = np.arange(500, 516)  # four full blocks
 def shared_setup(device: str):
     cfg = pool_config(device, num_blocks=32)
     storage = poisoned_storage(cfg)
-    manager = KVCacheManager(cfg, prefix_caching=True)
+    manager = KVCacheManager(cfg, prefix_caching=True, register_when_written=True)
     writes = DeferredWriteManager(storage, max_tokens=32, backend="torch")
     a = manager.add_request("a", 18, prompt_tokens=np.concatenate([SYSTEM, [1, 2]]))
+    # "a"'s prefill is written (here by hand, in a service by the commit): its blocks are
+    # shareable and write-protected from now on.
+    rows = storage.rows()
+    for block in manager.view(a).block_ids[:4].tolist():
+        rows[:, :, block * TPB : (block + 1) * TPB].normal_()
+    manager.mark_written(np.array([a]), np.array([18]))
     b = manager.add_request("b", 18, prompt_tokens=np.concatenate([SYSTEM, [3, 4]]))
     shared = manager.view(a).block_ids[:4]
     assert manager.view(b).block_ids[:4].tolist() == shared.tolist()
-    # The shared blocks hold the prefix's K/V (written when "a" was prefilled).
-    rows = storage.rows()
-    for block in shared.tolist():
-        rows[:, :, block * TPB : (block + 1) * TPB].normal_()
-    manager.step(StepPlan())  # "a"'s prefill is committed: its blocks are protected from now on
     protected = torch.from_numpy(manager.cache.protected).to(storage.kv.device)
     writes.protect(protected)
     assert protected[torch.from_numpy(shared).long()].all()
@@ -82,12 +83,13 @@ def test_shared_blocks_stay_bit_identical_whatever_the_window_does(device, endin
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_producer_writes_its_prefix_in_the_commit_after_the_step_that_scheduled_it(device):
-    """Protection waits one step: the prefill the previous step scheduled is written; the same
-    write a step later is refused. The device mask follows ``drain_protection``'s flips."""
+def test_a_prefix_is_shared_and_protected_only_once_it_is_written(device):
+    """Registered when written: the producer's own prefill write passes the guard, then its
+    blocks are shared and the same write is refused. The device mask follows
+    ``drain_protection``'s flips."""
     cfg = pool_config(device, num_blocks=32)
     storage = poisoned_storage(cfg)
-    manager = KVCacheManager(cfg, prefix_caching=True)
+    manager = KVCacheManager(cfg, prefix_caching=True, register_when_written=True)
     writes = DeferredWriteManager(storage, max_tokens=32, backend="torch")
     mask = torch.zeros(cfg.total_blocks, dtype=torch.bool, device=storage.kv.device)
     writes.protect(mask)
@@ -104,11 +106,13 @@ def test_the_producer_writes_its_prefix_in_the_commit_after_the_step_that_schedu
 
     a = manager.add_request("a", 16, prompt_tokens=SYSTEM)
     first = int(manager.view(a).block_ids[0]) * TPB
-    staged = commit_prefill(a)  # the commit in the call after the step that scheduled it
+    # Scheduled, not yet written: nobody can share it.
+    assert manager.step(StepPlan(prompt_lens=[16], prompt_tokens=[SYSTEM])).cached_tokens[0] == 0
+    staged = commit_prefill(a)
     assert torch.equal(bits(storage.rows()[0, 0, first]), bits(staged[0, 0, 0]))
-    assert writes.metrics().protected_refusals == 0
-    manager.step(StepPlan())
-    assert manager.cache.protected[first // TPB]
+    manager.mark_written(np.array([a]), np.array([16]))
+    assert manager.step(StepPlan(prompt_lens=[16], prompt_tokens=[SYSTEM])).cached_tokens[0] == 12
     commit_prefill(a)  # a second write of the same prefix: refused, the content stays
     assert torch.equal(bits(storage.rows()[0, 0, first]), bits(staged[0, 0, 0]))
     assert writes.metrics().protected_refusals == 16
+    manager.check_invariants()
