@@ -55,7 +55,7 @@ from .errors import (
 )
 from .kv_events import KVCacheEvent
 from .placement import TensorAllocator, plain_tensor
-from .prefix_cache import PrefixCache, Prompt, block_hashes
+from .prefix_cache import PrefixCache, Prompt
 from .step_errors import ROW_OVERFLOW, raise_step_error
 from .step_plan import (
     REFUSED_BATCH_FULL,
@@ -116,8 +116,7 @@ class KVCacheManager:
         prompts: list[Prompt | None] = []
         hits = NO_HITS
         if self.cache is not None and any(t is not None for t in tokens):
-            tpb = self.tokens_per_block
-            prompts = [None if t is None else Prompt(t, block_hashes(t, tpb, self.cache_key))
+            prompts = [t if t is None or isinstance(t, Prompt) else self.prompt(t)
                        for t in tokens]
             hits = self.cache.lookup(prompts, arrays.prompt_lens)
         result: StepResult = self._run(arrays, self.state, hits)
@@ -171,6 +170,12 @@ class KVCacheManager:
                                 strict=True):
             if row in cache.prompts and self.rows.live[row]:
                 cache.register(row, self.rows, self.table.host, written)
+
+    def prompt(self, tokens: ArrayLike) -> Prompt:
+        """``tokens`` with their block hashes under this manager's cache key, for
+        ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step."""
+        return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
+                         self.cache_key)
 
     def drain_kv_events(self) -> list[KVCacheEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""

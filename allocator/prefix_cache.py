@@ -58,12 +58,17 @@ def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prompt:
-    """A live row's prompt: its token ids and the hashes of its full blocks."""
+    """A prompt's token ids and the hashes of its full blocks. Build it when the request
+    arrives (``of``) to keep the hashing out of the step that admits it."""
 
     tokens: np.ndarray
     hashes: list[bytes]
+
+    @classmethod
+    def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"") -> Prompt:
+        return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key))
 
 
 class PrefixCache:
@@ -120,17 +125,19 @@ class PrefixCache:
         full = min(int(rows.history[row]), prompt.tokens.size,
                    prompt.tokens.size if written is None else written) // tpb
         first = int(rows.cached[row])
+        if full <= first:
+            return
         stored = []
-        for column in range(first, full):
-            block_hash = prompt.hashes[column]
+        blocks = host[row, first:full].tolist()
+        for block_hash, block in zip(prompt.hashes[first:full], blocks, strict=True):
             if block_hash in self.block_of:
                 break  # another block holds this content: the row's cached run ends here
-            block = int(host[row, column])
             self.block_of[block_hash] = block
             self.hash_of[block] = block_hash
-            self.protected[block] = True
-            self._flipped.append(block)
             stored.append(block_hash)
+        blocks = blocks[: len(stored)]
+        self.protected[blocks] = True
+        self._flipped.extend(blocks)
         rows.cached[row] = first + len(stored)
         if self.record_events and stored:
             parent = prompt.hashes[first - 1] if first else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -56,9 +56,10 @@ class StepPlan:
     prompt_lens: ArrayLike = ()
     first_chunks: ArrayLike = ()
     strict_grants: bool = False
-    # Empty, or one per new request: its prompt's token ids (None: not shared). With prefix
-    # caching on, the longest cached run of its full blocks becomes its first blocks.
-    prompt_tokens: Sequence[ArrayLike | None] = ()
+    # Empty, or one per new request: its prompt's token ids (None: not shared), or a
+    # `prefix_cache.Prompt` made when it arrived. With prefix caching on, the longest cached
+    # run of its full blocks becomes its first blocks.
+    prompt_tokens: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -163,25 +164,26 @@ def coerce(plan: StepPlan) -> PlanArrays:
                       first_chunks, bool(plan.strict_grants))
 
 
-def prompt_token_arrays(values: Sequence[ArrayLike | None], prompt_lens: np.ndarray
-                        ) -> list[np.ndarray | None]:
-    """``StepPlan.prompt_tokens`` checked: none, or one entry per new request, each None or
-    ``prompt_len`` non-negative integers. InvalidValue (field ``prompt_tokens``) otherwise."""
+def prompt_token_arrays(values: Sequence[Any], prompt_lens: np.ndarray) -> list[Any]:
+    """``StepPlan.prompt_tokens`` checked: none, or one entry per new request, each None,
+    ``prompt_len`` non-negative integers, or an object whose ``tokens`` are (a
+    `prefix_cache.Prompt`, kept as it is). InvalidValue (field ``prompt_tokens``) otherwise."""
     if values is None or len(values) == 0:
         return []
     if len(values) != prompt_lens.size:
         raise InvalidValue(f"prompt_tokens: {len(values)} entries for {prompt_lens.size} new "
                            "requests (give none, or one per new request)", field="prompt_tokens")
-    out: list[np.ndarray | None] = []
+    out: list[Any] = []
     for i, tokens in enumerate(values):
         if tokens is None:
             out.append(None)
             continue
-        arr = _integers(tokens, "prompt_tokens")
+        prompt = tokens if hasattr(tokens, "hashes") else None
+        arr = _integers(tokens.tokens if prompt is not None else tokens, "prompt_tokens")
         if arr.size != prompt_lens[i] or (arr.size and arr.min() < 0):
             raise InvalidValue(f"prompt_tokens: entry {i} must be {int(prompt_lens[i])} "
                                "non-negative token ids (its prompt_len)", field="prompt_tokens")
-        out.append(arr)
+        out.append(prompt if prompt is not None else arr)
     return out
 
 
