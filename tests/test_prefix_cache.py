@@ -12,6 +12,10 @@ prompt tokens (what the block hashes say they hold).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -20,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
 from allocator.prefix_cache import block_hashes
+from allocator.simulate_prefix import SharingSpec, simulate_sharing
 
 TPB = 4
 
@@ -281,3 +286,25 @@ SharingMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestSharing = SharingMachine.TestCase
+
+
+def test_the_shared_prefix_workload_reuses_most_prompt_tokens_and_evicts_when_short():
+    roomy = simulate_sharing(SharingSpec(conversations=8, turns=3, osl=8))
+    # Every turn after the first conversation's reuses the system prompt, later turns their
+    # earlier prompts too.
+    assert roomy.turns == 24 and roomy.hit_rate > 0.6 and roomy.evicted_blocks == 0
+    short = simulate_sharing(SharingSpec(conversations=8, turns=3, osl=8, num_blocks=120))
+    assert short.turns == 24 and short.evicted_blocks > 0
+    assert short.prompt_tokens == roomy.prompt_tokens and short.hit_rate < roomy.hit_rate
+
+
+def test_kvalloc_simulate_reports_the_hit_rate_of_the_shared_prefix_workload():
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "simulate", "--shared-prefix", "256", "--osl", "8",
+         "--tokens-per-block", "16", "--conversations", "4", "--no-progress"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["turns"] == 12 and 0 < summary["hit_rate"] <= 1
+    ratio = summary["cached_tokens"] / summary["prompt_tokens"]
+    assert abs(ratio - summary["hit_rate"]) < 1e-4
