@@ -82,6 +82,15 @@ class KVEventPublisher:
                 if events:
                     self._send(events)
                 if self._replay is not None and poller.poll(0):
+                    # A replay covers everything published before it was asked for.
+                    while True:
+                        try:
+                            events = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if events is None:
+                            return
+                        self._send(events)
                     self._answer_replay()
         finally:
             self._close_sockets()

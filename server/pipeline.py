@@ -144,15 +144,18 @@ class StepPipeline:
         accepted_by_row[result_rows] = call.num_accepted
         dropped = settlement[rows] == _DROPPED
         slots = batch.commit_slots(dropped, outcome.num_blocks[rows])
+        cache = self.manager.cache
+        if cache is not None:  # blocks evicted since the last commit may be written now
+            self.committer.protect(*cache.drain_protection())
         summary = self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped,
                                         slots)
-        if self.manager.cache is not None:
-            # Prompt blocks become shareable once their K/V is in the pool.
+        if cache is not None:
+            # Prompt blocks become shareable, and protected, once their K/V is in the pool.
             kept = ~dropped
             scheduled = batch.scheduled
             self.manager.mark_written(
                 rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
-            self.committer.protect(*self.manager.cache.drain_protection())
+            self.committer.protect(*cache.drain_protection())
         return summary
 
     def _refused(self, outcome: StepOutcome) -> Refused:

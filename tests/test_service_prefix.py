@@ -21,8 +21,9 @@ from server.testing import stage_pattern
 SYSTEM = np.arange(700, 716)  # four full blocks of 4 tokens
 
 
-def make_core(**service: object) -> ServiceCore:
-    pool = PoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, device="cpu", num_blocks=64,
+def make_core(num_blocks: int = 64, **service: object) -> ServiceCore:
+    pool = PoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, device="cpu",
+                      num_blocks=num_blocks,
                       tokens_per_block=4, max_seq_len=64, max_draft_len=2, max_batch_size=8)
     return ServiceCore(ServiceConfig(pool=pool, max_step_tokens=64, prefix_caching=True,
                                      **service))
@@ -104,4 +105,30 @@ def test_the_service_publishes_kv_events_a_router_can_read():
         assert [t for e in stored for t in e[3]] == prompt.tokens.tolist()
     finally:
         replay.close(linger=0)
+        core.close()
+
+
+def test_an_evicted_block_is_writable_by_its_next_owner_in_the_next_commit():
+    """The device mask forgets an evicted block before the commit that writes its new content,
+    even when the step that evicted it committed nothing (a worker's first call)."""
+    core = make_core(num_blocks=20)
+    try:
+        one = Client.in_process(core, worker_id="one")
+        one.register()
+        first = one.step(new=(["a"], [32]), prompt_token_ids=np.arange(32))
+        stage_pattern(one.pool.staging, 32, tag=1)
+        one.step()  # "a"'s prompt written: 8 cached blocks
+        one.step(finished=first.admitted)  # parked
+        assert core.manager.pool.num_parked == 8
+        two = Client.in_process(core, worker_id="two")
+        two.register()
+        big = two.step(new=(["b"], [60]))  # 15 blocks: 12 free, 3 evicted
+        assert core.manager.counters.evicted_blocks == 3
+        stage_pattern(two.pool.staging, 60, tag=2)
+        two.step()
+        assert core.committer.writes.metrics().protected_refusals == 0
+        row = int(big.scheduled.rows[0])
+        blocks = core.manager.table.host[row, :15].tolist()
+        assert (core.storage.kv[:, :, blocks][..., 0] == 2).all()
+    finally:
         core.close()
