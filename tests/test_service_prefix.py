@@ -15,6 +15,7 @@ from allocator import PoolConfig
 from allocator.kv_events import external_hash
 from server.client import Client, RemoteError
 from server.core import ServiceCore
+from server.loadgen import SimulatedWorker, Workload, drive
 from server.settings import ServiceConfig
 from server.testing import stage_pattern
 
@@ -130,5 +131,28 @@ def test_an_evicted_block_is_writable_by_its_next_owner_in_the_next_commit():
         row = int(big.scheduled.rows[0])
         blocks = core.manager.table.host[row, :15].tolist()
         assert (core.storage.kv[:, :, blocks][..., 0] == 2).all()
+    finally:
+        core.close()
+
+
+def test_loadgen_shares_a_system_prompt_under_block_pressure_without_a_protocol_error():
+    core = make_core(num_blocks=48)
+    try:
+        worker = SimulatedWorker(Workload(draft_len=2, arrival_rate=1.0, prompt_len=(1, 12),
+                                          output_len=(4, 16), shared_prefix=24),
+                                 max_draft_len=2, max_step_tokens=64)
+        client = Client.in_process(core, worker_id="loadgen")
+        client.register(attach=False)
+        report = drive(client, worker, steps=300, duration_s=None, step_interval_s=0,
+                       progress=False)
+        assert report.errors == {}
+        assert worker.stats["cached_tokens"] > worker.stats["prompt_tokens"] // 3
+        assert core.manager.counters.prefix_hit_tokens == worker.stats["cached_tokens"]
+        assert core.manager.counters.evicted_blocks > 0, "the pool ran short of free blocks"
+        core.manager.check_invariants()
+        worker.w = Workload(arrival_rate=0.0, output_len=(4, 16))
+        drive(client, worker, steps=200, duration_s=None, step_interval_s=0, progress=False)
+        pool = core.manager.pool
+        assert not worker.live and pool.num_free + pool.num_parked == pool.num_blocks
     finally:
         core.close()
