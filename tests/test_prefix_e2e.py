@@ -4,6 +4,8 @@ message shape that rebuilds the service's cached blocks from the events it publi
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from kv_event_subscriber import Subscriber
 from allocator.kv_events import external_hash
 from allocator.prefix_cache import block_hashes
 from server.client import Client
-from server.launch import ServiceProcess, free_port
+from server.launch import ServiceProcess, free_port, kvalloc_command
 
 POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
         "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",
@@ -45,3 +47,16 @@ def test_a_router_sees_what_the_service_caches_and_workers_skip_the_cached_prefi
         while sub.receive(1000):
             pass
     assert sub.cached == {external_hash(h) for h in block_hashes(prompt, 4)}
+
+
+def test_loadgen_reports_the_hit_rate_of_a_shared_system_prompt(tmp_path: Path) -> None:
+    with ServiceProcess(tmp_path, *POOL, "--prefix-caching") as service:
+        r = subprocess.run([*kvalloc_command(), "loadgen", "--no-progress", "--json",
+                            "--address", service.ipc, "--steps", "150", "--step-interval", "0",
+                            "--shared-prefix", "24", "--prompt-len", "1:12",
+                            "--output-len", "4:16", "--draft-len", "2", "--arrival-rate", "1"],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["errors"] == {} and summary["admitted"] > 0
+    assert summary["cached_tokens"] > summary["prompt_tokens"] // 3
