@@ -1,10 +1,11 @@
 """The state the batched step reads and writes, with whole-word names.
 
 `RowState` holds one entry per block-table row (index = row); `CapacityState` bundles it with the
-block pool (free stack, reference counts), the block table (host cells, free-row stack) and the
-limits of the pool. Both step implementations (`step_reference`, `step_compiled`) change exactly
-this state and nothing else (the counters move by the deltas a step returns), so comparing two
-copies of it compares everything a step can do.
+block pool (free stack, reference counts, the LRU list of parked cached blocks), the block table
+(host cells, free-row stack) and the limits of the pool. Both step implementations
+(`step_reference`, `step_compiled`) change exactly this state and nothing else (the counters
+move by the deltas a step returns), so comparing two copies of it compares everything a step
+can do.
 
 A row is ``live`` while a request holds it. For a row that is not live every entry is 0/False.
 """

@@ -18,7 +18,10 @@ Invariants (``check_invariants`` verifies all of them):
 - a request holds at most one generation grant at a time; while it does, that grant added
   exactly ``1 + draft + slack`` (slack per `accounting.slack_for`), which is what a revert
   takes back;
-- blocks are conserved (free + owned == total) and no block sits in two rows;
+- blocks are conserved (free + parked + owned == total); reference counts equal the number of
+  rows holding a block, and a block held by more than one row, or parked, is a cached prefix
+  block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
+  every row that holds it;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
