@@ -102,7 +102,8 @@ class KVCacheManager:
         self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
         self.cache_key = bytes(cache_key)
         self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
-                                  record_events=kv_events)
+                                  record_events=kv_events,
+                                  track_protection=register_when_written)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
         # The id edge: requests added by id (rows admitted by a batched step have none).

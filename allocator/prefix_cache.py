@@ -73,9 +73,12 @@ class Prompt:
 
 class PrefixCache:
     def __init__(self, num_blocks: int, tokens_per_block: int, *,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, track_protection: bool = False) -> None:
+        """``track_protection``: keep the protection flips for ``drain_protection`` (whoever
+        asks for them must drain them, or they pile up)."""
         self.tokens_per_block = tokens_per_block
         self.protected = np.zeros(num_blocks, dtype=bool)  # exactly the registered blocks
+        self.track_protection = track_protection
         self._flipped: list[int] = []
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
@@ -97,12 +100,11 @@ class PrefixCache:
             if prompt is None:
                 continue
             limit = (int(prompt_lens[i]) - 1) // self.tokens_per_block
-            for block_hash in prompt.hashes[:limit]:
-                block = self.block_of.get(block_hash)
-                if block is None:
-                    break
-                blocks.append(block)
-                counts[i] += 1
+            # map/index run in C: a prompt costs a few microseconds, not one per block.
+            found = list(map(self.block_of.get, prompt.hashes[:limit]))
+            n = found.index(None) if None in found else len(found)
+            blocks += found[:n]
+            counts[i] = n
         return Hits(counts, np.array(blocks, dtype=np.int64))
 
     def forget(self, evicted: np.ndarray) -> None:
@@ -110,7 +112,8 @@ class PrefixCache:
         blocks = evicted.tolist()
         removed = [self.hash_of.pop(block) for block in blocks]
         self.protected[blocks] = False
-        self._flipped.extend(blocks)
+        if self.track_protection:
+            self._flipped.extend(blocks)
         for block_hash in removed:
             del self.block_of[block_hash]
         if self.record_events and removed:
@@ -127,17 +130,17 @@ class PrefixCache:
         first = int(rows.cached[row])
         if full <= first:
             return
-        stored = []
-        blocks = host[row, first:full].tolist()
-        for block_hash, block in zip(prompt.hashes[first:full], blocks, strict=True):
-            if block_hash in self.block_of:
-                break  # another block holds this content: the row's cached run ends here
-            self.block_of[block_hash] = block
-            self.hash_of[block] = block_hash
-            stored.append(block_hash)
-        blocks = blocks[: len(stored)]
+        candidates = prompt.hashes[first:full]
+        # The row's cached run ends at the first block whose content another block holds.
+        held = list(map(self.block_of.__contains__, candidates))
+        n = held.index(True) if True in held else len(candidates)
+        stored = candidates[:n]
+        blocks = host[row, first : first + n].tolist()
+        self.block_of.update(zip(stored, blocks, strict=True))
+        self.hash_of.update(zip(blocks, stored, strict=True))
         self.protected[blocks] = True
-        self._flipped.extend(blocks)
+        if self.track_protection:
+            self._flipped.extend(blocks)
         rows.cached[row] = first + len(stored)
         if self.record_events and stored:
             parent = prompt.hashes[first - 1] if first else None
