@@ -3,8 +3,13 @@
 #   docker build -t kvalloc:0.1.0 .
 #   docker build -t kvalloc:cpu --build-arg BASE_IMAGE=python:3.12-slim .   # no GPU
 # The default base is a CUDA runtime image that already ships torch (and Triton), so the image
-# adds only kvalloc and its small pure-Python dependencies on top.
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# adds only kvalloc and its small pure-Python dependencies on top. It is the stack the GPU tests
+# run on: torch 2.11 built for CUDA 13.0, with its Triton 3.6.
+#
+# The default command listens on all interfaces, so it needs KVALLOC_TOKEN: without it the
+# service refuses to start (exit 2) rather than serve tokenless.
+#   docker run -e KVALLOC_TOKEN="$(openssl rand -hex 32)" ... kvalloc:0.1.0
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 
 # Build stage: only the kvalloc wheel; its dependencies resolve in the runtime stage, where the
 # base's torch already satisfies torch>=2.4 and is not downloaded again.

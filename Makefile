@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINT) -e '.[dev]'
+	$(PY) -m pip install -q -c $(CONSTRAINT) -e '.[dev,worker]'
 	touch $@
 
 run: $(STAMP)

@@ -13,11 +13,13 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-KVDType = Literal["bfloat16", "float16", "fp8_e4m3"]
+KVDType = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    # Exact-token checks against a model's own float32 forward need a float32 pool.
+    "float32": torch.float32,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
 

@@ -6,9 +6,11 @@ serve that registry however they like.
 
 Invariants:
 - Every state value (blocks, requests, token sums and maxima, counters) is read from the manager
-  at scrape time, so a scrape equals the manager's own state at that instant; nothing is mirrored
-  and nothing can drift. Pass ``lock`` (the service core's writer lock) to read a step-consistent
-  snapshot while another thread mutates the manager.
+  itself, never mirrored, so nothing can drift. Alone, a scrape reads it at that instant. When
+  another thread mutates the manager, that writer calls ``state_changed()`` holding its own lock
+  after each change: the state is then copied there (step-consistent, at most every
+  ``min_interval_s``; a later call catches up), and scrapes serve the latest copy without ever
+  taking the writer's lock, so any number of scrapers cannot delay a step.
 - Names follow Prometheus rules: prefix ``kvalloc_``, base units (tokens, blocks, seconds,
   ratios), counters end in ``_total``, no colons (reserved for recording rules).
 - Counters are monotonic: they are cumulative counts owned by the manager, the deferred-write
@@ -27,10 +29,9 @@ is an `ScvAcceptor`, read through its ``stats``: ``graph_replays``, ``captures``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -98,11 +99,13 @@ class AllocatorMetrics:
 
     def __init__(self, registry: CollectorRegistry, manager: KVCacheManager,
                  deferred_writes: object | None = None, *, scv: object | None = None,
-                 lock: AbstractContextManager[Any] | None = None) -> None:
+                 min_interval_s: float = 0.25) -> None:
         self.manager = manager
         self.deferred_writes = deferred_writes
         self.scv = scv
-        self._lock = lock or contextlib.nullcontext()
+        self.min_interval_s = min_interval_s
+        self._published: list[Metric] | None = None  # replaced whole, never changed in place
+        self._published_at = -float("inf")
         self.step_latency = Histogram(
             "kvalloc_step_latency_seconds",
             "Service time of one per-step call, by transport.",
@@ -131,6 +134,23 @@ class AllocatorMetrics:
         """Count ``n`` invariant violations (call it where ``check_invariants`` raised)."""
         self.invariant_violations.inc(n)
 
+    def state_changed(self) -> None:
+        """The writer changed the manager: call it holding the writer's lock (after each change,
+        and now and then while idle, so a change skipped by the interval is copied later).
+        From the first call on, scrapes serve these copies instead of reading live state."""
+        now = time.monotonic()
+        if now - self._published_at >= self.min_interval_s:
+            self._published, self._published_at = self.state_families(), now
+
+    def state_families(self) -> list[Metric]:
+        """The state families read from the live objects now."""
+        families = [*_manager_families(self.manager)]
+        if self.deferred_writes is not None:
+            families += _nwor_families(self.deferred_writes)
+        if self.scv is not None:
+            families += _scv_families(self.scv)
+        return families
+
 
 class _StateCollector(Collector):
     """Builds the state families from the live objects on every scrape."""
@@ -143,14 +163,8 @@ class _StateCollector(Collector):
         return list(self.collect())
 
     def collect(self) -> Iterator[Metric]:
-        m = self._m
-        with m._lock:
-            families = [*_manager_families(m.manager)]
-            if m.deferred_writes is not None:
-                families += _nwor_families(m.deferred_writes)
-            if m.scv is not None:
-                families += _scv_families(m.scv)
-        yield from families
+        published = self._m._published  # one read: the writer may swap in a newer list meanwhile
+        yield from published if published is not None else self._m.state_families()
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

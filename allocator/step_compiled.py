@@ -384,7 +384,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
             _fail(error, codes.OUT_OF_BLOCKS, codes.GRANTS, items[k], available)
             return failed
 
-    # ---- validated: from here on nothing fails. 5. commit
+    # ---- validated: from here on nothing fails. 5. replace_state
     for i in range(num_grants):
         grant_starts[i] = settled_history[grant_rows[i]]
         granted[i] = item_ok[num_topups + i]

@@ -14,7 +14,7 @@
 
 and only then, when nothing can fail any more,
 
-5. ``commit``: the settled and granted state replaces the old one;
+5. ``replace_state``: the settled and granted state replaces the old one;
 6. ``move_blocks``: new requests first take their cached prefix blocks (`Hits`), then every
    row's blocks follow its capacity (finished rows go back to the pool, their cached blocks to
    the LRU tail, the prefix's end first so that it is evicted first), then new requests are
@@ -121,7 +121,7 @@ def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS)
         served = serve_blocks(plan, state, settled, demand, hits)
     except _Failed as failed:
         return StepResult(failed.error)
-    deltas = commit(plan, state, settled, demand, served)
+    deltas = replace_state(plan, state, settled, demand, served)
     evicted: list[int] = []
     outcome = move_blocks(plan, state, served, hits, evicted)
     deltas[COUNTER_INDEX["evicted_blocks"]] = len(evicted)
@@ -369,9 +369,9 @@ def serve_in_order(demands: np.ndarray, available: int) -> np.ndarray:
     return ok
 
 
-# ---------------------------------------------------------------------- 5. commit
+# ---------------------------------------------------------------------- 5. replace_state
 
-def commit(plan: PlanArrays, state: CapacityState, settled: Settled, demand: Demand,
+def replace_state(plan: PlanArrays, state: CapacityState, settled: Settled, demand: Demand,
            served: Served) -> np.ndarray:
     """The settled and granted state replaces the row state; returns the counter deltas."""
     limits, rows = state.limits, state.rows

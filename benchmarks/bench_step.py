@@ -52,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -268,18 +268,32 @@ class InProcessService(ServiceStep):
 
 
 class RemoteService(ServiceStep):
-    """The round trip to a real ``kvalloc serve`` process over ``transport``."""
+    """The round trip to a real ``kvalloc serve`` process over ``transport``. The transports of
+    one run share one process (and so one pool: a GPU holds one of a real model's shape)."""
+
+    _shared: ClassVar[dict[Setup, tuple[ServiceProcess, tempfile.TemporaryDirectory[str],
+                                        list[str]]]] = {}
 
     def __init__(self, setup: Setup, transport: str) -> None:
-        self._workdir = tempfile.TemporaryDirectory(prefix="kvbench-")
-        self.service = ServiceProcess(Path(self._workdir.name), *setup.serve_flags()).start()
-        address = {"ipc": self.service.ipc, "rest_tcp": self.service.rest_tcp}[transport]
+        if setup not in self._shared:
+            workdir = tempfile.TemporaryDirectory(prefix="kvbench-")
+            service = ServiceProcess(Path(workdir.name), *setup.serve_flags()).start()
+            self._shared[setup] = (service, workdir, [])
+        self.setup = setup
+        service, _, users = self._shared[setup]
+        users.append(transport)
+        address = {"ipc": service.ipc, "rest_tcp": service.rest_tcp}[transport]
         super().__init__(setup, Client(address, worker_id=f"bench-{transport}"))
+        self.transport = transport
 
     def close(self) -> None:
         super().close()
-        self.service.stop()
-        self._workdir.cleanup()
+        service, workdir, users = self._shared[self.setup]
+        users.remove(self.transport)
+        if not users:
+            service.stop()
+            workdir.cleanup()
+            del self._shared[self.setup]
 
 
 class CachedManagerStep(ManagerStep):
@@ -393,9 +407,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024],
                    help="requests per step (default: 64 256 1024)")
-    p.add_argument("--steps", type=int, default=400, help="timed steps per batch (default 400)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per batch (default 400, 200 with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help=f"batch {REPORTED_BATCH} only, 200 steps")
+                   help=f"batch {REPORTED_BATCH} only (and 200 steps unless --steps says)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), default=list(MEASUREMENTS),
                    help="run these measurements only (default: all)")
@@ -408,7 +423,8 @@ def main() -> None:
     p.add_argument("--out", help="also write the JSON results here")
     args = p.parse_args()
     torch.set_num_threads(1)
-    batches, steps = ([REPORTED_BATCH], 200) if args.quick else (args.batches, args.steps)
+    batches = [REPORTED_BATCH] if args.quick else args.batches
+    steps = args.steps or (200 if args.quick else 400)
     first_call = first_call_seconds(args.device)
     per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
                                        args.kv_heads, args.head_dim), steps, args.only)

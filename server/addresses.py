@@ -122,11 +122,20 @@ def client_address(address: str) -> str:
     return address
 
 
+class NotASocket(OSError):
+    """Something other than a socket file is at a socket path; it is never removed."""
+
+
 def claim_socket_path(path: Path) -> None:
     """Make ``path`` free for a new Unix socket: a stale socket file (its server is gone) is
-    removed; a live one is an error, so two services never steal each other's clients."""
-    if not path.exists():
+    removed; a live one is an error, so two services never steal each other's clients; anything
+    that is not a socket (a regular file, a directory, a link) is refused and left alone."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise NotASocket(f"{path} exists and is not a socket; refusing to replace it")
     with socket.socket(socket.AF_UNIX) as probe:
         if probe.connect_ex(str(path)) == 0:
             raise OSError(f"{path} is in use by a running server")

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("allocator.simulate", "overlap-scheduler model: finds IMA and row overflow"),
     "serve": ("server.serve", "run the allocator service (REST + IPC) until stopped"),
     "loadgen": ("server.loadgen", "simulated inference worker driving a running service"),
+    "worker": ("worker.cli", "a transformers model decoding speculatively, KV in the pool"),
 }
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

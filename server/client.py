@@ -40,6 +40,7 @@ from .columns import ColumnInput, StepCall, StepResult
 from .errors import ServiceError, describe
 from .operations import ERROR, OK, OPERATIONS, Operation
 from .sharing import StepFence, attach
+from .token_files import discover_token
 
 
 class RemoteError(Exception):
@@ -114,7 +115,8 @@ class AttachedPool:
         fence = None
         if attachment.forward_done is not None and attachment.commit_done is not None:
             fence = StepFence.open(attachment.forward_done, attachment.commit_done)
-        return cls(attach(attachment.kv), attach(attachment.block_table),
+        # The block table is the service's to write; workers only read it.
+        return cls(attach(attachment.kv), attach(attachment.block_table, writable=False),
                    attach(attachment.staging), fence)
 
     def slot_mapping(self, reply: StepResult) -> torch.Tensor:
@@ -132,7 +134,8 @@ class Client:
     def __init__(self, address: str | None = None, *, worker_id: str | None = None,
                  token: str | None = None, timeout_s: float = 10.0, retries: int = 2) -> None:
         self.address = address or default_client_address()
-        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        if token is None:  # KVALLOC_TOKEN, else the token a local service generated for us
+            token = os.environ.get(TOKEN_ENV) or discover_token(self.address)
         transport = (_IpcTransport(self.address, token, timeout_s)
                      if transport_of(self.address) == "ipc"
                      else _RestTransport(self.address, token, timeout_s))
@@ -165,7 +168,7 @@ class Client:
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
                                                          attached=attach, replace=replace))
         self.registration, self.next_step_id = reg, reg.next_step_id
-        self.pool = AttachedPool.attach(reg.attachment) if attach else None
+        self.pool = self._transport.attach(reg) if attach else None
         return reg
 
     def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
@@ -269,6 +272,12 @@ class _LocalTransport:
         except Exception as exc:
             raise _remote(describe(exc)) from exc
 
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
+        process there is nothing to map."""
+        kv, table, staging, fence = self._core.shared_tensors(reg.worker_id)
+        return AttachedPool(kv, table, staging, fence)
+
     def close(self) -> None:
         pass
 
@@ -313,6 +322,9 @@ class _IpcTransport:
                 return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
             assert status == ERROR
             raise _remote(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
+
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        return AttachedPool.attach(reg.attachment)
 
     def close(self) -> None:
         self._sock.close()
@@ -361,6 +373,9 @@ class _RestTransport:
             return op.decode_reply(wire.decode(resp.content, op.reply, "json"))
         raise _remote(wire.decode(resp.content, wire.ErrorBody, "json"),
                       token_sent=self._token_sent)
+
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        return AttachedPool.attach(reg.attachment)
 
     def close(self) -> None:
         self._http.close()

@@ -29,10 +29,13 @@ NOTHING = wire.CommitSummary(tokens=0, written=0)
 
 class Committer:
     def __init__(self, storage: KVStorage, *, max_tokens: int, stage_dtype: torch.dtype,
-                 protect_cached: bool = False) -> None:
-        """``protect_cached``: refuse writes into cached prefix blocks (``protect`` keeps the
+                 nwor: bool = True, protect_cached: bool = False) -> None:
+        """``nwor`` False writes every staged token of a settled request, rejected drafts too
+        (what an engine without NWOR does: the reference to compare NWOR against).
+        ``protect_cached``: refuse writes into cached prefix blocks (``protect`` keeps the
         device mask current)."""
         self.device = storage.device
+        self.nwor = nwor
         self.writes = DeferredWriteManager(storage, max_tokens=max_tokens, stage_dtype=stage_dtype)
         self._protected: torch.Tensor | None = None
         if protect_cached:
@@ -60,9 +63,18 @@ class Committer:
         writes.begin_window(WindowLayout(tuple(scheduled.num_tokens.tolist()),
                                          tuple(drafts.tolist())))
         writes.stage_from(staging, upload_int64(slots, self.device))
-        writes.commit(np.where(dropped, 0, accepted))
+        if not self.nwor:
+            accepted = scheduled.num_drafts
+        accepted = np.where(dropped, 0, accepted)
+        writes.commit(accepted)
         stats = writes.last_window
         assert stats is not None
-        return wire.CommitSummary(tokens=stats.tokens,
-                                  written=stats.committed + stats.fallback_tokens,
+        # What reached the pool: the kept tokens (all of them after a fallback) whose slot is
+        # not -1 (a reverted or finished request's, or one past its request's blocks).
+        kept = scheduled.num_tokens - drafts + accepted
+        written = slots >= 0
+        if stats.fallback_reason is None:
+            within = np.arange(slots.size) - scheduled.token_offsets[batch.token_request]
+            written &= within < kept[batch.token_request]
+        return wire.CommitSummary(tokens=stats.tokens, written=int(written.sum()),
                                   fallback=stats.fallback_reason)

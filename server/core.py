@@ -54,6 +54,10 @@ class ServiceObserver(Protocol):
 
     def invariant_violation(self, n: int = 1) -> None: ...
 
+    def state_changed(self) -> None:
+        """Called under the lock after each change and on every lease check (about once a
+        second), so an observer can copy the state it reports without taking the lock later."""
+
 
 class ExportedTensors:
     """The placement hook the pool and the block table are built with: every tensor is made
@@ -91,7 +95,7 @@ class ServiceCore:
         self._table_handle = placement.handles["block_table"]
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
         self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
-                                   stage_dtype=self.staging_dtype,
+                                   stage_dtype=self.staging_dtype, nwor=config.nwor,
                                    protect_cached=config.prefix_caching)
         self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
         # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
@@ -131,6 +135,10 @@ class ServiceCore:
             if self.kv_events is not None:
                 self.kv_events.close()
 
+    def _state_changed(self) -> None:
+        for obs in self._observers:
+            obs.state_changed()
+
     def _check_open(self) -> None:
         if self._closed:
             raise NotReady("service: shutting down")
@@ -148,6 +156,7 @@ class ServiceCore:
                 log.warning("worker %r registered again with replace: its previous session "
                             "ended, %d requests freed", req.worker_id, n)
             worker = self.registry.add(lambda session: self._new_worker(req, session))
+            self._state_changed()
             return wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
                 lease_ttl_s=self.config.lease_ttl_s, next_step_id=0, layout=self.layout,
@@ -181,12 +190,18 @@ class ServiceCore:
             self._check_open()
             self._expire(self.clock())
             worker = self.registry.worker(req.worker_id, req.session)
-            return wire.Deregistered(worker_id=req.worker_id, freed_requests=self._drop(worker))
+            freed = self._drop(worker)
+            self._state_changed()
+            return wire.Deregistered(worker_id=req.worker_id, freed_requests=freed)
 
     def expire_leases(self) -> int:
         """Drop every worker whose lease ran out; returns how many. The reaper calls this."""
         with self.lock:
-            return 0 if self._closed else self._expire(self.clock())
+            if self._closed:
+                return 0
+            expired = self._expire(self.clock())
+            self._state_changed()
+            return expired
 
     def _expire(self, now: float) -> int:
         ttl = self.config.lease_ttl_s
@@ -240,6 +255,7 @@ class ServiceCore:
             result = self.pipeline.apply(worker, call, self.epoch)
             worker.last_step_id, worker.last_call, worker.last_result = (call.step_id, call,
                                                                          result)
+            self._state_changed()
             return result
 
     def _check_limits(self, call: StepCall) -> None:
@@ -248,6 +264,14 @@ class ServiceCore:
             if n > cap:
                 raise LimitExceeded(f"{name}: {n} entries, more than max_batch_size={cap}",
                                     field=name)
+
+    def shared_tensors(self, worker_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      StepFence | None]:
+        """The pool, the block table, ``worker_id``'s staging buffer and fence, as this process
+        holds them: what an in-process worker uses instead of mapping the handles."""
+        with self.lock:
+            worker = self.registry.worker(worker_id, None)
+            return self.storage.kv, self.manager.table.device_table, worker.staging, worker.fence
 
     # ------------------------------------------------------------------ inspection
 

@@ -34,6 +34,7 @@ from .operations import ERROR, OK, OPERATIONS
 log = logging.getLogger("kvalloc.ipc")
 
 _POLL_MS = 100  # how often the serving thread looks at its stop flag
+_HANDSHAKE_MS = 5000
 
 
 class IpcServer:
@@ -55,6 +56,9 @@ class IpcServer:
         sock.setsockopt(zmq.LINGER, 0)
         # Far larger than any valid message: a hard cap on memory before our own clear check.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._limit)
+        # A peer that connects and never completes ZeroMQ's greeting is dropped (default 30 s):
+        # idle half-open connections must not accumulate descriptors.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
         old = os.umask(0o177)  # ipc:// socket files are created 0600
         try:
             for address in self.addresses:

@@ -12,9 +12,11 @@ started it dies, so no process outlives its owner. Its log is ``workdir/serve.lo
 from __future__ import annotations
 
 import ctypes
+import functools
 import http.client
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -40,7 +42,8 @@ def kvalloc_command() -> list[str]:
 
 class ServiceProcess:
     def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None,
-                 tcp: bool = True, ready_timeout_s: float = 60.0) -> None:
+                 tcp: bool = True, ready_timeout_s: float = 60.0,
+                 nofile: tuple[int, int] | None = None) -> None:
         self.workdir = Path(workdir)
         self.args = args
         self.env = {**os.environ, **(env or {})}
@@ -49,6 +52,7 @@ class ServiceProcess:
         self.ipc = f"ipc://{self.workdir / 'kvalloc.ipc'}"
         self.log_path = self.workdir / "serve.log"
         self.ready_timeout_s = ready_timeout_s
+        self.nofile = nofile  # RLIMIT_NOFILE (soft, hard) for the service, e.g. to exhaust it
         self.proc: subprocess.Popen[bytes] | None = None
         self.epoch: int | None = None
 
@@ -66,7 +70,8 @@ class ServiceProcess:
                *self.args]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=functools.partial(_prepare_child,
+                                                                      self.nofile))
         self._wait_ready()
         return self
 
@@ -115,7 +120,7 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait()
         if self.epoch is not None:
-            for leftover in SHM_DIR.glob(f"kvalloc-{self.epoch:016x}-*"):
+            for leftover in SHM_DIR.glob(f"kvalloc-{self.epoch:016x}[-.]*"):  # segments, owner
                 leftover.unlink(missing_ok=True)
 
     def log(self) -> str:
@@ -128,9 +133,12 @@ class ServiceProcess:
         self.stop()
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, SIGTERM it when the thread that started it dies, so a
-    killed test run (even SIGKILL) leaves no service behind. Elsewhere a no-op."""
+def _prepare_child(nofile: tuple[int, int] | None) -> None:
+    """In the child, before exec: its descriptor limit, if given; and on Linux, SIGTERM it when
+    the thread that started it dies, so a killed test run (even SIGKILL) leaves no service
+    behind."""
+    if nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -14,6 +14,7 @@ latency.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -34,6 +35,7 @@ from allocator.errors import KVAllocError
 from . import protocol, wire
 from .core import ServiceCore
 from .errors import BodyTooLarge, MalformedBody, NotReady, Unauthorized, describe, field_path
+from .network import DEFAULT_LIMITS, OVERLOADED_RETRY_AFTER_S, RestLimits
 from .operations import OPERATIONS
 
 log = logging.getLogger("kvalloc.rest")
@@ -46,10 +48,11 @@ _STATUS_TEXT = {
     409: "Conflicts with the service's state: stale epoch (restart), stale session, worker id "
          "in use, step id out of order or reused with another body, grant pending, too many "
          "workers.",
+    408: "The body did not arrive within the service's body timeout.",
     413: "Body larger than the service's max_body_bytes.",
     422: "Invalid input; `field` names it. Nothing changed.",
     500: "Internal error (a bug, never expected): logged and counted.",
-    503: "Shutting down.",
+    503: "Shutting down, or overloaded (too many calls in flight): retry after Retry-After.",
 }
 
 
@@ -62,19 +65,23 @@ def _json(struct: Any, status: int = 200) -> Response:
 
 
 def create_app(core: ServiceCore, *, token: SecretStr | None = None,
-               metrics: Callable[[], tuple[bytes, str]] | None = None) -> FastAPI:
+               metrics: Callable[[], tuple[bytes, str]] | None = None,
+               limits: RestLimits = DEFAULT_LIMITS) -> FastAPI:
     """The REST app over ``core``. ``metrics`` renders the Prometheus exposition (body, type)."""
     app = FastAPI(
         title="kvalloc", version="0.1.0",
         description="KV-cache block allocator service: one batched call per scheduler step.",
     )
-    app.add_middleware(TransportMiddleware, core=core, max_body_bytes=core.config.max_body_bytes)
+    app.add_middleware(TransportMiddleware, core=core, max_body_bytes=core.config.max_body_bytes,
+                       token=token, limits=limits)
     _install_error_handlers(app)
     # The document describes this service: bearer auth and its 401 appear only when it has a token.
     auth = [Depends(_Authorize(token))] if token is not None else []
 
     def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-        return _errors(*statuses, *((401,) if token is not None else ()))
+        """The statuses of a /v1 operation: its own, plus what the transport may answer before
+        the route runs (a slow body, overload; a missing token where one is required)."""
+        return _errors(*sorted({*statuses, 408, 503, *((401,) if token is not None else ())}))
 
     ops = OPERATIONS
 
@@ -246,21 +253,62 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class TransportMiddleware:
-    """Pure ASGI: refuses bodies over ``max_body_bytes`` with 413 before anything parses them,
-    and reports each per-step call's service time to the core (transport "rest")."""
+    """Pure ASGI, in front of every route; each guard answers before the next costs anything:
 
-    def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int) -> None:
+    1. more than ``limits.max_in_flight`` ``/v1`` calls at once: 503 ``overloaded`` with
+       Retry-After (a bounded queue instead of an unbounded one; probes and scrapes are cheap
+       and never refused, so an overloaded service is not mistaken for a dead one);
+    2. a ``/v1`` call without the bearer token: 401 before a byte of its body is read;
+    3. a body over ``max_body_bytes`` (declared or streamed): 413 as soon as the limit is
+       crossed; a body not complete within ``limits.body_timeout_s``: 408.
+
+    An early answer closes the connection, so an unread body is never drained. It also reports
+    each per-step call's service time to the core (transport "rest")."""
+
+    def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int, *,
+                 token: SecretStr | None = None, limits: RestLimits = DEFAULT_LIMITS) -> None:
         self.app = app
         self.core = core
         self.limit = max_body_bytes
+        self.limits = limits
+        self.expected = token.get_secret_value().encode() if token is not None else None
         self.step_path = OPERATIONS["step"].path
+        self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not _is_operation(scope):  # probes, scrapes, the document: no token, no bound
+            await self._serve(scope, receive, send)
+            return
+        if self.in_flight >= self.limits.max_in_flight:
+            await _send(send, wire.ErrorBody(
+                status=503, code="overloaded", field="service",
+                message=f"service: {self.in_flight} calls in flight; retry after "
+                        f"{OVERLOADED_RETRY_AFTER_S} s"),
+                retry_after=OVERLOADED_RETRY_AFTER_S)
+            return
+        self.in_flight += 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
-        body = await self._read_body(scope, receive)
+        if not self._authorized(scope):
+            await _send(send, describe(Unauthorized("authorization: missing or wrong bearer "
+                                                    "token")))
+            return
+        try:
+            body = await asyncio.wait_for(self._read_body(scope, receive),
+                                          self.limits.body_timeout_s)
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            await _send(send, wire.ErrorBody(
+                status=408, code="body_timeout", field="body",
+                message=f"body: not complete within {self.limits.body_timeout_s:g}s"))
+            return
         if body is None:
             too_big = BodyTooLarge(f"body: larger than max_body_bytes={self.limit}")
             await _send(send, describe(too_big))
@@ -278,30 +326,44 @@ class TransportMiddleware:
         if scope["path"] == self.step_path:
             self.core.observe_step("rest", time.perf_counter() - start)
 
+    def _authorized(self, scope: Scope) -> bool:
+        """A ``/v1`` call carries the bearer token (the scheme's case does not matter)."""
+        if self.expected is None or not _is_operation(scope):
+            return True
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, credentials = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(),
+                                                                   self.expected)
+
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None as soon as it (or its declared length) exceeds the limit."""
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.limit:
             return None
-        chunks: list[bytes] = []
-        size = 0
+        body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
+            body += message.get("body", b"")
+            if len(body) > self.limit:
                 return None
-            chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return b"".join(chunks)
+        return bytes(body)
 
 
-async def _send(send: Send, body: wire.ErrorBody) -> None:
+def _is_operation(scope: Scope) -> bool:
+    return bool(scope["path"].startswith("/v1/"))
+
+
+async def _send(send: Send, body: wire.ErrorBody, retry_after: int | None = None) -> None:
+    """An answer before the route ran; the connection closes after it (its request may still
+    be sending a body nobody will read)."""
     payload = wire.encode_json(body)
-    await send({"type": "http.response.start", "status": body.status,
-                "headers": [(b"content-type", JSON.encode()),
-                            (b"content-length", str(len(payload)).encode())]})
+    headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(payload)).encode()),
+               (b"connection", b"close")]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": body.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

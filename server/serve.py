@@ -4,14 +4,22 @@ With no arguments: the embedded default pool (`server.settings.default_pool`, CU
 else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs where it
 listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC thread
 finishes its message, then every socket file and shared-memory segment is removed.
-``KVALLOC_TOKEN`` (environment only) makes both transports require that bearer token.
+Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports require that
+bearer token; without it the service generates one for its lifetime and writes it 0600 where its
+own user's clients find it (`server.token_files`), so no other local user can call ``/v1``.
+Listening beyond loopback without ``KVALLOC_TOKEN`` is refused unless ``--insecure-no-token``.
+
+At start it raises RLIMIT_NOFILE to the hard limit, bounds REST connections so a descriptor
+reserve stays free (`server.network`), and removes the shared memory of dead instances.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -23,7 +31,7 @@ from typing import Any, get_args
 
 import torch
 import uvicorn
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from allocator import PoolConfig
 from allocator.arguments import argument_type
@@ -44,8 +52,19 @@ from .addresses import (
 from .cli import flag_errors
 from .core import ServiceCore
 from .ipc import IpcServer
+from .network import (
+    ACCEPT_BACKLOG,
+    DEFAULT_LIMITS,
+    LimitsError,
+    RestLimits,
+    bounded_protocol,
+    connection_budget,
+    raise_nofile_limit,
+)
 from .rest import create_app
 from .settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
+from .sharing import reap_dead_instances
+from .token_files import previous_token, write_token_files
 
 log = logging.getLogger("kvalloc.serve")
 
@@ -64,6 +83,16 @@ _POOL_FLAGS: dict[str, tuple[type, str]] = {
     "max_draft_len": (int, "largest draft length D a grant may ask for"),
 }
 _SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes")
+
+
+# RestLimits fields that are flags: name, type, help.
+_LIMIT_FLAGS: tuple[tuple[str, type[int] | type[float], str], ...] = (
+    ("max_connections", int, "REST connections at once; lowered to fit RLIMIT_NOFILE"),
+    ("max_in_flight", int, "REST calls being served at once; more are answered 503 with "
+                           "Retry-After"),
+    ("header_timeout_s", float, "close a REST connection whose request headers take longer"),
+    ("body_timeout_s", float, "answer 408 to a request body that takes longer"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +124,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         svc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=info.annotation,
                          metavar="N",
                          help=f"{info.description} (default {info.default})")
+    limits = parser.add_argument_group("network limits")
+    for name, kind, help_text in _LIMIT_FLAGS:
+        default = getattr(DEFAULT_LIMITS, name)
+        limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive(kind),
+                            default=default, help=f"{help_text} (default {default:g})")
+    parser.add_argument("--no-nwor", dest="nwor", action="store_false",
+                        help="write every staged token, rejected drafts too (as an engine "
+                             "without No-Write-On-Reject; default: only accepted ones)")
+    parser.add_argument("--insecure-no-token", action="store_true",
+                        help="serve without any token, even beyond loopback: anyone who can "
+                             "connect controls the service")
     cache = parser.add_argument_group("prefix caching")
     cache.add_argument("--prefix-caching", action="store_true",
                        help="share the cached full blocks of prompts sent with token ids")
@@ -105,6 +145,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="ENDPOINT", help="serve KV event replays on this ZeroMQ endpoint")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="log verbosity")
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type: a number of ``kind`` above zero (argparse names the flag on error)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,6 +173,15 @@ def run(args: argparse.Namespace) -> int:
     except AddressError as exc:
         print(f"kvalloc serve: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        token = _token(args, config.token)
+        limits = _limits(args)
+    except (InsecureBinding, LimitsError) as exc:
+        log.error("%s", exc)
+        return 2
+    reaped = reap_dead_instances()
+    if reaped:
+        log.info("removed %d shared-memory segments of dead instances", reaped)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
@@ -130,15 +193,17 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
     core = ServiceCore(config)
-    ipc = IpcServer(core, args.ipc or [default_ipc()], token=config.token)
+    ipc = IpcServer(core, args.ipc or [default_ipc()], token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
     status = 0
     try:
         sockets = _rest_sockets(args)
         rest = [_describe(s) for s in sockets]
-        app = create_app(core, token=config.token, metrics=_metrics(core))
+        app = create_app(core, token=token, metrics=_metrics(core), limits=limits)
         endpoints = ipc.start()
+        if token is not None and config.token is None:  # generated: for our own user's clients
+            write_token_files(token.get_secret_value(), [*rest, *endpoints])
         reaper.start()
         pool = config.pool
         log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
@@ -146,9 +211,11 @@ def run(args: argparse.Namespace) -> int:
                  ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
                  pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
                  pool.num_kv_heads, pool.head_dim, config.lease_ttl_s,
-                 "; bearer token required" if config.token else "")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                               lifespan="off", timeout_graceful_shutdown=5))
+                 _token_note(config.token, token))
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=args.log_level, access_log=False, lifespan="off",
+            timeout_graceful_shutdown=5, http=bounded_protocol(limits),
+            timeout_keep_alive=int(limits.keep_alive_s), backlog=ACCEPT_BACKLOG))
         server.run(sockets=sockets)  # returns after a graceful stop on SIGTERM / SIGINT
     except _Stopped as stop:
         log.info("stopping on %s", stop)
@@ -181,7 +248,7 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
-    return ServiceConfig(pool=default_pool(**pool), token=token_from_env(),
+    return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          **service)
@@ -196,6 +263,68 @@ def _check_socket_directories(args: argparse.Namespace) -> None:
                 require_directory(Path(path))
             except AddressError as exc:
                 raise AddressError(f"argument {flag}: {exc}") from None
+
+
+class InsecureBinding(ValueError):
+    """Listening beyond loopback with no token configured."""
+
+
+def _token(args: argparse.Namespace, configured: SecretStr | None) -> SecretStr | None:
+    """The token both transports require: ``KVALLOC_TOKEN``, else a fresh random one, else none
+    (``--insecure-no-token``: logged loudly)."""
+    if configured is not None:
+        return configured
+    if args.insecure_no_token:
+        log.warning("INSECURE: --insecure-no-token: no token at all; anyone who can connect to "
+                    "%s can read the pool, deregister workers and take every worker slot",
+                    ", ".join(_exposed(args)) or "the local endpoints")
+        return None
+    exposed = _exposed(args)
+    if exposed:
+        raise InsecureBinding(
+            f"listen: {', '.join(exposed)} is reachable beyond this host and KVALLOC_TOKEN is "
+            f"not set; set KVALLOC_TOKEN (or pass --insecure-no-token to serve it open)")
+    return SecretStr(previous_token(_addresses(args)) or secrets.token_urlsafe(32))
+
+
+def _addresses(args: argparse.Namespace) -> list[str]:
+    """The endpoints this service will listen on that are known before binding (port 0 is not)."""
+    tcp = [] if args.no_tcp or args.port == 0 else [f"http://{args.host}:{args.port}"]
+    uds = [f"unix://{args.uds}"] if args.uds else []
+    return [*uds, *(args.ipc or [default_ipc()]), *tcp]
+
+
+def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:
+    if token is None:
+        return "; NO TOKEN (insecure)"
+    return ("; bearer token required" if configured is not None
+            else "; generated token required (written 0600 beside each endpoint)")
+
+
+def _exposed(args: argparse.Namespace) -> list[str]:
+    """The TCP endpoints that listen beyond loopback."""
+    hosts = [] if args.no_tcp else [(f"http://{args.host}:{args.port}", args.host)]
+    for address in args.ipc or []:
+        if address.startswith("tcp://"):
+            hosts.append((address, address.removeprefix("tcp://").rpartition(":")[0]))
+    return [address for address, host in hosts if not _is_loopback(host)]
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", "0.0.0.0" parse; a name or an interface may be anything
+        return False
+
+
+def _limits(args: argparse.Namespace) -> RestLimits:
+    flags = {name: getattr(args, name) for name, _, _ in _LIMIT_FLAGS}
+    nofile = raise_nofile_limit()
+    return RestLimits(**{**flags, "max_connections": connection_budget(flags["max_connections"],
+                                                                       nofile)})
 
 
 def _rest_sockets(args: argparse.Namespace) -> list[socket.socket]:
@@ -222,7 +351,7 @@ def _unix_socket(path: Path) -> socket.socket:
         sock.bind(str(path))
     finally:
         os.umask(old)
-    sock.listen(1024)
+    sock.listen(ACCEPT_BACKLOG)
     return sock
 
 
@@ -243,8 +372,11 @@ def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
         log.warning("no /metrics: %s", exc)
         return None
     registry = CollectorRegistry()
-    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes, lock=core.lock)
-    core.add_observer(metrics)
+    # Scrapes read what the core publishes under its lock: they never take it themselves.
+    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes)
+    with core.lock:
+        core.add_observer(metrics)
+        metrics.state_changed()
     return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
 
 

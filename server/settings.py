@@ -43,6 +43,9 @@ class ServiceConfig(BaseModel):
                                  description="Tokens one step may schedule (staging capacity).")
     max_body_bytes: int = Field(default=8 << 20, gt=0, description="Largest request body/message.")
     token: SecretStr | None = Field(default=None, description="Bearer token both transports check.")
+    nwor: bool = Field(default=True,
+                       description="No-Write-On-Reject: commit only accepted drafts. False writes "
+                                   "every staged token, as an engine without NWOR does.")
     prefix_caching: bool = Field(default=False, description="Share the cached full blocks of "
                                                             "prompts sent with token ids.")
     kv_events: str | None = Field(default=None, description="ZeroMQ endpoint to publish KV "

@@ -100,11 +100,13 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
 
     def forward(reply: StepResult, tag: int) -> np.ndarray:
         """Stage the step's pattern; returns its slots, read from the attached block table as
-        the worker's forward would."""
+        the worker's forward would (read first: copying them to the host waits for the device,
+        which must not also wait for the slow forward)."""
+        slots = pool.slot_mapping(reply).cpu().numpy()
         if slow_forward is not None:
             slow_forward()
         stage_pattern(pool.staging, reply.scheduled.total_tokens, tag)
-        return pool.slot_mapping(reply).cpu().numpy()
+        return slots
 
     first = client.step(new=(["a", "b", "c", "d"], [6, 3, 9, 4], [0, 0, 5, 0]))
     a, b, c, d = first.admitted.tolist()

@@ -35,10 +35,16 @@ def load_compose(name: str) -> dict[str, Any]:
     return yaml.load((DEPLOY / name).read_text(), Loader=ComposeLoader)
 
 
+KUSTOMIZATION = DEPLOY / "k8s" / "kustomization.yaml"
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p != KUSTOMIZATION)
+
+
 def load_k8s() -> dict[str, dict[str, Any]]:
-    """Every manifest under deploy/k8s, keyed by kind."""
-    docs = [d for p in sorted((DEPLOY / "k8s").glob("*.yaml"))
-            for d in yaml.safe_load_all(p.read_text()) if d]
+    """Every manifest under deploy/k8s (the kustomization is not one), keyed by kind."""
+    docs = [d for p in manifest_files() for d in yaml.safe_load_all(p.read_text()) if d]
     by_kind = {d["kind"]: d for d in docs}
     assert len(by_kind) == len(docs), "one manifest per kind"
     return by_kind
@@ -184,6 +190,41 @@ def test_service_and_servicemonitor_select_the_allocator_pods():
     # the job label is what alerts.yml selects on (up{job="kvalloc"})
     assert pod_labels[monitor["spec"]["jobLabel"]] == "kvalloc"
     assert all(d["metadata"].get("namespace", "kvalloc") == "kvalloc" for d in k8s.values())
+
+
+def test_kustomization_applies_every_manifest_once_namespace_first():
+    """No kustomization schema is vendored: its structure is checked here."""
+    kust = yaml.safe_load(KUSTOMIZATION.read_text())
+    assert (kust["apiVersion"], kust["kind"]) == ("kustomize.config.k8s.io/v1beta1",
+                                                  "Kustomization")
+    assert set(kust) == {"apiVersion", "kind", "namespace", "resources"}
+    assert kust["namespace"] == "kvalloc"
+    assert sorted(kust["resources"]) == [p.name for p in manifest_files()]
+    assert kust["resources"][0] == "namespace.yaml"
+
+
+def test_the_deployments_cannot_run_tokenless_on_all_interfaces():
+    """Every deployment listens on 0.0.0.0, so each must carry a token it cannot start without:
+    the DaemonSet's secret is not optional, compose refuses an unset KVALLOC_TOKEN, and the image's
+    own default is refused by the service unless a token is given."""
+    container = load_k8s()["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
+    (env,) = [e for e in container["env"] if e["name"] == "KVALLOC_TOKEN"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "kvalloc-token", "key": "token",
+                                                "optional": False}
+    assert "--insecure-no-token" not in container["args"]
+    compose = load_compose("docker-compose.yml")["services"]
+    for name in ("allocator", "loadgen"):
+        assert compose[name]["environment"]["KVALLOC_TOKEN"].startswith("${KVALLOC_TOKEN:?")
+        assert "--insecure-no-token" not in compose[name]["command"]
+    assert "--insecure-no-token" not in dockerfile_instruction("CMD")
+    readme = (DEPLOY / "k8s" / "README.md").read_text()
+    assert "create secret generic kvalloc-token" in readme
+
+
+def test_the_gpu_image_is_the_stack_the_gpu_tests_run_on():
+    base = next(line for line in (ROOT / "Dockerfile").read_text().splitlines()
+                if line.startswith("ARG BASE_IMAGE="))
+    assert base == "ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime"
 
 
 def test_prometheusrule_carries_exactly_the_alerts_of_alerts_yml():

@@ -27,7 +27,7 @@ def make_dry_run(tmp_path: Path, *variables: str) -> str:
 def test_the_default_venv_is_isolated_and_keeps_torch_at_the_constraint(tmp_path):
     commands = make_dry_run(tmp_path)
     assert "-m venv " in commands and "--system-site-packages" not in commands
-    assert "-c constraints-cpu.txt -e '.[dev]'" in commands
+    assert "-c constraints-cpu.txt -e '.[dev,worker]'" in commands
 
 
 @needs_make
@@ -35,7 +35,8 @@ def test_the_default_venv_is_isolated_and_keeps_torch_at_the_constraint(tmp_path
 def test_system_torch_builds_over_site_packages_and_pins_nothing(tmp_path, variable):
     commands = make_dry_run(tmp_path, variable)
     assert "-m venv --system-site-packages " in commands
-    assert "-c /dev/null -e '.[dev]'" in commands and "constraints-cpu.txt -e" not in commands
+    assert "-c /dev/null -e '.[dev,worker]'" in commands
+    assert "constraints-cpu.txt -e" not in commands
 
 
 def test_the_constraints_pin_torch_alone():

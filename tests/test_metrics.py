@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -239,24 +238,18 @@ def test_names_follow_prometheus_rules_and_the_global_registry_is_untouched(mana
             assert not fam.name.endswith("_total"), f"{fam.name}: _total is for counters"
 
 
-def test_a_scrape_holds_the_callers_lock(manager, registry):
-    """With the service core's writer lock, a scrape never sees half a step."""
-    lock = threading.Lock()
-    entered = []
-
-    class Spy:
-        def __enter__(self):
-            lock.acquire()
-            entered.append(True)
-
-        def __exit__(self, *exc):
-            lock.release()
-
-    AllocatorMetrics(registry, manager, lock=Spy())
-    entered.clear()  # registration describes the collector once
-    scrape(registry)
-    assert entered == [True]
-    assert not lock.locked()
+def test_once_published_a_scrape_serves_the_writers_copy(manager, registry):
+    """A writer that calls state_changed() under its lock is the only reader of live state: a
+    scrape sees its last copy, and a copy within min_interval_s of the last is deferred."""
+    metrics = AllocatorMetrics(registry, manager, min_interval_s=3600)
+    metrics.state_changed()
+    manager.add_request("unseen", 4)
+    assert value(scrape(registry), "kvalloc_live_requests") == 0
+    metrics.state_changed()  # within the interval: deferred
+    assert value(scrape(registry), "kvalloc_live_requests") == 0
+    metrics.min_interval_s = 0
+    metrics.state_changed()
+    assert value(scrape(registry), "kvalloc_live_requests") == 1
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "grant", "pad", "update", "revert", "free"]),

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_deploy_promql import alert_rules, dashboard_exprs, metric_names
 
 from server.launch import ServiceProcess, free_port, kvalloc_command
+from server.token_files import discover_token
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
@@ -121,7 +122,9 @@ def loaded(service, prometheus) -> dict:
         assert proc.returncode == 0, out + err
         summaries[name] = json.loads(out)
     finished = time.time()
-    _wait(lambda: query(prometheus, f"timestamp(kvalloc_pool_blocks) > {finished + 1}"),
+    # /metrics serves the copy the service publishes under its lock: after the last change, its
+    # lease check (every second at most) publishes it, so a scrape 2 s later sees it.
+    _wait(lambda: query(prometheus, f"timestamp(kvalloc_pool_blocks) > {finished + 2}"),
           "a scrape after the load")
     return {"started": started, "finished": finished, **summaries}
 
@@ -143,7 +146,9 @@ def test_step_latency_counts_every_call_of_each_transport(prometheus, loaded):
 
 def test_prometheus_holds_exactly_what_the_service_reports(service, prometheus, loaded):
     """After the load, every unlabelled series equals the service's /metrics and /v1/pool."""
-    pool = httpx.get(f"{service.rest_tcp}/v1/pool").raise_for_status().json()
+    token = discover_token(service.rest_tcp)
+    pool = httpx.get(f"{service.rest_tcp}/v1/pool",
+                     headers={"authorization": f"Bearer {token}"}).raise_for_status().json()
     served = {s.name: s.value for fam in text_string_to_metric_families(
         httpx.get(f"{service.rest_tcp}/metrics").text) for s in fam.samples if not s.labels}
     stored = {s["metric"]["__name__"]: float(s["value"][1])

@@ -83,3 +83,25 @@ def test_without_the_fence_the_commit_would_race_the_forward(service: ServicePro
 def test_a_cuda_pool_is_shared_without_shared_memory_files(service: ServiceProcess) -> None:
     """The handles name the service's own device allocations: nothing goes through /dev/shm."""
     assert not list(Path("/dev/shm").glob(f"kvalloc-{service.epoch:016x}-*"))
+
+
+def test_an_in_process_worker_on_a_cuda_pool_commits_exactly_the_accepted_tokens() -> None:
+    """An engine that embeds the core uses its tensors directly (a process cannot open its own
+    CUDA IPC handles), with the same result as a worker process."""
+    from allocator import PoolConfig
+    from server.core import ServiceCore
+    from server.settings import ServiceConfig
+
+    core = ServiceCore(ServiceConfig(pool=PoolConfig(
+        device="cuda", num_blocks=256, tokens_per_block=16, num_layers=4, num_kv_heads=8,
+        head_dim=128, max_batch_size=16, max_seq_len=512), max_step_tokens=256))
+    try:
+        client = Client.in_process(core, worker_id="embedded")
+        client.register()
+        assert client.pool is not None and client.pool.kv.data_ptr() == core.storage.kv.data_ptr()
+        outcome = nwor_scenario(client, slow_forward)
+        torch.cuda.synchronize()
+        assert outcome.mismatches == [] and outcome.commit.written == 5
+        core.check_invariants()
+    finally:
+        core.close()

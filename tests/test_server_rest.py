@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import zmq
 from server.client import Client, RemoteError
 from server.launch import ServiceProcess, free_port
 from server.operations import OK, OPERATIONS
+from server.token_files import discover_token
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4", "--num-layers",
               "2", "--num-kv-heads", "1", "--head-dim", "8", "--max-batch-size", "8",
@@ -49,8 +51,10 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
 def raw_rest(svc: ServiceProcess, op: str, payload: Any, token: str | None = None
              ) -> httpx.Response:
     """One operation over REST, built from the same payload the IPC transport takes: path fields
-    in the path, the rest in the query (GET/DELETE) or the JSON body (POST); bytes as is."""
+    in the path, the rest in the query (GET/DELETE) or the JSON body (POST); bytes as is. No
+    ``token``: the one the service generated, if it did."""
     operation = OPERATIONS[op]
+    token = discover_token(svc.ipc) if token is None else token
     headers = {"authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(svc.uds)), base_url="http://svc",
                       headers=headers, timeout=10) as http:
@@ -73,9 +77,11 @@ def columns_as_bytes(payload: Any) -> Any:
                 else columns_as_bytes(v)) for k, v in payload.items()}
 
 
-def raw_ipc(svc: ServiceProcess, op: str, payload: Any, token: str = "") -> tuple[int, dict]:
-    """One operation over IPC: msgpack of ``payload`` (bytes as is) in the documented frames;
-    a step's columns as int64 bytes."""
+def raw_ipc(svc: ServiceProcess, op: str, payload: Any, token: str | None = None
+            ) -> tuple[int, dict]:
+    """One operation over IPC: msgpack of ``payload`` (bytes as is) in the documented frames; a
+    step's columns as int64 bytes. No ``token``: the one the service generated, if it did."""
+    token = (discover_token(svc.ipc) or "") if token is None else token
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -247,13 +253,13 @@ def test_openapi_documents_every_status_each_operation_answers(service: ServiceP
     for op_name, op in OPERATIONS.items():
         responses = spec["paths"][op.path][op.method.lower()]["responses"]
         seen = {str(status) for _, name, _, status, _ in BAD_INPUT if name == op_name}
-        assert {"200", "422", "500", "503"} | seen <= set(responses), op_name
-        assert "401" not in responses  # this service has no token
+        # No KVALLOC_TOKEN: the service generated a token, which the document states too.
+        assert {"200", "401", "422", "500", "503"} | seen <= set(responses), op_name
         for status, response in responses.items():
             if status != "200":
                 schema = response["content"]["application/json"]["schema"]
                 assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (op_name, status)
-    assert "securitySchemes" not in spec.get("components", {})
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 
 def test_openapi_writes_integer_bounds_exactly(service: ServiceProcess) -> None:
@@ -324,18 +330,24 @@ def test_health_readiness_and_metrics(service: ServiceProcess) -> None:
             handles = client.step(new=(["m"], [4])).admitted
             client.step(grants=(handles, [1]))  # commits the first step: one NWOR window
             client.deregister()
+    series = ('kvalloc_step_latency_seconds_count{transport="ipc"}',
+              'kvalloc_step_latency_seconds_count{transport="rest"}',
+              "kvalloc_nwor_windows_total", "kvalloc_nwor_committed_tokens_total")
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(service.uds)),
                       base_url="http://svc") as http:
         assert http.get("/healthz").json() == {"status": "ok"}
         ready = http.get("/readyz").json()
         assert ready["status"] == "ready" and ready["epoch"] == service.epoch
-        text = http.get("/metrics").text
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
-                  if line and not line.startswith("#"))
-    for series in ('kvalloc_step_latency_seconds_count{transport="ipc"}',
-                   'kvalloc_step_latency_seconds_count{transport="rest"}',
-                   "kvalloc_nwor_windows_total", "kvalloc_nwor_committed_tokens_total"):
-        assert float(values[series]) >= 2, series
+        # /metrics serves the state the service last published: within about a second.
+        deadline = time.monotonic() + 10
+        while True:
+            values = dict(line.rsplit(" ", 1) for line in http.get("/metrics").text.splitlines()
+                          if line and not line.startswith("#"))
+            if all(float(values[s]) >= 2 for s in series) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    for name in series:
+        assert float(values[name]) >= 2, name
     assert int(float(values["kvalloc_pool_blocks"])) == 64
 
 

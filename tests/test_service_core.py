@@ -39,6 +39,7 @@ class Recorder:
         self.steps: list[tuple[str, float]] = []
         self.leases = 0
         self.violations = 0
+        self.changes = 0
 
     def observe_step(self, transport: str, seconds: float) -> None:
         self.steps.append((transport, seconds))
@@ -48,6 +49,9 @@ class Recorder:
 
     def invariant_violation(self, n: int = 1) -> None:
         self.violations += n
+
+    def state_changed(self) -> None:
+        self.changes += 1
 
 
 @pytest.fixture
@@ -164,6 +168,30 @@ def test_padding_runs_the_grant_with_the_padded_draft_length(core: ServiceCore) 
 
 
 # ---------------------------------------------------------------- NWOR through the core
+
+
+@pytest.mark.parametrize("nwor", [True, False])
+def test_a_rejected_draft_reaches_the_pool_only_without_nwor(
+        make_config: Callable[..., object], clock: FakeClock, nwor: bool) -> None:
+    """The reference NWOR is measured against: a service run with nwor=False writes a rejected
+    draft that lies in a block its request keeps; with NWOR it stays poison."""
+    core = ServiceCore(ServiceConfig(pool=make_config(num_layers=2), lease_ttl_s=TTL,
+                                     max_step_tokens=64, nwor=nwor), clock=clock)
+    try:
+        w = worker(core)
+        w.pool.kv.fill_(POISON)
+        first = w.step(new={"a": 6})  # positions 0-5 in blocks 0-1 (4 tokens each)
+        stage_pattern(w.pool.staging, first.scheduled.total_tokens, tag=1)
+        second = w.step(grants={"a": 1})  # position 6 and the draft at 7, still in block 1
+        slots = w.pool.slot_mapping(second).numpy()
+        stage_pattern(w.pool.staging, second.scheduled.total_tokens, tag=2)
+        third = w.step(results={"a": 0})  # the draft is rejected; block 1 stays a's
+        kept = {int(slots[0]): (2, 0)} | ({int(slots[1]): (2, 1)} if not nwor else {})
+        expected = committed_slots(first, w.pool.slot_mapping(first).numpy(), 1, {}) | kept
+        assert not pool_mismatches(w.pool.kv, expected, POISON)
+        assert third.committed == wire.CommitSummary(tokens=2, written=1 if nwor else 2)
+    finally:
+        core.close()
 
 
 def test_the_next_step_commits_exactly_the_accepted_tokens(core: ServiceCore) -> None:

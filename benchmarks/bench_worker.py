@@ -1,0 +1,190 @@
+"""A real model decoding through kvalloc: tokens/s, step time and the per-step call's share of it.
+
+    python benchmarks/bench_worker.py --out benchmarks/results/worker_cuda.json     # on a GPU
+    python benchmarks/bench_worker.py --quick                                       # CPU, seconds
+
+Full run: a ~1B Llama shape (16 layers, hidden 2048, 32 query heads, 8 KV heads x 64, random
+weights, bf16), batches of 32 and 64 prompts of 512-2048 tokens, 64 new tokens each, D=3 with
+the oracle drafter at a 60% per-token hit rate and with the n-gram drafter. Side by side in one
+run: a plain run (D=0, which also gives the oracle its continuation) and every drafter with the
+service in process and behind IPC (a ``kvalloc serve`` subprocess sharing its pool over CUDA IPC).
+``decode_call_share`` is the call's share of the wall time of decode-only steps (no prefill in
+them), the figure the <= 5% target at batch 64 over IPC is about. The service commits with NWOR
+in every run (it has no switch to turn it off).
+
+``--quick``: a 2-layer model in float32 on the CPU, batches of 4 and 8 prompts of 16-64 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from allocator import PoolConfig
+from server.client import Client
+from server.core import ServiceCore
+from server.launch import ServiceProcess
+from server.settings import ServiceConfig
+from worker.drafters import Drafter, NgramDrafter, OracleDrafter
+from worker.engine import Engine, Prompt
+from worker.model import pool_for_model, random_model
+
+FULL = {
+    "model": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, max_position_embeddings=4096, eos_token_id=None),
+    "dtype": "bfloat16", "device": "cuda", "batches": (32, 64), "prompt_len": (512, 2048),
+    "new_tokens": 64, "max_step_tokens": 8192,
+}
+QUICK = {
+    "model": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=None),
+    "dtype": "float32", "device": "cpu", "batches": (4, 8), "prompt_len": (16, 64),
+    "new_tokens": 8, "max_step_tokens": 512,
+}
+DRAFT_LEN = 3
+ORACLE_RATE = 0.6
+TRANSPORTS = ("in-process", "ipc")
+
+
+@contextlib.contextmanager
+def connect(transport: str, config: ServiceConfig, workdir: Path) -> Iterator[Client]:
+    """A registered, attached client: on a core in this process, or over IPC to a service."""
+    if transport == "in-process":
+        core = ServiceCore(config)
+        try:
+            client = Client.in_process(core, worker_id="bench")
+            client.register()
+            yield client
+        finally:
+            core.close()
+        return
+    with ServiceProcess(workdir, *serve_flags(config), tcp=False) as service, \
+            Client(service.ipc, worker_id="bench", timeout_s=120.0) as client:
+        client.register()
+        yield client
+
+
+def serve_flags(config: ServiceConfig) -> list[str]:
+    pool: PoolConfig = config.pool
+    flags = {name: getattr(pool, name) for name in (
+        "num_blocks", "tokens_per_block", "num_layers", "num_kv_heads", "head_dim", "dtype",
+        "device", "max_batch_size", "max_seq_len", "max_draft_len")}
+    flags["max_step_tokens"] = config.max_step_tokens
+    return [arg for name, value in flags.items()
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def measure(model: Any, client: Client, prompts: list[Prompt], new_tokens: int,
+            drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]],
+                                                              dict[str, Any]]:
+    engine = Engine(model, client, drafter, draft_len=draft_len)
+    outputs = engine.run(prompts, new_tokens)
+    s = engine.stats
+    return outputs, {
+        "tokens_per_s": round(s.tokens_per_s, 1), "steps": s.steps,
+        "step_ms": round(1e3 * s.wall_s / s.steps, 3),
+        "call_ms": round(1e3 * s.call_s / s.steps, 3),
+        "call_share": round(s.call_share, 4),
+        "decode_steps": s.decode_steps,
+        "decode_step_ms": round(1e3 * s.decode_wall_s / max(s.decode_steps, 1), 3),
+        "decode_call_ms": round(1e3 * s.decode_call_s / max(s.decode_steps, 1), 3),
+        "decode_call_share": round(s.decode_call_share, 4),
+        "acceptance_rate": round(s.acceptance_rate, 4), "preemptions": s.preemptions,
+    }
+
+
+def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    dtype = getattr(torch, setup["dtype"])
+    model = random_model(setup["model"], seed=seed, dtype=dtype, device=setup["device"])
+    rows = []
+    for batch in setup["batches"]:
+        lo, hi = setup["prompt_len"]
+        prompts = [Prompt(f"p{i}", rng.integers(0, model.config.vocab_size, int(n)).tolist())
+                   for i, n in enumerate(rng.integers(lo, hi, batch, endpoint=True))]
+        pool = pool_for_model(model.config, longest=hi + setup["new_tokens"],
+                              num_requests=batch, draft_len=DRAFT_LEN, dtype=setup["dtype"],
+                              device=setup["device"], max_batch_size=batch)
+        config = ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"])
+        with tempfile.TemporaryDirectory() as tmp:
+            for transport in TRANSPORTS:
+                with connect(transport, config, Path(tmp)) as client:
+                    # Warm-up, not measured: first calls compile and allocate (service and model).
+                    measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
+                    truth, row = measure(model, client, prompts, setup["new_tokens"], None, 0)
+                    rows.append({"batch": batch, "transport": transport, "drafter": "none",
+                                 "draft_len": 0, **row})
+                    drafters: dict[str, Drafter] = {
+                        f"oracle:{ORACLE_RATE}": OracleDrafter(
+                            truth, ORACLE_RATE, vocab_size=model.config.vocab_size, seed=seed),
+                        "ngram": NgramDrafter(),
+                    }
+                    for name, drafter in drafters.items():
+                        _, row = measure(model, client, prompts, setup["new_tokens"], drafter,
+                                         DRAFT_LEN)
+                        rows.append({"batch": batch, "transport": transport, "drafter": name,
+                                     "draft_len": DRAFT_LEN, **row})
+                    print(table(rows[-3:], header=not rows[:-3]), flush=True)
+    return rows
+
+
+COLUMNS = ("batch", "transport", "drafter", "tokens_per_s", "step_ms", "decode_step_ms",
+           "decode_call_ms", "decode_call_share", "call_share", "acceptance_rate")
+
+
+def table(rows: list[dict[str, Any]], header: bool = True) -> str:
+    lines = []
+    if header:
+        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine(device: str) -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "cores": len(os.sched_getaffinity(0))}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the rows and the machine as JSON")
+    args = parser.parse_args()
+    setup = QUICK if args.quick else FULL
+    if args.quick:
+        torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared CPU
+    if setup["device"] == "cuda" and not torch.cuda.is_available():
+        parser.error("the full benchmark needs CUDA; --quick runs on the CPU")
+    rows = run(setup, args.seed)
+    if args.out is not None:
+        meta = {k: v for k, v in setup.items() if k != "model"}
+        meta["model"] = setup["model"].to_diff_dict()
+        args.out.write_text(json.dumps({"machine": machine(setup["device"]), "setup": meta,
+                                        "draft_len": DRAFT_LEN, "nwor": "on (no switch)",
+                                        "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

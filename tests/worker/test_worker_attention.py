@@ -1,0 +1,78 @@
+"""The worker's attention against the project's reference two-source attention, on random
+pools: grouped-query heads, requests with and without history, decode-sized and long entries,
+and NaN everywhere in the pool outside the requests' history."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from allocator import PoolConfig
+from allocator.attention import two_source_attention
+from allocator.kv_storage import KVStorage
+from worker.attention import KvallocAttentionError, PackedStep, kvalloc_attention
+
+HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 4, 2, 8, 4
+
+
+@pytest.mark.parametrize("group_width", [1, 4, 64])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_equals_the_reference_two_source_attention(group_width: int, layer: int) -> None:
+    gen = torch.Generator().manual_seed(group_width * 10 + layer)
+    config = PoolConfig(num_blocks=64, tokens_per_block=TOKENS_PER_BLOCK, num_layers=2,
+                        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32", device="cpu",
+                        max_batch_size=8, max_seq_len=64, max_draft_len=3)
+    storage = KVStorage(config)
+    storage.kv.fill_(float("nan"))
+    history = np.array([9, 0, 21, 4, 0])
+    lengths = np.array([4, 7, 1, 12, 2])
+    rows = np.array([3, 0, 5, 1, 6])
+    table = torch.full((8, config.max_blocks_per_seq), -1, dtype=torch.int32)
+    blocks = iter(torch.randperm(64, generator=gen).tolist())
+    for row, n in zip(rows, history + lengths, strict=True):
+        table[row, :-(-n // TOKENS_PER_BLOCK)] = torch.tensor(
+            [next(blocks) for _ in range(-(-n // TOKENS_PER_BLOCK))], dtype=torch.int32)
+    for row, n in zip(rows, history, strict=True):  # only history is in the pool
+        pos = torch.arange(n)
+        slots = table[row, pos // TOKENS_PER_BLOCK].long() * TOKENS_PER_BLOCK + (
+            pos % TOKENS_PER_BLOCK)
+        storage.rows()[:, :, slots] = torch.randn(2, 2, n, KV_HEADS * HEAD_DIM, generator=gen)
+    total = int(lengths.sum())
+    query = torch.randn(1, HEADS, total, HEAD_DIM, generator=gen)
+    key = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=gen)
+    value = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=gen)
+    staging = torch.zeros(2, 2, 64, KV_HEADS, HEAD_DIM)
+    offsets = np.cumsum(lengths) - lengths
+    step = PackedStep.build(storage.kv, staging, table, offsets, lengths, history, rows,
+                            group_width=group_width)
+    module = torch.nn.Module()
+    module.layer_idx = layer
+    out, _ = kvalloc_attention(module, query, key, value, None, scaling=HEAD_DIM ** -0.5,
+                               kvalloc_step=step)
+
+    torch.testing.assert_close(staging[layer, 0, :total], key[0].transpose(0, 1))
+    torch.testing.assert_close(staging[layer, 1, :total], value[0].transpose(0, 1))
+    want = two_source_attention(query[0].transpose(0, 1), storage, layer, table, rows.tolist(),
+                                history.tolist(), lengths.tolist(), staging[layer, 0, :total],
+                                staging[layer, 1, :total])
+    assert out.shape == (1, total, HEADS, HEAD_DIM)
+    torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_what_it_does_not_implement() -> None:
+    kv = torch.zeros(1, 2, 4, 4, 1, 8)
+    staging = torch.zeros(1, 2, 8, 1, 8)
+    table = torch.tensor([[0, 1, -1, -1]], dtype=torch.int32)
+    step = PackedStep.build(kv, staging, table, np.array([0]), np.array([3]), np.array([5]),
+                            np.array([0]), group_width=4)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q, k = torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8)
+    with pytest.raises(KvallocAttentionError, match="softcap"):
+        kvalloc_attention(module, q, k, k, None, kvalloc_step=step, softcap=30.0)
+    with pytest.raises(KvallocAttentionError, match="expected one packed sequence of 3"):
+        kvalloc_attention(module, torch.zeros(1, 1, 2, 8), k, k, None, kvalloc_step=step)
+    with pytest.raises(KvallocAttentionError, match="staging holds 8"):
+        PackedStep.build(kv, staging, table, np.array([0]), np.array([9]), np.array([0]),
+                         np.array([0]), group_width=4)

@@ -1,0 +1,103 @@
+"""`kvalloc worker` end to end: in process, and against a real `kvalloc serve` over IPC."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle
+
+from server.cli import main
+from server.launch import ServiceProcess
+
+pytest_plugins = ["worker_fixtures"]
+
+
+def write_inputs(oracle: Oracle, tmp_path: Path) -> tuple[Path, Path]:
+    config, prompts = tmp_path / "cfg.json", tmp_path / "prompts.jsonl"
+    oracle.model.config.to_json_file(config)
+    prompts.write_text("".join(json.dumps({"id": p.req_id, "token_ids": list(p.token_ids)}) + "\n"
+                               for p in oracle.prompts))
+    return config, prompts
+
+
+def worker_args(config: Path, prompts: Path, *extra: str) -> list[str]:
+    return ["worker", "--model-config", str(config), "--prompts", str(prompts), "--seed", "0",
+            "--max-new-tokens", str(MAX_NEW_TOKENS), "--tokens-per-block", str(TOKENS_PER_BLOCK),
+            "--json", "--no-progress", *extra]
+
+
+def outputs(stdout: str) -> dict[str, list[int]]:
+    result = json.loads(stdout)
+    assert result["generated_tokens"] > 0 and 0 <= result["call_share"] < 1
+    assert result["tokens_per_s"] > 0
+    return {o["id"]: o["token_ids"] for o in result["outputs"]}
+
+
+def test_in_process_cli_prints_the_generated_tokens(oracle: Oracle, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", "--draft-len", "3",
+                            "--drafter", "oracle:0.5", "--max-step-tokens", "64",
+                            "--max-batch-size", "8")) == 0
+    out = capsys.readouterr().out
+    assert outputs(out) == oracle.expected
+    assert 0 < json.loads(out)["acceptance_rate"] < 1
+
+
+def test_worker_against_a_running_service_over_ipc(llama_oracle: Oracle, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    pool = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
+            "--head-dim", "8", "--num-blocks", "256", "--tokens-per-block",
+            str(TOKENS_PER_BLOCK), "--max-seq-len", "96", "--max-draft-len", str(MAX_DRAFT_LEN),
+            "--max-batch-size", "8", "--max-step-tokens", "48"]
+    with ServiceProcess(tmp_path, *pool, tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.ipc, "--draft-len", "2",
+                                "--drafter", "ngram")) == 0
+    assert outputs(capsys.readouterr().out) == llama_oracle.expected
+
+
+def test_no_service_at_the_address_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    address = f"ipc://{tmp_path / 'nobody.ipc'}"
+    assert main(worker_args(config, prompts, "--address", address, "--timeout", "0.2")) == 2
+    assert f"cannot reach {address}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--drafter", "eagle"], "'eagle' is not ngram or oracle:RATE"),
+    (["--max-new-tokens", "0"], "max_new_tokens: 0 must be >= 1"),
+])
+def test_cli_errors_exit_2_with_the_reason(llama_oracle: Oracle, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str], extra: list[str],
+                                           message: str) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", *extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_saved_checkpoint_with_a_tokenizer_serves_text_prompts(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    llama_oracle.model.save_pretrained(checkpoint)
+    vocab = {f"w{i}": i for i in range(llama_oracle.model.config.vocab_size - 1)}
+    vocab["[UNK]"] = len(vocab)
+    words = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(checkpoint)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"id": p.req_id, "text": " ".join(f"w{t}" for t in p.token_ids)}) + "\n"
+        for p in llama_oracle.prompts if max(p.token_ids) < len(vocab) - 1))
+    assert main(["worker", "--model", str(checkpoint), "--prompts", str(prompts),
+                 "--max-new-tokens", str(MAX_NEW_TOKENS), "--draft-len", "3", "--in-process",
+                 "--json", "--no-progress"]) == 0
+    got = outputs(capsys.readouterr().out)
+    assert got and got == {k: llama_oracle.expected[k] for k in got}

@@ -1,0 +1,171 @@
+"""The worker's tokens, logits and pool against transformers' own answers (float32, CPU).
+
+Every run poisons the pool with NaN first and keeps a shadow of what the pool must hold: each
+call commits, of the previous step's entries that it did not finish, the non-draft tokens and
+the accepted drafts, whose K/V is what a plain forward computes for those positions. After every
+call the whole pool must equal the shadow: committed slots hold the plain forward's K/V, and
+every other slot (rejected drafts, blocks no request held) still holds the poison. With NWOR
+off (the service writes rejected drafts too, as an engine without NWOR) the tokens must still be
+exact and the committed slots right; the rejected drafts' slots then hold whatever they staged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
+
+from worker.drafters import Drafter, NgramDrafter, OracleDrafter
+from worker.engine import Engine, Request, StepRecord
+
+pytest_plugins = ["worker_fixtures"]
+
+
+class PoolWatch:
+    """The on_step observer: the pool must equal exactly the tokens committed so far."""
+
+    def __init__(self, oracle: Oracle, kv: torch.Tensor, block_table: torch.Tensor,
+                 nwor: bool = True) -> None:
+        self.oracle, self.block_table, self.nwor = oracle, block_table, nwor
+        layers, _, blocks, self.tokens_per_block, heads, dim = kv.shape
+        self.pool = kv.view(layers, 2, blocks * self.tokens_per_block, heads, dim)
+        self.shadow = torch.full_like(self.pool, float("nan"))
+        # The previous step's entries: (request, first position, slots, num tokens, drafts).
+        self.previous: list[tuple[Request, int, torch.Tensor, int, int]] = []
+        self.committed = 0
+
+    def __call__(self, record: StepRecord) -> None:
+        self.apply_commit(record.call)
+        # Without NWOR a rejected draft's slot holds its staged K/V: compare committed slots.
+        checked = slice(None) if self.nwor else ~self.shadow[0, 0, :, 0, 0].isnan()
+        torch.testing.assert_close(self.pool[:, :, checked], self.shadow[:, :, checked],
+                                   equal_nan=True, atol=1e-4, rtol=1e-4)
+        sched = record.reply.scheduled
+        self.previous = []
+        for r, row, start, n, drafts in zip(record.requests, *(
+                np.asarray(a).tolist() for a in (sched.rows, sched.start_positions,
+                                                 sched.num_tokens, sched.num_drafts)),
+                                            strict=True):
+            pos = torch.arange(start, start + n)
+            slots = self.block_table[row, pos // self.tokens_per_block].long() * (
+                self.tokens_per_block) + pos % self.tokens_per_block
+            self.previous.append((r, start, slots, n, drafts))
+
+    def apply_commit(self, call: dict) -> None:
+        """What ``call`` committed of the previous step, into the shadow."""
+        finished = set(np.asarray(call.get("finished", ())).tolist())
+        handles, accepted = call.get("results", ((), ()))
+        accepted_by_handle = dict(zip(np.asarray(handles).tolist(),
+                                      np.asarray(accepted).tolist(), strict=True))
+        for r, start, slots, n, drafts in self.previous:
+            if r.handle in finished or r.handle < 0:
+                continue
+            keep = n - drafts + accepted_by_handle.get(r.handle, 0)
+            self.shadow[:, :, slots[:keep]] = self.oracle.kv[r.req_id][:, :, start:start + keep]
+            self.committed += keep
+            if not self.nwor:  # rejected drafts were written too: their slots are unknown now
+                self.shadow[:, :, slots[keep:]] = float("nan")
+
+
+def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft_len: int,
+               on_step: Callable[[StepRecord], None] | None = None, nwor: bool = True,
+               **pool: object) -> tuple[Engine, dict[str, list[int]], PoolWatch]:
+    client = connect(pool_config(oracle.model, nwor=nwor, **pool))
+    client.pool.kv.fill_(float("nan"))
+    watch = PoolWatch(oracle, client.pool.kv, client.pool.block_table, nwor)
+
+    def observe(record: StepRecord) -> None:
+        watch(record)
+        if on_step is not None:
+            on_step(record)
+
+    engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
+                    stop_token_ids=oracle.stop_tokens())
+    outputs = engine.run(oracle.prompts, MAX_NEW_TOKENS, on_step=observe)
+    return engine, outputs, watch
+
+
+DRAFTS = [  # (draft_len, drafter: None, "ngram" or an oracle acceptance rate)
+    (0, None), (1, 0.5), (1, 1.0), (3, 0.0), (3, 0.5), (3, 1.0), (3, "ngram"),
+]
+
+
+def make_drafter(oracle: Oracle, kind: object) -> Drafter | None:
+    if kind is None:
+        return None
+    if kind == "ngram":
+        return NgramDrafter()
+    return OracleDrafter(oracle.expected, float(kind), vocab_size=oracle.model.config.vocab_size,
+                         seed=7)
+
+
+@pytest.mark.parametrize("nwor", [True, False], ids=["nwor", "no-nwor"])
+@pytest.mark.parametrize(("draft_len", "kind"), DRAFTS)
+def test_tokens_equal_generate(oracle: Oracle, connect: Callable, draft_len: int,
+                               kind: object, nwor: bool) -> None:
+    engine, outputs, watch = run_worker(oracle, connect, make_drafter(oracle, kind), draft_len,
+                                        nwor=nwor)
+    assert outputs == oracle.expected
+    stats = engine.stats
+    assert stats.generated_tokens == sum(map(len, oracle.expected.values()))
+    assert watch.committed > 0
+    if kind == 1.0:
+        assert stats.proposed_drafts > 0 and stats.acceptance_rate == 1.0
+    elif kind == 0.0:
+        assert stats.proposed_drafts > 0 and stats.accepted_drafts == 0
+    elif kind == 0.5:
+        assert 0.1 < stats.acceptance_rate < 0.7
+
+
+def test_refused_grants_preempt_and_still_give_the_exact_tokens(oracle: Oracle,
+                                                                connect: Callable) -> None:
+    # 30 blocks of 4 tokens: the longest request alone needs 21, so requests keep getting
+    # refused and preempted, and come back through a recompute of prompt + output.
+    engine, outputs, _ = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3,
+                                    num_blocks=30)
+    assert outputs == oracle.expected
+    assert engine.stats.preemptions > 0 and engine.stats.refused_new > 0
+
+
+def test_logits_equal_a_plain_full_sequence_forward(llama_oracle: Oracle,
+                                                    connect: Callable) -> None:
+    oracle, compared = llama_oracle, []
+
+    def compare(record: StepRecord) -> None:
+        if len(compared) >= 40:
+            return
+        offsets = np.asarray(record.reply.scheduled.token_offsets).tolist()
+        for r, off in zip(record.requests, offsets, strict=True):
+            rows = np.flatnonzero((record.logit_rows >= off) &
+                                  (record.logit_rows < off + _step_tokens(r)))
+            if not rows.size:
+                continue
+            sequence = _sequence_through_step(r)
+            with torch.inference_mode():
+                plain = oracle.reference(torch.tensor([sequence])).logits[0]
+            positions = record.positions[torch.as_tensor(record.logit_rows[rows])]
+            torch.testing.assert_close(record.logits[torch.as_tensor(rows)], plain[positions],
+                                       atol=1e-4, rtol=1e-4)
+            compared.append(r.req_id)
+
+    _, outputs, _ = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3, on_step=compare)
+    assert outputs == oracle.expected
+    assert len(compared) >= 40
+
+
+def _step_tokens(r: Request) -> int:
+    """Tokens ``r`` runs in the step being observed (before the engine's verification)."""
+    if r.drafts is not None:
+        return 1 + r.drafts.size
+    return r.chunk
+
+
+def _sequence_through_step(r: Request) -> list[int]:
+    """``r``'s tokens from position 0 through the last token of the observed step."""
+    if r.drafts is not None:
+        return [*r.tokens.tolist(), *r.drafts.tolist()]
+    assert r.admitted is not None
+    return r.admitted[:r.scheduled].tolist()

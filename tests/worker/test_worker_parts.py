@@ -1,0 +1,145 @@
+"""The worker's parts on their own: drafters, prompt files, model loading, and the engine's
+refusals of input it cannot serve."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from worker_oracle import CONFIGS, Oracle, pool_config
+
+from worker.attention import KvallocAttentionError
+from worker.cli import PromptFileError, read_prompts
+from worker.drafters import DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
+from worker.engine import Engine, EngineError, LayoutMismatch, Prompt
+from worker.model import ModelLoadError, config_from_file, load_model, random_model
+
+pytest_plugins = ["worker_fixtures"]
+
+
+def test_ngram_proposes_what_followed_the_most_recent_match() -> None:
+    context = np.array([5, 1, 2, 7, 8, 9, 1, 2, 3, 4, 0, 1, 2])
+    # "1 2" occurred twice before the end; the later one was followed by 3 4 0.
+    assert NgramDrafter().propose("r", context, 0, 3).tolist() == [3, 4, 0]
+    # The longest n-gram wins over a more recent shorter one: "9 1 2" -> 3 4.
+    assert NgramDrafter().propose("r", np.array([9, 1, 2, 3, 4, 2, 5, 9, 1, 2]), 0,
+                                  2).tolist() == [3, 4]
+    assert NgramDrafter().propose("r", np.array([1, 2, 3]), 0, 3).tolist() == []
+    assert NgramDrafter().propose("r", np.array([4]), 0, 3).tolist() == []
+
+
+def test_oracle_drafts_the_truth_at_its_rate() -> None:
+    truth = {"r": list(range(10, 60))}
+    exact = OracleDrafter(truth, 1.0, vocab_size=100)
+    assert exact.propose("r", np.zeros(3), 4, 3).tolist() == [14, 15, 16]
+    assert exact.propose("r", np.zeros(3), 48, 3).tolist() == [58, 59]  # the truth runs out
+    wrong = OracleDrafter(truth, 0.0, vocab_size=100).propose("r", np.zeros(3), 0, 50)
+    assert ((wrong != truth["r"]) & (wrong >= 0) & (wrong < 100)).all()
+    half = OracleDrafter({"r": [3] * 4000}, 0.5, vocab_size=100, seed=1)
+    right = (half.propose("r", np.zeros(1), 0, 4000) == 3).mean()
+    assert 0.45 < right < 0.55
+
+
+@pytest.mark.parametrize(("spec", "want"), [("ngram", ("ngram", None)),
+                                            ("oracle:0.6", ("oracle", 0.6)),
+                                            ("oracle:1", ("oracle", 1.0))])
+def test_drafter_specs(spec: str, want: tuple[str, float | None]) -> None:
+    assert parse_drafter_spec(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["", "eagle", "oracle", "oracle:x", "oracle:1.5", "ngram:2"])
+def test_bad_drafter_specs_name_the_problem(spec: str) -> None:
+    with pytest.raises(DrafterSpecError, match=r"drafter|oracle"):
+        parse_drafter_spec(spec)
+
+
+def test_prompt_file(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": 1, "token_ids": [4, 5]}\n\n{"id": "b", "token_ids": [6]}\n')
+    assert read_prompts(path) == [Prompt("1", [4, 5]), Prompt("b", [6])]
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("", "holds no prompt"),
+    ("not json\n", "line 1: not JSON"),
+    ('{"token_ids": [1]}\n', "line 1: needs an object"),
+    ('{"id": 1}\n{"id": 2, "token_ids": []}\n', "line 1: needs"),
+    ('{"id": 2, "token_ids": []}\n', "line 1: token_ids must be"),
+    ('{"id": 2, "token_ids": [1, "x"]}\n', "line 1: token_ids must be"),
+    ('{"id": 2, "text": "hello"}\n', "needs --model with a tokenizer"),
+])
+def test_bad_prompt_files_name_the_line(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    with pytest.raises(PromptFileError, match=match):
+        read_prompts(path)
+
+
+def test_a_saved_checkpoint_loads_with_the_same_weights(tmp_path: Path) -> None:
+    model = random_model(CONFIGS["llama"], seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = load_model(str(tmp_path / "ckpt"))
+    assert loaded.config._attn_implementation == "kvalloc"
+    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    assert not torch.equal(next(random_model(CONFIGS["llama"], seed=4).parameters()),
+                           next(model.parameters()))
+
+
+def test_model_loading_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_model(str(tmp_path / "missing"))
+    bad_family = tmp_path / "gpt2.json"
+    bad_family.write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+        config_from_file(bad_family)
+    no_type = tmp_path / "untyped.json"
+    no_type.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match="model_type"):
+        config_from_file(no_type)
+    good = tmp_path / "qwen2.json"
+    good.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 16,
+                                "num_attention_heads": 2}))
+    assert config_from_file(good).hidden_size == 16
+
+
+def test_the_kvalloc_attention_needs_a_step(llama_oracle: Oracle) -> None:
+    with pytest.raises(KvallocAttentionError, match="kvalloc_step"):
+        llama_oracle.model(torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_the_engine_refuses_a_pool_that_does_not_fit_the_model(llama_oracle: Oracle,
+                                                               connect: Callable) -> None:
+    model = llama_oracle.model
+    with pytest.raises(LayoutMismatch, match="num_kv_heads: the pool has 1, the model needs 2"):
+        Engine(model, connect(pool_config(model, num_kv_heads=1)), None, draft_len=0)
+    with pytest.raises(LayoutMismatch, match="dtype"):
+        Engine(model, connect(pool_config(model, dtype="bfloat16")), None, draft_len=0)
+    elsewhere = random_model(CONFIGS["llama"], seed=0, device="meta")
+    with pytest.raises(LayoutMismatch, match="device: the pool is on cpu, the model on meta"):
+        Engine(elsewhere, connect(pool_config(model)), None, draft_len=0)
+
+
+def test_the_engine_refuses_bad_requests_before_any_call(llama_oracle: Oracle,
+                                                         connect: Callable) -> None:
+    client = connect(pool_config(llama_oracle.model))
+    engine = Engine(llama_oracle.model, client, NgramDrafter(), draft_len=3)
+    step_id = client.next_step_id
+    for prompts, match in [
+        ([Prompt("a", [1, 96])], "outside the vocabulary"),
+        ([Prompt("a", [])], "at least one token"),
+        ([Prompt("a", [1]), Prompt("a", [2])], "unique"),
+        ([Prompt("a", [1] * 90)], "max_seq_len"),
+    ]:
+        with pytest.raises(EngineError, match=match):
+            engine.run(prompts, 10)
+    with pytest.raises(EngineError, match="max_new_tokens"):
+        engine.run([Prompt("a", [1])], 0)
+    with pytest.raises(EngineError, match="draft_len: 4"):
+        Engine(llama_oracle.model, client, NgramDrafter(), draft_len=4)
+    assert client.next_step_id == step_id  # nothing reached the service

@@ -1,0 +1,50 @@
+"""The worker tests' fixtures. Test modules load them with ``pytest_plugins =
+["worker_fixtures"]``: a conftest.py in this directory would take the module name ``conftest``
+from the suite's own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from worker_oracle import CONFIGS, Oracle, make_oracle
+
+from server.client import Client
+from server.core import ServiceCore
+from server.settings import ServiceConfig
+
+
+@pytest.fixture(scope="session")
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: torch's thread pool only adds contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", params=sorted(CONFIGS))
+def oracle(request: pytest.FixtureRequest, one_thread: None) -> Oracle:
+    return make_oracle(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama_oracle(one_thread: None) -> Oracle:
+    return make_oracle("llama")
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[[ServiceConfig], Client]]:
+    """A registered, attached in-process client on a fresh core per call."""
+    cores: list[ServiceCore] = []
+
+    def factory(config: ServiceConfig) -> Client:
+        cores.append(ServiceCore(config))
+        client = Client.in_process(cores[-1], worker_id="worker")
+        client.register()
+        return client
+
+    yield factory
+    for core in cores:
+        core.close()

@@ -1,0 +1,87 @@
+"""The worker tests' oracle: tiny random Llama, Qwen2 and Mistral models, prompts of varied
+lengths, and transformers' own answers for them (``generate`` and a plain forward's K/V), which
+are the oracle every worker run is checked against.
+
+Pool shape: 4 tokens per block, so the longest prompt crosses many block boundaries, and
+``max_step_tokens`` 48, so the 70-token prompt is prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+
+from allocator import PoolConfig
+from server.settings import ServiceConfig
+from worker.engine import Prompt
+from worker.model import kv_shape, random_model
+
+MAX_NEW_TOKENS = 10
+PROMPT_LENS = (1, 3, 6, 13, 17, 26, 41, 70)
+TOKENS_PER_BLOCK = 4
+MAX_STEP_TOKENS = 48
+MAX_DRAFT_LEN = 3
+
+TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+CONFIGS = {
+    # Llama's default eos id (2) stays: a prompt that samples it stops early, as generate does.
+    "llama": LlamaConfig(**TINY),
+    "qwen2": Qwen2Config(**TINY, eos_token_id=None),
+    # A window of 16 positions: most prompts and every output slide out of it.
+    "mistral": MistralConfig(**TINY, eos_token_id=None, sliding_window=16),
+}
+
+
+@dataclass(repr=False)
+class Oracle:
+    """A tiny model (kvalloc attention), the same weights under transformers' sdpa, the prompts,
+    and what transformers says about them."""
+
+    model: PreTrainedModel
+    reference: PreTrainedModel
+    prompts: list[Prompt]
+    expected: dict[str, list[int]]  # generate(do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+    # Per prompt: K and V of prompt + output from one plain forward, [layers, 2, tokens, H, D].
+    kv: dict[str, torch.Tensor]
+
+    def stop_tokens(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return [] if eos is None else [eos]
+
+
+@cache
+def make_oracle(family: str) -> Oracle:
+    config = CONFIGS[family]
+    model = random_model(config, seed=0)
+    reference = random_model(config, seed=0)
+    reference.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(1)
+    prompts = [Prompt(f"{family}-{i}", rng.integers(0, config.vocab_size, n).tolist())
+               for i, n in enumerate(PROMPT_LENS)]
+    expected, kv = {}, {}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p.token_ids])
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=MAX_NEW_TOKENS)
+            expected[p.req_id] = out[0, ids.shape[1]:].tolist()
+            # A cache without a config keeps every position, sliding layers too.
+            cache = reference(out, cache=DynamicCache(), use_cache=True).cache
+            kv[p.req_id] = torch.stack([torch.stack([layer.keys[0], layer.values[0]])
+                                        for layer in cache.layers]).transpose(2, 3)
+    return Oracle(model, reference, prompts, expected, kv)
+
+
+def pool_config(model: PreTrainedModel, *, nwor: bool = True,
+                **overrides: object) -> ServiceConfig:
+    layers, kv_heads, head_dim = kv_shape(model.config)
+    pool = {"num_blocks": 256, "tokens_per_block": TOKENS_PER_BLOCK, "num_layers": layers,
+            "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32",
+            "device": "cpu", "max_batch_size": 8, "max_seq_len": 96,
+            "max_draft_len": MAX_DRAFT_LEN, "overlap_scheduler": True, **overrides}
+    return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS, nwor=nwor)

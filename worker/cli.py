@@ -1,0 +1,238 @@
+"""`kvalloc worker`: serve a transformers causal LM with its KV in kvalloc, prompts from a file.
+
+    kvalloc worker --model-config cfg.json --prompts prompts.jsonl --max-new-tokens 32 \\
+        --draft-len 3 --drafter ngram --in-process --json
+
+prints each prompt's generated token ids, tokens/s, the draft acceptance rate and the share of
+step wall time spent in the kvalloc call. Without ``--in-process`` it registers with a running
+``kvalloc serve`` (``--address``, as `server.client.Client` takes it) and needs that pool to fit
+the model (layers, KV heads, head size, dtype). ``--drafter oracle:RATE`` first runs the prompts
+without speculation to learn the true continuation, then drafts it with each token right with
+probability RATE; the figures are the speculative run's.
+
+``prompts.jsonl``: one ``{"id": ..., "token_ids": [...]}`` per line, or ``{"id": ..., "text":
+...}`` with ``--model`` pointing at a checkpoint that has a tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from server.addresses import default_client_address
+from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
+from server.settings import ServiceConfig
+
+from .drafters import Drafter, DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
+from .engine import Engine, EngineError, Prompt, RunStats
+from .model import (
+    DTYPES,
+    ModelLoadError,
+    config_from_file,
+    load_model,
+    pool_for_model,
+    random_model,
+)
+
+
+class PromptFileError(ValueError):
+    """A prompts file line that is not ``{"id": ..., "token_ids": [...]}`` (or ``"text"``)."""
+
+
+def read_prompts(path: str | Path, tokenizer: Any = None) -> list[Prompt]:
+    """The prompts of a JSON-lines file; ``text`` lines need ``tokenizer``."""
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise PromptFileError(f"prompts: cannot read {path}: {exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"prompts: {path} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptFileError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(item, dict) or "id" not in item:
+            raise PromptFileError(f"{where}: needs an object with an \"id\"")
+        if "token_ids" in item:
+            ids = item["token_ids"]
+            if not (isinstance(ids, list) and ids and
+                    all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+                raise PromptFileError(f"{where}: token_ids must be a non-empty list of ints")
+        elif "text" in item:
+            if tokenizer is None:
+                raise PromptFileError(f"{where}: \"text\" needs --model with a tokenizer; "
+                                      f"give token_ids instead")
+            ids = tokenizer(item["text"])["input_ids"]
+        else:
+            raise PromptFileError(f"{where}: needs \"token_ids\" or \"text\"")
+        prompts.append(Prompt(str(item["id"]), ids))
+    if not prompts:
+        raise PromptFileError(f"prompts: {path} holds no prompt")
+    return prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("the model (one of)")
+    which = model.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="a local Llama / Mistral / Qwen2 checkpoint directory "
+                                       "(or a model id already in the local cache)")
+    which.add_argument("--model-config", help="a config JSON (with model_type): random weights")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                       help="weights and KV (default float32: exactly generate's tokens)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.add_argument("--device", default=device,
+                       help=f"where the model runs; the pool must be there too (default {device})")
+    model.add_argument("--seed", type=int, default=0,
+                       help="seed of the random weights and the oracle drafter (default 0)")
+    gen = parser.add_argument_group("generation")
+    gen.add_argument("--prompts", required=True, help="JSON lines: {\"id\", \"token_ids\"}")
+    gen.add_argument("--max-new-tokens", type=int, default=32,
+                     help="tokens to generate per prompt, fewer at a stop token (default 32)")
+    gen.add_argument("--draft-len", type=int, default=3,
+                     help="drafts per step D, 0 for none (default 3)")
+    gen.add_argument("--drafter", default="ngram",
+                     help="ngram (prompt lookup) or oracle:RATE (the true continuation, each "
+                          "token right with probability RATE) (default ngram)")
+    svc = parser.add_argument_group("the service")
+    svc.add_argument("--address", default=None,
+                     help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
+                          "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
+    svc.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
+    svc.add_argument("--timeout", type=float, default=30.0,
+                     help="seconds to wait for one reply (default 30)")
+    svc.add_argument("--in-process", action="store_true",
+                     help="run a service core in this process instead of calling one")
+    pool = parser.add_argument_group("the in-process pool")
+    pool.add_argument("--num-blocks", type=int, default=None,
+                      help="default: room for every prompt at once")
+    pool.add_argument("--tokens-per-block", type=int, default=16,
+                      help="block size in tokens (default 16)")
+    pool.add_argument("--max-batch-size", type=int, default=64,
+                      help="requests running at once (default 64)")
+    pool.add_argument("--max-step-tokens", type=int, default=2048,
+                      help="tokens one step may schedule (default 2048)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = _run(args)
+    except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
+            ValueError) as exc:
+        print(f"kvalloc worker: {exc}", file=sys.stderr)
+        return 2
+    except ServiceUnreachable as exc:
+        print(f"kvalloc worker: {exc} (or run with --in-process)", file=sys.stderr)
+        return 2
+    except TransportTimeout as exc:
+        print(f"kvalloc worker: no service answers at {args.address or default_client_address()}"
+              f" ({exc}); start one with `kvalloc serve`, or use --in-process", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else _human(result))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    name, rate = parse_drafter_spec(args.drafter)
+    dtype = DTYPES[args.dtype]
+    if args.model is not None:
+        model = load_model(args.model, dtype=dtype, device=args.device)
+    else:
+        model = random_model(config_from_file(args.model_config), seed=args.seed, dtype=dtype,
+                             device=args.device)
+    prompts = read_prompts(args.prompts, _tokenizer(args.model))
+    with _client(args, model, prompts) as client:
+        if name == "oracle":
+            truth, _ = generate(model, client, prompts, args, None, 0)
+            drafter: Drafter = OracleDrafter(truth, rate, vocab_size=model.config.vocab_size,
+                                             seed=args.seed)
+        else:
+            drafter = NgramDrafter()
+        outputs, stats = generate(model, client, prompts, args, drafter, args.draft_len)
+    return {"outputs": [{"id": p.req_id, "token_ids": outputs[p.req_id]} for p in prompts],
+            **stats.as_dict()}
+
+
+def generate(model: Any, client: Client, prompts: Sequence[Prompt], args: argparse.Namespace,
+             drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]], RunStats]:
+    engine = Engine(model, client, drafter, draft_len=draft_len,
+                    stop_token_ids=_stop_tokens(model))
+    total = len(prompts) * args.max_new_tokens
+    with tqdm(total=total, unit="tok", file=sys.stderr, disable=args.no_progress or None,
+              desc="speculative" if draft_len else "plain") as bar:
+        outputs = engine.run(prompts, args.max_new_tokens, on_progress=bar.update)
+    return outputs, engine.stats
+
+
+def _stop_tokens(model: Any) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _tokenizer(model: str | None) -> Any:
+    if model is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError):
+        return None  # a checkpoint without a tokenizer: token_ids prompts only
+
+
+@contextlib.contextmanager
+def _client(args: argparse.Namespace, model: Any,
+            prompts: Sequence[Prompt]) -> Iterator[Client]:
+    """A registered, attached client: to ``--address``, or to a core made here."""
+    if not args.in_process:
+        with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
+            client.register()
+            try:
+                yield client
+            finally:
+                with contextlib.suppress(Exception):  # a lost service frees it by lease
+                    client.deregister()
+        return
+    from server.core import ServiceCore
+
+    core = ServiceCore(in_process_config(args, model, prompts))
+    try:
+        client = Client.in_process(core, worker_id=args.worker_id or "worker")
+        client.register()
+        yield client
+    finally:
+        core.close()
+
+
+def in_process_config(args: argparse.Namespace, model: Any,
+                      prompts: Sequence[Prompt]) -> ServiceConfig:
+    """A pool shaped like ``model``'s KV, long enough for the longest prompt's output."""
+    pool = pool_for_model(
+        model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,
+        num_requests=len(prompts), draft_len=args.draft_len, dtype=args.dtype,
+        device=args.device, tokens_per_block=args.tokens_per_block,
+        max_batch_size=args.max_batch_size, num_blocks=args.num_blocks)
+    return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens)
+
+
+def _human(result: dict[str, Any]) -> str:
+    lines = [f"{o['id']}: {' '.join(map(str, o['token_ids']))}" for o in result["outputs"]]
+    lines.append(f"{result['generated_tokens']} tokens in {result['steps']} steps, "
+                 f"{result['tokens_per_s']:.1f} tokens/s; acceptance "
+                 f"{result['acceptance_rate']:.1%} ({result['accepted_drafts']}/"
+                 f"{result['proposed_drafts']} drafts); kvalloc call "
+                 f"{result['call_share']:.1%} of step time; {result['preemptions']} preemptions")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Loading the causal LM the worker serves: a local checkpoint, or random weights from a config.
+
+Both paths give an unmodified `transformers` model in eval mode, on the requested device and
+dtype, with the kvalloc attention selected. Nothing is downloaded: a checkpoint must be a local
+directory (or already in the local Hugging Face cache).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from allocator import PoolConfig
+
+from .attention import ATTN_IMPLEMENTATION, register
+
+# Decoder-only families whose attention is plain (optionally grouped-query) softmax attention
+# over rotary positions, which is what the pool path implements.
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be served: missing, unreadable, or of an unsupported family."""
+
+
+def config_from_file(path: str | Path) -> PretrainedConfig:
+    """A transformers config from a JSON file with a ``model_type`` (e.g. ``"llama"``)."""
+    try:
+        fields = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"model_config: cannot read {path}: {exc}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ModelLoadError(f"model_config: {path} must be a JSON object with a model_type")
+    model_type = fields.pop("model_type")
+    _check_family(model_type, "model_config")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def random_model(config: PretrainedConfig, *, seed: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> PreTrainedModel:
+    """A model with ``config``'s shape and weights drawn from ``seed`` (same seed, same
+    weights)."""
+    _check_family(config.model_type, "model_config")
+    register()
+    torch.manual_seed(seed)
+    # A copy: transformers keeps the attention choice on the config, and a caller may switch
+    # another model built from the same config to a plain implementation.
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
+                                             attn_implementation=ATTN_IMPLEMENTATION)
+    return model.to(device).eval()
+
+
+def load_model(path_or_id: str, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> PreTrainedModel:
+    """A checkpoint transformers can load, from a local directory or the local cache only."""
+    register()
+    try:
+        config = AutoConfig.from_pretrained(path_or_id, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model: cannot load {path_or_id!r} locally: {exc}") from None
+    _check_family(config.model_type, "model")
+    model = AutoModelForCausalLM.from_pretrained(
+        path_or_id, dtype=dtype, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION)
+    return model.to(device).eval()
+
+
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a model's KV cache."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
+                   draft_len: int, dtype: str, device: str, tokens_per_block: int = 16,
+                   max_batch_size: int = 64, num_blocks: int | None = None) -> PoolConfig:
+    """A pool shaped like the model's KV whose rows hold ``longest`` tokens (prompt + output);
+    by default with blocks for ``num_requests`` such requests at once."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    per_request = -(-(longest + 1 + 2 * draft_len) // tokens_per_block)
+    return PoolConfig(
+        num_blocks=num_blocks or per_request * num_requests, tokens_per_block=tokens_per_block,
+        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+        max_batch_size=max_batch_size, max_seq_len=longest, max_draft_len=draft_len,
+        overlap_scheduler=True)
+
+
+def _check_family(model_type: str, field: str) -> None:
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(f"{field}: model_type {model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
