@@ -1,8 +1,17 @@
-"""`BlockPool`: host-side ownership of block ids: an O(1) free stack and reference counts.
+"""`BlockPool`: host-side ownership of block ids: an O(1) free stack, reference counts, and the
+least-recently-used list of unowned blocks that still hold cached prefix content.
+
+A block whose last owner lets go goes on the free stack, unless it holds cached content
+(`prefix_cache`): then it is *parked* at the tail of the LRU list, still reusable by a request
+with the same prefix, and only evicted (head first) onto the free stack when the pool needs it.
+The LRU list is intrusive (``lru_prev`` / ``lru_next`` per block, ``lru`` = head, tail, length)
+so that parking, taking back and evicting are O(1) per block and the compiled step can park
+blocks itself.
 
 Invariants (checked by ``check_invariants``):
-- conservation: ``num_free + #(refcount > 0) == num_blocks``;
-- a block is on the free stack exactly when its refcount is 0, and appears there once.
+- conservation: ``num_free + num_parked + #(refcount > 0) == num_blocks``;
+- a block is on the free stack or in the LRU list exactly when its refcount is 0, never both,
+  and appears there once.
 
 The stack is LIFO on purpose: a block freed by a rewind is the first one handed out again, so
 the block-boundary churn of grant/rewind under speculative decoding stays in warm memory.
@@ -26,6 +35,56 @@ class BlockPool:
         self.free_stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self.num_free = num_blocks
         self.refcounts = np.zeros(num_blocks, dtype=np.int32)
+        self.lru_prev = np.full(num_blocks, -1, dtype=np.int32)
+        self.lru_next = np.full(num_blocks, -1, dtype=np.int32)
+        self.lru = np.array([-1, -1, 0], dtype=np.int64)  # head (oldest), tail, length
+
+    @property
+    def num_parked(self) -> int:
+        """Unowned blocks holding cached content (the LRU list's length)."""
+        return int(self.lru[2])
+
+    def park(self, block: int) -> None:
+        """Append an unowned cached block at the LRU tail (most recently used)."""
+        tail = int(self.lru[1])
+        self.lru_prev[block] = tail
+        self.lru_next[block] = -1
+        if tail >= 0:
+            self.lru_next[tail] = block
+        else:
+            self.lru[0] = block
+        self.lru[1] = block
+        self.lru[2] += 1
+
+    def unpark(self, block: int) -> None:
+        """Take ``block`` out of the LRU list (a request reuses it, or it is evicted)."""
+        before, after = int(self.lru_prev[block]), int(self.lru_next[block])
+        if before >= 0:
+            self.lru_next[before] = after
+        else:
+            self.lru[0] = after
+        if after >= 0:
+            self.lru_prev[after] = before
+        else:
+            self.lru[1] = before
+        self.lru_prev[block] = self.lru_next[block] = -1
+        self.lru[2] -= 1
+
+    def evict_oldest(self) -> int:
+        """Move the least recently used parked block onto the free stack; return its id."""
+        block = int(self.lru[0])
+        self.unpark(block)
+        self.free_stack[self.num_free] = block
+        self.num_free += 1
+        return block
+
+    def parked(self) -> list[int]:
+        """The LRU list, oldest first (for checks and tests; O(num_parked))."""
+        out, block = [], int(self.lru[0])
+        while block >= 0 and len(out) <= self.num_blocks:
+            out.append(block)
+            block = int(self.lru_next[block])
+        return out
 
     def refcount(self, block_ids: np.ndarray) -> np.ndarray:
         return self.refcounts[block_ids].copy()
@@ -84,10 +143,18 @@ class BlockPool:
             raise InvariantViolation("a block is on the free stack twice")
         if (self.refcounts[free] != 0).any():
             raise InvariantViolation("a block on the free stack is still referenced")
+        parked = np.array(self.parked(), dtype=np.int64)
+        if parked.size != self.num_parked or np.unique(parked).size != parked.size:
+            raise InvariantViolation("the LRU list's links disagree with its length")
+        if (self.refcounts[parked] != 0).any():
+            raise InvariantViolation("a parked block is still referenced")
+        if np.intersect1d(parked, free).size:
+            raise InvariantViolation("a block is both parked and on the free stack")
         owned = int((self.refcounts > 0).sum())
         if (self.refcounts < 0).any():
             raise InvariantViolation("negative reference count")
-        if owned + self.num_free != self.num_blocks:
+        if owned + self.num_free + self.num_parked != self.num_blocks:
             raise InvariantViolation(
-                f"blocks not conserved: {owned} owned + {self.num_free} free != {self.num_blocks}"
+                f"blocks not conserved: {owned} owned + {self.num_free} free + "
+                f"{self.num_parked} parked != {self.num_blocks}"
             )

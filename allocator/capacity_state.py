@@ -1,10 +1,11 @@
 """The state the batched step reads and writes, with whole-word names.
 
 `RowState` holds one entry per block-table row (index = row); `CapacityState` bundles it with the
-block pool (free stack, reference counts), the block table (host cells, free-row stack) and the
-limits of the pool. Both step implementations (`step_reference`, `step_compiled`) change exactly
-this state and nothing else (the counters move by the deltas a step returns), so comparing two
-copies of it compares everything a step can do.
+block pool (free stack, reference counts, the LRU list of parked cached blocks), the block table
+(host cells, free-row stack) and the limits of the pool. Both step implementations
+(`step_reference`, `step_compiled`) change exactly this state and nothing else (the counters
+move by the deltas a step returns), so comparing two copies of it compares everything a step
+can do.
 
 A row is ``live`` while a request holds it. For a row that is not live every entry is 0/False.
 """
@@ -41,6 +42,9 @@ class ManagerCounters:
     requests_refused: int = 0
     requests_freed: int = 0
     row_overflows: int = 0
+    evicted_blocks: int = 0  # parked (cached, unowned) blocks evicted for new content
+    prefix_queried_tokens: int = 0  # prompt tokens of new requests that came with token ids
+    prefix_hit_tokens: int = 0  # of those, tokens found in cached blocks
 
     def add(self, deltas: np.ndarray) -> None:
         """Add a step's ``deltas`` (one per field, in field order)."""
@@ -65,6 +69,8 @@ class RowState:
     # Accepted drafts of the last settled step: the device's lead over history under overlap.
     lead: np.ndarray
     num_blocks: np.ndarray  # == ceil(capacity / tokens_per_block)
+    # Leading columns holding cached prefix blocks (shared, never written, never shrunk).
+    cached: np.ndarray
 
     @classmethod
     def empty(cls, num_rows: int) -> RowState:
@@ -74,7 +80,7 @@ class RowState:
         flags = np.zeros(num_rows, dtype=bool)
         return cls(live=flags, capacity=counts(), history=counts(), prompt_len=counts(),
                    slack=counts(), draft_len=counts(), pending=flags.copy(), lead=counts(),
-                   num_blocks=counts())
+                   num_blocks=counts(), cached=counts())
 
     def reset(self, row: int) -> None:
         for arr in vars(self).values():

@@ -24,7 +24,10 @@ Invariants:
   out-of-range counts in a device tensor, ``cancel``) writes every staged token, which is what an
   engine without NWOR does, and is counted with its reason. No committed token is ever lost;
 - bad input raises a typed error before anything changes; the window stays as it was;
-- per window, staged == committed + rejected + fallback tokens, so no metric can go negative.
+- per window, staged == committed + rejected + fallback tokens, so no metric can go negative;
+- a slot in a protected block (``protect``: cached prefix blocks other requests read) is set to
+  -1 when staged, so neither the commit nor its fallback can write it, whatever the caller's slot
+  mapping says; each such token is counted (``NworMetrics.protected_refusals``).
 
 The device commit (counts -> per-token keep mask -> rejected slots set to -1 -> one fused write
 over every layer -> device-side metrics) uses only static buffers and device operations, so it
@@ -138,6 +141,9 @@ class DeferredWriteManager:
             self._inv_default = torch.reciprocal(scales.to(torch.float32))
             self._inv = self._inv_default.clone()
         self._overridden: set[tuple[int, int]] = set()
+        self._tokens_per_block = cfg.tokens_per_block
+        self._protected: torch.Tensor | None = None
+        self._dev_refused = torch.zeros((), dtype=i64, device=dev)
 
         self._layout: WindowLayout | None = None
         self._rows = [0] * self.num_layers
@@ -159,6 +165,27 @@ class DeferredWriteManager:
     @property
     def layout(self) -> WindowLayout | None:
         return self._layout
+
+    def protect(self, blocks: torch.Tensor | None) -> None:
+        """Refuse writes into blocks where ``blocks`` (bool, one per pool block, on the pool's
+        device; the caller keeps it current) is True; None turns the guard off."""
+        if blocks is not None and (blocks.dtype != torch.bool or blocks.device != self.device
+                                   or blocks.shape != (self.storage.config.total_blocks,)):
+            raise NworInputError(
+                f"protect: expected a bool tensor of {self.storage.config.total_blocks} blocks "
+                f"on {self.device}", field="protect")
+        self._protected = blocks
+
+    def _guard(self, slots: torch.Tensor, *, count: bool) -> None:
+        """Set ``slots`` that land in a protected block to -1 (in place, on the device)."""
+        if self._protected is None or slots.numel() == 0:
+            return
+        blocks = torch.div(slots, self._tokens_per_block, rounding_mode="floor").clamp_(
+            0, self._protected.numel() - 1)
+        refused = (slots >= 0) & self._protected[blocks]
+        if count:
+            self._dev_refused += refused.sum()
+        slots.masked_fill_(refused, -1)
 
     def staged_rows(self, layer: int) -> int:
         """Tokens staged so far in ``layer`` during the open window."""
@@ -234,6 +261,7 @@ class DeferredWriteManager:
         self._staged[layer, 0, offset:end].copy_(key.reshape(n, row))
         self._staged[layer, 1, offset:end].copy_(value.reshape(n, row))
         self._slots[layer, offset:end].copy_(slot_mapping)
+        self._guard(self._slots[layer, offset:end], count=layer == 0)
         if self._inv is not None:
             for kv, scale in enumerate(scales):
                 self._set_scale(layer, kv, scale)
@@ -275,7 +303,9 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
                 f"expected ({total},) on {self.device}", field="slot_mapping")
-        self._slots[:, :total].copy_(slot_mapping.expand(self.num_layers, total))
+        self._slots[0, :total].copy_(slot_mapping)
+        self._guard(self._slots[0, :total], count=True)
+        self._slots[1:, :total].copy_(self._slots[0, :total].expand(self.num_layers - 1, total))
         self._layer_rows.fill_(total)
         self._rows = [total] * self.num_layers
         self._source = staging.view(self.num_layers, 2, shape[2], heads * dim)
@@ -388,6 +418,7 @@ class DeferredWriteManager:
             fallback_tokens=self._fallback_tokens + fallback,
             fallbacks=fallbacks,
             accepted_per_position=tuple(int(c) for c in per_position),
+            protected_refusals=int(self._dev_refused) if self._protected is not None else 0,
         )
 
     @property

@@ -18,7 +18,10 @@ Invariants (``check_invariants`` verifies all of them):
 - a request holds at most one generation grant at a time; while it does, that grant added
   exactly ``1 + draft + slack`` (slack per `accounting.slack_for`), which is what a revert
   takes back;
-- blocks are conserved (free + owned == total) and no block sits in two rows;
+- blocks are conserved (free + parked + owned == total); reference counts equal the number of
+  rows holding a block, and a block held by more than one row, or parked, is a cached prefix
+  block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
+  every row that holds it;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
@@ -37,6 +40,7 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from . import step_compiled
 from .accounting import blocks_for, slack_for
@@ -52,19 +56,35 @@ from .errors import (
     OutOfBlocks,
     UnknownRequest,
 )
+from .kv_events import KVCacheEvent
 from .placement import TensorAllocator, plain_tensor
+from .prefix_cache import PrefixCache, Prompt
 from .step_errors import ROW_OVERFLOW, raise_step_error
-from .step_plan import REFUSED_BATCH_FULL, RequestView, StepOutcome, StepPlan, coerce
-from .step_reference import StepResult, reference_step
+from .step_plan import (
+    REFUSED_BATCH_FULL,
+    PlanArrays,
+    RequestView,
+    StepOutcome,
+    StepPlan,
+    coerce,
+    prompt_token_arrays,
+)
+from .step_reference import NO_HITS, StepResult, reference_step
 
 ReqId = Hashable
 
 
 class KVCacheManager:
     def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
-                 compiled: bool | None = None) -> None:
+                 compiled: bool | None = None, prefix_caching: bool = False,
+                 cache_key: bytes = b"", kv_events: bool = False,
+                 register_when_written: bool = False) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
-        imports (None)."""
+        imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
+        share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
+        ``kv_events``: record KV events for ``drain_kv_events``; ``register_when_written``:
+        a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
+        not when its prefill is scheduled."""
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -80,6 +100,12 @@ class KVCacheManager:
             compiled = step_compiled.available()
         self.compiled = compiled
         self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
+        self.cache_key = bytes(cache_key)
+        self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
+                                  record_events=kv_events,
+                                  track_protection=register_when_written)
+                      if prefix_caching else None)
+        self.register_when_written = register_when_written
         # The id edge: requests added by id (rows admitted by a batched step have none).
         self._row_of: dict[ReqId, int] = {}
         self._id_of: dict[int, ReqId] = {}
@@ -90,13 +116,22 @@ class KVCacheManager:
         """Apply a whole scheduler step in one call (see `StepPlan` for the order); rows as
         integer arrays. Raises a typed error, changing nothing, on bad input."""
         arrays = coerce(plan)
-        result: StepResult = self._run(arrays, self.state)
+        tokens = prompt_token_arrays(plan.prompt_tokens, arrays.prompt_lens)
+        prompts: list[Prompt | None] = []
+        hits = NO_HITS
+        if self.cache is not None and any(t is not None for t in tokens):
+            prompts = [t if t is None or isinstance(t, Prompt) else self.prompt(t)
+                       for t in tokens]
+            hits = self.cache.lookup(prompts, arrays.prompt_lens)
+        result: StepResult = self._run(arrays, self.state, hits)
         if result.error[0]:
             if result.error[0] == ROW_OVERFLOW:
                 self.counters.row_overflows += 1
             raise_step_error(result.error, arrays, self._id_of.get)
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
+        if self.cache is not None:
+            self._cache_after(arrays, result, prompts)
         if self._id_of and arrays.finished_rows.size:
             for row in arrays.finished_rows.tolist():
                 req = self._id_of.pop(row, _NO_ID)
@@ -104,10 +139,68 @@ class KVCacheManager:
                     del self._row_of[req]
         return result.outcome
 
+    def _cache_after(self, arrays: PlanArrays, result: StepResult,
+                     prompts: list[Prompt | None]) -> None:
+        """Evicted blocks lose their hashes; finished rows their prompts; admitted rows and
+        scheduled prefill chunks register the blocks they filled."""
+        cache, outcome = self.cache, result.outcome
+        assert cache is not None and outcome is not None and result.evicted is not None
+        if result.evicted.size:
+            cache.forget(result.evicted)
+        if cache.prompts and arrays.finished_rows.size:
+            for row in arrays.finished_rows.tolist():
+                cache.prompts.pop(row, None)
+        for i, prompt in enumerate(prompts):
+            row = int(outcome.admitted_rows[i])
+            if prompt is not None and row >= 0:
+                cache.prompts[row] = prompt
+                if not self.register_when_written:
+                    cache.register(row, self.rows, self.table.host)
+                self.counters.prefix_queried_tokens += prompt.tokens.size
+                self.counters.prefix_hit_tokens += int(outcome.cached_tokens[i])
+        if cache.prompts and arrays.prefill_rows.size and not self.register_when_written:
+            for row in arrays.prefill_rows[outcome.prefill_granted].tolist():
+                if row in cache.prompts:
+                    cache.register(row, self.rows, self.table.host)
+
+    def mark_written(self, rows: np.ndarray, written_tokens: np.ndarray) -> None:
+        """With ``register_when_written``: the first ``written_tokens[i]`` tokens of live row
+        ``rows[i]`` are in the pool, so its full prompt blocks among them become shareable (and
+        write-protected). Rows admitted without token ids are skipped."""
+        cache = self.cache
+        if cache is None or not cache.prompts:
+            return
+        for row, written in zip(np.asarray(rows).tolist(), np.asarray(written_tokens).tolist(),
+                                strict=True):
+            if row in cache.prompts and self.rows.live[row]:
+                cache.register(row, self.rows, self.table.host, written)
+
+    def prompt(self, tokens: ArrayLike) -> Prompt:
+        """``tokens`` with their block hashes under this manager's cache key, for
+        ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step."""
+        return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
+                         self.cache_key)
+
+    def drain_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""
+        return self.cache.drain_events() if self.cache is not None else []
+
+    def clear_prefix_cache(self) -> None:
+        """Evict every parked block (they go back on the free stack; the event stream says
+        ``BlockRemoved``). Blocks live requests hold stay cached."""
+        if self.cache is None:
+            return
+        evicted = [self.pool.evict_oldest() for _ in range(self.pool.num_parked)]
+        self.cache.forget(np.array(evicted, dtype=np.int64))
+        self.counters.evicted_blocks += len(evicted)
+
     # ------------------------------------------------------------------ per-request API
 
-    def add_request(self, req_id: ReqId, prompt_len: int, first_chunk: int | None = None) -> int:
+    def add_request(self, req_id: ReqId, prompt_len: int, first_chunk: int | None = None, *,
+                    prompt_tokens: ArrayLike | None = None) -> int:
         """Admit a request, reserve its prompt (or its first prefill chunk), return its row.
+        With ``prompt_tokens`` (and prefix caching on) its cached prefix is reused:
+        ``view(row).history`` then starts past it.
 
         Raises OutOfBlocks / BatchFull when it cannot be admitted; nothing changes then.
         """
@@ -121,7 +214,8 @@ class KVCacheManager:
             first_chunk = 0  # the plan's "whole prompt"
         elif isinstance(first_chunk, int | np.integer) and first_chunk < 1:
             raise InvalidValue(f"first_chunk: {first_chunk} is below 1", field="first_chunk")
-        out = self.step(StepPlan(prompt_lens=[prompt_len], first_chunks=[first_chunk]))
+        out = self.step(StepPlan(prompt_lens=[prompt_len], first_chunks=[first_chunk],
+                                 prompt_tokens=() if prompt_tokens is None else [prompt_tokens]))
         row = int(out.admitted_rows[0])
         if row < 0:
             if out.new_refusals[0] == REFUSED_BATCH_FULL:
@@ -289,12 +383,14 @@ class KVCacheManager:
         self.table.check_held_rows(r.live)
         held = self.table.host[live]
         held = held[held >= 0]
-        if np.unique(held).size != held.size:
-            raise InvariantViolation("a block is owned by two rows")
         refs = np.zeros(self.pool.num_blocks, dtype=np.int64)
         np.add.at(refs, held, 1)
         if not np.array_equal(refs, self.pool.refcounts):
             raise InvariantViolation("block-table ownership disagrees with reference counts")
+        if self.cache is not None:
+            self.cache.check_invariants(r, self.table.host, self.pool)
+        elif self.pool.num_parked or r.cached.any() or (self.pool.refcounts > 1).any():
+            raise InvariantViolation("cached or shared blocks without prefix caching")
         if any(not r.live[row] or self._row_of.get(req, -1) != row
                for row, req in self._id_of.items()) or len(self._row_of) != len(self._id_of):
             raise InvariantViolation("the request-id edge disagrees with the live rows")

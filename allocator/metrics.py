@@ -62,6 +62,9 @@ _COUNTER_HELP: dict[str, str] = {
     "requests_refused": "New requests refused for lack of blocks or rows (allocation failures).",
     "requests_freed": "Requests whose blocks went back to the pool.",
     "row_overflows": "Steps refused because a request would overflow its block-table row.",
+    "evicted_blocks": "Unowned cached prefix blocks evicted to make room.",
+    "prefix_queried_tokens": "Prompt tokens of admitted requests sent with token ids.",
+    "prefix_hit_tokens": "Of those, prompt tokens found in cached prefix blocks.",
 }
 
 # Deferred-write attribute -> (metric name without _total, help).
@@ -73,6 +76,8 @@ _NWOR_COUNTERS: dict[str, tuple[str, str]] = {
     "rejected_tokens": ("kvalloc_nwor_rejected_tokens", "Rejected draft tokens never written."),
     "fallback_tokens": ("kvalloc_nwor_fallback_tokens",
                         "Tokens written unconditionally because a window fell back."),
+    "protected_refusals": ("kvalloc_nwor_protected_refusals",
+                           "Staged tokens refused because their slot was in a cached block."),
 }
 
 _SCV_COUNTERS: dict[str, tuple[str, str]] = {
@@ -209,6 +214,10 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
         _gauge("kvalloc_request_max_blocks",
                "Most blocks held by one live request (row overflow at kvalloc_max_blocks_per_seq).",
                t["max_blocks"]),
+        _gauge("kvalloc_prefix_cached_blocks", "Blocks holding cached prefix content.",
+               len(manager.cache.hash_of) if manager.cache is not None else 0),
+        _gauge("kvalloc_prefix_parked_blocks",
+               "Cached blocks no request holds: reusable until evicted.", manager.pool.num_parked),
     ]
     for f in dataclasses.fields(manager.counters):
         help_text = _COUNTER_HELP.get(f.name, f"ManagerCounters.{f.name}.")

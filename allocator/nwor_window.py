@@ -90,3 +90,5 @@ class NworMetrics:
     fallback_tokens: int
     fallbacks: dict[str, int] = field(default_factory=dict)
     accepted_per_position: tuple[int, ...] = ()
+    # Staged tokens whose slot lay in a protected (shared, cached) block: refused, never written.
+    protected_refusals: int = 0

@@ -29,9 +29,11 @@ from pydantic import ValidationError
 
 from .arguments import bounded, output_file
 from .config import PoolConfig, SlackPolicy
-from .errors import BlockTableOverflow
+from .errors import BlockTableOverflow, OutOfBlocks
 from .manager import KVCacheManager, StepPlan
 from .simulate_plot import plot
+from .simulate_prefix import SharingSpec, simulate_sharing
+from .simulate_prefix import summary as sharing_summary
 
 # The production case: a 128k prompt that ends 8 tokens before a 256-token block boundary, so
 # the first MTP3 steps' writes straddle it.
@@ -252,9 +254,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=output_file,
                    help="write a PNG of capacity/history/reach per step")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    share = p.add_argument_group("shared-prefix workload (prefix caching; --isl is unused)")
+    share.add_argument("--shared-prefix", type=bounded(int, 1), metavar="TOKENS",
+                       help="run conversations that share a system prompt of this many tokens "
+                            "and report the prefix-cache hit rate")
+    share.add_argument("--conversations", type=bounded(int, 1), default=32,
+                       help="conversations (default 32)")
+    share.add_argument("--turns", type=bounded(int, 1), default=3,
+                       help="turns per conversation, each continuing the last (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shared_prefix is not None:
+        return _run_sharing(args)
     spec = SimulationSpec(
         isl=args.isl, osl=args.osl, draft_len=args.draft_len, acceptance=args.acceptance,
         tokens_per_block=args.tokens_per_block, num_requests=args.num_requests,
@@ -274,3 +286,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result, args.plot)
     return 1 if result.failed else 0
+
+
+def _run_sharing(args: argparse.Namespace) -> int:
+    spec = SharingSpec(conversations=args.conversations, turns=args.turns,
+                       system_len=args.shared_prefix, osl=args.osl,
+                       tokens_per_block=args.tokens_per_block,
+                       num_blocks=args.num_blocks or SharingSpec.num_blocks, seed=args.seed)
+    try:
+        result = simulate_sharing(spec)
+    except (ValidationError, OutOfBlocks) as exc:
+        message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        print(f"kvalloc simulate: error: {message}", file=sys.stderr)
+        return 2
+    text = json.dumps(sharing_summary(result), indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0

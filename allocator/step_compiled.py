@@ -23,7 +23,7 @@ from . import step_errors as codes
 from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
 from .config import SlackPolicy
 from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
-from .step_reference import StepResult
+from .step_reference import NO_HITS, Hits, StepResult
 
 try:
     import numba
@@ -48,6 +48,7 @@ COUNT_TOPUPS = COUNTER_INDEX["padding_topups"]
 COUNT_ADDED = COUNTER_INDEX["requests_added"]
 COUNT_NOT_ADDED = COUNTER_INDEX["requests_refused"]
 COUNT_FREED = COUNTER_INDEX["requests_freed"]
+COUNT_EVICTED = COUNTER_INDEX["evicted_blocks"]
 
 
 def _fail(error, kind, subject, index, detail):
@@ -163,17 +164,64 @@ def _blocks_for(tokens, tokens_per_block):
     return -(-tokens // tokens_per_block)
 
 
+def _unlink(block, lru_prev, lru_next, lru):
+    """Take ``block`` out of the LRU list (``BlockPool.unpark``)."""
+    before = lru_prev[block]
+    after = lru_next[block]
+    if before >= 0:
+        lru_next[before] = after
+    else:
+        lru[0] = after
+    if after >= 0:
+        lru_prev[after] = before
+    else:
+        lru[1] = before
+    lru_prev[block] = -1
+    lru_next[block] = -1
+    lru[2] -= 1
+
+
+def _park(block, lru_prev, lru_next, lru):
+    """Append ``block`` at the LRU tail (``BlockPool.park``)."""
+    tail = lru[1]
+    lru_prev[block] = tail
+    lru_next[block] = -1
+    if tail >= 0:
+        lru_next[tail] = block
+    else:
+        lru[0] = block
+    lru[1] = block
+    lru[2] += 1
+
+
+def _pop(free_stack, top, lru_prev, lru_next, lru, evicted, tops):
+    """A block off the free stack (its new top is ``top - 1``); when the stack is empty, the LRU
+    head is evicted onto it first and recorded in ``evicted[tops[2]]``."""
+    if top == 0:
+        block = lru[0]
+        _unlink(block, lru_prev, lru_next, lru)
+        free_stack[0] = block
+        evicted[tops[2]] = block
+        tops[2] += 1
+        top = 1
+    return free_stack[top - 1]
+
+
 def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refcounts, host,
-          free_rows, tops, scratch, flags, items, item_ok, error, deltas):
-    """One step. ``counts``: capacity, history, prompt_len, slack, draft_len, lead, num_blocks
-    (int64 per row); ``limits``: max_batch_size, tokens_per_block, max_blocks_per_seq,
-    max_draft_len, max_seq_len, policy; ``tops``: free blocks, free rows (updated). Scratch:
-    ``scratch`` int64 [8, rows], ``flags`` bool [4, rows], ``items`` int64 and ``item_ok`` bool
-    [rows] (top-ups, grants and prefill chunks name distinct rows)."""
+          free_rows, tops, lru_prev, lru_next, lru, hit_counts, hit_blocks, claimed, evicted,
+          scratch, flags, items, item_ok, error, deltas):
+    """One step. ``counts``: capacity, history, prompt_len, slack, draft_len, lead, num_blocks,
+    cached (int64 per row); ``limits``: max_batch_size, tokens_per_block, max_blocks_per_seq,
+    max_draft_len, max_seq_len, policy; ``tops``: free blocks, free rows, evicted blocks
+    (updated); ``lru_*``: the pool's LRU list (updated); ``hit_counts`` (one per new request)
+    and ``hit_blocks``: the cached blocks new requests reuse. Scratch: ``scratch`` int64
+    [8, rows], ``flags`` bool [4, rows], ``items`` int64 and ``item_ok`` bool [rows] (top-ups,
+    grants and prefill chunks name distinct rows), ``claimed`` bool [blocks] (all False on entry
+    and on return), ``evicted`` int64 [blocks] (filled from ``tops[2]`` on)."""
     (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens, padding_rows,
      padded, prefill_rows, prefill_tokens, prompt_lens, first_chunks) = plan
     n, tpb, max_blocks, max_draft_len, max_seq_len, policy = limits
-    capacity, history, prompt_len, slack, draft_len, lead, num_blocks = counts
+    capacity, history, prompt_len, slack, draft_len, lead, num_blocks, cached = counts
     flags[:] = False
     seen, is_new_grant, settled_pending, rewritten = flags[0], flags[1], flags[2], flags[3]
     settled_capacity, settled_history, settled_slack, settled_draft = (
@@ -186,9 +234,10 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     refusals = np.zeros(num_new, dtype=np.int8)
     grant_starts = np.empty(num_grants, dtype=np.int64)
     chunk_starts = np.empty(num_chunks, dtype=np.int64)
+    cached_tokens = np.zeros(num_new, dtype=np.int64)
     nothing = np.empty(0, dtype=np.int64)
     failed = (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, nothing,
-              nothing, nothing, np.empty(0, dtype=np.int32), nothing)
+              nothing, nothing, np.empty(0, dtype=np.int32), nothing, cached_tokens)
 
     # ---- 1. validate
     if _validate(plan, live, max_draft_len, max_seq_len, seen, error):
@@ -292,10 +341,12 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
             return failed
     for row in finished_rows:
         rewritten[row] = True  # finished rows free all their blocks (and may be rewritten)
-    available = tops[0]
+    # Parked blocks count (they are evicted when the stack runs dry); a finished row's cached
+    # blocks do not: they are parked only if nobody else holds them.
+    available = tops[0] + lru[2]
     for row in range(n):
         if rewritten[row]:
-            available += num_blocks[row]
+            available += num_blocks[row] - cached[row]
         else:
             available += num_blocks[row] - _blocks_for(settled_capacity[row], tpb)
     left = available
@@ -305,13 +356,22 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
         item_ok[k] = need <= left
         if item_ok[k]:
             left -= need
+    start = 0
     for i in range(num_new):
-        tokens = first_chunks[i] if first_chunks[i] > 0 else prompt_lens[i]
-        need = _blocks_for(tokens, tpb)
+        tokens = _admitted_tokens(prompt_lens[i], first_chunks[i], hit_counts[i] * tpb)
+        need = _blocks_for(tokens, tpb) - hit_counts[i]
+        for k in range(start, start + hit_counts[i]):  # parked blocks it takes back
+            if refcounts[hit_blocks[k]] == 0 and not claimed[hit_blocks[k]]:
+                need += 1
         if need <= left:
             left -= need
+            for k in range(start, start + hit_counts[i]):
+                claimed[hit_blocks[k]] = True
         else:
             refusals[i] = REFUSED_OUT_OF_BLOCKS
+        start += hit_counts[i]
+    for k in range(hit_blocks.size):
+        claimed[hit_blocks[k]] = False
     rows_left = tops[1] + finished_rows.size
     for i in range(num_new):
         if refusals[i] == 0:
@@ -357,12 +417,29 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
             capacity[prefill_rows[i]] += prefill_tokens[i]
             history[prefill_rows[i]] += prefill_tokens[i]
 
-    # ---- 6. blocks follow capacity: all shrinks (LIFO pushes), then all growth (pops)
+    # ---- 6. admitted requests take their cached blocks; blocks follow capacity: all shrinks
+    # (LIFO pushes; a finished row's cached blocks parked, last first), then all growth (pops)
+    start = 0
+    for i in range(num_new):
+        if refusals[i] == 0:
+            for k in range(start, start + hit_counts[i]):
+                block = hit_blocks[k]
+                if refcounts[block] == 0:
+                    _unlink(block, lru_prev, lru_next, lru)
+                refcounts[block] += 1
+        start += hit_counts[i]
     top = tops[0]
+    tops[2] = 0
     for row in range(n):
         old_blocks[row] = num_blocks[row]
         new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
-        for column in range(new, num_blocks[row]):
+        for column in range(min(cached[row], num_blocks[row]) - 1, new - 1, -1):
+            block = host[row, column]
+            host[row, column] = -1
+            refcounts[block] -= 1
+            if refcounts[block] == 0:
+                _park(block, lru_prev, lru_next, lru)
+        for column in range(max(new, cached[row]), num_blocks[row]):
             block = host[row, column]
             host[row, column] = -1
             refcounts[block] -= 1
@@ -373,8 +450,8 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for row in range(n):
         new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
         for column in range(num_blocks[row], new):
-            top -= 1
-            block = free_stack[top]
+            block = _pop(free_stack, top, lru_prev, lru_next, lru, evicted, tops)
+            top = max(top, 1) - 1
             host[row, column] = block
             refcounts[block] = 1
         num_blocks[row] = max(new, num_blocks[row])
@@ -382,23 +459,29 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     for row in finished_rows:
         live[row] = False
         capacity[row] = history[row] = prompt_len[row] = 0
-        slack[row] = draft_len[row] = lead[row] = 0
+        slack[row] = draft_len[row] = lead[row] = cached[row] = 0
         pending[row] = False
         free_rows[free_top] = row
         free_top += 1
     admitted = 0
+    start = 0
     for i in range(num_new):
+        start += hit_counts[i]
         if refusals[i] != 0:
             continue
         free_top -= 1
         row = free_rows[free_top]
-        tokens = first_chunks[i] if first_chunks[i] > 0 else prompt_lens[i]
+        tokens = _admitted_tokens(prompt_lens[i], first_chunks[i], hit_counts[i] * tpb)
         blocks = _blocks_for(tokens, tpb)
-        for column in range(blocks):
-            top -= 1
-            block = free_stack[top]
+        for column in range(hit_counts[i]):
+            host[row, column] = hit_blocks[start - hit_counts[i] + column]
+        for column in range(hit_counts[i], blocks):
+            block = _pop(free_stack, top, lru_prev, lru_next, lru, evicted, tops)
+            top = max(top, 1) - 1
             host[row, column] = block
             refcounts[block] = 1
+        cached[row] = hit_counts[i]
+        cached_tokens[i] = hit_counts[i] * tpb
         live[row] = True
         capacity[row] = history[row] = tokens
         prompt_len[row] = prompt_lens[i]
@@ -411,6 +494,7 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     deltas[COUNT_ADDED] = admitted
     deltas[COUNT_NOT_ADDED] = num_new - admitted
     deltas[COUNT_FREED] = finished_rows.size
+    deltas[COUNT_EVICTED] = tops[2]
 
     # ---- the outcome: every row whose cells changed, and those cells (flat indices)
     num_changed = 0
@@ -445,7 +529,13 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
                 c += 1
             k += 1
     return (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
-            changed_from, changed_blocks, changed_ids, changed_cells)
+            changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens)
+
+
+def _admitted_tokens(prompt_len, first_chunk, cached_tokens):
+    """`step_reference.admitted_tokens` for one request."""
+    rest = prompt_len - cached_tokens
+    return cached_tokens + (rest if first_chunk == 0 else min(first_chunk, rest))
 
 
 def _jit(function, **options):
@@ -468,6 +558,10 @@ if numba is not None:
     _copy_into = _jit(_copy_into)
     _slack_for = _jit(_slack_for)
     _blocks_for = _jit(_blocks_for)
+    _unlink = _jit(_unlink)
+    _park = _jit(_park)
+    _pop = _jit(_pop)
+    _admitted_tokens = _jit(_admitted_tokens)
     _step = _jit(_step)
 
 
@@ -487,21 +581,28 @@ class CompiledStep:
         self.flags = np.zeros((4, n), dtype=bool)
         self.items = np.zeros(n, dtype=np.int64)
         self.item_ok = np.zeros(n, dtype=bool)
-        self.tops = np.zeros(2, dtype=np.int64)
+        self.tops = np.zeros(3, dtype=np.int64)
+        self.claimed = np.zeros(state.pool.num_blocks, dtype=bool)
+        self.evicted = np.zeros(state.pool.num_blocks, dtype=np.int64)
+        self.no_hits = np.zeros(n, dtype=np.int64)
 
-    def run(self, plan: PlanArrays, state: CapacityState) -> StepResult:
+    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepResult:
         rows, pool, table = state.rows, state.pool, state.table
         error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
         self.tops[0] = pool.num_free
         self.tops[1] = table.num_free_rows
         counts = (rows.capacity, rows.history, rows.prompt_len, rows.slack, rows.draft_len,
-                  rows.lead, rows.num_blocks)
+                  rows.lead, rows.num_blocks, rows.cached)
+        num_new = plan.prompt_lens.size
+        hit_counts = hits.counts if hits.counts.size == num_new else self.no_hits[:num_new]
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
-         changed_from, changed_blocks, changed_ids, changed_cells) = _step(
+         changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
             tuple(plan[:12]), plan.strict_grants, self.limits, self.overlap, counts, rows.live,
             rows.pending, pool.free_stack, pool.refcounts, table.host, table.free_rows,
-            self.tops, self.scratch, self.flags, self.items, self.item_ok, error, deltas)
+            self.tops, pool.lru_prev, pool.lru_next, pool.lru, hit_counts, hits.blocks,
+            self.claimed, self.evicted, self.scratch, self.flags, self.items, self.item_ok,
+            error, deltas)
         if error[0]:
             return StepResult(error)
         pool.num_free = int(self.tops[0])
@@ -513,6 +614,6 @@ class CompiledStep:
             new_refusals=refusals, grant_starts=grant_starts, prefill_starts=chunk_starts,
             changed_rows=changed_rows, changed_from=changed_from,
             changed_num_blocks=changed_blocks, changed_block_ids=changed_ids,
-            num_blocks=rows.num_blocks.copy(),
+            num_blocks=rows.num_blocks.copy(), cached_tokens=cached_tokens,
         )
-        return StepResult(error, outcome, deltas)
+        return StepResult(error, outcome, deltas, self.evicted[: self.tops[2]].copy())

@@ -8,8 +8,9 @@ bounds, the grant state machine, blocks) is the step's to check, before it chang
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -34,7 +35,8 @@ class StepPlan:
        grants with their draft lengths (and padding), served in order; one that does not fit is
        refused (``granted`` False) and changes nothing.
     5. ``prefill_rows`` / ``prefill_tokens``: further chunks of prompts being prefilled.
-    6. ``prompt_lens`` / ``first_chunks``: new requests (first chunk 0: the whole prompt).
+    6. ``prompt_lens`` / ``first_chunks``: new requests (first chunk 0: the whole prompt; with
+       a cached prefix, the first chunk counts from its end).
 
     Running requests come before prefill and new requests when blocks are short, so a step never
     starves a request it already admitted. ``strict_grants``: a grant that does not fit raises
@@ -54,6 +56,10 @@ class StepPlan:
     prompt_lens: ArrayLike = ()
     first_chunks: ArrayLike = ()
     strict_grants: bool = False
+    # Empty, or one per new request: its prompt's token ids (None: not shared), or a
+    # `prefix_cache.Prompt` made when it arrived. With prefix caching on, the longest cached
+    # run of its full blocks becomes its first blocks.
+    prompt_tokens: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class StepOutcome:
     changed_num_blocks: np.ndarray  # int64, block count after the step (0: freed)
     changed_block_ids: np.ndarray  # int32, concatenated
     num_blocks: np.ndarray  # int64 [max_batch_size], every row's block count after the step
+    # int64, one per new request: prompt tokens already in cached blocks (0 if refused); the
+    # worker skips their prefill.
+    cached_tokens: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -155,8 +164,31 @@ def coerce(plan: StepPlan) -> PlanArrays:
                       first_chunks, bool(plan.strict_grants))
 
 
+def prompt_token_arrays(values: Sequence[Any], prompt_lens: np.ndarray) -> list[Any]:
+    """``StepPlan.prompt_tokens`` checked: none, or one entry per new request, each None,
+    ``prompt_len`` non-negative integers, or an object whose ``tokens`` are (a
+    `prefix_cache.Prompt`, kept as it is). InvalidValue (field ``prompt_tokens``) otherwise."""
+    if values is None or len(values) == 0:
+        return []
+    if len(values) != prompt_lens.size:
+        raise InvalidValue(f"prompt_tokens: {len(values)} entries for {prompt_lens.size} new "
+                           "requests (give none, or one per new request)", field="prompt_tokens")
+    out: list[Any] = []
+    for i, tokens in enumerate(values):
+        if tokens is None:
+            out.append(None)
+            continue
+        prompt = tokens if hasattr(tokens, "hashes") else None
+        arr = _integers(tokens.tokens if prompt is not None else tokens, "prompt_tokens")
+        if arr.size != prompt_lens[i] or (arr.size and arr.min() < 0):
+            raise InvalidValue(f"prompt_tokens: entry {i} must be {int(prompt_lens[i])} "
+                               "non-negative token ids (its prompt_len)", field="prompt_tokens")
+        out.append(prompt if prompt is not None else arr)
+    return out
+
+
 def _integers(values: ArrayLike, name: str, expected: int | None = None) -> np.ndarray:
-    field = FIELDS[name]
+    field = FIELDS.get(name, name)
     if (type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1
             and values.flags.c_contiguous and values.flags.writeable):
         arr = values  # the fast path: nothing to convert

@@ -9,13 +9,17 @@
 3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
    (`Demand`);
 4. ``serve_blocks``: row overflow, then blocks served in order (running requests first, then
-   prefill, then new requests), then rows for the new requests (`Served`);
+   prefill, then new requests), then rows for the new requests (`Served`); parked blocks (unowned
+   cached content, `block_pool`) count as available, except those a new request reuses;
 
 and only then, when nothing can fail any more,
 
 5. ``replace_state``: the settled and granted state replaces the old one;
-6. ``move_blocks``: every row's blocks follow its capacity (finished rows go back to the pool),
-   then new requests are admitted.
+6. ``move_blocks``: new requests first take their cached prefix blocks (`Hits`), then every
+   row's blocks follow its capacity (finished rows go back to the pool, their cached blocks to
+   the LRU tail, the prefix's end first so that it is evicted first), then new requests are
+   admitted. A block is taken from the free stack, or, when it is empty, evicted from the LRU
+   head (the caller drops the evicted blocks' hashes: `StepResult.evicted`).
 
 A phase that finds bad input stops the step with a ``[kind, subject, index, detail]`` error (see
 `step_errors`) before any state changed. `step_compiled` is the same step as one compiled loop;
@@ -31,6 +35,7 @@ import numpy as np
 
 from . import step_errors as codes
 from .accounting import blocks_for, grant_tokens, settle, slack_for
+from .block_pool import BlockPool
 from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, CapacityState, RowState
 from .config import SlackPolicy
 from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
@@ -44,6 +49,19 @@ class StepResult:
     error: np.ndarray
     outcome: StepOutcome | None = None
     counter_deltas: np.ndarray | None = None
+    evicted: np.ndarray | None = None  # int64: parked blocks this step evicted, in order
+
+
+@dataclass(frozen=True)
+class Hits:
+    """Cached prefix blocks each new request reuses (looked up by the caller before the step):
+    ``counts`` per new request, their ids concatenated in ``blocks``."""
+
+    counts: np.ndarray
+    blocks: np.ndarray
+
+
+NO_HITS = Hits(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 class _Failed(Exception):
@@ -86,26 +104,31 @@ class Served:
     prefill_ok: np.ndarray
     admitted: np.ndarray  # bool per new request
     refusals: np.ndarray  # int8 per new request
-    first_tokens: np.ndarray  # per new request: tokens its admission reserves
+    first_tokens: np.ndarray  # per new request: tokens its admission reserves (hits included)
+    hit_counts: np.ndarray  # per new request: cached blocks it reuses
     grant_starts: np.ndarray  # per grant: settled history
     prefill_starts: np.ndarray  # per prefill chunk: history before it
 
 
-def reference_step(plan: PlanArrays, state: CapacityState) -> StepResult:
+def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepResult:
+    if hits.counts.size != plan.prompt_lens.size:  # no lookups: no new request reuses a block
+        hits = Hits(np.zeros(plan.prompt_lens.size, dtype=np.int64), NO_HITS.blocks)
     try:
         validate(plan, state)
         settled = settle_step(plan, state)
         demand = plan_grants(plan, state, settled)
         plan_prefill(plan, state, settled, demand)
-        served = serve_blocks(plan, state, settled, demand)
+        served = serve_blocks(plan, state, settled, demand, hits)
     except _Failed as failed:
         return StepResult(failed.error)
     deltas = replace_state(plan, state, settled, demand, served)
-    outcome = move_blocks(plan, state, served)
+    evicted: list[int] = []
+    outcome = move_blocks(plan, state, served, hits, evicted)
+    deltas[COUNTER_INDEX["evicted_blocks"]] = len(evicted)
     deltas[COUNTER_INDEX["requests_added"]] = int(served.admitted.sum())
     deltas[COUNTER_INDEX["requests_refused"]] = int((~served.admitted).sum())
     deltas[COUNTER_INDEX["requests_freed"]] = plan.finished_rows.size
-    return StepResult(codes.no_error(), outcome, deltas)
+    return StepResult(codes.no_error(), outcome, deltas, np.array(evicted, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------- 1. validate
@@ -258,7 +281,7 @@ def plan_prefill(plan: PlanArrays, state: CapacityState, settled: Settled,
 # ---------------------------------------------------------------------- 4. blocks and rows
 
 def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
-                 demand: Demand) -> Served:
+                 demand: Demand, hits: Hits) -> Served:
     limits = state.limits
     tpb = limits.tokens_per_block
     grow_rows = np.concatenate([demand.item_rows, plan.prefill_rows])
@@ -268,18 +291,27 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
         _fail(codes.ROW_OVERFLOW, codes.GRANTS, grow_rows[np.argmax(over)],
               limits.max_blocks_per_seq)
 
-    # What the settled state frees (finished rows included), then each demand in order.
+    # What the settled state frees (finished rows included, their cached blocks excepted: they
+    # are parked, not free, until evicted), then each demand in order.
+    finished = plan.finished_rows
     base_capacity = settled.capacity.copy()
-    base_capacity[plan.finished_rows] = 0
+    base_capacity[finished] = 0
     base_blocks = blocks_for(base_capacity, tpb)
-    available = state.pool.num_free + int((state.rows.num_blocks - base_blocks).sum())
-    first_tokens = np.where(plan.first_chunks == 0, plan.prompt_lens, plan.first_chunks)
-    demands = np.concatenate([grow_blocks - base_blocks[grow_rows], blocks_for(first_tokens, tpb)])
+    released = int((state.rows.num_blocks - base_blocks).sum() - state.rows.cached[finished].sum())
+    available = state.pool.num_free + state.pool.num_parked + released
+    hit_counts = hits.counts
+    first_tokens = admitted_tokens(plan.prompt_lens, plan.first_chunks, hit_counts * tpb)
+    demands = grow_blocks - base_blocks[grow_rows]
+    fresh = blocks_for(first_tokens, tpb) - hit_counts
     ok = serve_in_order(demands, available)
-    num_items, num_prefill = demand.item_rows.size, plan.prefill_rows.size
+    left = available - int(demands[ok].sum())
+    if hits.blocks.size:
+        admitted = serve_hits_in_order(fresh, hits, state.pool.refcounts, left)
+    else:
+        admitted = serve_in_order(fresh, left)
+    num_items = demand.item_rows.size
     item_ok = ok[:num_items]
-    prefill_ok = ok[num_items : num_items + num_prefill]
-    admitted = ok[num_items + num_prefill :]
+    prefill_ok = ok[num_items:]
     refusals = np.where(admitted, 0, REFUSED_OUT_OF_BLOCKS).astype(np.int8)
     # Rows are the other resource: admit in order while rows last.
     free_rows = state.table.num_free_rows + plan.finished_rows.size
@@ -293,8 +325,35 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
     if refused.any():
         _fail(codes.OUT_OF_BLOCKS, codes.GRANTS, demand.item_rows[np.argmax(refused)], available)
     return Served(item_ok, item_ok[demand.num_topups :], prefill_ok, admitted, refusals,
-                  first_tokens, settled.history[plan.grant_rows],
-                  settled.history[plan.prefill_rows])
+                  first_tokens, np.where(admitted, hit_counts, 0),
+                  settled.history[plan.grant_rows], settled.history[plan.prefill_rows])
+
+
+def admitted_tokens(prompt_lens: np.ndarray, first_chunks: np.ndarray,
+                    cached_tokens: np.ndarray) -> np.ndarray:
+    """Tokens an admission reserves: the cached prefix, then the first chunk past it (0: the
+    rest of the prompt), never past the prompt."""
+    rest = prompt_lens - cached_tokens
+    return cached_tokens + np.where(first_chunks == 0, rest, np.minimum(first_chunks, rest))
+
+
+def serve_hits_in_order(fresh: np.ndarray, hits: Hits, refcounts: np.ndarray,
+                        available: int) -> np.ndarray:
+    """`serve_in_order` for new requests that reuse cached blocks: a parked block a request
+    takes back is no longer available to evict, so it costs one block, once, to the first
+    request served that takes it."""
+    ok = np.zeros(fresh.size, dtype=bool)
+    claimed: set[int] = set()
+    left = available
+    ends = np.cumsum(hits.counts)
+    for i, need in enumerate(fresh.tolist()):
+        taken = hits.blocks[ends[i] - hits.counts[i] : ends[i]].tolist()
+        parked = {b for b in taken if refcounts[b] == 0} - claimed
+        if need + len(parked) <= left:
+            ok[i] = True
+            left -= need + len(parked)
+            claimed |= parked
+    return ok
 
 
 def serve_in_order(demands: np.ndarray, available: int) -> np.ndarray:
@@ -347,22 +406,35 @@ def replace_state(plan: PlanArrays, state: CapacityState, settled: Settled, dema
 
 # ---------------------------------------------------------------------- 6. blocks follow
 
-def move_blocks(plan: PlanArrays, state: CapacityState, served: Served) -> StepOutcome:
-    """Every row's blocks follow ceil(capacity / tokens_per_block); finished rows go back to the
-    pool; admitted requests take rows and their first blocks. Returns the outcome."""
+def move_blocks(plan: PlanArrays, state: CapacityState, served: Served, hits: Hits,
+                evicted: list[int]) -> StepOutcome:
+    """New requests take their cached blocks; every row's blocks follow
+    ceil(capacity / tokens_per_block); finished rows go back to the pool (cached blocks parked);
+    admitted requests take rows and their first blocks. Returns the outcome."""
     rows, pool, table = state.rows, state.pool, state.table
     tpb = state.limits.tokens_per_block
     finished = plan.finished_rows
+    hit_starts = np.cumsum(hits.counts) - hits.counts
+    for i in np.flatnonzero(served.hit_counts).tolist():
+        for block in hits.blocks[hit_starts[i] : hit_starts[i] + served.hit_counts[i]].tolist():
+            if pool.refcounts[block] == 0:
+                pool.unpark(block)
+            pool.refcounts[block] += 1
     old_blocks = rows.num_blocks.copy()
     target = blocks_for(rows.capacity, tpb)
     target[finished] = 0
+    for row in finished[rows.cached[finished] > 0].tolist():
+        _park_prefix(state, row)
+    start = np.maximum(target, rows.cached)  # cached columns are parked above, never shrunk
     delta = target - old_blocks
-    shrink = np.flatnonzero(delta < 0)
+    shrink = np.flatnonzero(start < old_blocks)
     if shrink.size:
-        pool.release_unique(table.truncate(shrink, target[shrink], -delta[shrink]))
+        pool.release_unique(table.truncate(shrink, start[shrink],
+                                           old_blocks[shrink] - start[shrink]))
     grow = np.flatnonzero(delta > 0)
     if grow.size:
-        table.append(grow, old_blocks[grow], delta[grow], pool.allocate(int(delta[grow].sum())))
+        table.append(grow, old_blocks[grow], delta[grow],
+                     _take(pool, int(delta[grow].sum()), evicted))
     rows.num_blocks[:] = target
     for row in finished.tolist():
         rows.reset(row)
@@ -370,7 +442,7 @@ def move_blocks(plan: PlanArrays, state: CapacityState, served: Served) -> StepO
 
     rewritten = np.zeros(rows.live.size, dtype=bool)  # freed or admitted: from column 0
     rewritten[finished] = True
-    admitted_rows = _admit(plan, rows, state, served)
+    admitted_rows = _admit(plan, rows, state, served, hits.blocks, hit_starts, evicted)
     rewritten[admitted_rows[admitted_rows >= 0]] = True
     table.sync()
 
@@ -393,21 +465,49 @@ def move_blocks(plan: PlanArrays, state: CapacityState, served: Served) -> StepO
         changed_num_blocks=new_blocks[changed],
         changed_block_ids=table.host[r, c],
         num_blocks=new_blocks.copy(),
+        cached_tokens=served.hit_counts * tpb,
     )
 
 
-def _admit(plan: PlanArrays, rows: RowState, state: CapacityState,
-           served: Served) -> np.ndarray:
+def _park_prefix(state: CapacityState, row: int) -> None:
+    """Release a finished row's cached columns, last first: a block nobody else holds is parked
+    at the LRU tail (so a prefix's end is evicted before its start)."""
+    pool, host = state.pool, state.table.host
+    for column in range(int(state.rows.cached[row]) - 1, -1, -1):
+        block = int(host[row, column])
+        pool.refcounts[block] -= 1
+        if pool.refcounts[block] == 0:
+            pool.park(block)
+    n = int(state.rows.cached[row])
+    state.table.truncate(np.array([row]), np.array([0]), np.array([n]))
+
+
+def _take(pool: BlockPool, n: int, evicted: list[int]) -> np.ndarray:
+    """``n`` blocks with refcount 1: from the free stack, then, one at a time, evicted from the
+    LRU head."""
+    taken = [pool.allocate(min(n, pool.num_free))]
+    for _ in range(n - taken[0].size):
+        evicted.append(pool.evict_oldest())
+        taken.append(pool.allocate(1))
+    return np.concatenate(taken)
+
+
+def _admit(plan: PlanArrays, rows: RowState, state: CapacityState, served: Served,
+           hit_blocks: np.ndarray, hit_starts: np.ndarray, evicted: list[int]) -> np.ndarray:
     tpb = state.limits.tokens_per_block
     admitted_rows = np.full(plan.prompt_lens.size, -1, dtype=np.int64)
     for i in np.flatnonzero(served.admitted).tolist():
         row = state.table.acquire_row()
         tokens = int(served.first_tokens[i])
         n = int(blocks_for(tokens, tpb))
-        state.table.append(np.array([row]), np.array([0]), np.array([n]), state.pool.allocate(n))
+        cached = int(served.hit_counts[i])
+        ids = np.concatenate([hit_blocks[hit_starts[i] : hit_starts[i] + cached],
+                              _take(state.pool, n - cached, evicted)])
+        state.table.append(np.array([row]), np.array([0]), np.array([n]), ids)
         rows.live[row] = True
         rows.capacity[row] = rows.history[row] = tokens
         rows.prompt_len[row] = plan.prompt_lens[i]
         rows.num_blocks[row] = n
+        rows.cached[row] = cached
         admitted_rows[i] = row
     return admitted_rows

@@ -16,6 +16,10 @@ same machine state; each reports the median and p99 of its timed part in microse
 
 - ``manager_numpy``, ``manager``: `KVCacheManager.step`, the numpy reference and the compiled
   step (host-only: no KV memory);
+- ``manager_cached``: the compiled step with prefix caching on, every new prompt sent with its
+  token ids: a shared 512-token system prompt, then its own 488 tokens. Its block hashes are
+  computed when it arrives (``KVCacheManager.prompt``, untimed, as an engine hashes a request
+  once when it is created); the lookup, the reuse and the registration count in the step;
 - ``service_inproc``: `ServiceCore.step` in this process through `Client.in_process`, for an
   attached worker, so it includes the NWOR commit of the previous step; ``commit`` is that
   commit's own time inside it (a host memory copy on a CPU pool; on a CUDA pool the kernels,
@@ -27,12 +31,16 @@ The service's pool has the model shape ``--layers`` x ``--kv-heads`` x ``--head-
 default the embedded 2 x 2 x 64) and as many blocks as the run's steps can fill, so its memory
 stays bounded; the manager alone keeps 200k blocks. With ``--json`` the script prints one JSON
 object: ``<name>_us`` (median at batch 256) for every measurement, and the full results under
-``"batches"``. ``--quick`` runs batch 256 only, with fewer steps.
+``"batches"``. ``--quick`` runs batch 256 only, with fewer steps. Beside the steps:
+``admit_hit_us`` / ``admit_miss_us``, the step that admits one 1000-token prompt whose blocks are
+all cached / none of them (median), and ``prefix_hit_rate``, the share of prompt tokens
+``manager_cached`` found cached.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -66,6 +74,7 @@ MAX_SEQ_LEN = 32768
 NUM_BLOCKS = 200_000
 REPORTED_BATCH = 256
 ADMIT_PER_STEP = 16  # new prompts per step while the batch fills
+SYSTEM_PROMPT = np.random.default_rng(12345).integers(0, 32000, 512)
 
 
 @dataclass(frozen=True)
@@ -295,9 +304,55 @@ class RemoteService(ServiceStep):
             del self._shared[self.setup]
 
 
+class CachedManagerStep(ManagerStep):
+    """The compiled step with prefix caching, new prompts sharing a system prompt."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.manager = KVCacheManager(setup.pool_config(), compiled=True, prefix_caching=True)
+        self.workload = DecodeWorkload(setup.batch, setup.seed)
+        self.rng = np.random.default_rng(setup.seed + 1)
+
+    def prepare(self) -> StepPlan:
+        plan = super().prepare()
+        own = PROMPT_LEN - SYSTEM_PROMPT.size
+        tokens = [self.manager.prompt(np.concatenate([SYSTEM_PROMPT,
+                                                      self.rng.integers(0, 32000, own)]))
+                  for _ in range(len(plan.prompt_lens))]
+        return dataclasses.replace(plan, prompt_tokens=tokens)
+
+    @property
+    def hit_rate(self) -> float:
+        c = self.manager.counters
+        return c.prefix_hit_tokens / max(1, c.prefix_queried_tokens)
+
+
+def admission_us(steps: int) -> dict[str, float]:
+    """Median time of the step that admits one 1000-token prompt, all of its blocks cached
+    (the same prompt again) or none (a new one), with the request freed after each."""
+    config = Setup(8, 0, "cpu").pool_config()
+    manager = KVCacheManager(config, compiled=True, prefix_caching=True)
+    rng = np.random.default_rng(0)
+    cached = rng.integers(0, 32000, PROMPT_LEN)
+    manager.step(StepPlan(finished_rows=manager.step(StepPlan(
+        prompt_lens=[PROMPT_LEN], prompt_tokens=[cached])).admitted_rows))
+    out = {}
+    for name in ("hit", "miss"):
+        taken = []
+        for _ in range(steps):
+            tokens = cached if name == "hit" else rng.integers(0, 32000, PROMPT_LEN)
+            plan = StepPlan(prompt_lens=[PROMPT_LEN], prompt_tokens=[tokens])
+            t0 = time.perf_counter_ns()
+            rows = manager.step(plan).admitted_rows
+            taken.append((time.perf_counter_ns() - t0) / 1e3)
+            manager.step(StepPlan(finished_rows=rows))
+        out[f"admit_{name}_us"] = round(statistics.median(taken[2:]), 1)
+    return out
+
+
 MEASUREMENTS: dict[str, Callable[[Setup], Measurement]] = {
     "manager_numpy": lambda setup: ManagerStep(setup, compiled=False),
     "manager": lambda setup: ManagerStep(setup, compiled=True),
+    "manager_cached": CachedManagerStep,
     "service_inproc": InProcessService,
     "ipc": lambda setup: RemoteService(setup, "ipc"),
     "rest_tcp": lambda setup: RemoteService(setup, "rest_tcp"),
@@ -329,15 +384,20 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
             result = m.run(prepared)
             samples[name].append((time.perf_counter_ns() - t0) / 1e3)
             m.observe(result)
+    hit_rate = None
     for m in runs.values():
         if isinstance(m, InProcessService):
             samples["commit"] = m.commit_us
+        if isinstance(m, CachedManagerStep):
+            hit_rate = m.hit_rate
         m.close()
     out = {}
     for name, taken in samples.items():
         warm = taken[max(2, len(taken) // 10):]  # past warm-up
         out[name] = {"median_us": round(statistics.median(warm), 1),
                      "p99_us": round(float(np.percentile(warm, 99)), 1)}
+    if hit_rate is not None:
+        out["prefix_hit_rate"] = {"ratio": round(hit_rate, 3)}
     return out
 
 
@@ -346,6 +406,8 @@ def targets(r: dict[str, float]) -> dict[str, float]:
     out = {}
     if "manager_us" in r and "manager_numpy_us" in r:
         out["compiled_over_numpy"] = r["manager_us"] / r["manager_numpy_us"]
+    if "manager_cached_us" in r and "manager_us" in r:
+        out["caching_on_over_off"] = r["manager_cached_us"] / r["manager_us"]
     if "service_inproc_us" in r and "commit_us" in r and "manager_us" in r:
         out["service_over_2x_manager_plus_commit"] = (
             r["service_inproc_us"] / (2 * r["manager_us"] + r["commit_us"]))
@@ -393,11 +455,16 @@ def main() -> None:
         "steps": steps,
         "compiled_first_call_s": round(first_call, 3),
         "batches": per_batch,
+        **admission_us(steps),
     }
     if str(REPORTED_BATCH) in per_batch:
         for name, r in per_batch[str(REPORTED_BATCH)].items():
-            results[f"{name}_us"] = r["median_us"]
-    results["targets"] = {b: targets({f"{n}_us": v["median_us"] for n, v in r.items()})
+            if name == "prefix_hit_rate":
+                results[name] = r["ratio"]
+            else:
+                results[f"{name}_us"] = r["median_us"]
+    results["targets"] = {b: targets({f"{n}_us": v["median_us"] for n, v in r.items()
+                                      if "median_us" in v})
                           for b, r in per_batch.items()}
     if args.out:
         with open(args.out, "w") as f:
@@ -406,8 +473,13 @@ def main() -> None:
         json.dump(results, sys.stdout)
         print()
         return
-    names = list(next(iter(per_batch.values())))
+    names = [n for n, v in next(iter(per_batch.values())).items() if "median_us" in v]
     print(f"compiled step, first call: {first_call:.2f} s")
+    print(f"admitting a 1000-token prompt: {results['admit_hit_us']} us all cached, "
+          f"{results['admit_miss_us']} us none cached")
+    for b, r in per_batch.items():
+        if "prefix_hit_rate" in r:
+            print(f"batch {b}: shared-prefix hit rate {r['prefix_hit_rate']['ratio']:.1%}")
     print("| requests | " + " | ".join(f"{n} median (us) | p99" for n in names) + " |")
     print("|---|" + "---|---|" * len(names))
     for b, r in per_batch.items():

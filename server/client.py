@@ -178,15 +178,18 @@ class Client:
              prefill: tuple[ColumnInput, ColumnInput] | None = None,
              new: tuple[Sequence[str], ColumnInput] | tuple[Sequence[str], ColumnInput,
                                                             ColumnInput] | None = None,
+             prompt_token_ids: ColumnInput = (),
              ) -> StepResult:
         """One scheduler step. ``results`` is (handles, accepted drafts), ``grants`` (handles,
         draft lengths), ``padding`` (handles, padded draft lengths), ``prefill`` (handles, chunk
         tokens), ``new`` (request ids, prompt lengths[, first chunks, 0 = whole prompt]);
-        ``reverts`` and ``finished`` are handles."""
+        ``reverts`` and ``finished`` are handles. ``prompt_token_ids``: the new prompts' token
+        ids, concatenated, to share cached prefixes (``reply.cached_tokens`` per new request)."""
         if self.registration is None:
             raise RuntimeError("register() first")
         columns: dict[str, ColumnInput] = {"revert_handles": reverts,
-                                           "finished_handles": finished}
+                                           "finished_handles": finished,
+                                           "prompt_token_ids": prompt_token_ids}
         for pair, names in ((results, ("result_handles", "num_accepted")),
                             (grants, ("grant_handles", "draft_lens")),
                             (padding, ("padding_handles", "padded_draft_lens")),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ _REQUEST_COLUMNS: dict[str, tuple[str, str]] = {
     "prefill_tokens": ("prefill", "num_tokens"),
     "prompt_lens": ("new", "prompt_lens"),
     "first_chunks": ("new", "first_chunks"),
+    "prompt_token_ids": ("new", "prompt_token_ids"),
 }
 # Columns of one group that pair up element by element: (group, first, second).
 _PAIRED = (("results", "handles", "num_accepted"), ("grants", "handles", "draft_lens"),
@@ -134,6 +135,7 @@ class StepCall(_ArrayRecord):
     new_req_ids: tuple[str, ...]
     prompt_lens: np.ndarray
     first_chunks: np.ndarray
+    prompt_token_ids: np.ndarray
 
     @classmethod
     def from_wire(cls, message: Any) -> StepCall:
@@ -165,6 +167,10 @@ class StepCall(_ArrayRecord):
             raise MalformedBody(f"new.first_chunks: {arrays['first_chunks'].size} values for "
                                 f"{len(req_ids)} req_ids (give none or one each)",
                                 field="new.first_chunks")
+        if arrays["prompt_token_ids"].size not in (0, int(arrays["prompt_lens"].sum())):
+            raise MalformedBody(f"new.prompt_token_ids: {arrays['prompt_token_ids'].size} ids "
+                                f"for prompts of {int(arrays['prompt_lens'].sum())} tokens "
+                                "(give none or every one)", field="new.prompt_token_ids")
         return cls(worker_id=worker_id, session=session, epoch=epoch, step_id=step_id,
                    new_req_ids=req_ids, **arrays)
 
@@ -297,6 +303,8 @@ class StepResult(_ArrayRecord):
     free_blocks: int
     tables: TableChanges | None = None
     slot_mapping: np.ndarray | None = None
+    # Per new request: prompt tokens already in the pool.
+    cached_tokens: np.ndarray = field(default_factory=lambda: NO_VALUES)
 
     def to_wire(self, binary: bool) -> Any:
         """As a `wire.StepReplyBinary` (IPC) or `wire.StepReply` (REST JSON) struct."""
@@ -313,7 +321,8 @@ class StepResult(_ArrayRecord):
             refused=write(self.refused, protocol.RefusedColumns),
             committed=self.committed, free_blocks=self.free_blocks,
             tables=None if self.tables is None else write(self.tables, protocol.TableDeltas),
-            slot_mapping=_encode(slots, binary))
+            slot_mapping=_encode(slots, binary),
+            cached_tokens=_encode(self.cached_tokens, binary))
 
     @classmethod
     def from_wire(cls, reply: Any) -> StepResult:
@@ -331,4 +340,5 @@ class StepResult(_ArrayRecord):
             scheduled=read(reply.scheduled, Scheduled), refused=read(reply.refused, Refused),
             committed=reply.committed, free_blocks=reply.free_blocks, tables=tables,
             slot_mapping=None if tables is None else as_int64(reply.slot_mapping,
-                                                              "slot_mapping"))
+                                                              "slot_mapping"),
+            cached_tokens=as_int64(reply.cached_tokens, "cached_tokens"))

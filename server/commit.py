@@ -29,12 +29,25 @@ NOTHING = wire.CommitSummary(tokens=0, written=0)
 
 class Committer:
     def __init__(self, storage: KVStorage, *, max_tokens: int, stage_dtype: torch.dtype,
-                 nwor: bool = True) -> None:
+                 nwor: bool = True, protect_cached: bool = False) -> None:
         """``nwor`` False writes every staged token of a settled request, rejected drafts too
-        (what an engine without NWOR does: the reference to compare NWOR against)."""
+        (what an engine without NWOR does: the reference to compare NWOR against).
+        ``protect_cached``: refuse writes into cached prefix blocks (``protect`` keeps the
+        device mask current)."""
         self.device = storage.device
         self.nwor = nwor
         self.writes = DeferredWriteManager(storage, max_tokens=max_tokens, stage_dtype=stage_dtype)
+        self._protected: torch.Tensor | None = None
+        if protect_cached:
+            self._protected = torch.zeros(storage.config.total_blocks, dtype=torch.bool,
+                                          device=self.device)
+            self.writes.protect(self._protected)
+
+    def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
+        """Set the protection of ``blocks`` (only the flips since the last call travel)."""
+        if self._protected is not None and blocks.size:
+            self._protected[upload_int64(blocks, self.device)] = torch.from_numpy(
+                protected).to(self.device)
 
     def commit(self, staging: torch.Tensor, batch: ScheduledBatch, accepted: np.ndarray,
                dropped: np.ndarray, slots: np.ndarray) -> wire.CommitSummary:

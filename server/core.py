@@ -36,6 +36,7 @@ from . import wire
 from .columns import StepCall, StepResult
 from .commit import Committer
 from .errors import LimitExceeded, NotReady, StaleEpoch, StepIdReused, StepOutOfOrder
+from .kv_events import KVEventPublisher
 from .pipeline import StepPipeline
 from .registry import Worker, WorkerRegistry
 from .settings import ServiceConfig
@@ -85,16 +86,27 @@ class ServiceCore:
         self._exporter = TensorExporter(prefix=f"kvalloc-{self.epoch:016x}")
         placement = ExportedTensors(self._exporter)
         self.storage = KVStorage(pool, allocate=placement)
-        self.manager = KVCacheManager(pool, allocate=placement)
+        self.manager = KVCacheManager(pool, allocate=placement,
+                                      prefix_caching=config.prefix_caching,
+                                      kv_events=config.kv_events is not None,
+                                      register_when_written=True)
         self.device = self.manager.device
         self._kv_handle = placement.handles["kv"]
         self._table_handle = placement.handles["block_table"]
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
         self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
-                                   stage_dtype=self.staging_dtype, nwor=config.nwor)
+                                   stage_dtype=self.staging_dtype, nwor=config.nwor,
+                                   protect_cached=config.prefix_caching)
         self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
+        # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
+        self.kv_events = (KVEventPublisher(config.kv_events,
+                                           replay_endpoint=config.kv_events_replay)
+                          if config.kv_events is not None else None)
         self.pipeline = StepPipeline(self.manager, self.committer, self.registry,
-                                     max_step_tokens=config.max_step_tokens)
+                                     max_step_tokens=config.max_step_tokens,
+                                     publish=None if self.kv_events is None
+                                     else self.kv_events.publish)
+        self.pipeline.publish_events()
         self.layout = _layout(config, dtype_name(self.staging_dtype))
         self._fences: dict[str, tuple[StepFence, wire.EventHandle, wire.EventHandle]] = {}
         self._observers: list[ServiceObserver] = []
@@ -120,6 +132,8 @@ class ServiceCore:
         with self.lock:
             self._closed = True
             self._exporter.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def _state_changed(self) -> None:
         for obs in self._observers:

@@ -56,10 +56,14 @@ class Workload:
     max_live: int = 32
     skip_rate: float = 0.02  # forwards skipped (reverted)
     pad_rate: float = 0.1  # grants padded to max_draft_len
+    # Tokens of a system prompt every new prompt starts with, sent with token ids (0: prompts
+    # go without ids and share nothing).
+    shared_prefix: int = 0
 
 
 @dataclass
 class _Request:
+    prompt: int  # prompt tokens
     prompt_left: int  # prompt tokens not scheduled yet (chunked prefill)
     remaining: int  # output tokens still to produce
     in_flight: int | None = None  # D of this step's grant, None when not scheduled
@@ -94,6 +98,7 @@ class SimulatedWorker:
         self._call = _Call()
         self._ids = itertools.count()
         self.stats: Counter[str] = Counter()
+        self._system = self.rng.integers(0, 32000, workload.shared_prefix)
 
     def next_step(self) -> dict[str, Any]:
         """The step's columns, as `Client.step` takes them."""
@@ -124,22 +129,26 @@ class SimulatedWorker:
                 call.prefill.append(handle)
                 chunks.append(chunk)
 
-        new_ids, prompts, firsts = [], [], []
+        new_ids, prompts, firsts, token_ids = [], [], [], []
         room = w.max_live - len(self.live)
         for _ in range(min(room, int(rng.poisson(w.arrival_rate)))):
             if not budget:
                 break
-            prompt = int(rng.integers(*w.prompt_len, endpoint=True))
+            own = int(rng.integers(*w.prompt_len, endpoint=True))
+            prompt = w.shared_prefix + own
+            if w.shared_prefix:
+                token_ids += [self._system, rng.integers(0, 32000, own)]
             first = min(prompt, budget)
             budget -= first
             new_ids.append(f"r{next(self._ids)}")
             prompts.append(prompt)
             firsts.append(first)
-            call.new.append(_Request(prompt_left=prompt - first,
+            call.new.append(_Request(prompt=prompt, prompt_left=prompt - first,
                                      remaining=int(rng.integers(*w.output_len, endpoint=True))))
         return {"results": results, "reverts": reverts, "finished": finished,
                 "grants": (call.grants, drafts), "padding": (pad_handles, pads),
-                "prefill": (call.prefill, chunks), "new": (new_ids, prompts, firsts)}
+                "prefill": (call.prefill, chunks), "new": (new_ids, prompts, firsts),
+                "prompt_token_ids": np.concatenate(token_ids) if token_ids else ()}
 
     def _settle(self) -> tuple[tuple[list[int], list[int]], list[int], list[int]]:
         """The previous step's outcome for every request it scheduled, and preemptions."""
@@ -177,12 +186,18 @@ class SimulatedWorker:
                 req = self.live[listed[i]]
                 req.in_flight, req.preempted = None, True
                 self.stats[f"{kind}s_refused"] += 1  # grants_refused, prefills_refused
-        for handle, req in zip(reply.admitted.tolist(), call.new, strict=True):
+        for handle, cached, req in zip(reply.admitted.tolist(), reply.cached_tokens.tolist(),
+                                       call.new, strict=True):
             if handle < 0:
                 self.stats["requests_refused"] += 1
             else:
+                # A cached prefix is in the pool already: the prompt is that much shorter.
+                req.prompt_left = max(0, req.prompt_left - cached)
                 self.live[handle] = req
                 self.stats["admitted"] += 1
+                if self.w.shared_prefix:
+                    self.stats["prompt_tokens"] += req.prompt
+                    self.stats["cached_tokens"] += cached
 
     def reset(self) -> None:
         """Forget every request (the service freed them: re-registration or a new epoch)."""
@@ -300,6 +315,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="share of grants padded to max_draft_len")
     sim.add_argument("--step-interval", type=bounded(float, 0), default=0.02,
                      help="seconds between calls: the forward's duration")
+    sim.add_argument("--shared-prefix", type=bounded(int, 0), default=0, metavar="TOKENS",
+                     help="every prompt starts with one system prompt of this many tokens, "
+                          "sent with token ids to share it (the service needs "
+                          "--prefix-caching; --prompt-len is then the rest)")
     sim.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     out = parser.add_argument_group("output")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -310,7 +329,8 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(draft_len=args.draft_len, acceptance=args.acceptance,
                         arrival_rate=args.arrival_rate, prompt_len=args.prompt_len,
                         output_len=args.output_len, max_live=args.max_live,
-                        skip_rate=args.skip_rate, pad_rate=args.pad_rate)
+                        skip_rate=args.skip_rate, pad_rate=args.pad_rate,
+                        shared_prefix=args.shared_prefix)
     address = args.address or default_client_address()
     steps = DEFAULT_STEPS if args.steps is None and args.duration is None else args.steps
     with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
@@ -343,4 +363,6 @@ def _human(s: dict[str, Any]) -> str:
         f"  tokens: {s.get('output_tokens', 0)} output, {s.get('accepted_tokens', 0)} accepted "
         f"drafts",
         f"  errors: {errors}",
+        *([f"  prefix cache: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens cached "
+           f"({s['cached_tokens'] / s['prompt_tokens']:.1%})"] if s.get("prompt_tokens") else []),
     ])

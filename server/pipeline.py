@@ -13,9 +13,12 @@ Order inside one call (all checks come first; from the manager's step on nothing
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from allocator import KVCacheManager, StepOutcome, StepPlan
+from allocator.kv_events import KVCacheEvent
 
 from . import protocol, wire
 from .batch import ScheduledBatch
@@ -30,10 +33,20 @@ _REPORTED, _DROPPED = 1, 2
 _OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
 
 
+def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
+    """The concatenated prompt token ids, one array per new request (none: no sharing)."""
+    if token_ids.size == 0:
+        return []
+    return np.split(token_ids, np.cumsum(prompt_lens)[:-1])
+
+
 class StepPipeline:
     def __init__(self, manager: KVCacheManager, committer: Committer, registry: WorkerRegistry,
-                 *, max_step_tokens: int) -> None:
+                 *, max_step_tokens: int,
+                 publish: Callable[[list[KVCacheEvent]], None] | None = None) -> None:
+        """``publish``: where the manager's KV events go after each step."""
         self.manager = manager
+        self.publish = publish
         self.committer = committer
         self.registry = registry
         self.max_step_tokens = max_step_tokens
@@ -68,22 +81,26 @@ class StepPipeline:
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
-            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks))
+            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
+            prompt_tokens=_split(call.prompt_token_ids, call.prompt_lens)))
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
         committed = NOTHING
         if previous is not None:
             committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
+        cached = outcome.cached_tokens
         layout = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
             call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
-            outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
+            outcome.prefill_starts, admitted, outcome.admitted_rows,
+            np.minimum(prompt_tokens, call.prompt_lens - cached), cached,
             self.manager.table.host, self._tpb)
         worker.batch = batch = ScheduledBatch.from_layout(layout, self._tpb)
         scheduled = batch.scheduled
         if worker.fence is not None:
             worker.fence.service_end()
+        self.publish_events()
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
             refused=self._refused(outcome), committed=committed,
@@ -91,7 +108,11 @@ class StepPipeline:
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
                 outcome.changed_block_ids.astype(np.int64)),
-            slot_mapping=None if worker.attached else batch.slots)
+            slot_mapping=None if worker.attached else batch.slots, cached_tokens=cached)
+
+    def publish_events(self) -> None:
+        if self.publish is not None:
+            self.publish(self.manager.drain_kv_events())
 
     def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
                 call: StepCall) -> np.ndarray:
@@ -123,7 +144,19 @@ class StepPipeline:
         accepted_by_row[result_rows] = call.num_accepted
         dropped = settlement[rows] == _DROPPED
         slots = batch.commit_slots(dropped, outcome.num_blocks[rows])
-        return self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped, slots)
+        cache = self.manager.cache
+        if cache is not None:  # blocks evicted since the last commit may be written now
+            self.committer.protect(*cache.drain_protection())
+        summary = self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped,
+                                        slots)
+        if cache is not None:
+            # Prompt blocks become shareable, and protected, once their K/V is in the pool.
+            kept = ~dropped
+            scheduled = batch.scheduled
+            self.manager.mark_written(
+                rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
+            self.committer.protect(*cache.drain_protection())
+        return summary
 
     def _refused(self, outcome: StepOutcome) -> Refused:
         grants = np.flatnonzero(~outcome.granted)

@@ -240,7 +240,13 @@ class NewColumns(Contract):
     req_ids: list[ReqId] = Field(default_factory=list)
     prompt_lens: _column(1, INT32_MAX, "Prompt length of each new request.")
     first_chunks: _column(0, INT32_MAX, "Prompt tokens scheduled now (0: the whole prompt); "
-                                        "empty: every prompt whole.")
+                                        "empty: every prompt whole. With a cached prefix they "
+                                        "count from its end.")
+    prompt_token_ids: _column(0, INT32_MAX, "Every new request's prompt token ids, "
+                                            "concatenated (sum of prompt_lens values); empty: "
+                                            "no sharing. With prefix caching on, a request "
+                                            "reuses the cached blocks of its longest cached "
+                                            "prefix.")
 
 
 class StepRequest(Contract):
@@ -324,6 +330,9 @@ class StepReply(Contract):
         default=None, description="Only for workers registered with attached=false.")
     slot_mapping: _column(-1, INT63_MAX, "Only for workers registered with attached=false: the "
                                          "pool slot of each token of the step; -1: skip.")
+    cached_tokens: _column(0, INT32_MAX, "Per new request: prompt tokens already in the pool "
+                                         "(a cached prefix; its scheduled prefill starts after "
+                                         "them), 0 when refused.")
 
 
 # ---------------------------------------------------------------- inspection

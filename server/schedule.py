@@ -43,7 +43,8 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
                        prefill_granted: np.ndarray, prefill_tokens: np.ndarray,
                        prefill_starts: np.ndarray, new_handles: np.ndarray,
                        admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
-                       table: np.ndarray, tokens_per_block: int) -> Layout:
+                       new_starts: np.ndarray, table: np.ndarray,
+                       tokens_per_block: int) -> Layout:
     new = admitted_rows >= 0
     decode_drafts = drafts[granted]
     num_tokens = np.concatenate([1 + decode_drafts, prefill_tokens[prefill_granted],
@@ -52,7 +53,7 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
     rows = np.concatenate([grant_rows[granted], prefill_rows[prefill_granted],
                            admitted_rows[new]])
     starts = np.concatenate([grant_starts[granted], prefill_starts[prefill_granted],
-                             np.zeros(int(new.sum()), dtype=np.int64)])
+                             new_starts[new]])
     request = np.repeat(np.arange(rows.size), num_tokens)
     positions = starts[request] + np.arange(request.size) - offsets[request]
     column = positions // tokens_per_block
@@ -72,7 +73,8 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
 
 def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
                    prefill_rows, prefill_granted, prefill_tokens, prefill_starts, new_handles,
-                   admitted_rows, prompt_tokens, table, tokens_per_block):  # pragma: no cover
+                   admitted_rows, prompt_tokens, new_starts, table,
+                   tokens_per_block):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
     entries = 0
     tokens = 0
@@ -112,6 +114,7 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
     for i in range(admitted_rows.size):
         if admitted_rows[i] >= 0:
             handles[e], rows[e], num_tokens[e] = new_handles[i], admitted_rows[i], prompt_tokens[i]
+            starts[e] = new_starts[i]
             e += 1
     width = table.shape[1]
     t = 0

@@ -135,6 +135,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-token", action="store_true",
                         help="serve without any token, even beyond loopback: anyone who can "
                              "connect controls the service")
+    cache = parser.add_argument_group("prefix caching")
+    cache.add_argument("--prefix-caching", action="store_true",
+                       help="share the cached full blocks of prompts sent with token ids")
+    cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
+                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
+                            "turns prefix caching on")
+    cache.add_argument("--kv-events-replay", type=argument_type(server_endpoint),
+                       metavar="ENDPOINT", help="serve KV event replays on this ZeroMQ endpoint")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="log verbosity")
 
@@ -241,6 +249,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
+                         prefix_caching=args.prefix_caching or args.kv_events is not None,
+                         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          **service)
 
 

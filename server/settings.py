@@ -46,6 +46,19 @@ class ServiceConfig(BaseModel):
     nwor: bool = Field(default=True,
                        description="No-Write-On-Reject: commit only accepted drafts. False writes "
                                    "every staged token, as an engine without NWOR does.")
+    prefix_caching: bool = Field(default=False, description="Share the cached full blocks of "
+                                                            "prompts sent with token ids.")
+    kv_events: str | None = Field(default=None, description="ZeroMQ endpoint to publish KV "
+                                                            "events on (vLLM's format).")
+    kv_events_replay: str | None = Field(default=None, description="ZeroMQ endpoint of the KV "
+                                                                   "events replay socket.")
+
+    @model_validator(mode="after")
+    def _events_need_caching(self) -> ServiceConfig:
+        if (self.kv_events is not None or self.kv_events_replay is not None) and not (
+                self.prefix_caching and self.kv_events is not None):
+            raise ValueError("kv_events: KV events need prefix_caching and a kv_events endpoint")
+        return self
 
     @model_validator(mode="after")
     def _staging_fits_a_batch(self) -> ServiceConfig:

@@ -36,7 +36,8 @@ def core():
 
 
 def fake_reply(refused: dict[str, list[int]], admitted: list[int]) -> SimpleNamespace:
-    """What `SimulatedWorker.apply` reads of a reply: refusals (indices per kind) and handles."""
+    """What `SimulatedWorker.apply` reads of a reply: refusals (indices per kind), handles and
+    cached prefixes (none here)."""
     kinds = {"grant": 0, "prefill": 1, "new": 2}
     pairs = [(kinds[k], i) for k, ids in refused.items() for i in ids]
     return SimpleNamespace(
@@ -44,7 +45,8 @@ def fake_reply(refused: dict[str, list[int]], admitted: list[int]) -> SimpleName
                         np.array([i for _, i in pairs], dtype=np.int64),
                         np.ones(len(pairs), dtype=np.int64)) if pairs else
         Refused(NO_VALUES, NO_VALUES, NO_VALUES),
-        admitted=np.array(admitted, dtype=np.int64))
+        admitted=np.array(admitted, dtype=np.int64),
+        cached_tokens=np.zeros(len(admitted), dtype=np.int64))
 
 
 def test_every_step_settles_each_scheduled_request_exactly_once():

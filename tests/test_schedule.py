@@ -32,7 +32,8 @@ def step_outcomes(draw: st.DrawFn) -> tuple[object, ...]:
             rng.random(chunks) < 0.7, rng.integers(1, 9, chunks),
             rng.integers(0, WIDTH * TPB, chunks),
             np.where(admitted_rows >= 0, rng.integers(1 << 20, 1 << 30, new), -1),
-            admitted_rows.astype(np.int64), rng.integers(1, WIDTH * TPB + 6, new), table, TPB)
+            admitted_rows.astype(np.int64), rng.integers(1, WIDTH * TPB + 6, new),
+            rng.integers(0, 3, new) * TPB, table, TPB)
 
 
 @settings(max_examples=300, deadline=None)
@@ -57,10 +58,23 @@ def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
         np.array([2, 3], i64), np.array([3, 0], i64),
         np.array([200], i64), np.array([1], i64), np.array([True]), np.array([2], i64),
         np.array([1], i64),
-        np.array([300], i64), np.array([2], i64), np.array([3], i64), table, TPB)
+        np.array([300], i64), np.array([2], i64), np.array([3], i64), np.array([0], i64),
+        table, TPB)
     assert layout.handles.tolist() == [100, 200, 300]  # the refused grant is left out
     assert layout.num_tokens.tolist() == [3, 2, 3] and layout.num_drafts.tolist() == [2, 0, 0]
     assert layout.token_offsets.tolist() == [0, 3, 5] and layout.num_decodes == 1
     assert layout.positions.tolist() == [3, 4, 5, 1, 2, 0, 1, 2]
     # row 0: position 3 is block 7 offset 3, positions 4-5 are block 3 offsets 0-1
     assert layout.slots.tolist() == [31, 12, 13, 37, 38, 20, 21, 22]
+
+
+def test_a_new_request_with_a_cached_prefix_starts_after_it() -> None:
+    table = np.full((2, WIDTH), -1, dtype=np.int32)
+    table[1, :3] = [4, 8, 6]
+    i64, none = np.int64, np.zeros(0, np.int64)
+    layout = sched.schedule_reference(
+        none, none, np.zeros(0, bool), none, none, none, none, np.zeros(0, bool), none, none,
+        np.array([300], i64), np.array([1], i64), np.array([3], i64), np.array([8], i64),
+        table, TPB)
+    assert layout.start_positions.tolist() == [8] and layout.positions.tolist() == [8, 9, 10]
+    assert layout.slots.tolist() == [24, 25, 26]

@@ -48,10 +48,11 @@ VALUES = {"num_accepted": "result_rows", "draft_lens": "grant_rows",
           "prompt_lens": None, "first_chunks": None}
 
 
-def make_pair(name: str) -> tuple[KVCacheManager, KVCacheManager]:
+def make_pair(name: str, prefix_caching: bool = False) -> tuple[KVCacheManager, KVCacheManager]:
     cfg = PoolConfig(**{"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "device": "cpu",
                         **CONFIGS[name]})
-    return KVCacheManager(cfg, compiled=False), KVCacheManager(cfg, compiled=True)
+    return tuple(KVCacheManager(cfg, compiled=compiled, prefix_caching=prefix_caching)
+                 for compiled in (False, True))
 
 
 def state_of(m: KVCacheManager) -> dict:
@@ -61,6 +62,8 @@ def state_of(m: KVCacheManager) -> dict:
         "pool.free_stack": m.pool.free_stack.tolist(),
         "pool.num_free": m.pool.num_free,
         "pool.refcounts": m.pool.refcounts.tolist(),
+        "pool.lru": [m.pool.lru.tolist(), m.pool.lru_prev.tolist(), m.pool.lru_next.tolist()],
+        "cache": None if m.cache is None else sorted(m.cache.hash_of.items()),
         "table.host": m.table.host.tolist(),
         "table.device": m.table.device_table.numpy().tolist(),
         "table.free_rows": m.table.free_rows.tolist(),
@@ -150,6 +153,11 @@ def plans(draw, m: KVCacheManager) -> StepPlan:
     plan["prompt_lens"] = prompts
     plan["first_chunks"] = [draw(st.integers(0, p)) for p in prompts] if draw(st.booleans()) \
         else []
+    if m.cache is not None and draw(st.integers(0, 3)):
+        # A few prompt families: requests of one family share every block up to the shorter.
+        families = [draw(st.sampled_from([None, *range(len(FAMILIES))])) for _ in prompts]
+        plan["prompt_tokens"] = [None if k is None else FAMILIES[k][:p]
+                                 for k, p in zip(families, prompts, strict=True)]
     # Break it, often, in one of the ways a caller can.
     damage = draw(st.sampled_from(["none", "none", "none", "row", "twice", "overlap", "value",
                                    "length", "state"]))
@@ -193,6 +201,9 @@ def plans(draw, m: KVCacheManager) -> StepPlan:
     return StepPlan(**plan, strict_grants=draw(st.integers(0, 5)) == 0)
 
 
+FAMILIES = [np.arange(100) % 5 + 10 * k for k in range(2)]
+
+
 def _pad_values(plan: dict, name: str, draw) -> dict:
     """Keep the value list that goes with row list ``name`` the same length."""
     for values, rows in VALUES.items():
@@ -214,6 +225,26 @@ def test_compiled_step_equals_the_numpy_step_on_random_plans(config, data):
     # Everything freed returns the whole pool in both.
     run_both(pair, lambda m: m.step(StepPlan(finished_rows=m.live_rows)))
     assert pair[0].free_blocks == pair[0].pool.num_blocks
+
+
+@pytest.mark.parametrize("config", ["overlap", "one_token_blocks"])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_compiled_step_equals_the_numpy_step_with_prefix_caching(config, data):
+    """Shared prefixes, parked blocks, eviction under pressure: still the same step."""
+    pair = make_pair(config, prefix_caching=True)
+    for _ in range(data.draw(st.integers(5, 30), label="steps")):
+        plan = data.draw(plans(pair[0]), label="plan")
+        run_both(pair, lambda m, p=plan: m.step(p))
+    run_both(pair, lambda m: m.step(StepPlan(finished_rows=m.live_rows)))
+    pool = pair[0].pool
+    assert pool.num_free + pool.num_parked == pool.num_blocks
+    # Every parked block is reusable until evicted: the pool is whole again after clearing.
+    for m in pair:
+        m.clear_prefix_cache()
+        m.check_invariants()
+    assert pool.num_free == pool.num_blocks and not pair[0].cache.hash_of
 
 
 @pytest.mark.parametrize("config", ["overlap", "no_overlap"])

@@ -116,6 +116,8 @@ class RunStats:
     accepted_drafts: int = 0
     preemptions: int = 0
     refused_new: int = 0
+    # Prompt tokens found in the service's cached prefix blocks: prefill the forward skipped.
+    cached_prompt_tokens: int = 0
     # Steps that only decode (no prefill chunk, no new prompt): the steady state of serving.
     decode_steps: int = 0
     decode_wall_s: float = 0.0
@@ -162,7 +164,10 @@ class Engine:
     """Serves prompts with ``model`` through ``client`` (registered and attached)."""
 
     def __init__(self, model: PreTrainedModel, client: Client, drafter: Drafter | None, *,
-                 draft_len: int, stop_token_ids: Iterable[int] = ()) -> None:
+                 draft_len: int, stop_token_ids: Iterable[int] = (),
+                 share_prefixes: bool = False) -> None:
+        """``share_prefixes``: send prompts' token ids so that a service with prefix caching
+        reuses cached prefix blocks; their prefill is skipped."""
         if client.registration is None or client.pool is None:
             raise EngineError("client: register() with the pool attached first")
         self.model, self.client, self.drafter = model, client, drafter
@@ -180,6 +185,7 @@ class Engine:
             raise EngineError(f"draft_len: {draft_len} is outside the pool's 0.."
                               f"{layout.max_draft_len} (max_draft_len)")
         self.draft_len = draft_len
+        self.share_prefixes = share_prefixes
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         # A decode near the end of a row still needs room for 1 + D tokens and D of slack.
         self.max_seq_len = (layout.max_blocks_per_seq * layout.tokens_per_block
@@ -313,14 +319,19 @@ class Engine:
         if plan.new:
             call["new"] = ([r.req_id for r in plan.new], _ints(r.admitted.size for r in plan.new),
                            _ints(r.chunk for r in plan.new))
+            if self.share_prefixes:
+                call["prompt_token_ids"] = np.concatenate([r.admitted for r in plan.new])
         return plan
 
     def _admit(self, reply: StepResult, plan: _Plan, waiting: deque[Request],
                live: dict[int, Request]) -> None:
         """Take the reply's handles for admitted prompts; preempt refused grants and chunks."""
-        for r, handle in zip(plan.new, np.asarray(reply.admitted).tolist(), strict=True):
+        for r, handle, cached in zip(plan.new, np.asarray(reply.admitted).tolist(),
+                                     np.asarray(reply.cached_tokens).tolist(), strict=True):
             if handle >= 0:
                 r.handle = handle
+                r.scheduled = cached  # a cached prefix is in the pool already
+                self.stats.cached_prompt_tokens += cached
                 live[handle] = r
         refused = reply.refused
         for kind, requests in (("grant", plan.granted), ("prefill", plan.prefilling)):

@@ -1,0 +1,71 @@
+"""A KV event subscriber written from vLLM's published message shape alone (no kvalloc types):
+raw msgpack ``[ts, [event, ...], rank]``, each event an array tagged by its class name; three
+frames ``topic, seq (8 bytes big-endian), payload``; on a gap, a replay request ``[b"", start]``
+answered by ``[b"", seq, payload]`` ... ``[b"", -1, b""]``. It keeps the set of cached block
+hashes."""
+
+from __future__ import annotations
+
+import msgspec
+import zmq
+
+
+class Subscriber:
+    """Written from vLLM's message shape alone: no kvalloc types."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+        self.context = zmq.Context.instance()
+        self.endpoint = endpoint
+        self.replay = self.context.socket(zmq.DEALER)
+        self.replay.connect(replay_endpoint)
+        self.cached: set[int] = set()
+        self.last_seq = -1
+        self.replayed = 0
+        self.connect()
+
+    def connect(self) -> None:
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
+        self.sub.connect(self.endpoint)
+
+    def drop(self) -> None:
+        self.sub.close(linger=0)
+
+    def apply(self, payload: bytes) -> None:
+        ts, events, *_ = msgspec.msgpack.decode(payload)
+        assert isinstance(ts, float)
+        for tag, *fields in events:
+            if tag == "BlockStored":
+                hashes, parent, token_ids, block_size, lora_id, medium = fields
+                assert lora_id is None and medium == "GPU"
+                assert len(token_ids) == len(hashes) * block_size
+                assert parent is None or parent in self.cached
+                self.cached.update(hashes)
+            elif tag == "BlockRemoved":
+                hashes, medium = fields
+                assert medium == "GPU"
+                self.cached.difference_update(hashes)
+            else:
+                assert tag == "AllBlocksCleared"
+                self.cached.clear()
+
+    def receive(self, timeout_ms: int = 2000) -> bool:
+        if not self.sub.poll(timeout_ms):
+            return False
+        topic, seq_bytes, payload = self.sub.recv_multipart()
+        assert topic == b"kv-events"
+        seq = int.from_bytes(seq_bytes, "big")
+        if seq > self.last_seq + 1:
+            self.replay.send_multipart([b"", (self.last_seq + 1).to_bytes(8, "big")])
+            while True:
+                _, got, data = self.replay.recv_multipart()
+                if got == (-1).to_bytes(8, "big", signed=True):
+                    break
+                if self.last_seq < int.from_bytes(got, "big") < seq:
+                    self.apply(data)
+                    self.last_seq = int.from_bytes(got, "big")
+                    self.replayed += 1
+        if seq == self.last_seq + 1:
+            self.apply(payload)
+            self.last_seq = seq
+        return True
