@@ -9,8 +9,9 @@ the oracle drafter at a 60% per-token hit rate and with the n-gram drafter. Side
 run: a plain run (D=0, which also gives the oracle its continuation) and every drafter with the
 service in process and behind IPC (a ``kvalloc serve`` subprocess sharing its pool over CUDA IPC).
 ``decode_call_share`` is the call's share of the wall time of decode-only steps (no prefill in
-them), the figure the <= 5% target at batch 64 over IPC is about. The service commits with NWOR
-in every run (it has no switch to turn it off).
+them), the figure the <= 5% target at batch 64 over IPC is about. Each transport also runs the
+oracle drafter with NWOR off (the service writes every staged token, rejected drafts too), side
+by side with NWOR on.
 
 ``--quick``: a 2-layer model in float32 on the CPU, batches of 4 and 8 prompts of 16-64 tokens.
 """
@@ -86,8 +87,9 @@ def serve_flags(config: ServiceConfig) -> list[str]:
         "num_blocks", "tokens_per_block", "num_layers", "num_kv_heads", "head_dim", "dtype",
         "device", "max_batch_size", "max_seq_len", "max_draft_len")}
     flags["max_step_tokens"] = config.max_step_tokens
-    return [arg for name, value in flags.items()
-            for arg in (f"--{name.replace('_', '-')}", str(value))]
+    return [*(arg for name, value in flags.items()
+              for arg in (f"--{name.replace('_', '-')}", str(value))),
+            *(() if config.nwor else ("--no-nwor",))]
 
 
 def measure(model: Any, client: Client, prompts: list[Prompt], new_tokens: int,
@@ -129,7 +131,7 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
                     measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
                     truth, row = measure(model, client, prompts, setup["new_tokens"], None, 0)
                     rows.append({"batch": batch, "transport": transport, "drafter": "none",
-                                 "draft_len": 0, **row})
+                                 "draft_len": 0, "nwor": True, **row})
                     drafters: dict[str, Drafter] = {
                         f"oracle:{ORACLE_RATE}": OracleDrafter(
                             truth, ORACLE_RATE, vocab_size=model.config.vocab_size, seed=seed),
@@ -139,12 +141,22 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
                         _, row = measure(model, client, prompts, setup["new_tokens"], drafter,
                                          DRAFT_LEN)
                         rows.append({"batch": batch, "transport": transport, "drafter": name,
-                                     "draft_len": DRAFT_LEN, **row})
-                    print(table(rows[-3:], header=not rows[:-3]), flush=True)
+                                     "draft_len": DRAFT_LEN, "nwor": True, **row})
+                no_nwor = config.model_copy(update={"nwor": False})
+                with connect(transport, no_nwor, Path(tmp)) as client:
+                    measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
+                    oracle = OracleDrafter(truth, ORACLE_RATE,
+                                           vocab_size=model.config.vocab_size, seed=seed)
+                    _, row = measure(model, client, prompts, setup["new_tokens"], oracle,
+                                     DRAFT_LEN)
+                    rows.append({"batch": batch, "transport": transport,
+                                 "drafter": f"oracle:{ORACLE_RATE}", "draft_len": DRAFT_LEN,
+                                 "nwor": False, **row})
+                print(table(rows[-4:], header=not rows[:-4]), flush=True)
     return rows
 
 
-COLUMNS = ("batch", "transport", "drafter", "tokens_per_s", "step_ms", "decode_step_ms",
+COLUMNS = ("batch", "transport", "drafter", "nwor", "tokens_per_s", "step_ms", "decode_step_ms",
            "decode_call_ms", "decode_call_share", "call_share", "acceptance_rate")
 
 
@@ -181,8 +193,8 @@ def main() -> int:
         meta = {k: v for k, v in setup.items() if k != "model"}
         meta["model"] = setup["model"].to_diff_dict()
         args.out.write_text(json.dumps({"machine": machine(setup["device"]), "setup": meta,
-                                        "draft_len": DRAFT_LEN, "nwor": "on (no switch)",
-                                        "rows": rows}, indent=1) + "\n")
+                                        "draft_len": DRAFT_LEN, "rows": rows}, indent=1)
+                            + "\n")
     return 0
 
 
