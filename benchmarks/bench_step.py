@@ -144,6 +144,7 @@ class Setup:
     layers: int = 2
     kv_heads: int = 2
     head_dim: int = 64
+    remote_workers: int = 1  # transports measured against one kvalloc serve
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(num_blocks=NUM_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
@@ -151,23 +152,24 @@ class Setup:
                           max_batch_size=self.batch, max_seq_len=MAX_SEQ_LEN,
                           max_draft_len=DRAFT_LEN)
 
-    def service_config(self) -> ServiceConfig:
+    def service_config(self, workers: int = 1) -> ServiceConfig:
         """A pool of the model shape with room for what ``steps`` steps can grow: every
-        request of the batch, plus its replacements, to its prompt and 1 + D tokens a step."""
+        request of the batch, plus its replacements, to its prompt and 1 + D tokens a step,
+        for each of ``workers`` workers (the transports that share one service)."""
         steps = self.steps + self.batch // ADMIT_PER_STEP + 1  # timed, and while filling
         requests = self.batch + int(FINISH_RATE * steps) + 1
         tokens = requests * PROMPT_LEN + self.batch * (1 + DRAFT_LEN) * steps
-        blocks = tokens // TOKENS_PER_BLOCK + requests + 1024
+        blocks = workers * (tokens // TOKENS_PER_BLOCK + requests) + 1024
         pool = PoolConfig(num_blocks=blocks, tokens_per_block=TOKENS_PER_BLOCK,
                           num_layers=self.layers, num_kv_heads=self.kv_heads,
                           head_dim=self.head_dim, device=self.device,
-                          max_batch_size=self.batch + 8, max_seq_len=MAX_SEQ_LEN,
+                          max_batch_size=workers * (self.batch + 8), max_seq_len=MAX_SEQ_LEN,
                           max_draft_len=DRAFT_LEN)
         return ServiceConfig(pool=pool, max_step_tokens=(self.batch + 8) * (1 + DRAFT_LEN)
                              + (ADMIT_PER_STEP + 1) * PROMPT_LEN)
 
-    def serve_flags(self) -> list[str]:
-        config = self.service_config()
+    def serve_flags(self, workers: int) -> list[str]:
+        config = self.service_config(workers)
         pool = config.pool
         return [f"--num-blocks={pool.num_blocks}", f"--tokens-per-block={TOKENS_PER_BLOCK}",
                 f"--max-seq-len={MAX_SEQ_LEN}", f"--max-batch-size={pool.max_batch_size}",
@@ -285,7 +287,8 @@ class RemoteService(ServiceStep):
     def __init__(self, setup: Setup, transport: str) -> None:
         if setup not in self._shared:
             workdir = tempfile.TemporaryDirectory(prefix="kvbench-")
-            service = ServiceProcess(Path(workdir.name), *setup.serve_flags()).start()
+            flags = setup.serve_flags(setup.remote_workers)
+            service = ServiceProcess(Path(workdir.name), *flags).start()
             self._shared[setup] = (service, workdir, [])
         self.setup = setup
         service, _, users = self._shared[setup]
@@ -440,8 +443,9 @@ def main() -> None:
     batches = [REPORTED_BATCH] if args.quick else args.batches
     steps = args.steps or (200 if args.quick else 400)
     first_call = first_call_seconds(args.device)
+    remote = max(1, sum(name in ("ipc", "rest_tcp") for name in args.only))
     per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
-                                       args.kv_heads, args.head_dim), steps, args.only)
+                                       args.kv_heads, args.head_dim, remote), steps, args.only)
                  for b in batches}
     results: dict[str, object] = {
         "benchmark": "bench_step",
