@@ -20,7 +20,6 @@ import numpy as np
 
 from .columns import Scheduled
 from .errors import StepNotSettled
-from .schedule import Layout
 
 
 @dataclass(frozen=True)
@@ -31,13 +30,6 @@ class ScheduledBatch:
     positions: np.ndarray  # per token: its sequence position
     slots: np.ndarray  # per token: its pool slot (capacity covers it, so never -1)
     tokens_per_block: int
-
-    @classmethod
-    def from_layout(cls, layout: Layout, tokens_per_block: int) -> ScheduledBatch:
-        scheduled = Scheduled(layout.handles, layout.rows, layout.token_offsets,
-                              layout.num_tokens, layout.num_drafts, layout.start_positions)
-        return cls(scheduled, layout.num_decodes, layout.token_request, layout.positions,
-                   layout.slots, tokens_per_block)
 
     @property
     def total_tokens(self) -> int:

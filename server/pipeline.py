@@ -90,13 +90,12 @@ class StepPipeline:
         if previous is not None:
             committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
         cached = outcome.cached_tokens
-        layout = schedule(
+        worker.batch = batch = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
             call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
             outcome.prefill_starts, admitted, outcome.admitted_rows,
             np.minimum(prompt_tokens, call.prompt_lens - cached), cached,
             self.manager.table.host, self._tpb)
-        worker.batch = batch = ScheduledBatch.from_layout(layout, self._tpb)
         scheduled = batch.scheduled
         if worker.fence is not None:
             worker.fence.service_end()

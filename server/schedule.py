@@ -14,27 +14,17 @@ loop (the per-step cost is a few dozen tiny array operations otherwise). Tests c
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any
 
 import numpy as np
+
+from .batch import ScheduledBatch
+from .columns import Scheduled
 
 try:
     import numba
 except ImportError:  # the reference runs instead
     numba = None
-
-
-class Layout(NamedTuple):
-    handles: np.ndarray
-    rows: np.ndarray
-    token_offsets: np.ndarray
-    num_tokens: np.ndarray
-    num_drafts: np.ndarray
-    start_positions: np.ndarray
-    token_request: np.ndarray  # per token: index of its request
-    positions: np.ndarray  # per token: sequence position
-    slots: np.ndarray  # per token: pool slot
-    num_decodes: int
 
 
 def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,
@@ -44,7 +34,7 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
                        prefill_starts: np.ndarray, new_handles: np.ndarray,
                        admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
                        new_starts: np.ndarray, table: np.ndarray,
-                       tokens_per_block: int) -> Layout:
+                       tokens_per_block: int) -> ScheduledBatch:
     new = admitted_rows >= 0
     decode_drafts = drafts[granted]
     num_tokens = np.concatenate([1 + decode_drafts, prefill_tokens[prefill_granted],
@@ -61,14 +51,15 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
     block = table[rows[request], np.where(in_row, column, 0)].astype(np.int64)
     slots = np.where(in_row & (block >= 0), block * tokens_per_block
                      + positions % tokens_per_block, -1)
-    return Layout(
+    scheduled = Scheduled(
         handles=np.concatenate([grant_handles[granted], prefill_handles[prefill_granted],
                                 new_handles[new]]),
         rows=rows, token_offsets=offsets, num_tokens=num_tokens,
         num_drafts=np.concatenate([decode_drafts,
                                    np.zeros(rows.size - decode_drafts.size, dtype=np.int64)]),
-        start_positions=starts, token_request=request, positions=positions, slots=slots,
-        num_decodes=int(decode_drafts.size))
+        start_positions=starts)
+    return ScheduledBatch(scheduled, int(decode_drafts.size), request, positions, slots,
+                          tokens_per_block)
 
 
 def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
@@ -145,10 +136,11 @@ if numba is not None:
     _compiled_loop = _jit(_schedule_loop)
 
 
-def schedule_compiled(*args: object) -> Layout:
+def schedule_compiled(*args: Any) -> ScheduledBatch:
     """`schedule_reference` as one compiled loop (same arguments, same result)."""
-    *columns, num_decodes = _compiled_loop(*args)
-    return Layout(*columns, num_decodes=int(num_decodes))
+    *columns, request, positions, slots, num_decodes = _compiled_loop(*args)
+    return ScheduledBatch(Scheduled(*columns), int(num_decodes), request, positions, slots,
+                          args[-1])
 
 
 schedule = schedule_compiled if numba is not None else schedule_reference

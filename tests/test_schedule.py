@@ -3,6 +3,8 @@ random outcomes, and the reference states the rules (token order, offsets, posit
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -41,10 +43,13 @@ def step_outcomes(draw: st.DrawFn) -> tuple[object, ...]:
 def test_the_compiled_layout_equals_the_reference(args: tuple[object, ...]) -> None:
     want = sched.schedule_reference(*args)
     got = sched.schedule_compiled(*args)
-    assert got.num_decodes == want.num_decodes
-    for name in sched.Layout._fields[:-1]:
+    assert (got.num_decodes, got.tokens_per_block) == (want.num_decodes, want.tokens_per_block)
+    assert got.scheduled == want.scheduled
+    for name in ("token_request", "positions", "slots"):
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
         assert getattr(got, name).dtype == np.int64, name
+    for name in dataclasses.fields(got.scheduled):
+        assert getattr(got.scheduled, name.name).dtype == np.int64, name.name
 
 
 def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
@@ -53,28 +58,30 @@ def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
     table[1, :1] = [9]
     table[2, :1] = [5]
     i64 = np.int64
-    layout = sched.schedule_reference(
+    batch = sched.schedule_reference(
         np.array([100, 101], i64), np.array([0, 3], i64), np.array([True, False]),
         np.array([2, 3], i64), np.array([3, 0], i64),
         np.array([200], i64), np.array([1], i64), np.array([True]), np.array([2], i64),
         np.array([1], i64),
         np.array([300], i64), np.array([2], i64), np.array([3], i64), np.array([0], i64),
         table, TPB)
-    assert layout.handles.tolist() == [100, 200, 300]  # the refused grant is left out
-    assert layout.num_tokens.tolist() == [3, 2, 3] and layout.num_drafts.tolist() == [2, 0, 0]
-    assert layout.token_offsets.tolist() == [0, 3, 5] and layout.num_decodes == 1
-    assert layout.positions.tolist() == [3, 4, 5, 1, 2, 0, 1, 2]
+    assert batch.scheduled.handles.tolist() == [100, 200, 300]  # the refused grant is left out
+    assert batch.scheduled.num_tokens.tolist() == [3, 2, 3]
+    assert batch.scheduled.num_drafts.tolist() == [2, 0, 0]
+    assert batch.scheduled.token_offsets.tolist() == [0, 3, 5] and batch.num_decodes == 1
+    assert batch.positions.tolist() == [3, 4, 5, 1, 2, 0, 1, 2]
     # row 0: position 3 is block 7 offset 3, positions 4-5 are block 3 offsets 0-1
-    assert layout.slots.tolist() == [31, 12, 13, 37, 38, 20, 21, 22]
+    assert batch.slots.tolist() == [31, 12, 13, 37, 38, 20, 21, 22]
 
 
 def test_a_new_request_with_a_cached_prefix_starts_after_it() -> None:
     table = np.full((2, WIDTH), -1, dtype=np.int32)
     table[1, :3] = [4, 8, 6]
     i64, none = np.int64, np.zeros(0, np.int64)
-    layout = sched.schedule_reference(
+    batch = sched.schedule_reference(
         none, none, np.zeros(0, bool), none, none, none, none, np.zeros(0, bool), none, none,
         np.array([300], i64), np.array([1], i64), np.array([3], i64), np.array([8], i64),
         table, TPB)
-    assert layout.start_positions.tolist() == [8] and layout.positions.tolist() == [8, 9, 10]
-    assert layout.slots.tolist() == [24, 25, 26]
+    assert batch.scheduled.start_positions.tolist() == [8]
+    assert batch.positions.tolist() == [8, 9, 10]
+    assert batch.slots.tolist() == [24, 25, 26]
