@@ -1,12 +1,13 @@
 """This step's forward, laid out: which requests run, where their tokens sit in the step and in
 the pool.
 
-Input: the manager's `StepOutcome` and the call's columns. Output: the `Scheduled` columns of the
-reply plus, per token, its request, position and slot (what the next call commits). Order: granted
-decodes (in grant order), then granted prefill chunks, then admitted new requests; request ``i``
-owns tokens ``token_offsets[i] ..`` at positions ``start_positions[i] ..``, its last
-``num_drafts[i]`` are drafts; ``slot = table[row, pos // tpb] * tpb + pos % tpb`` (-1 past the
-row's blocks, which capacity rules out but a bug must not turn into a write).
+Input: the manager's `StepOutcome` and the call's columns. Output: a `ScheduledBatch`, the
+`Scheduled` columns of the reply plus, per token, its request, position and slot (what the next
+call commits). Order: granted decodes (in grant order), then granted prefill chunks, then
+admitted new requests; request ``i`` owns tokens ``token_offsets[i] ..`` at positions
+``start_positions[i] ..``, its last ``num_drafts[i]`` are drafts; ``slot = table[row, pos //
+tpb] * tpb + pos % tpb`` (-1 past the row's blocks, which capacity rules out but a bug must not
+turn into a write).
 
 `schedule_reference` is the specification in numpy; `schedule_compiled` the same as one numba
 loop (the per-step cost is a few dozen tiny array operations otherwise). Tests compare the two.
