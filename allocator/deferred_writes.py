@@ -297,12 +297,7 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
                 f"{self.device}", field="staging")
-        if slot_mapping.dtype != torch.int64:
-            raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
-        if slot_mapping.shape != (total,) or slot_mapping.device != self.device:
-            raise NworInputError(
-                f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
-                f"expected ({total},) on {self.device}", field="slot_mapping")
+        self._check_slots(slot_mapping, total)
         self._slots[0, :total].copy_(slot_mapping)
         self._guard(self._slots[0, :total], count=True)
         self._slots[1:, :total].copy_(self._slots[0, :total].expand(self.num_layers - 1, total))
@@ -461,13 +456,17 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"value: {tuple(value.shape)} {value.dtype} differs from key's "
                 f"{tuple(key.shape)} {key.dtype}", field="value")
+        self._check_slots(slot_mapping, n)
+        return n
+
+    def _check_slots(self, slot_mapping: torch.Tensor, n: int) -> None:
+        """One int64 slot per staged token, on the pool's device."""
         if slot_mapping.dtype != torch.int64:
             raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
-        if slot_mapping.shape != (n,):
+        if slot_mapping.shape != (n,) or slot_mapping.device != self.device:
             raise NworInputError(
-                f"slot_mapping: shape {tuple(slot_mapping.shape)}, expected ({n},) like key",
-                field="slot_mapping")
-        return n
+                f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
+                f"expected ({n},) on {self.device}", field="slot_mapping")
 
     def _checked_scale(self, name: str,
                        scale: float | torch.Tensor | None) -> float | torch.Tensor | None:
