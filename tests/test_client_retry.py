@@ -5,6 +5,7 @@ a late reply to the abandoned attempt is never mistaken for the answer."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -69,8 +70,9 @@ def test_a_timed_out_call_is_resent_unchanged_and_a_late_reply_is_dropped(
         sock.send_multipart([peer, first_seq, OK, pool_reply(free_blocks=1)])  # too late
         sock.send_multipart([peer, retry_seq, OK, pool_reply(free_blocks=2)])
 
-    # The retry's own wait must outlast a busy machine's scheduling of the fake service.
-    with Client(fake_service(script), timeout_s=1.0, retries=1) as client:
+    # The retry waits as long as the first attempt did, and within that wait the fake service's
+    # thread must be scheduled twice: on a loaded two-core machine that can take over a second.
+    with Client(fake_service(script), timeout_s=3.0, retries=1) as client:
         assert client.get_pool(verify=True).free_blocks == 2
     first, retry = (a[2:] for a in attempts)
     assert first == retry  # token, op and payload: byte for byte the same call
@@ -88,4 +90,8 @@ def test_the_call_gives_up_after_its_retries(
     with Client(fake_service(script), timeout_s=0.2, retries=2) as client, \
             pytest.raises(TransportTimeout):
         client.get_pool()
+    # The client gave up 0.2 s after its last attempt; the fake service may not have read it yet.
+    deadline = time.monotonic() + 10
+    while len(attempts) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(attempts) == 3
