@@ -52,7 +52,10 @@ class BlockTable:
             # their reuse.
             self._pinned_cells = torch.empty(0, dtype=torch.int64, pin_memory=True)
             self._pinned_values = torch.empty(0, dtype=torch.int32, pin_memory=True)
-            self._upload_done: torch.cuda.Event | None = None
+            self._upload_done = torch.cuda.Event()
+            # With its index, the current stream is found without asking which device is current.
+            self._stream_device = torch.device("cuda", device.index if device.index is not None
+                                               else torch.cuda.current_device())
 
     def acquire_row(self) -> int:
         if self.num_free_rows == 0:
@@ -110,8 +113,7 @@ class BlockTable:
         if self.device.type == "cpu":
             self._device_cells[cells] = values
             return
-        if self._upload_done is not None:
-            self._upload_done.synchronize()  # the previous upload may still read the buffers
+        self._upload_done.synchronize()  # the previous upload may still read the buffers
         k = cells.size
         if k > self._pinned_cells.numel():
             size = max(k, 2 * self._pinned_cells.numel())
@@ -122,8 +124,7 @@ class BlockTable:
         index = self._pinned_cells[:k].to(self.device, non_blocking=True)
         src = self._pinned_values[:k].to(self.device, non_blocking=True)
         self.device_table.view(-1).index_copy_(0, index, src)
-        self._upload_done = torch.cuda.Event()
-        self._upload_done.record()
+        self._upload_done.record(torch.cuda.current_stream(self._stream_device))
 
     def host_slot_mapping(self, rows: np.ndarray, positions: np.ndarray,
                           tokens_per_block: int) -> np.ndarray:

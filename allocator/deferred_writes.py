@@ -116,10 +116,19 @@ class DeferredWriteManager:
         self._slots = torch.full((self.num_layers, max_tokens), -1, dtype=i64, device=dev)
         self._masked_slots = torch.full_like(self._slots, -1)  # rejected tokens' slots at -1
         self._layer_rows = torch.zeros(self.num_layers, dtype=i64, device=dev)
+        # A window staged from the caller's buffer with host slots: every layer shares one slot
+        # row (row 0 as staged, row 1 with rejected tokens at -1), read through a stride-0 view.
+        self._shared_slots = torch.full((2, max_tokens), -1, dtype=i64, device=dev)
+        self._all_rows = torch.full((self.num_layers,), max_tokens, dtype=i64, device=dev)
+        self._host_slots: np.ndarray | None = None
         # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
         self._positions = max(1, cfg.max_draft_len)
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
         # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
+        # Built on the host when the window opens, uploaded only when a device path needs them.
+        self._window_tokens = np.zeros((0, 3), dtype=np.int64)
+        self._window_limits = np.zeros(0, dtype=np.int64)
+        self._tables_uploaded = True
         self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
         self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
                                         device=dev).expand(max_tokens, 3).contiguous()
@@ -213,21 +222,32 @@ class DeferredWriteManager:
         draft_index = np.arange(total) - np.repeat(first_draft, tokens)
         bucket = np.where(draft_index < 0, self._positions,
                           np.minimum(draft_index, self._positions - 1))
-        upload_into(self._tokens[:total], np.stack([request, draft_index, bucket], axis=1))
+        self._window_tokens = np.stack([request, draft_index, bucket], axis=1)
+        per_request = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
+        per_request[:reqs] = drafts
+        per_request[-1] = total
+        self._window_limits = per_request
+        self._tables_uploaded = False
+        self._rows = [0] * self.num_layers
+        self._source = self._staged
+        self._host_slots = None
+        self._layout = layout
+
+    def _upload_window_tables(self) -> None:
+        """The open window's per-token and per-request tables, on the device (once a window):
+        what the device keep mask, acceptance and the captured graphs read."""
+        if self._tables_uploaded:
+            return
+        total = len(self._window_tokens)
+        upload_into(self._tokens[:total], self._window_tokens)
         # Rows past the window must read as padding; only rows an earlier window wrote can not.
         if self._tokens_written > total:
             self._tokens[total:self._tokens_written].copy_(
                 self._pad_tokens[total:self._tokens_written])
         self._tokens_written = total
-        per_request = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
-        per_request[:reqs] = drafts
-        per_request[-1] = total
-        upload_into(self._requests, per_request)
+        upload_into(self._requests, self._window_limits)
         self._accepted.zero_()  # no count from an earlier window lingers on a padded request
-        self._layer_rows.zero_()
-        self._rows = [0] * self.num_layers
-        self._source = self._staged
-        self._layout = layout
+        self._tables_uploaded = True
 
     def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
@@ -249,6 +269,8 @@ class DeferredWriteManager:
             raise NworInputError(f"layer: {layer!r} outside [0, {self.num_layers})",
                                  field="layer")
         n = self._checked_stage_tensors(key, value, slot_mapping)
+        if not any(self._rows):  # the window's first stage_layer: no layer has rows yet
+            self._layer_rows.zero_()
         offset = self._rows[layer]
         if offset + n > layout.total_tokens:
             raise StagingOverflow(
@@ -268,9 +290,13 @@ class DeferredWriteManager:
         self._rows[layer] = end
         self._layer_rows[layer].fill_(end)
 
-    def stage_from(self, staging: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def stage_from(self, staging: torch.Tensor, slot_mapping: torch.Tensor | np.ndarray) -> None:
         """Stage the whole window, every layer at once, from the caller's buffer: token ``i`` of
         layer ``l`` is ``staging[l, 0 (K) / 1 (V), i]`` and goes to ``slot_mapping[i]``.
+
+        ``slot_mapping`` is an int64 tensor on the pool's device, or an int64 numpy array: a
+        caller that knows the slots and the accepted counts on the host (a service) then gets
+        the keep mask computed on the host too, and a commit of one upload and one write.
 
         ``staging`` is a contiguous ``[num_layers, 2, capacity, H, D]`` (or ``[..., H * D]``)
         tensor in ``stage_dtype`` on the pool's device with capacity >= the window's tokens. It is
@@ -284,8 +310,11 @@ class DeferredWriteManager:
                                    "one place")
         total = layout.total_tokens
         heads, dim = self.head_shape
-        if not isinstance(staging, torch.Tensor) or not isinstance(slot_mapping, torch.Tensor):
-            raise NworInputError("staging: expected tensors", field="staging")
+        if not isinstance(staging, torch.Tensor):
+            raise NworInputError("staging: expected a tensor", field="staging")
+        if not isinstance(slot_mapping, torch.Tensor | np.ndarray):
+            raise NworInputError("slot_mapping: expected a tensor or a numpy array",
+                                 field="slot_mapping")
         shape = tuple(staging.shape)
         if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
                 or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < total
@@ -297,11 +326,20 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
                 f"{self.device}", field="staging")
-        self._check_slots(slot_mapping, total)
-        self._slots[0, :total].copy_(slot_mapping)
-        self._guard(self._slots[0, :total], count=True)
-        self._slots[1:, :total].copy_(self._slots[0, :total].expand(self.num_layers - 1, total))
-        self._layer_rows.fill_(total)
+        if isinstance(slot_mapping, np.ndarray):
+            if slot_mapping.dtype != np.int64:
+                raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
+            if slot_mapping.shape != (total,):
+                raise NworInputError(f"slot_mapping: shape {slot_mapping.shape}, expected "
+                                     f"({total},)", field="slot_mapping")
+            upload_into(self._shared_slots[0, :total], slot_mapping)
+            self._guard(self._shared_slots[0, :total], count=True)
+            self._host_slots = slot_mapping
+        else:
+            self._check_slots(slot_mapping, total)
+            self._slots[0, :total].copy_(slot_mapping)
+            self._guard(self._slots[0, :total], count=True)
+            self._share_first_slot_row(total)
         self._rows = [total] * self.num_layers
         self._source = staging.view(self.num_layers, 2, shape[2], heads * dim)
 
@@ -317,6 +355,7 @@ class DeferredWriteManager:
         layout = self._require_window("commit")
         if isinstance(accepted_counts, torch.Tensor):
             counts = self._checked_device_counts(accepted_counts, layout)
+            self._prepare_device_window()
             self._run_window(lambda: self._commit_device(layout, counts))
         else:
             host = self._checked_host_counts(accepted_counts, layout)
@@ -332,6 +371,7 @@ class DeferredWriteManager:
         if draft_ids.device != self.device:
             raise NworInputError(f"draft_ids: on {draft_ids.device}, the pool is on {self.device}",
                                  field="draft_ids")
+        self._prepare_device_window()
         num_draft = self._requests[: layout.num_requests]  # the layout's draft counts, on device
         counts: torch.Tensor | None = None
 
@@ -550,10 +590,13 @@ class DeferredWriteManager:
         if total == 0 or not any(self._rows):
             return WindowStats(0, 0, 0, 0, "empty")
         committed = total - sum(layout.num_draft) + int(accepted.sum())
-        if committed == total:
+        if self._host_slots is not None:
+            self._write_host_masked(accepted, everything=committed == total)
+        elif committed == total:
             write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows,
                          total, self._inv, backend=self.backend)
         else:
+            self._upload_window_tables()
             upload_into(self._accepted[: layout.num_requests], accepted)
             self._device_commit(total, record=False)
         last = self._positions - 1
@@ -574,6 +617,36 @@ class DeferredWriteManager:
         graph.graph.replay()
         self._counted_on_device = True
         return self._device_window(layout, "graph")
+
+    def _write_host_masked(self, accepted: np.ndarray, *, everything: bool) -> None:
+        """The commit of a window staged with host slots: the keep mask on the host, rejected
+        tokens' slots set to -1 there, one upload, one write over every layer."""
+        assert self._host_slots is not None
+        total = self._host_slots.size
+        row = 0
+        if not everything:
+            tokens = self._window_tokens
+            kept = tokens[:, 1] < accepted[tokens[:, 0]]
+            upload_into(self._shared_slots[1, :total], np.where(kept, self._host_slots, -1))
+            self._guard(self._shared_slots[1, :total], count=False)  # counted when staged
+            row = 1
+        write_staged(self.storage.rows(), self._source,
+                     self._shared_slots[row:row + 1].expand(self.num_layers, -1), self._all_rows,
+                     total, self._inv, backend=self.backend)
+
+    def _share_first_slot_row(self, total: int) -> None:
+        """Every layer writes with ``_slots[0]``'s first ``total`` slots."""
+        self._slots[1:, :total].copy_(self._slots[0, :total].expand(self.num_layers - 1, total))
+        self._layer_rows.fill_(total)
+
+    def _prepare_device_window(self) -> None:
+        """What a device-side commit reads: the window's tables and per-layer slot rows."""
+        self._upload_window_tables()
+        if self._host_slots is not None:
+            total = self._host_slots.size
+            self._slots[0, :total].copy_(self._shared_slots[0, :total])
+            self._share_first_slot_row(total)
+            self._host_slots = None
 
     def _device_window(self, layout: WindowLayout, path: str) -> WindowStats:
         """Placeholder stats for a window whose counts live on the device (see last_window)."""
@@ -632,8 +705,11 @@ class DeferredWriteManager:
         if reason not in self._fallbacks:
             log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
         rows = max(self._rows, default=0)
-        write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows, rows,
-                     self._inv, backend="torch")
+        slots, layer_rows = self._slots, self._layer_rows
+        if self._host_slots is not None:
+            slots, layer_rows = self._shared_slots[:1].expand(self.num_layers, -1), self._all_rows
+        write_staged(self.storage.rows(), self._source, slots, layer_rows, rows, self._inv,
+                     backend="torch")
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
         return WindowStats(rows, 0, 0, rows, "fallback", reason)
 

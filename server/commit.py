@@ -62,7 +62,7 @@ class Committer:
         writes = self.writes
         writes.begin_window(WindowLayout(tuple(scheduled.num_tokens.tolist()),
                                          tuple(drafts.tolist())))
-        writes.stage_from(staging, upload_int64(slots, self.device))
+        writes.stage_from(staging, slots)  # host slots: the keep mask is applied on the host
         if not self.nwor:
             accepted = scheduled.num_drafts
         accepted = np.where(dropped, 0, accepted)

@@ -430,11 +430,16 @@ def _caller_staging(window, mgr, capacity: int) -> torch.Tensor:
     return staging
 
 
+@pytest.mark.parametrize("counts", ["host", "device"])
+@pytest.mark.parametrize("slots", ["tensor", "host"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
-def test_stage_from_a_caller_buffer_commits_exactly_what_stage_layer_commits(dtype, backend):
+def test_stage_from_a_caller_buffer_commits_exactly_what_stage_layer_commits(dtype, backend,
+                                                                             slots, counts):
     """Committing straight from the worker's buffer writes the same bytes as staging each layer
-    through stage_layer: the accepted tokens of every layer, poison everywhere else."""
+    through stage_layer: the accepted tokens of every layer, poison everywhere else; whether the
+    slots come as a tensor or as a host array (the keep mask then applied on the host), and the
+    accepted counts as a list or a tensor."""
     storage, mgr = _manager(dtype, backend)
     reference_storage, reference = _manager(dtype, backend)
     rng = np.random.default_rng(23)
@@ -446,11 +451,17 @@ def test_stage_from_a_caller_buffer_commits_exactly_what_stage_layer_commits(dty
         stage(reference, window)
         reference.commit(window.accepted)
         mgr.begin_window(window.layout)
-        mgr.stage_from(_caller_staging(window, mgr, capacity=64), window.slots)
-        mgr.commit(window.accepted)
+        mgr.stage_from(_caller_staging(window, mgr, capacity=64),
+                       window.slots.numpy() if slots == "host" else window.slots)
+        mgr.commit(window.accepted if counts == "host" else torch.tensor(window.accepted))
         assert torch.equal(bits(storage.kv), bits(reference_storage.kv))
-        assert mgr.last_window == reference.last_window
-    assert mgr.metrics() == reference.metrics()
+        last, want = mgr.last_window, reference.last_window
+        assert (last.tokens, last.committed, last.rejected) == (
+            want.tokens, want.committed, want.rejected)
+    metrics, want = mgr.metrics(), reference.metrics()
+    assert (metrics.committed_tokens, metrics.rejected_tokens, metrics.accepted_per_position,
+            metrics.fallbacks) == (want.committed_tokens, want.rejected_tokens,
+                                   want.accepted_per_position, want.fallbacks)
 
 
 def test_stage_from_exposes_the_callers_buffer_to_attention_without_copying():
@@ -481,6 +492,9 @@ def test_stage_from_refuses_bad_buffers_and_mixing_with_stage_layer():
         (good.transpose(3, 4), window.slots, NworInputError),  # not contiguous
         (good, window.slots.int(), SlotDtypeError),
         (good, window.slots[:-1], NworInputError),
+        (good, window.slots.numpy().astype(np.int32), SlotDtypeError),
+        (good, window.slots.numpy()[:-1], NworInputError),
+        (good, window.slots.tolist(), NworInputError),  # neither a tensor nor an array
     ]
     for staging, slots, error in bad_inputs:
         with pytest.raises(error):

@@ -84,10 +84,12 @@ def test_random_windows_commit_exactly_the_accepted_tokens_on_gpu(dtype):
     assert m.staged_tokens == m.committed_tokens + m.rejected_tokens
 
 
+@pytest.mark.parametrize("known_on", ["device", "host"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
-def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(dtype):
-    """The service's path: every layer committed straight from the worker's staging buffer, with
-    device counts and no host synchronisation, in as many launches for 2 layers as for 32."""
+def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(dtype, known_on):
+    """Every layer committed straight from a worker's staging buffer, with no host
+    synchronisation, in as many launches for 2 layers as for 32: slots and counts as device
+    tensors (an engine), or both on the host (the service: the keep mask applied there)."""
     storage = poisoned_storage(pool_config("cuda", dtype=dtype, scales=dtype == "fp8_e4m3"))
     mgr = DeferredWriteManager(storage, max_tokens=48)
     rng = np.random.default_rng(31)
@@ -102,9 +104,12 @@ def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(d
         staging[:, 0, :n] = window.keys
         staging[:, 1, :n] = window.values
         accepted = torch.tensor(window.accepted, device="cuda")
+        slots = window.slots
+        if known_on == "host":
+            accepted, slots = np.array(window.accepted), slots.cpu().numpy()
         mgr.begin_window(window.layout)
         with no_host_sync():
-            mgr.stage_from(staging, window.slots)
+            mgr.stage_from(staging, slots)
             mgr.commit(accepted)
         assert torch.equal(bits(storage.kv), bits(want))
     assert mgr.metrics().fallbacks == {}

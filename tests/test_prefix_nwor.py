@@ -52,7 +52,9 @@ def slots_for(manager: KVCacheManager, row: int, positions: list[int]) -> torch.
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ending", ["rejected", "accepted", "fallback", "cancel"])
+@pytest.mark.parametrize("ending", ["rejected", "accepted", "fallback", "cancel",
+                                    "rejected, host slots", "accepted, host slots",
+                                    "cancel, host slots"])
 def test_shared_blocks_stay_bit_identical_whatever_the_window_does(device, ending):
     storage, manager, writes, shared, (a, b) = shared_setup(device)
     before = [bits(storage.rows()[:, :, blk * TPB : (blk + 1) * TPB]).clone()
@@ -68,11 +70,12 @@ def test_shared_blocks_stay_bit_identical_whatever_the_window_does(device, endin
         writes.stage_layer(0, staged[0, 0], staged[0, 1], slots)
         writes.stage_layer(1, staged[1, 0, :3], staged[1, 1, :3], slots[:3])
     else:
-        writes.stage_from(staged, slots)
-    if ending == "cancel":
+        writes.stage_from(staged, slots.cpu().numpy() if "host slots" in ending else slots)
+    if ending.startswith("cancel"):
         writes.cancel("engine gave up")
     else:
-        writes.commit({"rejected": [0, 0], "accepted": [3, 1], "fallback": [1, 0]}[ending])
+        writes.commit({"rejected": [0, 0], "accepted": [3, 1],
+                       "fallback": [1, 0]}[ending.split(",")[0]])
     for blk, old in zip(shared.tolist(), before, strict=True):
         assert torch.equal(bits(storage.rows()[:, :, blk * TPB : (blk + 1) * TPB]), old)
     assert writes.metrics().protected_refusals == 2
