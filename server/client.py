@@ -21,12 +21,13 @@ stream wait for ``commit_done`` before returning.
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode, urlsplit
 
 import msgspec
 import torch
@@ -332,50 +333,90 @@ class _IpcTransport:
 
 
 class _RestTransport:
-    """httpx over TCP (``http://``) or a Unix socket (``unix:///path``)."""
+    """HTTP/1.1 on one kept-alive connection, over TCP (``http://``) or a Unix socket
+    (``unix:///path``), through the standard library: a general-purpose HTTP client costs several
+    times the service's own step per call."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
-        import httpx  # REST clients only: IPC workers never need it
-
-        self._httpx = httpx
-        base = address
-        if address.startswith("unix://"):
-            transport = httpx.HTTPTransport(uds=address.removeprefix("unix://"))
-            base = "http://kvalloc"
-        else:
-            # Headers and body leave in two writes: without NODELAY, Nagle holds the body back
-            # until the server's delayed ACK (~40 ms per call).
-            transport = httpx.HTTPTransport(
-                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        headers = {"authorization": f"Bearer {token}"} if token else {}
         self._address = address
+        self._timeout_s = timeout_s
+        self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._token_sent = bool(token)
-        self._http = httpx.Client(
-            base_url=base, transport=transport, headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)))
+        self._uds = address.removeprefix("unix://") if address.startswith("unix://") else None
+        url = urlsplit("http://kvalloc" if self._uds else address)
+        self._host, self._port = url.hostname or "localhost", url.port or 80
+        self._conn: http.client.HTTPConnection | None = None
 
     def call(self, op: Operation, request: Any) -> Any:
         request = op.encode_call(request, binary=False)
         fields = msgspec.structs.asdict(request)
         path = op.path.format(**{k: quote(str(fields.pop(k)), safe="") for k in op.path_fields})
+        headers = dict(self._headers)
+        body = None
+        if op.method == "POST":
+            body = wire.encode_json(request)
+            headers["content-type"] = "application/json"
+        elif fields:
+            path += "?" + urlencode({k: _query_value(v) for k, v in fields.items()})
+        status, payload = self._exchange(op, op.method, path, body, headers)
+        if status == 200:
+            return op.decode_reply(wire.decode(payload, op.reply, "json"))
+        raise _remote(wire.decode(payload, wire.ErrorBody, "json"), token_sent=self._token_sent)
+
+    def _exchange(self, op: Operation, method: str, path: str, body: bytes | None,
+                  headers: dict[str, str]) -> tuple[int, bytes]:
+        """One request and its response. A kept-alive connection the service closed while idle
+        fails before any reply: that request is sent once more on a fresh connection."""
+        reused = self._conn is not None
+        conn = self._connect()
         try:
-            if op.method == "POST":
-                resp = self._http.post(path, content=wire.encode_json(request),
-                                       headers={"content-type": "application/json"})
-            else:
-                resp = self._http.request(op.method, path, params=fields)
-        except (self._httpx.ConnectError, self._httpx.ConnectTimeout) as exc:
-            # Nothing was sent: no retry can be a duplicate, and none would find a service.
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+        except TimeoutError:
+            self._drop()
+            raise TransportTimeout(f"{op.name}: no reply within {self._timeout_s:g} s") from None
+        except (ConnectionError, http.client.HTTPException) as exc:
+            self._drop()
+            if reused and isinstance(exc, http.client.RemoteDisconnected | BrokenPipeError
+                                     | ConnectionResetError):
+                return self._exchange(op, method, path, body, headers)
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
-        except self._httpx.TimeoutException as exc:
-            raise TransportTimeout(f"{op.name}: {exc}") from None
-        if resp.status_code == 200:
-            return op.decode_reply(wire.decode(resp.content, op.reply, "json"))
-        raise _remote(wire.decode(resp.content, wire.ErrorBody, "json"),
-                      token_sent=self._token_sent)
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._conn is not None:
+            return self._conn
+        conn = http.client.HTTPConnection(self._host, self._port,
+                                          timeout=min(self._timeout_s, CONNECT_TIMEOUT_S))
+        try:
+            if self._uds is None:
+                conn.connect()
+                # Headers and body leave in two writes: without NODELAY, Nagle holds the body
+                # back until the service's delayed ACK (~40 ms per call).
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.sock = sock
+                sock.settimeout(min(self._timeout_s, CONNECT_TIMEOUT_S))
+                sock.connect(self._uds)
+        except OSError as exc:  # refused, no such socket file, no answer in time
+            conn.close()
+            raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
+        conn.sock.settimeout(self._timeout_s)
+        self._conn = conn
+        return conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def attach(self, reg: wire.Registration) -> AttachedPool:
         return AttachedPool.attach(reg.attachment)
 
     def close(self) -> None:
-        self._http.close()
+        self._drop()
+
+
+def _query_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
