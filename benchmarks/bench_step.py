@@ -26,6 +26,9 @@ same machine state; each reports the median and p99 of its timed part in microse
   synchronised so their device time counts);
 - ``ipc``, ``rest_tcp``: the round trip to a real ``kvalloc serve`` subprocess over ZeroMQ and
   over HTTP on TCP, attached too: encoding, transport, the service's step, decoding.
+  ``ipc_service`` and ``rest_tcp_service`` are the service's own mean time for those calls (from
+  its step-latency histogram: decoding, the step, encoding), which splits a round trip into the
+  service's part and the transport's.
 
 The service's pool has the model shape ``--layers`` x ``--kv-heads`` x ``--head-dim`` (bf16; by
 default the embedded 2 x 2 x 64) and as many blocks as the run's steps can fill, so its memory
@@ -48,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
@@ -297,6 +301,20 @@ class RemoteService(ServiceStep):
         super().__init__(setup, Client(address, worker_id=f"bench-{transport}"))
         self.transport = transport
 
+    def service_time(self) -> tuple[float, int]:
+        """The service's own time for this transport's step calls so far (seconds) and their
+        count, from its ``kvalloc_step_latency_seconds`` histogram."""
+        service = self._shared[self.setup][0]
+        with urllib.request.urlopen(f"{service.rest_tcp}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        label = {"ipc": "ipc", "rest_tcp": "rest"}[self.transport]
+        found = {}
+        for line in text.splitlines():
+            for part in ("sum", "count"):
+                if line.startswith(f'kvalloc_step_latency_seconds_{part}{{transport="{label}"}}'):
+                    found[part] = float(line.split()[-1])
+        return found.get("sum", 0.0), int(found.get("count", 0))
+
     def close(self) -> None:
         super().close()
         service, workdir, users = self._shared[self.setup]
@@ -380,6 +398,8 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
     for m in runs.values():
         if isinstance(m, InProcessService):
             m.commit_us.clear()
+    served_before = {name: m.service_time() for name, m in runs.items()
+                     if isinstance(m, RemoteService)}
     for _ in range(steps):
         for name, m in runs.items():
             prepared = m.prepare()
@@ -387,6 +407,11 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
             result = m.run(prepared)
             samples[name].append((time.perf_counter_ns() - t0) / 1e3)
             m.observe(result)
+    served = {}
+    for name, (seconds, count) in served_before.items():
+        after_seconds, after_count = runs[name].service_time()  # type: ignore[attr-defined]
+        served[f"{name}_service"] = {"mean_us": round(
+            (after_seconds - seconds) / max(1, after_count - count) * 1e6, 1)}
     hit_rate = None
     for m in runs.values():
         if isinstance(m, InProcessService):
@@ -401,7 +426,7 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
                      "p99_us": round(float(np.percentile(warm, 99)), 1)}
     if hit_rate is not None:
         out["prefix_hit_rate"] = {"ratio": round(hit_rate, 3)}
-    return out
+    return out | served
 
 
 def targets(r: dict[str, float]) -> dict[str, float]:
@@ -465,6 +490,8 @@ def main() -> None:
         for name, r in per_batch[str(REPORTED_BATCH)].items():
             if name == "prefix_hit_rate":
                 results[name] = r["ratio"]
+            elif name.endswith("_service"):
+                results[f"{name}_mean_us"] = r["mean_us"]
             else:
                 results[f"{name}_us"] = r["median_us"]
     results["targets"] = {b: targets({f"{n}_us": v["median_us"] for n, v in r.items()
@@ -489,6 +516,11 @@ def main() -> None:
     for b, r in per_batch.items():
         cells = " | ".join(f"{r[n]['median_us']:.1f} | {r[n]['p99_us']:.1f}" for n in names)
         print(f"| {b} | {cells} |")
+    for b, r in per_batch.items():
+        own = {n.removesuffix("_service"): v["mean_us"] for n, v in r.items()
+               if n.endswith("_service")}
+        if own:
+            print(f"batch {b}: the service's own mean time per call (us): {own}")
     for b, t in results["targets"].items():  # type: ignore[union-attr]
         print(f"batch {b}: {t}")
 
