@@ -125,9 +125,9 @@ class DeferredWriteManager:
         self._positions = max(1, cfg.max_draft_len)
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
         # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
-        # Built on the host when the window opens, uploaded only when a device path needs them.
-        self._window_tokens = np.zeros((0, 3), dtype=np.int64)
-        self._window_limits = np.zeros(0, dtype=np.int64)
+        # Uploaded only when a device path needs them; the host keeps each token's request and
+        # draft index from the moment the window opens.
+        self._token_request = self._draft_index = np.zeros(0, dtype=np.int64)
         self._tables_uploaded = True
         self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
         self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
@@ -215,18 +215,10 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"layout: {reqs} requests exceed max_requests={self.max_requests}",
                 field="layout")
-        tokens = np.asarray(layout.num_tokens, dtype=np.int64)
-        drafts = np.asarray(layout.num_draft, dtype=np.int64)
-        request = np.repeat(np.arange(reqs), tokens)
+        tokens, drafts = layout.arrays
         first_draft = np.cumsum(tokens) - drafts  # flat index of each request's first draft
-        draft_index = np.arange(total) - np.repeat(first_draft, tokens)
-        bucket = np.where(draft_index < 0, self._positions,
-                          np.minimum(draft_index, self._positions - 1))
-        self._window_tokens = np.stack([request, draft_index, bucket], axis=1)
-        per_request = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
-        per_request[:reqs] = drafts
-        per_request[-1] = total
-        self._window_limits = per_request
+        self._token_request = np.repeat(np.arange(reqs), tokens)
+        self._draft_index = np.arange(total) - first_draft[self._token_request]
         self._tables_uploaded = False
         self._rows = [0] * self.num_layers
         self._source = self._staged
@@ -238,14 +230,21 @@ class DeferredWriteManager:
         what the device keep mask, acceptance and the captured graphs read."""
         if self._tables_uploaded:
             return
-        total = len(self._window_tokens)
-        upload_into(self._tokens[:total], self._window_tokens)
+        layout = self._require_window("commit")
+        total, draft_index = layout.total_tokens, self._draft_index
+        bucket = np.where(draft_index < 0, self._positions,
+                          np.minimum(draft_index, self._positions - 1))
+        upload_into(self._tokens[:total], np.stack([self._token_request, draft_index, bucket],
+                                                   axis=1))
         # Rows past the window must read as padding; only rows an earlier window wrote can not.
         if self._tokens_written > total:
             self._tokens[total:self._tokens_written].copy_(
                 self._pad_tokens[total:self._tokens_written])
         self._tokens_written = total
-        upload_into(self._requests, self._window_limits)
+        limits = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
+        limits[: layout.num_requests] = layout.arrays[1]
+        limits[-1] = total
+        upload_into(self._requests, limits)
         self._accepted.zero_()  # no count from an earlier window lingers on a padded request
         self._tables_uploaded = True
 
@@ -542,7 +541,7 @@ class DeferredWriteManager:
                 f"accepted_counts: expected {layout.num_requests} integers, one per request",
                 field="accepted_counts")
         counts = counts.astype(np.int64)
-        drafts = np.asarray(layout.num_draft, dtype=np.int64)
+        drafts = layout.arrays[1]
         if (counts < 0).any():
             r = int(np.flatnonzero(counts < 0)[0])
             raise InvalidValue(f"accepted_counts: request {r} has {counts[r]} accepted",
@@ -589,7 +588,7 @@ class DeferredWriteManager:
         total = layout.total_tokens
         if total == 0 or not any(self._rows):
             return WindowStats(0, 0, 0, 0, "empty")
-        committed = total - sum(layout.num_draft) + int(accepted.sum())
+        committed = total - int(layout.arrays[1].sum()) + int(accepted.sum())
         if self._host_slots is not None:
             self._write_host_masked(accepted, everything=committed == total)
         elif committed == total:
@@ -625,8 +624,7 @@ class DeferredWriteManager:
         total = self._host_slots.size
         row = 0
         if not everything:
-            tokens = self._window_tokens
-            kept = tokens[:, 1] < accepted[tokens[:, 0]]
+            kept = self._draft_index < accepted[self._token_request]
             upload_into(self._shared_slots[1, :total], np.where(kept, self._host_slots, -1))
             self._guard(self._shared_slots[1, :total], count=False)  # counted when staged
             row = 1

@@ -9,6 +9,8 @@ import numpy as np
 
 from .nwor_errors import NworInputError
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -17,32 +19,54 @@ class WindowLayout:
 
     num_tokens: tuple[int, ...]
     num_draft: tuple[int, ...]
+    # The counts as read-only int64 arrays, kept from the validation: a window reads them on
+    # every step, and converting a few hundred Python ints costs more than the window's maths.
+    _arrays: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        tokens, drafts = tuple(self.num_tokens), tuple(self.num_draft)
+        given = (self.num_tokens, self.num_draft)
+        tokens, drafts = (tuple(g.tolist()) if isinstance(g, np.ndarray) else tuple(g)
+                          for g in given)
         object.__setattr__(self, "num_tokens", tokens)
         object.__setattr__(self, "num_draft", drafts)
         if len(tokens) != len(drafts):
             raise NworInputError(
                 f"layout: {len(tokens)} token counts but {len(drafts)} draft counts",
                 field="layout")
-        if _valid_counts(tokens, drafts):
-            return  # one vectorised check for a whole batch
+        arrays = (_valid_arrays(*given) if all(isinstance(g, np.ndarray) for g in given)
+                  else _valid_counts(tokens, drafts))
+        if arrays is not None:  # one vectorised check for a whole batch
+            object.__setattr__(self, "_arrays", arrays)
+            return
         # Otherwise find the first offending request; bools, nested sequences, ints beyond int64
         # and anything else numpy cannot type as a flat integer array are judged one by one.
         for r, (n, d) in enumerate(zip(tokens, drafts, strict=True)):
             if not (isinstance(n, int | np.integer) and isinstance(d, int | np.integer)):
                 raise NworInputError(f"layout: request {r}: counts must be integers",
                                      field="layout")
-            if n < 0 or not 0 <= d <= n:
+            if not 0 <= n <= _INT64_MAX:
+                raise NworInputError(f"layout: request {r} schedules {n} tokens, outside "
+                                     f"[0, {_INT64_MAX}]", field="layout")
+            if not 0 <= d <= n:
                 raise NworInputError(
                     f"layout: request {r} schedules {n} tokens with {d} drafts "
                     "(needs 0 <= drafts <= tokens)", field="layout")
+        raise AssertionError("unreachable: every layout the vectorised check refuses is named")
 
     @classmethod
     def decode(cls, draft_lens: Sequence[int]) -> WindowLayout:
         """Decode requests only: each schedules its last verified token and its drafts."""
         return cls(tuple(1 + d for d in draft_lens), tuple(draft_lens))
+
+    @classmethod
+    def of_arrays(cls, num_tokens: np.ndarray, num_draft: np.ndarray) -> WindowLayout:
+        """The layout of two integer arrays (what a scheduler holds), checked as arrays."""
+        return cls(num_tokens, num_draft)  # type: ignore[arg-type]
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(num_tokens, num_draft)`` as read-only int64 arrays."""
+        return self._arrays
 
     @property
     def num_requests(self) -> int:
@@ -50,17 +74,32 @@ class WindowLayout:
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_tokens)
+        return int(self._arrays[0].sum())
 
 
-def _valid_counts(tokens: tuple[int, ...], drafts: tuple[int, ...]) -> bool:
-    """Whether both are flat integer sequences with 0 <= drafts <= tokens everywhere."""
+def _valid_counts(tokens: tuple[int, ...],
+                  drafts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Both as read-only int64 arrays if they are flat integer sequences with
+    0 <= drafts <= tokens everywhere; None otherwise."""
     try:
         n, d = np.asarray(tokens), np.asarray(drafts)
-    except (TypeError, ValueError):  # ragged nesting
-        return False
-    return (n.ndim == d.ndim == 1 and n.dtype.kind in "iu" and d.dtype.kind in "iu"
-            and not ((n < 0) | (d < 0) | (d > n)).any())
+    except (TypeError, ValueError, OverflowError):  # ragged nesting
+        return None
+    return _valid_arrays(n, d)
+
+
+def _valid_arrays(n: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_valid_counts` for arrays: read-only int64 copies, or None."""
+    if n.size == 0 and d.size == 0:
+        n = d = np.zeros(0, dtype=np.int64)
+        n.flags.writeable = False
+        return n, d
+    if not (n.ndim == d.ndim == 1 and n.dtype.kind in "iu" and d.dtype.kind in "iu"
+            and n.max() <= _INT64_MAX and not ((n < 0) | (d < 0) | (d > n)).any()):
+        return None
+    n, d = n.astype(np.int64), d.astype(np.int64)
+    n.flags.writeable = d.flags.writeable = False
+    return n, d
 
 
 @dataclass(frozen=True)

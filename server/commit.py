@@ -60,8 +60,7 @@ class Committer:
         scheduled = batch.scheduled
         drafts = np.where(dropped, scheduled.num_tokens, scheduled.num_drafts)
         writes = self.writes
-        writes.begin_window(WindowLayout(tuple(scheduled.num_tokens.tolist()),
-                                         tuple(drafts.tolist())))
+        writes.begin_window(WindowLayout.of_arrays(scheduled.num_tokens, drafts))
         writes.stage_from(staging, slots)  # host slots: the keep mask is applied on the host
         if not self.nwor:
             accepted = scheduled.num_drafts

@@ -297,17 +297,30 @@ def test_staging_past_the_window_is_a_typed_error():
     assert mgr.staged_rows(0) == 1
 
 
+@pytest.mark.parametrize("as_arrays", [False, True])
 @pytest.mark.parametrize(
     ("tokens", "drafts", "field"),
     [((2, 3), (1,), "layout"), ((2,), (3,), "layout"), ((-1,), (0,), "layout"),
-     ((49,), (0,), "layout")],
+     ((49,), (0,), "layout"), ((2, 2**63), (1, 0), "layout")],
 )
-def test_bad_layouts_are_typed_errors(tokens, drafts, field):
+def test_bad_layouts_are_typed_errors(tokens, drafts, field, as_arrays):
     _, mgr = _manager()
     with pytest.raises(NworInputError) as err:
-        mgr.begin_window(WindowLayout(tokens, drafts))
+        layout = (WindowLayout.of_arrays(np.array(tokens), np.array(drafts)) if as_arrays
+                  else WindowLayout(tokens, drafts))
+        mgr.begin_window(layout)
     assert err.value.field == field
     assert not mgr.window_open
+
+
+def test_a_layout_of_arrays_equals_the_layout_of_the_same_counts():
+    tokens, drafts = np.array([4, 1, 16, 0]), np.array([3, 0, 0, 0])
+    layout = WindowLayout.of_arrays(tokens, drafts)
+    assert layout == WindowLayout((4, 1, 16, 0), (3, 0, 0, 0))
+    assert layout.total_tokens == 21 and layout.num_requests == 4
+    tokens[0] = 9  # the layout keeps its own copy
+    assert layout.arrays[0].tolist() == [4, 1, 16, 0]
+    assert not layout.arrays[0].flags.writeable
 
 
 def test_fp8_pool_quantises_with_the_layer_scale_or_an_explicit_one():
