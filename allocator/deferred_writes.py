@@ -117,10 +117,12 @@ class DeferredWriteManager:
         self._masked_slots = torch.full_like(self._slots, -1)  # rejected tokens' slots at -1
         self._layer_rows = torch.zeros(self.num_layers, dtype=i64, device=dev)
         # A window staged from the caller's buffer with host slots: every layer shares one slot
-        # row (row 0 as staged, row 1 with rejected tokens at -1), read through a stride-0 view.
-        self._shared_slots = torch.full((2, max_tokens), -1, dtype=i64, device=dev)
+        # row, read through a stride-0 view. Both rows of a window (as staged, then with rejected
+        # tokens at -1) travel in one upload when it commits: ``[staged | kept]``.
+        self._shared_slots = torch.full((2 * max_tokens,), -1, dtype=i64, device=dev)
         self._all_rows = torch.full((self.num_layers,), max_tokens, dtype=i64, device=dev)
         self._host_slots: np.ndarray | None = None
+        self._host_slots_uploaded = False
         # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
         self._positions = max(1, cfg.max_draft_len)
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
@@ -331,9 +333,7 @@ class DeferredWriteManager:
             if slot_mapping.shape != (total,):
                 raise NworInputError(f"slot_mapping: shape {slot_mapping.shape}, expected "
                                      f"({total},)", field="slot_mapping")
-            upload_into(self._shared_slots[0, :total], slot_mapping)
-            self._guard(self._shared_slots[0, :total], count=True)
-            self._host_slots = slot_mapping
+            self._host_slots, self._host_slots_uploaded = slot_mapping, False
         else:
             self._check_slots(slot_mapping, total)
             self._slots[0, :total].copy_(slot_mapping)
@@ -621,16 +621,33 @@ class DeferredWriteManager:
         """The commit of a window staged with host slots: the keep mask on the host, rejected
         tokens' slots set to -1 there, one upload, one write over every layer."""
         assert self._host_slots is not None
-        total = self._host_slots.size
-        row = 0
+        kept_slots = None
         if not everything:
             kept = self._draft_index < accepted[self._token_request]
-            upload_into(self._shared_slots[1, :total], np.where(kept, self._host_slots, -1))
-            self._guard(self._shared_slots[1, :total], count=False)  # counted when staged
-            row = 1
-        write_staged(self.storage.rows(), self._source,
-                     self._shared_slots[row:row + 1].expand(self.num_layers, -1), self._all_rows,
-                     total, self._inv, backend=self.backend)
+            kept_slots = np.where(kept, self._host_slots, -1)
+        self._upload_host_slots(kept_slots)
+        write_staged(self.storage.rows(), self._source, self._shared_row(int(not everything)),
+                     self._all_rows, self._host_slots.size, self._inv, backend=self.backend)
+
+    def _upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
+        """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in
+        one upload; slots in protected blocks become -1, counted once per staged token."""
+        assert self._host_slots is not None
+        total = self._host_slots.size
+        rows = self._host_slots if kept_slots is None else np.concatenate(
+            [self._host_slots, kept_slots])
+        upload_into(self._shared_slots[: rows.size], rows)
+        self._guard(self._shared_slots[:total], count=True)
+        if kept_slots is not None:
+            self._guard(self._shared_slots[total: 2 * total], count=False)
+        self._host_slots_uploaded = True
+
+    def _shared_row(self, row: int) -> torch.Tensor:
+        """Row ``row`` of the uploaded ``[staged | kept]`` slots, as every layer's slots."""
+        assert self._host_slots is not None
+        total = self._host_slots.size
+        return self._shared_slots[row * total: (row + 1) * total].view(1, total).expand(
+            self.num_layers, total)
 
     def _share_first_slot_row(self, total: int) -> None:
         """Every layer writes with ``_slots[0]``'s first ``total`` slots."""
@@ -642,7 +659,9 @@ class DeferredWriteManager:
         self._upload_window_tables()
         if self._host_slots is not None:
             total = self._host_slots.size
-            self._slots[0, :total].copy_(self._shared_slots[0, :total])
+            if not self._host_slots_uploaded:
+                self._upload_host_slots()
+            self._slots[0, :total].copy_(self._shared_slots[:total])
             self._share_first_slot_row(total)
             self._host_slots = None
 
@@ -705,7 +724,9 @@ class DeferredWriteManager:
         rows = max(self._rows, default=0)
         slots, layer_rows = self._slots, self._layer_rows
         if self._host_slots is not None:
-            slots, layer_rows = self._shared_slots[:1].expand(self.num_layers, -1), self._all_rows
+            if not self._host_slots_uploaded:
+                self._upload_host_slots()
+            slots, layer_rows = self._shared_row(0), self._all_rows
         write_staged(self.storage.rows(), self._source, slots, layer_rows, rows, self._inv,
                      backend="torch")
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
