@@ -26,8 +26,9 @@ Invariants:
 - bad input raises a typed error before anything changes; the window stays as it was;
 - per window, staged == committed + rejected + fallback tokens, so no metric can go negative;
 - a slot in a protected block (``protect``: cached prefix blocks other requests read) is set to
-  -1 when staged, so neither the commit nor its fallback can write it, whatever the caller's slot
-  mapping says; each such token is counted (``NworMetrics.protected_refusals``).
+  -1 before anything is written, so neither the commit nor its fallback can write it, whatever
+  the caller's slot mapping says; each such staged token is counted once
+  (``NworMetrics.protected_refusals``).
 
 The device commit (counts -> per-token keep mask -> rejected slots set to -1 -> one fused write
 over every layer -> device-side metrics) uses only static buffers and device operations, so it
@@ -333,7 +334,7 @@ class DeferredWriteManager:
             if slot_mapping.shape != (total,):
                 raise NworInputError(f"slot_mapping: shape {slot_mapping.shape}, expected "
                                      f"({total},)", field="slot_mapping")
-            self._host_slots, self._host_slots_uploaded = slot_mapping, False
+            self._host_slots, self._host_slots_uploaded = slot_mapping.copy(), False
         else:
             self._check_slots(slot_mapping, total)
             self._slots[0, :total].copy_(slot_mapping)
