@@ -370,7 +370,13 @@ class _RestTransport:
         reused = self._conn is not None
         conn = self._connect()
         try:
-            conn.request(method, path, body=body, headers=headers)
+            try:
+                conn.request(method, path, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                if reused:
+                    raise
+                # The service answers some calls before reading their body (a refused token, a
+                # body over its limit) and closes: its answer is there to read.
             response = conn.getresponse()
             return response.status, response.read()
         except TimeoutError:

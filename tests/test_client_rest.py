@@ -1,17 +1,21 @@
 """The client's REST transport against a scripted HTTP server standing in for the service: one
 kept-alive connection, a connection the service closed while idle replaced without the caller
-noticing, and silence or absence reported as the client's own errors."""
+noticing, an early refusal delivered though the body could not be sent, and silence or absence
+reported as the client's own errors."""
 
 from __future__ import annotations
 
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from server import wire
-from server.client import Client, ServiceUnreachable, TransportTimeout
+from server.client import Client, ServiceUnreachable, TokenRejected, TransportTimeout
+from server.columns import StepCall
 
 Script = Callable[[socket.socket, int], None]  # (accepted connection, its number)
 
@@ -110,3 +114,34 @@ def test_silence_is_a_timeout_and_no_listener_is_unreachable(
     with Client(f"http://127.0.0.1:{port}", timeout_s=1, retries=0) as client, \
             pytest.raises(ServiceUnreachable):
         client.get_pool()
+
+
+def test_an_answer_given_before_the_body_was_read_reaches_the_caller(tmp_path: Path) -> None:
+    """The service refuses a call on its headers alone (here a missing token) and closes the
+    connection; the client's body write fails, and the refusal is still what the caller gets."""
+    path = tmp_path / "rest.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    refusal = wire.encode_json(wire.ErrorBody(status=401, code="unauthorized",
+                                              field="authorization", message="no token"))
+
+    def refuse_on_the_head() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            read_request(conn)
+            conn.sendall(b"HTTP/1.1 401 Unauthorized\r\nconnection: close\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: " + str(len(refusal)).encode()
+                         + b"\r\n\r\n" + refusal)
+
+    thread = threading.Thread(target=refuse_on_the_head, daemon=True)
+    thread.start()
+    # A body far larger than the socket's buffers: its write cannot finish before the close.
+    call = StepCall.build("w", 1, 1, 0, new_req_ids=["long"], prompt_lens=[400_000],
+                          prompt_token_ids=np.arange(400_000))
+    with Client(f"unix://{path}", timeout_s=5, retries=0) as client, \
+            pytest.raises(TokenRejected) as refused:
+        client.call("step", call)
+    assert refused.value.status == 401
+    thread.join(5)
+    listener.close()
