@@ -24,9 +24,10 @@ same machine state; each reports the median and p99 of its timed part in microse
   attached worker, so it includes the NWOR commit of the previous step; ``commit`` is that
   commit's own time inside it (a host memory copy on a CPU pool; on a CUDA pool the kernels,
   synchronised so their device time counts);
-- ``ipc``, ``rest_tcp``: the round trip to a real ``kvalloc serve`` subprocess over ZeroMQ and
-  over HTTP on TCP, attached too: encoding, transport, the service's step, decoding.
-  ``ipc_service`` and ``rest_tcp_service`` are the service's own mean time for those calls (from
+- ``ipc``, ``stream``, ``rest_tcp``: the round trip to a real ``kvalloc serve`` subprocess over
+  ZeroMQ, over its plain Unix stream socket and over HTTP on TCP, attached too: encoding,
+  transport, the service's step, decoding. ``ipc_service``, ``stream_service`` and
+  ``rest_tcp_service`` are the service's own mean time for those calls (from
   its step-latency histogram: decoding, the step, encoding), which splits a round trip into the
   service's part and the transport's.
 
@@ -297,7 +298,8 @@ class RemoteService(ServiceStep):
         self.setup = setup
         service, _, users = self._shared[setup]
         users.append(transport)
-        address = {"ipc": service.ipc, "rest_tcp": service.rest_tcp}[transport]
+        address = {"ipc": service.ipc, "stream": service.stream,
+                   "rest_tcp": service.rest_tcp}[transport]
         super().__init__(setup, Client(address, worker_id=f"bench-{transport}"))
         self.transport = transport
 
@@ -307,7 +309,7 @@ class RemoteService(ServiceStep):
         service = self._shared[self.setup][0]
         with urllib.request.urlopen(f"{service.rest_tcp}/metrics", timeout=10) as response:
             text = response.read().decode()
-        label = {"ipc": "ipc", "rest_tcp": "rest"}[self.transport]
+        label = {"ipc": "ipc", "stream": "stream", "rest_tcp": "rest"}[self.transport]
         found = {}
         for line in text.splitlines():
             for part in ("sum", "count"):
@@ -376,6 +378,7 @@ MEASUREMENTS: dict[str, Callable[[Setup], Measurement]] = {
     "manager_cached": CachedManagerStep,
     "service_inproc": InProcessService,
     "ipc": lambda setup: RemoteService(setup, "ipc"),
+    "stream": lambda setup: RemoteService(setup, "stream"),
     "rest_tcp": lambda setup: RemoteService(setup, "rest_tcp"),
 }
 
@@ -439,7 +442,7 @@ def targets(r: dict[str, float]) -> dict[str, float]:
     if "service_inproc_us" in r and "commit_us" in r and "manager_us" in r:
         out["service_over_2x_manager_plus_commit"] = (
             r["service_inproc_us"] / (2 * r["manager_us"] + r["commit_us"]))
-    for key in ("ipc_us", "rest_tcp_us"):
+    for key in ("ipc_us", "stream_us", "rest_tcp_us"):
         if key in r and "service_inproc_us" in r:
             out[f"{key.removesuffix('_us')}_minus_inproc_us"] = r[key] - r["service_inproc_us"]
     return {k: round(v, 3) for k, v in out.items()}
@@ -468,7 +471,7 @@ def main() -> None:
     batches = [REPORTED_BATCH] if args.quick else args.batches
     steps = args.steps or (200 if args.quick else 400)
     first_call = first_call_seconds(args.device)
-    remote = max(1, sum(name in ("ipc", "rest_tcp") for name in args.only))
+    remote = max(1, sum(name in ("ipc", "stream", "rest_tcp") for name in args.only))
     per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
                                        args.kv_heads, args.head_dim, remote), steps, args.only)
                  for b in batches}

@@ -1,8 +1,9 @@
 """Where the service listens by default, how a client address names its transport, and the
 token both sides read from the environment.
 
-Addresses: ``ipc:///path`` and ``tcp://host:port`` are the ZeroMQ transport; ``http://host:port``
-and ``unix:///path`` are REST over TCP and over a Unix socket. The defaults are loopback only, and
+Addresses: ``ipc:///path`` and ``tcp://host:port`` are the IPC transport over ZeroMQ, and
+``stream:///path`` the same messages over a plain Unix stream socket; ``http://host:port`` and
+``unix:///path`` are REST over TCP and over a Unix socket. The defaults are loopback only, and
 socket files live in a per-user directory created 0700.
 """
 
@@ -20,7 +21,7 @@ DEFAULT_PORT = 8900
 ADDRESS_ENV = "KVALLOC_ADDRESS"
 TOKEN_ENV = "KVALLOC_TOKEN"
 
-Transport = Literal["ipc", "rest"]
+Transport = Literal["ipc", "stream", "rest"]
 
 
 def runtime_dir() -> Path:
@@ -39,6 +40,11 @@ def default_ipc() -> str:
     return f"ipc://{runtime_dir() / 'kvalloc.ipc'}"
 
 
+def default_ipc_endpoints() -> list[str]:
+    """Where the service serves IPC unless told: ZeroMQ's socket and the stream socket."""
+    return [default_ipc(), f"stream://{runtime_dir() / 'kvalloc.stream'}"]
+
+
 def default_client_address() -> str:
     """``KVALLOC_ADDRESS`` if set, else the service's default IPC endpoint."""
     return os.environ.get(ADDRESS_ENV) or default_ipc()
@@ -48,9 +54,12 @@ def transport_of(address: str) -> Transport:
     scheme = address.partition("://")[0]
     if scheme in ("ipc", "tcp"):
         return "ipc"
+    if scheme == "stream":
+        return "stream"
     if scheme in ("http", "unix"):
         return "rest"
-    raise ValueError(f"address: {address!r} must start with ipc://, tcp://, http:// or unix://")
+    raise ValueError(f"address: {address!r} must start with ipc://, tcp://, stream://, http:// "
+                     "or unix://")
 
 
 class AddressError(ValueError):
@@ -83,8 +92,14 @@ def require_directory(path: Path) -> None:
 
 
 def ipc_path(endpoint: str) -> Path | None:
-    """The socket file of an ``ipc://`` endpoint; None for ``tcp://``."""
-    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
+    """The socket file of an ``ipc://`` or ``stream://`` endpoint; None for ``tcp://``."""
+    scheme, _, rest = endpoint.partition("://")
+    return Path(rest) if scheme in ("ipc", "stream") else None
+
+
+def stream_path(endpoint: str) -> Path | None:
+    """The socket file of a ``stream://`` endpoint; None for a ZeroMQ one."""
+    return Path(endpoint.removeprefix("stream://")) if endpoint.startswith("stream://") else None
 
 
 def server_endpoint(endpoint: str) -> str:
@@ -102,6 +117,16 @@ def server_endpoint(endpoint: str) -> str:
             port_number(port)
         return endpoint
     raise AddressError(f"{endpoint!r} is not ipc:///path or tcp://host:port")
+
+
+def ipc_endpoint(endpoint: str) -> str:
+    """An endpoint the IPC transport can serve: a ZeroMQ one (`server_endpoint`) or
+    ``stream:///path``."""
+    path = stream_path(endpoint)
+    if path is None:
+        return server_endpoint(endpoint)
+    socket_file(str(path))
+    return endpoint
 
 
 def client_address(address: str) -> str:

@@ -35,10 +35,10 @@ import zmq
 
 from allocator.slots import slot_mapping as table_slot_mapping
 
-from . import wire
+from . import stream, wire
 from .addresses import TOKEN_ENV, default_client_address, transport_of
 from .columns import ColumnInput, StepCall, StepResult
-from .errors import ServiceError, describe
+from .errors import MalformedBody, ServiceError, describe
 from .operations import ERROR, OK, OPERATIONS, Operation
 from .sharing import StepFence, attach
 from .token_files import discover_token
@@ -137,9 +137,8 @@ class Client:
         self.address = address or default_client_address()
         if token is None:  # KVALLOC_TOKEN, else the token a local service generated for us
             token = os.environ.get(TOKEN_ENV) or discover_token(self.address)
-        transport = (_IpcTransport(self.address, token, timeout_s)
-                     if transport_of(self.address) == "ipc"
-                     else _RestTransport(self.address, token, timeout_s))
+        carrier = {"ipc": _IpcTransport, "stream": _StreamTransport, "rest": _RestTransport}
+        transport = carrier[transport_of(self.address)](self.address, token, timeout_s)
         self._init(transport, worker_id, retries)
 
     @classmethod
@@ -283,10 +282,38 @@ class _LocalTransport:
         pass
 
 
-class _IpcTransport:
-    """A DEALER socket: ``[seq, token, op, payload]`` out, ``[seq, status, payload]`` back."""
+class _Remote:
+    """A transport to another process: the pool is mapped from the registration's handles."""
+
+    def attach(self, reg: wire.Registration) -> AttachedPool:
+        return AttachedPool.attach(reg.attachment)
+
+
+class _Frames(_Remote):
+    """The IPC messages both carriers move: ``[seq, token, op, payload]`` out, ``[seq, status,
+    payload]`` back, ``seq`` counting this client's messages."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = (token or "").encode()
+        self._seq = 0
+
+    def frames(self, op: Operation, request: Any) -> list[bytes]:
+        self._seq += 1
+        return [self._seq.to_bytes(8, "big"), self._token, op.name.encode(),
+                wire.encode_msgpack(op.encode_call(request, binary=True))]
+
+    def answer(self, op: Operation, status: bytes, payload: bytes) -> Any:
+        if status == OK:
+            return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
+        assert status == ERROR
+        raise _remote(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
+
+
+class _IpcTransport(_Frames):
+    """A ZeroMQ DEALER socket carrying the frames."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
+        super().__init__(token)
         self._address = address
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -300,16 +327,12 @@ class _IpcTransport:
         except zmq.ZMQError as exc:
             self.close()
             raise ServiceUnreachable(address, str(exc)) from None
-        self._token = (token or "").encode()
         self._timeout_ms = int(timeout_s * 1000)
-        self._seq = 0
 
     def call(self, op: Operation, request: Any) -> Any:
-        self._seq += 1
-        seq = self._seq.to_bytes(8, "big")
+        frames = self.frames(op, request)
         try:
-            self._sock.send_multipart([seq, self._token, op.name.encode(),
-                                       wire.encode_msgpack(op.encode_call(request, binary=True))])
+            self._sock.send_multipart(frames)
         except zmq.Again:
             raise ServiceUnreachable(
                 self._address, f"no connection within {CONNECT_TIMEOUT_S:g} s") from None
@@ -317,22 +340,73 @@ class _IpcTransport:
             if not self._sock.poll(self._timeout_ms):
                 raise TransportTimeout(f"{op.name}: no reply within {self._timeout_ms} ms")
             reply_seq, status, payload = self._sock.recv_multipart()
-            if reply_seq != seq:
-                continue  # a late reply to an attempt that already timed out
-            if status == OK:
-                return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
-            assert status == ERROR
-            raise _remote(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
-
-    def attach(self, reg: wire.Registration) -> AttachedPool:
-        return AttachedPool.attach(reg.attachment)
+            if reply_seq == frames[0]:
+                return self.answer(op, status, payload)
+            # else: a late reply to an attempt that already timed out
 
     def close(self) -> None:
         self._sock.close()
         self._ctx.term()
 
 
-class _RestTransport:
+class _StreamTransport(_Frames):
+    """The frames on one Unix stream socket (`server.stream`): one wake-up per direction. A call
+    that timed out leaves its connection (and any late reply on it) behind: the next call
+    connects afresh."""
+
+    def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
+        super().__init__(token)
+        self._address = address
+        self._path = address.removeprefix("stream://")
+        self._timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+
+    def call(self, op: Operation, request: Any) -> Any:
+        frames = self.frames(op, request)
+        reused = self._sock is not None
+        sock = self._connect()
+        try:
+            sock.sendall(stream.pack(frames))
+            while True:
+                header = stream.read_exactly(sock, stream.LENGTH.size)
+                if header is None:
+                    raise ConnectionResetError("the service closed the connection")
+                reply_seq, status, payload = stream.unpack(
+                    stream.read_exactly(sock, stream.LENGTH.unpack(header)[0]) or b"")
+                if reply_seq == frames[0]:
+                    return self.answer(op, status, payload)
+        except TimeoutError:
+            self._drop()
+            raise TransportTimeout(f"{op.name}: no reply within {self._timeout_s:g} s") from None
+        except (ConnectionError, MalformedBody) as exc:
+            self._drop()
+            if reused and isinstance(exc, BrokenPipeError | ConnectionResetError):
+                return self.call(op, request)  # a connection the service dropped while idle
+            raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(min(self._timeout_s, CONNECT_TIMEOUT_S))
+            try:
+                sock.connect(self._path)
+            except OSError as exc:  # no such socket file, refused, no answer in time
+                sock.close()
+                raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
+            sock.settimeout(self._timeout_s)
+            self._sock = sock
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        self._drop()
+
+
+class _RestTransport(_Remote):
     """HTTP/1.1 on one kept-alive connection, over TCP (``http://``) or a Unix socket
     (``unix:///path``), through the standard library: a general-purpose HTTP client costs several
     times the service's own step per call."""
@@ -416,9 +490,6 @@ class _RestTransport:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-
-    def attach(self, reg: wire.Registration) -> AttachedPool:
-        return AttachedPool.attach(reg.attachment)
 
     def close(self) -> None:
         self._drop()

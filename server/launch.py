@@ -1,12 +1,13 @@
 """`ServiceProcess`: ``kvalloc serve`` in a subprocess, for tests, benchmarks and load generation.
 
     with ServiceProcess(tmp_path, "--num-blocks", "256") as svc:
-        client = Client(svc.ipc)          # or svc.rest_unix, svc.rest_tcp
+        client = Client(svc.ipc)          # or svc.stream, svc.rest_unix, svc.rest_tcp
 
-It listens on a free loopback port, a Unix socket and an ``ipc://`` path under ``workdir``, and
-``start`` returns once ``/readyz`` answers. Leaving the ``with`` block stops it (SIGTERM, then
-SIGKILL after a grace period); and on Linux the service also receives SIGTERM if the thread that
-started it dies, so no process outlives its owner. Its log is ``workdir/serve.log``.
+It listens on a free loopback port, a Unix socket, and ``ipc://`` and ``stream://`` paths under
+``workdir``, and ``start`` returns once ``/readyz`` answers. Leaving the ``with`` block stops it
+(SIGTERM, then SIGKILL after a grace period); and on Linux the service also receives SIGTERM if
+the thread that started it dies, so no process outlives its owner. Its log is
+``workdir/serve.log``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ServiceProcess:
         self.port = free_port() if tcp else None
         self.uds = self.workdir / "rest.sock"
         self.ipc = f"ipc://{self.workdir / 'kvalloc.ipc'}"
+        self.stream = f"stream://{self.workdir / 'kvalloc.stream'}"
         self.log_path = self.workdir / "serve.log"
         self.ready_timeout_s = ready_timeout_s
         self.nofile = nofile  # RLIMIT_NOFILE (soft, hard) for the service, e.g. to exhaust it
@@ -66,8 +68,8 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         listen = ["--port", str(self.port)] if self.port is not None else ["--no-tcp"]
-        cmd = [*kvalloc_command(), "serve", "--uds", str(self.uds), "--ipc", self.ipc, *listen,
-               *self.args]
+        cmd = [*kvalloc_command(), "serve", "--uds", str(self.uds), "--ipc", self.ipc,
+               "--ipc", self.stream, *listen, *self.args]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          preexec_fn=functools.partial(_prepare_child,

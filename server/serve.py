@@ -42,7 +42,8 @@ from .addresses import (
     DEFAULT_PORT,
     AddressError,
     claim_socket_path,
-    default_ipc,
+    default_ipc_endpoints,
+    ipc_endpoint,
     ipc_path,
     port_number,
     require_directory,
@@ -104,10 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--uds", type=argument_type(socket_file), metavar="PATH",
                      help="also serve REST on this Unix socket (created 0600; its directory "
                           "must exist)")
-    net.add_argument("--ipc", action="append", type=argument_type(server_endpoint),
+    net.add_argument("--ipc", action="append", type=argument_type(ipc_endpoint),
                      metavar="ENDPOINT",
-                     help="ZeroMQ endpoint, ipc:///path or tcp://127.0.0.1:port; repeatable "
-                          "(default: ipc://<runtime dir>/kvalloc.ipc)")
+                     help="IPC endpoint: ZeroMQ's ipc:///path or tcp://127.0.0.1:port, or "
+                          "stream:///path (the same messages on a plain Unix socket, the fastest "
+                          "local path); repeatable (default: ipc://<runtime dir>/kvalloc.ipc and "
+                          "stream://<runtime dir>/kvalloc.stream)")
     pool = parser.add_argument_group("pool")
     defaults = PoolConfig.model_fields
     for name, (kind, help_text) in _POOL_FLAGS.items():
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
     core = ServiceCore(config)
-    ipc = IpcServer(core, args.ipc or [default_ipc()], token=token)
+    ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
     status = 0
@@ -255,8 +258,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
 
 
 def _check_socket_directories(args: argparse.Namespace) -> None:
-    """Every socket file's directory exists, before anything is bound (the default IPC socket's
-    directory is created by `default_ipc`)."""
+    """Every socket file's directory exists, before anything is bound (the default IPC sockets'
+    directory is created by `default_ipc_endpoints`)."""
     for flag, path in [("--uds", args.uds), *(("--ipc", ipc_path(e)) for e in args.ipc or [])]:
         if path is not None:
             try:
@@ -291,7 +294,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
     """The endpoints this service will listen on that are known before binding (port 0 is not)."""
     tcp = [] if args.no_tcp or args.port == 0 else [f"http://{args.host}:{args.port}"]
     uds = [f"unix://{args.uds}"] if args.uds else []
-    return [*uds, *(args.ipc or [default_ipc()]), *tcp]
+    return [*uds, *(args.ipc or default_ipc_endpoints()), *tcp]
 
 
 def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:

@@ -3,7 +3,8 @@
 With no ``KVALLOC_TOKEN`` the service makes a random token for its lifetime and writes it, mode
 0600, once per endpoint it listens on:
 
-- beside a socket file (``ipc:///path`` or REST's ``--uds path``): ``path.token``;
+- beside a socket file (``ipc:///path``, ``stream:///path`` or REST's ``--uds path``):
+  ``path.token``;
 - for a TCP endpoint (``http://host:port``, ``tcp://host:port``): ``<runtime dir>/<scheme>-<host>-
   <port>.token`` in the per-user runtime directory (0700).
 
@@ -32,16 +33,17 @@ SUFFIX = ".token"
 
 
 def token_file(address: str) -> Path:
-    """The token file for a client address or a bound endpoint (``ipc://``, ``unix://``,
-    ``http://``, ``tcp://``)."""
+    """The token file for a client address or a bound endpoint (``ipc://``, ``stream://``,
+    ``unix://``, ``http://``, ``tcp://``)."""
     scheme, _, rest = address.partition("://")
-    if scheme in ("ipc", "unix"):
+    if scheme in ("ipc", "unix", "stream"):
         return Path(rest + SUFFIX)
     if scheme in ("http", "tcp"):
         parts = urlsplit(address)
         host = (parts.hostname or "").replace(":", "_")  # IPv6 colons out of the file name
         return runtime_dir() / f"{scheme}-{host}-{parts.port}{SUFFIX}"
-    raise ValueError(f"address: {address!r} must start with ipc://, unix://, http:// or tcp://")
+    raise ValueError(f"address: {address!r} must start with ipc://, stream://, unix://, http:// "
+                     "or tcp://")
 
 
 def write_token_files(token: str, endpoints: Iterable[str]) -> list[Path]:

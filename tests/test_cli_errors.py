@@ -63,7 +63,7 @@ def test_serve_reports_an_invalid_configuration_by_its_flag(capsys, argv, messag
     (["--duration", "-1"], "argument --duration: -1 is not in (0, inf]"),
     (["--skip-rate", "2"], "argument --skip-rate: 2 is not in [0, 1]"),
     (["--draft-len", "-1"], "argument --draft-len: -1 is not in [0, inf]"),
-    (["--address", "garbage"], "must start with ipc://, tcp://, http:// or unix://"),
+    (["--address", "garbage"], "must start with ipc://, tcp://, stream://, http:// or unix://"),
     (["--address", "http://127.0.0.1:70000"], "port 70000 is out of range 0-65535"),
     (["--address", "tcp://127.0.0.1"], "need tcp://host:port"),
     (["--prompt-len", "9:3"], "'9:3': need 1 <= MIN <= MAX"),
@@ -128,6 +128,7 @@ def test_the_top_level_help_describes_the_tool_in_whole_sentences(capsys):
 
 
 @pytest.mark.parametrize("address", ["ipc:///nonexistent/kvalloc.ipc", "tcp://127.0.0.1:9",
+                                     "stream:///nonexistent/kvalloc.stream",
                                      "http://127.0.0.1:9", "unix:///nonexistent/rest.sock"])
 def test_a_client_with_no_service_fails_within_seconds_with_a_hint(address):
     start = time.monotonic()
@@ -147,7 +148,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory):
         yield svc
 
 
-@pytest.mark.parametrize("transport", ["ipc", "rest_tcp", "rest_unix"])
+@pytest.mark.parametrize("transport", ["ipc", "stream", "rest_tcp", "rest_unix"])
 @pytest.mark.parametrize("token, says", [
     ("", "the service requires a token and none was sent: set KVALLOC_TOKEN"),
     ("wrong", "the service rejected the token (KVALLOC_TOKEN or token=) as wrong"),

@@ -1,0 +1,162 @@
+"""The IPC frames over a plain Unix stream socket (``stream://``): the listener's bounds against
+misbehaving peers, the client's connection handling, and a real ``kvalloc serve`` answering the
+same calls over ``stream://`` exactly as over ZeroMQ's ``ipc://``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from server import stream, wire
+from server.client import Client, TransportTimeout
+from server.launch import ServiceProcess
+from server.operations import ERROR, OK
+
+
+def echo(frames: list[bytes]) -> list[bytes]:
+    """A handle that answers every message with its own payload."""
+    return [frames[0], OK, frames[-1]]
+
+
+@pytest.fixture
+def listener(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[stream.StreamListener]:
+    monkeypatch.setattr(stream, "HANDSHAKE_S", 0.5)
+    served = stream.StreamListener(tmp_path / "s.stream", echo, max_frame_bytes=1 << 16,
+                                   max_connections=2)
+    served.start()
+    yield served
+    served.stop()
+
+
+def connect(listener: stream.StreamListener) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    conn.connect(str(listener.path))
+    return conn
+
+
+def exchange(conn: socket.socket, frames: list[bytes]) -> list[bytes]:
+    conn.sendall(stream.pack(frames))
+    return read_reply(conn)
+
+
+def read_reply(conn: socket.socket) -> list[bytes]:
+    header = stream.read_exactly(conn, stream.LENGTH.size)
+    assert header is not None, "the listener closed the connection"
+    body = stream.read_exactly(conn, stream.LENGTH.unpack(header)[0])
+    assert body is not None
+    return stream.unpack(body)
+
+
+def closed(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_messages_are_answered_in_order_on_one_connection(listener) -> None:
+    conn = connect(listener)
+    for i in range(3):
+        assert exchange(conn, [bytes([i]), b"", b"op", b"payload %d" % i]) == [
+            bytes([i]), OK, b"payload %d" % i]
+    conn.close()
+    assert listener.path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_silent_connection_is_dropped_and_never_blocks_another(listener) -> None:
+    silent = connect(listener)
+    talker = connect(listener)
+    assert exchange(talker, [b"1", b"", b"op", b"x"])[2] == b"x"
+    start = time.monotonic()
+    assert closed(silent)  # no first message within the handshake time
+    assert time.monotonic() - start < 3
+    assert exchange(talker, [b"2", b"", b"op", b"y"])[2] == b"y"  # an idle talker stays
+
+
+def test_connections_beyond_the_bound_are_closed_at_once(listener) -> None:
+    held = [connect(listener) for _ in range(2)]
+    for conn in held:  # both are being served
+        assert exchange(conn, [b"1", b"", b"op", b"x"])[2] == b"x"
+    extra = connect(listener)
+    assert closed(extra)
+    held[0].close()
+    time.sleep(0.3)  # its serving thread notices the close
+    again = connect(listener)
+    assert exchange(again, [b"1", b"", b"op", b"z"])[2] == b"z"
+
+
+def test_an_oversized_message_is_refused_unread_and_a_malformed_one_named(listener) -> None:
+    conn = connect(listener)
+    conn.sendall(stream.LENGTH.pack((1 << 16) + 1))
+    _, status, payload = read_reply(conn)
+    error = wire.decode(payload, wire.ErrorBody)
+    assert (status, error.status, error.code) == (ERROR, 413, "body_too_large")
+    assert closed(conn)
+    conn = connect(listener)
+    body = msgspec.msgpack.encode({"not": "frames"})
+    conn.sendall(stream.LENGTH.pack(len(body)) + body)
+    _, status, payload = read_reply(conn)
+    error = wire.decode(payload, wire.ErrorBody)
+    assert (status, error.field) == (ERROR, "frames")
+    assert exchange(conn, [b"1", b"", b"op", b"still here"])[2] == b"still here"
+
+
+def test_a_silent_service_times_out_and_the_next_call_reconnects(tmp_path: Path) -> None:
+    path = tmp_path / "silent.stream"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        for _ in range(2):
+            accepted.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    with Client(f"stream://{path}", timeout_s=0.3, retries=1) as client, \
+            pytest.raises(TransportTimeout):
+        client.get_pool()
+    thread.join(5)
+    assert len(accepted) == 2  # the retry did not reuse the timed-out connection
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ServiceProcess(tmp_path_factory.mktemp("stream"), "--device", "cpu", "--num-blocks",
+                        "400", "--max-batch-size", "16") as svc:
+        yield svc
+
+
+def run_script(address: str, worker_id: str) -> list[object]:
+    """A short life of two requests; the replies that do not depend on handle values."""
+    seen: list[object] = []
+    with Client(address, worker_id=worker_id) as client:
+        client.register()
+        reply = client.step(new=(["a", "b"], [40, 7]))
+        handles = reply.admitted
+        for accepted in ([3, 3], [0, 2], [1, 0]):
+            reply = client.step(results=(handles, accepted) if seen else None,
+                                grants=(handles, [3, 3]))
+            seen.append((reply.scheduled.num_tokens.tolist(),
+                         reply.scheduled.start_positions.tolist(), reply.committed))
+        reply = client.step(results=(handles, [2, 2]), finished=handles)
+        seen.append((reply.committed, len(reply.scheduled)))
+        pool = client.get_pool(verify=True)
+        seen.append(pool.invariants)
+        client.deregister()
+    return seen
+
+
+def test_a_real_service_answers_over_stream_as_over_zeromq(service: ServiceProcess) -> None:
+    assert run_script(service.stream, "over-stream") == run_script(service.ipc, "over-zeromq")
