@@ -7,7 +7,8 @@ Full run: a ~1B Llama shape (16 layers, hidden 2048, 32 query heads, 8 KV heads 
 weights, bf16), batches of 32 and 64 prompts of 512-2048 tokens, 64 new tokens each, D=3 with
 the oracle drafter at a 60% per-token hit rate and with the n-gram drafter. Side by side in one
 run: a plain run (D=0, which also gives the oracle its continuation) and every drafter with the
-service in process and behind IPC (a ``kvalloc serve`` subprocess sharing its pool over CUDA IPC).
+service in process and behind IPC (a ``kvalloc serve`` subprocess sharing its pool over CUDA IPC;
+its messages over ZeroMQ, ``ipc``, and over its plain Unix stream socket, ``stream``).
 ``decode_call_share`` is the call's share of the wall time of decode-only steps (no prefill in
 them), the figure the <= 5% target at batch 64 over IPC is about. Each transport also runs the
 oracle drafter with NWOR off (the service writes every staged token, rejected drafts too), side
@@ -60,12 +61,13 @@ QUICK = {
 }
 DRAFT_LEN = 3
 ORACLE_RATE = 0.6
-TRANSPORTS = ("in-process", "ipc")
+TRANSPORTS = ("in-process", "ipc", "stream")
 
 
 @contextlib.contextmanager
 def connect(transport: str, config: ServiceConfig, workdir: Path) -> Iterator[Client]:
-    """A registered, attached client: on a core in this process, or over IPC to a service."""
+    """A registered, attached client: on a core in this process, or over IPC to a service
+    (``ipc``: ZeroMQ; ``stream``: its plain Unix stream socket)."""
     if transport == "in-process":
         core = ServiceCore(config)
         try:
@@ -76,7 +78,7 @@ def connect(transport: str, config: ServiceConfig, workdir: Path) -> Iterator[Cl
             core.close()
         return
     with ServiceProcess(workdir, *serve_flags(config), tcp=False) as service, \
-            Client(service.ipc, worker_id="bench", timeout_s=120.0) as client:
+            Client(getattr(service, transport), worker_id="bench", timeout_s=120.0) as client:
         client.register()
         yield client
 
