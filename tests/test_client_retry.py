@@ -33,29 +33,28 @@ def pool_reply(free_blocks: int) -> bytes:
 
 @pytest.fixture
 def fake_service(tmp_path: Path) -> Iterator[Callable[[Callable[[zmq.Socket], None]], str]]:
-    """Run ``script(router_socket)`` in a thread on a fresh ipc:// endpoint; returns it."""
+    """Run ``script(router_socket)`` in a thread on a fresh ipc:// endpoint; returns it. The
+    socket stays open until the test is over: closed earlier (linger 0), it would drop the
+    replies its I/O thread had not sent yet."""
     ctx = zmq.Context()
     threads: list[threading.Thread] = []
+    sockets: list[zmq.Socket] = []
 
     def start(script: Callable[[zmq.Socket], None]) -> str:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         endpoint = f"ipc://{tmp_path / 'fake.ipc'}"
         sock.bind(endpoint)
-
-        def run() -> None:
-            try:
-                script(sock)
-            finally:
-                sock.close()
-
-        threads.append(threading.Thread(target=run, daemon=True))
+        sockets.append(sock)
+        threads.append(threading.Thread(target=script, args=(sock,), daemon=True))
         threads[-1].start()
         return endpoint
 
     yield start
     for t in threads:
         t.join(timeout=10)
+    for sock in sockets:
+        sock.close()
     ctx.term()
 
 
@@ -70,13 +69,22 @@ def test_a_timed_out_call_is_resent_unchanged_and_a_late_reply_is_dropped(
         sock.send_multipart([peer, first_seq, OK, pool_reply(free_blocks=1)])  # too late
         sock.send_multipart([peer, retry_seq, OK, pool_reply(free_blocks=2)])
 
-    # The retry waits as long as the first attempt did, and within that wait the fake service's
-    # thread must be scheduled twice: on a loaded two-core machine that can take over a second.
-    with Client(fake_service(script), timeout_s=3.0, retries=1) as client:
+    with Client(fake_service(script), timeout_s=30.0, retries=1) as client:
+        # The first attempt's wait ends at once, as a timeout would; the retry waits for real (a
+        # loaded machine may take seconds to schedule the fake service, which must not matter).
+        sock = client._transport._sock
+        waits: list[int] = []
+
+        def poll(timeout: int, flags: int = zmq.POLLIN) -> int:
+            waits.append(timeout)
+            return 0 if len(waits) == 1 else zmq.Socket.poll(sock, timeout, flags)
+
+        sock.poll = poll
         assert client.get_pool(verify=True).free_blocks == 2
     first, retry = (a[2:] for a in attempts)
     assert first == retry  # token, op and payload: byte for byte the same call
     assert msgspec.msgpack.decode(first[-1]) == {"verify": True}
+    assert len(waits) == 3  # the first attempt's, then the retry's past the late reply
 
 
 def test_the_call_gives_up_after_its_retries(
