@@ -37,9 +37,11 @@ step() { echo "== $(date -u +%T) $*"; timeout 500 "$@" || echo "FAILED ($?): $*"
 # 2 layers, same steps: the commit reads every layer in place, so the two should be close.
 for layers in 2 32; do
     step "$PYTHON" benchmarks/bench_step.py --device cuda --quick --steps 80 \
-        --layers "$layers" --kv-heads 8 --head-dim 128 --only manager service_inproc ipc \
+        --layers "$layers" --kv-heads 8 --head-dim 128 --only manager service_inproc ipc stream \
         --out "$OUT/bench_step_cuda_${layers}_layers.json" 2>&1 | tee -a "$OUT/bench.log"
 done
+# What the host adds to a local round trip with no service behind it (ZeroMQ and a stream socket).
+step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
 # A real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
 step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
 # The step path: the manager with a CUDA block table, and the service on a CUDA pool of the
