@@ -40,14 +40,19 @@ def default_ipc() -> str:
     return f"ipc://{runtime_dir() / 'kvalloc.ipc'}"
 
 
+def default_stream() -> str:
+    return f"stream://{runtime_dir() / 'kvalloc.stream'}"
+
+
 def default_ipc_endpoints() -> list[str]:
     """Where the service serves IPC unless told: ZeroMQ's socket and the stream socket."""
-    return [default_ipc(), f"stream://{runtime_dir() / 'kvalloc.stream'}"]
+    return [default_ipc(), default_stream()]
 
 
 def default_client_address() -> str:
-    """``KVALLOC_ADDRESS`` if set, else the service's default IPC endpoint."""
-    return os.environ.get(ADDRESS_ENV) or default_ipc()
+    """``KVALLOC_ADDRESS`` if set, else the service's default stream socket (its fastest local
+    path)."""
+    return os.environ.get(ADDRESS_ENV) or default_stream()
 
 
 def transport_of(address: str) -> Transport:

@@ -286,8 +286,9 @@ def _range(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, type=argument_type(client_address),
-                        help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
-                             "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
+                        help="stream:///path, ipc:///path, tcp://host:port, http://host:port or "
+                             "unix:///path (default: $KVALLOC_ADDRESS, else the service's default "
+                             "stream socket)")
     parser.add_argument("--worker-id", default=None,
                         help="the worker's name at the service (default: <host>-<pid>)")
     parser.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=10.0,

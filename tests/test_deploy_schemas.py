@@ -275,4 +275,5 @@ def test_ports_and_socket_paths_agree_across_image_compose_and_kubernetes():
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8900,
                                                                             "ipc": 5555}
     assert k8s_serve.uds.startswith("/run/kvalloc/")
-    assert all(a.startswith(("ipc:///run/kvalloc/", "tcp://0.0.0.0:5555")) for a in k8s_serve.ipc)
+    assert all(a.startswith(("ipc:///run/kvalloc/", "stream:///run/kvalloc/",
+                             "tcp://0.0.0.0:5555")) for a in k8s_serve.ipc)

@@ -13,7 +13,7 @@ import pytest
 
 from allocator import PoolConfig
 from server import serve
-from server.addresses import DEFAULT_PORT, default_ipc
+from server.addresses import DEFAULT_PORT, default_client_address, default_ipc_endpoints
 from server.launch import ServiceProcess, free_port, kvalloc_command
 
 
@@ -30,7 +30,10 @@ def test_no_arguments_mean_the_embedded_default_on_loopback(monkeypatch: pytest.
     args = parse()
     assert (args.host, args.port, args.no_tcp, args.uds, args.ipc) == (
         "127.0.0.1", DEFAULT_PORT, False, None, None)
-    assert default_ipc() == f"ipc://{tmp_path}/kvalloc/kvalloc.ipc"
+    assert default_ipc_endpoints() == [f"ipc://{tmp_path}/kvalloc/kvalloc.ipc",
+                                       f"stream://{tmp_path}/kvalloc/kvalloc.stream"]
+    monkeypatch.delenv("KVALLOC_ADDRESS", raising=False)
+    assert default_client_address() == f"stream://{tmp_path}/kvalloc/kvalloc.stream"
     config = serve._config(args)
     defaults = PoolConfig(num_blocks=4096)
     assert config.pool == defaults and config.token is None

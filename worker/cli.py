@@ -106,8 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "token right with probability RATE) (default ngram)")
     svc = parser.add_argument_group("the service")
     svc.add_argument("--address", default=None,
-                     help="ipc:///path, tcp://host:port, http://host:port or unix:///path "
-                          "(default: $KVALLOC_ADDRESS, else the service's default IPC socket)")
+                     help="stream:///path, ipc:///path, tcp://host:port, http://host:port or "
+                          "unix:///path (default: $KVALLOC_ADDRESS, else the service's default "
+                          "stream socket)")
     svc.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
     svc.add_argument("--timeout", type=float, default=30.0,
                      help="seconds to wait for one reply (default 30)")
