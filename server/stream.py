@@ -136,7 +136,7 @@ class StreamListener:
         try:
             with conn:
                 self._converse(conn)
-        except (ConnectionError, TimeoutError):
+        except OSError:
             pass  # the peer went away or stalled inside a message: drop it
         finally:
             with self._lock:
