@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
+from allocator.kv_events import BlockRemoved, external_hash
 from allocator.prefix_cache import block_hashes
 from allocator.simulate_prefix import SharingSpec, simulate_sharing
 
@@ -159,7 +160,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = make_manager(num_blocks=18)
+        self.m = make_manager(num_blocks=18, kv_events=True)
         self.kv = np.full((18, TPB), -1, dtype=np.int64)  # token id written at each slot
         self.snapshot: dict[int, np.ndarray] = {}  # registered block -> content then
         self.prompts: dict[int, np.ndarray] = {}
@@ -170,10 +171,14 @@ class SharingMachine(RuleBasedStateMachine):
     def run(self, plan: StepPlan):
         before = dict(self.m.cache.hash_of)
         out = self.m.step(plan)
-        # Cached before the step and still holding that content (an evicted block may be
-        # reused and registered again with new content in one step).
+        # Cached before the step and not evicted by it. An evicted block may be reused and
+        # registered again in the same step, even under its old hash: a full hit's last block,
+        # recomputed into the evicted block that held it, gets the same content back.
+        evicted = {h for e in self.m.drain_kv_events() if isinstance(e, BlockRemoved)
+                   for h in e.block_hashes}
         after = self.m.cache.hash_of
-        self.protected = {b for b, h in before.items() if after.get(b) == h}
+        self.protected = {b for b, h in before.items()
+                          if after.get(b) == h and external_hash(h) not in evicted}
         for row in plan.finished_rows:
             self.prompts.pop(int(row), None)
         return out
