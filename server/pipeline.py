@@ -55,12 +55,12 @@ class StepPipeline:
 
     def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
         registry = self.registry
-        rows = registry.rows_of(worker, {
-            "reverts.handles": call.revert_handles, "results.handles": call.result_handles,
-            "finished.handles": call.finished_handles, "grants.handles": call.grant_handles,
-            "padding.handles": call.padding_handles, "prefill.handles": call.prefill_handles})
         revert_rows, result_rows, finished_rows, grant_rows, padding_rows, prefill_rows = (
-            rows.values())
+            registry.rows_of(worker, {
+                "reverts.handles": call.revert_handles, "results.handles": call.result_handles,
+                "finished.handles": call.finished_handles, "grants.handles": call.grant_handles,
+                "padding.handles": call.padding_handles,
+                "prefill.handles": call.prefill_handles}))
         registry.check_new(worker, call.new_req_ids)
         previous = worker.batch
         # Per block-table row: reported (1), reverted or finished (2), neither (0).

@@ -7,14 +7,16 @@ live session is only taken over on request (``replace``), never silently.
 
 Requests are named by a string id once, at admission, and by an integer *handle* afterwards:
 ``handle = generation << ROW_BITS | row``, where ``row`` is the request's block-table row and
-``generation`` counts the admissions into that row. Handles are checked as arrays: the row must
-be owned by the caller's session and hold the same generation, so the handle of a freed request
-is refused even after its row was given to another request.
+``generation`` counts the admissions into that row. ``handles[row]`` is the handle of the row's
+latest admission, so checking a handle is one comparison: the row must be owned by the caller's
+session and hold exactly that handle, and the handle of a freed request is refused even after
+its row was given to another request. Both arrays end with a sentinel row that is never owned:
+a handle naming a row past the table lands there and is refused like any other.
 
 Invariants (`check_invariants`):
 - a row is owned (``owner[row]`` = a live session) exactly when the manager holds a request in
-  it, and that session's worker lists the request's id for that row;
-- handles are never reused: a row's generation only grows.
+  it, and that session's worker lists the request's id for that row; the sentinel never is;
+- ``handles[row]`` names ``row``, and handles are never reused: a row's generation only grows.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ class WorkerRegistry:
     def __init__(self, num_rows: int, max_workers: int) -> None:
         self.max_workers = max_workers
         self._workers: dict[str, Worker] = {}
-        self.owner = np.full(num_rows, NO_OWNER, dtype=np.int64)  # session owning each row
-        self.generation = np.zeros(num_rows, dtype=np.int64)
+        self._sentinel = num_rows
+        self.owner = np.full(num_rows + 1, NO_OWNER, dtype=np.int64)  # session owning each row
+        self.handles = np.arange(num_rows + 1, dtype=np.int64)  # generation 0: never handed out
         self._row_req_id: list[str | None] = [None] * num_rows
 
     # ------------------------------------------------------------------ sessions
@@ -127,17 +130,13 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ handles
 
-    def rows_of(self, worker: Worker, lists: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Rows of every list of handles, checked in one pass; `UnknownHandle` naming the first
-        that is not a live request of ``worker`` (``<list>[<index>]``)."""
-        handles = np.concatenate(list(lists.values()))
-        if handles.size == 0:
-            return dict.fromkeys(lists, handles)
-        rows = handles & (MAX_ROWS - 1)
-        in_range = rows < self.owner.size
-        safe = np.where(in_range, rows, 0)
-        live = (in_range & (self.owner[safe] == worker.session)
-                & (self.generation[safe] == handles >> ROW_BITS))
+    def rows_of(self, worker: Worker, lists: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Rows of every list of handles, in order, checked in one pass; `UnknownHandle` naming
+        the first that is not a live request of ``worker`` (``<list>[<index>]``)."""
+        parts = list(lists.values())
+        handles = np.concatenate(parts)
+        rows = np.minimum(handles & (MAX_ROWS - 1), self._sentinel)
+        live = (self.handles[rows] == handles) & (self.owner[rows] == worker.session)
         if not live.all():
             bad = int(np.argmin(live))
             for where, part in lists.items():
@@ -146,8 +145,11 @@ class WorkerRegistry:
                                         f"request of worker {worker.worker_id!r}",
                                         field=f"{where}[{bad}]")
                 bad -= part.size
-        ends = np.cumsum([part.size for part in lists.values()])
-        return dict(zip(lists, np.split(rows, ends[:-1]), strict=True))
+        out, start = [], 0
+        for part in parts:  # views of ``rows``: slicing costs no array operation
+            out.append(rows[start:start + part.size])
+            start += part.size
+        return out
 
     def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
         """New ids must be unique in the call and among the worker's live requests."""
@@ -171,12 +173,12 @@ class WorkerRegistry:
             return np.full(rows.size, -1, dtype=np.int64)
         taken = rows[admitted]
         self.owner[taken] = worker.session
-        self.generation[taken] += 1
+        self.handles[taken] += 1 << ROW_BITS
         for i in np.flatnonzero(admitted).tolist():
             row = int(rows[i])
             worker.req_ids[req_ids[i]] = row
             self._row_req_id[row] = req_ids[i]
-        return np.where(admitted, (self.generation[np.maximum(rows, 0)] << ROW_BITS) | rows, -1)
+        return np.where(admitted, self.handles[rows], -1)  # (a refused -1 reads the sentinel)
 
     def release(self, worker: Worker, rows: np.ndarray) -> None:
         """The requests in ``rows`` are gone (finished, or their worker left)."""
@@ -187,7 +189,7 @@ class WorkerRegistry:
             worker.req_ids.pop(req_id, None)  # type: ignore[arg-type]
 
     def handle(self, row: int) -> int:
-        return int(self.generation[row] << ROW_BITS | row)
+        return int(self.handles[row])
 
     def row_of(self, worker: Worker, req_id: str) -> int:
         try:
@@ -201,6 +203,9 @@ class WorkerRegistry:
         owned = np.flatnonzero(self.owner != NO_OWNER)
         if not np.array_equal(np.sort(live_rows), owned):
             raise InvariantViolation("rows owned by workers differ from the manager's requests")
+        rows = self.handles[:-1]  # (the sentinel's is never handed out)
+        if not np.array_equal(rows & (MAX_ROWS - 1), np.arange(rows.size)):
+            raise InvariantViolation("a row's handle names another row")
         sessions = {w.session: w for w in self._workers.values()}
         listed = 0
         for row in owned.tolist():
