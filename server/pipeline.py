@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from allocator import KVCacheManager, StepOutcome, StepPlan
+from allocator import KVCacheManager, StepOutcome
 from allocator.kv_events import KVCacheEvent
+from allocator.step_plan import checked_plan
 
 from . import protocol, wire
 from .batch import ScheduledBatch
@@ -76,13 +77,14 @@ class StepPipeline:
 
         if worker.fence is not None:
             worker.fence.service_begin()
-        outcome = self.manager.step(StepPlan(
+        # The call's columns were checked when it was built: the plan skips `coerce`.
+        outcome = self.manager.step_arrays(checked_plan(
             revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
-            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
-            prompt_tokens=_split(call.prompt_token_ids, call.prompt_lens)))
+            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks),
+            _split(call.prompt_token_ids, call.prompt_lens))
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
