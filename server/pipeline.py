@@ -32,6 +32,7 @@ from .schedule import schedule
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
 _REPORTED, _DROPPED = 1, 2
 _OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
+_NONE_REFUSED = Refused(NO_VALUES, NO_VALUES, NO_VALUES)
 
 
 def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
@@ -104,7 +105,7 @@ class StepPipeline:
         self.publish_events()
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
-            refused=self._refused(outcome), committed=committed,
+            refused=self._refused(outcome, len(scheduled)), committed=committed,
             free_blocks=self.manager.free_blocks,
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
@@ -159,12 +160,14 @@ class StepPipeline:
             self.committer.protect(*cache.drain_protection())
         return summary
 
-    def _refused(self, outcome: StepOutcome) -> Refused:
+    def _refused(self, outcome: StepOutcome, scheduled: int) -> Refused:
+        """The entries the step did not schedule, out of ``scheduled`` that it did."""
+        if scheduled == (outcome.granted.size + outcome.prefill_granted.size
+                         + outcome.admitted_rows.size):
+            return _NONE_REFUSED  # the common step: no array to build
         grants = np.flatnonzero(~outcome.granted)
         chunks = np.flatnonzero(~outcome.prefill_granted)
         new = np.flatnonzero(outcome.admitted_rows < 0)
-        if grants.size + chunks.size + new.size == 0:
-            return Refused(NO_VALUES, NO_VALUES, NO_VALUES)
         kinds = np.repeat([_KIND["grant"], _KIND["prefill"], _KIND["new"]],
                           [grants.size, chunks.size, new.size])
         reasons = np.concatenate([np.full(grants.size + chunks.size, _OUT_OF_BLOCKS),

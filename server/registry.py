@@ -22,6 +22,7 @@ Invariants (`check_invariants`):
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class Worker:
     staging: torch.Tensor
     attachment: wire.Attachment
     fence: StepFence | None
-    last_seen: float
+    last_seen: float  # the clock at its last call; only grows (the clock is monotonic)
     req_ids: dict[str, int] = field(default_factory=dict)  # live request id -> row
     last_step_id: int | None = None
     last_call: StepCall | None = None
@@ -72,6 +73,7 @@ class WorkerRegistry:
     def __init__(self, num_rows: int, max_workers: int) -> None:
         self.max_workers = max_workers
         self._workers: dict[str, Worker] = {}
+        self._earliest_seen = math.inf  # no live worker was last seen before this (see expired)
         self._sentinel = num_rows
         self.owner = np.full(num_rows + 1, NO_OWNER, dtype=np.int64)  # session owning each row
         self.handles = np.arange(num_rows + 1, dtype=np.int64)  # generation 0: never handed out
@@ -105,6 +107,7 @@ class WorkerRegistry:
         session = secrets.randbits(52)  # exact in every JSON reader, doubles included
         worker = make(session)
         self._workers[worker.worker_id] = worker
+        self._earliest_seen = min(self._earliest_seen, worker.last_seen)
         return worker
 
     def remove(self, worker: Worker) -> np.ndarray:
@@ -126,7 +129,16 @@ class WorkerRegistry:
         return worker
 
     def expired(self, now: float, ttl: float) -> list[Worker]:
-        return [w for w in self._workers.values() if now - w.last_seen > ttl]
+        """Workers silent for more than ``ttl``. Every call checks this, so the common answer
+        costs one comparison: no worker was seen before ``_earliest_seen`` (a lower bound, as a
+        worker's ``last_seen`` only grows), and only a lease that may have run out starts a scan.
+        """
+        if now - self._earliest_seen <= ttl:
+            return []
+        expired = [w for w in self._workers.values() if now - w.last_seen > ttl]
+        self._earliest_seen = min((w.last_seen for w in self._workers.values()
+                                   if now - w.last_seen <= ttl), default=math.inf)
+        return expired
 
     # ------------------------------------------------------------------ handles
 

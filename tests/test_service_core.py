@@ -410,6 +410,15 @@ def test_a_silent_worker_loses_its_requests_and_blocks(core: ServiceCore,
     quiet.client.register()  # and it may come back
     assert quiet.step(new={"a": 1}).admitted[0] >= 0
     core.check_invariants()
+    # Each lease runs out TTL after its own worker's last call, whoever expired before.
+    clock.now = 1000.0 + TTL / 2 + TTL  # busy's last call was at 1000 + TTL / 2
+    assert core.expire_leases() == 0
+    clock.now += 0.1
+    assert core.expire_leases() == 1 and core.registry.get("busy") is None
+    clock.now = 1000.0 + 2 * TTL + 0.05  # quiet came back at 1000 + TTL + 0.1
+    assert core.expire_leases() == 0
+    clock.now += 0.1
+    assert core.expire_leases() == 1 and len(core.registry) == 0
 
 
 def test_a_call_after_the_ttl_finds_the_lease_gone_even_before_the_reaper(
