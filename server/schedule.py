@@ -112,16 +112,17 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
     t = 0
     for e in range(entries):
         offsets[e] = t
-        for k in range(num_tokens[e]):
-            position = starts[e] + k
+        position, end = starts[e], starts[e] + num_tokens[e]
+        while position < end:  # a run of tokens in one block: one table read, no division
             column = position // tokens_per_block
-            slot = -1
-            if column < width:
-                block = table[rows[e], column]
-                if block >= 0:
-                    slot = block * tokens_per_block + position % tokens_per_block
-            request[t], positions[t], slots[t] = e, position, slot
-            t += 1
+            within = position - column * tokens_per_block
+            run = min(tokens_per_block - within, end - position)
+            block = table[rows[e], column] if column < width else -1
+            for k in range(run):
+                request[t], positions[t] = e, position + k
+                slots[t] = block * tokens_per_block + within + k if block >= 0 else -1
+                t += 1
+            position += run
     return (handles, rows, offsets, num_tokens, num_drafts, starts, request, positions, slots,
             num_decodes)
 
