@@ -44,6 +44,7 @@ from .errors import (
     UnknownWorker,
     WorkerIdInUse,
 )
+from .jit import jit, numba
 from .settings import MAX_ROWS
 from .sharing import StepFence
 
@@ -74,7 +75,6 @@ class WorkerRegistry:
         self.max_workers = max_workers
         self._workers: dict[str, Worker] = {}
         self._earliest_seen = math.inf  # no live worker was last seen before this (see expired)
-        self._sentinel = num_rows
         self.owner = np.full(num_rows + 1, NO_OWNER, dtype=np.int64)  # session owning each row
         self.handles = np.arange(num_rows + 1, dtype=np.int64)  # generation 0: never handed out
         self._row_req_id: list[str | None] = [None] * num_rows
@@ -146,11 +146,8 @@ class WorkerRegistry:
         """Rows of every list of handles, in order, checked in one pass; `UnknownHandle` naming
         the first that is not a live request of ``worker`` (``<list>[<index>]``)."""
         parts = list(lists.values())
-        handles = np.concatenate(parts)
-        rows = np.minimum(handles & (MAX_ROWS - 1), self._sentinel)
-        live = (self.handles[rows] == handles) & (self.owner[rows] == worker.session)
-        if not live.all():
-            bad = int(np.argmin(live))
+        rows, bad = live_rows(np.concatenate(parts), self.handles, self.owner, worker.session)
+        if bad >= 0:
             for where, part in lists.items():
                 if bad < part.size:
                     raise UnknownHandle(f"{where}[{bad}]: handle {int(part[bad])} names no live "
@@ -229,3 +226,28 @@ class WorkerRegistry:
             listed += len(worker.req_ids)
         if listed != owned.size:
             raise InvariantViolation("a worker lists a request the registry does not own")
+
+
+def live_rows_reference(handles: np.ndarray, row_handles: np.ndarray, owner: np.ndarray,
+                        session: int) -> tuple[np.ndarray, int]:
+    """The row each handle names, and the index of the first handle that is not a live request
+    of ``session`` (-1: every one is). ``row_handles`` and ``owner`` are the registry's arrays,
+    their last entry the sentinel row."""
+    rows = np.minimum(handles & (MAX_ROWS - 1), owner.size - 1)
+    live = (row_handles[rows] == handles) & (owner[rows] == session)
+    return rows, -1 if live.all() else int(np.argmin(live))
+
+
+def _live_rows_loop(handles, row_handles, owner, session):  # type: ignore[no-untyped-def]
+    # Compiled by numba; the reference above states what it computes.
+    rows = np.empty(handles.size, np.int64)
+    sentinel = owner.size - 1
+    for i in range(handles.size):
+        row = min(handles[i] & (MAX_ROWS - 1), sentinel)
+        if row_handles[row] != handles[i] or owner[row] != session:
+            return rows, i
+        rows[i] = row
+    return rows, -1
+
+
+live_rows = jit(_live_rows_loop) if numba is not None else live_rows_reference

@@ -21,11 +21,7 @@ import numpy as np
 
 from .batch import ScheduledBatch
 from .columns import Scheduled
-
-try:
-    import numba
-except ImportError:  # the reference runs instead
-    numba = None
+from .jit import jit, numba
 
 
 def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,
@@ -127,15 +123,8 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
             num_decodes)
 
 
-def _jit(function):  # type: ignore[no-untyped-def]
-    try:
-        return numba.njit(cache=True, nogil=True)(function)
-    except RuntimeError:  # no writable cache directory: compile in every process
-        return numba.njit(nogil=True)(function)
-
-
 if numba is not None:
-    _compiled_loop = _jit(_schedule_loop)
+    _compiled_loop = jit(_schedule_loop)
 
 
 def schedule_compiled(*args: Any) -> ScheduledBatch:
