@@ -6,9 +6,9 @@ Order inside one call (all checks come first; from the manager's step on nothing
 2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
    `allocator.StepOutcome` with everything the rest needs;
 3. the registry frees finished requests and hands out handles for admitted ones;
-4. the previous batch is committed from the worker's staging buffer: exactly its accepted
-   tokens, into blocks their requests still own;
-5. this step's batch is laid out (`server.schedule`), and the reply built from the outcome.
+4. this step's batch is laid out (`server.schedule`);
+5. the previous batch is committed from the worker's staging buffer: exactly its accepted
+   tokens, into blocks their requests still own; the reply is built from the outcome.
 """
 
 from __future__ import annotations
@@ -89,9 +89,8 @@ class StepPipeline:
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
-        committed = NOTHING
-        if previous is not None:
-            committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
+        # Laid out before the commit, while the table rows the step just wrote are in the
+        # cache (the commit streams the staged K/V through it); the commit changes no table cell.
         cached = outcome.cached_tokens
         worker.batch = batch = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
@@ -100,6 +99,9 @@ class StepPipeline:
             np.minimum(prompt_tokens, call.prompt_lens - cached), cached,
             self.manager.table.host, self._tpb)
         scheduled = batch.scheduled
+        committed = NOTHING
+        if previous is not None:
+            committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
         if worker.fence is not None:
             worker.fence.service_end()
         self.publish_events()
