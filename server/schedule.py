@@ -79,15 +79,11 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
         if admitted_rows[i] >= 0:
             entries += 1
             tokens += prompt_tokens[i]
-    handles = np.empty(entries, np.int64)
-    rows = np.empty(entries, np.int64)
-    offsets = np.empty(entries, np.int64)
-    num_tokens = np.empty(entries, np.int64)
-    num_drafts = np.zeros(entries, np.int64)
-    starts = np.zeros(entries, np.int64)
-    request = np.empty(tokens, np.int64)
-    positions = np.empty(tokens, np.int64)
-    slots = np.empty(tokens, np.int64)
+    # Two blocks of columns instead of nine arrays: each returned array costs a conversion.
+    per_entry = np.zeros((6, entries), np.int64)  # `Scheduled`'s fields, in its order
+    per_token = np.empty((3, tokens), np.int64)
+    handles, rows, offsets, num_tokens, num_drafts, starts = per_entry
+    request, positions, slots = per_token
     e = 0
     for i in range(granted.size):
         if granted[i]:
@@ -119,8 +115,7 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
                 slots[t] = block * tokens_per_block + within + k if block >= 0 else -1
                 t += 1
             position += run
-    return (handles, rows, offsets, num_tokens, num_drafts, starts, request, positions, slots,
-            num_decodes)
+    return per_entry, per_token, num_decodes
 
 
 if numba is not None:
@@ -129,8 +124,8 @@ if numba is not None:
 
 def schedule_compiled(*args: Any) -> ScheduledBatch:
     """`schedule_reference` as one compiled loop (same arguments, same result)."""
-    *columns, request, positions, slots, num_decodes = _compiled_loop(*args)
-    return ScheduledBatch(Scheduled(*columns), int(num_decodes), request, positions, slots,
+    per_entry, (request, positions, slots), num_decodes = _compiled_loop(*args)
+    return ScheduledBatch(Scheduled(*per_entry), int(num_decodes), request, positions, slots,
                           args[-1])
 
 
