@@ -177,16 +177,14 @@ def checked_plan(*, revert_rows: np.ndarray, result_rows: np.ndarray, num_accept
     step is built for one type."""
     if first_chunks.size == 0 and prompt_lens.size:
         first_chunks = np.zeros(prompt_lens.size, dtype=np.int64)
-    return PlanArrays(*map(_step_array, (
-        revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens,
-        padding_rows, padded_draft_lens, prefill_rows, prefill_tokens, prompt_lens,
-        first_chunks)), False)
+    columns = (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens,
+               padding_rows, padded_draft_lens, prefill_rows, prefill_tokens, prompt_lens,
+               first_chunks)
+    return PlanArrays(*[c if c.flags.writeable and c.flags.c_contiguous else _copy(c)
+                        for c in columns], False)
 
 
-def _step_array(values: np.ndarray) -> np.ndarray:
-    flags = values.flags
-    if flags.writeable and flags.c_contiguous:
-        return values
+def _copy(values: np.ndarray) -> np.ndarray:
     return np.array(values) if values.size else _EMPTY
 
 
