@@ -8,10 +8,11 @@ live session is only taken over on request (``replace``), never silently.
 Requests are named by a string id once, at admission, and by an integer *handle* afterwards:
 ``handle = generation << ROW_BITS | row``, where ``row`` is the request's block-table row and
 ``generation`` counts the admissions into that row. ``handles[row]`` is the handle of the row's
-latest admission, so checking a handle is one comparison: the row must be owned by the caller's
-session and hold exactly that handle, and the handle of a freed request is refused even after
-its row was given to another request. Both arrays end with a sentinel row that is never owned:
-a handle naming a row past the table lands there and is refused like any other.
+latest admission, so a handle is live when its row is owned by the caller's session and holds
+exactly that handle (`live_rows`, one compiled pass over a step's handles): the handle of a
+freed request is refused even after its row was given to another request. Both arrays end with
+a sentinel row that is never owned: a handle naming a row past the table lands there and is
+refused like any other.
 
 Invariants (`check_invariants`):
 - a row is owned (``owner[row]`` = a live session) exactly when the manager holds a request in
