@@ -239,7 +239,8 @@ def live_rows_reference(handles: np.ndarray, row_handles: np.ndarray, owner: np.
     return rows, -1 if live.all() else int(np.argmin(live))
 
 
-def _live_rows_loop(handles, row_handles, owner, session):  # type: ignore[no-untyped-def]
+def _live_rows_loop(handles, row_handles, owner,  # type: ignore[no-untyped-def]
+                    session):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
     rows = np.empty(handles.size, np.int64)
     sentinel = owner.size - 1
