@@ -36,7 +36,8 @@ prompt is scheduled.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,7 +117,14 @@ class KVCacheManager:
         """Apply a whole scheduler step in one call (see `StepPlan` for the order); rows as
         integer arrays. Raises a typed error, changing nothing, on bad input."""
         arrays = coerce(plan)
-        tokens = prompt_token_arrays(plan.prompt_tokens, arrays.prompt_lens)
+        return self.step_arrays(arrays, prompt_token_arrays(plan.prompt_tokens,
+                                                            arrays.prompt_lens))
+
+    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = ()) -> StepOutcome:
+        """`step` for a plan its caller already converted and checked as `step` would (`coerce`
+        or `step_plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
+        bounds and the state machine are still the step's to check, and a typed error still
+        changes nothing."""
         prompts: list[Prompt | None] = []
         hits = NO_HITS
         if self.cache is not None and any(t is not None for t in tokens):

@@ -2,8 +2,10 @@
 
 A plan names live requests by block-table row. Int64 numpy arrays are the fast path; lists and
 other integer arrays are accepted and converted here (`coerce`), which checks each list's length
-and that it holds integers. Everything else about the plan (rows live and listed once, value
-bounds, the grant state machine, blocks) is the step's to check, before it changes anything.
+and that it holds integers. A caller that already checked exactly that (the service, whose step
+columns are validated at its edge) builds the arrays with `checked_plan` instead. Everything else
+about the plan (rows live and listed once, value bounds, the grant state machine, blocks) is the
+step's to check, before it changes anything.
 """
 
 from __future__ import annotations
@@ -162,6 +164,28 @@ def coerce(plan: StepPlan) -> PlanArrays:
     return PlanArrays(revert_rows, result_rows, num_accepted, finished_rows, grant_rows,
                       draft_lens, padding_rows, padded, prefill_rows, prefill_tokens, prompt_lens,
                       first_chunks, bool(plan.strict_grants))
+
+
+def checked_plan(*, revert_rows: np.ndarray, result_rows: np.ndarray, num_accepted: np.ndarray,
+                 finished_rows: np.ndarray, grant_rows: np.ndarray, draft_lens: np.ndarray,
+                 padding_rows: np.ndarray, padded_draft_lens: np.ndarray,
+                 prefill_rows: np.ndarray, prefill_tokens: np.ndarray, prompt_lens: np.ndarray,
+                 first_chunks: np.ndarray) -> PlanArrays:
+    """`coerce`'s result for lists the caller already checked: 1-D int64 arrays whose lengths
+    match (``first_chunks`` empty or one per new request). Only the array type is settled here:
+    a read-only or strided array (a transport's buffer, a view) is copied, since the compiled
+    step is built for one type."""
+    if first_chunks.size == 0 and prompt_lens.size:
+        first_chunks = np.zeros(prompt_lens.size, dtype=np.int64)
+    columns = (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens,
+               padding_rows, padded_draft_lens, prefill_rows, prefill_tokens, prompt_lens,
+               first_chunks)
+    return PlanArrays(*[c if c.flags.writeable and c.flags.c_contiguous else _copy(c)
+                        for c in columns], False)
+
+
+def _copy(values: np.ndarray) -> np.ndarray:
+    return np.array(values) if values.size else _EMPTY
 
 
 def prompt_token_arrays(values: Sequence[Any], prompt_lens: np.ndarray) -> list[Any]:

@@ -15,13 +15,14 @@ import functools
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel
 
 from . import protocol, wire
 from .errors import MalformedBody
+from .jit import jit, numba
 
 INT64 = np.dtype("<i8")
 NO_VALUES = np.zeros(0, dtype=np.int64)
@@ -56,18 +57,6 @@ def _bounds(model: type[BaseModel]) -> dict[str, protocol.Column]:
     return {name: col for name, tp in hints.items() if (col := wire.column_of(tp)) is not None}
 
 
-def column(value: ColumnInput, bounds: protocol.Column, where: str) -> np.ndarray:
-    """``value`` as an int64 array within ``bounds``; `MalformedBody` naming ``where`` if not."""
-    array = as_int64(value, where)
-    # A bound at the edge of int64 holds for every int64: only the other one costs a pass.
-    if array.size and ((bounds.ge > _INT64_MIN and array.min() < bounds.ge) or (
-            bounds.le < _INT64_MAX and array.max() > bounds.le)):
-        bad = int(np.flatnonzero((array < bounds.ge) | (array > bounds.le))[0])
-        raise MalformedBody(f"{where}[{bad}]: {int(array[bad])} is outside [{bounds.ge}, "
-                            f"{bounds.le}]", field=f"{where}[{bad}]")
-    return array
-
-
 def as_int64(value: ColumnInput, where: str) -> np.ndarray:
     """``value`` as a flat int64 array (int64 bytes are viewed, not copied); `MalformedBody`
     naming ``where`` if it holds anything but integers."""
@@ -91,7 +80,7 @@ def as_int64(value: ColumnInput, where: str) -> np.ndarray:
     return array
 
 
-_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 class _ArrayRecord:
@@ -154,8 +143,14 @@ class StepCall(_ArrayRecord):
         unknown = set(columns) - set(_REQUEST_COLUMNS)
         if unknown:
             raise TypeError(f"unknown columns: {sorted(unknown)}")
-        arrays = {attr: column(columns[attr], bounds, where) if attr in columns else NO_VALUES
-                  for attr, (bounds, where) in _request_specs().items()}
+        arrays: dict[str, np.ndarray] = {}
+        for attr, where in zip(_REQUEST_COLUMNS, _request_bounds().names, strict=True):
+            try:
+                arrays[attr] = as_int64(columns[attr], where) if attr in columns else NO_VALUES
+            except MalformedBody:
+                _check_bounds(arrays)  # a bad value in an earlier column is named first
+                raise
+        _check_bounds(arrays)
         by_name = {(g, n): arrays[a] for a, (g, n) in _REQUEST_COLUMNS.items()}
         for group, first, second in _PAIRED:
             _same_length(by_name[group, first], by_name[group, second], group, first, second)
@@ -208,11 +203,64 @@ def _field_names(holder: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(holder))
 
 
+class _Bounds(NamedTuple):
+    """Per StepCall column, in `_REQUEST_COLUMNS` order: its name in errors
+    (``grants.draft_lens``) and the bounds its `protocol.Column` declares."""
+
+    names: tuple[str, ...]
+    low: np.ndarray
+    high: np.ndarray
+
+
 @functools.cache
-def _request_specs() -> dict[str, tuple[protocol.Column, str]]:
-    """Per StepCall column: its bounds and its name in errors (``grants.draft_lens``)."""
-    return {attr: (_bounds(_MODELS[group])[name], f"{group}.{name}")
-            for attr, (group, name) in _REQUEST_COLUMNS.items()}
+def _request_bounds() -> _Bounds:
+    columns = [_bounds(_MODELS[group])[name] for group, name in _REQUEST_COLUMNS.values()]
+    return _Bounds(tuple(f"{group}.{name}" for group, name in _REQUEST_COLUMNS.values()),
+                   np.array([c.ge for c in columns], dtype=np.int64),
+                   np.array([c.le for c in columns], dtype=np.int64))
+
+
+def _check_bounds(arrays: dict[str, np.ndarray]) -> None:
+    """The columns converted so far (in `_REQUEST_COLUMNS` order) within their bounds, in one
+    pass over all of them; `MalformedBody` naming the first element outside."""
+    parts = list(arrays.values())
+    if not parts:
+        return
+    names, low, high = _request_bounds()
+    bad = first_outside(np.concatenate(parts),
+                        np.array([part.size for part in parts], dtype=np.int64), low, high)
+    if bad < 0:
+        return
+    for where, part, ge, le in zip(names, parts, low.tolist(), high.tolist(), strict=False):
+        if bad < part.size:
+            raise MalformedBody(f"{where}[{bad}]: {int(part[bad])} is outside [{ge}, {le}]",
+                                field=f"{where}[{bad}]")
+        bad -= part.size
+
+
+def first_outside_reference(values: np.ndarray, sizes: np.ndarray, low: np.ndarray,
+                            high: np.ndarray) -> int:
+    """Index in ``values`` (columns of ``sizes`` values, concatenated) of the first value outside
+    its column's ``[low, high]``; -1 when there is none."""
+    outside = ((values < np.repeat(low[:sizes.size], sizes))
+               | (values > np.repeat(high[:sizes.size], sizes)))
+    return int(np.argmax(outside)) if outside.any() else -1
+
+
+def _first_outside_loop(values, sizes,  # type: ignore[no-untyped-def]
+                        low, high):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    i = 0
+    for column in range(sizes.size):
+        for _ in range(sizes[column]):
+            if values[i] < low[column] or values[i] > high[column]:
+                return i
+            i += 1
+    return -1
+
+
+first_outside = (jit(_first_outside_loop) if numba is not None
+                 else first_outside_reference)
 
 
 def _same_length(a: np.ndarray, b: np.ndarray, group: str, first: str, second: str) -> None:

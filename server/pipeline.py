@@ -6,9 +6,9 @@ Order inside one call (all checks come first; from the manager's step on nothing
 2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
    `allocator.StepOutcome` with everything the rest needs;
 3. the registry frees finished requests and hands out handles for admitted ones;
-4. the previous batch is committed from the worker's staging buffer: exactly its accepted
-   tokens, into blocks their requests still own;
-5. this step's batch is laid out (`server.schedule`), and the reply built from the outcome.
+4. this step's batch is laid out (`server.schedule`);
+5. the previous batch is committed from the worker's staging buffer: exactly its accepted
+   tokens, into blocks their requests still own; the reply is built from the outcome.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from allocator import KVCacheManager, StepOutcome, StepPlan
+from allocator import KVCacheManager, StepOutcome
 from allocator.kv_events import KVCacheEvent
+from allocator.step_plan import checked_plan
 
 from . import protocol, wire
 from .batch import ScheduledBatch
@@ -31,6 +32,7 @@ from .schedule import schedule
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
 _REPORTED, _DROPPED = 1, 2
 _OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
+_NONE_REFUSED = Refused(NO_VALUES, NO_VALUES, NO_VALUES)
 
 
 def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
@@ -55,12 +57,12 @@ class StepPipeline:
 
     def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
         registry = self.registry
-        rows = registry.rows_of(worker, {
-            "reverts.handles": call.revert_handles, "results.handles": call.result_handles,
-            "finished.handles": call.finished_handles, "grants.handles": call.grant_handles,
-            "padding.handles": call.padding_handles, "prefill.handles": call.prefill_handles})
         revert_rows, result_rows, finished_rows, grant_rows, padding_rows, prefill_rows = (
-            rows.values())
+            registry.rows_of(worker, {
+                "reverts.handles": call.revert_handles, "results.handles": call.result_handles,
+                "finished.handles": call.finished_handles, "grants.handles": call.grant_handles,
+                "padding.handles": call.padding_handles,
+                "prefill.handles": call.prefill_handles}))
         registry.check_new(worker, call.new_req_ids)
         previous = worker.batch
         # Per block-table row: reported (1), reverted or finished (2), neither (0).
@@ -76,19 +78,19 @@ class StepPipeline:
 
         if worker.fence is not None:
             worker.fence.service_begin()
-        outcome = self.manager.step(StepPlan(
+        # The call's columns were checked when it was built: the plan skips `coerce`.
+        outcome = self.manager.step_arrays(checked_plan(
             revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
-            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
-            prompt_tokens=_split(call.prompt_token_ids, call.prompt_lens)))
+            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks),
+            _split(call.prompt_token_ids, call.prompt_lens))
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
-        committed = NOTHING
-        if previous is not None:
-            committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
+        # Laid out before the commit, while the table rows the step just wrote are in the
+        # cache (the commit streams the staged K/V through it); the commit changes no table cell.
         cached = outcome.cached_tokens
         worker.batch = batch = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
@@ -97,12 +99,15 @@ class StepPipeline:
             np.minimum(prompt_tokens, call.prompt_lens - cached), cached,
             self.manager.table.host, self._tpb)
         scheduled = batch.scheduled
+        committed = NOTHING
+        if previous is not None:
+            committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
         if worker.fence is not None:
             worker.fence.service_end()
         self.publish_events()
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
-            refused=self._refused(outcome), committed=committed,
+            refused=self._refused(outcome, len(scheduled)), committed=committed,
             free_blocks=self.manager.free_blocks,
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
@@ -157,12 +162,14 @@ class StepPipeline:
             self.committer.protect(*cache.drain_protection())
         return summary
 
-    def _refused(self, outcome: StepOutcome) -> Refused:
+    def _refused(self, outcome: StepOutcome, scheduled: int) -> Refused:
+        """The entries the step did not schedule, out of ``scheduled`` that it did."""
+        if scheduled == (outcome.granted.size + outcome.prefill_granted.size
+                         + outcome.admitted_rows.size):
+            return _NONE_REFUSED  # the common step: no array to build
         grants = np.flatnonzero(~outcome.granted)
         chunks = np.flatnonzero(~outcome.prefill_granted)
         new = np.flatnonzero(outcome.admitted_rows < 0)
-        if grants.size + chunks.size + new.size == 0:
-            return Refused(NO_VALUES, NO_VALUES, NO_VALUES)
         kinds = np.repeat([_KIND["grant"], _KIND["prefill"], _KIND["new"]],
                           [grants.size, chunks.size, new.size])
         reasons = np.concatenate([np.full(grants.size + chunks.size, _OUT_OF_BLOCKS),

@@ -7,19 +7,23 @@ live session is only taken over on request (``replace``), never silently.
 
 Requests are named by a string id once, at admission, and by an integer *handle* afterwards:
 ``handle = generation << ROW_BITS | row``, where ``row`` is the request's block-table row and
-``generation`` counts the admissions into that row. Handles are checked as arrays: the row must
-be owned by the caller's session and hold the same generation, so the handle of a freed request
-is refused even after its row was given to another request.
+``generation`` counts the admissions into that row. ``handles[row]`` is the handle of the row's
+latest admission, so a handle is live when its row is owned by the caller's session and holds
+exactly that handle (`live_rows`, one compiled pass over a step's handles): the handle of a
+freed request is refused even after its row was given to another request. Both arrays end with
+a sentinel row that is never owned: a handle naming a row past the table lands there and is
+refused like any other.
 
 Invariants (`check_invariants`):
 - a row is owned (``owner[row]`` = a live session) exactly when the manager holds a request in
-  it, and that session's worker lists the request's id for that row;
-- handles are never reused: a row's generation only grows.
+  it, and that session's worker lists the request's id for that row; the sentinel never is;
+- ``handles[row]`` names ``row``, and handles are never reused: a row's generation only grows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ from .errors import (
     UnknownWorker,
     WorkerIdInUse,
 )
+from .jit import jit, numba
 from .settings import MAX_ROWS
 from .sharing import StepFence
 
@@ -58,7 +63,7 @@ class Worker:
     staging: torch.Tensor
     attachment: wire.Attachment
     fence: StepFence | None
-    last_seen: float
+    last_seen: float  # the clock at its last call; only grows (the clock is monotonic)
     req_ids: dict[str, int] = field(default_factory=dict)  # live request id -> row
     last_step_id: int | None = None
     last_call: StepCall | None = None
@@ -70,8 +75,9 @@ class WorkerRegistry:
     def __init__(self, num_rows: int, max_workers: int) -> None:
         self.max_workers = max_workers
         self._workers: dict[str, Worker] = {}
-        self.owner = np.full(num_rows, NO_OWNER, dtype=np.int64)  # session owning each row
-        self.generation = np.zeros(num_rows, dtype=np.int64)
+        self._earliest_seen = math.inf  # no live worker was last seen before this (see expired)
+        self.owner = np.full(num_rows + 1, NO_OWNER, dtype=np.int64)  # session owning each row
+        self.handles = np.arange(num_rows + 1, dtype=np.int64)  # generation 0: never handed out
         self._row_req_id: list[str | None] = [None] * num_rows
 
     # ------------------------------------------------------------------ sessions
@@ -102,6 +108,7 @@ class WorkerRegistry:
         session = secrets.randbits(52)  # exact in every JSON reader, doubles included
         worker = make(session)
         self._workers[worker.worker_id] = worker
+        self._earliest_seen = min(self._earliest_seen, worker.last_seen)
         return worker
 
     def remove(self, worker: Worker) -> np.ndarray:
@@ -123,31 +130,36 @@ class WorkerRegistry:
         return worker
 
     def expired(self, now: float, ttl: float) -> list[Worker]:
-        return [w for w in self._workers.values() if now - w.last_seen > ttl]
+        """Workers silent for more than ``ttl``. Every call checks this, so the common answer
+        costs one comparison: no worker was seen before ``_earliest_seen`` (a lower bound, as a
+        worker's ``last_seen`` only grows), and only a lease that may have run out starts a scan.
+        """
+        if now - self._earliest_seen <= ttl:
+            return []
+        expired = [w for w in self._workers.values() if now - w.last_seen > ttl]
+        self._earliest_seen = min((w.last_seen for w in self._workers.values()
+                                   if now - w.last_seen <= ttl), default=math.inf)
+        return expired
 
     # ------------------------------------------------------------------ handles
 
-    def rows_of(self, worker: Worker, lists: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Rows of every list of handles, checked in one pass; `UnknownHandle` naming the first
-        that is not a live request of ``worker`` (``<list>[<index>]``)."""
-        handles = np.concatenate(list(lists.values()))
-        if handles.size == 0:
-            return dict.fromkeys(lists, handles)
-        rows = handles & (MAX_ROWS - 1)
-        in_range = rows < self.owner.size
-        safe = np.where(in_range, rows, 0)
-        live = (in_range & (self.owner[safe] == worker.session)
-                & (self.generation[safe] == handles >> ROW_BITS))
-        if not live.all():
-            bad = int(np.argmin(live))
+    def rows_of(self, worker: Worker, lists: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Rows of every list of handles, in order, checked in one pass; `UnknownHandle` naming
+        the first that is not a live request of ``worker`` (``<list>[<index>]``)."""
+        parts = list(lists.values())
+        rows, bad = live_rows(np.concatenate(parts), self.handles, self.owner, worker.session)
+        if bad >= 0:
             for where, part in lists.items():
                 if bad < part.size:
                     raise UnknownHandle(f"{where}[{bad}]: handle {int(part[bad])} names no live "
                                         f"request of worker {worker.worker_id!r}",
                                         field=f"{where}[{bad}]")
                 bad -= part.size
-        ends = np.cumsum([part.size for part in lists.values()])
-        return dict(zip(lists, np.split(rows, ends[:-1]), strict=True))
+        out, start = [], 0
+        for part in parts:  # views of ``rows``: slicing costs no array operation
+            out.append(rows[start:start + part.size])
+            start += part.size
+        return out
 
     def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
         """New ids must be unique in the call and among the worker's live requests."""
@@ -171,12 +183,12 @@ class WorkerRegistry:
             return np.full(rows.size, -1, dtype=np.int64)
         taken = rows[admitted]
         self.owner[taken] = worker.session
-        self.generation[taken] += 1
+        self.handles[taken] += 1 << ROW_BITS
         for i in np.flatnonzero(admitted).tolist():
             row = int(rows[i])
             worker.req_ids[req_ids[i]] = row
             self._row_req_id[row] = req_ids[i]
-        return np.where(admitted, (self.generation[np.maximum(rows, 0)] << ROW_BITS) | rows, -1)
+        return np.where(admitted, self.handles[rows], -1)  # (a refused -1 reads the sentinel)
 
     def release(self, worker: Worker, rows: np.ndarray) -> None:
         """The requests in ``rows`` are gone (finished, or their worker left)."""
@@ -187,7 +199,7 @@ class WorkerRegistry:
             worker.req_ids.pop(req_id, None)  # type: ignore[arg-type]
 
     def handle(self, row: int) -> int:
-        return int(self.generation[row] << ROW_BITS | row)
+        return int(self.handles[row])
 
     def row_of(self, worker: Worker, req_id: str) -> int:
         try:
@@ -201,6 +213,9 @@ class WorkerRegistry:
         owned = np.flatnonzero(self.owner != NO_OWNER)
         if not np.array_equal(np.sort(live_rows), owned):
             raise InvariantViolation("rows owned by workers differ from the manager's requests")
+        rows = self.handles[:-1]  # (the sentinel's is never handed out)
+        if not np.array_equal(rows & (MAX_ROWS - 1), np.arange(rows.size)):
+            raise InvariantViolation("a row's handle names another row")
         sessions = {w.session: w for w in self._workers.values()}
         listed = 0
         for row in owned.tolist():
@@ -212,3 +227,29 @@ class WorkerRegistry:
             listed += len(worker.req_ids)
         if listed != owned.size:
             raise InvariantViolation("a worker lists a request the registry does not own")
+
+
+def live_rows_reference(handles: np.ndarray, row_handles: np.ndarray, owner: np.ndarray,
+                        session: int) -> tuple[np.ndarray, int]:
+    """The row each handle names, and the index of the first handle that is not a live request
+    of ``session`` (-1: every one is). ``row_handles`` and ``owner`` are the registry's arrays,
+    their last entry the sentinel row."""
+    rows = np.minimum(handles & (MAX_ROWS - 1), owner.size - 1)
+    live = (row_handles[rows] == handles) & (owner[rows] == session)
+    return rows, -1 if live.all() else int(np.argmin(live))
+
+
+def _live_rows_loop(handles, row_handles, owner,  # type: ignore[no-untyped-def]
+                    session):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    rows = np.empty(handles.size, np.int64)
+    sentinel = owner.size - 1
+    for i in range(handles.size):
+        row = min(handles[i] & (MAX_ROWS - 1), sentinel)
+        if row_handles[row] != handles[i] or owner[row] != session:
+            return rows, i
+        rows[i] = row
+    return rows, -1
+
+
+live_rows = jit(_live_rows_loop) if numba is not None else live_rows_reference

@@ -95,7 +95,7 @@ def state_of(core: ServiceCore) -> tuple[object, ...]:
     return (pool.free_blocks, pool.num_requests, pool.capacity_tokens, pool.history_tokens,
             pool.pending_slack_tokens, tuple(requests),
             core.manager.table.host.tobytes(), core.registry.owner.tobytes(),
-            core.registry.generation.tobytes())
+            core.registry.handles.tobytes())
 
 
 # ---------------------------------------------------------------- the step's tokens
@@ -358,6 +358,24 @@ def test_the_handle_of_a_freed_request_never_names_its_rows_next_request(
     assert state_of(core) == before
 
 
+@pytest.mark.parametrize("forged", ["row_past_the_table", "never_admitted", "next_generation",
+                                    "huge_generation"])
+def test_a_handle_never_handed_out_is_refused_naming_its_list_and_index(
+        core: ServiceCore, forged: str) -> None:
+    w = worker(core)
+    w.step(new={"a": 4, "b": 4})
+    w.step(grants={"a": 1})
+    a = w.handle("a")
+    handle = {"row_past_the_table": (1 << 20) - 1, "never_admitted": 1 << 20 | 7,
+              "next_generation": a + (1 << 20), "huge_generation": 1 << 62 | (a & 0xFFFFF)}[forged]
+    before = state_of(core)
+    with pytest.raises(RemoteError) as err:
+        # Valid handles in the lists before it: the index counts within its own list.
+        w.client.step(results=([a], [0]), finished=[w.handle("b"), handle])
+    assert (err.value.code, err.value.field) == ("unknown_handle", "finished.handles[1]")
+    assert state_of(core) == before
+
+
 def test_new_ids_must_be_unique_within_the_call_and_the_workers_requests(
         core: ServiceCore) -> None:
     w = worker(core)
@@ -392,6 +410,15 @@ def test_a_silent_worker_loses_its_requests_and_blocks(core: ServiceCore,
     quiet.client.register()  # and it may come back
     assert quiet.step(new={"a": 1}).admitted[0] >= 0
     core.check_invariants()
+    # Each lease runs out TTL after its own worker's last call, whoever expired before.
+    clock.now = 1000.0 + TTL / 2 + TTL  # busy's last call was at 1000 + TTL / 2
+    assert core.expire_leases() == 0
+    clock.now += 0.1
+    assert core.expire_leases() == 1 and core.registry.get("busy") is None
+    clock.now = 1000.0 + 2 * TTL + 0.05  # quiet came back at 1000 + TTL + 0.1
+    assert core.expire_leases() == 0
+    clock.now += 0.1
+    assert core.expire_leases() == 1 and len(core.registry) == 0
 
 
 def test_a_call_after_the_ttl_finds_the_lease_gone_even_before_the_reaper(

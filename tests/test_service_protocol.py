@@ -8,11 +8,14 @@ import json
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from server import protocol, wire
+from server import columns, protocol, wire
 from server.columns import Refused, Scheduled, StepCall, StepResult, TableChanges
 from server.errors import MalformedBody, field_path
+from server.jit import numba
 from server.operations import OPERATIONS
 
 MODELS = [m for m in vars(protocol).values() if isinstance(m, type)
@@ -137,6 +140,40 @@ def test_binary_and_array_columns_are_checked_with_the_same_bounds(
     with pytest.raises(MalformedBody) as err:
         StepCall.build("w", 1, 1, 0, **columns)  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(("columns", "field"), [
+    # Columns are checked in the request's order, each element by element.
+    ({"result_handles": [1, 2], "num_accepted": [0, -1], "grant_handles": [1],
+      "draft_lens": [-1]}, "results.num_accepted[1]"),
+    ({"grant_handles": [1, 2, 3], "draft_lens": [0, 1, 1 << 40]}, "grants.draft_lens[2]"),
+    # A value outside its bounds is named before a later column that is not integers at all...
+    ({"result_handles": [1], "num_accepted": [-1], "finished_handles": [1.5]},
+     "results.num_accepted[0]"),
+    # ... and a column that is not integers before a later value outside its bounds.
+    ({"result_handles": [1.5], "num_accepted": [-1]}, "results.handles"),
+    ({"num_accepted": [-1], "result_handles": [1], "revert_handles": [1.5]},
+     "results.num_accepted[0]"),
+])
+def test_the_first_bad_column_in_request_order_is_named(columns: dict[str, object],
+                                                        field: str) -> None:
+    with pytest.raises(MalformedBody) as err:
+        StepCall.build("w", 1, 1, 0, **columns)  # type: ignore[arg-type]
+    assert err.value.field == field
+
+
+@pytest.mark.skipif(numba is None, reason="numba is not installed")
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(-3, 12), max_size=6), min_size=1, max_size=13),
+       st.data())
+def test_the_compiled_bounds_check_equals_the_reference(parts: list[list[int]],
+                                                        data: st.DataObject) -> None:
+    low = np.array(data.draw(st.lists(st.integers(-2, 5), min_size=13, max_size=13)))
+    high = low + np.array(data.draw(st.lists(st.integers(0, 8), min_size=13, max_size=13)))
+    values = np.array([v for part in parts for v in part], dtype=np.int64)
+    sizes = np.array([len(part) for part in parts], dtype=np.int64)
+    assert (columns.first_outside(values, sizes, low, high)
+            == columns.first_outside_reference(values, sizes, low, high))
 
 
 def test_integer_bounds_are_integers_in_the_openapi_document() -> None:

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan, step_compiled
+from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan, step_compiled, step_plan
 from allocator.step_compiled import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
@@ -292,3 +292,40 @@ def test_read_only_and_strided_plan_arrays_are_accepted(make_config):
     run_both(pair, lambda m: m.step(StepPlan(prompt_lens=prompts)))
     rows = np.array([0, 99, 1, 99, 2, 99], dtype=np.int64)[::2]
     run_both(pair, lambda m: m.step(StepPlan(grant_rows=rows, draft_lens=np.array([1, 2, 3]))))
+
+
+def test_a_checked_plan_runs_the_step_a_coerced_plan_runs(make_config):
+    """`checked_plan` (the service's path) settles the array type alone: read-only and strided
+    columns are copied into the one type the compiled step is built for, and the step is the
+    one `coerce` gives, its errors included."""
+    coerced, checked = (KVCacheManager(make_config(), compiled=True) for _ in range(2))
+
+    def read_only(*values: int) -> np.ndarray:
+        return np.frombuffer(np.array(values, dtype=np.int64).tobytes(), dtype=np.int64)
+
+    empty = read_only()
+    columns = {name: empty for name in ("revert_rows", "result_rows", "num_accepted",
+                                         "finished_rows", "grant_rows", "draft_lens",
+                                         "padding_rows", "padded_draft_lens", "prefill_rows",
+                                         "prefill_tokens", "prompt_lens", "first_chunks")}
+    steps = [{"prompt_lens": read_only(4, 9, 2)},
+             {"grant_rows": np.array([0, 99, 1, 99, 2, 99], dtype=np.int64)[::2],
+              "draft_lens": read_only(1, 2, 3)},
+             {"result_rows": read_only(0, 1, 2), "num_accepted": read_only(1, 0, 3),
+              "finished_rows": read_only(1)},
+             {"grant_rows": read_only(0), "draft_lens": read_only(99)}]  # past max_draft_len
+    for step in steps:
+        outcomes, errors = [], []
+        for run in (lambda c: coerced.step(StepPlan(**c)),
+                    lambda c: checked.step_arrays(step_plan.checked_plan(**c))):
+            try:
+                outcomes.append(run({**columns, **step}))
+            except KVAllocError as err:
+                errors.append((type(err), str(err), err.field))
+        assert errors == [] or (len(errors) == 2 and errors[0] == errors[1])
+        if outcomes:
+            a, b = outcomes
+            assert all(np.array_equal(getattr(a, f.name), getattr(b, f.name))
+                       for f in dataclasses.fields(a))
+        assert state_of(coerced) == state_of(checked)
+    assert len(step_compiled._step.signatures) == 1  # every plan had the one type
