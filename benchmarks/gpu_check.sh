@@ -46,7 +46,7 @@ step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json"
 step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
 # The step path: the manager with a CUDA block table, and the service on a CUDA pool of the
 # embedded shape, at 64, 256 and 1024 requests.
-step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 200 \
+step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 100 \
     --out "$OUT/bench_step_cuda.json" 2>&1 | tee -a "$OUT/bench.log"
 step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"
