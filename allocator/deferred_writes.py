@@ -590,8 +590,9 @@ class DeferredWriteManager:
         if total == 0 or not any(self._rows):
             return WindowStats(0, 0, 0, 0, "empty")
         committed = total - int(layout.arrays[1].sum()) + int(accepted.sum())
+        written = None
         if self._host_slots is not None:
-            self._write_host_masked(accepted, everything=committed == total)
+            written = self._write_host_masked(accepted, everything=committed == total)
         elif committed == total:
             write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows,
                          total, self._inv, backend=self.backend)
@@ -603,7 +604,7 @@ class DeferredWriteManager:
         self._per_position[:last] += (accepted[:, None] > np.arange(last)).sum(axis=0)
         self._per_position[last] += np.maximum(accepted - last, 0).sum()
         return WindowStats(total, committed, total - committed, 0,
-                           "fast" if committed == total else "masked")
+                           "fast" if committed == total else "masked", written=written)
 
     def _commit_device(self, layout: WindowLayout, accepted: torch.Tensor) -> WindowStats:
         total = layout.total_tokens
@@ -618,9 +619,10 @@ class DeferredWriteManager:
         self._counted_on_device = True
         return self._device_window(layout, "graph")
 
-    def _write_host_masked(self, accepted: np.ndarray, *, everything: bool) -> None:
+    def _write_host_masked(self, accepted: np.ndarray, *, everything: bool) -> int:
         """The commit of a window staged with host slots: the keep mask on the host, rejected
-        tokens' slots set to -1 there, one upload, one write over every layer."""
+        tokens' slots set to -1 there, one upload, one write over every layer. Returns the
+        tokens sent to a slot."""
         assert self._host_slots is not None
         kept_slots = None
         if not everything:
@@ -629,6 +631,8 @@ class DeferredWriteManager:
         self._upload_host_slots(kept_slots)
         write_staged(self.storage.rows(), self._source, self._shared_row(int(not everything)),
                      self._all_rows, self._host_slots.size, self._inv, backend=self.backend)
+        return int(np.count_nonzero(
+            (self._host_slots if kept_slots is None else kept_slots) >= 0))
 
     def _upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
         """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in
@@ -723,15 +727,16 @@ class DeferredWriteManager:
         if reason not in self._fallbacks:
             log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
         rows = max(self._rows, default=0)
-        slots, layer_rows = self._slots, self._layer_rows
+        slots, layer_rows, written = self._slots, self._layer_rows, None
         if self._host_slots is not None:
             if not self._host_slots_uploaded:
                 self._upload_host_slots()
             slots, layer_rows = self._shared_row(0), self._all_rows
+            written = int(np.count_nonzero(self._host_slots >= 0))
         write_staged(self.storage.rows(), self._source, slots, layer_rows, rows, self._inv,
                      backend="torch")
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-        return WindowStats(rows, 0, 0, rows, "fallback", reason)
+        return WindowStats(rows, 0, 0, rows, "fallback", reason, written)
 
     def _close(self, stats: WindowStats) -> None:
         if stats.path not in ("device", "graph"):

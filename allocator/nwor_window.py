@@ -104,7 +104,10 @@ def _valid_arrays(n: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class WindowStats:
-    """What one window did. ``tokens == committed + rejected + fallback_tokens``."""
+    """What one window did. ``tokens == committed + rejected + fallback_tokens``.
+
+    ``written``: for a window staged with host slots, the tokens it sent to a slot (kept, or all
+    of them after a fallback, and with a slot other than -1); None otherwise."""
 
     tokens: int
     committed: int
@@ -112,6 +115,7 @@ class WindowStats:
     fallback_tokens: int
     path: str  # empty | fast | masked | device | graph | fallback
     fallback_reason: str | None = None
+    written: int | None = None
 
 
 @dataclass(frozen=True)

@@ -67,13 +67,9 @@ class Committer:
         accepted = np.where(dropped, 0, accepted)
         writes.commit(accepted)
         stats = writes.last_window
-        assert stats is not None
-        # What reached the pool: the kept tokens (all of them after a fallback) whose slot is
-        # not -1 (a reverted or finished request's, or one past its request's blocks).
-        kept = scheduled.num_tokens - drafts + accepted
-        written = slots >= 0
-        if stats.fallback_reason is None:
-            within = np.arange(slots.size) - scheduled.token_offsets[batch.token_request]
-            written &= within < kept[batch.token_request]
-        return wire.CommitSummary(tokens=stats.tokens, written=int(written.sum()),
+        # Host slots: the window counts what reached the pool, the kept tokens (all of them
+        # after a fallback) whose slot is not -1 (a reverted or finished request's, or one past
+        # its request's blocks).
+        assert stats is not None and stats.written is not None
+        return wire.CommitSummary(tokens=stats.tokens, written=stats.written,
                                   fallback=stats.fallback_reason)
