@@ -34,11 +34,17 @@ tests_rc=${PIPESTATUS[0]}
 step() { echo "== $(date -u +%T) $*"; timeout 500 "$@" || echo "FAILED ($?): $*"; }
 # Most telling first: a run cut short still records it.
 # The service's call on a pool shaped like a real model (32 layers x 8 KV heads x 128) against
-# 2 layers, same steps: the commit reads every layer in place, so the two should be close.
+# 2 layers, same steps: the commit reads every layer in place, so the two should be close. One
+# remote transport a run: a service sized for two workers of 32 layers beside the in-process
+# one would not fit in one GPU's memory.
 for layers in 2 32; do
-    step "$PYTHON" benchmarks/bench_step.py --device cuda --quick --steps 80 \
-        --layers "$layers" --kv-heads 8 --head-dim 128 --only manager service_inproc ipc stream \
-        --out "$OUT/bench_step_cuda_${layers}_layers.json" 2>&1 | tee -a "$OUT/bench.log"
+    for transport in ipc stream; do
+        step "$PYTHON" benchmarks/bench_step.py --device cuda --quick --steps 80 \
+            --layers "$layers" --kv-heads 8 --head-dim 128 \
+            --only manager service_inproc "$transport" \
+            --out "$OUT/bench_step_cuda_${layers}_layers_${transport}.json" 2>&1 \
+            | tee -a "$OUT/bench.log"
+    done
 done
 # What the host adds to a local round trip with no service behind it (ZeroMQ and a stream socket).
 step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
