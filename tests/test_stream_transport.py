@@ -54,6 +54,17 @@ def read_reply(conn: socket.socket) -> list[bytes]:
     return stream.unpack(body)
 
 
+def closed_at_once(conn: socket.socket) -> bool:
+    """Whether the listener closed ``conn`` right away (over its connection bound)."""
+    conn.settimeout(0.2)
+    try:
+        return closed(conn)
+    except TimeoutError:
+        return False  # still open: being served
+    finally:
+        conn.settimeout(5)
+
+
 def closed(conn: socket.socket) -> bool:
     try:
         return conn.recv(1) == b""
@@ -74,9 +85,8 @@ def test_a_silent_connection_is_dropped_and_never_blocks_another(listener) -> No
     silent = connect(listener)
     talker = connect(listener)
     assert exchange(talker, [b"1", b"", b"op", b"x"])[2] == b"x"
-    start = time.monotonic()
-    assert closed(silent)  # no first message within the handshake time
-    assert time.monotonic() - start < 3
+    # Closed within the handshake time (0.5 s here), well before connect()'s 5 s read timeout.
+    assert closed(silent)
     assert exchange(talker, [b"2", b"", b"op", b"y"])[2] == b"y"  # an idle talker stays
 
 
@@ -87,8 +97,12 @@ def test_connections_beyond_the_bound_are_closed_at_once(listener) -> None:
     extra = connect(listener)
     assert closed(extra)
     held[0].close()
-    time.sleep(0.3)  # its serving thread notices the close
-    again = connect(listener)
+    deadline = time.monotonic() + 10
+    while True:  # its serving thread notices the close within a poll or so
+        again = connect(listener)
+        if not closed_at_once(again) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert exchange(again, [b"1", b"", b"op", b"z"])[2] == b"z"
 
 
