@@ -85,6 +85,7 @@ class StreamListener:
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept, name="kvalloc-stream", daemon=True)
+        self._bound = False  # the socket file is ours to remove
 
     @property
     def endpoint(self) -> str:
@@ -97,13 +98,15 @@ class StreamListener:
             self._sock.bind(str(self.path))
         finally:
             os.umask(old)
+        self._bound = True
         self._sock.listen(64)
         self._sock.settimeout(_POLL_S)
         self._acceptor.start()
         return self.endpoint
 
     def stop(self) -> None:
-        """Finish the messages in hand, close every connection, remove the socket file."""
+        """Finish the messages in hand, close every connection, remove the socket file (only if
+        this listener made it: a path another service holds is never touched)."""
         self._stop.set()
         if self._acceptor.is_alive():
             self._acceptor.join()
@@ -112,7 +115,8 @@ class StreamListener:
         for thread in threads:
             thread.join()
         self._sock.close()
-        self.path.unlink(missing_ok=True)
+        if self._bound:
+            self.path.unlink(missing_ok=True)
 
     def _accept(self) -> None:
         while not self._stop.is_set():

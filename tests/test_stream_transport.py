@@ -122,6 +122,17 @@ def test_an_oversized_message_is_refused_unread_and_a_malformed_one_named(listen
     assert exchange(conn, [b"1", b"", b"op", b"still here"])[2] == b"still here"
 
 
+def test_a_second_listener_on_a_live_path_fails_and_leaves_the_first_serving(
+        listener) -> None:
+    second = stream.StreamListener(listener.path, echo, max_frame_bytes=1 << 16,
+                                   max_connections=2)
+    with pytest.raises(OSError):
+        second.start()
+    second.stop()  # as a service stops after failing to listen
+    assert listener.path.exists()
+    assert exchange(connect(listener), [b"1", b"", b"op", b"still"])[2] == b"still"
+
+
 def test_a_silent_service_times_out_and_the_next_call_reconnects(tmp_path: Path) -> None:
     path = tmp_path / "silent.stream"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
