@@ -22,13 +22,9 @@ import numpy as np
 from . import step_errors as codes
 from .capacity_state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
 from .config import SlackPolicy
+from .jit import jit, numba
 from .step_plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS, PlanArrays, StepOutcome
 from .step_reference import NO_HITS, Hits, StepResult
-
-try:
-    import numba
-except ImportError:  # the numpy step runs instead
-    numba = None
 
 
 def available() -> bool:
@@ -538,31 +534,24 @@ def _admitted_tokens(prompt_len, first_chunk, cached_tokens):
     return cached_tokens + (rest if first_chunk == 0 else min(first_chunk, rest))
 
 
-def _jit(function, **options):
-    try:
-        return numba.njit(cache=True, nogil=True, **options)(function)
-    except RuntimeError:  # no writable cache directory at all: compile in every process
-        return numba.njit(nogil=True, **options)(function)
-
-
 if numba is not None:
     # Helpers take no constant arguments: numba compiles a separate variant of a function for
     # every distinct constant it is called with. The one that does (the error setter) is
     # inlined instead.
-    _fail = _jit(_fail, inline="always")
-    _first_unknown = _jit(_first_unknown)
-    _first_repeat = _jit(_first_repeat)
-    _first_outside = _jit(_first_outside)
-    _first_listed = _jit(_first_listed)
-    _validate = _jit(_validate)
-    _copy_into = _jit(_copy_into)
-    _slack_for = _jit(_slack_for)
-    _blocks_for = _jit(_blocks_for)
-    _unlink = _jit(_unlink)
-    _park = _jit(_park)
-    _pop = _jit(_pop)
-    _admitted_tokens = _jit(_admitted_tokens)
-    _step = _jit(_step)
+    _fail = jit(_fail, inline="always")
+    _first_unknown = jit(_first_unknown)
+    _first_repeat = jit(_first_repeat)
+    _first_outside = jit(_first_outside)
+    _first_listed = jit(_first_listed)
+    _validate = jit(_validate)
+    _copy_into = jit(_copy_into)
+    _slack_for = jit(_slack_for)
+    _blocks_for = jit(_blocks_for)
+    _unlink = jit(_unlink)
+    _park = jit(_park)
+    _pop = jit(_pop)
+    _admitted_tokens = jit(_admitted_tokens)
+    _step = jit(_step)
 
 
 class CompiledStep:

@@ -20,9 +20,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from pydantic import BaseModel
 
+from allocator.jit import jit, numba
+
 from . import protocol, wire
 from .errors import MalformedBody
-from .jit import jit, numba
 
 INT64 = np.dtype("<i8")
 NO_VALUES = np.zeros(0, dtype=np.int64)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from allocator import InvariantViolation
+from allocator.jit import jit, numba
 
 from . import wire
 from .batch import ScheduledBatch
@@ -45,7 +46,6 @@ from .errors import (
     UnknownWorker,
     WorkerIdInUse,
 )
-from .jit import jit, numba
 from .settings import MAX_ROWS
 from .sharing import StepFence
 

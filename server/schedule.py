@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from allocator.jit import jit, numba
+
 from .batch import ScheduledBatch
 from .columns import Scheduled
-from .jit import jit, numba
 
 
 def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,

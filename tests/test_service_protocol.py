@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from allocator.jit import numba
 from server import columns, protocol, wire
 from server.columns import Refused, Scheduled, StepCall, StepResult, TableChanges
 from server.errors import MalformedBody, field_path
-from server.jit import numba
 from server.operations import OPERATIONS
 
 MODELS = [m for m in vars(protocol).values() if isinstance(m, type)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from allocator.jit import numba
 from server import registry
-from server.jit import numba
 
 pytestmark = pytest.mark.skipif(numba is None, reason="numba is not installed")
 
