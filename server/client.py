@@ -289,6 +289,21 @@ class _Remote:
         return AttachedPool.attach(reg.attachment)
 
 
+class _KeptConnection:
+    """One connection kept between calls: made on first use, dropped after a failure (whatever
+    it still carries, a late reply included, goes with it) and made afresh on the next call."""
+
+    _conn: Any = None
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        self._drop()
+
+
 class _Frames(_Remote):
     """The IPC messages both carriers move: ``[seq, token, op, payload]`` out, ``[seq, status,
     payload]`` back, ``seq`` counting this client's messages."""
@@ -349,7 +364,7 @@ class _IpcTransport(_Frames):
         self._ctx.term()
 
 
-class _StreamTransport(_Frames):
+class _StreamTransport(_Frames, _KeptConnection):
     """The frames on one Unix stream socket (`server.stream`): one wake-up per direction. A call
     that timed out leaves its connection (and any late reply on it) behind: the next call
     connects afresh."""
@@ -359,11 +374,11 @@ class _StreamTransport(_Frames):
         self._address = address
         self._path = address.removeprefix("stream://")
         self._timeout_s = timeout_s
-        self._sock: socket.socket | None = None
+        self._conn: socket.socket | None = None
 
     def call(self, op: Operation, request: Any) -> Any:
         frames = self.frames(op, request)
-        reused = self._sock is not None
+        reused = self._conn is not None
         sock = self._connect()
         try:
             sock.sendall(stream.pack(frames))
@@ -385,7 +400,7 @@ class _StreamTransport(_Frames):
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
 
     def _connect(self) -> socket.socket:
-        if self._sock is None:
+        if self._conn is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(min(self._timeout_s, CONNECT_TIMEOUT_S))
             try:
@@ -394,19 +409,11 @@ class _StreamTransport(_Frames):
                 sock.close()
                 raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
             sock.settimeout(self._timeout_s)
-            self._sock = sock
-        return self._sock
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def close(self) -> None:
-        self._drop()
+            self._conn = sock
+        return self._conn
 
 
-class _RestTransport(_Remote):
+class _RestTransport(_Remote, _KeptConnection):
     """HTTP/1.1 on one kept-alive connection, over TCP (``http://``) or a Unix socket
     (``unix:///path``), through the standard library: a general-purpose HTTP client costs several
     times the service's own step per call."""
@@ -485,14 +492,6 @@ class _RestTransport(_Remote):
         conn.sock.settimeout(self._timeout_s)
         self._conn = conn
         return conn
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def close(self) -> None:
-        self._drop()
 
 
 def _query_value(value: Any) -> str:
