@@ -8,20 +8,28 @@ wake-up each way. The messages are the IPC transport's, byte for byte: the frame
 ``[seq, token, op, payload]`` and ``[seq, status, payload]``, msgpack-encoded as one array of
 byte strings and prefixed with its length (4 bytes, little-endian).
 
+Both ends read through an `Inbox`: blocking sockets with a kernel receive timeout
+(``SO_RCVTIMEO``) instead of Python's per-call ``poll``, so one ``recv`` usually brings a whole
+message. A caller may also ``spin``: poll without sleeping for a while before it blocks, which
+saves its own wake-up (and the sender's work to wake it) when the answer is due soon.
+
 Each connection has its own serving thread (a worker keeps one connection open); the core's lock
 serialises them with the other transports. Bounds: at most ``max_connections`` connections
-(more are closed at once), a first frame within ``HANDSHAKE_S`` of connecting, a frame complete
-within ``HANDSHAKE_S`` of its first byte, and no frame longer than ``max_frame_bytes`` (answered
-with an error, then the connection closes: the rest of it is never read).
+(more are closed at once), a first message begun within ``HANDSHAKE_S`` of connecting, every
+message complete within ``HANDSHAKE_S`` of its first byte, and no message longer than
+``max_frame_bytes`` (answered with an error, then the connection closes: the rest of it is never
+read).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,8 +43,9 @@ from .operations import ERROR
 log = logging.getLogger("kvalloc.stream")
 
 HANDSHAKE_S = 5.0
-_POLL_S = 0.1  # how often an idle serving thread looks at its stop flag
+_POLL_S = 0.1  # how often the accepting thread looks at its stop flag
 LENGTH = struct.Struct("<I")
+_INBOX_BYTES = 1 << 16  # a batch-256 step's messages are ~10 KB: one recv each
 _FRAMES = msgspec.msgpack.Decoder(list[bytes])
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -49,7 +58,7 @@ def pack(frames: list[bytes]) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def unpack(body: bytes) -> list[bytes]:
+def unpack(body: bytes | memoryview) -> list[bytes]:
     """A message's frames; `MalformedBody` if it is not an array of byte strings."""
     try:
         return _FRAMES.decode(body)
@@ -58,17 +67,106 @@ def unpack(body: bytes) -> list[bytes]:
                             field="frames") from None
 
 
-def read_exactly(conn: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes from ``conn``; None if the peer closed before the first one."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            if buf:
-                raise ConnectionError("peer closed inside a message")
+def set_timeouts(conn: socket.socket, seconds: float) -> None:
+    """Make ``conn`` blocking, a receive or send giving up after ``seconds`` without progress
+    (`BlockingIOError`): the kernel keeps the time, so a receive is one system call (Python's
+    own timeout polls before each)."""
+    conn.settimeout(None)
+    whole = int(seconds)
+    limit = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+
+
+class MessageTooLarge(Exception):
+    """A message's length prefix exceeds the reader's limit (nothing more of it was read)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
+class Inbox:
+    """Length-prefixed messages from one socket set up by `set_timeouts`. Reads as much
+    as the socket holds into one buffer, so a message usually costs one ``recv``; bytes past a
+    message stay for the next."""
+
+    def __init__(self, conn: socket.socket, *, max_bytes: int | None = None) -> None:
+        self.conn = conn
+        self.max_bytes = max_bytes
+        self._buffer = bytearray(_INBOX_BYTES)
+        self._start = self._end = 0  # unread bytes: _buffer[_start:_end]
+
+    def next_message(self, *, spin_s: float = 0.0, within_s: float | None = None,
+                     idle_ok: bool = False) -> list[bytes] | None:
+        """The next message's frames; None if the peer closed between messages.
+
+        ``spin_s``: poll without sleeping for up to that long before blocking. ``within_s``:
+        the whole message must arrive within that long of its first byte. ``idle_ok``: a receive
+        timeout before the first byte means only an idle peer (keep waiting); otherwise it raises
+        `TimeoutError`, as it always does inside a message. A peer that closes inside a message
+        raises `ConnectionError`; a length over ``max_bytes`` raises `MessageTooLarge`."""
+        if self._end - self._start == 0 and not self._first_bytes(spin_s, idle_ok):
             return None
-        buf += chunk
-    return bytes(buf)
+        began = time.monotonic()
+        while self._end - self._start < LENGTH.size:
+            self._more(began, within_s)
+        size = LENGTH.unpack_from(self._buffer, self._start)[0]
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise MessageTooLarge(size)
+        end = self._start + LENGTH.size + size
+        if end > len(self._buffer):
+            self._make_room(LENGTH.size + size)
+            end = self._start + LENGTH.size + size
+        while self._end < end:
+            self._more(began, within_s)
+        start, self._start = self._start + LENGTH.size, end  # consumed, even if malformed
+        if self._start == self._end:
+            self._start = self._end = 0
+        with memoryview(self._buffer) as view:
+            return unpack(view[start:end])
+
+    def _first_bytes(self, spin_s: float, idle_ok: bool) -> bool:
+        """Wait for the next message to begin; False if the peer closed."""
+        if spin_s > 0:
+            deadline = time.perf_counter() + spin_s
+            while time.perf_counter() < deadline:
+                try:
+                    return self._receive(socket.MSG_DONTWAIT) > 0
+                except BlockingIOError:
+                    continue
+        while True:
+            try:
+                return self._receive() > 0
+            except BlockingIOError:  # the receive timeout
+                if not idle_ok:
+                    raise TimeoutError("no message within the receive timeout") from None
+
+    def _more(self, began: float, within_s: float | None) -> None:
+        if within_s is not None and time.monotonic() - began > within_s:
+            raise TimeoutError(f"a message not complete within {within_s:g} s")
+        try:
+            received = self._receive()
+        except BlockingIOError:
+            raise TimeoutError("no more of the message within the receive timeout") from None
+        if received == 0:
+            raise ConnectionError("peer closed inside a message")
+
+    def _receive(self, flags: int = 0) -> int:
+        if self._end == len(self._buffer):
+            self._make_room(len(self._buffer) + _INBOX_BYTES)
+        with memoryview(self._buffer) as view:
+            received = self.conn.recv_into(view[self._end:], 0, flags)
+        self._end += received
+        return received
+
+    def _make_room(self, size: int) -> None:
+        """Move the unread bytes to the front of a buffer of at least ``size`` bytes."""
+        unread = self._buffer[self._start: self._end]
+        if size > len(self._buffer):
+            self._buffer = bytearray(size)
+        self._buffer[: len(unread)] = unread
+        self._start, self._end = 0, len(unread)
 
 
 class StreamListener:
@@ -82,7 +180,9 @@ class StreamListener:
         self.max_connections = max_connections
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._stop = threading.Event()
-        self._threads: set[threading.Thread] = set()
+        # Serving thread -> its connection: stop() ends a thread's wait by shutting its
+        # connection's reading side.
+        self._served: dict[threading.Thread, socket.socket] = {}
         self._lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept, name="kvalloc-stream", daemon=True)
         self._bound = False  # the socket file is ours to remove
@@ -111,8 +211,12 @@ class StreamListener:
         if self._acceptor.is_alive():
             self._acceptor.join()
         with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
+            served = list(self._served.items())
+        for thread, conn in served:
+            # A waiting thread sees the end of its stream; one mid-message still answers. The
+            # connection may be closed already by its thread.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
             thread.join()
         self._sock.close()
         if self._bound:
@@ -128,12 +232,12 @@ class StreamListener:
                 self._stop.wait(_POLL_S)
                 continue
             with self._lock:
-                if len(self._threads) >= self.max_connections:
+                if len(self._served) >= self.max_connections:
                     conn.close()
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="kvalloc-stream-conn", daemon=True)
-                self._threads.add(thread)
+                self._served[thread] = conn
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -144,48 +248,27 @@ class StreamListener:
             pass  # the peer went away or stalled inside a message: drop it
         finally:
             with self._lock:
-                self._threads.discard(threading.current_thread())
+                del self._served[threading.current_thread()]
 
     def _converse(self, conn: socket.socket) -> None:
+        # One kernel timeout serves every bound: the first message must begin within it, any
+        # message must end within it of its first byte; between messages a connection may idle
+        # as long as it likes (each expiry of the timeout then just renews the wait).
+        set_timeouts(conn, HANDSHAKE_S)
+        inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
         first = True
         while not self._stop.is_set():
-            header = self._next_header(conn, patient=not first)
-            if header is None:
-                return
-            first = False
-            conn.settimeout(HANDSHAKE_S)  # the rest of the message comes now or never
-            size = LENGTH.unpack(header)[0]
-            if size > self.max_frame_bytes:
-                too_big = BodyTooLarge(f"body: {size} bytes, more than {self.max_frame_bytes}")
+            try:
+                frames = inbox.next_message(within_s=HANDSHAKE_S, idle_ok=not first)
+            except MessageTooLarge as exc:
+                too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
+                                       f"{self.max_frame_bytes}")
                 conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(too_big))]))
                 return
-            body = read_exactly(conn, size)
-            if body is None:
-                return
-            try:
-                reply = self.handle(unpack(body))
             except MalformedBody as exc:
-                reply = [b"", ERROR, wire.encode_msgpack(describe(exc))]
-            conn.sendall(pack(reply))
-
-    def _next_header(self, conn: socket.socket, *, patient: bool) -> bytes | None:
-        """The next message's length; between messages a connection may idle as long as it
-        likes (``patient``), a new one must speak within ``HANDSHAKE_S``."""
-        conn.settimeout(_POLL_S)
-        waited = 0.0
-        while not self._stop.is_set():
-            try:
-                first = conn.recv(1)
-            except TimeoutError:
-                waited += _POLL_S
-                if not patient and waited >= HANDSHAKE_S:
-                    return None
+                conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(exc))]))
                 continue
-            if not first:
-                return None
-            conn.settimeout(HANDSHAKE_S)
-            rest = read_exactly(conn, LENGTH.size - 1)
-            if rest is None:
-                raise ConnectionError("peer closed inside a message")
-            return first + rest
-        return None
+            if frames is None:
+                return
+            first = False
+            conn.sendall(pack(self.handle(frames)))

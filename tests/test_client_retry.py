@@ -69,9 +69,10 @@ def test_a_timed_out_call_is_resent_unchanged_and_a_late_reply_is_dropped(
         sock.send_multipart([peer, first_seq, OK, pool_reply(free_blocks=1)])  # too late
         sock.send_multipart([peer, retry_seq, OK, pool_reply(free_blocks=2)])
 
-    with Client(fake_service(script), timeout_s=30.0, retries=1) as client:
+    with Client(fake_service(script), timeout_s=30.0, retries=1, reply_spin_s=0) as client:
         # The first attempt's wait ends at once, as a timeout would; the retry waits for real (a
         # loaded machine may take seconds to schedule the fake service, which must not matter).
+        # No spin: every wait is the one poll counted here.
         sock = client._transport._sock
         waits: list[int] = []
 

@@ -47,11 +47,9 @@ def exchange(conn: socket.socket, frames: list[bytes]) -> list[bytes]:
 
 
 def read_reply(conn: socket.socket) -> list[bytes]:
-    header = stream.read_exactly(conn, stream.LENGTH.size)
-    assert header is not None, "the listener closed the connection"
-    body = stream.read_exactly(conn, stream.LENGTH.unpack(header)[0])
-    assert body is not None
-    return stream.unpack(body)
+    reply = stream.Inbox(conn).next_message()
+    assert reply is not None, "the listener closed the connection"
+    return reply
 
 
 def closed_at_once(conn: socket.socket) -> bool:
@@ -120,6 +118,61 @@ def test_an_oversized_message_is_refused_unread_and_a_malformed_one_named(listen
     error = wire.decode(payload, wire.ErrorBody)
     assert (status, error.field) == (ERROR, "frames")
     assert exchange(conn, [b"1", b"", b"op", b"still here"])[2] == b"still here"
+
+
+def test_a_message_is_read_whole_however_it_is_split_or_joined() -> None:
+    """Byte by byte, two messages in one write, one larger than the reading buffer: the same
+    frames come out, in order, and nothing of the next message is lost."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    stream.set_timeouts(ours, 5)
+    inbox = stream.Inbox(ours)
+    small, large = [b"1", b"", b"op", b"x" * 10], [b"2", b"", b"op", b"y" * 200_000]
+    sender = threading.Thread(target=lambda: (
+        [theirs.send(bytes([b])) for b in stream.pack(small)],
+        theirs.sendall(stream.pack(large) + stream.pack(small))))
+    sender.start()
+    assert [inbox.next_message() for _ in range(3)] == [small, large, small]
+    sender.join()
+    theirs.close()
+    assert inbox.next_message() is None  # closed between messages
+
+
+def test_a_message_dribbled_slower_than_the_bound_is_dropped(listener) -> None:
+    conn = connect(listener)
+    message = stream.pack([b"1", b"", b"op", b"slow"])
+    conn.sendall(message[:6])  # begun, never completed within 0.5 s
+    time.sleep(0.3)
+    conn.sendall(message[6:8])
+    assert closed(conn)
+
+
+def test_stopping_ends_idle_connections_and_answers_the_message_in_hand(
+        tmp_path: Path) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def slow_echo(frames: list[bytes]) -> list[bytes]:
+        started.set()
+        release.wait(5)
+        return echo(frames)
+
+    served = stream.StreamListener(tmp_path / "stop.stream", slow_echo, max_frame_bytes=1 << 16,
+                                   max_connections=4)
+    served.start()
+    idle, busy = connect(served), connect(served)
+    exchange_done: list[list[bytes]] = []
+    caller = threading.Thread(target=lambda: exchange_done.append(
+        exchange(busy, [b"1", b"", b"op", b"in hand"])))
+    caller.start()
+    assert started.wait(5)
+    stopper = threading.Thread(target=served.stop)
+    stopper.start()
+    release.set()
+    stopper.join(10)
+    caller.join(10)
+    assert not stopper.is_alive()
+    assert exchange_done == [[b"1", OK, b"in hand"]]
+    assert closed(idle)
+    assert not served.path.exists()
 
 
 def test_a_second_listener_on_a_live_path_fails_and_leaves_the_first_serving(
