@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .device_io import PinnedUploads
 from .errors import BatchFull, InvalidValue, InvariantViolation
 from .placement import TensorAllocator, plain_tensor
 from .slots import slot_mapping
@@ -47,15 +48,8 @@ class BlockTable:
             # memory); writing it through a numpy view skips torch's dispatch overhead.
             self._device_cells = self.device_table.numpy().reshape(-1)
         else:
-            # Changed cells travel through preallocated pinned buffers (grown on demand): a
-            # fresh pin_memory() per step costs more than the copy itself. An event guards
-            # their reuse.
-            self._pinned_cells = torch.empty(0, dtype=torch.int64, pin_memory=True)
-            self._pinned_values = torch.empty(0, dtype=torch.int32, pin_memory=True)
-            self._upload_done = torch.cuda.Event()
-            # With its index, the current stream is found without asking which device is current.
-            self._stream_device = torch.device("cuda", device.index if device.index is not None
-                                               else torch.cuda.current_device())
+            # Changed cells and their values travel together, in one copy (`PinnedUploads`).
+            self._uploads = PinnedUploads(device)
 
     def acquire_row(self) -> int:
         if self.num_free_rows == 0:
@@ -113,18 +107,8 @@ class BlockTable:
         if self.device.type == "cpu":
             self._device_cells[cells] = values
             return
-        self._upload_done.synchronize()  # the previous upload may still read the buffers
-        k = cells.size
-        if k > self._pinned_cells.numel():
-            size = max(k, 2 * self._pinned_cells.numel())
-            self._pinned_cells = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._pinned_values = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        self._pinned_cells.numpy()[:k] = cells
-        self._pinned_values.numpy()[:k] = values
-        index = self._pinned_cells[:k].to(self.device, non_blocking=True)
-        src = self._pinned_values[:k].to(self.device, non_blocking=True)
+        index, src = self._uploads.upload(cells, values)
         self.device_table.view(-1).index_copy_(0, index, src)
-        self._upload_done.record(torch.cuda.current_stream(self._stream_device))
 
     def host_slot_mapping(self, rows: np.ndarray, positions: np.ndarray,
                           tokens_per_block: int) -> np.ndarray:

@@ -52,7 +52,7 @@ import torch
 
 from .acceptance import StaticAcceptance, accept, validate_inputs
 from .commit_kernel import Backend, resolve_backend, write_staged
-from .device_io import capture_graph, upload_into
+from .device_io import PinnedUploads, capture_graph
 from .errors import AcceptedExceedsDrafts, InvalidValue
 from .keep_mask import NEVER, mask_rejected
 from .kv_storage import KVStorage
@@ -124,6 +124,7 @@ class DeferredWriteManager:
         self._all_rows = torch.full((self.num_layers,), max_tokens, dtype=i64, device=dev)
         self._host_slots: np.ndarray | None = None
         self._host_slots_uploaded = False
+        self._uploads = PinnedUploads(dev)
         # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
         self._positions = max(1, cfg.max_draft_len)
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
@@ -237,8 +238,8 @@ class DeferredWriteManager:
         total, draft_index = layout.total_tokens, self._draft_index
         bucket = np.where(draft_index < 0, self._positions,
                           np.minimum(draft_index, self._positions - 1))
-        upload_into(self._tokens[:total], np.stack([self._token_request, draft_index, bucket],
-                                                   axis=1))
+        self._uploads.into(self._tokens[:total],
+                           np.stack([self._token_request, draft_index, bucket], axis=1))
         # Rows past the window must read as padding; only rows an earlier window wrote can not.
         if self._tokens_written > total:
             self._tokens[total:self._tokens_written].copy_(
@@ -247,7 +248,7 @@ class DeferredWriteManager:
         limits = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
         limits[: layout.num_requests] = layout.arrays[1]
         limits[-1] = total
-        upload_into(self._requests, limits)
+        self._uploads.into(self._requests, limits)
         self._accepted.zero_()  # no count from an earlier window lingers on a padded request
         self._tables_uploaded = True
 
@@ -598,7 +599,7 @@ class DeferredWriteManager:
                          total, self._inv, backend=self.backend)
         else:
             self._upload_window_tables()
-            upload_into(self._accepted[: layout.num_requests], accepted)
+            self._uploads.into(self._accepted[: layout.num_requests], accepted)
             self._device_commit(total, record=False)
         last = self._positions - 1
         self._per_position[:last] += (accepted[:, None] > np.arange(last)).sum(axis=0)
@@ -641,7 +642,7 @@ class DeferredWriteManager:
         total = self._host_slots.size
         rows = self._host_slots if kept_slots is None else np.concatenate(
             [self._host_slots, kept_slots])
-        upload_into(self._shared_slots[: rows.size], rows)
+        self._uploads.into(self._shared_slots[: rows.size], rows)
         self._guard(self._shared_slots[:total], count=True)
         if kept_slots is not None:
             self._guard(self._shared_slots[total: 2 * total], count=False)
