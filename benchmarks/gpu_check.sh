@@ -2,11 +2,15 @@
 # Everything that needs a GPU, on any CUDA machine where the project is installed (for instance
 # `make SYSTEM_TORCH=1 .venv/.installed` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
+#   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
+#   sections: tests targets round_trip worker sweep commit (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
+SECTIONS=" ${*:-tests targets round_trip worker sweep commit} "
+want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -25,19 +29,22 @@ cat "$OUT/device.txt"
 
 # Only modules with GPU tests are collected: the others may import test-only tools that a
 # runtime install lacks.
-mapfile -t gpu_tests < <(grep -rl --include='*.py' "mark.gpu" tests)
-echo "GPU test modules: ${gpu_tests[*]}"
-"$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 300 \
-    --junitxml="$OUT/gpu_tests.xml" "${gpu_tests[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if want tests; then
+    mapfile -t gpu_tests < <(grep -rl --include='*.py' "mark.gpu" tests)
+    echo "GPU test modules: ${gpu_tests[*]}"
+    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 300 \
+        --junitxml="$OUT/gpu_tests.xml" "${gpu_tests[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
+    tests_rc=${PIPESTATUS[0]}
+fi
 
 step() { echo "== $(date -u +%T) $*"; timeout 500 "$@" || echo "FAILED ($?): $*"; }
 # Most telling first: a run cut short still records it.
-# The service's call on a pool shaped like a real model (32 layers x 8 KV heads x 128) against
-# 2 layers, same steps: the commit reads every layer in place, so the two should be close. One
-# remote transport a run: a service sized for two workers of 32 layers beside the in-process
+# targets: the service's call on a pool shaped like a real model (32 layers x 8 KV heads x 128)
+# against 2 layers, same steps: the commit reads every layer in place, so the two should be
+# close. One remote transport a run: a service sized for two workers of 32 layers beside the in-process
 # one would not fit in one GPU's memory.
-for layers in 2 32; do
+want targets && for layers in 2 32; do
     for transport in ipc stream; do
         step "$PYTHON" benchmarks/bench_step.py --device cuda --quick --steps 80 \
             --layers "$layers" --kv-heads 8 --head-dim 128 \
@@ -46,13 +53,15 @@ for layers in 2 32; do
             | tee -a "$OUT/bench.log"
     done
 done
-# What the host adds to a local round trip with no service behind it (ZeroMQ and a stream socket).
-step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
-# A real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
-step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
-# The step path: the manager with a CUDA block table, and the service on a CUDA pool of the
-# embedded shape, at 64, 256 and 1024 requests.
-step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 100 \
+# round_trip: what the host adds to a local round trip with no service behind it (ZeroMQ and a
+# stream socket).
+want round_trip && step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
+# worker: a real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
+want worker && step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
+# sweep: the step path, the manager with a CUDA block table and the service on a CUDA pool of
+# the embedded shape, at 64, 256 and 1024 requests.
+want sweep && step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 100 \
     --out "$OUT/bench_step_cuda.json" 2>&1 | tee -a "$OUT/bench.log"
-step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee -a "$OUT/bench.log"
+# commit: the NWOR commit kernel against the copy ceiling.
+want commit && step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"
