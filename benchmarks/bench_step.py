@@ -150,6 +150,7 @@ class Setup:
     kv_heads: int = 2
     head_dim: int = 64
     remote_workers: int = 1  # transports measured against one kvalloc serve
+    ipc_spin_s: float = 0.0  # kvalloc serve --ipc-spin-s
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(num_blocks=NUM_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
@@ -180,7 +181,8 @@ class Setup:
                 f"--max-seq-len={MAX_SEQ_LEN}", f"--max-batch-size={pool.max_batch_size}",
                 f"--max-draft-len={DRAFT_LEN}", f"--num-layers={self.layers}",
                 f"--num-kv-heads={self.kv_heads}", f"--head-dim={self.head_dim}",
-                f"--device={self.device}", f"--max-step-tokens={config.max_step_tokens}"]
+                f"--device={self.device}", f"--max-step-tokens={config.max_step_tokens}",
+                f"--ipc-spin-s={self.ipc_spin_s}"]
 
 
 class Measurement(Protocol):
@@ -465,6 +467,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2, help="the service pool's layers (default 2)")
     p.add_argument("--kv-heads", type=int, default=2, help="its KV heads (default 2)")
     p.add_argument("--head-dim", type=int, default=64, help="its head dim (default 64)")
+    p.add_argument("--ipc-spin-s", type=float, default=0.0,
+                   help="the service's kvalloc serve --ipc-spin-s (default 0: it sleeps between "
+                        "calls)")
     p.add_argument("--out", help="also write the JSON results here")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -473,7 +478,8 @@ def main() -> None:
     first_call = first_call_seconds(args.device)
     remote = max(1, sum(name in ("ipc", "stream", "rest_tcp") for name in args.only))
     per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
-                                       args.kv_heads, args.head_dim, remote), steps, args.only)
+                                       args.kv_heads, args.head_dim, remote, args.ipc_spin_s),
+                                 steps, args.only)
                  for b in batches}
     results: dict[str, object] = {
         "benchmark": "bench_step",
@@ -484,6 +490,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "service_pool": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, "
                         "bfloat16",
+        "service_ipc_spin_s": args.ipc_spin_s,
         "steps": steps,
         "compiled_first_call_s": round(first_call, 3),
         "batches": per_batch,

@@ -48,6 +48,7 @@ class IpcServer:
         self.addresses = list(addresses)
         self._token = token.get_secret_value().encode() if token is not None else None
         self._limit = core.config.max_body_bytes
+        self._spin_s = core.config.ipc_spin_s
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._stop = threading.Event()
@@ -55,7 +56,8 @@ class IpcServer:
         self._streams = [
             StreamListener(path, functools.partial(self.handle, transport="stream"),
                            max_frame_bytes=4 * self._limit,
-                           max_connections=2 * core.config.max_workers + 8)
+                           max_connections=2 * core.config.max_workers + 8,
+                           spin_s=self._spin_s)
             for path in map(stream_path, self.addresses) if path is not None]
         self.endpoints: list[str] = []
 
@@ -99,10 +101,18 @@ class IpcServer:
     def _serve(self) -> None:
         sock = self._sock
         while not self._stop.is_set():
-            if not sock.poll(_POLL_MS):
+            if not (self._spun() or sock.poll(_POLL_MS)):
                 continue
             frames = sock.recv_multipart()
             sock.send_multipart([frames[0], *self.handle(frames[1:])])
+
+    def _spun(self) -> bool:
+        """Whether a message arrived while polling without sleeping for the spin."""
+        deadline = time.perf_counter() + self._spin_s
+        while time.perf_counter() < deadline and not self._stop.is_set():
+            if self._sock.poll(0):
+                return True
+        return False
 
     def handle(self, frames: list[bytes], transport: str = "ipc") -> list[bytes]:
         """One message (without the identity frame) -> its reply frames; ``transport`` labels

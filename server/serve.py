@@ -83,7 +83,7 @@ _POOL_FLAGS: dict[str, tuple[type, str]] = {
     "max_seq_len": (int, "longest request: prompt + output tokens"),
     "max_draft_len": (int, "largest draft length D a grant may ask for"),
 }
-_SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes")
+_SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s")
 
 
 # RestLimits fields that are flags: name, type, help.

@@ -42,6 +42,12 @@ class ServiceConfig(BaseModel):
     max_step_tokens: int = Field(default=4096, gt=0,
                                  description="Tokens one step may schedule (staging capacity).")
     max_body_bytes: int = Field(default=8 << 20, gt=0, description="Largest request body/message.")
+    ipc_spin_s: float = Field(
+        default=0.0, ge=0, le=60,
+        description="After answering, an IPC connection polls for the next call without "
+                    "sleeping this long before it blocks: a service woken from sleep runs its "
+                    "step on a cold, slowed core. Worth a core per worker when it covers the "
+                    "worker's forward")
     token: SecretStr | None = Field(default=None, description="Bearer token both transports check.")
     nwor: bool = Field(default=True,
                        description="No-Write-On-Reject: commit only accepted drafts. False writes "

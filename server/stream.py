@@ -173,11 +173,14 @@ class StreamListener:
     """Serves ``handle`` on a Unix stream socket at ``path`` (created 0600)."""
 
     def __init__(self, path: Path, handle: Handle, *, max_frame_bytes: int,
-                 max_connections: int) -> None:
+                 max_connections: int, spin_s: float = 0.0) -> None:
+        """``spin_s``: how long a connection polls for its next message without sleeping
+        before it blocks."""
         self.path = path
         self.handle = handle
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
+        self.spin_s = spin_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._stop = threading.Event()
         # Serving thread -> its connection: stop() ends a thread's wait by shutting its
@@ -259,7 +262,8 @@ class StreamListener:
         first = True
         while not self._stop.is_set():
             try:
-                frames = inbox.next_message(within_s=HANDSHAKE_S, idle_ok=not first)
+                frames = inbox.next_message(spin_s=0.0 if first else self.spin_s,
+                                            within_s=HANDSHAKE_S, idle_ok=not first)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")

@@ -44,9 +44,10 @@ def test_flags_and_the_token_environment_variable_configure_the_service(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVALLOC_TOKEN", "t0ken")
     config = serve._config(parse("--device", "cpu", "--num-blocks", "300", "--head-dim", "32",
-                                 "--lease-ttl-s", "2.5", "--max-workers", "3"))
+                                 "--lease-ttl-s", "2.5", "--max-workers", "3",
+                                 "--ipc-spin-s", "0.02"))
     assert (config.pool.num_blocks, config.pool.head_dim, config.pool.device) == (300, 32, "cpu")
-    assert (config.lease_ttl_s, config.max_workers) == (2.5, 3)
+    assert (config.lease_ttl_s, config.max_workers, config.ipc_spin_s) == (2.5, 3, 0.02)
     assert config.token is not None and config.token.get_secret_value() == "t0ken"
 
 

@@ -13,9 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from allocator import PoolConfig
 from server import stream, wire
 from server.client import Client, TransportTimeout
+from server.core import ServiceCore
+from server.ipc import IpcServer
 from server.launch import ServiceProcess
+from server.settings import ServiceConfig
 from server.operations import ERROR, OK
 
 
@@ -173,6 +177,26 @@ def test_stopping_ends_idle_connections_and_answers_the_message_in_hand(
     assert exchange_done == [[b"1", OK, b"in hand"]]
     assert closed(idle)
     assert not served.path.exists()
+
+
+def test_a_spinning_service_answers_on_both_carriers_and_still_stops_at_once(
+        tmp_path: Path) -> None:
+    """Connections that poll for their next call (``ipc_spin_s``) far longer than the test
+    runs: every call is answered, and stopping does not wait for a spin to run out."""
+    pool = PoolConfig(num_blocks=64, num_layers=1, device="cpu", max_batch_size=4,
+                      max_seq_len=256)
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=64, ipc_spin_s=60))
+    server = IpcServer(core, [f"ipc://{tmp_path / 'z.ipc'}", f"stream://{tmp_path / 's.stream'}"])
+    try:
+        for endpoint in server.start():
+            with Client(endpoint, reply_spin_s=0) as client:
+                assert [client.get_pool().free_blocks for _ in range(3)] == [64] * 3
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive()
+    finally:
+        core.close()
 
 
 def test_a_second_listener_on_a_live_path_fails_and_leaves_the_first_serving(
