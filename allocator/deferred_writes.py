@@ -54,6 +54,7 @@ from .acceptance import StaticAcceptance, accept, validate_inputs
 from .commit_kernel import Backend, resolve_backend, write_staged
 from .device_io import PinnedUploads, capture_graph
 from .errors import AcceptedExceedsDrafts, InvalidValue
+from .host_write_graphs import HostWriteGraphs
 from .keep_mask import NEVER, mask_rejected
 from .kv_storage import KVStorage
 from .nwor_errors import NworInputError, SlotDtypeError, StagingOverflow, WindowStateError
@@ -125,6 +126,9 @@ class DeferredWriteManager:
         self._host_slots: np.ndarray | None = None
         self._host_slots_uploaded = False
         self._uploads = PinnedUploads(dev)
+        # On CUDA with the Triton write, such a commit replays a captured graph (made on first
+        # use: a library that stages layer by layer never pays for its pinned buffer).
+        self._host_graphs: HostWriteGraphs | None = None
         # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
         self._positions = max(1, cfg.max_draft_len)
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
@@ -622,18 +626,42 @@ class DeferredWriteManager:
 
     def _write_host_masked(self, accepted: np.ndarray, *, everything: bool) -> int:
         """The commit of a window staged with host slots: the keep mask on the host, rejected
-        tokens' slots set to -1 there, one upload, one write over every layer. Returns the
-        tokens sent to a slot."""
+        tokens' slots set to -1 there, one upload, one write over every layer (one graph replay
+        on CUDA). Returns the tokens sent to a slot."""
         assert self._host_slots is not None
         kept_slots = None
         if not everything:
             kept = self._draft_index < accepted[self._token_request]
             kept_slots = np.where(kept, self._host_slots, -1)
-        self._upload_host_slots(kept_slots)
-        write_staged(self.storage.rows(), self._source, self._shared_row(int(not everything)),
-                     self._all_rows, self._host_slots.size, self._inv, backend=self.backend)
-        return int(np.count_nonzero(
-            (self._host_slots if kept_slots is None else kept_slots) >= 0))
+        written = self._host_slots if kept_slots is None else kept_slots
+        graphs = self._graphs_for_host_slots()
+        if graphs is None or not graphs.replay(
+                self._source, self._host_slots, written,
+                variant=None if self._protected is None else self._protected.data_ptr()):
+            self._upload_host_slots(kept_slots)
+            write_staged(self.storage.rows(), self._source,
+                         self._shared_row(int(not everything)), self._all_rows,
+                         self._host_slots.size, self._inv, backend=self.backend)
+        return int(np.count_nonzero(written >= 0))
+
+    def _graphs_for_host_slots(self) -> HostWriteGraphs | None:
+        if self._host_graphs is None and self.device.type == "cuda" and self.backend == "triton":
+            self._host_graphs = HostWriteGraphs(self.max_tokens, self.device,
+                                                self._write_captured)
+        return self._host_graphs
+
+    def _write_captured(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
+        """What a host-slot commit's graph runs once the slot rows are on the device: the
+        eager path's guard (`_guard_host_rows`) and fused write, over ``rows`` rows."""
+        self._guard_host_rows(staged, kept)
+        write_staged(self.storage.rows(), self._source, self._every_layer(kept), self._all_rows,
+                     rows, self._inv, backend=self.backend)
+
+    def _guard_host_rows(self, staged: torch.Tensor, kept: torch.Tensor | None) -> None:
+        """Slots in protected blocks become -1, counted once per staged token."""
+        self._guard(staged, count=True)
+        if kept is not None:
+            self._guard(kept, count=False)
 
     def _upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
         """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in
@@ -643,17 +671,19 @@ class DeferredWriteManager:
         rows = self._host_slots if kept_slots is None else np.concatenate(
             [self._host_slots, kept_slots])
         self._uploads.into(self._shared_slots[: rows.size], rows)
-        self._guard(self._shared_slots[:total], count=True)
-        if kept_slots is not None:
-            self._guard(self._shared_slots[total: 2 * total], count=False)
+        self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
+                              else self._shared_slots[total: 2 * total])
         self._host_slots_uploaded = True
 
     def _shared_row(self, row: int) -> torch.Tensor:
         """Row ``row`` of the uploaded ``[staged | kept]`` slots, as every layer's slots."""
         assert self._host_slots is not None
         total = self._host_slots.size
-        return self._shared_slots[row * total: (row + 1) * total].view(1, total).expand(
-            self.num_layers, total)
+        return self._every_layer(self._shared_slots[row * total: (row + 1) * total])
+
+    def _every_layer(self, slots: torch.Tensor) -> torch.Tensor:
+        """One row of slots as every layer's (a stride-0 view)."""
+        return slots.view(1, -1).expand(self.num_layers, slots.numel())
 
     def _share_first_slot_row(self, total: int) -> None:
         """Every layer writes with ``_slots[0]``'s first ``total`` slots."""
