@@ -19,8 +19,8 @@ from server.client import Client, TransportTimeout
 from server.core import ServiceCore
 from server.ipc import IpcServer
 from server.launch import ServiceProcess
-from server.settings import ServiceConfig
 from server.operations import ERROR, OK
+from server.settings import ServiceConfig
 
 
 def echo(frames: list[bytes]) -> list[bytes]:
