@@ -18,7 +18,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -72,8 +72,17 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         title="kvalloc", version="0.1.0",
         description="KV-cache block allocator service: one batched call per scheduler step.",
     )
+    step_op = OPERATIONS["step"]
+
+    async def step(request: Request) -> Response:
+        """Apply one scheduler step atomically; a retried step id returns the same reply."""
+        # msgspec validates the columns in C against the same bounds the document states;
+        # pydantic would build a Python object per element first.
+        struct = _decode_json(await request.body(), step_op.request)
+        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
+
     app.add_middleware(TransportMiddleware, core=core, max_body_bytes=core.config.max_body_bytes,
-                       token=token, limits=limits)
+                       step=step, token=token, limits=limits)
     _install_error_handlers(app)
     # The document describes this service: bearer auth and its 401 appear only when it has a token.
     auth = [Depends(_Authorize(token))] if token is not None else []
@@ -100,18 +109,11 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         """End the worker's session: free every request of it and forget it."""
         return _json(core.deregister(wire.WorkerRef(worker_id=worker_id, session=session)))
 
-    step_op = ops["step"]
-
-    @app.post(step_op.path, response_model=protocol.StepReply, dependencies=auth,
-              responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"],
-              openapi_extra={"requestBody": _body_schema(protocol.StepRequest)})
-    async def step(request: Request) -> Response:
-        """Apply one scheduler step atomically; a retried step id returns the same reply."""
-        # msgspec validates the columns in C against the same bounds the document states;
-        # pydantic would build a Python object per element first.
-        struct = _decode_json(await request.body(), step_op.request)
-        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
-
+    # The route is what the document lists (and what answers other methods on the path); the
+    # middleware calls ``step`` itself for every POST, before FastAPI's routing and dependencies.
+    app.post(step_op.path, response_model=protocol.StepReply, dependencies=auth,
+             responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"],
+             openapi_extra={"requestBody": _body_schema(protocol.StepRequest)})(step)
     _document_models(app, protocol.StepRequest)
 
     @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
@@ -222,21 +224,23 @@ class _Authorize:
             raise Unauthorized("authorization: missing or wrong bearer token")
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    def error(exc: BaseException) -> Response:
-        body = describe(exc)
-        if body.status >= 500:
-            log.error("internal error: %s", body.message, exc_info=exc)
-        return _json(body, body.status)
+def _error(exc: BaseException) -> Response:
+    """Any exception as its `ErrorBody`; an internal error is logged."""
+    body = describe(exc)
+    if body.status >= 500:
+        log.error("internal error: %s", body.message, exc_info=exc)
+    return _json(body, body.status)
 
+
+def _install_error_handlers(app: FastAPI) -> None:
     async def typed(_: Request, exc: Exception) -> Response:
-        return error(exc)
+        return _error(exc)
 
     async def invalid(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0]
         where = "body" if first["type"] == "json_invalid" else field_path(tuple(first["loc"]))
-        return error(MalformedBody(f"{where}: {first['msg']}", field=where))
+        return _error(MalformedBody(f"{where}: {first['msg']}", field=where))
 
     async def http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -262,13 +266,18 @@ class TransportMiddleware:
     3. a body over ``max_body_bytes`` (declared or streamed): 413 as soon as the limit is
        crossed; a body not complete within ``limits.body_timeout_s``: 408.
 
-    An early answer closes the connection, so an unread body is never drained. It also reports
-    each per-step call's service time to the core (transport "rest")."""
+    An early answer closes the connection, so an unread body is never drained. A POST of the
+    step then goes to ``step`` (its route's endpoint) directly: the per-step call skips
+    FastAPI's routing and dependency solving, and its errors get the same bodies as the
+    exception handlers give. Each step's service time is reported to the core (transport
+    "rest")."""
 
     def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int, *,
+                 step: Callable[[Request], Awaitable[Response]],
                  token: SecretStr | None = None, limits: RestLimits = DEFAULT_LIMITS) -> None:
         self.app = app
         self.core = core
+        self.step = step
         self.limit = max_body_bytes
         self.limits = limits
         self.expected = token.get_secret_value().encode() if token is not None else None
@@ -322,9 +331,15 @@ class TransportMiddleware:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
-        if scope["path"] == self.step_path:
-            self.core.observe_step("rest", time.perf_counter() - start)
+        if scope["path"] != self.step_path or scope["method"] != "POST":
+            await self.app(scope, replay, send)
+            return
+        try:
+            response = await self.step(Request(scope, replay))
+        except Exception as exc:
+            response = _error(exc)
+        await response(scope, replay, send)
+        self.core.observe_step("rest", time.perf_counter() - start)
 
     def _authorized(self, scope: Scope) -> bool:
         """A ``/v1`` call carries the bearer token (the scheme's case does not matter)."""
