@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from fastapi import Depends, FastAPI, Path, Query, Request
@@ -41,6 +42,7 @@ from .operations import OPERATIONS
 log = logging.getLogger("kvalloc.rest")
 
 JSON = "application/json"
+T = TypeVar("T")
 
 _STATUS_TEXT = {
     401: "Missing or wrong bearer token (KVALLOC_TOKEN).",
@@ -66,8 +68,10 @@ def _json(struct: Any, status: int = 200) -> Response:
 
 def create_app(core: ServiceCore, *, token: SecretStr | None = None,
                metrics: Callable[[], tuple[bytes, str]] | None = None,
-               limits: RestLimits = DEFAULT_LIMITS) -> FastAPI:
-    """The REST app over ``core``. ``metrics`` renders the Prometheus exposition (body, type)."""
+               limits: RestLimits = DEFAULT_LIMITS) -> ASGIApp:
+    """The REST app over ``core``: `TransportMiddleware` in front of the FastAPI app (outside
+    all of FastAPI's own layers, which the step then never enters). ``metrics`` renders the
+    Prometheus exposition (body, type)."""
     app = FastAPI(
         title="kvalloc", version="0.1.0",
         description="KV-cache block allocator service: one batched call per scheduler step.",
@@ -81,8 +85,6 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         struct = _decode_json(await request.body(), step_op.request)
         return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
 
-    app.add_middleware(TransportMiddleware, core=core, max_body_bytes=core.config.max_body_bytes,
-                       step=step, token=token, limits=limits)
     _install_error_handlers(app)
     # The document describes this service: bearer auth and its 401 appear only when it has a token.
     auth = [Depends(_Authorize(token))] if token is not None else []
@@ -155,7 +157,8 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
             body, content_type = render()
             return Response(body, media_type=content_type)
 
-    return app
+    return TransportMiddleware(app, core, core.config.max_body_bytes, step=step, token=token,
+                               limits=limits)
 
 
 def _body_schema(model: type[protocol.Contract]) -> dict[str, Any]:
@@ -311,8 +314,7 @@ class TransportMiddleware:
                                                     "token")))
             return
         try:
-            body = await asyncio.wait_for(self._read_body(scope, receive),
-                                          self.limits.body_timeout_s)
+            body = await _within(self.limits.body_timeout_s, self._read_body(scope, receive))
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
             await _send(send, wire.ErrorBody(
                 status=408, code="body_timeout", field="body",
@@ -366,6 +368,16 @@ class TransportMiddleware:
             if not message.get("more_body", False):
                 break
         return bytes(body)
+
+
+async def _within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """``awaitable``'s result, or `asyncio.TimeoutError` after ``seconds``. `asyncio.timeout`
+    (Python 3.11+) runs it in this task; `asyncio.wait_for` wraps it in a task of its own, which
+    costs loop turns on every call."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _is_operation(scope: Scope) -> bool:
