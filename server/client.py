@@ -415,9 +415,9 @@ class _StreamTransport(_Frames, _KeptConnection):
 
 class _RestTransport(_Remote, _KeptConnection):
     """HTTP/1.1 on one kept-alive connection, over TCP (``http://``) or a Unix socket
-    (``unix:///path``). A request leaves in one write, its head built from bytes prepared once;
-    the standard library parses the response. A general-purpose HTTP client costs several times
-    the service's own step per call."""
+    (``unix:///path``). A request leaves in one write, its head built from bytes prepared once,
+    and its response is read as the service writes every one (`_read_response`): a
+    general-purpose HTTP client costs several times the service's own step per call."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
         self._address = address
@@ -464,12 +464,10 @@ class _RestTransport(_Remote, _KeptConnection):
                     raise
                 # The service answers some calls before reading their body (a refused token, a
                 # body over its limit) and closes: its answer is there to read.
-            response = http.client.HTTPResponse(sock, method=op.method)
-            response.begin()
-            payload = response.read()
-            if response.will_close:
+            status, payload, closing = _read_response(sock)
+            if closing:
                 self._drop()
-            return response.status, payload
+            return status, payload
         except TimeoutError:
             self._drop()
             raise TransportTimeout(f"{op.name}: no reply within {self._timeout_s:g} s") from None
@@ -503,6 +501,39 @@ class _RestTransport(_Remote, _KeptConnection):
         sock.settimeout(self._timeout_s)
         self._conn = sock
         return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, bytes, bool]:
+    """The status, body and "connection: close" of the HTTP/1.1 response on ``sock``. The
+    service declares every body's length (no chunked encoding); anything else raises an
+    `http.client.HTTPException`."""
+    data = bytearray()
+    while (end := data.find(b"\r\n\r\n")) < 0:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise http.client.RemoteDisconnected("the service closed the connection")
+        data += chunk
+    status_line, *lines = bytes(data[:end]).split(b"\r\n")
+    version, _, rest = status_line.partition(b" ")
+    status = rest[:3]
+    if not version.startswith(b"HTTP/1.") or not status.isdigit():
+        raise http.client.BadStatusLine(status_line.decode("latin-1"))
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    length = headers.get(b"content-length", b"")
+    if not length.isdigit():
+        raise http.client.HTTPException("the response does not declare its length")
+    size = int(length)
+    body, missing = data[end + 4:end + 4 + size], size - (len(data) - end - 4)
+    while missing > 0:
+        chunk = sock.recv(missing)
+        if not chunk:
+            raise http.client.IncompleteRead(bytes(body), missing)
+        body += chunk
+        missing -= len(chunk)
+    return int(status), bytes(body), headers.get(b"connection", b"").lower() == b"close"
 
 
 def _query_value(value: Any) -> str:
