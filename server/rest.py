@@ -9,7 +9,8 @@ Replies are encoded by msgspec straight from the core's structs (the OpenAPI sch
 from the pydantic reply models, and the tests check replies against it), which keeps FastAPI's
 per-object serialisation off the per-step path. Handlers are ``async`` and call the core directly:
 its work is short and serialised by its lock anyway, so a thread hop per call would only add
-latency.
+latency. The step, the one call per scheduler step, is answered by `TransportMiddleware` in front
+of FastAPI through its route's endpoint, so it pays for none of FastAPI's per-call layers.
 """
 
 from __future__ import annotations
