@@ -442,51 +442,59 @@ class _StreamTransport(_Frames, _KeptConnection):
 
 class _RestTransport(_Remote, _KeptConnection):
     """HTTP/1.1 on one kept-alive connection, over TCP (``http://``) or a Unix socket
-    (``unix:///path``), through the standard library: a general-purpose HTTP client costs several
-    times the service's own step per call."""
+    (``unix:///path``). A request leaves in one write, its head built from bytes prepared once,
+    and its response is read as the service writes every one (`_read_response`): a
+    general-purpose HTTP client costs several times the service's own step per call."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
         self._address = address
         self._timeout_s = timeout_s
-        self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._token_sent = bool(token)
         self._uds = address.removeprefix("unix://") if address.startswith("unix://") else None
         url = urlsplit("http://kvalloc" if self._uds else address)
         self._host, self._port = url.hostname or "localhost", url.port or 80
-        self._conn: http.client.HTTPConnection | None = None
+        # Every request's headers but its length.
+        host = url.netloc if self._uds is None else "kvalloc"
+        auth = f"authorization: Bearer {token}\r\n" if token else ""
+        self._headers = f"host: {host}\r\n{auth}".encode()
+        self._conn: socket.socket | None = None
 
     def call(self, op: Operation, request: Any) -> Any:
         request = op.encode_call(request, binary=False)
-        fields = msgspec.structs.asdict(request)
-        path = op.path.format(**{k: quote(str(fields.pop(k)), safe="") for k in op.path_fields})
-        headers = dict(self._headers)
-        body = None
+        path, body = op.path, b""
         if op.method == "POST":
             body = wire.encode_json(request)
-            headers["content-type"] = "application/json"
-        elif fields:
-            path += "?" + urlencode({k: _query_value(v) for k, v in fields.items()})
-        status, payload = self._exchange(op, op.method, path, body, headers)
+        if op.method != "POST" or op.path_fields:
+            fields = msgspec.structs.asdict(request)
+            path = op.path.format(**{k: quote(str(fields.pop(k)), safe="")
+                                     for k in op.path_fields})
+            if op.method != "POST" and fields:
+                path += "?" + urlencode({k: _query_value(v) for k, v in fields.items()})
+        kind = b"content-type: application/json\r\n" if body else b""
+        message = b"%s %s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n%s" % (
+            op.method.encode(), path.encode(), self._headers, kind, len(body), body)
+        status, payload = self._exchange(op, message)
         if status == 200:
             return op.decode_reply(wire.decode(payload, op.reply, "json"))
         raise _remote(wire.decode(payload, wire.ErrorBody, "json"), token_sent=self._token_sent)
 
-    def _exchange(self, op: Operation, method: str, path: str, body: bytes | None,
-                  headers: dict[str, str]) -> tuple[int, bytes]:
+    def _exchange(self, op: Operation, message: bytes) -> tuple[int, bytes]:
         """One request and its response. A kept-alive connection the service closed while idle
         fails before any reply: that request is sent once more on a fresh connection."""
         reused = self._conn is not None
-        conn = self._connect()
+        sock = self._connect()
         try:
             try:
-                conn.request(method, path, body=body, headers=headers)
+                sock.sendall(message)
             except (BrokenPipeError, ConnectionResetError):
                 if reused:
                     raise
                 # The service answers some calls before reading their body (a refused token, a
                 # body over its limit) and closes: its answer is there to read.
-            response = conn.getresponse()
-            return response.status, response.read()
+            status, payload, closing = _read_response(sock)
+            if closing:
+                self._drop()
+            return status, payload
         except TimeoutError:
             self._drop()
             raise TransportTimeout(f"{op.name}: no reply within {self._timeout_s:g} s") from None
@@ -494,31 +502,65 @@ class _RestTransport(_Remote, _KeptConnection):
             self._drop()
             if reused and isinstance(exc, http.client.RemoteDisconnected | BrokenPipeError
                                      | ConnectionResetError):
-                return self._exchange(op, method, path, body, headers)
+                return self._exchange(op, message)
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
 
-    def _connect(self) -> http.client.HTTPConnection:
+    def _connect(self) -> socket.socket:
         if self._conn is not None:
             return self._conn
-        conn = http.client.HTTPConnection(self._host, self._port,
-                                          timeout=min(self._timeout_s, CONNECT_TIMEOUT_S))
+        timeout = min(self._timeout_s, CONNECT_TIMEOUT_S)
         try:
             if self._uds is None:
-                conn.connect()
-                # Headers and body leave in two writes: without NODELAY, Nagle holds the body
-                # back until the service's delayed ACK (~40 ms per call).
-                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = socket.create_connection((self._host, self._port), timeout=timeout)
+                # A request leaves in one write, but a large one in several segments: without
+                # NODELAY, Nagle holds its last one back until the service's delayed ACK.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                conn.sock = sock
-                sock.settimeout(min(self._timeout_s, CONNECT_TIMEOUT_S))
-                sock.connect(self._uds)
+                try:
+                    sock.settimeout(timeout)
+                    sock.connect(self._uds)
+                except OSError:
+                    sock.close()
+                    raise
         except OSError as exc:  # refused, no such socket file, no answer in time
-            conn.close()
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
-        conn.sock.settimeout(self._timeout_s)
-        self._conn = conn
-        return conn
+        sock.settimeout(self._timeout_s)
+        self._conn = sock
+        return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, bytes, bool]:
+    """The status, body and "connection: close" of the HTTP/1.1 response on ``sock``. The
+    service declares every body's length (no chunked encoding); anything else raises an
+    `http.client.HTTPException`."""
+    data = bytearray()
+    while (end := data.find(b"\r\n\r\n")) < 0:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise http.client.RemoteDisconnected("the service closed the connection")
+        data += chunk
+    status_line, *lines = bytes(data[:end]).split(b"\r\n")
+    version, _, rest = status_line.partition(b" ")
+    status = rest[:3]
+    if not version.startswith(b"HTTP/1.") or not status.isdigit():
+        raise http.client.BadStatusLine(status_line.decode("latin-1"))
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    length = headers.get(b"content-length", b"")
+    if not length.isdigit():
+        raise http.client.HTTPException("the response does not declare its length")
+    size = int(length)
+    body, missing = data[end + 4:end + 4 + size], size - (len(data) - end - 4)
+    while missing > 0:
+        chunk = sock.recv(missing)
+        if not chunk:
+            raise http.client.IncompleteRead(bytes(body), missing)
+        body += chunk
+        missing -= len(chunk)
+    return int(status), bytes(body), headers.get(b"connection", b"").lower() == b"close"
 
 
 def _query_value(value: Any) -> str:

@@ -12,15 +12,17 @@ whole process when its IPC listener cannot accept for lack of descriptors. So:
   (or of its previous response) and its body within ``body_timeout_s``, or it is closed: a peer
   that opens connections and never finishes a request cannot hold them.
 
-Why a protocol subclass: uvicorn's h11 protocol arms no timer until its first response (its
+Why protocol subclasses: uvicorn's HTTP protocols arm no timer until their first response (the
 keep-alive timer), and ``limit_concurrency`` answers 503 only once a complete request arrived;
-neither bounds a connection that never sends its headers. The subclass adds exactly that and
-keeps everything else of uvicorn's protocol.
+neither bounds a connection that never sends its headers. `_Bounded` adds exactly that to
+uvicorn's httptools protocol (a C parser: the one served when httptools is installed) or, without
+httptools, to its pure-Python h11 protocol, and keeps everything else of the protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import resource
 from dataclasses import dataclass
 from typing import Any
@@ -77,9 +79,25 @@ def connection_budget(requested: int, nofile: int) -> int:
     return budget
 
 
-def bounded_protocol(limits: RestLimits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with ``limits``' connection bound and header deadline."""
-    return type("BoundedH11Protocol", (_BoundedH11Protocol,), {"limits": limits})
+def http_parsers() -> tuple[str, ...]:
+    """The parsers `bounded_protocol` takes here: ``auto`` (httptools when installed, else h11),
+    ``httptools`` where it is installed, ``h11``."""
+    try:
+        _bounded_httptools()
+    except ImportError:
+        return ("auto", "h11")
+    return ("auto", "httptools", "h11")
+
+
+def bounded_protocol(limits: RestLimits, parser: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol for ``parser`` (one of `http_parsers`) with ``limits``'
+    connection bound and header deadline."""
+    parsers = http_parsers()
+    if parser not in parsers:
+        raise ValueError(f"parser: {parser!r} is not one of {parsers}")
+    h11_only = parser == "h11" or "httptools" not in parsers
+    base = _BoundedH11Protocol if h11_only else _bounded_httptools()
+    return type(f"Bounded{base.__name__.removeprefix('_Bounded')}", (base,), {"limits": limits})
 
 
 _OVERLOADED = (b"HTTP/1.1 503 Service Unavailable\r\n"
@@ -93,46 +111,65 @@ def overloaded_response() -> bytes:
     return _OVERLOADED % (OVERLOADED_RETRY_AFTER_S, len(body), body)
 
 
-class _BoundedH11Protocol(H11Protocol):
+class _Bounded:
+    """The bounds, over either uvicorn protocol (first base after this one). The header deadline
+    runs whenever the connection waits for a request's headers: from the connection's opening,
+    and again from each response's end; it closes the connection only if by then no request's
+    headers arrived (`_awaiting_headers`), so a request in progress is never cut."""
+
     limits: RestLimits
+    connections: set[Any]
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    _header_deadline: asyncio.TimerHandle | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._header_deadline: asyncio.TimerHandle | None = None
+    def _awaiting_headers(self) -> bool:
+        raise NotImplementedError
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         if len(self.connections) > self.limits.max_connections:
             transport.write(overloaded_response())
             transport.close()
             return
         self._arm_header_deadline()
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # a whole request line and headers arrived
-            self._disarm_header_deadline()
-
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+        super().on_response_complete()  # type: ignore[misc]
+        if not self.transport.is_closing() and self._awaiting_headers():
             self._arm_header_deadline()  # the next request on this connection gets its own
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_deadline()
-        super().connection_lost(exc)
-
-    def _arm_header_deadline(self) -> None:
-        self._disarm_header_deadline()
-        self._header_deadline = self.loop.call_later(self.limits.header_timeout_s,
-                                                     self._headers_too_slow)
-
-    def _disarm_header_deadline(self) -> None:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        self._header_deadline = self.loop.call_later(self.limits.header_timeout_s,
+                                                     self._headers_too_slow)
 
     def _headers_too_slow(self) -> None:
         self._header_deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self._awaiting_headers() and not self.transport.is_closing():
             self.transport.close()
+
+
+class _BoundedH11Protocol(_Bounded, H11Protocol):
+    def _awaiting_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+
+@functools.cache
+def _bounded_httptools() -> type[asyncio.Protocol]:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # needs httptools
+
+    class _BoundedHttpToolsProtocol(_Bounded, HttpToolsProtocol):
+        def _awaiting_headers(self) -> bool:
+            # A request's cycle starts when its headers are complete; the latest one is
+            # ``cycle``.
+            return self.cycle is None or self.cycle.response_complete
+
+    return _BoundedHttpToolsProtocol

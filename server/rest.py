@@ -9,7 +9,8 @@ Replies are encoded by msgspec straight from the core's structs (the OpenAPI sch
 from the pydantic reply models, and the tests check replies against it), which keeps FastAPI's
 per-object serialisation off the per-step path. Handlers are ``async`` and call the core directly:
 its work is short and serialised by its lock anyway, so a thread hop per call would only add
-latency.
+latency. The step, the one call per scheduler step, is answered by `TransportMiddleware` in front
+of FastAPI through its route's endpoint, so it pays for none of FastAPI's per-call layers.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 import time
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from fastapi import Depends, FastAPI, Path, Query, Request
@@ -41,6 +43,7 @@ from .operations import OPERATIONS
 log = logging.getLogger("kvalloc.rest")
 
 JSON = "application/json"
+T = TypeVar("T")
 
 _STATUS_TEXT = {
     401: "Missing or wrong bearer token (KVALLOC_TOKEN).",
@@ -66,14 +69,23 @@ def _json(struct: Any, status: int = 200) -> Response:
 
 def create_app(core: ServiceCore, *, token: SecretStr | None = None,
                metrics: Callable[[], tuple[bytes, str]] | None = None,
-               limits: RestLimits = DEFAULT_LIMITS) -> FastAPI:
-    """The REST app over ``core``. ``metrics`` renders the Prometheus exposition (body, type)."""
+               limits: RestLimits = DEFAULT_LIMITS) -> ASGIApp:
+    """The REST app over ``core``: `TransportMiddleware` in front of the FastAPI app (outside
+    all of FastAPI's own layers, which the step then never enters). ``metrics`` renders the
+    Prometheus exposition (body, type)."""
     app = FastAPI(
         title="kvalloc", version="0.1.0",
         description="KV-cache block allocator service: one batched call per scheduler step.",
     )
-    app.add_middleware(TransportMiddleware, core=core, max_body_bytes=core.config.max_body_bytes,
-                       token=token, limits=limits)
+    step_op = OPERATIONS["step"]
+
+    async def step(request: Request) -> Response:
+        """Apply one scheduler step atomically; a retried step id returns the same reply."""
+        # msgspec validates the columns in C against the same bounds the document states;
+        # pydantic would build a Python object per element first.
+        struct = _decode_json(await request.body(), step_op.request)
+        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
+
     _install_error_handlers(app)
     # The document describes this service: bearer auth and its 401 appear only when it has a token.
     auth = [Depends(_Authorize(token))] if token is not None else []
@@ -100,18 +112,11 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         """End the worker's session: free every request of it and forget it."""
         return _json(core.deregister(wire.WorkerRef(worker_id=worker_id, session=session)))
 
-    step_op = ops["step"]
-
-    @app.post(step_op.path, response_model=protocol.StepReply, dependencies=auth,
-              responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"],
-              openapi_extra={"requestBody": _body_schema(protocol.StepRequest)})
-    async def step(request: Request) -> Response:
-        """Apply one scheduler step atomically; a retried step id returns the same reply."""
-        # msgspec validates the columns in C against the same bounds the document states;
-        # pydantic would build a Python object per element first.
-        struct = _decode_json(await request.body(), step_op.request)
-        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
-
+    # The route is what the document lists (and what answers other methods on the path); the
+    # middleware calls ``step`` itself for every POST, before FastAPI's routing and dependencies.
+    app.post(step_op.path, response_model=protocol.StepReply, dependencies=auth,
+             responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"],
+             openapi_extra={"requestBody": _body_schema(protocol.StepRequest)})(step)
     _document_models(app, protocol.StepRequest)
 
     @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
@@ -153,7 +158,8 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
             body, content_type = render()
             return Response(body, media_type=content_type)
 
-    return app
+    return TransportMiddleware(app, core, core.config.max_body_bytes, step=step, token=token,
+                               limits=limits)
 
 
 def _body_schema(model: type[protocol.Contract]) -> dict[str, Any]:
@@ -222,21 +228,23 @@ class _Authorize:
             raise Unauthorized("authorization: missing or wrong bearer token")
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    def error(exc: BaseException) -> Response:
-        body = describe(exc)
-        if body.status >= 500:
-            log.error("internal error: %s", body.message, exc_info=exc)
-        return _json(body, body.status)
+def _error(exc: BaseException) -> Response:
+    """Any exception as its `ErrorBody`; an internal error is logged."""
+    body = describe(exc)
+    if body.status >= 500:
+        log.error("internal error: %s", body.message, exc_info=exc)
+    return _json(body, body.status)
 
+
+def _install_error_handlers(app: FastAPI) -> None:
     async def typed(_: Request, exc: Exception) -> Response:
-        return error(exc)
+        return _error(exc)
 
     async def invalid(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0]
         where = "body" if first["type"] == "json_invalid" else field_path(tuple(first["loc"]))
-        return error(MalformedBody(f"{where}: {first['msg']}", field=where))
+        return _error(MalformedBody(f"{where}: {first['msg']}", field=where))
 
     async def http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -262,13 +270,18 @@ class TransportMiddleware:
     3. a body over ``max_body_bytes`` (declared or streamed): 413 as soon as the limit is
        crossed; a body not complete within ``limits.body_timeout_s``: 408.
 
-    An early answer closes the connection, so an unread body is never drained. It also reports
-    each per-step call's service time to the core (transport "rest")."""
+    An early answer closes the connection, so an unread body is never drained. A POST of the
+    step then goes to ``step`` (its route's endpoint) directly: the per-step call skips
+    FastAPI's routing and dependency solving, and its errors get the same bodies as the
+    exception handlers give. Each step's service time is reported to the core (transport
+    "rest")."""
 
     def __init__(self, app: ASGIApp, core: ServiceCore, max_body_bytes: int, *,
+                 step: Callable[[Request], Awaitable[Response]],
                  token: SecretStr | None = None, limits: RestLimits = DEFAULT_LIMITS) -> None:
         self.app = app
         self.core = core
+        self.step = step
         self.limit = max_body_bytes
         self.limits = limits
         self.expected = token.get_secret_value().encode() if token is not None else None
@@ -302,8 +315,7 @@ class TransportMiddleware:
                                                     "token")))
             return
         try:
-            body = await asyncio.wait_for(self._read_body(scope, receive),
-                                          self.limits.body_timeout_s)
+            body = await _within(self.limits.body_timeout_s, self._read_body(scope, receive))
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
             await _send(send, wire.ErrorBody(
                 status=408, code="body_timeout", field="body",
@@ -322,9 +334,15 @@ class TransportMiddleware:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
-        if scope["path"] == self.step_path:
-            self.core.observe_step("rest", time.perf_counter() - start)
+        if scope["path"] != self.step_path or scope["method"] != "POST":
+            await self.app(scope, replay, send)
+            return
+        try:
+            response = await self.step(Request(scope, replay))
+        except Exception as exc:
+            response = _error(exc)
+        await response(scope, replay, send)
+        self.core.observe_step("rest", time.perf_counter() - start)
 
     def _authorized(self, scope: Scope) -> bool:
         """A ``/v1`` call carries the bearer token (the scheme's case does not matter)."""
@@ -351,6 +369,16 @@ class TransportMiddleware:
             if not message.get("more_body", False):
                 break
         return bytes(body)
+
+
+async def _within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """``awaitable``'s result, or `asyncio.TimeoutError` after ``seconds``. `asyncio.timeout`
+    (Python 3.11+) runs it in this task; `asyncio.wait_for` wraps it in a task of its own, which
+    costs loop turns on every call."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _is_operation(scope: Scope) -> bool:

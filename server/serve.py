@@ -60,6 +60,7 @@ from .network import (
     RestLimits,
     bounded_protocol,
     connection_budget,
+    http_parsers,
     raise_nofile_limit,
 )
 from .rest import create_app
@@ -132,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(DEFAULT_LIMITS, name)
         limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive(kind),
                             default=default, help=f"{help_text} (default {default:g})")
+    limits.add_argument("--http", choices=http_parsers(), default="auto",
+                        help="REST's HTTP parser (default auto: httptools, a C parser, when it "
+                             "is installed, else h11)")
     parser.add_argument("--no-nwor", dest="nwor", action="store_false",
                         help="write every staged token, rejected drafts too (as an engine "
                              "without No-Write-On-Reject; default: only accepted ones)")
@@ -217,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                  _token_note(config.token, token))
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=5, http=bounded_protocol(limits),
+            timeout_graceful_shutdown=5, http=bounded_protocol(limits, args.http),
             timeout_keep_alive=int(limits.keep_alive_s), backlog=ACCEPT_BACKLOG))
         server.run(sockets=sockets)  # returns after a graceful stop on SIGTERM / SIGINT
     except _Stopped as stop:

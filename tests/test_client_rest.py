@@ -1,12 +1,14 @@
 """The client's REST transport against a scripted HTTP server standing in for the service: one
 kept-alive connection, a connection the service closed while idle replaced without the caller
-noticing, an early refusal delivered though the body could not be sent, and silence or absence
-reported as the client's own errors."""
+noticing, a reply read whole whatever pieces it arrives in, an early refusal delivered though the
+body could not be sent, and silence, absence or a reply that is not the service's reported as
+the client's own errors."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -94,6 +96,37 @@ def test_calls_share_one_connection_and_an_idle_close_is_replaced_unseen(
     assert connections == [0, 1]  # the third call found the first connection closed
     assert len(heads) == 3
     assert all(h.startswith(b"GET /v1/pool?verify=true HTTP/1.1") for h in heads)
+
+
+def test_a_reply_arriving_in_pieces_is_read_whole(fake_http: Callable[[Script], str]) -> None:
+    """Head and body in several writes, header names in any case: the reply is the same."""
+    body = pool_state(free_blocks=5)
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n")
+    pieces = [head[:7], head[7:-3], head[-3:] + body[:10], body[10:-1], body[-1:]]
+
+    def script(conn: socket.socket, n: int) -> None:
+        while read_request(conn):
+            for piece in pieces:
+                conn.sendall(piece)
+                time.sleep(0.02)  # each piece its own segment
+
+    address = fake_http(script)
+    with Client(address, timeout_s=5, retries=0) as client:
+        assert [client.get_pool().free_blocks for _ in range(2)] == [5, 5]
+
+
+def test_a_reply_without_a_declared_length_is_refused(
+        fake_http: Callable[[Script], str]) -> None:
+    """The service declares every body's length; a chunked reply is not the service's."""
+    def script(conn: socket.socket, n: int) -> None:
+        read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+
+    address = fake_http(script)
+    with Client(address, timeout_s=5, retries=0) as client, \
+            pytest.raises(ServiceUnreachable, match="does not declare its length"):
+        client.get_pool()
 
 
 def test_silence_is_a_timeout_and_no_listener_is_unreachable(

@@ -2,7 +2,9 @@
 
 Real `kvalloc serve` processes on loopback: thousands of half-open connections against a small
 descriptor limit; a flood of unauthenticated 8 MiB bodies; calls beyond the in-flight bound; a
-body that never completes. Each is bounded in count and time."""
+body that never completes; a kept connection that stops before its next request's headers. Each
+is bounded in count and time. The connection bounds live in the HTTP protocol, so the tests of
+them run with each parser the service can use here (`PARSERS`); the others with the default."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 from server import serve
 from server.client import Client
 from server.launch import ServiceProcess
-from server.network import LimitsError, connection_budget
+from server.network import LimitsError, connection_budget, http_parsers
 from server.token_files import discover_token
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
@@ -29,6 +31,7 @@ NOFILE = 1024
 HALF_OPEN = 2000  # twice the service's descriptor limit
 HEADER_TIMEOUT_S = 2.0
 BODY = 8 << 20
+PARSERS = [p for p in http_parsers() if p != "auto"]
 
 
 def status_of(sock: socket.socket, timeout_s: float = 10.0) -> tuple[int, dict[str, str]]:
@@ -108,10 +111,12 @@ def test_thousands_of_half_open_connections_leave_ipc_and_rest_serving(
         assert worker.get_pool().num_requests == 2
 
 
-def test_connections_over_the_bound_get_503_with_retry_after(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parser", PARSERS)
+def test_connections_over_the_bound_get_503_with_retry_after(tmp_path: Path,
+                                                             parser: str) -> None:
     bound = connection_budget(10**6, NOFILE)
     # A header deadline far longer than opening the connections takes: none closes early.
-    with ServiceProcess(tmp_path, *SMALL_POOL, "--header-timeout-s", "120",
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--http", parser, "--header-timeout-s", "120",
                         nofile=(NOFILE, NOFILE)) as svc:
         assert svc.port is not None
         held = [socket.create_connection(("127.0.0.1", svc.port), timeout=5)
@@ -153,9 +158,10 @@ def test_an_unauthenticated_flood_of_8_mib_bodies_leaves_memory_flat(tmp_path: P
             client.register()
 
 
+@pytest.mark.parametrize("parser", PARSERS)
 def test_calls_beyond_the_in_flight_bound_get_503_and_a_slow_body_gets_408(
-        tmp_path: Path) -> None:
-    with ServiceProcess(tmp_path, *SMALL_POOL, "--max-in-flight", "2",
+        tmp_path: Path, parser: str) -> None:
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--http", parser, "--max-in-flight", "2",
                         "--body-timeout-s", "1") as svc:
         assert svc.port is not None
         token = discover_token(svc.rest_tcp)
@@ -176,6 +182,25 @@ def test_calls_beyond_the_in_flight_bound_get_503_and_a_slow_body_gets_408(
             sock.close()
         with Client(svc.rest_tcp, worker_id="after") as client:  # the bound is free again
             assert client.get_pool().num_requests == 0
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_the_header_deadline_restarts_at_each_response_of_a_kept_connection(
+        tmp_path: Path, parser: str) -> None:
+    """Each request on a kept-alive connection gets the whole deadline from the previous
+    response, and one whose headers stop short is closed at it (keep-alive, 5 s, is longer)."""
+    request = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--http", parser,
+                        "--header-timeout-s", str(HEADER_TIMEOUT_S)) as svc:
+        assert svc.port is not None
+        with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as sock:
+            for _ in range(2):  # the second comes after the first request's deadline
+                time.sleep(HEADER_TIMEOUT_S * 0.6)
+                sock.sendall(request)
+                assert status_of(sock)[0] == 200
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")  # the headers never end
+            time.sleep(HEADER_TIMEOUT_S + 0.5)
+            assert closed_by_peer(sock)
 
 
 def test_the_descriptor_limit_is_raised_to_the_hard_limit_at_start(tmp_path: Path) -> None:
