@@ -45,9 +45,9 @@ class ServiceConfig(BaseModel):
     ipc_spin_s: float = Field(
         default=0.0, ge=0, le=60,
         description="After answering, an IPC connection polls for the next call without "
-                    "sleeping this long before it blocks: a service woken from sleep runs its "
-                    "step on a cold, slowed core. Worth a core per worker when it covers the "
-                    "worker's forward")
+                    "sleeping this long before it blocks, which saves waking a sleeping thread "
+                    "per call. Worth it with a free core per worker connection and a spin that "
+                    "covers the worker's forward")
     token: SecretStr | None = Field(default=None, description="Bearer token both transports check.")
     nwor: bool = Field(default=True,
                        description="No-Write-On-Reject: commit only accepted drafts. False writes "
