@@ -114,17 +114,19 @@ class Inbox:
         size = LENGTH.unpack_from(self._buffer, self._start)[0]
         if self.max_bytes is not None and size > self.max_bytes:
             raise MessageTooLarge(size)
-        end = self._start + LENGTH.size + size
-        if end > len(self._buffer):
+        if self._start + LENGTH.size + size > len(self._buffer):
             self._make_room(LENGTH.size + size)
-            end = self._start + LENGTH.size + size
+        end = self._start + LENGTH.size + size
         while self._end < end:
             self._more(began, within_s)
         start, self._start = self._start + LENGTH.size, end  # consumed, even if malformed
-        if self._start == self._end:
-            self._start = self._end = 0
         with memoryview(self._buffer) as view:
-            return unpack(view[start:end])
+            frames = unpack(view[start:end])
+        if self._start == self._end:  # nothing unread: start over, at the usual size
+            self._start = self._end = 0
+            if len(self._buffer) > _INBOX_BYTES:
+                self._buffer = bytearray(_INBOX_BYTES)
+        return frames
 
     def _first_bytes(self, spin_s: float, idle_ok: bool) -> bool:
         """Wait for the next message to begin; False if the peer closed."""
@@ -154,17 +156,18 @@ class Inbox:
 
     def _receive(self, flags: int = 0) -> int:
         if self._end == len(self._buffer):
-            self._make_room(len(self._buffer) + _INBOX_BYTES)
+            self._make_room(self._end - self._start + 1)
         with memoryview(self._buffer) as view:
             received = self.conn.recv_into(view[self._end:], 0, flags)
         self._end += received
         return received
 
     def _make_room(self, size: int) -> None:
-        """Move the unread bytes to the front of a buffer of at least ``size`` bytes."""
+        """Move the unread bytes to the front of the buffer, grown to at least ``size`` bytes if
+        smaller (doubling, so a message read in pieces is copied a bounded number of times)."""
         unread = self._buffer[self._start: self._end]
         if size > len(self._buffer):
-            self._buffer = bytearray(size)
+            self._buffer = bytearray(max(size, 2 * len(self._buffer)))
         self._buffer[: len(unread)] = unread
         self._start, self._end = 0, len(unread)
 

@@ -141,6 +141,37 @@ def test_a_message_is_read_whole_however_it_is_split_or_joined() -> None:
     assert inbox.next_message() is None  # closed between messages
 
 
+class EagerPeer:
+    """A socket stand-in whose every receive fills all the room it is given: where a message
+    boundary falls in the reader's buffer is then exact."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(data)
+
+    def recv_into(self, view: memoryview, nbytes: int = 0, flags: int = 0) -> int:
+        n = min(len(view), len(self.data))
+        view[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
+def test_a_long_stream_of_messages_keeps_the_reading_buffer_small() -> None:
+    """Messages that leave the next one's length prefix cut by the end of the buffer, over and
+    over, never grow it; the room a large message needed is given back once it is read."""
+    usual = len(stream.Inbox(EagerPeer(b""))._buffer)  # type: ignore[arg-type]
+    body = b"z" * 60_000  # a length of the same msgpack width as the message's
+    overhead = len(stream.pack([b"1", b"", b"op", body])) - len(body)
+    message = [b"1", b"", b"op", b"z" * (usual - 2 - overhead)]  # packed: the buffer less 2
+    large = [b"2", b"", b"op", b"y" * (5 * usual)]
+    assert len(stream.pack(message)) == usual - 2
+    inbox = stream.Inbox(EagerPeer(stream.pack(message) * 40 + stream.pack(large)))  # type: ignore[arg-type]
+    for _ in range(40):
+        assert inbox.next_message() == message
+        assert len(inbox._buffer) == usual
+    assert inbox.next_message() == large
+    assert len(inbox._buffer) == usual
+    assert inbox.next_message() is None
+
+
 def test_a_message_dribbled_slower_than_the_bound_is_dropped(listener) -> None:
     conn = connect(listener)
     message = stream.pack([b"1", b"", b"op", b"slow"])
