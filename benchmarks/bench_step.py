@@ -450,6 +450,20 @@ def targets(r: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
+def emit(result: dict[str, Any], rows: dict[str, Any], *, out: str | None,
+         as_json: bool) -> None:
+    """A benchmark's result: written as JSON to ``out`` if given, and printed as JSON or as
+    ``rows``, one ``name value`` line each."""
+    text = json.dumps(result)
+    if out:
+        Path(out).write_text(text + "\n")
+    if as_json:
+        print(text)
+        return
+    for name, value in rows.items():
+        print(f"{name:28s} {value}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024],

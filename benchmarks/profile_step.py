@@ -20,7 +20,6 @@ to see where a step goes, and `bench_step.py` for the step's own time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -117,17 +116,12 @@ def main() -> None:
     setup = bench_step.Setup(args.batch, 0, args.device, steps=args.steps, layers=args.layers,
                              kv_heads=args.kv_heads, head_dim=args.head_dim)
     medians = profile(setup, args.steps)
-    result = json.dumps({"benchmark": "profile_step", "date": date.today().isoformat(),
-                         "device": args.device, "batch": args.batch,
-                         "pool": f"{args.layers} layers x {args.kv_heads} KV heads x "
-                                 f"{args.head_dim}, bfloat16", "median_us": medians})
-    if args.out:
-        Path(args.out).write_text(result + "\n")
-    if args.json:
-        print(result)
-        return
-    for phase, us in medians.items():
-        print(f"{phase:24s} {us:9.1f} us")
+    result = {"benchmark": "profile_step", "date": date.today().isoformat(),
+              "device": args.device, "batch": args.batch,
+              "pool": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, "
+                      "bfloat16", "median_us": medians}
+    bench_step.emit(result, {phase: f"{us:9.1f} us" for phase, us in medians.items()},
+                    out=args.out, as_json=args.json)
 
 
 if __name__ == "__main__":
