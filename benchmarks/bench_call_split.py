@@ -1,7 +1,8 @@
 """Where a remote step call's time goes, in medians measured on both sides of the transport.
 
     python benchmarks/bench_call_split.py [--device cpu|cuda] [--steps N] [--transport stream|ipc]
-                                          [--ipc-spin-s S] [--json] [--out results.json]
+                                          [--ipc-spin-s S] [--gap-ms G] [--json]
+                                          [--out results.json]
 
 `bench_step.py` times round trips against a real ``kvalloc serve``, from which only the service's
 mean time per call can be read (its histogram), and a mean is moved by a few slow calls. Here the
@@ -11,7 +12,9 @@ message (decoding, the step, encoding). The parent alternates `bench_step`'s dec
 its own process (``inproc``) and over the transport (``round_trip``), batch 256. Derived:
 ``handling_minus_step`` (the service's codec and dispatch), ``round_trip_minus_handling`` (the
 caller's codec, both wake-ups and the system calls) and ``round_trip_minus_inproc`` (what a call
-costs over the same step in the caller's process).
+costs over the same step in the caller's process). ``--gap-ms`` sleeps that long after each
+step (untimed), as a worker runs its forward between two calls: a service that polls for the
+next call must then poll through the gap to gain anything.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def serve(setup: bench_step.Setup, address: str, spin_s: float, to_parent: Queue
                    "service_handling": statistics.median(server.taken[-setup.steps:])})
 
 
-def measure(setup: bench_step.Setup, transport: str, spin_s: float) -> dict[str, float]:
+def measure(setup: bench_step.Setup, transport: str, spin_s: float,
+            gap_s: float = 0.0) -> dict[str, float]:
     context = mp.get_context("spawn")
     to_parent: Queue[Any] = context.Queue()
     from_parent: Queue[Any] = context.Queue()
@@ -109,6 +113,7 @@ def measure(setup: bench_step.Setup, transport: str, spin_s: float) -> dict[str,
                     result = m.run(prepared)
                     taken[name].append((time.perf_counter_ns() - t0) / 1e3)
                     m.observe(result)
+                    time.sleep(gap_s)
             remote.close()
             inproc.close()
             from_parent.put("stop")
@@ -130,14 +135,17 @@ def main() -> None:
                    help="stream: the Unix stream socket (default); ipc: ZeroMQ")
     p.add_argument("--ipc-spin-s", type=float, default=0.0,
                    help="the service's ipc_spin_s (default 0: it sleeps between calls)")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="sleep after each step, as a worker's forward (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="also write the JSON object here")
     args = p.parse_args()
     setup = bench_step.Setup(bench_step.REPORTED_BATCH, 0, args.device, steps=args.steps)
     result = {"benchmark": "bench_call_split", "date": date.today().isoformat(),
               "device": args.device, "transport": args.transport,
-              "service_ipc_spin_s": args.ipc_spin_s, "batch": bench_step.REPORTED_BATCH,
-              **measure(setup, args.transport, args.ipc_spin_s)}
+              "service_ipc_spin_s": args.ipc_spin_s, "gap_ms": args.gap_ms,
+              "batch": bench_step.REPORTED_BATCH,
+              **measure(setup, args.transport, args.ipc_spin_s, args.gap_ms / 1e3)}
     bench_step.emit(result, result, out=args.out, as_json=args.json)
 
 
