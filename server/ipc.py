@@ -100,11 +100,15 @@ class IpcServer:
 
     def _serve(self) -> None:
         sock = self._sock
+        spin = False  # once, after a call answered in full (see StreamListener)
         while not self._stop.is_set():
-            if not (self._spun() or sock.poll(_POLL_MS)):
+            if not ((spin and self._spun()) or sock.poll(_POLL_MS)):
+                spin = False
                 continue
             frames = sock.recv_multipart()
-            sock.send_multipart([frames[0], *self.handle(frames[1:])])
+            reply = self.handle(frames[1:])
+            sock.send_multipart([frames[0], *reply])
+            spin = reply[1] == OK
 
     def _spun(self) -> bool:
         """Whether a message arrived while polling without sleeping for the spin."""

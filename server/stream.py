@@ -38,7 +38,7 @@ import msgspec
 from . import wire
 from .addresses import claim_socket_path
 from .errors import BodyTooLarge, MalformedBody, describe
-from .operations import ERROR
+from .operations import ERROR, OK
 
 log = logging.getLogger("kvalloc.stream")
 
@@ -178,7 +178,7 @@ class StreamListener:
     def __init__(self, path: Path, handle: Handle, *, max_frame_bytes: int,
                  max_connections: int, spin_s: float = 0.0) -> None:
         """``spin_s``: how long a connection polls for its next message without sleeping
-        before it blocks."""
+        before it blocks, after answering one successfully."""
         self.path = path
         self.handle = handle
         self.max_frame_bytes = max_frame_bytes
@@ -262,11 +262,11 @@ class StreamListener:
         # as long as it likes (each expiry of the timeout then just renews the wait).
         set_timeouts(conn, HANDSHAKE_S)
         inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
-        first = True
+        first, spin_s = True, 0.0
         while not self._stop.is_set():
             try:
-                frames = inbox.next_message(spin_s=0.0 if first else self.spin_s,
-                                            within_s=HANDSHAKE_S, idle_ok=not first)
+                frames = inbox.next_message(spin_s=spin_s, within_s=HANDSHAKE_S,
+                                            idle_ok=not first)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")
@@ -274,8 +274,13 @@ class StreamListener:
                 return
             except MalformedBody as exc:
                 conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(exc))]))
+                spin_s = 0.0
                 continue
             if frames is None:
                 return
             first = False
-            conn.sendall(pack(self.handle(frames)))
+            reply = self.handle(frames)
+            conn.sendall(pack(reply))
+            # Only a call answered in full earns a spin: a peer without the token, or sending
+            # bad input, cannot keep a core busy.
+            spin_s = self.spin_s if reply[1] == OK else 0.0

@@ -9,13 +9,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+from pydantic import SecretStr
 
 from allocator import PoolConfig
 from server import stream, wire
-from server.client import Client, TransportTimeout
+from server.client import Client, TokenRejected, TransportTimeout
 from server.core import ServiceCore
 from server.ipc import IpcServer
 from server.launch import ServiceProcess
@@ -213,21 +215,68 @@ def test_stopping_ends_idle_connections_and_answers_the_message_in_hand(
 def test_a_spinning_service_answers_on_both_carriers_and_still_stops_at_once(
         tmp_path: Path) -> None:
     """Connections that poll for their next call (``ipc_spin_s``) far longer than the test
-    runs: every call is answered, and stopping does not wait for a spin to run out."""
+    runs: every call is answered, only calls with the token earn a spin, and stopping does not
+    wait for a spin to run out."""
     pool = PoolConfig(num_blocks=64, num_layers=1, device="cpu", max_batch_size=4,
                       max_seq_len=256)
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=64, ipc_spin_s=60))
-    server = IpcServer(core, [f"ipc://{tmp_path / 'z.ipc'}", f"stream://{tmp_path / 's.stream'}"])
+    server = IpcServer(core, [f"ipc://{tmp_path / 'z.ipc'}", f"stream://{tmp_path / 's.stream'}"],
+                       token=SecretStr("right"))
+    spins: list[int] = []
+    spun = server._spun
+    server._spun = lambda: spins.append(1) or spun()  # type: ignore[method-assign]
     try:
-        for endpoint in server.start():
-            with Client(endpoint, reply_spin_s=0) as client:
+        zeromq, stream_socket = server.start()
+        with Client(zeromq, token="wrong", reply_spin_s=0, retries=0) as client, \
+                pytest.raises(TokenRejected):
+            client.get_pool()
+        assert spins == []  # refused: no spin for the ZeroMQ thread
+        for endpoint in (zeromq, stream_socket):
+            with Client(endpoint, token="right", reply_spin_s=0) as client:
                 assert [client.get_pool().free_blocks for _ in range(3)] == [64] * 3
+        assert spins  # answered: the ZeroMQ thread polled for the next call
         stopper = threading.Thread(target=server.stop)
         stopper.start()
         stopper.join(10)
         assert not stopper.is_alive()
     finally:
         core.close()
+
+
+def test_only_a_call_answered_in_full_earns_a_spin(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection polls for its next message only after an answer that is not an error: a
+    peer without the token, or sending bad input, cannot keep a core busy."""
+    spins: list[float] = []
+    next_message = stream.Inbox.next_message
+
+    def recorded(self: stream.Inbox, **kwargs: Any) -> list[bytes] | None:
+        if threading.current_thread().name == "kvalloc-stream-conn":  # the listener's reads
+            spins.append(kwargs["spin_s"])
+        return next_message(self, **kwargs)
+
+    monkeypatch.setattr(stream.Inbox, "next_message", recorded)
+
+    def judge(frames: list[bytes]) -> list[bytes]:
+        return [frames[0], OK if frames[-1] == b"good" else ERROR, b""]
+
+    served = stream.StreamListener(tmp_path / "judge.stream", judge, max_frame_bytes=1 << 16,
+                                   max_connections=2, spin_s=0.25)
+    served.start()
+    try:
+        conn = connect(served)
+        statuses = [exchange(conn, [b"1", b"", b"op", payload])[1]
+                    for payload in (b"good", b"bad", b"good", b"good")]
+        conn.sendall(stream.LENGTH.pack(3) + b"\xc1xx")  # not msgpack: malformed
+        assert read_reply(conn)[1] == ERROR
+        assert exchange(conn, [b"2", b"", b"op", b"bad"])[1] == ERROR
+        conn.close()
+    finally:
+        served.stop()
+    assert statuses == [OK, ERROR, OK, OK]
+    # Waits before: the first message, then after good, bad, good, good and malformed ones (the
+    # wait after the last answer may be cut short by stop()).
+    assert spins[:6] == [0.0, 0.25, 0.0, 0.25, 0.25, 0.0]
 
 
 def test_a_second_listener_on_a_live_path_fails_and_leaves_the_first_serving(
