@@ -24,7 +24,6 @@ from __future__ import annotations
 import http.client
 import os
 import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from .addresses import TOKEN_ENV, default_client_address, transport_of
 from .columns import ColumnInput, StepCall, StepResult
 from .errors import MalformedBody, ServiceError, describe
 from .operations import ERROR, OK, OPERATIONS, Operation
+from .polling import poll_for
 from .sharing import StepFence, attach
 from .token_files import discover_token
 
@@ -378,11 +378,8 @@ class _IpcTransport(_Frames):
 
     def _replied(self) -> bool:
         """Whether a reply arrived: polled for the spin, then waited for up to the timeout."""
-        deadline = time.perf_counter() + self._spin_s
-        while time.perf_counter() < deadline:
-            if self._sock.poll(0):
-                return True
-        return bool(self._sock.poll(self._timeout_ms))
+        return (poll_for(lambda: bool(self._sock.poll(0)), self._spin_s)
+                or bool(self._sock.poll(self._timeout_ms)))
 
     def close(self) -> None:
         self._sock.close()
@@ -401,15 +398,14 @@ class _StreamTransport(_Frames, _KeptConnection):
         self._path = address.removeprefix("stream://")
         self._timeout_s = timeout_s
         self._spin_s = reply_spin_s
-        self._conn: socket.socket | None = None
-        self._inbox: stream.Inbox | None = None
+        self._conn: stream.Inbox | None = None  # the kept connection, read through its inbox
 
     def call(self, op: Operation, request: Any) -> Any:
         frames = self.frames(op, request)
         reused = self._conn is not None
-        sock, inbox = self._connect()
+        inbox = self._connect()
         try:
-            sock.sendall(stream.pack(frames))
+            inbox.conn.sendall(stream.pack(frames))
             while True:
                 reply = inbox.next_message(spin_s=self._spin_s)
                 if reply is None:
@@ -426,18 +422,12 @@ class _StreamTransport(_Frames, _KeptConnection):
                 return self.call(op, request)  # a connection the service dropped while idle
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
 
-    def _connect(self) -> tuple[socket.socket, stream.Inbox]:
-        if self._conn is None or self._inbox is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(min(self._timeout_s, CONNECT_TIMEOUT_S))
-            try:
-                sock.connect(self._path)
-            except OSError as exc:  # no such socket file, refused, no answer in time
-                sock.close()
-                raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
+    def _connect(self) -> stream.Inbox:
+        if self._conn is None:
+            sock = _connected(self._address, self._path, self._timeout_s)
             stream.set_timeouts(sock, self._timeout_s)
-            self._conn, self._inbox = sock, stream.Inbox(sock)
-        return self._conn, self._inbox
+            self._conn = stream.Inbox(sock)
+        return self._conn
 
 
 class _RestTransport(_Remote, _KeptConnection):
@@ -506,28 +496,35 @@ class _RestTransport(_Remote, _KeptConnection):
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
 
     def _connect(self) -> socket.socket:
-        if self._conn is not None:
-            return self._conn
-        timeout = min(self._timeout_s, CONNECT_TIMEOUT_S)
-        try:
-            if self._uds is None:
-                sock = socket.create_connection((self._host, self._port), timeout=timeout)
-                # A request leaves in one write, but a large one in several segments: without
-                # NODELAY, Nagle holds its last one back until the service's delayed ACK.
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            else:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    sock.settimeout(timeout)
-                    sock.connect(self._uds)
-                except OSError:
-                    sock.close()
-                    raise
-        except OSError as exc:  # refused, no such socket file, no answer in time
-            raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
-        sock.settimeout(self._timeout_s)
-        self._conn = sock
-        return sock
+        if self._conn is None:
+            self._conn = _connected(self._address, self._uds or (self._host, self._port),
+                                    self._timeout_s)
+        return self._conn
+
+
+def _connected(address: str, target: str | tuple[str, int], timeout_s: float) -> socket.socket:
+    """A socket connected to ``target``, a Unix socket's path or a TCP host and port, within
+    `CONNECT_TIMEOUT_S`, its calls then bounded by ``timeout_s``; `ServiceUnreachable` naming
+    ``address`` when nothing accepts."""
+    timeout = min(timeout_s, CONNECT_TIMEOUT_S)
+    try:
+        if isinstance(target, tuple):
+            sock = socket.create_connection(target, timeout=timeout)
+            # A request leaves in one write, but a large one in several segments: without
+            # NODELAY, Nagle holds its last one back until the service's delayed ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(target)
+            except OSError:
+                sock.close()
+                raise
+    except OSError as exc:  # refused, no such socket file, no answer in time
+        raise ServiceUnreachable(address, str(exc) or type(exc).__name__) from None
+    sock.settimeout(timeout_s)
+    return sock
 
 
 def _read_response(sock: socket.socket) -> tuple[int, bytes, bool]:

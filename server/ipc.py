@@ -33,6 +33,7 @@ from .addresses import claim_socket_path, stream_path
 from .core import ServiceCore
 from .errors import BodyTooLarge, MalformedBody, Unauthorized, UnknownOperation, describe
 from .operations import ERROR, OK, OPERATIONS
+from .polling import poll_for
 from .stream import StreamListener
 
 log = logging.getLogger("kvalloc.ipc")
@@ -102,7 +103,8 @@ class IpcServer:
         sock = self._sock
         spin = False  # once, after a call answered in full (see StreamListener)
         while not self._stop.is_set():
-            if not ((spin and self._spun()) or sock.poll(_POLL_MS)):
+            if not ((spin and poll_for(self._arrived, self._spin_s, self._stop))
+                    or sock.poll(_POLL_MS)):
                 spin = False
                 continue
             frames = sock.recv_multipart()
@@ -110,13 +112,8 @@ class IpcServer:
             sock.send_multipart([frames[0], *reply])
             spin = reply[1] == OK
 
-    def _spun(self) -> bool:
-        """Whether a message arrived while polling without sleeping for the spin."""
-        deadline = time.perf_counter() + self._spin_s
-        while time.perf_counter() < deadline and not self._stop.is_set():
-            if self._sock.poll(0):
-                return True
-        return False
+    def _arrived(self) -> bool:
+        return bool(self._sock.poll(0))
 
     def handle(self, frames: list[bytes], transport: str = "ipc") -> list[bytes]:
         """One message (without the identity frame) -> its reply frames; ``transport`` labels

@@ -39,6 +39,7 @@ from . import wire
 from .addresses import claim_socket_path
 from .errors import BodyTooLarge, MalformedBody, describe
 from .operations import ERROR, OK
+from .polling import poll_for
 
 log = logging.getLogger("kvalloc.stream")
 
@@ -96,6 +97,7 @@ class Inbox:
         self.max_bytes = max_bytes
         self._buffer = bytearray(_INBOX_BYTES)
         self._start = self._end = 0  # unread bytes: _buffer[_start:_end]
+        self._peer_closed = False  # what the last receive that did not wait saw
 
     def next_message(self, *, spin_s: float = 0.0, within_s: float | None = None,
                      idle_ok: bool = False) -> list[bytes] | None:
@@ -128,21 +130,28 @@ class Inbox:
                 self._buffer = bytearray(_INBOX_BYTES)
         return frames
 
+    def close(self) -> None:
+        """Close the socket it reads."""
+        self.conn.close()
+
     def _first_bytes(self, spin_s: float, idle_ok: bool) -> bool:
         """Wait for the next message to begin; False if the peer closed."""
-        if spin_s > 0:
-            deadline = time.perf_counter() + spin_s
-            while time.perf_counter() < deadline:
-                try:
-                    return self._receive(socket.MSG_DONTWAIT) > 0
-                except BlockingIOError:
-                    continue
+        if spin_s > 0 and poll_for(self._arrived, spin_s):
+            return not self._peer_closed
         while True:
             try:
                 return self._receive() > 0
             except BlockingIOError:  # the receive timeout
                 if not idle_ok:
                     raise TimeoutError("no message within the receive timeout") from None
+
+    def _arrived(self) -> bool:
+        """One receive that does not wait: whether bytes, or the peer's close, came."""
+        try:
+            self._peer_closed = self._receive(socket.MSG_DONTWAIT) == 0
+        except BlockingIOError:
+            return False
+        return True
 
     def _more(self, began: float, within_s: float | None) -> None:
         if within_s is not None and time.monotonic() - began > within_s:

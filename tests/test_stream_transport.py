@@ -222,9 +222,9 @@ def test_a_spinning_service_answers_on_both_carriers_and_still_stops_at_once(
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=64, ipc_spin_s=60))
     server = IpcServer(core, [f"ipc://{tmp_path / 'z.ipc'}", f"stream://{tmp_path / 's.stream'}"],
                        token=SecretStr("right"))
-    spins: list[int] = []
-    spun = server._spun
-    server._spun = lambda: spins.append(1) or spun()  # type: ignore[method-assign]
+    spins: list[int] = []  # the ZeroMQ thread's polls without sleeping
+    arrived = server._arrived
+    server._arrived = lambda: spins.append(1) or arrived()  # type: ignore[method-assign]
     try:
         zeromq, stream_socket = server.start()
         with Client(zeromq, token="wrong", reply_spin_s=0, retries=0) as client, \
