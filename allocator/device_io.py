@@ -25,65 +25,80 @@ def upload_int64(values: Sequence[int] | np.ndarray, device: torch.device) -> to
 _ALIGN = 8  # bytes: every array of a packed upload starts where any int dtype may be viewed
 
 
+class PinnedBuffer:
+    """Pinned host memory that the device reads through asynchronous copies, refilled only once
+    the last copy that read it has run: an event, recorded on the stream current at the copy.
+    Nothing else waits for the device."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._host = self.tensor.numpy()
+        self._read = torch.cuda.Event()
+        # With its index, the current stream is found without asking which device is current.
+        self._stream_device = torch.device("cuda", device.index if device.index is not None
+                                           else torch.cuda.current_device())
+
+    def writable(self) -> np.ndarray:
+        """The buffer's bytes, once no copy still reads them."""
+        self._read.synchronize()
+        return self._host
+
+    def read(self) -> None:
+        """Record that the copies queued so far on the current stream read the buffer."""
+        self._read.record(torch.cuda.current_stream(self._stream_device))
+
+
 class PinnedUploads:
-    """Host-to-device copies of integer arrays through one preallocated pinned buffer (grown on
-    demand) guarded by one event.
+    """Host-to-device copies of integer arrays through one `PinnedBuffer`, grown on demand.
 
     On the per-step path a fresh ``pin_memory()`` costs more than the copy, and each copy is a
-    driver call: arrays packed into one buffer travel in one copy. The buffer is refilled only
-    once the device has read it (the event, recorded on the stream current at the copy); nothing
-    else waits for the device. On a CPU device the values are written straight into place.
+    driver call: arrays packed into one buffer travel in one copy. On a CPU device the values
+    are written straight into place.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host = np.zeros(0, dtype=np.uint8)  # numpy view of the pinned buffer
-        self._pinned = torch.empty(0, dtype=torch.uint8)
         self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
-        if device.type == "cuda":
-            self._done = torch.cuda.Event()
-            # With its index, the current stream is found without asking which device is current.
-            self._stream_device = torch.device("cuda", device.index if device.index is not None
-                                               else torch.cuda.current_device())
+        self._buffer = PinnedBuffer(0, device) if device.type == "cuda" else None
 
     def into(self, dst: torch.Tensor, values: np.ndarray) -> None:
         """Copy ``values`` (as many as ``dst`` holds, cast to its dtype) into the contiguous
         tensor ``dst``."""
-        if self.device.type != "cuda":
+        if self._buffer is None:
             dst.numpy().reshape(-1)[:] = np.ravel(values)
             return
         (src,) = self._stage([np.ravel(values).astype(_NUMPY[dst.dtype], copy=False)])
-        dst.copy_(self._pinned[src].view(dst.dtype).view(dst.shape), non_blocking=True)
-        self._done.record(torch.cuda.current_stream(self._stream_device))
+        dst.copy_(self._buffer.tensor[src].view(dst.dtype).view(dst.shape), non_blocking=True)
+        self._buffer.read()
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Device copies of ``arrays`` (each keeps its dtype) in one copy; they stay valid until
         the next call (it reuses their memory, in stream order)."""
-        if self.device.type != "cuda":
+        if self._buffer is None:
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         parts = self._stage(list(arrays))
         total = parts[-1].stop
         if self._scratch.numel() < total:
-            self._scratch = torch.empty(self._pinned.numel(), dtype=torch.uint8,
+            self._scratch = torch.empty(self._buffer.tensor.numel(), dtype=torch.uint8,
                                         device=self.device)
-        self._scratch[:total].copy_(self._pinned[:total], non_blocking=True)
-        self._done.record(torch.cuda.current_stream(self._stream_device))
+        self._scratch[:total].copy_(self._buffer.tensor[:total], non_blocking=True)
+        self._buffer.read()
         return [self._scratch[part].view(_TORCH[a.dtype]) for part, a in zip(parts, arrays,
                                                                             strict=True)]
 
     def _stage(self, arrays: list[np.ndarray]) -> list[slice]:
         """Write ``arrays`` into the pinned buffer, each at an aligned offset; their byte ranges."""
+        assert self._buffer is not None
         parts, offset = [], 0
         for a in arrays:
             parts.append(slice(offset, offset + a.nbytes))
             offset += -(-a.nbytes // _ALIGN) * _ALIGN
-        self._done.synchronize()  # the previous copy may still read the buffer
-        if self._pinned.numel() < offset:
-            self._pinned = torch.empty(max(offset, 2 * self._pinned.numel()), dtype=torch.uint8,
-                                       pin_memory=True)
-            self._host = self._pinned.numpy()
+        host = self._buffer.writable()
+        if host.size < offset:  # nothing reads the old buffer any more: replace it
+            self._buffer = PinnedBuffer(max(offset, 2 * host.size), self.device)
+            host = self._buffer.writable()
         for part, a in zip(parts, arrays, strict=True):
-            self._host[part].view(a.dtype)[:] = a
+            host[part].view(a.dtype)[:] = a
         return parts
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .device_io import capture_graph
+from .device_io import PinnedBuffer, capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,10 @@ class HostWriteGraphs:
         self.max_tokens = max_tokens
         self.write = write
         self.max_graphs = max_graphs
-        self._pinned = torch.full((2 * max_tokens,), -1, dtype=torch.int64, pin_memory=True)
-        self._host = self._pinned.numpy()
+        # Its address never changes: the graphs' copies read it.
+        self._buffer = PinnedBuffer(2 * max_tokens * torch.int64.itemsize, device)
+        self._pinned = self._buffer.tensor.view(torch.int64)
         self._slots = torch.full((2 * max_tokens,), -1, dtype=torch.int64, device=device)
-        self._read = torch.cuda.Event()  # the last replay's copy has read the pinned buffer
-        self._stream_device = torch.device("cuda", device.index if device.index is not None
-                                           else torch.cuda.current_device())
         self._graphs: OrderedDict[tuple[object, ...], torch.cuda.CUDAGraph] = OrderedDict()
         self.failed = False  # a capture failed: the caller writes eagerly from then on
 
@@ -80,7 +78,7 @@ class HostWriteGraphs:
             self._graphs.move_to_end(key)
         self._fill(rows, staged, kept)
         graph.replay()
-        self._read.record(torch.cuda.current_stream(self._stream_device))
+        self._buffer.read()
         return True
 
     def _body(self, rows: int) -> None:
@@ -90,8 +88,7 @@ class HostWriteGraphs:
 
     def _capture(self, rows: int) -> torch.cuda.CUDAGraph | None:
         # Every slot -1 while warming up: the warm-up runs the write for real, and writes nothing.
-        self._read.synchronize()
-        self._host[: 2 * rows] = -1
+        self._slots_on_host()[: 2 * rows] = -1
         try:
             graph = capture_graph(lambda: self._body(rows))
         except RuntimeError as exc:
@@ -99,13 +96,15 @@ class HostWriteGraphs:
                         "graph from now on", exc_info=exc)
             self.failed = True
             return None
-        self._read.record(torch.cuda.current_stream(self._stream_device))
+        self._buffer.read()
         return graph
+
+    def _slots_on_host(self) -> np.ndarray:
+        return self._buffer.writable().view(np.int64)
 
     def _fill(self, rows: int, staged: np.ndarray, kept: np.ndarray) -> None:
         n = staged.size
-        self._read.synchronize()  # the previous replay's copy may still read the buffer
-        host = self._host
+        host = self._slots_on_host()
         host[:n] = staged
         host[n:rows] = -1
         host[rows: rows + n] = kept
