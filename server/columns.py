@@ -12,6 +12,8 @@ arrived: a bad one raises `MalformedBody` naming the element (``grants.draft_len
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -31,7 +33,8 @@ NO_VALUES.flags.writeable = False
 
 ColumnInput = Sequence[int] | np.ndarray | bytes | memoryview
 
-# StepCall attribute -> (group, column) of `protocol.StepRequest`.
+# StepCall attribute -> (group, column) of `protocol.StepRequest`, in StepCall's field order
+# (``new_req_ids`` stands before the last three).
 _REQUEST_COLUMNS: dict[str, tuple[str, str]] = {
     "result_handles": ("results", "handles"),
     "num_accepted": ("results", "num_accepted"),
@@ -47,6 +50,7 @@ _REQUEST_COLUMNS: dict[str, tuple[str, str]] = {
     "first_chunks": ("new", "first_chunks"),
     "prompt_token_ids": ("new", "prompt_token_ids"),
 }
+_COLUMN_INDEX = {column: i for i, column in enumerate(_REQUEST_COLUMNS.values())}
 # Columns of one group that pair up element by element: (group, first, second).
 _PAIRED = (("results", "handles", "num_accepted"), ("grants", "handles", "draft_lens"),
            ("padding", "handles", "padded_draft_lens"), ("prefill", "handles", "num_tokens"))
@@ -64,10 +68,11 @@ def as_int64(value: ColumnInput, where: str) -> np.ndarray:
     if isinstance(value, bytes | bytearray | memoryview):
         if not value:
             return NO_VALUES
-        if len(value) % INT64.itemsize:
+        try:
+            return np.frombuffer(value, dtype=INT64)
+        except ValueError:  # not a whole number of int64
             raise MalformedBody(f"{where}: {len(value)} bytes is not a whole number of int64",
-                                field=where)
-        return np.frombuffer(value, dtype=INT64)
+                                field=where) from None
     array = np.asarray(value)
     if array.size == 0:
         return NO_VALUES
@@ -131,10 +136,15 @@ class StepCall(_ArrayRecord):
     def from_wire(cls, message: Any) -> StepCall:
         """From a `wire.StepRequest` / `wire.StepRequestBinary` struct or a validated
         `protocol.StepRequest` model: columns checked, lengths matched."""
-        columns = {attr: getattr(getattr(message, group), name)
-                   for attr, (group, name) in _REQUEST_COLUMNS.items()}
-        return cls.build(message.worker_id, message.session, message.epoch, message.step_id,
-                         new_req_ids=tuple(message.new.req_ids), **columns)
+        given = _request_columns(message)
+        header = (message.worker_id, message.session, message.epoch, message.step_id)
+        req_ids = tuple(message.new.req_ids)
+        if isinstance(message, wire.StepRequestBinary):
+            values, sizes = _joined_int64(given)
+            _check_bounds(values, sizes)
+            return cls._checked(*header, req_ids, _split(values, sizes))
+        return cls.build(*header, new_req_ids=req_ids, **dict(zip(_REQUEST_COLUMNS, given,
+                                                                  strict=True)))
 
     @classmethod
     def build(cls, worker_id: str, session: int, epoch: int, step_id: int, *,
@@ -144,31 +154,39 @@ class StepCall(_ArrayRecord):
         unknown = set(columns) - set(_REQUEST_COLUMNS)
         if unknown:
             raise TypeError(f"unknown columns: {sorted(unknown)}")
-        arrays: dict[str, np.ndarray] = {}
+        arrays: list[np.ndarray] = []
         for attr, where in zip(_REQUEST_COLUMNS, _request_bounds().names, strict=True):
             try:
-                arrays[attr] = as_int64(columns[attr], where) if attr in columns else NO_VALUES
+                arrays.append(as_int64(columns[attr], where) if attr in columns else NO_VALUES)
             except MalformedBody:
-                _check_bounds(arrays)  # a bad value in an earlier column is named first
+                _check_bounds(*_joined(arrays))  # a bad value in an earlier column is named first
                 raise
-        _check_bounds(arrays)
-        by_name = {(g, n): arrays[a] for a, (g, n) in _REQUEST_COLUMNS.items()}
+        _check_bounds(*_joined(arrays))
+        return cls._checked(worker_id, session, epoch, step_id, tuple(new_req_ids), arrays)
+
+    @classmethod
+    def _checked(cls, worker_id: str, session: int, epoch: int, step_id: int,
+                 req_ids: tuple[str, ...], arrays: list[np.ndarray]) -> StepCall:
+        """The call of columns already typed and within their bounds, once their lengths
+        agree."""
         for group, first, second in _PAIRED:
-            _same_length(by_name[group, first], by_name[group, second], group, first, second)
-        req_ids = tuple(new_req_ids)
-        if len(req_ids) != arrays["prompt_lens"].size:
-            raise MalformedBody(f"new.prompt_lens: {arrays['prompt_lens'].size} values for "
+            a, b = arrays[_COLUMN_INDEX[group, first]], arrays[_COLUMN_INDEX[group, second]]
+            if a.size != b.size:
+                raise MalformedBody(f"{group}.{second}: {b.size} values for {a.size} {first}",
+                                    field=f"{group}.{second}")
+        prompt_lens, first_chunks, prompt_ids = arrays[-3:]
+        if prompt_lens.size != len(req_ids):
+            raise MalformedBody(f"new.prompt_lens: {prompt_lens.size} values for "
                                 f"{len(req_ids)} req_ids", field="new.prompt_lens")
-        if arrays["first_chunks"].size not in (0, len(req_ids)):
-            raise MalformedBody(f"new.first_chunks: {arrays['first_chunks'].size} values for "
+        if first_chunks.size not in (0, len(req_ids)):
+            raise MalformedBody(f"new.first_chunks: {first_chunks.size} values for "
                                 f"{len(req_ids)} req_ids (give none or one each)",
                                 field="new.first_chunks")
-        if arrays["prompt_token_ids"].size not in (0, int(arrays["prompt_lens"].sum())):
-            raise MalformedBody(f"new.prompt_token_ids: {arrays['prompt_token_ids'].size} ids "
-                                f"for prompts of {int(arrays['prompt_lens'].sum())} tokens "
+        if prompt_ids.size and prompt_ids.size != int(prompt_lens.sum()):
+            raise MalformedBody(f"new.prompt_token_ids: {prompt_ids.size} ids "
+                                f"for prompts of {int(prompt_lens.sum())} tokens "
                                 "(give none or every one)", field="new.prompt_token_ids")
-        return cls(worker_id=worker_id, session=session, epoch=epoch, step_id=step_id,
-                   new_req_ids=req_ids, **arrays)
+        return cls(worker_id, session, epoch, step_id, *arrays[:-3], req_ids, *arrays[-3:])
 
     def to_wire(self, binary: bool) -> Any:
         """As a `wire.StepRequestBinary` (IPC) or `wire.StepRequest` (REST JSON) struct."""
@@ -221,22 +239,50 @@ def _request_bounds() -> _Bounds:
                    np.array([c.le for c in columns], dtype=np.int64))
 
 
-def _check_bounds(arrays: dict[str, np.ndarray]) -> None:
-    """The columns converted so far (in `_REQUEST_COLUMNS` order) within their bounds, in one
-    pass over all of them; `MalformedBody` naming the first element outside."""
-    parts = list(arrays.values())
-    if not parts:
+_request_columns = operator.attrgetter(*(f"{group}.{name}"
+                                         for group, name in _REQUEST_COLUMNS.values()))
+
+
+def _joined(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Columns as one array, and their sizes."""
+    return (np.concatenate(arrays) if arrays else NO_VALUES), [a.size for a in arrays]
+
+
+def _joined_int64(buffers: Sequence[bytes]) -> tuple[np.ndarray, list[int]]:
+    """`_joined` for columns that arrived as int64 bytes: one copy and one view, no array per
+    column until they are split."""
+    sizes = [len(b) for b in buffers]
+    for i, (where, size) in enumerate(zip(_request_bounds().names, sizes, strict=False)):
+        if size % INT64.itemsize:
+            _check_bounds(*_joined_int64(buffers[:i]))  # as `StepCall.build` names them
+            raise MalformedBody(f"{where}: {size} bytes is not a whole number of int64",
+                                field=where)
+    return np.frombuffer(b"".join(buffers), dtype=INT64), [n >> 3 for n in sizes]
+
+
+def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    ends = list(itertools.accumulate(sizes))
+    return [values[end - size:end] if size else NO_VALUES for size, end in zip(sizes, ends,
+                                                                               strict=True)]
+
+
+def _check_bounds(values: np.ndarray, sizes: list[int]) -> None:
+    """Columns (in `_REQUEST_COLUMNS` order, joined; ``sizes`` values each, the first ones if
+    not all converted yet) within their bounds, in one pass; `MalformedBody` naming the first
+    element outside."""
+    if not sizes:
         return
     names, low, high = _request_bounds()
-    bad = first_outside(np.concatenate(parts),
-                        np.array([part.size for part in parts], dtype=np.int64), low, high)
+    bad = first_outside(values, np.array(sizes, dtype=np.int64), low, high)
     if bad < 0:
         return
-    for where, part, ge, le in zip(names, parts, low.tolist(), high.tolist(), strict=False):
-        if bad < part.size:
-            raise MalformedBody(f"{where}[{bad}]: {int(part[bad])} is outside [{ge}, {le}]",
-                                field=f"{where}[{bad}]")
-        bad -= part.size
+    start = 0
+    for where, size, ge, le in zip(names, sizes, low.tolist(), high.tolist(), strict=False):
+        if bad < start + size:
+            i = bad - start
+            raise MalformedBody(f"{where}[{i}]: {int(values[bad])} is outside [{ge}, {le}]",
+                                field=f"{where}[{i}]")
+        start += size
 
 
 def first_outside_reference(values: np.ndarray, sizes: np.ndarray, low: np.ndarray,
@@ -262,12 +308,6 @@ def _first_outside_loop(values, sizes,  # type: ignore[no-untyped-def]
 
 first_outside = (jit(_first_outside_loop) if numba is not None
                  else first_outside_reference)
-
-
-def _same_length(a: np.ndarray, b: np.ndarray, group: str, first: str, second: str) -> None:
-    if a.size != b.size:
-        raise MalformedBody(f"{group}.{second}: {b.size} values for {a.size} {first}",
-                            field=f"{group}.{second}")
 
 
 def _encode(array: np.ndarray, binary: bool) -> bytes | list[int]:

@@ -3,6 +3,7 @@ with, field for field, constraint for constraint, and both name a bad input the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgspec
@@ -160,6 +161,45 @@ def test_the_first_bad_column_in_request_order_is_named(columns: dict[str, objec
     with pytest.raises(MalformedBody) as err:
         StepCall.build("w", 1, 1, 0, **columns)  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+def test_a_call_lists_its_columns_in_its_own_field_order() -> None:
+    names = [f.name for f in dataclasses.fields(StepCall)]
+    assert [n for n in names if n not in ("worker_id", "session", "epoch", "step_id",
+                                          "new_req_ids")] == list(columns._REQUEST_COLUMNS)
+    assert names.index("new_req_ids") == names.index("prompt_lens") - 1
+
+
+_CELL = st.integers(-2, 6) | st.sampled_from([2**31 - 1, 2**31, 2**62])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(list(columns._REQUEST_COLUMNS)),
+                       st.tuples(st.lists(_CELL, max_size=4), st.booleans()), max_size=6),
+       st.integers(0, 2))
+def test_a_binary_request_decodes_as_its_columns_build(given_columns: dict[str, tuple],
+                                                       new: int) -> None:
+    """The IPC decoder (one buffer for all columns) and `StepCall.build` (column by column)
+    accept the same calls and name the same first bad element."""
+    as_bytes = {attr: np.array(values, dtype=np.int64).tobytes() + (b"\0" if torn else b"")
+                for attr, (values, torn) in given_columns.items()}
+    groups: dict[str, dict[str, object]] = {}
+    for attr, (group, name) in columns._REQUEST_COLUMNS.items():
+        groups.setdefault(group, {})[name] = as_bytes.get(attr, b"")
+    groups["new"]["req_ids"] = [f"r{i}" for i in range(new)]
+    message = wire.StepRequestBinary(
+        worker_id="w", session=1, epoch=1, step_id=0,
+        **{group: wire.struct_for(columns._MODELS[group], binary=True)(**fields)
+           for group, fields in groups.items()})
+    outcomes = []
+    for decode in (lambda: StepCall.from_wire(message),
+                   lambda: StepCall.build("w", 1, 1, 0, new_req_ids=groups["new"]["req_ids"],
+                                          **as_bytes)):
+        try:
+            outcomes.append(decode())
+        except MalformedBody as exc:
+            outcomes.append(exc.field)
+    assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.skipif(numba is None, reason="numba is not installed")
