@@ -33,7 +33,7 @@ from .addresses import claim_socket_path, stream_path
 from .core import ServiceCore
 from .errors import BodyTooLarge, MalformedBody, Unauthorized, UnknownOperation, describe
 from .operations import ERROR, OK, OPERATIONS
-from .polling import poll_for
+from .polling import CallPacer, Wait, poll_for
 from .stream import StreamListener
 
 log = logging.getLogger("kvalloc.ipc")
@@ -101,16 +101,26 @@ class IpcServer:
 
     def _serve(self) -> None:
         sock = self._sock
-        spin = False  # once, after a call answered in full (see StreamListener)
+        # One pacer for the socket: its calls come from every ZeroMQ worker, in turn.
+        pacer = CallPacer(self._spin_s)
         while not self._stop.is_set():
-            if not ((spin and poll_for(self._arrived, self._spin_s, self._stop))
-                    or sock.poll(_POLL_MS)):
-                spin = False
+            if not self._call_came(pacer.next_wait()):
                 continue
             frames = sock.recv_multipart()
+            pacer.arrived()
             reply = self.handle(frames[1:])
             sock.send_multipart([frames[0], *reply])
-            spin = reply[1] == OK
+            pacer.answered(ok=reply[1] == OK)
+
+    def _call_came(self, wait: Wait) -> bool:
+        """Whether a message came, waiting as told, or else within _POLL_MS (so that the stop
+        flag is seen)."""
+        if wait.spin_s > 0:
+            if wait.sleep_s >= 1e-3 and self._sock.poll(int(wait.sleep_s * 1e3)):
+                return True
+            if poll_for(self._arrived, wait.spin_s, self._stop):
+                return True
+        return bool(self._sock.poll(_POLL_MS))
 
     def _arrived(self) -> bool:
         return bool(self._sock.poll(0))

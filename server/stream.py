@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -39,7 +40,7 @@ from . import wire
 from .addresses import claim_socket_path
 from .errors import BodyTooLarge, MalformedBody, describe
 from .operations import ERROR, OK
-from .polling import poll_for
+from .polling import CallPacer, poll_for
 
 log = logging.getLogger("kvalloc.stream")
 
@@ -98,17 +99,20 @@ class Inbox:
         self._buffer = bytearray(_INBOX_BYTES)
         self._start = self._end = 0  # unread bytes: _buffer[_start:_end]
         self._peer_closed = False  # what the last receive that did not wait saw
+        self._poller: select.poll | None = None
 
-    def next_message(self, *, spin_s: float = 0.0, within_s: float | None = None,
+    def next_message(self, *, spin_s: float = 0.0, sleep_s: float = 0.0,
+                     within_s: float | None = None,
                      idle_ok: bool = False) -> list[bytes] | None:
         """The next message's frames; None if the peer closed between messages.
 
-        ``spin_s``: poll without sleeping for up to that long before blocking. ``within_s``:
+        ``spin_s``: poll without sleeping for up to that long before blocking, after waiting
+        ``sleep_s`` in the kernel (which returns early if bytes come). ``within_s``:
         the whole message must arrive within that long of its first byte. ``idle_ok``: a receive
         timeout before the first byte means only an idle peer (keep waiting); otherwise it raises
         `TimeoutError`, as it always does inside a message. A peer that closes inside a message
         raises `ConnectionError`; a length over ``max_bytes`` raises `MessageTooLarge`."""
-        if self._end - self._start == 0 and not self._first_bytes(spin_s, idle_ok):
+        if self._end - self._start == 0 and not self._first_bytes(sleep_s, spin_s, idle_ok):
             return None
         began = time.monotonic()
         while self._end - self._start < LENGTH.size:
@@ -134,9 +138,9 @@ class Inbox:
         """Close the socket it reads."""
         self.conn.close()
 
-    def _first_bytes(self, spin_s: float, idle_ok: bool) -> bool:
+    def _first_bytes(self, sleep_s: float, spin_s: float, idle_ok: bool) -> bool:
         """Wait for the next message to begin; False if the peer closed."""
-        if spin_s > 0 and poll_for(self._arrived, spin_s):
+        if spin_s > 0 and not self._readable_within(sleep_s) and poll_for(self._arrived, spin_s):
             return not self._peer_closed
         while True:
             try:
@@ -144,6 +148,16 @@ class Inbox:
             except BlockingIOError:  # the receive timeout
                 if not idle_ok:
                     raise TimeoutError("no message within the receive timeout") from None
+
+    def _readable_within(self, seconds: float) -> bool:
+        """Whether bytes (or the peer's close) came within ``seconds``, waiting in the kernel
+        (to the millisecond below)."""
+        if seconds < 1e-3:
+            return False
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.conn, select.POLLIN)
+        return bool(self._poller.poll(int(seconds * 1e3)))
 
     def _arrived(self) -> bool:
         """One receive that does not wait: whether bytes, or the peer's close, came."""
@@ -186,8 +200,8 @@ class StreamListener:
 
     def __init__(self, path: Path, handle: Handle, *, max_frame_bytes: int,
                  max_connections: int, spin_s: float = 0.0) -> None:
-        """``spin_s``: how long a connection polls for its next message without sleeping
-        before it blocks, after answering one successfully."""
+        """``spin_s``: how long a connection polls for its next message without sleeping, around
+        when it is due (`CallPacer`), after answering one successfully."""
         self.path = path
         self.handle = handle
         self.max_frame_bytes = max_frame_bytes
@@ -271,11 +285,13 @@ class StreamListener:
         # as long as it likes (each expiry of the timeout then just renews the wait).
         set_timeouts(conn, HANDSHAKE_S)
         inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
-        first, spin_s = True, 0.0
+        pacer = CallPacer(self.spin_s)
+        first = True
         while not self._stop.is_set():
+            wait = pacer.next_wait()
             try:
-                frames = inbox.next_message(spin_s=spin_s, within_s=HANDSHAKE_S,
-                                            idle_ok=not first)
+                frames = inbox.next_message(sleep_s=wait.sleep_s, spin_s=wait.spin_s,
+                                            within_s=HANDSHAKE_S, idle_ok=not first)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")
@@ -283,13 +299,12 @@ class StreamListener:
                 return
             except MalformedBody as exc:
                 conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(exc))]))
-                spin_s = 0.0
+                pacer.answered(ok=False)
                 continue
             if frames is None:
                 return
+            pacer.arrived()
             first = False
             reply = self.handle(frames)
             conn.sendall(pack(reply))
-            # Only a call answered in full earns a spin: a peer without the token, or sending
-            # bad input, cannot keep a core busy.
-            spin_s = self.spin_s if reply[1] == OK else 0.0
+            pacer.answered(ok=reply[1] == OK)
