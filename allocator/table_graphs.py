@@ -75,9 +75,11 @@ class TableUploadGraphs:
         return self._graphs.failed
 
     def upload(self, cells: np.ndarray, table_cells: np.ndarray) -> bool:
-        """Write ``table_cells[cells]`` into the device table's flat ``cells`` (at least one)
-        by replaying a graph (captured now if new); False if there is none for that many cells
-        and the caller must upload eagerly."""
+        """Write ``table_cells[cells]`` into the device table's flat ``cells`` by replaying a
+        graph (captured now if new); False if there is none for that many cells and the caller
+        must upload eagerly."""
+        if cells.size == 0:
+            return True
         rows = rows_for(cells.size, self.max_rows)
         if rows is None:
             return False

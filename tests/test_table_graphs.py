@@ -181,7 +181,7 @@ def test_a_failed_capture_falls_back_to_the_eager_path_for_good(monkeypatch, cap
 def test_graphs_beyond_the_limit_are_dropped_and_recaptured(monkeypatch):
     """Directly on the graphs: three buckets in turn with room for two (each use recaptures the
     one dropped longest ago), each upload exact; an upload past the largest bucket is refused and
-    writes nothing."""
+    writes nothing, and so does one of no cells."""
     captures = []
 
     def counted(body, **kwargs):
@@ -210,4 +210,5 @@ def test_graphs_beyond_the_limit_are_dropped_and_recaptured(monkeypatch):
     changed = _random_changes(rng, 257, host.size)
     host[changed] = 12345
     assert not graphs.upload(changed, host)
-    assert torch.equal(device, before) and graphs.captured == 2
+    assert graphs.upload(changed[:0], host)  # nothing to write, and nothing written
+    assert torch.equal(device, before) and graphs.captured == 2 and len(captures) == 9
