@@ -43,7 +43,7 @@ class PinnedGraphs:
         self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
         self._log = log
         self._failure = failure
-        self.failed = False
+        self.failed = False  # a capture failed: the caller runs its eager path from then on
 
     @property
     def captured(self) -> int:

@@ -52,27 +52,17 @@ def pack(out: np.ndarray, rows: int, cells: np.ndarray, table_cells: np.ndarray)
     np.take(table_cells, index, out=out[_CELL * rows: _ROW_BYTES * rows].view(np.int32))
 
 
-class TableUploadGraphs:
+class TableUploadGraphs(PinnedGraphs):
     def __init__(self, table: torch.Tensor, *, max_rows: int = MAX_ROWS,
                  max_graphs: int = 16) -> None:
         """Graphs that write the contiguous int32 CUDA tensor ``table`` in place."""
+        super().__init__(_ROW_BYTES * max_rows, table.device, max_graphs=max_graphs, log=log,
+                         failure="block table: capturing the upload failed; syncing without a "
+                                 "graph from now on")
         self.max_rows = max_rows
         self._flat = table.view(-1)
-        self._graphs = PinnedGraphs(
-            _ROW_BYTES * max_rows, table.device, max_graphs=max_graphs, log=log,
-            failure="block table: capturing the upload failed; syncing without a graph from "
-                    "now on")
         self._scratch = torch.empty(_ROW_BYTES * max_rows, dtype=torch.uint8,
                                     device=table.device)
-
-    @property
-    def captured(self) -> int:
-        return self._graphs.captured
-
-    @property
-    def failed(self) -> bool:
-        """A capture failed: every sync runs the eager path from then on."""
-        return self._graphs.failed
 
     def upload(self, cells: np.ndarray, table_cells: np.ndarray) -> bool:
         """Write ``table_cells[cells]`` into the device table's flat ``cells`` by replaying a
@@ -87,10 +77,10 @@ class TableUploadGraphs:
         def fill(out: np.ndarray) -> None:
             pack(out, rows, cells, table_cells)
 
-        return self._graphs.replay(rows, lambda: self._body(rows), fill, warmup_fill=fill)
+        return self.replay(rows, lambda: self._body(rows), fill, warmup_fill=fill)
 
     def _body(self, rows: int) -> None:
         packed = self._scratch[: _ROW_BYTES * rows]
-        packed.copy_(self._graphs.pinned[: _ROW_BYTES * rows], non_blocking=True)
+        packed.copy_(self.pinned[: _ROW_BYTES * rows], non_blocking=True)
         self._flat.index_copy_(0, packed[: _CELL * rows].view(torch.int64),
                                packed[_CELL * rows:].view(torch.int32))
