@@ -9,9 +9,10 @@ The graph of ``rows`` rows (a power of two at least the changed cells, from `MIN
 `MAX_ROWS`) copies ``[cells | values]`` over, ``rows`` int64 flat cell indices then ``rows``
 int32 values, and scatters them into the table through a flat view: the table keeps its shape
 and address, which workers that map it rely on. The rows past the changed cells repeat the
-first (cell, value) pair, so the scatter writes to that cell the value it is given anyway: the
-padding changes nothing whatever order the scatter runs in. (A cell changed twice since the last
-sync appears twice for the same reason: both copies carry the host's value at sync time.) The
+first (cell, value) pair, so they write to that cell the value its first row writes: the padding
+changes nothing, whatever order the scatter runs in. (The scatter has no index it skips, and an
+index out of the table is a device assert; a cell changed twice since the last sync appears
+twice, harmless in the same way, both carrying the host's value at sync time.) The
 warm-up of a capture runs over the sync's own input, so it writes exactly what the replay
 writes next.
 
@@ -31,7 +32,7 @@ from .pinned_graphs import PinnedGraphs, bucket
 log = logging.getLogger(__name__)
 
 MIN_ROWS = 64  # the smallest bucket: the usual step's tens of cells share one graph
-MAX_ROWS = 4096  # the largest bucket: two full rows of a 2049-block table
+MAX_ROWS = 4096  # the largest bucket, 48 KiB of input: far past a usual step's changes
 _CELL = np.dtype(np.int64).itemsize
 _ROW_BYTES = _CELL + np.dtype(np.int32).itemsize
 
