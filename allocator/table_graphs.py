@@ -27,6 +27,7 @@ import logging
 import numpy as np
 import torch
 
+from .errors import InvalidValue
 from .pinned_graphs import PinnedGraphs, bucket
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class TableUploadGraphs(PinnedGraphs):
     def __init__(self, table: torch.Tensor, *, max_rows: int = MAX_ROWS,
                  max_graphs: int = 16) -> None:
         """Graphs that write the contiguous int32 CUDA tensor ``table`` in place."""
+        if table.device.type != "cuda" or table.dtype != torch.int32 or not table.is_contiguous():
+            raise InvalidValue(
+                "block_table: upload graphs write a contiguous int32 CUDA tensor, not a "
+                f"{'' if table.is_contiguous() else 'non-contiguous '}{table.dtype} one on "
+                f"{table.device}", field="block_table")
         super().__init__(_ROW_BYTES * max_rows, table.device, max_graphs=max_graphs, log=log,
                          failure="block table: capturing the upload failed; syncing without a "
                                  "graph from now on")

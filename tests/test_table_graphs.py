@@ -26,7 +26,7 @@ import torch
 from cuda_checks import no_host_sync
 
 import allocator.pinned_graphs as pinned_graphs
-from allocator import BlockTable
+from allocator import BlockTable, InvalidValue
 from allocator.device_io import capture_graph
 from allocator.table_graphs import MAX_ROWS, MIN_ROWS, TableUploadGraphs, pack, rows_for
 
@@ -49,6 +49,19 @@ def test_buckets_are_the_powers_of_two_from_the_smallest_to_the_largest():
     assert rows_for(MIN_ROWS, max_rows=MIN_ROWS) == MIN_ROWS
     assert rows_for(MIN_ROWS + 1, max_rows=MIN_ROWS) is None
     assert rows_for(100, max_rows=100) is None  # the cap is a bucket, not a clamp
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: torch.full((4, 3), -1, dtype=torch.int32), id="cpu"),
+    pytest.param(lambda: torch.full((4, 3), -1, dtype=torch.int64, device="cuda"),
+                 id="cuda_int64", marks=[gpu, needs_cuda]),
+    pytest.param(lambda: torch.full((3, 4), -1, dtype=torch.int32, device="cuda").t(),
+                 id="cuda_strided", marks=[gpu, needs_cuda]),
+])
+def test_graphs_refuse_anything_but_a_contiguous_int32_cuda_table(make):
+    with pytest.raises(InvalidValue, match="contiguous int32 CUDA tensor") as raised:
+        TableUploadGraphs(make())
+    assert raised.value.field == "block_table"
 
 
 def _random_changes(rng: np.random.Generator, cells: int, size: int) -> np.ndarray:
