@@ -54,8 +54,8 @@ class PinnedGraphs:
         """Run ``body`` (a copy out of ``pinned``, then device work on static buffers) over the
         input ``fill`` writes, by replaying the graph of ``key``. A new key captures ``body``
         first; its warm-up runs for real, over the input ``warmup_fill`` writes, which must make
-        it harmless. False if a capture failed, now or before: nothing ran, and the caller runs
-        its eager path."""
+        it harmless. False if a capture failed, now or before: nothing was replayed (at most
+        that harmless warm-up ran), and the caller runs its eager path."""
         if self.failed:
             return False
         graph = self._graphs.get(key)
