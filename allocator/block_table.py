@@ -8,8 +8,10 @@ Invariants (checked by ``check_invariants`` against the counts the caller owns):
 - after ``sync()`` the device copy equals the host mirror.
 
 Only the cells changed since the last ``sync()`` travel to the device: a step touches the tail
-of a few rows (tens of cells), not whole 2049-wide rows. The device copy comes from a
-`placement.TensorAllocator`, so a service can hand out a table other processes map.
+of a few rows (tens of cells), not whole 2049-wide rows. On CUDA they travel by replaying a
+captured graph (`table_graphs`), or, past its largest bucket or where capture fails, by the eager
+path it replays. The device copy comes from a `placement.TensorAllocator`, so a service can hand
+out a table other processes map.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from .device_io import PinnedUploads
 from .errors import BatchFull, InvalidValue, InvariantViolation
 from .placement import TensorAllocator, plain_tensor
 from .slots import slot_mapping
+from .table_graphs import TableUploadGraphs
 
 
 class BlockTable:
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device, *,
-                 allocate: TensorAllocator = plain_tensor) -> None:
+                 allocate: TensorAllocator = plain_tensor, upload_graphs: bool = True) -> None:
+        """``upload_graphs=False`` makes every CUDA sync take the eager path."""
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
@@ -43,6 +47,7 @@ class BlockTable:
         self.num_free_rows = max_batch_size
         # Flat indices of the cells changed since the last sync, one array per change.
         self._changed: list[np.ndarray] = []
+        self.upload_graphs: TableUploadGraphs | None = None
         if device.type == "cpu":
             # A CPU "device" copy is still a separate buffer (shared with workers through shared
             # memory); writing it through a numpy view skips torch's dispatch overhead.
@@ -50,6 +55,8 @@ class BlockTable:
         else:
             # Changed cells and their values travel together, in one copy (`PinnedUploads`).
             self._uploads = PinnedUploads(device)
+            if upload_graphs:
+                self.upload_graphs = TableUploadGraphs(self.device_table)
 
     def acquire_row(self) -> int:
         if self.num_free_rows == 0:
@@ -103,12 +110,12 @@ class BlockTable:
             return
         cells = self._changed[0] if len(self._changed) == 1 else np.concatenate(self._changed)
         self._changed.clear()
-        values = self._host_cells[cells]
         if self.device.type == "cpu":
-            self._device_cells[cells] = values
-            return
-        index, src = self._uploads.upload(cells, values)
-        self.device_table.view(-1).index_copy_(0, index, src)
+            self._device_cells[cells] = self._host_cells[cells]
+        elif self.upload_graphs is None or not self.upload_graphs.upload(cells,
+                                                                          self._host_cells):
+            index, src = self._uploads.upload(cells, self._host_cells[cells])
+            self.device_table.view(-1).index_copy_(0, index, src)
 
     def host_slot_mapping(self, rows: np.ndarray, positions: np.ndarray,
                           tokens_per_block: int) -> np.ndarray:

@@ -8,10 +8,8 @@ they are one replay.
 
 A graph bakes in addresses and sizes, so there is one per staging buffer (its address, shape,
 strides and dtype) and per row bucket: a power of two at least the window's tokens, the rows past
-them padded with slot -1, which the write skips. The slots travel from one pinned buffer that
-never moves (the graph's copy reads it): ``[staged | kept]``, ``rows`` each. It is refilled
-only once the previous replay's copy has read it (an event), so nothing else waits for the
-device. The least recently used graphs beyond ``max_graphs`` are dropped.
+them padded with slot -1, which the write skips. The slots travel from the graphs' pinned buffer
+(`PinnedGraphs`): ``[staged | kept]``, ``rows`` each.
 
 The captured work is the caller's ``write(staged, kept, rows)`` on the device slot views: the
 same function the eager path runs, so the two cannot drift apart.
@@ -20,13 +18,12 @@ same function the eager path runs, so the two cannot drift apart.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from .device_io import PinnedBuffer, capture_graph
+from .pinned_graphs import PinnedGraphs, bucket
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +36,25 @@ class HostWriteGraphs:
                  max_graphs: int = 16) -> None:
         self.max_tokens = max_tokens
         self.write = write
-        self.max_graphs = max_graphs
-        # Its address never changes: the graphs' copies read it.
-        self._buffer = PinnedBuffer(2 * max_tokens * torch.int64.itemsize, device)
-        self._pinned = self._buffer.tensor.view(torch.int64)
+        self._graphs = PinnedGraphs(
+            2 * max_tokens * torch.int64.itemsize, device, max_graphs=max_graphs, log=log,
+            failure="NWOR: capturing the host-slot commit failed; committing without a graph "
+                    "from now on")
+        self._pinned = self._graphs.pinned.view(torch.int64)
         self._slots = torch.full((2 * max_tokens,), -1, dtype=torch.int64, device=device)
-        self._graphs: OrderedDict[tuple[object, ...], torch.cuda.CUDAGraph] = OrderedDict()
-        self.failed = False  # a capture failed: the caller writes eagerly from then on
 
     @property
     def captured(self) -> int:
-        return len(self._graphs)
+        return self._graphs.captured
+
+    @property
+    def failed(self) -> bool:
+        """A capture failed: the caller writes eagerly from then on."""
+        return self._graphs.failed
 
     def rows_for(self, tokens: int) -> int:
         """The bucket a window of ``tokens`` tokens replays."""
-        return min(self.max_tokens, max(MIN_ROWS, 1 << max(0, tokens - 1).bit_length()))
+        return min(self.max_tokens, bucket(tokens, MIN_ROWS))
 
     def replay(self, source: torch.Tensor, staged: np.ndarray, kept: np.ndarray,
                variant: object = None) -> bool:
@@ -61,51 +62,24 @@ class HostWriteGraphs:
         row]``, capacity >= that length) by replaying its graph
         (captured now if new); False if graphs failed here, and the caller must write eagerly.
         ``variant`` names whatever else the captured work depends on (the protection guard)."""
-        if self.failed:
-            return False
         rows = min(self.rows_for(staged.size), source.shape[2])  # never past its capacity
         key = (source.data_ptr(), tuple(source.shape), source.stride(), source.dtype, rows,
                variant)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._capture(rows)
-            if graph is None:
-                return False
-            self._graphs[key] = graph
-            if len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
-        self._fill(rows, staged, kept)
-        graph.replay()
-        self._buffer.read()
-        return True
+        # Every slot -1 while warming up: the warm-up runs the write for real, and writes nothing.
+        return self._graphs.replay(
+            key, lambda: self._body(rows), lambda host: _fill(host, rows, staged, kept),
+            warmup_fill=lambda host: host.view(np.int64)[: 2 * rows].fill(-1))
 
     def _body(self, rows: int) -> None:
         slots = self._slots[: 2 * rows]
         slots.copy_(self._pinned[: 2 * rows], non_blocking=True)
         self.write(slots[:rows], slots[rows:], rows)
 
-    def _capture(self, rows: int) -> torch.cuda.CUDAGraph | None:
-        # Every slot -1 while warming up: the warm-up runs the write for real, and writes nothing.
-        self._slots_on_host()[: 2 * rows] = -1
-        try:
-            graph = capture_graph(lambda: self._body(rows))
-        except RuntimeError as exc:
-            log.warning("NWOR: capturing the host-slot commit failed; committing without a "
-                        "graph from now on", exc_info=exc)
-            self.failed = True
-            return None
-        self._buffer.read()
-        return graph
 
-    def _slots_on_host(self) -> np.ndarray:
-        return self._buffer.writable().view(np.int64)
-
-    def _fill(self, rows: int, staged: np.ndarray, kept: np.ndarray) -> None:
-        n = staged.size
-        host = self._slots_on_host()
-        host[:n] = staged
-        host[n:rows] = -1
-        host[rows: rows + n] = kept
-        host[rows + n: 2 * rows] = -1
+def _fill(host: np.ndarray, rows: int, staged: np.ndarray, kept: np.ndarray) -> None:
+    slots = host.view(np.int64)
+    n = staged.size
+    slots[:n] = staged
+    slots[n:rows] = -1
+    slots[rows: rows + n] = kept
+    slots[rows + n: 2 * rows] = -1

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from cuda_checks import no_host_sync
 from nwor_scenarios import bits, expected_after, poisoned_storage, pool_config, random_window, stage
 
 import allocator.acceptance as acceptance
@@ -22,17 +23,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 FP8 = torch.float8_e4m3fn
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Any synchronising CUDA call inside raises."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize(("pool_dtype", "stage_dtype"), [
