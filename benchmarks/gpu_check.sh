@@ -3,13 +3,13 @@
 # `make SYSTEM_TORCH=1 .venv/.installed` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
-#   sections: tests targets profile split round_trip worker sweep commit (see below)
+#   sections: tests targets profile table split round_trip worker sweep commit (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets profile split round_trip worker sweep commit} "
+SECTIONS=" ${*:-tests targets profile table split round_trip worker sweep commit} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -59,9 +59,14 @@ want profile && for layers in 2 32; do
         --head-dim 128 --steps 200 --out "$OUT/profile_step_${layers}_layers.json" 2>&1 \
         | tee -a "$OUT/bench.log"
 done
+# table: the block table's per-step sync, one graph replay against the eager copies.
+want table && step "$PYTHON" benchmarks/bench_table_upload.py --out "$OUT/bench_table_upload.json" 2>&1 | tee -a "$OUT/bench.log"
 # split: a remote call's time on both sides of the transport (medians), the service sleeping
-# between calls or polling for the next one, and over ZeroMQ.
-want split && for run in "stream:" "stream_spin:--ipc-spin-s 0.01" "ipc:--transport ipc"; do
+# between calls or polling around when the next one is due, back to back and with the caller
+# sleeping through a 10 ms forward, and over ZeroMQ.
+want split && for run in "stream:--ipc-spin-s 0" "stream_spin:--ipc-spin-s 0.001" \
+        "stream_gap10:--ipc-spin-s 0 --gap-ms 10" "stream_gap10_spin:--ipc-spin-s 0.001 --gap-ms 10" \
+        "ipc:--transport ipc"; do
     # shellcheck disable=SC2086  # the flags are words
     step "$PYTHON" benchmarks/bench_call_split.py --device cuda ${run#*:} \
         --out "$OUT/bench_call_split_${run%%:*}.json" 2>&1 | tee -a "$OUT/bench.log"
