@@ -9,8 +9,10 @@ from dataclasses import FrozenInstanceError, dataclass, field
 import numpy as np
 
 from .nwor_errors import NworInputError
+from .window_maths import INT64_MAX, window_total
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
+# Validated counts: read-only int64 (num_tokens, num_draft) and the window's total.
+_Valid = tuple[np.ndarray, np.ndarray, int]
 
 
 class WindowLayout:
@@ -25,7 +27,7 @@ class WindowLayout:
     """
 
     _arrays: tuple[np.ndarray, np.ndarray]
-    _total: int
+    _total: int  # saturates at INT64_MAX: begin_window then refuses the layout
 
     def __init__(self, num_tokens: Sequence[int] | np.ndarray,
                  num_draft: Sequence[int] | np.ndarray) -> None:
@@ -39,8 +41,8 @@ class WindowLayout:
             arrays = _checked_counts(tokens, drafts)
             object.__setattr__(self, "num_tokens", tokens)
             object.__setattr__(self, "num_draft", drafts)
-        object.__setattr__(self, "_arrays", arrays)
-        object.__setattr__(self, "_total", int(arrays[0].sum()))
+        object.__setattr__(self, "_arrays", arrays[:2])
+        object.__setattr__(self, "_total", arrays[2])
 
     @classmethod
     def decode(cls, draft_lens: Sequence[int]) -> WindowLayout:
@@ -97,9 +99,9 @@ def _as_tuples(*given: Sequence[int] | np.ndarray) -> tuple[tuple[int, ...], ...
     return tuple(tuple(g.tolist()) if isinstance(g, np.ndarray) else tuple(g) for g in given)
 
 
-def _checked_counts(tokens: tuple[int, ...],
-                    drafts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The counts as read-only int64 arrays; `NworInputError` naming the first bad request."""
+def _checked_counts(tokens: tuple[int, ...], drafts: tuple[int, ...]) -> _Valid:
+    """The counts as read-only int64 arrays and their total; `NworInputError` naming the first
+    bad request."""
     if len(tokens) != len(drafts):
         raise NworInputError(
             f"layout: {len(tokens)} token counts but {len(drafts)} draft counts",
@@ -113,9 +115,9 @@ def _checked_counts(tokens: tuple[int, ...],
         if not all(isinstance(c, int | np.integer) and not isinstance(c, bool) for c in (n, d)):
             raise NworInputError(f"layout: request {r}: counts must be integers",
                                  field="layout")
-        if not 0 <= n <= _INT64_MAX:
+        if not 0 <= n <= INT64_MAX:
             raise NworInputError(f"layout: request {r} schedules {n} tokens, outside "
-                                 f"[0, {_INT64_MAX}]", field="layout")
+                                 f"[0, {INT64_MAX}]", field="layout")
         if not 0 <= d <= n:
             raise NworInputError(
                 f"layout: request {r} schedules {n} tokens with {d} drafts "
@@ -123,9 +125,8 @@ def _checked_counts(tokens: tuple[int, ...],
     raise AssertionError("unreachable: every layout the vectorised check refuses is named")
 
 
-def _valid_counts(tokens: tuple[int, ...],
-                  drafts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Both as read-only int64 arrays if they are flat integer sequences with
+def _valid_counts(tokens: tuple[int, ...], drafts: tuple[int, ...]) -> _Valid | None:
+    """Both as read-only int64 arrays, and the total, if they are flat integer sequences with
     0 <= drafts <= tokens everywhere; None otherwise."""
     try:
         n, d = np.asarray(tokens), np.asarray(drafts)
@@ -134,18 +135,21 @@ def _valid_counts(tokens: tuple[int, ...],
     return _valid_arrays(n, d)
 
 
-def _valid_arrays(n: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """`_valid_counts` for arrays: read-only int64 copies, or None."""
+def _valid_arrays(n: np.ndarray, d: np.ndarray) -> _Valid | None:
+    """`_valid_counts` for arrays: read-only int64 copies and the total, or None."""
     if n.size == 0 and d.size == 0:
         n = d = np.zeros(0, dtype=np.int64)
         n.flags.writeable = False
-        return n, d
-    if not (n.ndim == d.ndim == 1 and n.dtype.kind in "iu" and d.dtype.kind in "iu"
-            and n.max() <= _INT64_MAX and not ((n < 0) | (d < 0) | (d > n)).any()):
+        return n, d, 0
+    if not (n.ndim == d.ndim == 1 and n.dtype.kind in "iu" and d.dtype.kind in "iu"):
         return None
+    # A count beyond int64 (unsigned) turns negative here, which window_total refuses.
     n, d = n.astype(np.int64), d.astype(np.int64)
+    total = window_total(n, d)
+    if total < 0:
+        return None
     n.flags.writeable = d.flags.writeable = False
-    return n, d
+    return n, d, total
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,15 @@ from .jit import jit, numba
 
 # What `keep` returns: (bad, kept_slots, per_position, committed, written).
 Kept = tuple[int, np.ndarray, np.ndarray, int, int]
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def window_total_reference(num_tokens: np.ndarray, num_draft: np.ndarray) -> int:
+    """The window's scheduled tokens (int64 counts), saturating at ``INT64_MAX`` (more than any
+    window holds); -1 unless ``0 <= num_draft[r] <= num_tokens[r]`` for every request."""
+    if ((num_draft < 0) | (num_draft > num_tokens)).any():
+        return -1
+    return min(sum(num_tokens.tolist()), INT64_MAX)
 
 
 def token_table_reference(num_tokens: np.ndarray, num_draft: np.ndarray,
@@ -63,6 +72,16 @@ def keep_reference(num_tokens: np.ndarray, num_draft: np.ndarray, accepted: np.n
     kept = table[:, 1] < accepted[table[:, 0]]
     kept_slots = np.where(kept, slots, -1)
     return -1, kept_slots, per_position, committed, int(np.count_nonzero(kept_slots >= 0))
+
+
+def _window_total_loop(num_tokens, num_draft):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # Compiled by numba; window_total_reference states what it computes.
+    total = 0
+    for r in range(num_tokens.size):
+        if num_draft[r] < 0 or num_draft[r] > num_tokens[r]:
+            return -1
+        total = INT64_MAX if num_tokens[r] > INT64_MAX - total else total + num_tokens[r]
+    return total
 
 
 def _token_table_loop(num_tokens, num_draft,  # type: ignore[no-untyped-def]
@@ -117,5 +136,6 @@ def _keep_loop(num_tokens, num_draft, accepted,  # type: ignore[no-untyped-def]
     return -1, kept_slots, per_position, committed, written
 
 
+window_total = jit(_window_total_loop) if numba is not None else window_total_reference
 token_table = jit(_token_table_loop) if numba is not None else token_table_reference
 keep = jit(_keep_loop) if numba is not None else keep_reference

@@ -15,7 +15,14 @@ import allocator.deferred_writes as deferred_writes
 from allocator import window_maths
 from allocator.deferred_writes import DeferredWriteManager
 from allocator.jit import numba
-from allocator.window_maths import keep_reference, token_table_reference
+from allocator.nwor_errors import NworInputError
+from allocator.nwor_window import WindowLayout
+from allocator.window_maths import (
+    INT64_MAX,
+    keep_reference,
+    token_table_reference,
+    window_total_reference,
+)
 
 compiled = pytest.mark.skipif(numba is None, reason="numba is not installed")
 
@@ -103,6 +110,29 @@ def test_the_compiled_token_table_equals_the_reference(window):
     want = token_table_reference(tokens, drafts, positions)
     assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want)
     assert got.shape == (int(tokens.sum()), 3)
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(
+    st.lists(st.tuples(st.integers(0, INT64_MAX), st.integers(-3, INT64_MAX)), max_size=6),
+    st.lists(requests, max_size=12)))
+def test_the_compiled_window_total_equals_the_reference(counts):
+    """Counts anywhere in int64 (totals past it saturate), drafts above tokens or negative."""
+    tokens = np.array([n for n, _ in counts], dtype=np.int64)
+    drafts = np.array([d for _, d in counts], dtype=np.int64)
+    got, want = window_maths.window_total(tokens, drafts), window_total_reference(tokens, drafts)
+    assert type(got) is type(want) is int and got == want
+
+
+def test_a_layout_past_int64_tokens_in_all_is_refused_by_the_window():
+    storage = poisoned_storage(pool_config("cpu"))
+    mgr = DeferredWriteManager(storage, max_tokens=48)
+    layout = WindowLayout((2**62, 2**62), (0, 0))
+    assert layout.total_tokens == INT64_MAX
+    with pytest.raises(NworInputError, match="exceed max_tokens"):
+        mgr.begin_window(layout)
+    assert not mgr.window_open
 
 
 def _run_windows(counts: str, slots: str) -> list:
