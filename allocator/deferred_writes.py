@@ -661,19 +661,23 @@ class DeferredWriteManager:
         rows = self._host_slots if kept_slots is None else np.concatenate(
             [self._host_slots, kept_slots])
         self._uploads.into(self._shared_slots[: rows.size], rows)
-        self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
-                              else self._shared_slots[total: 2 * total])
+        if self._protected is not None:  # its views cost more than the check, every window
+            self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
+                                  else self._shared_slots[total: 2 * total])
         self._host_slots_uploaded = True
 
     def _shared_row(self, row: int) -> torch.Tensor:
         """Row ``row`` of the uploaded ``[staged | kept]`` slots, as every layer's slots."""
         assert self._host_slots is not None
         total = self._host_slots.size
-        return self._every_layer(self._shared_slots[row * total: (row + 1) * total])
+        return self._every_layer(self._shared_slots, row * total, total)
 
-    def _every_layer(self, slots: torch.Tensor) -> torch.Tensor:
-        """One row of slots as every layer's (a stride-0 view)."""
-        return slots.view(1, -1).expand(self.num_layers, slots.numel())
+    def _every_layer(self, slots: torch.Tensor, start: int = 0,
+                     count: int | None = None) -> torch.Tensor:
+        """``count`` slots of the contiguous row ``slots`` from ``start`` (default: all of it) as
+        every layer's: a stride-0 view, made in one call (slicing first costs as much again)."""
+        count = slots.numel() - start if count is None else count
+        return slots.as_strided((self.num_layers, count), (0, 1), slots.storage_offset() + start)
 
     def _share_first_slot_row(self, total: int) -> None:
         """Every layer writes with ``_slots[0]``'s first ``total`` slots."""
