@@ -32,17 +32,17 @@ class WindowLayout:
     def __init__(self, num_tokens: Sequence[int] | np.ndarray,
                  num_draft: Sequence[int] | np.ndarray) -> None:
         given = (num_tokens, num_draft)
-        arrays = None
+        valid = None
         if all(isinstance(g, np.ndarray) and g.ndim == 1 for g in given) and (
                 len(num_tokens) == len(num_draft)):
-            arrays = _valid_arrays(*given)  # type: ignore[arg-type]
-        if arrays is None:  # counts as sequences, or arrays the check refuses
+            valid = _valid_arrays(*given)  # type: ignore[arg-type]
+        if valid is None:  # counts as sequences, or arrays the check refuses
             tokens, drafts = _as_tuples(*given)
-            arrays = _checked_counts(tokens, drafts)
+            valid = _checked_counts(tokens, drafts)
             object.__setattr__(self, "num_tokens", tokens)
             object.__setattr__(self, "num_draft", drafts)
-        object.__setattr__(self, "_arrays", arrays[:2])
-        object.__setattr__(self, "_total", arrays[2])
+        object.__setattr__(self, "_arrays", valid[:2])
+        object.__setattr__(self, "_total", valid[2])
 
     @classmethod
     def decode(cls, draft_lens: Sequence[int]) -> WindowLayout:
