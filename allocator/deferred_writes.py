@@ -59,12 +59,14 @@ from .keep_mask import NEVER, mask_rejected
 from .kv_storage import KVStorage
 from .nwor_errors import NworInputError, SlotDtypeError, StagingOverflow, WindowStateError
 from .nwor_window import NworMetrics, WindowLayout, WindowStats
+from .window_maths import Kept, keep, token_table
 
 log = logging.getLogger(__name__)
 
 _FP8_STAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INVALID_COUNTS = "accepted_out_of_range"
 INCOMPLETE_STAGING = "incomplete_staging"
+_NO_SLOTS = np.zeros(0, dtype=np.int64)  # `keep`'s slots for a window whose slots are on device
 
 
 @dataclass
@@ -133,9 +135,8 @@ class DeferredWriteManager:
         self._positions = max(1, cfg.max_draft_len)
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
         # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
-        # Uploaded only when a device path needs them; the host keeps each token's request and
-        # draft index from the moment the window opens.
-        self._token_request = self._draft_index = np.zeros(0, dtype=np.int64)
+        # Made and uploaded only when a device path needs them: a commit with host counts
+        # applies the keep rule per request (`window_maths.keep`).
         self._tables_uploaded = True
         self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
         self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
@@ -223,10 +224,6 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"layout: {reqs} requests exceed max_requests={self.max_requests}",
                 field="layout")
-        tokens, drafts = layout.arrays
-        first_draft = np.cumsum(tokens) - drafts  # flat index of each request's first draft
-        self._token_request = np.repeat(np.arange(reqs), tokens)
-        self._draft_index = np.arange(total) - first_draft[self._token_request]
         self._tables_uploaded = False
         self._rows = [0] * self.num_layers
         self._source = self._staged
@@ -239,11 +236,8 @@ class DeferredWriteManager:
         if self._tables_uploaded:
             return
         layout = self._require_window("commit")
-        total, draft_index = layout.total_tokens, self._draft_index
-        bucket = np.where(draft_index < 0, self._positions,
-                          np.minimum(draft_index, self._positions - 1))
-        self._uploads.into(self._tokens[:total],
-                           np.stack([self._token_request, draft_index, bucket], axis=1))
+        total = layout.total_tokens
+        self._uploads.into(self._tokens[:total], token_table(*layout.arrays, self._positions))
         # Rows past the window must read as padding; only rows an earlier window wrote can not.
         if self._tokens_written > total:
             self._tokens[total:self._tokens_written].copy_(
@@ -363,8 +357,8 @@ class DeferredWriteManager:
             self._prepare_device_window()
             self._run_window(lambda: self._commit_device(layout, counts))
         else:
-            host = self._checked_host_counts(accepted_counts, layout)
-            self._run_window(lambda: self._commit_host(layout, host))
+            host, kept = self._checked_host_counts(accepted_counts, layout)
+            self._run_window(lambda: self._commit_host(layout, host, kept))
 
     def verify_and_commit(self, draft_ids: torch.Tensor,
                           sampled_ids: torch.Tensor) -> torch.Tensor:
@@ -539,25 +533,27 @@ class DeferredWriteManager:
         self._overridden.add(key)
 
     def _checked_host_counts(self, accepted: Sequence[int] | np.ndarray,
-                             layout: WindowLayout) -> np.ndarray:
+                             layout: WindowLayout) -> tuple[np.ndarray, Kept]:
+        """The counts as int64, and what the window keeps with them (`window_maths.keep`, with
+        the host slots when the window has them): one pass that also finds a bad count."""
         counts = np.asarray(accepted)
         if counts.shape != (layout.num_requests,) or (counts.size and counts.dtype.kind not in
                                                       "iu"):
             raise NworInputError(
                 f"accepted_counts: expected {layout.num_requests} integers, one per request",
                 field="accepted_counts")
-        counts = counts.astype(np.int64)
-        drafts = layout.arrays[1]
-        if (counts < 0).any():
-            r = int(np.flatnonzero(counts < 0)[0])
+        counts = counts.astype(np.int64, copy=False)
+        slots = _NO_SLOTS if self._host_slots is None else self._host_slots
+        kept = keep(*layout.arrays, counts, slots, self._positions)
+        r = kept[0]
+        if r >= 0 and counts[r] < 0:
             raise InvalidValue(f"accepted_counts: request {r} has {counts[r]} accepted",
                                field="accepted_counts")
-        if (counts > drafts).any():
-            r = int(np.flatnonzero(counts > drafts)[0])
+        if r >= 0:
             raise AcceptedExceedsDrafts(
-                f"accepted_counts: request {r} accepted {counts[r]} of {drafts[r]} drafts",
-                field="accepted_counts")
-        return counts
+                f"accepted_counts: request {r} accepted {counts[r]} of {layout.arrays[1][r]} "
+                "drafts", field="accepted_counts")
+        return counts, kept
 
     def _checked_device_counts(self, accepted: torch.Tensor,
                                layout: WindowLayout) -> torch.Tensor:
@@ -590,14 +586,14 @@ class DeferredWriteManager:
                 stats = self._fallback(f"error:{type(exc).__name__}", exc)
         self._close(stats)
 
-    def _commit_host(self, layout: WindowLayout, accepted: np.ndarray) -> WindowStats:
+    def _commit_host(self, layout: WindowLayout, accepted: np.ndarray,
+                     kept: Kept) -> WindowStats:
         total = layout.total_tokens
         if total == 0 or not any(self._rows):
             return WindowStats(0, 0, 0, 0, "empty")
-        committed = total - int(layout.arrays[1].sum()) + int(accepted.sum())
-        written = None
+        _, kept_slots, per_position, committed, written = kept
         if self._host_slots is not None:
-            written = self._write_host_masked(accepted, everything=committed == total)
+            self._write_host_slots(None if committed == total else kept_slots)
         elif committed == total:
             write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows,
                          total, self._inv, backend=self.backend)
@@ -605,11 +601,10 @@ class DeferredWriteManager:
             self._upload_window_tables()
             self._uploads.into(self._accepted[: layout.num_requests], accepted)
             self._device_commit(total, record=False)
-        last = self._positions - 1
-        self._per_position[:last] += (accepted[:, None] > np.arange(last)).sum(axis=0)
-        self._per_position[last] += np.maximum(accepted - last, 0).sum()
+        self._per_position += per_position  # once written: a fallback commits no draft
         return WindowStats(total, committed, total - committed, 0,
-                           "fast" if committed == total else "masked", written=written)
+                           "fast" if committed == total else "masked",
+                           written=None if self._host_slots is None else written)
 
     def _commit_device(self, layout: WindowLayout, accepted: torch.Tensor) -> WindowStats:
         total = layout.total_tokens
@@ -624,25 +619,20 @@ class DeferredWriteManager:
         self._counted_on_device = True
         return self._device_window(layout, "graph")
 
-    def _write_host_masked(self, accepted: np.ndarray, *, everything: bool) -> int:
-        """The commit of a window staged with host slots: the keep mask on the host, rejected
-        tokens' slots set to -1 there, one upload, one write over every layer (one graph replay
-        on CUDA). Returns the tokens sent to a slot."""
+    def _write_host_slots(self, kept_slots: np.ndarray | None) -> None:
+        """The commit of a window staged with host slots, whose rejected tokens' slots are -1 in
+        ``kept_slots`` (None: every token is kept): one upload, one write over every layer (one
+        graph replay on CUDA)."""
         assert self._host_slots is not None
-        kept_slots = None
-        if not everything:
-            kept = self._draft_index < accepted[self._token_request]
-            kept_slots = np.where(kept, self._host_slots, -1)
-        written = self._host_slots if kept_slots is None else kept_slots
         graphs = self._graphs_for_host_slots()
         if graphs is None or not graphs.replay(
-                self._source, self._host_slots, written,
+                self._source, self._host_slots,
+                self._host_slots if kept_slots is None else kept_slots,
                 variant=None if self._protected is None else self._protected.data_ptr()):
             self._upload_host_slots(kept_slots)
             write_staged(self.storage.rows(), self._source,
-                         self._shared_row(int(not everything)), self._all_rows,
+                         self._shared_row(int(kept_slots is not None)), self._all_rows,
                          self._host_slots.size, self._inv, backend=self.backend)
-        return int(np.count_nonzero(written >= 0))
 
     def _graphs_for_host_slots(self) -> HostWriteGraphs | None:
         if self._host_graphs is None and self.device.type == "cuda" and self.backend == "triton":
@@ -671,19 +661,23 @@ class DeferredWriteManager:
         rows = self._host_slots if kept_slots is None else np.concatenate(
             [self._host_slots, kept_slots])
         self._uploads.into(self._shared_slots[: rows.size], rows)
-        self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
-                              else self._shared_slots[total: 2 * total])
+        if self._protected is not None:  # its views cost more than the check, every window
+            self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
+                                  else self._shared_slots[total: 2 * total])
         self._host_slots_uploaded = True
 
     def _shared_row(self, row: int) -> torch.Tensor:
         """Row ``row`` of the uploaded ``[staged | kept]`` slots, as every layer's slots."""
         assert self._host_slots is not None
         total = self._host_slots.size
-        return self._every_layer(self._shared_slots[row * total: (row + 1) * total])
+        return self._every_layer(self._shared_slots, row * total, total)
 
-    def _every_layer(self, slots: torch.Tensor) -> torch.Tensor:
-        """One row of slots as every layer's (a stride-0 view)."""
-        return slots.view(1, -1).expand(self.num_layers, slots.numel())
+    def _every_layer(self, slots: torch.Tensor, start: int = 0,
+                     count: int | None = None) -> torch.Tensor:
+        """``count`` slots of the contiguous row ``slots`` from ``start`` (default: all of it) as
+        every layer's: a stride-0 view, made in one call (slicing first costs as much again)."""
+        count = slots.numel() - start if count is None else count
+        return slots.as_strided((self.num_layers, count), (0, 1), slots.storage_offset() + start)
 
     def _share_first_slot_row(self, total: int) -> None:
         """Every layer writes with ``_slots[0]``'s first ``total`` slots."""

@@ -301,7 +301,7 @@ def test_staging_past_the_window_is_a_typed_error():
 @pytest.mark.parametrize(
     ("tokens", "drafts", "field"),
     [((2, 3), (1,), "layout"), ((2,), (3,), "layout"), ((-1,), (0,), "layout"),
-     ((49,), (0,), "layout"), ((2, 2**63), (1, 0), "layout")],
+     ((49,), (0,), "layout"), ((2, 2**63), (1, 0), "layout"), ((True,), (False,), "layout")],
 )
 def test_bad_layouts_are_typed_errors(tokens, drafts, field, as_arrays):
     _, mgr = _manager()
@@ -321,6 +321,18 @@ def test_a_layout_of_arrays_equals_the_layout_of_the_same_counts():
     tokens[0] = 9  # the layout keeps its own copy
     assert layout.arrays[0].tolist() == [4, 1, 16, 0]
     assert not layout.arrays[0].flags.writeable
+
+
+def test_a_layout_of_arrays_reads_as_python_ints_and_stays_immutable():
+    layout = WindowLayout.of_arrays(np.array([4, 1], dtype=np.int32), np.array([3, 0]))
+    same = WindowLayout((4, 1), (3, 0))
+    assert layout.num_tokens == (4, 1) and layout.num_draft == (3, 0)
+    assert all(type(c) is int for c in layout.num_tokens + layout.num_draft)
+    assert hash(layout) == hash(same) and repr(layout) == repr(same)
+    assert layout != WindowLayout((4, 1), (2, 0)) and layout != (4, 1)
+    with pytest.raises(AttributeError):
+        layout.num_tokens = (1, 1)  # type: ignore[misc]
+    assert layout.num_tokens == (4, 1)
 
 
 def test_fp8_pool_quantises_with_the_layer_scale_or_an_explicit_one():
