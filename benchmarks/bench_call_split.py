@@ -133,8 +133,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="timed steps (default 300)")
     p.add_argument("--transport", choices=["stream", "ipc"], default="stream",
                    help="stream: the Unix stream socket (default); ipc: ZeroMQ")
-    p.add_argument("--ipc-spin-s", type=float, default=0.0,
-                   help="the service's ipc_spin_s (default 0: it sleeps between calls)")
+    p.add_argument("--ipc-spin-s", type=float, default=bench_step.SPIN_DEFAULT_S,
+                   help="the service's ipc_spin_s (default: the service's, "
+                        f"{bench_step.SPIN_DEFAULT_S}; 0: it sleeps between calls)")
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="sleep after each step, as a worker's forward (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

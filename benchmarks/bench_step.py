@@ -71,6 +71,8 @@ from server.core import ServiceCore
 from server.launch import ServiceProcess
 from server.settings import ServiceConfig
 
+SPIN_DEFAULT_S = ServiceConfig.model_fields["ipc_spin_s"].default
+
 DRAFT_LEN = 3
 PROMPT_LEN = 1000
 FINISH_RATE = 0.5  # finished (and replaced) requests per step
@@ -150,7 +152,7 @@ class Setup:
     kv_heads: int = 2
     head_dim: int = 64
     remote_workers: int = 1  # transports measured against one kvalloc serve
-    ipc_spin_s: float = 0.0  # kvalloc serve --ipc-spin-s
+    ipc_spin_s: float = SPIN_DEFAULT_S  # kvalloc serve --ipc-spin-s
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(num_blocks=NUM_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
@@ -481,9 +483,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2, help="the service pool's layers (default 2)")
     p.add_argument("--kv-heads", type=int, default=2, help="its KV heads (default 2)")
     p.add_argument("--head-dim", type=int, default=64, help="its head dim (default 64)")
-    p.add_argument("--ipc-spin-s", type=float, default=0.0,
-                   help="the service's kvalloc serve --ipc-spin-s (default 0: it sleeps between "
-                        "calls)")
+    p.add_argument("--ipc-spin-s", type=float, default=SPIN_DEFAULT_S,
+                   help="the service's kvalloc serve --ipc-spin-s (default: the service's, "
+                        f"{SPIN_DEFAULT_S}; 0: it sleeps between calls)")
     p.add_argument("--out", help="also write the JSON results here")
     args = p.parse_args()
     torch.set_num_threads(1)

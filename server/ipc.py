@@ -33,7 +33,7 @@ from .addresses import claim_socket_path, stream_path
 from .core import ServiceCore
 from .errors import BodyTooLarge, MalformedBody, Unauthorized, UnknownOperation, describe
 from .operations import ERROR, OK, OPERATIONS
-from .polling import CallPacer, Wait, poll_for
+from .polling import CallPacer, Wait, wait_for
 from .stream import StreamListener
 
 log = logging.getLogger("kvalloc.ipc")
@@ -115,12 +115,9 @@ class IpcServer:
     def _call_came(self, wait: Wait) -> bool:
         """Whether a message came, waiting as told, or else within _POLL_MS (so that the stop
         flag is seen)."""
-        if wait.spin_s > 0:
-            if wait.sleep_s >= 1e-3 and self._sock.poll(int(wait.sleep_s * 1e3)):
-                return True
-            if poll_for(self._arrived, wait.spin_s, self._stop):
-                return True
-        return bool(self._sock.poll(_POLL_MS))
+        return (wait_for(wait, lambda s: bool(self._sock.poll(int(s * 1e3))), self._arrived,
+                         self._stop)
+                or bool(self._sock.poll(_POLL_MS)))
 
     def _arrived(self) -> bool:
         return bool(self._sock.poll(0))

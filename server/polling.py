@@ -44,10 +44,23 @@ def poll_for(ready: Callable[[], bool], seconds: float,
 
 class Wait(NamedTuple):
     """How to wait for the next message: in the kernel for ``sleep_s`` (waking early if it
-    comes), then polling for ``spin_s``, then in the kernel until it comes."""
+    comes), then polling until ``spin_s`` later, then in the kernel until it comes."""
 
     sleep_s: float = 0.0
     spin_s: float = 0.0
+
+
+def wait_for(wait: Wait, sleep: Callable[[float], bool], ready: Callable[[], bool],
+             stop: threading.Event | None = None) -> bool:
+    """Wait as ``wait`` says, with ``sleep(seconds)`` (a wait in the kernel, to the millisecond
+    below: whether it came) and ``ready`` (a look that does not wait); whether it came before the
+    wait ran out. The polling ends when it would have after an exact sleep."""
+    if wait.spin_s <= 0:
+        return False
+    began = time.perf_counter()
+    if wait.sleep_s >= 1e-3 and sleep(wait.sleep_s):
+        return True
+    return poll_for(ready, began + wait.sleep_s + wait.spin_s - time.perf_counter(), stop)
 
 
 BLOCK = Wait()  # straight into the kernel
@@ -60,9 +73,9 @@ class CallPacer:
     """When one connection's next call is due, from the gaps between its last answers and the
     calls that followed; each answer earns one `Wait` that polls for at most ``budget_s``.
 
-    The forecast is the shortest of the last ``history`` gaps, so the poll starts before most
-    calls: it starts half the budget before the forecast (at once for a caller that calls back
-    to back) and lasts the budget. Only an answer that is not an error earns a poll: a peer
+    The forecast is the shortest of the last ``history`` gaps, so most calls come after it: the
+    poll starts a quarter of the budget before it (at once for a caller that calls back to back)
+    and ends three quarters after. Only an answer that is not an error earns a poll: a peer
     without the token, or sending bad input, cannot keep a core busy.
     """
 
@@ -95,4 +108,8 @@ class CallPacer:
         if due > HORIZON_S:
             return BLOCK
         since = self._clock() - self._answered_at
-        return Wait(max(0.0, due - self.budget_s / 2 - since), self.budget_s)
+        start = max(0.0, due - self.budget_s / 4)
+        end = start + self.budget_s
+        if since >= end:
+            return BLOCK
+        return Wait(max(0.0, start - since), end - max(start, since))

@@ -40,7 +40,7 @@ from . import wire
 from .addresses import claim_socket_path
 from .errors import BodyTooLarge, MalformedBody, describe
 from .operations import ERROR, OK
-from .polling import CallPacer, poll_for
+from .polling import CallPacer, Wait, wait_for
 
 log = logging.getLogger("kvalloc.stream")
 
@@ -140,7 +140,7 @@ class Inbox:
 
     def _first_bytes(self, sleep_s: float, spin_s: float, idle_ok: bool) -> bool:
         """Wait for the next message to begin; False if the peer closed."""
-        if spin_s > 0 and not self._readable_within(sleep_s) and poll_for(self._arrived, spin_s):
+        if wait_for(Wait(sleep_s, spin_s), self._readable_within, self._arrived):
             return not self._peer_closed
         while True:
             try:
@@ -152,8 +152,6 @@ class Inbox:
     def _readable_within(self, seconds: float) -> bool:
         """Whether bytes (or the peer's close) came within ``seconds``, waiting in the kernel
         (to the millisecond below)."""
-        if seconds < 1e-3:
-            return False
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.conn, select.POLLIN)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from server import stream
-from server.polling import BLOCK, CONTENDED_S, HORIZON_S, CallPacer, Wait, poll_for
+from server.polling import BLOCK, CONTENDED_S, HORIZON_S, CallPacer, Wait, poll_for, wait_for
 
 
 class Clock:
@@ -48,26 +48,31 @@ def test_with_no_gap_known_the_poll_starts_at_once() -> None:
     assert pacer.next_wait() == Wait(0.0, 0.002)
 
 
-def test_the_poll_is_centred_on_the_shortest_recent_gap() -> None:
+def test_the_poll_starts_a_quarter_budget_before_the_shortest_recent_gap() -> None:
     pacer, clock = paced()
     for gap in (0.012, 0.010, 0.011):
         call_after(pacer, clock, gap)
     pacer.answered(ok=True)
-    assert pacer.next_wait() == Wait(pytest.approx(0.010 - 0.001), 0.002)
+    assert pacer.next_wait() == Wait(pytest.approx(0.010 - 0.0005), 0.002)
     clock.now += 0.011
     pacer.arrived()
     for gap in (0.020, 0.020):  # the 0.010 gap leaves the history of three
         call_after(pacer, clock, gap)
     pacer.answered(ok=True)
-    assert pacer.next_wait() == Wait(pytest.approx(0.011 - 0.001), 0.002)
+    assert pacer.next_wait() == Wait(pytest.approx(0.011 - 0.0005), 0.002)
 
 
-def test_time_since_the_answer_counts_against_the_sleep() -> None:
+def test_time_since_the_answer_counts_against_the_wait() -> None:
     pacer, clock = paced()
     call_after(pacer, clock, 0.010)
-    pacer.answered(ok=True)
-    clock.now += 0.004
-    assert pacer.next_wait() == Wait(pytest.approx(0.010 - 0.001 - 0.004), 0.002)
+    for since, wait in ((0.004, Wait(pytest.approx(0.0095 - 0.004), 0.002)),
+                        (0.010, Wait(0.0, pytest.approx(0.0015))),  # inside the window
+                        (0.012, BLOCK)):  # past it
+        pacer.answered(ok=True)
+        clock.now += since
+        assert pacer.next_wait() == wait
+        clock.now += 0.010 - since
+        pacer.arrived()
 
 
 def test_a_caller_back_to_back_is_polled_for_at_once() -> None:
@@ -75,6 +80,19 @@ def test_a_caller_back_to_back_is_polled_for_at_once() -> None:
     call_after(pacer, clock, 0.0002)
     pacer.answered(ok=True)
     assert pacer.next_wait() == Wait(0.0, 0.002)
+
+
+def test_a_wait_sleeps_in_the_kernel_only_for_a_millisecond_or_more() -> None:
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> bool:
+        sleeps.append(seconds)
+        return False
+
+    assert not wait_for(BLOCK, sleep, lambda: True)  # no wait: straight to blocking
+    assert wait_for(Wait(0.0006, 0.001), sleep, lambda: True) and sleeps == []
+    assert wait_for(Wait(0.005, 0.001), sleep, lambda: True) and sleeps == [0.005]
+    assert wait_for(Wait(0.005, 0.001), lambda seconds: True, lambda: False)  # came asleep
 
 
 def test_each_answer_earns_one_wait_and_an_error_none() -> None:
