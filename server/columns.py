@@ -134,17 +134,15 @@ class StepCall(_ArrayRecord):
 
     @classmethod
     def from_wire(cls, message: Any) -> StepCall:
-        """From a `wire.StepRequest` / `wire.StepRequestBinary` struct or a validated
+        """From a `wire.StepRequestBinary` (IPC) or `wire.StepRequest` struct or a validated
         `protocol.StepRequest` model: columns checked, lengths matched."""
-        given = _request_columns(message)
         header = (message.worker_id, message.session, message.epoch, message.step_id)
-        req_ids = tuple(message.new.req_ids)
         if isinstance(message, wire.StepRequestBinary):
-            values, sizes = _joined_int64(given)
+            values, sizes = _unpacked(message, wire.column_paths(protocol.StepRequest))
             _check_bounds(values, sizes)
-            return cls._checked(*header, req_ids, _split(values, sizes))
-        return cls.build(*header, new_req_ids=req_ids, **dict(zip(_REQUEST_COLUMNS, given,
-                                                                  strict=True)))
+            return cls._checked(*header, tuple(message.req_ids), _split(values, sizes))
+        return cls.build(*header, new_req_ids=tuple(message.new.req_ids),
+                         **dict(zip(_REQUEST_COLUMNS, _request_columns(message), strict=True)))
 
     @classmethod
     def build(cls, worker_id: str, session: int, epoch: int, step_id: int, *,
@@ -190,15 +188,19 @@ class StepCall(_ArrayRecord):
 
     def to_wire(self, binary: bool) -> Any:
         """As a `wire.StepRequestBinary` (IPC) or `wire.StepRequest` (REST JSON) struct."""
-        request = wire.StepRequestBinary if binary else wire.StepRequest
+        if binary:
+            return wire.StepRequestBinary(
+                worker_id=self.worker_id, session=self.session, epoch=self.epoch,
+                step_id=self.step_id, req_ids=list(self.new_req_ids),
+                **_packed(_request_arrays(self)))
         groups: dict[str, dict[str, Any]] = {}
         for attr, (group, name) in _REQUEST_COLUMNS.items():
-            groups.setdefault(group, {})[name] = _encode(getattr(self, attr), binary)
+            groups.setdefault(group, {})[name] = getattr(self, attr).tolist()
         groups["new"]["req_ids"] = list(self.new_req_ids)
-        return request(
+        return wire.StepRequest(
             worker_id=self.worker_id, session=self.session, epoch=self.epoch,
             step_id=self.step_id,
-            **{group: wire.struct_for(_MODELS[group], binary)(**columns)
+            **{group: wire.struct_for(_MODELS[group])(**columns)
                for group, columns in groups.items()})
 
     def entries(self) -> dict[str, int]:
@@ -241,6 +243,7 @@ def _request_bounds() -> _Bounds:
 
 _request_columns = operator.attrgetter(*(f"{group}.{name}"
                                          for group, name in _REQUEST_COLUMNS.values()))
+_request_arrays = operator.attrgetter(*_REQUEST_COLUMNS)
 
 
 def _joined(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
@@ -248,16 +251,23 @@ def _joined(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return (np.concatenate(arrays) if arrays else NO_VALUES), [a.size for a in arrays]
 
 
-def _joined_int64(buffers: Sequence[bytes]) -> tuple[np.ndarray, list[int]]:
-    """`_joined` for columns that arrived as int64 bytes: one copy and one view, no array per
-    column until they are split."""
-    sizes = [len(b) for b in buffers]
-    for i, (where, size) in enumerate(zip(_request_bounds().names, sizes, strict=False)):
-        if size % INT64.itemsize:
-            _check_bounds(*_joined_int64(buffers[:i]))  # as `StepCall.build` names them
-            raise MalformedBody(f"{where}: {size} bytes is not a whole number of int64",
-                                field=where)
-    return np.frombuffer(b"".join(buffers), dtype=INT64), [n >> 3 for n in sizes]
+def _unpacked(message: Any, paths: tuple[str, ...]) -> tuple[np.ndarray, list[int]]:
+    """A packed message's ``columns`` as one int64 array (viewed, not copied), and its
+    ``lengths``; `MalformedBody` if they do not describe ``paths`` columns exactly."""
+    lengths, data = message.lengths, message.columns
+    if len(lengths) != len(paths):
+        raise MalformedBody(f"lengths: {len(lengths)} lengths for the {len(paths)} columns "
+                            f"({', '.join(paths)})", field="lengths")
+    if len(data) != INT64.itemsize * sum(lengths):
+        raise MalformedBody(f"columns: {len(data)} bytes, where lengths give "
+                            f"{sum(lengths)} int64 values", field="columns")
+    return np.frombuffer(data, dtype=INT64), lengths
+
+
+def _packed(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+    """``lengths`` and ``columns`` of a packed message holding ``arrays`` (ints), in order."""
+    return {"lengths": [a.size for a in arrays],
+            "columns": np.concatenate(arrays, dtype=INT64).tobytes()}
 
 
 def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
@@ -308,10 +318,6 @@ def _first_outside_loop(values, sizes,  # type: ignore[no-untyped-def]
 
 first_outside = (jit(_first_outside_loop) if numba is not None
                  else first_outside_reference)
-
-
-def _encode(array: np.ndarray, binary: bool) -> bytes | list[int]:
-    return np.ascontiguousarray(array, dtype=INT64).tobytes() if binary else array.tolist()
 
 
 # ---------------------------------------------------------------- the reply
@@ -397,27 +403,42 @@ class StepResult(_ArrayRecord):
 
     def to_wire(self, binary: bool) -> Any:
         """As a `wire.StepReplyBinary` (IPC) or `wire.StepReply` (REST JSON) struct."""
-        reply = wire.StepReplyBinary if binary else wire.StepReply
+        slots = self.slot_mapping if self.slot_mapping is not None else NO_VALUES
+        if binary:
+            tables = self.tables if self.tables is not None else _NO_TABLES
+            return wire.StepReplyBinary(
+                epoch=self.epoch, step_id=self.step_id, committed=self.committed,
+                free_blocks=self.free_blocks, with_tables=self.tables is not None,
+                **_packed([self.admitted, *_scheduled_arrays(self.scheduled),
+                           *_refused_arrays(self.refused), *_table_arrays(tables), slots,
+                           self.cached_tokens]))
 
         def write(part: Any, model: type[BaseModel]) -> Any:
-            return wire.struct_for(model, binary)(
-                **{f.name: _encode(getattr(part, f.name), binary) for f in fields(part)})
+            return wire.struct_for(model)(
+                **{f.name: getattr(part, f.name).tolist() for f in fields(part)})
 
-        slots = self.slot_mapping if self.slot_mapping is not None else NO_VALUES
-        return reply(
-            epoch=self.epoch, step_id=self.step_id, admitted=_encode(self.admitted, binary),
+        return wire.StepReply(
+            epoch=self.epoch, step_id=self.step_id, admitted=self.admitted.tolist(),
             scheduled=write(self.scheduled, protocol.ScheduledColumns),
             refused=write(self.refused, protocol.RefusedColumns),
             committed=self.committed, free_blocks=self.free_blocks,
             tables=None if self.tables is None else write(self.tables, protocol.TableDeltas),
-            slot_mapping=_encode(slots, binary),
-            cached_tokens=_encode(self.cached_tokens, binary))
+            slot_mapping=slots.tolist(), cached_tokens=self.cached_tokens.tolist())
 
     @classmethod
     def from_wire(cls, reply: Any) -> StepResult:
         """From either reply struct. ``tables`` and ``slot_mapping`` are None for an attached
         worker (the service sends tables exactly to workers that did not attach). Columns are
         typed, not range-checked: the service checked what it computed them from."""
+        if isinstance(reply, wire.StepReplyBinary):
+            c = _split(*_unpacked(reply, wire.column_paths(protocol.StepReply)))
+            attached = not reply.with_tables
+            return cls(epoch=reply.epoch, step_id=reply.step_id, admitted=c[0],
+                       scheduled=Scheduled(*c[1:7]), refused=Refused(*c[7:10]),
+                       committed=reply.committed, free_blocks=reply.free_blocks,
+                       tables=None if attached else TableChanges(*c[10:14]),
+                       slot_mapping=None if attached else c[14], cached_tokens=c[15])
+
         def read(part: Any, holder: type) -> Any:
             return holder(*[as_int64(getattr(part, name), name)
                             for name in _field_names(holder)])
@@ -431,3 +452,9 @@ class StepResult(_ArrayRecord):
             slot_mapping=None if tables is None else as_int64(reply.slot_mapping,
                                                               "slot_mapping"),
             cached_tokens=as_int64(reply.cached_tokens, "cached_tokens"))
+
+
+_scheduled_arrays = operator.attrgetter(*_field_names(Scheduled))
+_refused_arrays = operator.attrgetter(*_field_names(Refused))
+_table_arrays = operator.attrgetter(*_field_names(TableChanges))
+_NO_TABLES = TableChanges(NO_VALUES, NO_VALUES, NO_VALUES, NO_VALUES)

@@ -5,9 +5,13 @@ Deriving (rather than writing the structs a second time) keeps one definition of
 default and constraint: `struct_for` copies each model's annotations, which carry
 ``msgspec.Meta`` next to pydantic's ``Field``, and replaces nested models by their structs.
 
-Step messages exist in two encodings of the same shape: ``struct_for(M)`` keeps every
-`protocol.Column` a list of integers (JSON), ``struct_for(M, binary=True)`` makes it raw
-little-endian int64 ``bytes`` (msgpack ``bin``: one buffer per column, no object per element).
+The step's messages exist in two encodings. ``struct_for(M)`` keeps the model's shape, every
+`protocol.Column` a list of integers: the JSON of REST, and of the core's tests. On IPC,
+`StepRequestBinary` and `StepReplyBinary` carry the same fields packed: every column of the
+message, in the order `column_paths` gives, back to back in one buffer of little-endian int64
+(``columns``, a msgpack ``bin``) with each column's length (``lengths``); the scalars and strings
+beside them keep their annotations. One buffer a message costs one copy and one view on each
+side, where a buffer per column cost a Python call per column.
 
 Invariant: for every model M, ``struct_for(M)`` has the same field names, order and defaults, and
 msgspec's JSON for a struct validates as M (tested in tests/test_service_protocol.py).
@@ -30,42 +34,29 @@ from . import protocol
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-def struct_for(model: type[BaseModel], binary: bool = False) -> type[msgspec.Struct]:
-    """The frozen, unknown-field-rejecting msgspec struct mirroring ``model``; with ``binary``,
-    columns are int64 bytes (a model with no column has one struct for both)."""
-    return _struct_for(model, binary and _has_columns(model))
-
-
 @functools.cache
-def _struct_for(model: type[BaseModel], binary: bool) -> type[msgspec.Struct]:
+def struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
+    """The frozen, unknown-field-rejecting msgspec struct mirroring ``model``."""
     hints = typing.get_type_hints(model, include_extras=True)
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for name, info in model.model_fields.items():
-        tp = _wire_type(hints[name], binary)
+        tp = _wire_type(hints[name])
         factory = info.default_factory
-        if binary and tp is bytes:
-            fields.append((name, tp, b""))
-        elif isinstance(factory, type) and issubclass(factory, BaseModel):
-            fields.append((name, tp, msgspec.field(default_factory=struct_for(factory, binary))))
+        if isinstance(factory, type) and issubclass(factory, BaseModel):
+            fields.append((name, tp, msgspec.field(default_factory=struct_for(factory))))
         elif factory is not None:
             fields.append((name, tp, msgspec.field(default_factory=factory)))
         elif info.default is not PydanticUndefined:
             fields.append((name, tp, info.default))
         else:
             fields.append((name, tp))
-    return msgspec.defstruct(model.__name__ + ("Binary" if binary else ""), fields, kw_only=True,
-                             frozen=True, forbid_unknown_fields=True, module=__name__)
+    return _struct(model.__name__, fields)
 
 
-@functools.cache
-def _has_columns(model: type[BaseModel]) -> bool:
-    hints = typing.get_type_hints(model, include_extras=True)
-    return any(column_of(tp) is not None or _nested_columns(tp) for tp in hints.values())
-
-
-def _nested_columns(tp: Any) -> bool:
-    return any(isinstance(a, type) and issubclass(a, BaseModel) and _has_columns(a)
-               for a in (tp, *get_args(tp)))
+def _struct(name: str, fields: list[tuple[str, Any] | tuple[str, Any, Any]]
+            ) -> type[msgspec.Struct]:
+    return msgspec.defstruct(name, fields, kw_only=True, frozen=True, forbid_unknown_fields=True,
+                             module=__name__)
 
 
 def column_of(tp: Any) -> protocol.Column | None:
@@ -75,21 +66,53 @@ def column_of(tp: Any) -> protocol.Column | None:
     return None
 
 
-def _wire_type(tp: Any, binary: bool) -> Any:
-    """``tp`` with every pydantic model inside it replaced by its struct (and, with ``binary``,
-    every column by bytes)."""
+def _wire_type(tp: Any) -> Any:
+    """``tp`` with every pydantic model inside it replaced by its struct."""
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return struct_for(tp, binary)
+        return struct_for(tp)
     origin, args = get_origin(tp), get_args(tp)
     if origin is None or origin is Literal:
         return tp
     if origin is Annotated:
-        if binary and column_of(tp) is not None:
-            return bytes
-        return Annotated[(_wire_type(args[0], binary), *tp.__metadata__)]
+        return Annotated[(_wire_type(args[0]), *tp.__metadata__)]
     if origin in (Union, types.UnionType):
-        return Union[tuple(_wire_type(a, binary) for a in args)]  # noqa: UP007 - from a tuple
-    return origin[tuple(_wire_type(a, binary) for a in args)]
+        return Union[tuple(_wire_type(a) for a in args)]  # noqa: UP007 - from a tuple
+    return origin[tuple(_wire_type(a) for a in args)]
+
+
+@functools.cache
+def column_paths(model: type[BaseModel]) -> tuple[str, ...]:
+    """Every column of ``model``, nested ones included (``grants.draft_lens``), in field order:
+    the order of a packed message's ``columns``."""
+    paths: list[str] = []
+    for name, tp in typing.get_type_hints(model, include_extras=True).items():
+        if column_of(tp) is not None:
+            paths.append(name)
+        for group in (tp, *get_args(tp)):
+            if isinstance(group, type) and issubclass(group, BaseModel):
+                paths += [f"{name}.{path}" for path in column_paths(group)]
+    return tuple(paths)
+
+
+def _annotation(model: type[BaseModel], name: str) -> Any:
+    return _wire_type(typing.get_type_hints(model, include_extras=True)[name])
+
+
+_PACKED: list[tuple[str, Any, Any]] = [
+    ("lengths", list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.field(default_factory=list)),
+    ("columns", bytes, b""),
+]
+StepRequestBinary = _struct("StepRequestBinary", [
+    *[(name, _annotation(protocol.StepRequest, name))
+      for name in ("worker_id", "session", "epoch", "step_id")],
+    ("req_ids", _annotation(protocol.NewColumns, "req_ids"), msgspec.field(default_factory=list)),
+    *_PACKED])
+# ``with_tables``: whether the columns of ``tables`` and ``slot_mapping`` were sent (to a worker
+# that did not attach), rather than left empty.
+StepReplyBinary = _struct("StepReplyBinary", [
+    *[(name, _annotation(protocol.StepReply, name))
+      for name in ("epoch", "step_id", "committed", "free_blocks")],
+    ("with_tables", bool, False), *_PACKED])
 
 
 ErrorBody = struct_for(protocol.ErrorBody)
@@ -105,8 +128,6 @@ Registration = struct_for(protocol.Registration)
 Deregistered = struct_for(protocol.Deregistered)
 StepRequest = struct_for(protocol.StepRequest)
 StepReply = struct_for(protocol.StepReply)
-StepRequestBinary = struct_for(protocol.StepRequest, binary=True)
-StepReplyBinary = struct_for(protocol.StepReply, binary=True)
 CommitSummary = struct_for(protocol.CommitSummary)
 RequestRef = struct_for(protocol.RequestRef)
 RequestState = struct_for(protocol.RequestState)

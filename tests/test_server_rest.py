@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
+from server import protocol, wire
 from server.client import Client, RemoteError
 from server.launch import ServiceProcess, free_port
 from server.operations import OK, OPERATIONS
@@ -69,18 +70,23 @@ def raw_rest(svc: ServiceProcess, op: str, payload: Any, token: str | None = Non
         return http.request(operation.method, path, params=params)
 
 
-def columns_as_bytes(payload: Any) -> Any:
-    """A step body as IPC carries it: every integer column as little-endian int64 bytes."""
-    if not isinstance(payload, dict):
-        return payload
-    return {k: (np.asarray(v, dtype="<i8").tobytes() if isinstance(v, list) and k != "req_ids"
-                else columns_as_bytes(v)) for k, v in payload.items()}
+def packed(body: Any) -> Any:
+    """A step body as IPC carries it: its columns packed into one int64 buffer with their
+    lengths (in `wire.column_paths` order), its scalars and ``new.req_ids`` beside them."""
+    if not isinstance(body, dict):
+        return body
+    arrays = [np.asarray(body.get(group, {}).get(name, []), dtype="<i8")
+              for group, name in (path.split(".")
+                                  for path in wire.column_paths(protocol.StepRequest))]
+    return {**{k: v for k, v in body.items() if not isinstance(v, dict)},
+            "req_ids": body.get("new", {}).get("req_ids", []),
+            "lengths": [a.size for a in arrays], "columns": b"".join(a.tobytes() for a in arrays)}
 
 
 def raw_ipc(svc: ServiceProcess, op: str, payload: Any, token: str | None = None
             ) -> tuple[int, dict]:
     """One operation over IPC: msgpack of ``payload`` (bytes as is) in the documented frames; a
-    step's columns as int64 bytes. No ``token``: the one the service generated, if it did."""
+    step packed (`packed`). No ``token``: the one the service generated, if it did."""
     token = (discover_token(svc.ipc) or "") if token is None else token
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -88,7 +94,7 @@ def raw_ipc(svc: ServiceProcess, op: str, payload: Any, token: str | None = None
     try:
         sock.connect(svc.ipc)
         if op == "step":
-            payload = columns_as_bytes(payload)
+            payload = packed(payload)
         body = payload if isinstance(payload, bytes) else msgspec.msgpack.encode(payload)
         sock.send_multipart([b"1", token.encode(), op.encode(), body])
         assert sock.poll(10_000), "no reply"

@@ -24,18 +24,15 @@ MODELS = [m for m in vars(protocol).values() if isinstance(m, type)
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
-@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_every_model_has_a_struct_with_the_same_fields_and_defaults(
-        model: type[BaseModel], binary: bool) -> None:
-    struct = wire.struct_for(model, binary)
+        model: type[BaseModel]) -> None:
+    struct = wire.struct_for(model)
     fields = msgspec.structs.fields(struct)
     assert [f.name for f in fields] == list(model.model_fields)
     for f in fields:
         info = model.model_fields[f.name]
         assert f.required == info.is_required(), f.name
-        if not f.required and f.default_factory is msgspec.NODEFAULT and f.default == b"":
-            assert binary and info.default_factory is list, f.name  # an empty column
-        elif info.default_factory is not None:
+        if info.default_factory is not None:
             made, want = f.default_factory(), info.default_factory()
             if isinstance(want, BaseModel):
                 assert list(msgspec.structs.asdict(made)) == list(type(want).model_fields)
@@ -72,12 +69,41 @@ def test_a_call_round_trips_through_both_encodings_and_the_pydantic_model() -> N
     assert StepCall.from_wire(wire.decode(binary, wire.StepRequestBinary)) == call
 
 
-def test_ipc_columns_travel_as_one_buffer_each_not_an_object_per_element() -> None:
-    call = StepCall.build("w", 1, 1, 0, finished_handles=np.arange(1000) + (1 << 20))
+def test_ipc_columns_travel_packed_in_one_buffer_not_an_object_per_element() -> None:
+    call = StepCall.build("w", 1, 1, 0, finished_handles=np.arange(1000) + (1 << 20),
+                          grant_handles=[1 << 20], draft_lens=[2])
     decoded = msgspec.msgpack.decode(wire.encode_msgpack(call.to_wire(binary=True)))
-    column = decoded["finished"]["handles"]
-    assert isinstance(column, bytes) and len(column) == 8000
-    assert np.array_equal(np.frombuffer(column, "<i8"), call.finished_handles)
+    paths = wire.column_paths(protocol.StepRequest)
+    assert isinstance(decoded["columns"], bytes) and len(decoded["columns"]) == 8 * 1002
+    assert decoded["lengths"] == [{"finished.handles": 1000, "grants.handles": 1,
+                                   "grants.draft_lens": 1}.get(p, 0) for p in paths]
+    values = np.frombuffer(decoded["columns"], "<i8")
+    assert np.array_equal(values[:1000], call.finished_handles)
+    assert values[1000:].tolist() == [1 << 20, 2]
+
+
+@pytest.mark.parametrize(("lengths", "data", "field"), [
+    ([0] * 12, b"", "lengths"),  # one column short
+    ([0] * 14, b"", "lengths"),
+    ([1] + [0] * 12, b"", "columns"),  # a value the buffer lacks
+    ([0] * 13, b"\0" * 8, "columns"),  # a value no length claims
+    ([1] + [0] * 12, b"\0" * 7, "columns"),  # a torn value
+])
+def test_a_packed_request_whose_lengths_do_not_fit_its_buffer_is_named(
+        lengths: list[int], data: bytes, field: str) -> None:
+    message = wire.StepRequestBinary(worker_id="w", session=1, epoch=1, step_id=0,
+                                     lengths=lengths, columns=data)
+    with pytest.raises(MalformedBody) as err:
+        StepCall.from_wire(message)
+    assert err.value.field == field
+
+
+def test_a_negative_length_is_refused_when_decoded() -> None:
+    body = msgspec.msgpack.encode({"worker_id": "w", "session": 1, "epoch": 1, "step_id": 0,
+                                   "lengths": [-1] + [0] * 12, "columns": b""})
+    with pytest.raises(msgspec.ValidationError) as err:
+        wire.decode(body, wire.StepRequestBinary)
+    assert wire.error_field(err.value) == "lengths[0]"
 
 
 def test_a_reply_round_trips_through_both_encodings() -> None:
@@ -163,11 +189,13 @@ def test_the_first_bad_column_in_request_order_is_named(columns: dict[str, objec
     assert err.value.field == field
 
 
-def test_a_call_lists_its_columns_in_its_own_field_order() -> None:
+def test_a_call_lists_its_columns_in_its_own_field_order_and_the_wire_order() -> None:
     names = [f.name for f in dataclasses.fields(StepCall)]
     assert [n for n in names if n not in ("worker_id", "session", "epoch", "step_id",
                                           "new_req_ids")] == list(columns._REQUEST_COLUMNS)
     assert names.index("new_req_ids") == names.index("prompt_lens") - 1
+    assert wire.column_paths(protocol.StepRequest) == tuple(
+        f"{group}.{name}" for group, name in columns._REQUEST_COLUMNS.values())
 
 
 _CELL = st.integers(-2, 6) | st.sampled_from([2**31 - 1, 2**31, 2**62])
@@ -175,31 +203,29 @@ _CELL = st.integers(-2, 6) | st.sampled_from([2**31 - 1, 2**31, 2**62])
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(list(columns._REQUEST_COLUMNS)),
-                       st.tuples(st.lists(_CELL, max_size=4), st.booleans()), max_size=6),
+                       st.lists(_CELL, max_size=4), max_size=6),
        st.integers(0, 2))
-def test_a_binary_request_decodes_as_its_columns_build(given_columns: dict[str, tuple],
+def test_a_packed_request_decodes_as_its_columns_build(given_columns: dict[str, list[int]],
                                                        new: int) -> None:
-    """The IPC decoder (one buffer for all columns) and `StepCall.build` (column by column)
+    """The IPC decoder (one buffer for every column) and `StepCall.build` (column by column)
     accept the same calls and name the same first bad element."""
-    as_bytes = {attr: np.array(values, dtype=np.int64).tobytes() + (b"\0" if torn else b"")
-                for attr, (values, torn) in given_columns.items()}
-    groups: dict[str, dict[str, object]] = {}
-    for attr, (group, name) in columns._REQUEST_COLUMNS.items():
-        groups.setdefault(group, {})[name] = as_bytes.get(attr, b"")
-    groups["new"]["req_ids"] = [f"r{i}" for i in range(new)]
+    req_ids = [f"r{i}" for i in range(new)]
+    arrays = [np.array(given_columns.get(attr, []), dtype=np.int64)
+              for attr in columns._REQUEST_COLUMNS]
     message = wire.StepRequestBinary(
-        worker_id="w", session=1, epoch=1, step_id=0,
-        **{group: wire.struct_for(columns._MODELS[group], binary=True)(**fields)
-           for group, fields in groups.items()})
+        worker_id="w", session=1, epoch=1, step_id=0, req_ids=req_ids,
+        lengths=[a.size for a in arrays], columns=np.concatenate(arrays).tobytes())
     outcomes = []
     for decode in (lambda: StepCall.from_wire(message),
-                   lambda: StepCall.build("w", 1, 1, 0, new_req_ids=groups["new"]["req_ids"],
-                                          **as_bytes)):
+                   lambda: StepCall.build("w", 1, 1, 0, new_req_ids=req_ids, **given_columns)):
         try:
             outcomes.append(decode())
         except MalformedBody as exc:
             outcomes.append(exc.field)
     assert outcomes[0] == outcomes[1]
+    if isinstance(outcomes[0], StepCall):
+        assert StepCall.from_wire(wire.decode(wire.encode_msgpack(
+            outcomes[0].to_wire(binary=True)), wire.StepRequestBinary)) == outcomes[0]
 
 
 @pytest.mark.skipif(numba is None, reason="numba is not installed")
