@@ -2,8 +2,9 @@
 
 The core consumes a `StepCall` and produces a `StepResult`, both made of int64 numpy columns, so
 the step path holds no Python object per request between the wire and the manager. A transport
-converts once at its edge: IPC columns are raw little-endian int64 bytes (`np.frombuffer`, no
-copy), REST columns JSON lists; the in-process client hands the arrays over as they are.
+converts once at its edge: an IPC message packs its columns into one buffer of little-endian
+int64 (`np.frombuffer` and views, no copy), REST columns are JSON lists; the in-process client
+hands the arrays over as they are.
 
 Every column is checked here, with the bounds its `protocol.Column` declares, whichever way it
 arrived: a bad one raises `MalformedBody` naming the element (``grants.draft_lens[3]``).

@@ -4,7 +4,7 @@ name; the REST routes and the client's REST transport are built from the same ro
 transports cannot disagree on what exists.
 
 A *columnar* operation (the step) has two encodings of its messages, JSON lists for REST and
-int64 bytes for IPC (`server.wire`), and the core speaks array types (`server.columns`):
+one packed int64 buffer for IPC (`server.wire`), and the core speaks array types (`server.columns`):
 ``to_core`` / ``from_core`` convert at the transport's edge, the same way on both.
 """
 

@@ -180,9 +180,9 @@ class Deregistered(Contract):
 
 class Column:
     """Marks a list of integers as a column of the step messages. REST carries it as a JSON list;
-    IPC as raw little-endian int64 bytes (`server.wire` derives that struct), so a batch costs
-    no Python object per element on the hot transport. ``ge`` / ``le`` bound every element on
-    both transports."""
+    IPC packs every column of a message into one buffer of little-endian int64 (`server.wire`),
+    so a batch costs no Python object per element on the hot transport. ``ge`` / ``le`` bound
+    every element on both transports."""
 
     def __init__(self, ge: int, le: int) -> None:
         self.ge, self.le = ge, le
