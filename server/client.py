@@ -40,7 +40,7 @@ from .addresses import TOKEN_ENV, default_client_address, transport_of
 from .columns import ColumnInput, StepCall, StepResult
 from .errors import MalformedBody, ServiceError, describe
 from .operations import ERROR, OK, OPERATIONS, Operation
-from .polling import poll_for
+from .polling import Wait, poll_for
 from .sharing import StepFence, attach
 from .token_files import discover_token
 
@@ -407,7 +407,7 @@ class _StreamTransport(_Frames, _KeptConnection):
         try:
             inbox.conn.sendall(stream.pack(frames))
             while True:
-                reply = inbox.next_message(spin_s=self._spin_s)
+                reply = inbox.next_message(wait=Wait(spin_s=self._spin_s))
                 if reply is None:
                     raise ConnectionResetError("the service closed the connection")
                 reply_seq, status, payload = reply

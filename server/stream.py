@@ -40,7 +40,7 @@ from . import wire
 from .addresses import claim_socket_path
 from .errors import BodyTooLarge, MalformedBody, describe
 from .operations import ERROR, OK
-from .polling import CallPacer, Wait, wait_for
+from .polling import BLOCK, CallPacer, Wait, wait_for
 
 log = logging.getLogger("kvalloc.stream")
 
@@ -101,18 +101,17 @@ class Inbox:
         self._peer_closed = False  # what the last receive that did not wait saw
         self._poller: select.poll | None = None
 
-    def next_message(self, *, spin_s: float = 0.0, sleep_s: float = 0.0,
-                     within_s: float | None = None,
+    def next_message(self, *, wait: Wait = BLOCK, within_s: float | None = None,
                      idle_ok: bool = False) -> list[bytes] | None:
         """The next message's frames; None if the peer closed between messages.
 
-        ``spin_s``: poll without sleeping for up to that long before blocking, after waiting
-        ``sleep_s`` in the kernel (which returns early if bytes come). ``within_s``:
-        the whole message must arrive within that long of its first byte. ``idle_ok``: a receive
-        timeout before the first byte means only an idle peer (keep waiting); otherwise it raises
+        ``wait``: how to wait for its first bytes before blocking (`polling.wait_for`).
+        ``within_s``: the whole message must arrive within that long of its first byte.
+        ``idle_ok``: a receive timeout before the first byte means only an idle peer (keep
+        waiting); otherwise it raises
         `TimeoutError`, as it always does inside a message. A peer that closes inside a message
         raises `ConnectionError`; a length over ``max_bytes`` raises `MessageTooLarge`."""
-        if self._end - self._start == 0 and not self._first_bytes(sleep_s, spin_s, idle_ok):
+        if self._end - self._start == 0 and not self._first_bytes(wait, idle_ok):
             return None
         began = time.monotonic()
         while self._end - self._start < LENGTH.size:
@@ -138,9 +137,9 @@ class Inbox:
         """Close the socket it reads."""
         self.conn.close()
 
-    def _first_bytes(self, sleep_s: float, spin_s: float, idle_ok: bool) -> bool:
+    def _first_bytes(self, wait: Wait, idle_ok: bool) -> bool:
         """Wait for the next message to begin; False if the peer closed."""
-        if wait_for(Wait(sleep_s, spin_s), self._readable_within, self._arrived):
+        if wait_for(wait, self._readable_within, self._arrived):
             return not self._peer_closed
         while True:
             try:
@@ -151,11 +150,11 @@ class Inbox:
 
     def _readable_within(self, seconds: float) -> bool:
         """Whether bytes (or the peer's close) came within ``seconds``, waiting in the kernel
-        (to the millisecond below)."""
+        (to the millisecond below); what came is received, as `_arrived` does."""
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.conn, select.POLLIN)
-        return bool(self._poller.poll(int(seconds * 1e3)))
+        return bool(self._poller.poll(int(seconds * 1e3))) and self._arrived()
 
     def _arrived(self) -> bool:
         """One receive that does not wait: whether bytes, or the peer's close, came."""
@@ -286,10 +285,9 @@ class StreamListener:
         pacer = CallPacer(self.spin_s)
         first = True
         while not self._stop.is_set():
-            wait = pacer.next_wait()
             try:
-                frames = inbox.next_message(sleep_s=wait.sleep_s, spin_s=wait.spin_s,
-                                            within_s=HANDSHAKE_S, idle_ok=not first)
+                frames = inbox.next_message(wait=pacer.next_wait(), within_s=HANDSHAKE_S,
+                                            idle_ok=not first)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from server import stream
+from server import polling, stream
 from server.polling import BLOCK, CONTENDED_S, HORIZON_S, CallPacer, Wait, poll_for, wait_for
 
 
@@ -114,26 +115,26 @@ def test_a_call_further_off_than_the_horizon_is_not_polled_for() -> None:
 
 
 @pytest.mark.parametrize(("send_after_s", "sleep_s"), [(0.01, 1.0), (0.08, 0.05)])
-def test_a_message_coming_while_the_inbox_sleeps_or_polls_is_read(send_after_s: float,
-                                                                  sleep_s: float) -> None:
+def test_a_message_coming_while_the_inbox_sleeps_or_polls_is_read(
+        send_after_s: float, sleep_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sleeping, then polling 100 ms: a message sent during either is read whole, and the
     inbox polls only once its sleep is over."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     stream.set_timeouts(mine, 5.0)
     inbox = stream.Inbox(mine)
-    polls: list[float] = []
-    arrived = inbox._arrived
+    polls: list[float] = []  # when each poll began
+    poll = polling.poll_for
 
-    def counted() -> bool:
+    def counted(*args: Any) -> bool:
         polls.append(time.perf_counter())
-        return arrived()
+        return poll(*args)
 
-    inbox._arrived = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(polling, "poll_for", counted)
     sender = threading.Timer(send_after_s, theirs.sendall, [stream.pack([b"a", b"b"])])
     began = time.perf_counter()
     sender.start()
     try:
-        assert inbox.next_message(sleep_s=sleep_s, spin_s=0.1) == [b"a", b"b"]
+        assert inbox.next_message(wait=Wait(sleep_s, 0.1)) == [b"a", b"b"]
     finally:
         sender.join()
         mine.close()
@@ -167,3 +168,18 @@ def test_a_poll_returns_as_soon_as_ready_and_stops_with_its_flag() -> None:
     began = time.perf_counter()
     assert not poll_for(lambda: False, 5.0, stop)
     assert time.perf_counter() - began < 1.0
+
+
+def test_a_peer_that_closes_while_the_inbox_sleeps_ends_the_stream_between_messages() -> None:
+    """A close seen by the kernel wait is a close between messages (None), not one inside a
+    message."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    stream.set_timeouts(mine, 5.0)
+    inbox = stream.Inbox(mine)
+    closer = threading.Timer(0.01, theirs.close)
+    closer.start()
+    try:
+        assert inbox.next_message(wait=Wait(1.0, 0.1)) is None
+    finally:
+        closer.join()
+        mine.close()

@@ -252,7 +252,7 @@ def test_only_a_call_answered_in_full_earns_a_spin(tmp_path: Path,
 
     def recorded(self: stream.Inbox, **kwargs: Any) -> list[bytes] | None:
         if threading.current_thread().name == "kvalloc-stream-conn":  # the listener's reads
-            spins.append(kwargs["spin_s"] > 0)
+            spins.append(kwargs["wait"].spin_s > 0)
         return next_message(self, **kwargs)
 
     monkeypatch.setattr(stream.Inbox, "next_message", recorded)
