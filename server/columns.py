@@ -51,6 +51,9 @@ _REQUEST_COLUMNS: dict[str, tuple[str, str]] = {
     "first_chunks": ("new", "first_chunks"),
     "prompt_token_ids": ("new", "prompt_token_ids"),
 }
+# The same columns as the wire names and packs them (``grants.draft_lens``), in the same order
+# (tested).
+_REQUEST_PATHS = wire.column_paths(protocol.StepRequest)
 _COLUMN_INDEX = {column: i for i, column in enumerate(_REQUEST_COLUMNS.values())}
 # Columns of one group that pair up element by element: (group, first, second).
 _PAIRED = (("results", "handles", "num_accepted"), ("grants", "handles", "draft_lens"),
@@ -139,7 +142,7 @@ class StepCall(_ArrayRecord):
         `protocol.StepRequest` model: columns checked, lengths matched."""
         header = (message.worker_id, message.session, message.epoch, message.step_id)
         if isinstance(message, wire.StepRequestBinary):
-            values, sizes = _unpacked(message, wire.column_paths(protocol.StepRequest))
+            values, sizes = _unpacked(message, _REQUEST_PATHS)
             _check_bounds(values, sizes)
             return cls._checked(*header, tuple(message.req_ids), _split(values, sizes))
         return cls.build(*header, new_req_ids=tuple(message.new.req_ids),
@@ -237,13 +240,12 @@ class _Bounds(NamedTuple):
 @functools.cache
 def _request_bounds() -> _Bounds:
     columns = [_bounds(_MODELS[group])[name] for group, name in _REQUEST_COLUMNS.values()]
-    return _Bounds(tuple(f"{group}.{name}" for group, name in _REQUEST_COLUMNS.values()),
+    return _Bounds(_REQUEST_PATHS,
                    np.array([c.ge for c in columns], dtype=np.int64),
                    np.array([c.le for c in columns], dtype=np.int64))
 
 
-_request_columns = operator.attrgetter(*(f"{group}.{name}"
-                                         for group, name in _REQUEST_COLUMNS.values()))
+_request_columns = operator.attrgetter(*_REQUEST_PATHS)
 _request_arrays = operator.attrgetter(*_REQUEST_COLUMNS)
 
 
