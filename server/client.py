@@ -397,7 +397,7 @@ class _StreamTransport(_Frames, _KeptConnection):
         self._address = address
         self._path = address.removeprefix("stream://")
         self._timeout_s = timeout_s
-        self._spin_s = reply_spin_s
+        self._reply_wait = Wait(spin_s=reply_spin_s)
         self._conn: stream.Inbox | None = None  # the kept connection, read through its inbox
 
     def call(self, op: Operation, request: Any) -> Any:
@@ -407,7 +407,7 @@ class _StreamTransport(_Frames, _KeptConnection):
         try:
             inbox.conn.sendall(stream.pack(frames))
             while True:
-                reply = inbox.next_message(wait=Wait(spin_s=self._spin_s))
+                reply = inbox.next_message(wait=self._reply_wait)
                 if reply is None:
                     raise ConnectionResetError("the service closed the connection")
                 reply_seq, status, payload = reply
