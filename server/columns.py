@@ -95,7 +95,11 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 
 class _ArrayRecord:
     """Equality field by field, arrays compared element by element (a retried step's reply
-    equals the first one)."""
+    equals the first one).
+
+    Records are not frozen dataclasses: their arrays could be written anyway, and a frozen
+    constructor costs five plain ones, several times per step. Nothing changes a record once it
+    is built."""
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -112,7 +116,7 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class StepCall(_ArrayRecord):
     """One scheduler step of one worker, every column an int64 array (see
     `protocol.StepRequest` for the meaning and order)."""
@@ -144,7 +148,9 @@ class StepCall(_ArrayRecord):
         if isinstance(message, wire.StepRequestBinary):
             values, sizes = _unpacked(message, _REQUEST_PATHS)
             _check_bounds(values, sizes)
-            return cls._checked(*header, tuple(message.req_ids), _split(values, sizes))
+            # One copy out of the read-only message: the manager's compiled step takes writable
+            # arrays, and would otherwise copy the columns one by one.
+            return cls._checked(*header, tuple(message.req_ids), _split(values.copy(), sizes))
         return cls.build(*header, new_req_ids=tuple(message.new.req_ids),
                          **dict(zip(_REQUEST_COLUMNS, _request_columns(message), strict=True)))
 
@@ -326,7 +332,7 @@ first_outside = (jit(_first_outside_loop) if numba is not None
 # ---------------------------------------------------------------- the reply
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Scheduled(_ArrayRecord):
     """This step's forward in token order (see `protocol.ScheduledColumns`)."""
 
@@ -351,7 +357,7 @@ class Scheduled(_ArrayRecord):
         return request, self.start_positions[request] + within
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Refused(_ArrayRecord):
     """Requests this step could not schedule (see `protocol.RefusedColumns`)."""
 
@@ -368,7 +374,7 @@ class Refused(_ArrayRecord):
         return self.indices[self.kinds == code]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class TableChanges(_ArrayRecord):
     """Block-table changes for a worker that did not map the table (`protocol.TableDeltas`)."""
 
@@ -388,7 +394,7 @@ class TableChanges(_ArrayRecord):
             offset += n
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class StepResult(_ArrayRecord):
     """The reply to a `StepCall`, columns as int64 arrays."""
 

@@ -18,19 +18,22 @@ from collections.abc import Callable
 import numpy as np
 
 from allocator import KVCacheManager, StepOutcome
+from allocator.jit import jit, numba
 from allocator.kv_events import KVCacheEvent
 from allocator.step_plan import checked_plan
 
 from . import protocol, wire
-from .batch import ScheduledBatch
+from .batch import ScheduledBatch, Settlement
 from .columns import NO_VALUES, Refused, StepCall, StepResult, TableChanges
 from .commit import NOTHING, Committer
 from .errors import LimitExceeded
 from .registry import Worker, WorkerRegistry
 from .schedule import schedule
 
+# The call's lists of handles, in the order `StepPipeline.apply` passes them to the registry.
+_HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "grants.handles",
+                 "padding.handles", "prefill.handles")
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
-_REPORTED, _DROPPED = 1, 2
 _OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
 _NONE_REFUSED = Refused(NO_VALUES, NO_VALUES, NO_VALUES)
 
@@ -58,19 +61,14 @@ class StepPipeline:
     def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
         registry = self.registry
         revert_rows, result_rows, finished_rows, grant_rows, padding_rows, prefill_rows = (
-            registry.rows_of(worker, {
-                "reverts.handles": call.revert_handles, "results.handles": call.result_handles,
-                "finished.handles": call.finished_handles, "grants.handles": call.grant_handles,
-                "padding.handles": call.padding_handles,
-                "prefill.handles": call.prefill_handles}))
+            registry.rows_of(worker, _HANDLE_LISTS, (
+                call.revert_handles, call.result_handles, call.finished_handles,
+                call.grant_handles, call.padding_handles, call.prefill_handles)))
         registry.check_new(worker, call.new_req_ids)
         previous = worker.batch
-        # Per block-table row: reported (1), reverted or finished (2), neither (0).
-        settlement = np.zeros(self._rows, dtype=np.int8)
-        settlement[result_rows] = _REPORTED
-        settlement[revert_rows] = settlement[finished_rows] = _DROPPED
-        if previous is not None:
-            previous.check_settled(settlement, worker.last_step_id)
+        settlement = None if previous is None else previous.settle(
+            result_rows, call.num_accepted, revert_rows, finished_rows, num_rows=self._rows,
+            step_id=worker.last_step_id)
         drafts = self._drafts(grant_rows, padding_rows, call)
         prompt_tokens = (call.prompt_lens if call.first_chunks.size == 0
                          else np.where(call.first_chunks > 0, call.first_chunks, call.prompt_lens))
@@ -95,13 +93,13 @@ class StepPipeline:
         worker.batch = batch = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
             call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
-            outcome.prefill_starts, admitted, outcome.admitted_rows,
-            np.minimum(prompt_tokens, call.prompt_lens - cached), cached,
-            self.manager.table.host, self._tpb)
+            outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
+            call.prompt_lens, cached, self.manager.table.host, self._tpb)
         scheduled = batch.scheduled
         committed = NOTHING
         if previous is not None:
-            committed = self._commit(worker, previous, call, result_rows, settlement, outcome)
+            assert settlement is not None
+            committed = self._commit(worker, previous, settlement, outcome)
         if worker.fence is not None:
             worker.fence.service_end()
         self.publish_events()
@@ -130,33 +128,29 @@ class StepPipeline:
         return by_row[grant_rows]
 
     def _check_demand(self, drafts: np.ndarray, prefill: np.ndarray, prompts: np.ndarray) -> None:
-        demand = {"grants": int(drafts.sum()) + drafts.size, "prefill": int(prefill.sum()),
-                  "new": int(prompts.sum())}
+        demand = token_demand(drafts, prefill, prompts)
         total = 0
-        for name, tokens in demand.items():
+        for name, tokens in zip(_DEMAND, demand, strict=True):
             total += tokens
             if total > self.max_step_tokens:
-                raise LimitExceeded(f"{name}: the step would schedule {sum(demand.values())} "
-                                    f"tokens, more than max_step_tokens={self.max_step_tokens}",
+                raise LimitExceeded(f"{name}: the step would schedule {sum(demand)} tokens, "
+                                    f"more than max_step_tokens={self.max_step_tokens}",
                                     field=name)
 
-    def _commit(self, worker: Worker, batch: ScheduledBatch, call: StepCall,
-                result_rows: np.ndarray, settlement: np.ndarray,
+    def _commit(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
                 outcome: StepOutcome) -> wire.CommitSummary:
-        rows = batch.scheduled.rows
-        accepted_by_row = np.zeros(self._rows, dtype=np.int64)
-        accepted_by_row[result_rows] = call.num_accepted
-        dropped = settlement[rows] == _DROPPED
-        slots = batch.commit_slots(dropped, outcome.num_blocks[rows])
+        dropped = settlement.dropped
+        slots = batch.commit_slots(dropped, outcome.num_blocks)
         cache = self.manager.cache
         if cache is not None:  # blocks evicted since the last commit may be written now
             self.committer.protect(*cache.drain_protection())
-        summary = self.committer.commit(worker.staging, batch, accepted_by_row[rows], dropped,
+        summary = self.committer.commit(worker.staging, batch, settlement.accepted, dropped,
                                         slots)
         if cache is not None:
             # Prompt blocks become shareable, and protected, once their K/V is in the pool.
             kept = ~dropped
             scheduled = batch.scheduled
+            rows = scheduled.rows
             self.manager.mark_written(
                 rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
             self.committer.protect(*cache.drain_protection())
@@ -175,3 +169,24 @@ class StepPipeline:
         reasons = np.concatenate([np.full(grants.size + chunks.size, _OUT_OF_BLOCKS),
                                   outcome.new_refusals[new].astype(np.int64)])
         return Refused(kinds.astype(np.int64), np.concatenate([grants, chunks, new]), reasons)
+
+
+_DEMAND = ("grants", "prefill", "new")  # `token_demand`'s order
+
+
+def token_demand_reference(drafts: np.ndarray, prefill_tokens: np.ndarray,
+                           prompt_tokens: np.ndarray) -> tuple[int, int, int]:
+    """Tokens the step schedules for its grants (each runs its drafts and one more), prefill
+    chunks and new requests, in `_DEMAND`'s order."""
+    return (int(drafts.sum()) + drafts.size, int(prefill_tokens.sum()),
+            int(prompt_tokens.sum()))
+
+
+def _token_demand_loop(drafts, prefill_tokens,  # type: ignore[no-untyped-def]
+                       prompt_tokens):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    return drafts.sum() + drafts.size, prefill_tokens.sum(), prompt_tokens.sum()
+
+
+# Three numpy reductions cost ten times one compiled call.
+token_demand = jit(_token_demand_loop) if numba is not None else token_demand_reference

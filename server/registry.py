@@ -36,7 +36,7 @@ from allocator.jit import jit, numba
 
 from . import wire
 from .batch import ScheduledBatch
-from .columns import StepCall, StepResult
+from .columns import NO_VALUES, StepCall, StepResult
 from .errors import (
     DuplicateRequestId,
     RequestNotFound,
@@ -143,22 +143,24 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ handles
 
-    def rows_of(self, worker: Worker, lists: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def rows_of(self, worker: Worker, names: tuple[str, ...],
+                lists: tuple[np.ndarray, ...]) -> list[np.ndarray]:
         """Rows of every list of handles, in order, checked in one pass; `UnknownHandle` naming
-        the first that is not a live request of ``worker`` (``<list>[<index>]``)."""
-        parts = list(lists.values())
-        rows, bad = live_rows(np.concatenate(parts), self.handles, self.owner, worker.session)
+        the first that is not a live request of ``worker`` (``<name>[<index>]``, ``names`` one
+        per list)."""
+        rows, bad = live_rows(np.concatenate(lists), self.handles, self.owner, worker.session)
         if bad >= 0:
-            for where, part in lists.items():
+            for where, part in zip(names, lists, strict=True):
                 if bad < part.size:
                     raise UnknownHandle(f"{where}[{bad}]: handle {int(part[bad])} names no live "
                                         f"request of worker {worker.worker_id!r}",
                                         field=f"{where}[{bad}]")
                 bad -= part.size
         out, start = [], 0
-        for part in parts:  # views of ``rows``: slicing costs no array operation
-            out.append(rows[start:start + part.size])
-            start += part.size
+        for part in lists:  # views of ``rows``: slicing costs no array operation
+            end = start + part.size
+            out.append(rows[start:end])
+            start = end
         return out
 
     def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
@@ -178,17 +180,14 @@ class WorkerRegistry:
     def admit(self, worker: Worker, req_ids: tuple[str, ...], rows: np.ndarray) -> np.ndarray:
         """Give the admitted requests (``rows`` >= 0) to ``worker``; returns their handles
         (-1 where a request was refused)."""
-        admitted = rows >= 0
-        if not admitted.any():
-            return np.full(rows.size, -1, dtype=np.int64)
-        taken = rows[admitted]
-        self.owner[taken] = worker.session
-        self.handles[taken] += 1 << ROW_BITS
-        for i in np.flatnonzero(admitted).tolist():
-            row = int(rows[i])
-            worker.req_ids[req_ids[i]] = row
-            self._row_req_id[row] = req_ids[i]
-        return np.where(admitted, self.handles[rows], -1)  # (a refused -1 reads the sentinel)
+        if rows.size == 0:
+            return NO_VALUES
+        handles = take_rows(rows, self.handles, self.owner, worker.session)
+        for req_id, row in zip(req_ids, rows.tolist(), strict=True):
+            if row >= 0:
+                worker.req_ids[req_id] = row
+                self._row_req_id[row] = req_id
+        return handles
 
     def release(self, worker: Worker, rows: np.ndarray) -> None:
         """The requests in ``rows`` are gone (finished, or their worker left)."""
@@ -253,3 +252,30 @@ def _live_rows_loop(handles, row_handles, owner,  # type: ignore[no-untyped-def]
 
 
 live_rows = jit(_live_rows_loop) if numba is not None else live_rows_reference
+
+
+def take_rows_reference(rows: np.ndarray, row_handles: np.ndarray, owner: np.ndarray,
+                        session: int) -> np.ndarray:
+    """``session`` takes the free ``rows`` that are >= 0: each gets a new handle (its generation
+    one higher), returned per entry (-1 where the row is -1). Updates the registry's
+    ``row_handles`` and ``owner`` in place."""
+    taken = rows[rows >= 0]
+    owner[taken] = session
+    row_handles[taken] += 1 << ROW_BITS
+    return np.where(rows >= 0, row_handles[rows], -1)
+
+
+def _take_rows_loop(rows, row_handles, owner,  # type: ignore[no-untyped-def]
+                    session):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    handles = np.full(rows.size, -1, np.int64)
+    for i in range(rows.size):
+        row = rows[i]
+        if row >= 0:
+            owner[row] = session
+            row_handles[row] += 1 << ROW_BITS
+            handles[i] = row_handles[row]
+    return handles
+
+
+take_rows = jit(_take_rows_loop) if numba is not None else take_rows_reference

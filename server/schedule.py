@@ -4,10 +4,11 @@ the pool.
 Input: the manager's `StepOutcome` and the call's columns. Output: a `ScheduledBatch`, the
 `Scheduled` columns of the reply plus, per token, its request, position and slot (what the next
 call commits). Order: granted decodes (in grant order), then granted prefill chunks, then
-admitted new requests; request ``i`` owns tokens ``token_offsets[i] ..`` at positions
-``start_positions[i] ..``, its last ``num_drafts[i]`` are drafts; ``slot = table[row, pos //
-tpb] * tpb + pos % tpb`` (-1 past the row's blocks, which capacity rules out but a bug must not
-turn into a write).
+admitted new requests, each running ``min(prompt_tokens, prompt_len - start)`` tokens from its
+start (after its cached prompt tokens). Request ``i`` owns tokens ``token_offsets[i] ..`` at
+positions ``start_positions[i] ..``, its last ``num_drafts[i]`` are drafts; ``slot = table[row,
+pos // tpb] * tpb + pos % tpb`` (-1 past the row's blocks, which capacity rules out but a bug
+must not turn into a write).
 
 `schedule_reference` is the specification in numpy; `schedule_compiled` the same as one numba
 loop (the per-step cost is a few dozen tiny array operations otherwise). Tests compare the two.
@@ -31,12 +32,13 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
                        prefill_granted: np.ndarray, prefill_tokens: np.ndarray,
                        prefill_starts: np.ndarray, new_handles: np.ndarray,
                        admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
-                       new_starts: np.ndarray, table: np.ndarray,
+                       prompt_lens: np.ndarray, new_starts: np.ndarray, table: np.ndarray,
                        tokens_per_block: int) -> ScheduledBatch:
     new = admitted_rows >= 0
     decode_drafts = drafts[granted]
+    new_tokens = np.minimum(prompt_tokens, prompt_lens - new_starts)
     num_tokens = np.concatenate([1 + decode_drafts, prefill_tokens[prefill_granted],
-                                 prompt_tokens[new]])
+                                 new_tokens[new]])
     offsets = np.cumsum(num_tokens) - num_tokens
     rows = np.concatenate([grant_rows[granted], prefill_rows[prefill_granted],
                            admitted_rows[new]])
@@ -62,7 +64,7 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
 
 def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
                    prefill_rows, prefill_granted, prefill_tokens, prefill_starts, new_handles,
-                   admitted_rows, prompt_tokens, new_starts, table,
+                   admitted_rows, prompt_tokens, prompt_lens, new_starts, table,
                    tokens_per_block):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
     entries = 0
@@ -79,7 +81,7 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
     for i in range(admitted_rows.size):
         if admitted_rows[i] >= 0:
             entries += 1
-            tokens += prompt_tokens[i]
+            tokens += min(prompt_tokens[i], prompt_lens[i] - new_starts[i])
     # Two blocks of columns instead of nine arrays: each returned array costs a conversion.
     per_entry = np.zeros((6, entries), np.int64)  # `Scheduled`'s fields, in its order
     per_token = np.empty((3, tokens), np.int64)
@@ -98,8 +100,8 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
             e += 1
     for i in range(admitted_rows.size):
         if admitted_rows[i] >= 0:
-            handles[e], rows[e], num_tokens[e] = new_handles[i], admitted_rows[i], prompt_tokens[i]
-            starts[e] = new_starts[i]
+            handles[e], rows[e], starts[e] = new_handles[i], admitted_rows[i], new_starts[i]
+            num_tokens[e] = min(prompt_tokens[i], prompt_lens[i] - new_starts[i])
             e += 1
     width = table.shape[1]
     t = 0

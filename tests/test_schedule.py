@@ -35,7 +35,8 @@ def step_outcomes(draw: st.DrawFn) -> tuple[object, ...]:
             rng.integers(0, WIDTH * TPB, chunks),
             np.where(admitted_rows >= 0, rng.integers(1 << 20, 1 << 30, new), -1),
             admitted_rows.astype(np.int64), rng.integers(1, WIDTH * TPB + 6, new),
-            rng.integers(0, 3, new) * TPB, table, TPB)
+            rng.integers(2 * TPB + 1, WIDTH * TPB + 6, new), rng.integers(0, 3, new) * TPB,
+            table, TPB)
 
 
 @settings(max_examples=300, deadline=None)
@@ -63,8 +64,8 @@ def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
         np.array([2, 3], i64), np.array([3, 0], i64),
         np.array([200], i64), np.array([1], i64), np.array([True]), np.array([2], i64),
         np.array([1], i64),
-        np.array([300], i64), np.array([2], i64), np.array([3], i64), np.array([0], i64),
-        table, TPB)
+        np.array([300], i64), np.array([2], i64), np.array([3], i64), np.array([3], i64),
+        np.array([0], i64), table, TPB)
     assert batch.scheduled.handles.tolist() == [100, 200, 300]  # the refused grant is left out
     assert batch.scheduled.num_tokens.tolist() == [3, 2, 3]
     assert batch.scheduled.num_drafts.tolist() == [2, 0, 0]
@@ -80,8 +81,21 @@ def test_a_new_request_with_a_cached_prefix_starts_after_it() -> None:
     i64, none = np.int64, np.zeros(0, np.int64)
     batch = sched.schedule_reference(
         none, none, np.zeros(0, bool), none, none, none, none, np.zeros(0, bool), none, none,
-        np.array([300], i64), np.array([1], i64), np.array([3], i64), np.array([8], i64),
-        table, TPB)
+        np.array([300], i64), np.array([1], i64), np.array([3], i64), np.array([11], i64),
+        np.array([8], i64), table, TPB)
     assert batch.scheduled.start_positions.tolist() == [8]
     assert batch.positions.tolist() == [8, 9, 10]
     assert batch.slots.tolist() == [24, 25, 26]
+
+
+def test_a_new_request_runs_no_further_than_its_prompt() -> None:
+    table = np.full((2, WIDTH), -1, dtype=np.int32)
+    table[1, :3] = [4, 8, 6]
+    i64, none = np.int64, np.zeros(0, np.int64)
+    # a chunk of up to 5 tokens, 8 of the prompt's 10 cached: the last 2 run
+    batch = sched.schedule_reference(
+        none, none, np.zeros(0, bool), none, none, none, none, np.zeros(0, bool), none, none,
+        np.array([300], i64), np.array([1], i64), np.array([5], i64), np.array([10], i64),
+        np.array([8], i64), table, TPB)
+    assert batch.scheduled.num_tokens.tolist() == [2]
+    assert batch.positions.tolist() == [8, 9]

@@ -1,5 +1,5 @@
-"""`server.registry.live_rows`: the compiled handle check equals its numpy reference on random
-registries and calls, forged handles included."""
+"""`server.registry`: the compiled handle check and row taking equal their numpy references on
+random registries and calls, forged handles included."""
 
 from __future__ import annotations
 
@@ -65,3 +65,28 @@ def test_the_reference_names_the_first_handle_not_live() -> None:
                      SESSION)[1] == 1
         assert check(np.array([mine, 5], dtype=np.int64), row_handles, owner, SESSION)[1] == 1
         assert check(np.array([-1], dtype=np.int64), row_handles, owner, SESSION)[1] == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, ROWS))
+def test_taking_rows_compiled_equals_the_reference(seed: int, new: int) -> None:
+    rng = np.random.default_rng(seed)
+    row_handles = rng.integers(0, 5, ROWS + 1) << registry.ROW_BITS | np.arange(ROWS + 1)
+    owner = np.full(ROWS + 1, registry.NO_OWNER)
+    rows = np.where(rng.random(new) < 0.3, -1, rng.permutation(ROWS)[:new])
+    want_handles, want_owner = row_handles.copy(), owner.copy()
+    want = registry.take_rows_reference(rows, want_handles, want_owner, SESSION)
+    got = registry.take_rows(rows, row_handles, owner, SESSION)
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert np.array_equal(row_handles, want_handles) and np.array_equal(owner, want_owner)
+
+
+def test_a_taken_row_gets_its_next_generation_and_a_refused_entry_none() -> None:
+    row_handles = np.arange(3, dtype=np.int64)  # rows 0, 1 and the sentinel, generation 0
+    owner = np.full(3, registry.NO_OWNER, dtype=np.int64)
+    for take in (registry.take_rows_reference, registry.take_rows):
+        handles, mine = row_handles.copy(), owner.copy()
+        got = take(np.array([1, -1], dtype=np.int64), handles, mine, SESSION)
+        assert got.tolist() == [1 << registry.ROW_BITS | 1, -1]
+        assert handles.tolist() == [0, 1 << registry.ROW_BITS | 1, 2]
+        assert mine.tolist() == [registry.NO_OWNER, SESSION, registry.NO_OWNER]
