@@ -40,14 +40,12 @@ class Settlement(NamedTuple):
 class ScheduledBatch:
     scheduled: Scheduled
     num_decodes: int  # the first entries are decodes: only they must be settled
-    token_request: np.ndarray  # per token: index of its request in ``scheduled``
-    positions: np.ndarray  # per token: its sequence position
     slots: np.ndarray  # per token: its pool slot (capacity covers it, so never -1)
     tokens_per_block: int
 
     @property
     def total_tokens(self) -> int:
-        return int(self.token_request.size)
+        return int(self.slots.size)
 
     def settle(self, result_rows: np.ndarray, num_accepted: np.ndarray,
                revert_rows: np.ndarray, finished_rows: np.ndarray, *, num_rows: int,
@@ -69,30 +67,37 @@ class ScheduledBatch:
         """Slots to commit: -1 for ``dropped`` requests (per request) and for positions past the
         blocks a request's row owns once the settling call has applied (``num_blocks``, per
         block-table row)."""
-        return commit_slots(self.token_request, self.positions, self.slots, dropped,
-                            self.scheduled.rows, num_blocks, self.tokens_per_block)
+        s = self.scheduled
+        return commit_slots(s.rows, s.token_offsets, s.num_tokens, s.start_positions, self.slots,
+                            dropped, num_blocks, self.tokens_per_block)
 
 
-def commit_slots_reference(token_request: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                           dropped: np.ndarray, rows: np.ndarray, num_blocks: np.ndarray,
-                           tokens_per_block: int) -> np.ndarray:
-    """`ScheduledBatch.commit_slots` over its per-token arrays, in numpy."""
-    owned = positions < num_blocks[rows[token_request]] * tokens_per_block
-    return np.where(~dropped[token_request] & owned, slots, -1)
+def commit_slots_reference(rows: np.ndarray, token_offsets: np.ndarray, num_tokens: np.ndarray,
+                           start_positions: np.ndarray, slots: np.ndarray, dropped: np.ndarray,
+                           num_blocks: np.ndarray, tokens_per_block: int) -> np.ndarray:
+    """`ScheduledBatch.commit_slots` over the batch's columns (`Scheduled`'s, ``slots`` per
+    token), in numpy."""
+    request = np.repeat(np.arange(rows.size), num_tokens)
+    positions = start_positions[request] + np.arange(request.size) - token_offsets[request]
+    owned = positions < num_blocks[rows[request]] * tokens_per_block
+    return np.where(~dropped[request] & owned, slots, -1)
 
 
-def _commit_slots_loop(token_request, positions, slots, dropped,  # type: ignore[no-untyped-def]
-                       rows, num_blocks, tokens_per_block):  # pragma: no cover
+def _commit_slots_loop(rows, token_offsets, num_tokens,  # type: ignore[no-untyped-def]
+                       start_positions, slots, dropped, num_blocks,
+                       tokens_per_block):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
     out = np.empty(slots.size, np.int64)
-    for t in range(slots.size):
-        r = token_request[t]
-        kept = not dropped[r] and positions[t] < num_blocks[rows[r]] * tokens_per_block
-        out[t] = slots[t] if kept else -1
+    for e in range(rows.size):
+        first, end = token_offsets[e], token_offsets[e] + num_tokens[e]
+        # Tokens at positions start + k; those below ``owned`` are inside the row's blocks.
+        owned = 0 if dropped[e] else num_blocks[rows[e]] * tokens_per_block - start_positions[e]
+        for t in range(first, end):
+            out[t] = slots[t] if t - first < owned else -1
     return out
 
 
-# Four whole-batch array operations a step otherwise, over a thousand tokens.
+# Several whole-batch array operations a step otherwise, over a thousand tokens.
 commit_slots = jit(_commit_slots_loop) if numba is not None else commit_slots_reference
 
 

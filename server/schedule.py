@@ -2,13 +2,13 @@
 the pool.
 
 Input: the manager's `StepOutcome` and the call's columns. Output: a `ScheduledBatch`, the
-`Scheduled` columns of the reply plus, per token, its request, position and slot (what the next
-call commits). Order: granted decodes (in grant order), then granted prefill chunks, then
-admitted new requests, each running ``min(prompt_tokens, prompt_len - start)`` tokens from its
-start (after its cached prompt tokens). Request ``i`` owns tokens ``token_offsets[i] ..`` at
-positions ``start_positions[i] ..``, its last ``num_drafts[i]`` are drafts; ``slot = table[row,
-pos // tpb] * tpb + pos % tpb`` (-1 past the row's blocks, which capacity rules out but a bug
-must not turn into a write).
+`Scheduled` columns of the reply plus each token's slot (what the next call commits). Order:
+granted decodes (in grant order), then granted prefill chunks, then admitted new requests, each
+running ``min(prompt_tokens, prompt_len - start)`` tokens from its start (after its cached
+prompt tokens). Request ``i`` owns tokens ``token_offsets[i] ..`` at positions
+``start_positions[i] ..``, its last ``num_drafts[i]`` are drafts; ``slot = table[row, pos //
+tpb] * tpb + pos % tpb`` (-1 past the row's blocks, which capacity rules out but a bug must not
+turn into a write).
 
 `schedule_reference` is the specification in numpy; `schedule_compiled` the same as one numba
 loop (the per-step cost is a few dozen tiny array operations otherwise). Tests compare the two.
@@ -44,7 +44,7 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
                            admitted_rows[new]])
     starts = np.concatenate([grant_starts[granted], prefill_starts[prefill_granted],
                              new_starts[new]])
-    request = np.repeat(np.arange(rows.size), num_tokens)
+    request = np.repeat(np.arange(rows.size), num_tokens)  # per token: its entry
     positions = starts[request] + np.arange(request.size) - offsets[request]
     column = positions // tokens_per_block
     in_row = column < table.shape[1]
@@ -58,8 +58,7 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
         num_drafts=np.concatenate([decode_drafts,
                                    np.zeros(rows.size - decode_drafts.size, dtype=np.int64)]),
         start_positions=starts)
-    return ScheduledBatch(scheduled, int(decode_drafts.size), request, positions, slots,
-                          tokens_per_block)
+    return ScheduledBatch(scheduled, int(decode_drafts.size), slots, tokens_per_block)
 
 
 def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
@@ -82,11 +81,10 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
         if admitted_rows[i] >= 0:
             entries += 1
             tokens += min(prompt_tokens[i], prompt_lens[i] - new_starts[i])
-    # Two blocks of columns instead of nine arrays: each returned array costs a conversion.
+    # One block of columns instead of six arrays: each returned array costs a conversion.
     per_entry = np.zeros((6, entries), np.int64)  # `Scheduled`'s fields, in its order
-    per_token = np.empty((3, tokens), np.int64)
+    slots = np.empty(tokens, np.int64)
     handles, rows, offsets, num_tokens, num_drafts, starts = per_entry
-    request, positions, slots = per_token
     e = 0
     for i in range(granted.size):
         if granted[i]:
@@ -114,11 +112,10 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
             run = min(tokens_per_block - within, end - position)
             block = table[rows[e], column] if column < width else -1
             for k in range(run):
-                request[t], positions[t] = e, position + k
                 slots[t] = block * tokens_per_block + within + k if block >= 0 else -1
                 t += 1
             position += run
-    return per_entry, per_token, num_decodes
+    return per_entry, slots, num_decodes
 
 
 if numba is not None:
@@ -127,9 +124,8 @@ if numba is not None:
 
 def schedule_compiled(*args: Any) -> ScheduledBatch:
     """`schedule_reference` as one compiled loop (same arguments, same result)."""
-    per_entry, (request, positions, slots), num_decodes = _compiled_loop(*args)
-    return ScheduledBatch(Scheduled(*per_entry), int(num_decodes), request, positions, slots,
-                          args[-1])
+    per_entry, slots, num_decodes = _compiled_loop(*args)
+    return ScheduledBatch(Scheduled(*per_entry), int(num_decodes), slots, args[-1])
 
 
 schedule = schedule_compiled if numba is not None else schedule_reference

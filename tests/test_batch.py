@@ -14,30 +14,29 @@ pytestmark = pytest.mark.skipif(batch.numba is None, reason="numba is not instal
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(0, 8), st.integers(0, 40),
-       st.sampled_from([np.int32, np.int64]))
-def test_the_compiled_commit_slots_equal_the_reference(seed: int, requests: int, tokens: int,
+@given(st.integers(0, 2**32 - 1), st.integers(0, 8), st.sampled_from([np.int32, np.int64]))
+def test_the_compiled_commit_slots_equal_the_reference(seed: int, requests: int,
                                                        block_dtype: type) -> None:
     rng = np.random.default_rng(seed)
-    tokens = tokens if requests else 0
-    token_request = np.sort(rng.integers(0, max(requests, 1), tokens))
-    positions = rng.integers(0, 64, tokens)
-    slots = rng.integers(-1, 1000, tokens)
-    dropped = rng.random(requests) < 0.3
     rows = rng.permutation(2 * requests)[:requests]
+    num_tokens = rng.integers(0, 6, requests)
+    token_offsets = np.cumsum(num_tokens) - num_tokens
+    start_positions = rng.integers(0, 64, requests)
+    slots = rng.integers(-1, 1000, int(num_tokens.sum()))
+    dropped = rng.random(requests) < 0.3
     num_blocks = rng.integers(0, 20, 2 * requests).astype(block_dtype)
-    args = (token_request, positions, slots, dropped, rows, num_blocks, 4)
+    args = (rows, token_offsets, num_tokens, start_positions, slots, dropped, num_blocks, 4)
     want = batch.commit_slots_reference(*args)
     got = batch.commit_slots(*args)
     assert got.dtype == np.int64 and np.array_equal(got, want)
 
 
 def test_a_dropped_request_and_positions_past_its_blocks_commit_nothing() -> None:
+    # request 0 (row 1, positions 6-7) is dropped; request 1 (row 0, positions 6-8) owns 2
+    # blocks (positions 0-7), so position 8 is past them
     got = batch.commit_slots_reference(
-        np.array([0, 0, 1, 1, 1]), np.array([6, 7, 3, 4, 8]), np.array([10, 11, 20, 21, 22]),
-        np.array([True, False]), np.array([1, 0]), np.array([2, 5]), 4)
-    # request 0 is dropped; request 1 (row 0) owns 2 blocks (positions 0-7), so position 8 is
-    # past them
+        np.array([1, 0]), np.array([0, 2]), np.array([2, 3]), np.array([6, 6]),
+        np.array([10, 11, 20, 21, 22]), np.array([True, False]), np.array([2, 5]), 4)
     assert got.tolist() == [-1, -1, 20, 21, -1]
 
 
