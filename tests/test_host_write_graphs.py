@@ -13,7 +13,9 @@ Rules:
   bit, protected blocks or not, however many buffers hold graphs;
 - a buffer's graphs go when it is dropped; a commit from it then captures on first use again;
 - a capture that fails ahead turns graphs off for good (one attempt, one warning) and every
-  commit writes eagerly.
+  commit writes eagerly;
+- the service captures a worker's graphs when it registers, and drops them when the worker
+  deregisters or its lease expires.
 
 The rules on buckets, the store and bad input run on CPU; the rest, marked ``gpu``, on CUDA.
 """
@@ -38,6 +40,7 @@ from allocator.pinned_graphs import GraphStore, bucket_sizes
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=[gpu, needs_cuda])]
 
 TOKENS = 200  # buckets 64, 128 and 200
 HOST_WRITE_FAILURE = "committing without a graph"
@@ -357,3 +360,60 @@ def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(captures)
             graphed.commit(accepted)
         assert torch.equal(bits(storages[1].kv), bits(want)), n
     assert len(captures) == 3
+
+
+# ---- through the service ---------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_with_it(
+        device, captures):
+    """On CUDA, registration captures every bucket of the worker's buffer; the worker's steps
+    capture nothing (block-table syncs included: the table's graphs were captured with it) and
+    commit exactly the accepted tokens; its graphs go when it deregisters or its lease expires.
+    On CPU the same calls run and capture nothing."""
+    from allocator import PoolConfig
+    from server.client import Client
+    from server.core import ServiceCore
+    from server.settings import ServiceConfig
+    from server.testing import nwor_scenario
+
+    clock = _Clock()
+    core = ServiceCore(ServiceConfig(pool=PoolConfig(
+        device=device, num_blocks=64, tokens_per_block=16, num_layers=2, num_kv_heads=2,
+        head_dim=64, max_batch_size=16, max_seq_len=256), max_step_tokens=256,
+        lease_ttl_s=30.0), clock=clock)
+    made = len(captures)  # the block table's, with the core
+    buckets = len(row_buckets(256, 256))
+    writes = core.committer.writes
+    try:
+        first = Client.in_process(core, worker_id="first")
+        first.register()
+
+        def captured() -> int:
+            return 0 if writes._host_graphs is None else writes._host_graphs.captured
+
+        assert captured() == len(captures) - made == (buckets if device == "cuda" else 0)
+        outcome = nwor_scenario(first, None)
+        assert outcome.mismatches == [] and outcome.commit.written == 5
+        assert len(captures) - made == captured()  # the steps captured nothing
+        clock.now += 20
+        second = Client.in_process(core, worker_id="second")
+        second.register()
+        assert captured() == (2 * buckets if device == "cuda" else 0)
+        clock.now += 15  # the first worker silent for 35 s, past its 30 s lease
+        assert core.expire_leases() == 1
+        assert captured() == (buckets if device == "cuda" else 0)
+        second.deregister()
+        assert captured() == 0
+        core.check_invariants()
+    finally:
+        core.close()
