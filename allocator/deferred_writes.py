@@ -131,9 +131,9 @@ class DeferredWriteManager:
         self._host_slots: np.ndarray | None = None
         self._host_slots_uploaded = False
         self._uploads = PinnedUploads(dev)
-        # On CUDA with the Triton write, such a commit replays a captured graph (the graphs made
-        # on first use, or by capture_host_write_graphs: a library that stages layer by layer
-        # never pays for their pinned buffer).
+        # On CUDA with the Triton write, such a commit replays a captured graph. The graphs and
+        # their pinned buffer are made when first needed (by such a commit, or by
+        # capture_host_write_graphs): a library that stages layer by layer never pays for them.
         self._host_graphs: HostWriteGraphs | None = None
         # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
         self._positions = max(1, cfg.max_draft_len)

@@ -28,10 +28,9 @@ import logging
 import numpy as np
 import pytest
 import torch
-from cuda_checks import no_host_sync
+from cuda_checks import counted_captures, failing_captures, no_host_sync
 from nwor_scenarios import Window, bits, expected_after, poisoned_storage, pool_config
 
-import allocator.pinned_graphs as pinned_graphs
 from allocator.deferred_writes import DeferredWriteManager
 from allocator.host_write_graphs import MIN_ROWS, row_buckets, rows_for
 from allocator.nwor_errors import NworInputError, WindowStateError
@@ -159,20 +158,6 @@ def test_capturing_ahead_inside_a_window_is_refused_and_the_window_still_commits
 # ---- on CUDA ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def captures(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every graph capture from here on, counted (and made)."""
-    made: list[object] = []
-    real = pinned_graphs.capture_graph
-
-    def counted(body, **kwargs):
-        made.append(body)
-        return real(body, **kwargs)
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", counted)
-    return made
-
-
 def _twins(protected: bool = False):
     """Two identical poisoned CUDA pools: one manager writes eagerly (the torch path), the
     other replays graphs; and a maker of staging buffers of ``TOKENS`` tokens."""
@@ -242,7 +227,8 @@ def _source(staging: torch.Tensor) -> torch.Tensor:
 @needs_cuda
 @pytest.mark.parametrize("protected", [False, True])
 def test_capturing_ahead_covers_every_bucket_writes_nothing_and_the_commits_then_replay(
-        protected, captures):
+        protected, monkeypatch):
+    captures = counted_captures(monkeypatch)
     storages, eager, graphed, make_staging = _twins(protected)
     staging = make_staging()
     before = bits(storages[1].kv).clone()
@@ -276,11 +262,12 @@ def test_capturing_ahead_covers_every_bucket_writes_nothing_and_the_commits_then
 
 @gpu
 @needs_cuda
-def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(captures):
+def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(monkeypatch):
     """Six buffers of three buckets each, 18 graphs against room for 16 captured on first use:
     round after round of commits from every buffer captures nothing. A dropped buffer's graphs
     go, and its next commit captures on first use again, still writing what the eager path
     writes."""
+    captures = counted_captures(monkeypatch)
     storages, eager, graphed, make_staging = _twins()
     stagings = [make_staging() for _ in range(6)]
     for staging in stagings:
@@ -308,15 +295,7 @@ def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(capture
 @needs_cuda
 def test_a_capture_that_fails_ahead_turns_graphs_off_once_and_commits_write_eagerly(
         monkeypatch, caplog):
-    attempts = []
-
-    def broken(body, **kwargs):
-        """Warms up for real, as a capture does, then fails."""
-        attempts.append(body)
-        body()
-        raise RuntimeError("capture not supported")
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", broken)
+    attempts = failing_captures(monkeypatch)
     storages, eager, graphed, make_staging = _twins()
     staging = make_staging()
     before = bits(storages[1].kv).clone()
@@ -340,9 +319,10 @@ def test_a_capture_that_fails_ahead_turns_graphs_off_once_and_commits_write_eage
 
 @gpu
 @needs_cuda
-def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(captures):
+def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(monkeypatch):
     """Against the independent expectation, not only the eager path: the committed tokens of a
     window of each bucket, and poison everywhere else."""
+    captures = counted_captures(monkeypatch)
     storages, _, graphed, make_staging = _twins()
     staging = make_staging()
     assert graphed.capture_host_write_graphs(staging)
@@ -365,32 +345,25 @@ def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(captures)
 # ---- through the service ---------------------------------------------------------------------
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_with_it(
-        device, captures):
+        device, monkeypatch):
     """On CUDA, registration captures every bucket of the worker's buffer; the worker's steps
     capture nothing (block-table syncs included: the table's graphs were captured with it) and
     commit exactly the accepted tokens; its graphs go when it deregisters or its lease expires.
     On CPU the same calls run and capture nothing."""
+    captures = counted_captures(monkeypatch)
     from allocator import PoolConfig
     from server.client import Client
     from server.core import ServiceCore
     from server.settings import ServiceConfig
     from server.testing import nwor_scenario
 
-    clock = _Clock()
+    now = [1000.0]
     core = ServiceCore(ServiceConfig(pool=PoolConfig(
         device=device, num_blocks=64, tokens_per_block=16, num_layers=2, num_kv_heads=2,
         head_dim=64, max_batch_size=16, max_seq_len=256), max_step_tokens=256,
-        lease_ttl_s=30.0), clock=clock)
+        lease_ttl_s=30.0), clock=lambda: now[0])
     made = len(captures)  # the block table's, with the core
     buckets = len(row_buckets(256, 256))
     writes = core.committer.writes
@@ -402,14 +375,15 @@ def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_wi
             return 0 if writes._host_graphs is None else writes._host_graphs.captured
 
         assert captured() == len(captures) - made == (buckets if device == "cuda" else 0)
+        registered = len(captures)
         outcome = nwor_scenario(first, None)
         assert outcome.mismatches == [] and outcome.commit.written == 5
-        assert len(captures) - made == captured()  # the steps captured nothing
-        clock.now += 20
+        assert len(captures) == registered  # the steps captured nothing
+        now[0] += 20
         second = Client.in_process(core, worker_id="second")
         second.register()
         assert captured() == (2 * buckets if device == "cuda" else 0)
-        clock.now += 15  # the first worker silent for 35 s, past its 30 s lease
+        now[0] += 15  # the first worker silent for 35 s, past its 30 s lease
         assert core.expire_leases() == 1
         assert captured() == (buckets if device == "cuda" else 0)
         second.deregister()

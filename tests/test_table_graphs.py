@@ -25,11 +25,9 @@ import logging
 import numpy as np
 import pytest
 import torch
-from cuda_checks import no_host_sync
+from cuda_checks import counted_captures, failing_captures, no_host_sync
 
-import allocator.pinned_graphs as pinned_graphs
 from allocator import BlockTable, InvalidValue
-from allocator.device_io import capture_graph
 from allocator.pinned_graphs import bucket_sizes
 from allocator.table_graphs import MAX_ROWS, MIN_ROWS, TableUploadGraphs, pack, rows_for
 
@@ -161,25 +159,13 @@ def test_graph_syncs_equal_the_host_and_the_eager_path_over_every_bucket():
     assert graphed.device_table.data_ptr() == address and graphed.device_table.shape == shape
 
 
-@pytest.fixture
-def captures(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Every graph capture from here on, counted (and made)."""
-    made: list[object] = []
-
-    def counted(body, **kwargs):
-        made.append(body)
-        return capture_graph(body, **kwargs)
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", counted)
-    return made
-
-
 @gpu
 @needs_cuda
-def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(captures):
+def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(monkeypatch):
     """Every bucket is captured when the table is made, so the first sync of each bucket
     replays like the rest: none captures, none waits for the device, and each leaves the table
     the eager path leaves."""
+    captures = counted_captures(monkeypatch)
     table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
     eager = BlockTable(BATCH, WIDTH, torch.device("cuda"), upload_graphs=False)
     graphs = table.upload_graphs
@@ -203,9 +189,10 @@ def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(cap
 
 @gpu
 @needs_cuda
-def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(captures):
+def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(monkeypatch):
     """Straight on the graphs, over a table of random values the device holds too: capturing
     every bucket leaves it bit for bit as it was, and the uploads that follow capture nothing."""
+    captures = counted_captures(monkeypatch)
     rng = np.random.default_rng(7)
     host = rng.integers(-2**31, 2**31, BATCH * WIDTH, dtype=np.int64).astype(np.int32)
     device = torch.from_numpy(host.reshape(BATCH, WIDTH)).cuda()
@@ -228,15 +215,7 @@ def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(captures)
 @gpu
 @needs_cuda
 def test_a_failed_capture_falls_back_to_the_eager_path_for_good(monkeypatch, caplog):
-    attempts = []
-
-    def broken(body, **kwargs):
-        """Warms up for real, as a capture does, then fails."""
-        attempts.append(body)
-        body()
-        raise RuntimeError("capture not supported")
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", broken)
+    attempts = failing_captures(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="allocator.table_graphs"):
         table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
         # The first bucket's capture, when the table was made, failed; none was tried after it,
@@ -259,13 +238,7 @@ def test_graphs_beyond_the_limit_are_dropped_and_recaptured(monkeypatch):
     """Directly on the graphs: three buckets in turn with room for two (each use recaptures the
     one dropped longest ago), each upload exact; an upload past the largest bucket is refused and
     writes nothing, and so does one of no cells."""
-    captures = []
-
-    def counted(body, **kwargs):
-        captures.append(body)
-        return capture_graph(body, **kwargs)
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", counted)
+    captures = counted_captures(monkeypatch)
     host = np.full(BATCH * WIDTH, -1, dtype=np.int32)
     device = torch.full((BATCH, WIDTH), -1, dtype=torch.int32, device="cuda")
     graphs = TableUploadGraphs(device, max_rows=256, max_graphs=2)
