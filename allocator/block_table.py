@@ -9,7 +9,8 @@ Invariants (checked by ``check_invariants`` against the counts the caller owns):
 
 Only the cells changed since the last ``sync()`` travel to the device: a step touches the tail
 of a few rows (tens of cells), not whole 2049-wide rows. On CUDA they travel by replaying a
-captured graph (`table_graphs`), or, past its largest bucket or where capture fails, by the eager
+captured graph (`table_graphs`; every bucket captured when the table is made, so the first
+steps replay like the rest), or, past its largest bucket or where capture fails, by the eager
 path it replays. The device copy comes from a `placement.TensorAllocator`, so a service can hand
 out a table other processes map.
 """
@@ -56,7 +57,11 @@ class BlockTable:
             # Changed cells and their values travel together, in one copy (`PinnedUploads`).
             self._uploads = PinnedUploads(device)
             if upload_graphs:
+                # Every bucket captured now, not by the first syncs (a capture synchronises the
+                # device and takes milliseconds): host and device hold -1 everywhere and no step
+                # runs yet, so the warm-ups' writes of cell 0's -1 over itself change nothing.
                 self.upload_graphs = TableUploadGraphs(self.device_table)
+                self.upload_graphs.capture_all(self._host_cells)
 
     def acquire_row(self) -> int:
         if self.num_free_rows == 0:

@@ -33,7 +33,10 @@ Invariants:
 The device commit (counts -> per-token keep mask -> rejected slots set to -1 -> one fused write
 over every layer -> device-side metrics) uses only static buffers and device operations, so it
 runs without host synchronisation and can be captured in a CUDA graph (``capture_commit_graph``,
-``capture_verify_graph``, which also captures the acceptance mask).
+``capture_verify_graph``, which also captures the acceptance mask). A commit staged with host
+slots replays a graph per staging buffer and row bucket (`host_write_graphs`): captured by the
+first commit that needs it, or for every bucket ahead of the first window by
+``capture_host_write_graphs(staging)``.
 
 Accepted counts given as a list are validated on the host: more accepted than drafts raises
 `AcceptedExceedsDrafts`, never a clamp. A tensor is never read back (that would synchronise): it
@@ -128,8 +131,9 @@ class DeferredWriteManager:
         self._host_slots: np.ndarray | None = None
         self._host_slots_uploaded = False
         self._uploads = PinnedUploads(dev)
-        # On CUDA with the Triton write, such a commit replays a captured graph (made on first
-        # use: a library that stages layer by layer never pays for its pinned buffer).
+        # On CUDA with the Triton write, such a commit replays a captured graph. The graphs and
+        # their pinned buffer are made when first needed (by such a commit, or by
+        # capture_host_write_graphs): a library that stages layer by layer never pays for them.
         self._host_graphs: HostWriteGraphs | None = None
         # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
         self._positions = max(1, cfg.max_draft_len)
@@ -310,23 +314,10 @@ class DeferredWriteManager:
             raise WindowStateError("window: stage_from after stage_layer; a window stages from "
                                    "one place")
         total = layout.total_tokens
-        heads, dim = self.head_shape
-        if not isinstance(staging, torch.Tensor):
-            raise NworInputError("staging: expected a tensor", field="staging")
+        source = self._checked_staging(staging, total)
         if not isinstance(slot_mapping, torch.Tensor | np.ndarray):
             raise NworInputError("slot_mapping: expected a tensor or a numpy array",
                                  field="slot_mapping")
-        shape = tuple(staging.shape)
-        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
-                or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < total
-                or not staging.is_contiguous()):
-            raise NworInputError(
-                f"staging: shape {shape}, expected contiguous [{self.num_layers}, 2, >= {total}, "
-                f"{heads}, {dim}]", field="staging")
-        if staging.dtype != self.stage_dtype or staging.device != self.device:
-            raise NworInputError(
-                f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
-                f"{self.device}", field="staging")
         if isinstance(slot_mapping, np.ndarray):
             if slot_mapping.dtype != np.int64:
                 raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
@@ -340,7 +331,26 @@ class DeferredWriteManager:
             self._guard(self._slots[0, :total], count=True)
             self._share_first_slot_row(total)
         self._rows = [total] * self.num_layers
-        self._source = staging.view(self.num_layers, 2, shape[2], heads * dim)
+        self._source = source
+
+    def _checked_staging(self, staging: torch.Tensor, tokens: int) -> torch.Tensor:
+        """``staging`` (as ``stage_from`` takes it, holding at least ``tokens`` tokens) as the
+        commit reads it: ``[num_layers, 2, capacity, H * D]``."""
+        heads, dim = self.head_shape
+        if not isinstance(staging, torch.Tensor):
+            raise NworInputError("staging: expected a tensor", field="staging")
+        shape = tuple(staging.shape)
+        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
+                or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < tokens
+                or not staging.is_contiguous()):
+            raise NworInputError(
+                f"staging: shape {shape}, expected contiguous [{self.num_layers}, 2, >= {tokens}, "
+                f"{heads}, {dim}]", field="staging")
+        if staging.dtype != self.stage_dtype or staging.device != self.device:
+            raise NworInputError(
+                f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
+                f"{self.device}", field="staging")
+        return staging.view(self.num_layers, 2, shape[2], heads * dim)
 
     def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[staged_rows, H, D]`` of this window's staged K and V for ``layer``."""
@@ -430,6 +440,31 @@ class DeferredWriteManager:
             self._quiet_commit(rows)
 
         self._graphs.append(_Graph(rows, capture_graph(body, warmup=warmup), static))
+
+    def capture_host_write_graphs(self, staging: torch.Tensor) -> bool:
+        """Capture now the graph of every row bucket that a commit staged from ``staging`` with
+        host slots replays (under the current ``protect`` guard), kept until
+        ``drop_host_write_graphs``: a capture synchronises the device and takes milliseconds,
+        which the first commits from ``staging`` then do not pay. ``staging`` as ``stage_from``
+        takes it; between windows only. False where those commits run no graph (a CPU pool, the
+        torch write) or a capture failed (logged once; they write eagerly from then on)."""
+        if self._layout is not None:
+            raise WindowStateError("window: capture graphs between windows, not inside one")
+        source = self._checked_staging(staging, 1)
+        graphs = self._graphs_for_host_slots()
+        if graphs is None:
+            return False
+        self._source = source  # what the captured write reads
+        try:
+            return graphs.capture(source, self._protection_variant())
+        finally:
+            self._source = self._staged
+
+    def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
+        """Forget the graphs that commit from ``staging``, before its memory is released (it
+        may come back as another buffer); how many went."""
+        source = self._checked_staging(staging, 1)
+        return 0 if self._host_graphs is None else self._host_graphs.drop(source)
 
     # ---- metrics ------------------------------------------------------------------------------
 
@@ -628,11 +663,15 @@ class DeferredWriteManager:
         if graphs is None or not graphs.replay(
                 self._source, self._host_slots,
                 self._host_slots if kept_slots is None else kept_slots,
-                variant=None if self._protected is None else self._protected.data_ptr()):
+                variant=self._protection_variant()):
             self._upload_host_slots(kept_slots)
             write_staged(self.storage.rows(), self._source,
                          self._shared_row(int(kept_slots is not None)), self._all_rows,
                          self._host_slots.size, self._inv, backend=self.backend)
+
+    def _protection_variant(self) -> int | None:
+        """What a host-slot commit's graph bakes in of the ``protect`` guard."""
+        return None if self._protected is None else self._protected.data_ptr()
 
     def _graphs_for_host_slots(self) -> HostWriteGraphs | None:
         if self._host_graphs is None and self.device.type == "cuda" and self.backend == "triton":

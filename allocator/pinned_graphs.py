@@ -7,9 +7,14 @@ work on a slow host, for next to no device time. Captured, they are one replay.
 A graph bakes in addresses and sizes. So its input travels from one pinned buffer that never
 moves (the graph's copy reads it), refilled only once the previous replay's copy has read it (an
 event: nothing else waits for the device); and there is one graph per size of work, a bucket of
-rows (`bucket`) the caller pads its rows to. The least recently used graphs beyond
-``max_graphs`` are dropped. A capture that fails turns the graphs off for good, logged once: the
-caller runs its eager path from then on.
+rows (`bucket`) the caller pads its rows to.
+
+A capture synchronises the device and takes milliseconds, so the graphs a caller knows it will
+replay are captured ahead (``capture``), before the first step, and kept until dropped: the
+first steps replay like any other. A graph first needed by a step is captured then, and kept
+among the ``max_graphs`` most recently used (`GraphStore`). A capture that fails, ahead or
+during a step, turns the graphs off for good, logged once: the caller runs its eager path from
+then on.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +30,7 @@ import torch
 from .device_io import PinnedBuffer, capture_graph
 
 Fill = Callable[[np.ndarray], None]  # writes a graph's input into the buffer's bytes
+G = TypeVar("G")
 
 
 def bucket(rows: int, smallest: int) -> int:
@@ -32,15 +39,74 @@ def bucket(rows: int, smallest: int) -> int:
     return max(smallest, 1 << max(0, rows - 1).bit_length())
 
 
+def bucket_sizes(smallest: int, largest: int) -> list[int]:
+    """Every bucket of ``largest`` rows or fewer, ascending: ``bucket(rows, smallest)`` for
+    ``rows`` from 1 on, while it is at most ``largest``."""
+    sizes: list[int] = []
+    rows = 1
+    while (size := bucket(rows, smallest)) <= largest:
+        sizes.append(size)
+        rows = size + 1
+    return sizes
+
+
+class GraphStore(Generic[G]):
+    """Graphs by key. Those captured ahead are kept until dropped; those captured on first use
+    are kept among the ``max_graphs`` most recently used. The two never compete for room, so
+    graphs captured on first use cannot evict, one after the other, the graphs captured ahead
+    (a worker's, say, that every step of that worker replays)."""
+
+    def __init__(self, max_graphs: int) -> None:
+        self.max_graphs = max_graphs
+        self._ahead: dict[Hashable, G] = {}
+        self._recent: OrderedDict[Hashable, G] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ahead) + len(self._recent)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._ahead or key in self._recent
+
+    def get(self, key: Hashable) -> G | None:
+        """The graph of ``key`` (now the most recently used), or None."""
+        graph = self._ahead.get(key)
+        if graph is None:
+            graph = self._recent.get(key)
+            if graph is not None:
+                self._recent.move_to_end(key)
+        return graph
+
+    def add(self, key: Hashable, graph: G, *, ahead: bool) -> None:
+        """Keep ``graph`` for ``key``: until dropped if captured ``ahead``, else among the most
+        recently used (the least recently used beyond ``max_graphs`` goes)."""
+        self._recent.pop(key, None)
+        if ahead:
+            self._ahead[key] = graph
+            return
+        self._ahead.pop(key, None)
+        self._recent[key] = graph
+        if len(self._recent) > self.max_graphs:
+            self._recent.popitem(last=False)
+
+    def drop(self, which: Callable[[Hashable], bool]) -> int:
+        """Forget every graph whose key ``which`` accepts; how many went."""
+        gone = 0
+        for graphs in (self._ahead, self._recent):
+            for key in [key for key in graphs if which(key)]:
+                del graphs[key]
+                gone += 1
+        return gone
+
+
 class PinnedGraphs:
     def __init__(self, nbytes: int, device: torch.device, *, max_graphs: int,
                  log: logging.Logger, failure: str) -> None:
-        """``nbytes`` of pinned input for graphs on ``device``; ``failure`` is the warning
-        ``log`` gets when a capture fails."""
-        self.max_graphs = max_graphs
+        """``nbytes`` of pinned input for graphs on ``device``; ``max_graphs`` graphs captured
+        on first use at most (besides those captured ahead); ``failure`` is the warning ``log``
+        gets when a capture fails."""
         self._buffer = PinnedBuffer(nbytes, device)
         self.pinned = self._buffer.tensor  # what the graphs' copies read: its address is fixed
-        self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
+        self._graphs: GraphStore[torch.cuda.CUDAGraph] = GraphStore(max_graphs)
         self._log = log
         self._failure = failure
         self.failed = False  # a capture failed: the caller runs its eager path from then on
@@ -48,6 +114,29 @@ class PinnedGraphs:
     @property
     def captured(self) -> int:
         return len(self._graphs)
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether the graph of ``key`` is captured (a replay of it captures nothing)."""
+        return key in self._graphs
+
+    def capture(self, key: Hashable, body: Callable[[], None], *, warmup_fill: Fill) -> bool:
+        """Capture the graph of ``key`` now, ahead of its first replay, and keep it until
+        ``drop``; ``body`` and ``warmup_fill`` as for ``replay`` (the warm-up runs for real over
+        the input ``warmup_fill`` writes). False if a capture failed, now or before."""
+        if self.failed:
+            return False
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(body, warmup_fill)
+            if graph is None:
+                return False
+        self._graphs.add(key, graph, ahead=True)
+        return True
+
+    def drop(self, which: Callable[[Hashable], bool]) -> int:
+        """Forget the graphs whose key ``which`` accepts (their addresses may be reused for
+        something else); how many went."""
+        return self._graphs.drop(which)
 
     def replay(self, key: Hashable, body: Callable[[], None], fill: Fill, *,
                warmup_fill: Fill) -> bool:
@@ -63,11 +152,7 @@ class PinnedGraphs:
             graph = self._capture(body, warmup_fill)
             if graph is None:
                 return False
-            self._graphs[key] = graph
-            if len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+            self._graphs.add(key, graph, ahead=False)
         fill(self._buffer.writable())
         graph.replay()
         self._buffer.read()

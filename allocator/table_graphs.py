@@ -12,9 +12,12 @@ and address, which workers that map it rely on. The rows past the changed cells 
 first (cell, value) pair, so they write to that cell the value its first row writes: the padding
 changes nothing, whatever order the scatter runs in. (The scatter has no index it skips, and an
 index out of the table is a device assert; a cell changed twice since the last sync appears
-twice, harmless in the same way, both carrying the host's value at sync time.) The
-warm-up of a capture runs over the sync's own input, so it writes exactly what the replay
-writes next.
+twice, harmless in the same way, both carrying the host's value at sync time.)
+
+``capture_all`` captures every bucket ahead of the first sync (a `BlockTable` does so when it is
+made): each warm-up writes cell 0's own value into cell 0, every row of it, so it changes nothing.
+A bucket captured on first use instead (graphs used without ``capture_all``) warms up over the
+sync's own input, so it writes exactly what the replay writes next.
 
 A sync of more than `MAX_ROWS` cells (many rows released at once) is rare: it, and every sync
 after a capture failed, runs the eager path.
@@ -23,12 +26,13 @@ after a capture failed, runs the eager path.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import numpy as np
 import torch
 
 from .errors import InvalidValue
-from .pinned_graphs import PinnedGraphs, bucket
+from .pinned_graphs import PinnedGraphs, bucket, bucket_sizes
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ MIN_ROWS = 64  # the smallest bucket: the usual step's tens of cells share one g
 MAX_ROWS = 4096  # the largest bucket, 48 KiB of input: far past a usual step's changes
 _CELL = np.dtype(np.int64).itemsize
 _ROW_BYTES = _CELL + np.dtype(np.int32).itemsize
+_FIRST_CELL = np.zeros(1, dtype=np.int64)  # what a warm-up ahead of the first sync writes
 
 
 def rows_for(cells: int, max_rows: int = MAX_ROWS) -> int | None:
@@ -85,6 +90,19 @@ class TableUploadGraphs(PinnedGraphs):
             pack(out, rows, cells, table_cells)
 
         return self.replay(rows, lambda: self._body(rows), fill, warmup_fill=fill)
+
+    @property
+    def buckets(self) -> list[int]:
+        """The rows of every graph a sync may replay, ascending."""
+        return bucket_sizes(MIN_ROWS, self.max_rows)
+
+    def capture_all(self, table_cells: np.ndarray) -> bool:
+        """Capture the graph of every bucket now, so that no sync captures one. The device table
+        must hold ``table_cells`` (the flat host table) in its cell 0, as it does once synced:
+        each warm-up writes that value there, and nothing else. False if a capture failed (now
+        or before), and the caller uploads eagerly."""
+        return all(self.capture(rows, partial(self._body, rows), warmup_fill=partial(
+            pack, rows=rows, cells=_FIRST_CELL, table_cells=table_cells)) for rows in self.buckets)
 
     def _body(self, rows: int) -> None:
         packed = self._scratch[: _ROW_BYTES * rows]

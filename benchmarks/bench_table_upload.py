@@ -33,7 +33,7 @@ from allocator import BlockTable
 def median_sync_us(tables: dict[str, BlockTable], cells: int, steps: int,
                    rng: np.random.Generator) -> dict[str, float]:
     """Median host microseconds of each table's sync over ``steps`` syncs of ``cells`` random
-    changes (the first tenth, which captures, untimed)."""
+    changes, after a tenth as many untimed (caches, allocator growth)."""
     size = next(iter(tables.values())).host.size
     taken: dict[str, list[float]] = {name: [] for name in tables}
     warmup = max(1, steps // 10)

@@ -4,7 +4,9 @@ One `DeferredWriteManager` serves every worker: the core calls ``commit`` under 
 whole window (begin, stage every layer straight from the worker's shared staging buffer, commit)
 runs inside that one call, so windows of different workers never interleave. The number of
 device launches does not depend on the number of layers: the commit reads the worker's buffer in
-place.
+place. The graphs that commit from a worker's buffer are captured when the buffer is made, at
+registration (``add_staging``), so its first commits replay like the rest, and are dropped with
+it (``release_staging``).
 
 Requests the settling call reverted or finished commit nothing: they enter the layout as all
 drafts with 0 accepted, so NWOR counts their tokens as rejected (never written) and
@@ -42,6 +44,15 @@ class Committer:
             self._protected = torch.zeros(storage.config.total_blocks, dtype=torch.bool,
                                           device=self.device)
             self.writes.protect(self._protected)
+
+    def add_staging(self, staging: torch.Tensor) -> None:
+        """Capture the graphs that commit from a worker's new ``staging`` buffer now, at
+        registration, so that its first commits replay like the rest instead of capturing."""
+        self.writes.capture_host_write_graphs(staging)
+
+    def release_staging(self, staging: torch.Tensor) -> None:
+        """Forget the graphs of ``staging``, a buffer about to be released."""
+        self.writes.drop_host_write_graphs(staging)
 
     def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
         """Set the protection of ``blocks`` (only the flips since the last call travel)."""

@@ -168,6 +168,7 @@ class ServiceCore:
         shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
         staging, handle = self._exporter.empty(f"staging-{req.worker_id}", shape,
                                                self.staging_dtype, self.device)
+        self.committer.add_staging(staging)
         fence, fwd, com = self._fence(req.worker_id)
         attachment = wire.Attachment(kv=self._kv_handle, block_table=self._table_handle,
                                      staging=handle, forward_done=fwd, commit_done=com)
@@ -223,6 +224,7 @@ class ServiceCore:
         rows = self.registry.remove(worker)
         if rows.size:
             self.manager.step(StepPlan(finished_rows=rows))
+        self.committer.release_staging(worker.staging)
         self._exporter.release(f"staging-{worker.worker_id}")
         return int(rows.size)
 

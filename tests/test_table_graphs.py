@@ -8,10 +8,12 @@ Rules:
 - on CUDA, graph syncs leave the device table equal to the host mirror and to what the eager
   path leaves, bit for bit, over every bucket and past the largest; the table keeps its shape
   and address;
-- once a bucket is captured, its syncs never make the host wait for the device;
-- a capture that fails turns graphs off for good (one attempt, one warning) and every sync runs
-  the eager path;
-- beyond ``max_graphs`` the least recently used graph is dropped, and recaptured when needed.
+- a new table has every bucket captured, and the warm-ups wrote nothing: its syncs, the first of
+  each bucket included, capture nothing and never make the host wait for the device;
+- a capture that fails, when the table is made or later, turns graphs off for good (one attempt,
+  one warning) and every sync runs the eager path;
+- beyond ``max_graphs`` the least recently used graph captured on first use is dropped, and
+  recaptured when needed; graphs captured ahead stay.
 
 The rules on bucket and packing run on CPU; the rest, marked ``gpu``, on CUDA.
 """
@@ -23,11 +25,10 @@ import logging
 import numpy as np
 import pytest
 import torch
-from cuda_checks import no_host_sync
+from cuda_checks import counted_captures, failing_captures, no_host_sync
 
-import allocator.pinned_graphs as pinned_graphs
 from allocator import BlockTable, InvalidValue
-from allocator.device_io import capture_graph
+from allocator.pinned_graphs import bucket_sizes
 from allocator.table_graphs import MAX_ROWS, MIN_ROWS, TableUploadGraphs, pack, rows_for
 
 gpu = pytest.mark.gpu
@@ -49,6 +50,13 @@ def test_buckets_are_the_powers_of_two_from_the_smallest_to_the_largest():
     assert rows_for(MIN_ROWS, max_rows=MIN_ROWS) == MIN_ROWS
     assert rows_for(MIN_ROWS + 1, max_rows=MIN_ROWS) is None
     assert rows_for(100, max_rows=100) is None  # the cap is a bucket, not a clamp
+
+
+@pytest.mark.parametrize("max_rows", [1, 63, 64, 100, 128, 1000, MAX_ROWS])
+def test_the_buckets_captured_ahead_are_exactly_those_some_sync_replays(max_rows):
+    replayed = {rows_for(cells, max_rows) for cells in range(1, 2 * max_rows + 2)} - {None}
+    assert bucket_sizes(MIN_ROWS, max_rows) == sorted(replayed)
+    assert bucket_sizes(MIN_ROWS, MAX_ROWS) == BUCKETS
 
 
 @pytest.mark.parametrize("make", [
@@ -153,33 +161,68 @@ def test_graph_syncs_equal_the_host_and_the_eager_path_over_every_bucket():
 
 @gpu
 @needs_cuda
-def test_a_sync_after_its_bucket_is_captured_never_waits_for_the_device():
+def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(monkeypatch):
+    """Every bucket is captured when the table is made, so the first sync of each bucket
+    replays like the rest: none captures, none waits for the device, and each leaves the table
+    the eager path leaves."""
+    captures = counted_captures(monkeypatch)
     table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
-    rng = np.random.default_rng(4)
+    eager = BlockTable(BATCH, WIDTH, torch.device("cuda"), upload_graphs=False)
+    graphs = table.upload_graphs
+    assert graphs is not None and not graphs.failed
+    assert len(captures) == graphs.captured == len(BUCKETS)
+    assert all(graphs.holds(rows) for rows in BUCKETS)
+    assert (_device(table) == -1).all()  # the warm-ups wrote nothing else
+    sizes = np.random.default_rng(4)
+    # The same changes on both tables, the graphed one's inside the check only.
+    graphed_changes, eager_changes = np.random.default_rng(40), np.random.default_rng(40)
+    for _ in range(3):
+        for rows in BUCKETS:
+            cells = int(sizes.integers(rows // 2 + 1, rows + 1))
+            with no_host_sync():
+                _step(graphed_changes, [table], cells)
+            _step(eager_changes, [eager], cells)
+            assert torch.equal(table.device_table, eager.device_table), rows
+            np.testing.assert_array_equal(_device(table), table.host, err_msg=str(rows))
+    assert len(captures) == graphs.captured == len(BUCKETS)
+
+
+@gpu
+@needs_cuda
+def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(monkeypatch):
+    """Straight on the graphs, over a table of random values the device holds too: capturing
+    every bucket leaves it bit for bit as it was, and the uploads that follow capture nothing."""
+    captures = counted_captures(monkeypatch)
+    rng = np.random.default_rng(7)
+    host = rng.integers(-2**31, 2**31, BATCH * WIDTH, dtype=np.int64).astype(np.int32)
+    device = torch.from_numpy(host.reshape(BATCH, WIDTH)).cuda()
+    graphs = TableUploadGraphs(device)
+    assert graphs.buckets == BUCKETS
+    assert graphs.capture_all(host)
+    np.testing.assert_array_equal(device.cpu().numpy().reshape(-1), host)
+    assert len(captures) == graphs.captured == len(BUCKETS)
+    assert graphs.capture_all(host) and len(captures) == len(BUCKETS)  # again: nothing new
     for rows in BUCKETS:
-        _step(rng, [table], rows)  # captures: that synchronises, once, outside the check
+        changed = _random_changes(rng, int(rng.integers(rows // 2 + 1, rows + 1)), host.size)
+        host[changed] = rng.integers(-2**31, 2**31, changed.size, dtype=np.int64).astype(
+            np.int32)
         with no_host_sync():
-            for _ in range(3):
-                _step(rng, [table], int(rng.integers(rows // 2 + 1, rows + 1)))
-        np.testing.assert_array_equal(_device(table), table.host, err_msg=str(rows))
-    assert table.upload_graphs is not None and table.upload_graphs.captured == len(BUCKETS)
+            assert graphs.upload(changed, host)
+        np.testing.assert_array_equal(device.cpu().numpy().reshape(-1), host, err_msg=str(rows))
+    assert len(captures) == len(BUCKETS)
 
 
 @gpu
 @needs_cuda
 def test_a_failed_capture_falls_back_to_the_eager_path_for_good(monkeypatch, caplog):
-    attempts = []
-
-    def broken(body, **kwargs):
-        """Warms up for real, as a capture does, then fails."""
-        attempts.append(body)
-        body()
-        raise RuntimeError("capture not supported")
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", broken)
-    table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
-    rng = np.random.default_rng(5)
+    attempts = failing_captures(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="allocator.table_graphs"):
+        table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
+        # The first bucket's capture, when the table was made, failed; none was tried after it,
+        # and its real warm-up wrote nothing.
+        assert len(attempts) == 1 and table.upload_graphs is not None
+        assert table.upload_graphs.failed and (_device(table) == -1).all()
+        rng = np.random.default_rng(5)
         for cells in _sizes(rng, rounds=2):
             _step(rng, [table], cells)
             np.testing.assert_array_equal(_device(table), table.host, err_msg=str(cells))
@@ -195,13 +238,7 @@ def test_graphs_beyond_the_limit_are_dropped_and_recaptured(monkeypatch):
     """Directly on the graphs: three buckets in turn with room for two (each use recaptures the
     one dropped longest ago), each upload exact; an upload past the largest bucket is refused and
     writes nothing, and so does one of no cells."""
-    captures = []
-
-    def counted(body, **kwargs):
-        captures.append(body)
-        return capture_graph(body, **kwargs)
-
-    monkeypatch.setattr(pinned_graphs, "capture_graph", counted)
+    captures = counted_captures(monkeypatch)
     host = np.full(BATCH * WIDTH, -1, dtype=np.int32)
     device = torch.full((BATCH, WIDTH), -1, dtype=torch.int32, device="cuda")
     graphs = TableUploadGraphs(device, max_rows=256, max_graphs=2)
