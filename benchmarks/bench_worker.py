@@ -12,7 +12,9 @@ its messages over ZeroMQ, ``ipc``, and over its plain Unix stream socket, ``stre
 ``decode_call_share`` is the call's share of the wall time of decode-only steps (no prefill in
 them), the figure the <= 5% target at batch 64 over IPC is about. Each transport also runs the
 oracle drafter with NWOR off (the service writes every staged token, rejected drafts too), side
-by side with NWOR on.
+by side with NWOR on. Each batch first runs untimed in process, without drafts and with the
+n-gram drafter, so that the model's first steps at the batch's shapes count in no transport's
+figures.
 
 ``--quick``: a 2-layer model in float32 on the CPU, batches of 4 and 8 prompts of 16-64 tokens.
 """
@@ -127,6 +129,11 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
                               device=setup["device"], max_batch_size=batch)
         config = ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"])
         with tempfile.TemporaryDirectory() as tmp:
+            # Untimed, at the measured shapes: the model's first steps at a new batch shape pick
+            # and compile its kernels, which would otherwise slow the first transport's runs.
+            with connect("in-process", config, Path(tmp)) as client:
+                for drafter, draft_len in ((None, 0), (NgramDrafter(), DRAFT_LEN)):
+                    measure(model, client, prompts, setup["new_tokens"], drafter, draft_len)
             for transport in TRANSPORTS:
                 with connect(transport, config, Path(tmp)) as client:
                     # Warm-up, not measured: first calls compile and allocate (service and model).
