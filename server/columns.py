@@ -29,8 +29,10 @@ from . import protocol, wire
 from .errors import MalformedBody
 
 INT64 = np.dtype("<i8")
+# A call's every column is one array type, int64, contiguous and writable, so that each compiled
+# loop of the step is compiled once (numba compiles a read-only or strided array apart, which a
+# step would pay the first time it met one). The empty column too: it holds nothing to protect.
 NO_VALUES = np.zeros(0, dtype=np.int64)
-NO_VALUES.flags.writeable = False
 
 ColumnInput = Sequence[int] | np.ndarray | bytes | memoryview
 
@@ -93,6 +95,11 @@ def as_int64(value: ColumnInput, where: str) -> np.ndarray:
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
+def _writable(column: np.ndarray) -> np.ndarray:
+    """``column`` as a call keeps it (see NO_VALUES): copied if read-only or strided."""
+    return column if column.flags.writeable and column.flags.c_contiguous else np.array(column)
+
+
 class _ArrayRecord:
     """Equality field by field, arrays compared element by element (a retried step's reply
     equals the first one).
@@ -146,11 +153,11 @@ class StepCall(_ArrayRecord):
         `protocol.StepRequest` model: columns checked, lengths matched."""
         header = (message.worker_id, message.session, message.epoch, message.step_id)
         if isinstance(message, wire.StepRequestBinary):
+            # One copy out of the read-only message, for writable columns (see NO_VALUES).
             values, sizes = _unpacked(message, _REQUEST_PATHS)
+            values = values.copy()
             _check_bounds(values, sizes)
-            # One copy out of the read-only message: the manager's compiled step takes writable
-            # arrays, and would otherwise copy the columns one by one.
-            return cls._checked(*header, tuple(message.req_ids), _split(values.copy(), sizes))
+            return cls._checked(*header, tuple(message.req_ids), _split(values, sizes))
         return cls.build(*header, new_req_ids=tuple(message.new.req_ids),
                          **dict(zip(_REQUEST_COLUMNS, _request_columns(message), strict=True)))
 
@@ -165,7 +172,8 @@ class StepCall(_ArrayRecord):
         arrays: list[np.ndarray] = []
         for attr, where in zip(_REQUEST_COLUMNS, _request_bounds().names, strict=True):
             try:
-                arrays.append(as_int64(columns[attr], where) if attr in columns else NO_VALUES)
+                arrays.append(_writable(as_int64(columns[attr], where)) if attr in columns
+                              else NO_VALUES)
             except MalformedBody:
                 _check_bounds(*_joined(arrays))  # a bad value in an earlier column is named first
                 raise

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import msgspec
 import numpy as np
@@ -247,3 +249,77 @@ def test_integer_bounds_are_integers_in_the_openapi_document() -> None:
     schema = protocol.StepRequest.model_json_schema()
     text = json.dumps(schema)
     assert "9223372036854775807" in text and "e+18" not in text
+
+
+# A fresh process: other tests call the compiled loops with arrays of their own.
+_STEPS_EVERY_WAY = '''
+import json
+import numpy as np
+from numba.core.registry import CPUDispatcher
+import allocator.step_compiled, allocator.window_maths
+import server.batch, server.columns, server.pipeline, server.registry, server.schedule
+from allocator import PoolConfig
+from server import wire
+from server.client import Client
+from server.columns import StepCall
+from server.core import ServiceCore
+from server.settings import ServiceConfig
+
+pool = PoolConfig(num_blocks=64, tokens_per_block=4, num_layers=2, num_kv_heads=2, head_dim=8,
+                  max_batch_size=8, max_seq_len=64, max_draft_len=3)
+core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=64))
+kv = Client.in_process(core, worker_id="w")
+kv.register()
+
+
+def read_only(values):
+    array = np.array(values, dtype=np.int64)
+    array.flags.writeable = False
+    return array
+
+
+def sent(way, **columns):
+    """A step built from ``columns``, then as IPC or REST would decode it."""
+    reg = kv.registration
+    call = StepCall.build("w", reg.session, reg.epoch, kv.next_step_id, **columns)
+    if way == "ipc":
+        call = StepCall.from_wire(wire.decode(wire.encode_msgpack(call.to_wire(True)),
+                                              wire.StepRequestBinary))
+    elif way == "rest":
+        call = StepCall.from_wire(wire.decode(wire.encode_json(call.to_wire(False)),
+                                              wire.StepRequest, "json"))
+    return kv.send_step(call)
+
+
+handles = kv.step(new=(["a", "b", "c"], [5, 9, 3])).admitted
+kv.step(grants=(read_only(handles), np.array([3, 1, 3, 1, 3, 1], dtype=np.int64)[::2]))
+for i, way in enumerate(("ipc", "rest", "in-process")):
+    reply = sent(way, result_handles=handles, num_accepted=[i % 2, 1, 0],
+                 grant_handles=handles, draft_lens=read_only([2, 2, 2]).tobytes(),
+                 new_req_ids=[f"n{i}"], prompt_lens=[4])
+    kv.step(results=(handles, [1, 1, 1]), grants=(handles, [1, 1, 1]), finished=reply.admitted)
+kv.step(results=(handles, [0, 1, 1]), finished=handles)
+core.check_invariants()
+print(json.dumps({f"{module.__name__}.{name}": len(loop.signatures)
+                  for module in (allocator.step_compiled, allocator.window_maths, server.batch,
+                                 server.columns, server.pipeline, server.registry,
+                                 server.schedule)
+                  for name, loop in vars(module).items()
+                  if isinstance(loop, CPUDispatcher) and loop.signatures}))
+'''
+
+
+@pytest.mark.skipif(numba is None, reason="numba is not installed")
+def test_each_compiled_loop_of_the_step_compiles_once_however_the_call_was_built() -> None:
+    # numba compiles a loop again for every new array type it meets (read-only, strided): a
+    # step that met one would stall on the compile. Calls built from lists, read-only and
+    # strided arrays and bytes, and decoded from IPC and REST, all reach the loops as one type.
+    out = subprocess.run([sys.executable, "-c", _STEPS_EVERY_WAY], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    compiled = json.loads(out.splitlines()[-1])
+    for loop in ("server.batch.settle_rows", "server.batch.commit_slots",
+                 "server.pipeline.token_demand", "server.registry.live_rows",
+                 "server.registry.take_rows", "server.schedule._compiled_loop",
+                 "server.columns.first_outside", "allocator.step_compiled._step"):
+        assert loop in compiled, loop  # each ran
+    assert {loop: n for loop, n in compiled.items() if n != 1} == {}
