@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from nwor_scenarios import Window, bits, expected_after, poisoned_storage, pool_
 
 from allocator.deferred_writes import DeferredWriteManager
 from allocator.host_write_graphs import MIN_ROWS, row_buckets, rows_for
+from allocator.kv_storage import KVStorage
 from allocator.nwor_errors import NworInputError, WindowStateError
 from allocator.nwor_window import WindowLayout
 from allocator.pinned_graphs import GraphStore, bucket_sizes
@@ -47,7 +49,8 @@ HOST_WRITE_FAILURE = "committing without a graph"
 
 @pytest.mark.parametrize("max_tokens", [1, 50, 64, 65, 100, 128, 200, 4096])
 @pytest.mark.parametrize("capacity", [1, 63, 64, 100, 256, 4096, 5000])
-def test_row_buckets_are_exactly_the_buckets_some_window_replays(max_tokens, capacity):
+def test_row_buckets_are_exactly_the_buckets_some_window_replays(
+        max_tokens: int, capacity: int) -> None:
     largest = min(max_tokens, capacity)
     replayed = {rows_for(n, max_tokens, capacity) for n in range(1, largest + 1)}
     listed = row_buckets(max_tokens, capacity)
@@ -55,19 +58,19 @@ def test_row_buckets_are_exactly_the_buckets_some_window_replays(max_tokens, cap
     assert all(rows_for(n, max_tokens, capacity) >= n for n in range(1, largest + 1))
 
 
-def test_a_service_worker_of_the_default_step_size_has_seven_buckets():
+def test_a_service_worker_of_the_default_step_size_has_seven_buckets() -> None:
     assert row_buckets(4096, 4096) == [64, 128, 256, 512, 1024, 2048, 4096]
     assert row_buckets(4096, 4096) == bucket_sizes(MIN_ROWS, 4096)
 
 
-def test_bucket_sizes_grow_by_doubling_from_the_smallest():
+def test_bucket_sizes_grow_by_doubling_from_the_smallest() -> None:
     assert bucket_sizes(64, 63) == []
     assert bucket_sizes(64, 64) == [64]
     assert bucket_sizes(64, 1000) == [64, 128, 256, 512]
     assert bucket_sizes(1, 8) == [1, 2, 4, 8]
 
 
-def test_graphs_captured_ahead_are_never_evicted_by_graphs_captured_on_first_use():
+def test_graphs_captured_ahead_are_never_evicted_by_graphs_captured_on_first_use() -> None:
     store: GraphStore[str] = GraphStore(max_graphs=2)
     ahead = [("worker", w, rows) for w in range(6) for rows in (64, 128, 256)]
     for key in ahead:  # more than max_graphs of them
@@ -79,7 +82,7 @@ def test_graphs_captured_ahead_are_never_evicted_by_graphs_captured_on_first_use
     assert ("lazy", 4) in store and ("lazy", 3) in store and ("lazy", 2) not in store
 
 
-def test_the_least_recently_used_first_use_graph_goes_first():
+def test_the_least_recently_used_first_use_graph_goes_first() -> None:
     store: GraphStore[str] = GraphStore(max_graphs=2)
     store.add("a", "A", ahead=False)
     store.add("b", "B", ahead=False)
@@ -89,7 +92,7 @@ def test_the_least_recently_used_first_use_graph_goes_first():
     assert store.get("b") is None
 
 
-def test_capturing_ahead_a_graph_first_captured_on_use_moves_it_out_of_the_lru():
+def test_capturing_ahead_a_graph_first_captured_on_use_moves_it_out_of_the_lru() -> None:
     store: GraphStore[str] = GraphStore(max_graphs=1)
     store.add("a", "A", ahead=False)
     store.add("a", "A", ahead=True)
@@ -98,7 +101,7 @@ def test_capturing_ahead_a_graph_first_captured_on_use_moves_it_out_of_the_lru()
     assert len(store) == 2 and store.get("a") == "A" and "b" not in store
 
 
-def test_dropping_forgets_the_matching_graphs_of_both_kinds():
+def test_dropping_forgets_the_matching_graphs_of_both_kinds() -> None:
     store: GraphStore[str] = GraphStore(max_graphs=4)
     for rows in (64, 128):
         store.add(("x", rows), "x", ahead=True)
@@ -120,7 +123,7 @@ def _cpu_manager() -> tuple[DeferredWriteManager, torch.Tensor]:
     return mgr, staging
 
 
-def test_on_a_cpu_pool_capturing_ahead_captures_nothing_and_says_so():
+def test_on_a_cpu_pool_capturing_ahead_captures_nothing_and_says_so() -> None:
     mgr, staging = _cpu_manager()
     assert mgr.capture_host_write_graphs(staging) is False
     assert mgr._host_graphs is None
@@ -128,7 +131,7 @@ def test_on_a_cpu_pool_capturing_ahead_captures_nothing_and_says_so():
 
 
 @pytest.mark.parametrize("bad", ["not a tensor", "layers", "empty", "strided", "dtype"])
-def test_capturing_ahead_refuses_a_buffer_stage_from_refuses(bad):
+def test_capturing_ahead_refuses_a_buffer_stage_from_refuses(bad: str) -> None:
     mgr, staging = _cpu_manager()
     staging = {
         "not a tensor": lambda: staging.float().numpy(),
@@ -144,7 +147,7 @@ def test_capturing_ahead_refuses_a_buffer_stage_from_refuses(bad):
     assert mgr._host_graphs is None and not mgr.window_open
 
 
-def test_capturing_ahead_inside_a_window_is_refused_and_the_window_still_commits():
+def test_capturing_ahead_inside_a_window_is_refused_and_the_window_still_commits() -> None:
     mgr, staging = _cpu_manager()
     mgr.begin_window(WindowLayout([3], [2]))
     with pytest.raises(WindowStateError, match="between windows"):
@@ -158,7 +161,8 @@ def test_capturing_ahead_inside_a_window_is_refused_and_the_window_still_commits
 # ---- on CUDA ---------------------------------------------------------------------------------
 
 
-def _twins(protected: bool = False):
+def _twins(protected: bool = False) -> tuple[list[KVStorage], DeferredWriteManager,
+                                             DeferredWriteManager, Callable[[], torch.Tensor]]:
     """Two identical poisoned CUDA pools: one manager writes eagerly (the torch path), the
     other replays graphs; and a maker of staging buffers of ``TOKENS`` tokens."""
     cfg = pool_config("cuda")
@@ -227,7 +231,7 @@ def _source(staging: torch.Tensor) -> torch.Tensor:
 @needs_cuda
 @pytest.mark.parametrize("protected", [False, True])
 def test_capturing_ahead_covers_every_bucket_writes_nothing_and_the_commits_then_replay(
-        protected, monkeypatch):
+        protected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     captures = counted_captures(monkeypatch)
     storages, eager, graphed, make_staging = _twins(protected)
     staging = make_staging()
@@ -262,7 +266,8 @@ def test_capturing_ahead_covers_every_bucket_writes_nothing_and_the_commits_then
 
 @gpu
 @needs_cuda
-def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(monkeypatch):
+def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Six buffers of three buckets each, 18 graphs against room for 16 captured on first use:
     round after round of commits from every buffer captures nothing. A dropped buffer's graphs
     go, and its next commit captures on first use again, still writing what the eager path
@@ -294,7 +299,7 @@ def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(monkeyp
 @gpu
 @needs_cuda
 def test_a_capture_that_fails_ahead_turns_graphs_off_once_and_commits_write_eagerly(
-        monkeypatch, caplog):
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     attempts = failing_captures(monkeypatch)
     storages, eager, graphed, make_staging = _twins()
     staging = make_staging()
@@ -319,7 +324,8 @@ def test_a_capture_that_fails_ahead_turns_graphs_off_once_and_commits_write_eage
 
 @gpu
 @needs_cuda
-def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(monkeypatch):
+def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Against the independent expectation, not only the eager path: the committed tokens of a
     window of each bucket, and poison everywhere else."""
     captures = counted_captures(monkeypatch)
@@ -347,7 +353,7 @@ def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(monkeypat
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_with_it(
-        device, monkeypatch):
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA, registration captures every bucket of the worker's buffer; the worker's steps
     capture nothing (block-table syncs included: the table's graphs were captured with it) and
     commit exactly the accepted tokens; its graphs go when it deregisters or its lease expires.

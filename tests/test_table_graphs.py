@@ -21,6 +21,7 @@ The rules on bucket and packing run on CPU; the rest, marked ``gpu``, on CUDA.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ BATCH, WIDTH = 40, 257  # 10280 cells: syncs of every bucket, and past the large
 BUCKETS = [1 << k for k in range(MIN_ROWS.bit_length() - 1, MAX_ROWS.bit_length())]
 
 
-def test_buckets_are_the_powers_of_two_from_the_smallest_to_the_largest():
+def test_buckets_are_the_powers_of_two_from_the_smallest_to_the_largest() -> None:
     assert BUCKETS[0] == MIN_ROWS and BUCKETS[-1] == MAX_ROWS and len(BUCKETS) > 2
     for cells in range(1, 2 * MAX_ROWS + 2):
         rows = rows_for(cells)
@@ -53,7 +54,7 @@ def test_buckets_are_the_powers_of_two_from_the_smallest_to_the_largest():
 
 
 @pytest.mark.parametrize("max_rows", [1, 63, 64, 100, 128, 1000, MAX_ROWS])
-def test_the_buckets_captured_ahead_are_exactly_those_some_sync_replays(max_rows):
+def test_the_buckets_captured_ahead_are_exactly_those_some_sync_replays(max_rows: int) -> None:
     replayed = {rows_for(cells, max_rows) for cells in range(1, 2 * max_rows + 2)} - {None}
     assert bucket_sizes(MIN_ROWS, max_rows) == sorted(replayed)
     assert bucket_sizes(MIN_ROWS, MAX_ROWS) == BUCKETS
@@ -66,7 +67,8 @@ def test_the_buckets_captured_ahead_are_exactly_those_some_sync_replays(max_rows
     pytest.param(lambda: torch.full((3, 4), -1, dtype=torch.int32, device="cuda").t(),
                  id="cuda_strided", marks=[gpu, needs_cuda]),
 ])
-def test_graphs_refuse_anything_but_a_contiguous_int32_cuda_table(make):
+def test_graphs_refuse_anything_but_a_contiguous_int32_cuda_table(
+        make: Callable[[], torch.Tensor]) -> None:
     with pytest.raises(InvalidValue, match="contiguous int32 CUDA tensor") as raised:
         TableUploadGraphs(make())
     assert raised.value.field == "block_table"
@@ -77,7 +79,7 @@ def _random_changes(rng: np.random.Generator, cells: int, size: int) -> np.ndarr
     return rng.integers(0, size, cells)
 
 
-def test_pack_lays_out_cells_then_values_padded_with_the_first_pair():
+def test_pack_lays_out_cells_then_values_padded_with_the_first_pair() -> None:
     rng = np.random.default_rng(1)
     table = rng.integers(-2**31, 2**31, BATCH * WIDTH, dtype=np.int64).astype(np.int32)
     for cells in (1, 2, 63, 64, 65, 1000, MAX_ROWS):
@@ -94,7 +96,7 @@ def test_pack_lays_out_cells_then_values_padded_with_the_first_pair():
         assert (out[12 * rows:] == 0xAB).all()  # nothing past the bucket's bytes
 
 
-def test_a_packed_scatter_in_any_order_writes_exactly_the_changed_cells():
+def test_a_packed_scatter_in_any_order_writes_exactly_the_changed_cells() -> None:
     """Padding and repeated cells carry the value the host holds: a scatter that runs them in
     any order writes the changed cells and nothing else."""
     rng = np.random.default_rng(2)
@@ -145,7 +147,7 @@ def _device(table: BlockTable) -> np.ndarray:
 
 @gpu
 @needs_cuda
-def test_graph_syncs_equal_the_host_and_the_eager_path_over_every_bucket():
+def test_graph_syncs_equal_the_host_and_the_eager_path_over_every_bucket() -> None:
     graphed = BlockTable(BATCH, WIDTH, torch.device("cuda"))
     eager = BlockTable(BATCH, WIDTH, torch.device("cuda"), upload_graphs=False)
     assert eager.upload_graphs is None and graphed.upload_graphs is not None
@@ -161,7 +163,8 @@ def test_graph_syncs_equal_the_host_and_the_eager_path_over_every_bucket():
 
 @gpu
 @needs_cuda
-def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(monkeypatch):
+def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every bucket is captured when the table is made, so the first sync of each bucket
     replays like the rest: none captures, none waits for the device, and each leaves the table
     the eager path leaves."""
@@ -189,7 +192,8 @@ def test_a_new_table_has_every_bucket_captured_and_no_sync_captures_or_waits(mon
 
 @gpu
 @needs_cuda
-def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(monkeypatch):
+def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Straight on the graphs, over a table of random values the device holds too: capturing
     every bucket leaves it bit for bit as it was, and the uploads that follow capture nothing."""
     captures = counted_captures(monkeypatch)
@@ -214,7 +218,8 @@ def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(monkeypat
 
 @gpu
 @needs_cuda
-def test_a_failed_capture_falls_back_to_the_eager_path_for_good(monkeypatch, caplog):
+def test_a_failed_capture_falls_back_to_the_eager_path_for_good(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     attempts = failing_captures(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="allocator.table_graphs"):
         table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
@@ -234,7 +239,8 @@ def test_a_failed_capture_falls_back_to_the_eager_path_for_good(monkeypatch, cap
 
 @gpu
 @needs_cuda
-def test_graphs_beyond_the_limit_are_dropped_and_recaptured(monkeypatch):
+def test_graphs_beyond_the_limit_are_dropped_and_recaptured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Directly on the graphs: three buckets in turn with room for two (each use recaptures the
     one dropped longest ago), each upload exact; an upload past the largest bucket is refused and
     writes nothing, and so does one of no cells."""
