@@ -123,15 +123,7 @@ class PinnedGraphs:
         """Capture the graph of ``key`` now, ahead of its first replay, and keep it until
         ``drop``; ``body`` and ``warmup_fill`` as for ``replay`` (the warm-up runs for real over
         the input ``warmup_fill`` writes). False if a capture failed, now or before."""
-        if self.failed:
-            return False
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._capture(body, warmup_fill)
-            if graph is None:
-                return False
-        self._graphs.add(key, graph, ahead=True)
-        return True
+        return self._graph(key, body, warmup_fill, ahead=True) is not None
 
     def drop(self, which: Callable[[Hashable], bool]) -> int:
         """Forget the graphs whose key ``which`` accepts (their addresses may be reused for
@@ -145,18 +137,30 @@ class PinnedGraphs:
         first; its warm-up runs for real, over the input ``warmup_fill`` writes, which must make
         it harmless. False if a capture failed, now or before: nothing was replayed (at most
         that harmless warm-up ran), and the caller runs its eager path."""
-        if self.failed:
-            return False
-        graph = self._graphs.get(key)
+        graph = self._graph(key, body, warmup_fill, ahead=False)
         if graph is None:
-            graph = self._capture(body, warmup_fill)
-            if graph is None:
-                return False
-            self._graphs.add(key, graph, ahead=False)
+            return False
         fill(self._buffer.writable())
         graph.replay()
         self._buffer.read()
         return True
+
+    def _graph(self, key: Hashable, body: Callable[[], None], warmup_fill: Fill, *,
+               ahead: bool) -> torch.cuda.CUDAGraph | None:
+        """The graph of ``key``, captured now if new (kept as ``ahead`` says; one captured on
+        first use and now wanted ``ahead`` is kept until dropped from then on); None if a
+        capture failed, now or before."""
+        if self.failed:
+            return None
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(body, warmup_fill)
+            if graph is None:
+                return None
+            self._graphs.add(key, graph, ahead=ahead)
+        elif ahead:
+            self._graphs.add(key, graph, ahead=True)
+        return graph
 
     def _capture(self, body: Callable[[], None],
                  warmup_fill: Fill) -> torch.cuda.CUDAGraph | None:
