@@ -180,11 +180,14 @@ def checked_plan(*, revert_rows: np.ndarray, result_rows: np.ndarray, num_accept
     columns = (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens,
                padding_rows, padded_draft_lens, prefill_rows, prefill_tokens, prompt_lens,
                first_chunks)
-    return PlanArrays(*[c if c.flags.writeable and c.flags.c_contiguous else _copy(c)
-                        for c in columns], False)
+    return PlanArrays(*[compiled_type(c) for c in columns], False)
 
 
-def _copy(values: np.ndarray) -> np.ndarray:
+def compiled_type(values: np.ndarray) -> np.ndarray:
+    """An int64 array as the compiled loops take it, contiguous and writable: ``values`` itself,
+    or a copy (numba compiles a loop again for a read-only or strided array)."""
+    if values.flags.writeable and values.flags.c_contiguous:
+        return values
     return np.array(values) if values.size else _EMPTY
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from allocator.jit import jit, numba
+from allocator.step_plan import compiled_type
 
 from . import protocol, wire
 from .errors import MalformedBody
@@ -93,11 +94,6 @@ def as_int64(value: ColumnInput, where: str) -> np.ndarray:
 
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def _writable(column: np.ndarray) -> np.ndarray:
-    """``column`` as a call keeps it (see NO_VALUES): copied if read-only or strided."""
-    return column if column.flags.writeable and column.flags.c_contiguous else np.array(column)
 
 
 class _ArrayRecord:
@@ -172,7 +168,7 @@ class StepCall(_ArrayRecord):
         arrays: list[np.ndarray] = []
         for attr, where in zip(_REQUEST_COLUMNS, _request_bounds().names, strict=True):
             try:
-                arrays.append(_writable(as_int64(columns[attr], where)) if attr in columns
+                arrays.append(compiled_type(as_int64(columns[attr], where)) if attr in columns
                               else NO_VALUES)
             except MalformedBody:
                 _check_bounds(*_joined(arrays))  # a bad value in an earlier column is named first
