@@ -1,47 +1,9 @@
 """kvalloc's library: paged KV pool, block tables, overlap-slack capacity accounting, NWOR."""
 
-from .acceptance import (
-    SCV_MODE_ENV,
-    ScvAcceptor,
-    ScvMode,
-    ScvStats,
-    acceptance_mask,
-    scv_mode_from_env,
-)
-from .attention import merge_attention, paged_attention, two_source_attention
-from .block_pool import BlockPool
-from .block_table import BlockTable
-from .commit_kernel import write_staged
-from .config import PoolConfig, SlackPolicy
-from .deferred_writes import DeferredWriteManager
-from .errors import (
-    AcceptedExceedsDrafts,
-    BatchFull,
-    BlockTableOverflow,
-    DraftLenExceeded,
-    DuplicateRequest,
-    GrantPending,
-    InvalidValue,
-    InvariantViolation,
-    KVAllocError,
-    NoPendingGrant,
-    OutOfBlocks,
-    PrefillIncomplete,
-    UnknownRequest,
-)
-from .kv_storage import KVStorage
-from .manager import KVCacheManager
-from .nwor_errors import (
-    InvalidScvMode,
-    NworError,
-    NworInputError,
-    SlotDtypeError,
-    StagingOverflow,
-    WindowStateError,
-)
-from .nwor_window import NworMetrics, WindowLayout, WindowStats
-from .placement import TensorAllocator, plain_tensor
-from .step_plan import (
+from allocator.capacity.block_pool import BlockPool
+from allocator.capacity.block_table import BlockTable
+from allocator.capacity.manager import KVCacheManager
+from allocator.capacity.step.plan import (
     ADMITTED,
     REFUSED_BATCH_FULL,
     REFUSED_OUT_OF_BLOCKS,
@@ -49,6 +11,46 @@ from .step_plan import (
     StepOutcome,
     StepPlan,
 )
+from allocator.common.placement import TensorAllocator, plain_tensor
+from allocator.config import PoolConfig, SlackPolicy
+from allocator.errors import (
+    AcceptedExceedsDrafts,
+    BatchFull,
+    BlockTableOverflow,
+    DraftLenExceeded,
+    DuplicateRequest,
+    GrantPending,
+    InvalidScvMode,
+    InvalidValue,
+    InvariantViolation,
+    KVAllocError,
+    NoPendingGrant,
+    NworError,
+    NworInputError,
+    OutOfBlocks,
+    PrefillIncomplete,
+    SlotDtypeError,
+    StagingOverflow,
+    UnknownRequest,
+    WindowStateError,
+)
+from allocator.nwor.acceptance import (
+    SCV_MODE_ENV,
+    ScvAcceptor,
+    ScvMode,
+    ScvStats,
+    acceptance_mask,
+    scv_mode_from_env,
+)
+from allocator.nwor.commit_kernel import write_staged
+from allocator.nwor.deferred_writes import DeferredWriteManager
+from allocator.nwor.storage import KVStorage
+from allocator.nwor.two_source_attention import (
+    merge_attention,
+    paged_attention,
+    two_source_attention,
+)
+from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
 
 __all__ = [
     "ADMITTED",

@@ -1,6 +1,11 @@
-"""Typed errors. Every one is raised before any state changes, and names what was wrong.
+"""The allocator's one error tree: every error it raises on bad input or exhausted resources is
+a `KVAllocError`, raised before any state changes, naming what was wrong.
 
 ``field`` says which input was at fault so a transport can map it to a 4xx naming the field.
+The capacity errors come first; `NworError` roots those of acceptance, deferred writes and the
+commit kernel. Accepted counts larger than the drafts are `AcceptedExceedsDrafts` in both (NWOR
+sets ``field="accepted_counts"``), so a transport maps both versions of that mistake to one 4xx.
+`InvariantViolation` stands apart: it is a bug, never a caller's mistake.
 """
 
 from __future__ import annotations
@@ -84,3 +89,38 @@ class PrefillIncomplete(KVAllocError):
     """A generation grant for a request whose prompt is not fully scheduled yet."""
 
     field = "req_id"
+
+
+# NWOR (deferred KV writes) and SCV (acceptance).
+class NworError(KVAllocError):
+    """Base of the errors raised by acceptance, deferred writes and the commit kernel."""
+
+
+class InvalidScvMode(NworError, ValueError):
+    """``KVALLOC_SCV_MODE`` holds something other than off | graph | adaptive."""
+
+    field = "KVALLOC_SCV_MODE"
+
+
+class WindowStateError(NworError, RuntimeError):
+    """A window call out of order: staging or committing with no open window, opening a second
+    window, or capturing a graph while a window is open."""
+
+    field = "window"
+
+
+class NworInputError(NworError, ValueError):
+    """A tensor or count whose shape, length, dtype, device or value the call cannot take."""
+
+
+class SlotDtypeError(NworInputError):
+    """Slots must be int64: an int32 slot mapping silently broke the write path once."""
+
+    field = "slot_mapping"
+
+
+class StagingOverflow(NworInputError):
+    """A layer staged more tokens than the window schedules (the window must count every
+    scheduled token: prefill chunks, last verified tokens and drafts)."""
+
+    field = "slot_mapping"

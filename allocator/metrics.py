@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .manager import KVCacheManager
+from allocator.capacity.manager import KVCacheManager
 
 # Step latency spans an in-process call (~10 us) to REST under load (~100 ms); the decode step
 # this sits beside is 10-30 ms, so resolution is finest below a millisecond.

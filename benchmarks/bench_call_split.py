@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step
 
 from server.client import Client
-from server.columns import StepCall, StepResult
-from server.core import ServiceCore
-from server.ipc import IpcServer
+from server.contract.columns import StepCall, StepResult
+from server.service.core import ServiceCore
+from server.transport.ipc import IpcServer
 
 
 class TimedCore(ServiceCore):

@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator.acceptance import ScvAcceptor, ScvMode, time_cuda_ms
-from allocator.commit_kernel import write_staged
 from allocator.config import PoolConfig
-from allocator.deferred_writes import DeferredWriteManager
-from allocator.kv_storage import KVStorage
-from allocator.nwor_window import WindowLayout
+from allocator.nwor.acceptance import ScvAcceptor, ScvMode, time_cuda_ms
+from allocator.nwor.commit_kernel import write_staged
+from allocator.nwor.deferred_writes import DeferredWriteManager
+from allocator.nwor.storage import KVStorage
+from allocator.nwor.window import WindowLayout
 
 HEADS, DIM, TPB = 8, 128, 16
 ROW = HEADS * DIM

@@ -66,10 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from allocator import KVCacheManager, PoolConfig, StepOutcome, StepPlan
 from server.client import Client
-from server.columns import StepCall, StepResult
-from server.core import ServiceCore
-from server.launch import ServiceProcess
-from server.settings import ServiceConfig
+from server.contract.columns import StepCall, StepResult
+from server.devtools.launch import ServiceProcess
+from server.service.core import ServiceCore
+from server.service.settings import ServiceConfig
 
 SPIN_DEFAULT_S = ServiceConfig.model_fields["ipc_spin_s"].default
 

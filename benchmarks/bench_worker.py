@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from allocator import PoolConfig
 from server.client import Client
-from server.core import ServiceCore
-from server.launch import ServiceProcess
-from server.settings import ServiceConfig
+from server.devtools.launch import ServiceProcess
+from server.service.core import ServiceCore
+from server.service.settings import ServiceConfig
 from worker.drafters import Drafter, NgramDrafter, OracleDrafter
 from worker.engine import Engine, Prompt
 from worker.model import pool_for_model, random_model

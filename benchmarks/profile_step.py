@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
 
-from allocator import deferred_writes
-from allocator.host_write_graphs import HostWriteGraphs
-from server import batch, pipeline
+from allocator.nwor import deferred_writes
+from allocator.nwor.host_write_graphs import HostWriteGraphs
+from server.service import batch, pipeline
 
 
 class PhaseTimes:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from server.client import Client
-from server.launch import ServiceProcess, kvalloc_command
+from server.devtools.launch import ServiceProcess, kvalloc_command
 
 POOL = ("--device", "cpu", "--num-blocks", "4096", "--tokens-per-block", "16",
         "--max-batch-size", "256", "--max-seq-len", "4096", "--max-step-tokens", "4096",

@@ -20,9 +20,9 @@ DESCRIPTION = ("KV-cache block allocator for LLM inference with speculative deco
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("allocator.simulate", "overlap-scheduler model: finds IMA and row overflow"),
+    "simulate": ("allocator.tools.simulate", "overlap-scheduler model: finds IMA and row overflow"),
     "serve": ("server.serve", "run the allocator service (REST + IPC) until stopped"),
-    "loadgen": ("server.loadgen", "simulated inference worker driving a running service"),
+    "loadgen": ("server.devtools.loadgen", "simulated inference worker driving a running service"),
     "worker": ("worker.cli", "a transformers model decoding speculatively, KV in the pool"),
 }
 

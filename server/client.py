@@ -10,8 +10,8 @@
     reply = kv.step(grants=([handle], [3]))      # commit step 1, grant 1 + 3 tokens (MTP3)
     reply = kv.step(results=([handle], [2]), finished=[handle])   # 2 drafts accepted; done
 
-Columns are sequences or int64 arrays; replies (`server.columns.StepResult`) are int64 arrays.
-Both transports offer the same methods and raise the same errors (`RemoteError` and its
+Columns are sequences or int64 arrays; replies (`server.contract.columns.StepResult`) are int64
+arrays. Both transports offer the same methods and raise the same errors (`RemoteError` and its
 subclasses, carrying the service's status / code / field). The client numbers steps itself and
 retries a call that timed out with the same step id, which the service answers without applying
 it twice. On a CUDA pool ``step`` also orders the device work: it records ``forward_done`` on the
@@ -33,16 +33,16 @@ import msgspec
 import torch
 import zmq
 
-from allocator.slots import slot_mapping as table_slot_mapping
-
-from . import stream, wire
-from .addresses import TOKEN_ENV, default_client_address, transport_of
-from .columns import ColumnInput, StepCall, StepResult
-from .errors import MalformedBody, ServiceError, describe
-from .operations import ERROR, OK, OPERATIONS, Operation
-from .polling import Wait, poll_for
-from .sharing import StepFence, attach
-from .token_files import discover_token
+from allocator.capacity.slots import slot_mapping as table_slot_mapping
+from server.contract import wire
+from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
+from server.contract.columns import ColumnInput, StepCall, StepResult
+from server.contract.errors import MalformedBody, ServiceError, describe
+from server.contract.operations import ERROR, OK, OPERATIONS, Operation
+from server.contract.sharing import StepFence, attach
+from server.transport import stream
+from server.transport.polling import Wait, poll_for
+from server.transport.token_files import discover_token
 
 
 class RemoteError(Exception):
@@ -158,8 +158,9 @@ class Client:
 
     @classmethod
     def in_process(cls, core: Any, *, worker_id: str | None = None) -> Client:
-        """A client calling ``core`` (a `server.core.ServiceCore`) directly: the same methods and
-        errors without a transport, for engines that embed the service, and for tests."""
+        """A client calling ``core`` (a `server.service.core.ServiceCore`) directly: the same
+        methods and errors without a transport, for engines that embed the service, and for
+        tests."""
         client = cls.__new__(cls)
         client.address = "in-process"
         client._init(_LocalTransport(core), worker_id, retries=0)
@@ -250,8 +251,8 @@ class Client:
         return out
 
     def call(self, op: str, request: Any) -> Any:
-        """Send ``request`` (a `server.wire` struct; a `StepCall` for the step) as operation
-        ``op``; a timed-out attempt is retried unchanged."""
+        """Send ``request`` (a `server.contract.wire` struct; a `StepCall` for the step) as
+        operation ``op``; a timed-out attempt is retried unchanged."""
         operation = OPERATIONS[op]
         for attempt in range(self.retries + 1):
             try:
@@ -387,8 +388,8 @@ class _IpcTransport(_Frames):
 
 
 class _StreamTransport(_Frames, _KeptConnection):
-    """The frames on one Unix stream socket (`server.stream`): one wake-up per direction, none
-    for the reply when it comes within the spin. A call that timed out leaves its connection
+    """The frames on one Unix stream socket (`server.transport.stream`): one wake-up per direction,
+    none for the reply when it comes within the spin. A call that timed out leaves its connection
     (and any late reply on it) behind: the next call connects afresh."""
 
     def __init__(self, address: str, token: str | None, timeout_s: float,

@@ -1,16 +1,17 @@
 """`kvalloc serve`: one pool, REST and IPC transports over one service core, until stopped.
 
-With no arguments: the embedded default pool (`server.settings.default_pool`, CUDA when present,
-else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs where it
-listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC thread
-finishes its message, then every socket file and shared-memory segment is removed.
+With no arguments: the embedded default pool (`server.service.settings.default_pool`, CUDA when
+present, else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs
+where it listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC
+thread finishes its message, then every socket file and shared-memory segment is removed.
 Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports require that
 bearer token; without it the service generates one for its lifetime and writes it 0600 where its
-own user's clients find it (`server.token_files`), so no other local user can call ``/v1``.
-Listening beyond loopback without ``KVALLOC_TOKEN`` is refused unless ``--insecure-no-token``.
+own user's clients find it (`server.transport.token_files`), so no other local user can call
+``/v1``. Listening beyond loopback without ``KVALLOC_TOKEN`` is refused unless
+``--insecure-no-token``.
 
 At start it raises RLIMIT_NOFILE to the hard limit, bounds REST connections so a descriptor
-reserve stays free (`server.network`), and removes the shared memory of dead instances.
+reserve stays free (`server.transport.network`), and removes the shared memory of dead instances.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import uvicorn
 from pydantic import SecretStr, ValidationError
 
 from allocator import PoolConfig
-from allocator.arguments import argument_type
 from allocator.config import KVDType
-
-from .addresses import (
+from allocator.tools.arguments import argument_type
+from server.cli import flag_errors
+from server.contract.addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     AddressError,
@@ -50,10 +51,11 @@ from .addresses import (
     server_endpoint,
     socket_file,
 )
-from .cli import flag_errors
-from .core import ServiceCore
-from .ipc import IpcServer
-from .network import (
+from server.contract.sharing import reap_dead_instances
+from server.service.core import ServiceCore
+from server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
+from server.transport.ipc import IpcServer
+from server.transport.network import (
     ACCEPT_BACKLOG,
     DEFAULT_LIMITS,
     LimitsError,
@@ -63,10 +65,8 @@ from .network import (
     http_parsers,
     raise_nofile_limit,
 )
-from .rest import create_app
-from .settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
-from .sharing import reap_dead_instances
-from .token_files import previous_token, write_token_files
+from server.transport.rest import create_app
+from server.transport.token_files import previous_token, write_token_files
 
 log = logging.getLogger("kvalloc.serve")
 

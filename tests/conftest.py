@@ -12,22 +12,27 @@
   was never checked against these tests, and they skip there with a reason rather than fail.
 
 GPU variants: parametrise ``device`` over "cpu" and a "cuda" param carrying the ``gpu`` marker
-plus a skip-without-CUDA, in the test module itself (see tests/test_block_table.py):
-benchmarks/gpu_check.sh picks the modules to run on the GPU by grepping their text for the
-marker. That run has only the runtime dependencies, so keep dev-only imports (hypothesis, httpx,
-...) out of this file and of modules with GPU tests.
+plus a skip-without-CUDA, in the test module itself (see
+tests/allocator/capacity/test_block_table.py): benchmarks/gpu_check.sh picks the modules to run on
+the GPU by grepping their text for the marker. That run has only the runtime dependencies, so keep
+dev-only imports (hypothesis, httpx, ...) out of this file and of modules with GPU tests.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
 
 from allocator import KVCacheManager, PoolConfig
+
+# Helpers every folder of tests shares (harnesses, fixtures' building blocks) live in support/.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 CUDA_AVAILABLE = torch.cuda.is_available()
 

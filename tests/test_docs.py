@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from server.addresses import DEFAULT_PORT
-from server.launch import free_port
+from server.contract.addresses import DEFAULT_PORT
+from server.devtools.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

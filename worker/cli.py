@@ -27,13 +27,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from server.addresses import default_client_address
 from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
-from server.settings import ServiceConfig
-
-from .drafters import Drafter, DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
-from .engine import Engine, EngineError, Prompt, RunStats
-from .model import (
+from server.contract.addresses import default_client_address
+from server.service.settings import ServiceConfig
+from worker.drafters import (
+    Drafter,
+    DrafterSpecError,
+    NgramDrafter,
+    OracleDrafter,
+    parse_drafter_spec,
+)
+from worker.engine import Engine, EngineError, Prompt, RunStats
+from worker.model import (
     DTYPES,
     ModelLoadError,
     config_from_file,
@@ -207,7 +212,7 @@ def _client(args: argparse.Namespace, model: Any,
                 with contextlib.suppress(Exception):  # a lost service frees it by lease
                     client.deregister()
         return
-    from server.core import ServiceCore
+    from server.service.core import ServiceCore
 
     core = ServiceCore(in_process_config(args, model, prompts))
     try:

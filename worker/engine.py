@@ -48,13 +48,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from server import wire
 from server.client import Client
-from server.columns import StepResult
-
-from .attention import PackedStep
-from .drafters import Drafter
-from .model import kv_shape
+from server.contract import wire
+from server.contract.columns import StepResult
+from worker.attention import PackedStep
+from worker.drafters import Drafter
+from worker.model import kv_shape
 
 
 class EngineError(RuntimeError):

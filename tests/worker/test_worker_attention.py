@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from allocator import PoolConfig
-from allocator.attention import two_source_attention
-from allocator.kv_storage import KVStorage
+from allocator.nwor.storage import KVStorage
+from allocator.nwor.two_source_attention import two_source_attention
 from worker.attention import KvallocAttentionError, PackedStep, kvalloc_attention
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 4, 2, 8, 4

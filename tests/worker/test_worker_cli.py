@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle
 
 from server.cli import main
-from server.launch import ServiceProcess
+from server.devtools.launch import ServiceProcess
 
 pytest_plugins = ["worker_fixtures"]
 

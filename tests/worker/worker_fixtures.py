@@ -11,8 +11,8 @@ import torch
 from worker_oracle import CONFIGS, Oracle, make_oracle
 
 from server.client import Client
-from server.core import ServiceCore
-from server.settings import ServiceConfig
+from server.service.core import ServiceCore
+from server.service.settings import ServiceConfig
 
 
 @pytest.fixture(scope="session")

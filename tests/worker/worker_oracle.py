@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
 from allocator import PoolConfig
-from server.settings import ServiceConfig
+from server.service.settings import ServiceConfig
 from worker.engine import Prompt
 from worker.model import kv_shape, random_model
 

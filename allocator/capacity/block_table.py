@@ -1,0 +1,178 @@
+"""`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` block ids, host + device copies.
+
+Invariants (checked by ``check_invariants`` against the counts the caller owns):
+- row r holds valid block ids in columns ``[0, num_blocks[r])`` and ``-1`` beyond: a kernel that
+  reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing past a
+  request's blocks is ever anything but -1;
+- a row is either held (acquired, not released) or on the free-row stack, exactly once;
+- after ``sync()`` the device copy equals the host mirror.
+
+Only the cells changed since the last ``sync()`` travel to the device: a step touches the tail
+of a few rows (tens of cells), not whole 2049-wide rows. On CUDA they travel by replaying a
+captured graph (`table_graphs`; every bucket captured when the table is made, so the first
+steps replay like the rest), or, past its largest bucket or where capture fails, by the eager
+path it replays. The device copy comes from a `placement.TensorAllocator`, so a service can hand
+out a table other processes map.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from allocator.capacity.slots import slot_mapping
+from allocator.capacity.table_graphs import TableUploadGraphs
+from allocator.common.device_io import PinnedUploads
+from allocator.common.placement import TensorAllocator, plain_tensor
+from allocator.errors import BatchFull, InvalidValue, InvariantViolation
+
+
+class BlockTable:
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device, *,
+                 allocate: TensorAllocator = plain_tensor, upload_graphs: bool = True) -> None:
+        """``upload_graphs=False`` makes every CUDA sync take the eager path."""
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        shape = (max_batch_size, max_blocks_per_seq)
+        self.host = np.full(shape, -1, dtype=np.int32)
+        self.device_table = allocate("block_table", shape, torch.int32, device)
+        if not self.device_table.is_contiguous():
+            raise InvalidValue("block_table: the allocator returned a non-contiguous tensor",
+                               field="block_table")
+        self.device_table.fill_(-1)
+        self._host_cells = self.host.reshape(-1)  # views: cell = row * max_blocks_per_seq + col
+        # Free rows as a stack (``free_rows[:num_free_rows]``, top at the end), row 0 on top;
+        # the compiled step pushes and pops on it directly.
+        self.free_rows = np.arange(max_batch_size - 1, -1, -1, dtype=np.int64)
+        self.num_free_rows = max_batch_size
+        # Flat indices of the cells changed since the last sync, one array per change.
+        self._changed: list[np.ndarray] = []
+        self.upload_graphs: TableUploadGraphs | None = None
+        if device.type == "cpu":
+            # A CPU "device" copy is still a separate buffer (shared with workers through shared
+            # memory); writing it through a numpy view skips torch's dispatch overhead.
+            self._device_cells = self.device_table.numpy().reshape(-1)
+        else:
+            # Changed cells and their values travel together, in one copy (`PinnedUploads`).
+            self._uploads = PinnedUploads(device)
+            if upload_graphs:
+                # Every bucket captured now, not by the first syncs (a capture synchronises the
+                # device and takes milliseconds): host and device hold -1 everywhere and no step
+                # runs yet, so the warm-ups' writes of cell 0's -1 over itself change nothing.
+                self.upload_graphs = TableUploadGraphs(self.device_table)
+                self.upload_graphs.capture_all(self._host_cells)
+
+    def acquire_row(self) -> int:
+        if self.num_free_rows == 0:
+            raise BatchFull(f"req_id: all {self.max_batch_size} block-table rows are in use")
+        self.num_free_rows -= 1
+        return int(self.free_rows[self.num_free_rows])
+
+    def release_row(self, row: int) -> None:
+        if (self.free_rows[: self.num_free_rows] == row).any():
+            raise InvalidValue(f"row: {row} is not held", field="row")
+        held = np.flatnonzero(self.host[row] != -1)
+        if held.size:
+            self.host[row] = -1
+            self.mark_changed(np.array([row]), np.array([0]), np.array([held[-1] + 1]))
+        self.free_rows[self.num_free_rows] = row
+        self.num_free_rows += 1
+
+    def append(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+               block_ids: np.ndarray) -> None:
+        """Write ``block_ids`` (concatenated per row) into columns ``starts[i]`` onwards."""
+        if block_ids.size == 0:
+            return
+        r, c = _ragged_cells(rows, starts, counts)
+        self.host[r, c] = block_ids
+        self.mark_changed(rows, starts, starts + counts)
+
+    def truncate(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Clear ``counts[i]`` columns from ``starts[i]`` to -1; return the block ids removed."""
+        r, c = _ragged_cells(rows, starts, counts)
+        removed = self.host[r, c].copy()
+        self.host[r, c] = -1
+        self.mark_changed(rows, starts, starts + counts)
+        return removed
+
+    def mark_changed(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Record that host cells ``[starts[i], ends[i])`` of ``rows[i]`` changed."""
+        if rows.size:
+            r, c = _ragged_cells(rows, starts, ends - starts)
+            self.mark_cells(r * self.max_blocks_per_seq + c)
+
+    def mark_cells(self, cells: np.ndarray) -> None:
+        """Record changed cells by flat index ``row * max_blocks_per_seq + column`` (for a writer
+        that changes ``host`` directly, like the compiled step)."""
+        if cells.size:
+            self._changed.append(cells)
+
+    def sync(self) -> None:
+        """Upload the cells changed since the last sync (non-blocking from pinned memory on
+        CUDA)."""
+        if not self._changed:
+            return
+        cells = self._changed[0] if len(self._changed) == 1 else np.concatenate(self._changed)
+        self._changed.clear()
+        if self.device.type == "cpu":
+            self._device_cells[cells] = self._host_cells[cells]
+        elif self.upload_graphs is None or not self.upload_graphs.upload(cells,
+                                                                          self._host_cells):
+            index, src = self._uploads.upload(cells, self._host_cells[cells])
+            self.device_table.view(-1).index_copy_(0, index, src)
+
+    def host_slot_mapping(self, rows: np.ndarray, positions: np.ndarray,
+                          tokens_per_block: int) -> np.ndarray:
+        """`slot_mapping` read from the host mirror, for a scheduler that sends slots with its
+        reply: same rule (-1 for padding or past the row's blocks), no device round trip."""
+        positions = np.asarray(positions, dtype=np.int64)
+        col = np.where(positions >= 0, positions // tokens_per_block, 0)
+        in_row = col < self.max_blocks_per_seq
+        block = self.host[rows, np.where(in_row, col, 0)].astype(np.int64)
+        keep = (positions >= 0) & in_row & (block >= 0)
+        return np.where(keep, block * tokens_per_block + positions % tokens_per_block, -1)
+
+    def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
+                     tokens_per_block: int) -> torch.Tensor:
+        """int64 slots for a whole batch on the device (`allocator.capacity.slots.slot_mapping` on
+        the device copy); ``rows`` and ``positions`` are same-length integer tensors on its device.
+        """
+        return slot_mapping(self.device_table, rows, positions, tokens_per_block)
+
+    def check_invariants(self, rows: np.ndarray, num_blocks: np.ndarray, num_pool_blocks: int,
+                         *, synced: bool) -> None:
+        live = np.zeros(self.max_batch_size, dtype=bool)
+        live[rows] = True
+        if (self.host[~live] != -1).any():
+            raise InvariantViolation("a free block-table row holds a block id")
+        cols = np.arange(self.max_blocks_per_seq)
+        owned = cols[None, :] < num_blocks[:, None]
+        table = self.host[rows]
+        if (table[owned] < 0).any() or (table[owned] >= num_pool_blocks).any():
+            raise InvariantViolation("a row holds an invalid block id inside its block count")
+        if (table[~owned] != -1).any():
+            raise InvariantViolation("a row holds something other than -1 past its block count")
+        if synced and not np.array_equal(self.device_table.cpu().numpy(), self.host):
+            raise InvariantViolation("device block table differs from the host mirror")
+
+
+    def check_held_rows(self, live: np.ndarray) -> None:
+        """The rows off the free-row stack are exactly the ``live`` ones (a bool per row)."""
+        held = np.ones(self.max_batch_size, dtype=bool)
+        free = self.free_rows[: self.num_free_rows]
+        held[free] = False
+        if np.unique(free).size != free.size:
+            raise InvariantViolation("a row is on the free-row stack twice")
+        if not np.array_equal(held, live):
+            raise InvariantViolation("held block-table rows differ from the live requests")
+
+
+def _ragged_cells(rows: np.ndarray, starts: np.ndarray,
+                  counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) index arrays for the ragged ranges ``starts[i] : starts[i] + counts[i]``."""
+    total = int(counts.sum())
+    r = np.repeat(rows, counts)
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    c = np.repeat(starts, counts) + offsets
+    return r, c

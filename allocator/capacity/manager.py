@@ -1,0 +1,418 @@
+"""`KVCacheManager`: per-request capacity, history and overlap slack, and the blocks behind them.
+
+The manager is host-only: it owns the block pool's bookkeeping and the block table (host mirror
+plus the device copy it keeps in sync), not the KV pool itself (`KVStorage`, built by whoever
+runs the model). Its state is keyed by block-table row (`capacity_state.RowState`).
+
+This is where capacity is granted: every grant site (``try_allocate_generation``,
+``prepare_draft_resources``, ``extend_capacity_for_tokens``, prefill) and every settlement
+(``update_resources``, ``revert_allocate_generation``, ``free``) is one `StepPlan` applied by the
+same step the batched ``step`` takes. The step runs compiled (`step_compiled`, numba) or as the
+numpy specification (`step_reference`); both change the same state identically.
+
+Requests are named by row on the hot path (``step``); the per-request methods take the id a
+request was added under (``add_request``) and translate it at the edge (``rows_of``).
+
+Invariants (``check_invariants`` verifies all of them):
+- history <= capacity, and num_blocks == ceil(capacity / tokens_per_block) <= max_blocks_per_seq;
+- a request holds at most one generation grant at a time; while it does, that grant added
+  exactly ``1 + draft + slack`` (slack per `accounting.slack_for`), which is what a revert
+  takes back;
+- blocks are conserved (free + parked + owned == total); reference counts equal the number of
+  rows holding a block, and a block held by more than one row, or parked, is a cached prefix
+  block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
+  every row that holds it;
+- block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
+- the rows off the free-row stack are exactly the live rows; a row that is not live holds
+  nothing (all its state is zero) and no request id.
+
+Every public call validates its whole input before it changes anything: an error leaves the
+manager exactly as it was.
+
+Prefill tokens carry no speculation, so a prefill chunk counts as history as soon as it is
+scheduled (capacity == history for it). A request takes generation grants once its whole
+prompt is scheduled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import ArrayLike
+
+from allocator.capacity.accounting import blocks_for, slack_for
+from allocator.capacity.block_pool import BlockPool
+from allocator.capacity.block_table import BlockTable
+from allocator.capacity.kv_events import KVCacheEvent
+from allocator.capacity.prefix_cache import PrefixCache, Prompt
+from allocator.capacity.state import CapacityState, ManagerCounters, RowState, StepLimits
+from allocator.capacity.step import compiled as step_compiled
+from allocator.capacity.step.codes import ROW_OVERFLOW, raise_step_error
+from allocator.capacity.step.plan import (
+    REFUSED_BATCH_FULL,
+    PlanArrays,
+    RequestView,
+    StepOutcome,
+    StepPlan,
+    coerce,
+    prompt_token_arrays,
+)
+from allocator.capacity.step.reference import NO_HITS, StepResult, reference_step
+from allocator.common.placement import TensorAllocator, plain_tensor
+from allocator.config import PoolConfig, SlackPolicy
+from allocator.errors import (
+    BatchFull,
+    DuplicateRequest,
+    InvalidValue,
+    InvariantViolation,
+    OutOfBlocks,
+    UnknownRequest,
+)
+
+ReqId = Hashable
+
+
+class KVCacheManager:
+    def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
+                 compiled: bool | None = None, prefix_caching: bool = False,
+                 cache_key: bytes = b"", kv_events: bool = False,
+                 register_when_written: bool = False) -> None:
+        """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
+        imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
+        share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
+        ``kv_events``: record KV events for ``drain_kv_events``; ``register_when_written``:
+        a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
+        not when its prefill is scheduled."""
+        self.config = config
+        self.device = torch.device(config.device)
+        self.policy = SlackPolicy(config.slack_policy)
+        self.tokens_per_block = config.tokens_per_block
+        self.max_blocks_per_seq = config.max_blocks_per_seq
+        self.pool = BlockPool(config.total_blocks)
+        self.table = BlockTable(config.max_batch_size, self.max_blocks_per_seq, self.device,
+                                allocate=allocate)
+        self.rows = RowState.empty(config.max_batch_size)
+        self.counters = ManagerCounters()
+        self.state = CapacityState(StepLimits.of(config), self.rows, self.pool, self.table)
+        if compiled is None:
+            compiled = step_compiled.available()
+        self.compiled = compiled
+        self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
+        self.cache_key = bytes(cache_key)
+        self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
+                                  record_events=kv_events,
+                                  track_protection=register_when_written)
+                      if prefix_caching else None)
+        self.register_when_written = register_when_written
+        # The id edge: requests added by id (rows admitted by a batched step have none).
+        self._row_of: dict[ReqId, int] = {}
+        self._id_of: dict[int, ReqId] = {}
+
+    # ------------------------------------------------------------------ the batched step
+
+    def step(self, plan: StepPlan) -> StepOutcome:
+        """Apply a whole scheduler step in one call (see `StepPlan` for the order); rows as
+        integer arrays. Raises a typed error, changing nothing, on bad input."""
+        arrays = coerce(plan)
+        return self.step_arrays(arrays, prompt_token_arrays(plan.prompt_tokens,
+                                                            arrays.prompt_lens))
+
+    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = ()) -> StepOutcome:
+        """`step` for a plan its caller already converted and checked as `step` would (`coerce`
+        or `step_plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
+        bounds and the state machine are still the step's to check, and a typed error still
+        changes nothing."""
+        prompts: list[Prompt | None] = []
+        hits = NO_HITS
+        if self.cache is not None and any(t is not None for t in tokens):
+            prompts = [t if t is None or isinstance(t, Prompt) else self.prompt(t)
+                       for t in tokens]
+            hits = self.cache.lookup(prompts, arrays.prompt_lens)
+        result: StepResult = self._run(arrays, self.state, hits)
+        if result.error[0]:
+            if result.error[0] == ROW_OVERFLOW:
+                self.counters.row_overflows += 1
+            raise_step_error(result.error, arrays, self._id_of.get)
+        assert result.outcome is not None and result.counter_deltas is not None
+        self.counters.add(result.counter_deltas)
+        if self.cache is not None:
+            self._cache_after(arrays, result, prompts)
+        if self._id_of and arrays.finished_rows.size:
+            for row in arrays.finished_rows.tolist():
+                req = self._id_of.pop(row, _NO_ID)
+                if req is not _NO_ID:
+                    del self._row_of[req]
+        return result.outcome
+
+    def _cache_after(self, arrays: PlanArrays, result: StepResult,
+                     prompts: list[Prompt | None]) -> None:
+        """Evicted blocks lose their hashes; finished rows their prompts; admitted rows and
+        scheduled prefill chunks register the blocks they filled."""
+        cache, outcome = self.cache, result.outcome
+        assert cache is not None and outcome is not None and result.evicted is not None
+        if result.evicted.size:
+            cache.forget(result.evicted)
+        if cache.prompts and arrays.finished_rows.size:
+            for row in arrays.finished_rows.tolist():
+                cache.prompts.pop(row, None)
+        for i, prompt in enumerate(prompts):
+            row = int(outcome.admitted_rows[i])
+            if prompt is not None and row >= 0:
+                cache.prompts[row] = prompt
+                if not self.register_when_written:
+                    cache.register(row, self.rows, self.table.host)
+                self.counters.prefix_queried_tokens += prompt.tokens.size
+                self.counters.prefix_hit_tokens += int(outcome.cached_tokens[i])
+        if cache.prompts and arrays.prefill_rows.size and not self.register_when_written:
+            for row in arrays.prefill_rows[outcome.prefill_granted].tolist():
+                if row in cache.prompts:
+                    cache.register(row, self.rows, self.table.host)
+
+    def mark_written(self, rows: np.ndarray, written_tokens: np.ndarray) -> None:
+        """With ``register_when_written``: the first ``written_tokens[i]`` tokens of live row
+        ``rows[i]`` are in the pool, so its full prompt blocks among them become shareable (and
+        write-protected). Rows admitted without token ids are skipped."""
+        cache = self.cache
+        if cache is None or not cache.prompts:
+            return
+        for row, written in zip(np.asarray(rows).tolist(), np.asarray(written_tokens).tolist(),
+                                strict=True):
+            if row in cache.prompts and self.rows.live[row]:
+                cache.register(row, self.rows, self.table.host, written)
+
+    def prompt(self, tokens: ArrayLike) -> Prompt:
+        """``tokens`` with their block hashes under this manager's cache key, for
+        ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step."""
+        return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
+                         self.cache_key)
+
+    def drain_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""
+        return self.cache.drain_events() if self.cache is not None else []
+
+    def clear_prefix_cache(self) -> None:
+        """Evict every parked block (they go back on the free stack; the event stream says
+        ``BlockRemoved``). Blocks live requests hold stay cached."""
+        if self.cache is None:
+            return
+        evicted = [self.pool.evict_oldest() for _ in range(self.pool.num_parked)]
+        self.cache.forget(np.array(evicted, dtype=np.int64))
+        self.counters.evicted_blocks += len(evicted)
+
+    # ------------------------------------------------------------------ per-request API
+
+    def add_request(self, req_id: ReqId, prompt_len: int, first_chunk: int | None = None, *,
+                    prompt_tokens: ArrayLike | None = None) -> int:
+        """Admit a request, reserve its prompt (or its first prefill chunk), return its row.
+        With ``prompt_tokens`` (and prefix caching on) its cached prefix is reused:
+        ``view(row).history`` then starts past it.
+
+        Raises OutOfBlocks / BatchFull when it cannot be admitted; nothing changes then.
+        """
+        try:
+            known = req_id in self._row_of
+        except TypeError:
+            raise InvalidValue("new: request ids must be hashable", field="new") from None
+        if known:
+            raise DuplicateRequest(f"new: request {req_id!r} already exists", field="new")
+        if first_chunk is None:
+            first_chunk = 0  # the plan's "whole prompt"
+        elif isinstance(first_chunk, int | np.integer) and first_chunk < 1:
+            raise InvalidValue(f"first_chunk: {first_chunk} is below 1", field="first_chunk")
+        out = self.step(StepPlan(prompt_lens=[prompt_len], first_chunks=[first_chunk],
+                                 prompt_tokens=() if prompt_tokens is None else [prompt_tokens]))
+        row = int(out.admitted_rows[0])
+        if row < 0:
+            if out.new_refusals[0] == REFUSED_BATCH_FULL:
+                raise BatchFull(f"req_id: all {self.config.max_batch_size} rows are in use")
+            raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prompt")
+        self._row_of[req_id] = row
+        self._id_of[row] = req_id
+        return row
+
+    def extend_prefill(self, req_id: ReqId, num_tokens: int) -> None:
+        """Reserve the next chunk of a chunked prefill. Raises OutOfBlocks if it does not fit."""
+        out = self.step(StepPlan(prefill_rows=self._one_row(req_id), prefill_tokens=[num_tokens]))
+        if not out.prefill_granted[0]:
+            raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prefill chunk")
+
+    def try_allocate_generation(self, req_id: ReqId, draft_len: int) -> bool:
+        """Grant 1 + D (+ D slack under overlap); False, changing nothing, when out of blocks."""
+        out = self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len]))
+        return bool(out.granted[0])
+
+    def prepare_draft_resources(self, req_id: ReqId, draft_len: int) -> None:
+        """The draft model's grant site: the same rule and bookkeeping; raises OutOfBlocks."""
+        self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len],
+                           strict_grants=True))
+        self.counters.draft_grants += 1
+
+    def extend_capacity_for_tokens(self, req_id: ReqId, padded_draft_len: int) -> None:
+        """CUDA-graph padding: grow the pending grant to ``padded_draft_len`` drafts (and slack)."""
+        self.step(StepPlan(padding_rows=self._one_row(req_id),
+                           padded_draft_lens=[padded_draft_len]))
+
+    def revert_allocate_generation(self, req_id: ReqId) -> None:
+        """The forward was skipped: undo exactly what the pending grant added, slack included."""
+        self.step(StepPlan(revert_rows=self._one_row(req_id)))
+
+    def update_resources(self, req_id: ReqId, num_accepted: int) -> None:
+        """Settle the pending grant: rewind rejected drafts, reclaim slack, commit 1 + accepted."""
+        self.step(StepPlan(result_rows=self._one_row(req_id), num_accepted=[num_accepted]))
+
+    def free(self, req_id: ReqId) -> None:
+        """All of the request's blocks back to the pool; its row back to -1."""
+        self.step(StepPlan(finished_rows=self._one_row(req_id)))
+
+    # ------------------------------------------------------------------ queries
+
+    def row(self, req_id: ReqId) -> int:
+        """The request's block-table row index."""
+        try:
+            return self._row_of[req_id]
+        except (KeyError, TypeError):
+            raise UnknownRequest(f"req_id: unknown request {req_id!r}") from None
+
+    def _one_row(self, req_id: ReqId) -> np.ndarray:
+        return np.array([self.row(req_id)], dtype=np.int64)
+
+    def rows_of(self, req_ids: Iterable[ReqId]) -> np.ndarray:
+        """Rows of ``req_ids`` (int64, in order, repeats allowed), to build a batched plan."""
+        ids = list(req_ids)
+        try:
+            return np.fromiter(map(self._row_of.__getitem__, ids), dtype=np.int64,
+                               count=len(ids))
+        except (KeyError, TypeError):
+            bad = next(i for i in ids if not _known(self._row_of, i))
+            raise UnknownRequest(f"req_id: unknown request {bad!r}") from None
+
+    def __contains__(self, req_id: object) -> bool:
+        return _known(self._row_of, req_id)
+
+    def capacity(self, req_id: ReqId) -> int:
+        return int(self.rows.capacity[self.row(req_id)])
+
+    def history(self, req_id: ReqId) -> int:
+        return int(self.rows.history[self.row(req_id)])
+
+    def pending_overlap_slack(self, req_id: ReqId) -> int:
+        return int(self.rows.slack[self.row(req_id)])
+
+    def pending_draft_len(self, req_id: ReqId) -> int | None:
+        """D of the pending generation grant, or None when the request holds none."""
+        row = self.row(req_id)
+        return int(self.rows.draft_len[row]) if self.rows.pending[row] else None
+
+    def num_blocks(self, req_id: ReqId) -> int:
+        return int(self.rows.num_blocks[self.row(req_id)])
+
+    def block_ids(self, req_id: ReqId) -> np.ndarray:
+        return self._block_ids(self.row(req_id))
+
+    def _block_ids(self, row: int) -> np.ndarray:
+        return self.table.host[row, : self.rows.num_blocks[row]].copy()
+
+    def view(self, row: int) -> RequestView:
+        """Everything about one live row (UnknownRequest naming ``row`` otherwise)."""
+        if not (isinstance(row, int | np.integer) and 0 <= row < self.rows.live.size
+                and self.rows.live[row]):
+            raise UnknownRequest(f"row: {row!r} is not a live row", field="row")
+        r = self.rows
+        return RequestView(
+            row=int(row), capacity=int(r.capacity[row]), history=int(r.history[row]),
+            pending_overlap_slack=int(r.slack[row]),
+            pending_draft_len=int(r.draft_len[row]) if r.pending[row] else None,
+            num_blocks=int(r.num_blocks[row]), block_ids=self._block_ids(row),
+        )
+
+    @property
+    def live_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.rows.live)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_requests(self) -> int:
+        """Live requests, with or without an id."""
+        return self.config.max_batch_size - self.table.num_free_rows
+
+    @property
+    def request_ids(self) -> list[ReqId]:
+        """Ids of the live requests added by id (``add_request``)."""
+        return list(self._row_of)
+
+    def totals(self) -> dict[str, int]:
+        """Sums and maxima over live requests (for metrics and the pool endpoint)."""
+        live = self.rows.live
+        cap, hist = self.rows.capacity[live], self.rows.history[live]
+        slack, blocks = self.rows.slack[live], self.rows.num_blocks[live]
+        return {
+            "capacity_tokens": int(cap.sum()),
+            "history_tokens": int(hist.sum()),
+            "pending_slack_tokens": int(slack.sum()),
+            "max_capacity_tokens": int(cap.max(initial=0)),
+            "max_history_tokens": int(hist.max(initial=0)),
+            "max_pending_slack_tokens": int(slack.max(initial=0)),
+            "max_uncommitted_tokens": int((cap - hist).max(initial=0)),
+            "max_blocks": int(blocks.max(initial=0)),
+        }
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if any documented invariant does not hold."""
+        r = self.rows
+        self.pool.check_invariants()
+        live = np.flatnonzero(r.live)
+        dead = ~r.live
+        if any(arr[dead].any() for arr in vars(r).values()):
+            raise InvariantViolation("a row that is not live holds state")
+        if (r.history[live] > r.capacity[live]).any():
+            raise InvariantViolation("history > capacity")
+        expected = blocks_for(r.capacity[live], self.tokens_per_block)
+        if not np.array_equal(expected, r.num_blocks[live]):
+            raise InvariantViolation("num_blocks != ceil(capacity / tokens_per_block)")
+        if (r.num_blocks[live] > self.max_blocks_per_seq).any():
+            raise InvariantViolation("a row holds more than max_blocks_per_seq blocks")
+        pend = live[r.pending[live]]
+        want = slack_for(r.draft_len[pend], self.config.overlap_scheduler, self.policy,
+                         r.lead[pend])
+        if not np.array_equal(r.slack[pend], want):
+            raise InvariantViolation("a pending grant's slack is not what its grant site adds")
+        idle = live[~r.pending[live]]
+        if (r.slack[idle] != 0).any() or (r.draft_len[idle] != 0).any():
+            raise InvariantViolation("slack or drafts recorded without a pending grant")
+        self.table.check_invariants(live, r.num_blocks[live], self.pool.num_blocks, synced=True)
+        self.table.check_held_rows(r.live)
+        held = self.table.host[live]
+        held = held[held >= 0]
+        refs = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        np.add.at(refs, held, 1)
+        if not np.array_equal(refs, self.pool.refcounts):
+            raise InvariantViolation("block-table ownership disagrees with reference counts")
+        if self.cache is not None:
+            self.cache.check_invariants(r, self.table.host, self.pool)
+        elif self.pool.num_parked or r.cached.any() or (self.pool.refcounts > 1).any():
+            raise InvariantViolation("cached or shared blocks without prefix caching")
+        if any(not r.live[row] or self._row_of.get(req, -1) != row
+               for row, req in self._id_of.items()) or len(self._row_of) != len(self._id_of):
+            raise InvariantViolation("the request-id edge disagrees with the live rows")
+
+
+class _NoId:
+    pass
+
+
+_NO_ID = _NoId()
+
+
+def _known(rows_of: dict[ReqId, int], req_id: object) -> bool:
+    try:
+        return req_id in rows_of
+    except TypeError:
+        return False

@@ -1,0 +1,189 @@
+"""Prefix caching: full, committed prompt blocks addressed by content, shared between requests.
+
+A block's hash chains over its parent's hash and its token ids, from a root that covers the
+cache key (model variant, LoRA adapter): two requests share a block only if everything before it
+and in it is the same. The hash is BLAKE2b with a 128-bit digest: an accidental collision needs
+about 2^64 distinct blocks, and being a cryptographic hash a client cannot craft a prompt whose
+block collides with another tenant's to read its KV; it is in the standard library and costs
+about a microsecond per 16-token block.
+
+A block is registered (``block_of[hash]``) only once it is full and every token in it is
+committed: prompt tokens count once their prefill is scheduled (prefill carries no speculation),
+so drafts, overlap slack and padding, which always sit past a request's history, never are.
+Registered blocks form each row's leading columns (``RowState.cached``): a row stops registering
+at the first block whose content another block already holds.
+
+Only prompt blocks are cached (generated tokens reach the manager as counts, not ids).
+
+When a block is registered is the caller's choice (`KVCacheManager`'s ``register_when_written``):
+as soon as its tokens are scheduled (an engine that writes a step's K/V before the next step, as
+vLLM does), or only once the caller says they are written (``mark_written``: a service whose
+commit runs after the next step, or may drop a finished request's last tokens). Registered blocks
+are write-protected (``protected``, for `DeferredWriteManager.protect`) until evicted;
+``drain_protection`` gives the flips since the last drain, for a device copy.
+
+Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps; every row's
+first ``cached`` columns are registered blocks whose hashes are the row's prompt hashes in order;
+every registered block is owned (in some row's cached columns) or parked, never on the free
+stack; a block with more than one owner is registered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from allocator.capacity.block_pool import BlockPool
+from allocator.capacity.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from allocator.capacity.kv_events import external_hash as external
+from allocator.capacity.state import RowState
+from allocator.capacity.step.reference import Hits
+from allocator.errors import InvariantViolation
+
+HASH_BYTES = 16
+
+
+def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens`` (a 1-D integer array)."""
+    data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    step = tokens_per_block * 8
+    parent = hashlib.blake2b(b"kvalloc-prefix\0" + cache_key, digest_size=HASH_BYTES).digest()
+    out = []
+    for start in range(0, (len(data) // step) * step, step):
+        parent = hashlib.blake2b(parent + data[start : start + step],
+                                 digest_size=HASH_BYTES).digest()
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids and the hashes of its full blocks. Build it when the request
+    arrives (``of``) to keep the hashing out of the step that admits it."""
+
+    tokens: np.ndarray
+    hashes: list[bytes]
+
+    @classmethod
+    def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"") -> Prompt:
+        return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key))
+
+
+class PrefixCache:
+    def __init__(self, num_blocks: int, tokens_per_block: int, *,
+                 record_events: bool = False, track_protection: bool = False) -> None:
+        """``track_protection``: keep the protection flips for ``drain_protection`` (whoever
+        asks for them must drain them, or they pile up)."""
+        self.tokens_per_block = tokens_per_block
+        self.protected = np.zeros(num_blocks, dtype=bool)  # exactly the registered blocks
+        self.track_protection = track_protection
+        self._flipped: list[int] = []
+        self.block_of: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.prompts: dict[int, Prompt] = {}  # rows admitted with token ids
+        self.record_events = record_events
+        self.events: list[KVCacheEvent] = [AllBlocksCleared()] if record_events else []
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        """The events since the last drain, oldest first."""
+        events, self.events = self.events, []
+        return events
+
+    def lookup(self, prompts: list[Prompt | None], prompt_lens: np.ndarray) -> Hits:
+        """The longest run of registered blocks at the start of each prompt, leaving at least one
+        token to compute (the forward needs a query for the next token's logits)."""
+        counts = np.zeros(len(prompts), dtype=np.int64)
+        blocks: list[int] = []
+        for i, prompt in enumerate(prompts):
+            if prompt is None:
+                continue
+            limit = (int(prompt_lens[i]) - 1) // self.tokens_per_block
+            # map/index run in C: a prompt costs a few microseconds, not one per block.
+            found = list(map(self.block_of.get, prompt.hashes[:limit]))
+            n = found.index(None) if None in found else len(found)
+            blocks += found[:n]
+            counts[i] = n
+        return Hits(counts, np.array(blocks, dtype=np.int64))
+
+    def forget(self, evicted: np.ndarray) -> None:
+        """Evicted blocks' content is gone: drop their hashes."""
+        blocks = evicted.tolist()
+        removed = [self.hash_of.pop(block) for block in blocks]
+        self.protected[blocks] = False
+        if self.track_protection:
+            self._flipped.extend(blocks)
+        for block_hash in removed:
+            del self.block_of[block_hash]
+        if self.record_events and removed:
+            self.events.append(BlockRemoved([external(h) for h in removed], MEDIUM))
+
+    def register(self, row: int, rows: RowState, host: np.ndarray,
+                 written: int | None = None) -> None:
+        """Register the row's prompt blocks that are now full and committed (and, when
+        ``written`` is given, within its first ``written`` tokens)."""
+        prompt = self.prompts[row]
+        tpb = self.tokens_per_block
+        full = min(int(rows.history[row]), prompt.tokens.size,
+                   prompt.tokens.size if written is None else written) // tpb
+        first = int(rows.cached[row])
+        if full <= first:
+            return
+        candidates = prompt.hashes[first:full]
+        # The row's cached run ends at the first block whose content another block holds.
+        held = list(map(self.block_of.__contains__, candidates))
+        n = held.index(True) if True in held else len(candidates)
+        stored = candidates[:n]
+        blocks = host[row, first : first + n].tolist()
+        self.block_of.update(zip(stored, blocks, strict=True))
+        self.hash_of.update(zip(blocks, stored, strict=True))
+        self.protected[blocks] = True
+        if self.track_protection:
+            self._flipped.extend(blocks)
+        rows.cached[row] = first + len(stored)
+        if self.record_events and stored:
+            parent = prompt.hashes[first - 1] if first else None
+            self.events.append(BlockStored(
+                [external(h) for h in stored], None if parent is None else external(parent),
+                prompt.tokens[first * tpb : (first + len(stored)) * tpb].tolist(), tpb, None,
+                MEDIUM))
+
+    def drain_protection(self) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks whose protection changed since the last drain, and their protection now."""
+        blocks = np.array(self._flipped, dtype=np.int64)
+        self._flipped = []
+        return blocks, self.protected[blocks]
+
+    def check_invariants(self, rows: RowState, host: np.ndarray, pool: BlockPool) -> None:
+        if len(self.block_of) != len(self.hash_of) or any(
+                self.block_of.get(h) != b for b, h in self.hash_of.items()):
+            raise InvariantViolation("the hash-to-block and block-to-hash maps disagree")
+        in_rows = np.zeros(pool.num_blocks, dtype=bool)
+        for row in np.flatnonzero(rows.live).tolist():
+            cached = int(rows.cached[row])
+            blocks = host[row, :cached].tolist()
+            prompt = self.prompts.get(row)
+            if cached and (prompt is None or [self.hash_of.get(b) for b in blocks]
+                           != prompt.hashes[:cached]):
+                raise InvariantViolation(f"row {row}'s cached columns are not its prompt blocks")
+            if cached * self.tokens_per_block > rows.history[row]:
+                raise InvariantViolation(f"row {row} caches blocks past its history")
+            in_rows[blocks] = True
+        registered = np.zeros(pool.num_blocks, dtype=bool)
+        registered[list(self.hash_of)] = True
+        parked = np.zeros(pool.num_blocks, dtype=bool)
+        parked[pool.parked()] = True
+        if not np.array_equal(registered, in_rows | parked):
+            raise InvariantViolation("registered blocks are not exactly the cached columns and "
+                                     "the parked blocks")
+        if not np.array_equal(self.protected, registered):
+            raise InvariantViolation("write protection differs from the registered blocks")
+        if (pool.refcounts[~registered] > 1).any():
+            raise InvariantViolation("a block with more than one owner is not a cached block")

@@ -1,0 +1,62 @@
+"""`KVStorage`: the device tensors that hold K and V for every block of every layer.
+
+Layout: one allocation ``kv[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``
+(index 0 of the second axis is K, 1 is V).
+
+Why this layout:
+- one allocation for all layers, made once, so the pool can be shared with a worker through a
+  single CUDA IPC handle / shared-memory segment and never fragments;
+- ``kv[l, 0]`` and ``kv[l, 1]`` are each contiguous ``[num_blocks, tokens_per_block, H, D]``
+  tensors: the paged layout attention kernels (FlashAttention / FlashInfer "NHD") take per layer;
+- a token's K (or V) in one layer is one contiguous ``H * D`` row at
+  ``slot = block * tokens_per_block + offset``, so the NWOR commit writes whole rows and one
+  fused kernel addresses every layer as ``(layer * 2 + kv) * num_slots + slot``.
+
+The tensor comes from a `placement.TensorAllocator` (shared memory or CUDA IPC in a service,
+a plain tensor by default) and is zero-filled here.
+
+fp8 pools store ``float8_e4m3fn`` with per-layer K and V dequantisation scales
+(``value = stored * scale``); writers quantise with ``stored = value / scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from allocator.common.placement import TensorAllocator, plain_tensor
+from allocator.config import PoolConfig
+
+
+class KVStorage:
+    def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.num_slots = config.total_blocks * config.tokens_per_block
+        shape = (config.num_layers, 2, config.total_blocks, config.tokens_per_block,
+                 config.num_kv_heads, config.head_dim)
+        self.kv = allocate("kv", shape, config.torch_dtype, self.device)
+        self.kv.zero_()
+        ones = [1.0] * config.num_layers
+        self.k_scale = torch.tensor(config.k_scales or ones, dtype=torch.float32,
+                                    device=self.device)
+        self.v_scale = torch.tensor(config.v_scales or ones, dtype=torch.float32,
+                                    device=self.device)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.config.dtype == "fp8_e4m3"
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, tokens_per_block, H, D]`` view of one layer's K."""
+        return self.kv[layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    def rows(self) -> torch.Tensor:
+        """``[num_layers, 2, num_slots, H * D]`` view: one row per (layer, K/V, slot)."""
+        cfg = self.config
+        return self.kv.view(cfg.num_layers, 2, self.num_slots, cfg.num_kv_heads * cfg.head_dim)
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

@@ -1,0 +1,391 @@
+"""The service contract: one pydantic model per operation's input and reply.
+
+REST validates bodies with these models and generates its OpenAPI document from them;
+`server.contract.wire` derives the msgspec structs that the IPC transport, the service core and the
+client use from these same classes, so the two transports cannot drift apart. Every constraint is
+declared once, through `_constrained`, in the vocabulary both libraries read (pydantic's ``Field``
+and msgspec's ``Meta`` take the same keywords).
+
+Request ids live in their worker's namespace: two workers may both have a request ``"r1"``, and a
+worker can neither see nor touch another worker's requests.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+INT63_MAX = 2**63 - 1
+
+
+def _constrained(base: type, **limits: Any) -> Any:
+    """``base`` with ``limits`` that both pydantic and msgspec enforce.
+
+    A pattern's final ``$`` means the end of the text to pydantic (Rust regex) but "the end, or
+    before a final newline" to msgspec (Python's re): msgspec gets ``\\Z`` instead, so ``"x\\n"``
+    is refused on both transports alike.
+    """
+    meta = dict(limits)
+    if meta.get("pattern", "").endswith("$"):
+        meta["pattern"] = meta["pattern"][:-1] + r"\Z"
+    return Annotated[base, Field(**limits), msgspec.Meta(**meta)]
+
+
+# Worker ids name shared-memory segments too, hence the conservative alphabet.
+WORKER_ID_LIMITS: dict[str, Any] = {"min_length": 1, "max_length": 64,
+                                    "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]*$"}
+REQ_ID_LIMITS: dict[str, Any] = {"min_length": 1, "max_length": 256}
+
+WorkerId = _constrained(str, **WORKER_ID_LIMITS)
+ReqId = _constrained(str, **REQ_ID_LIMITS)
+Count = _constrained(int, ge=0, le=INT32_MAX)
+Positive = _constrained(int, ge=1, le=INT32_MAX)
+Serial = _constrained(int, ge=0, le=INT63_MAX)
+
+
+class Contract(BaseModel):
+    """Base of every message: unknown fields are an error, messages are values, and types are
+    strict (``"7"`` is not an int), as msgspec is, so both transports accept the same bodies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorBody(Contract):
+    """Every error, on both transports. ``field`` names the input at fault (dotted path)."""
+
+    status: int = Field(description="HTTP status; the IPC transport sends the same number.")
+    code: str = Field(description="Stable machine-readable error code, e.g. 'stale_epoch'.")
+    field: str = Field(description="The input at fault, e.g. 'grants[3].draft_len'.")
+    message: str
+
+
+# ---------------------------------------------------------------- registration and attach
+
+
+class RegisterRequest(Contract):
+    """Register a worker and open a session. An id held by another live session is refused
+    unless ``replace`` is set (a restarted worker taking its place back): its requests are then
+    freed and its session ends, so a zombie of the old process can no longer act."""
+
+    worker_id: WorkerId
+    attached: bool = Field(
+        default=True, description="The worker maps the pool and block table (same host); "
+                                  "false: every reply carries table deltas and slot mappings.")
+    replace: bool = Field(default=False, description="Take over the id from a live session.")
+
+
+class WorkerRef(Contract):
+    worker_id: WorkerId
+    session: Serial
+
+
+class ShmRef(Contract):
+    """A POSIX shared-memory segment (mode 0600) under /dev/shm."""
+
+    name: str = Field(description="Segment name; the file is /dev/shm/<name>.")
+    nbytes: int
+
+
+class CudaRef(Contract):
+    """A CUDA IPC memory handle, the fields of ``UntypedStorage._share_cuda_()`` in hex."""
+
+    device: int
+    handle: str
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: str | None = None
+    event_sync_required: bool = False
+
+
+class TensorHandle(Contract):
+    """One tensor shared without copying: exactly one of ``shm`` / ``cuda`` is set."""
+
+    dtype: str = Field(description="torch dtype name, e.g. 'bfloat16'.")
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int = Field(description="In elements.")
+    shm: ShmRef | None = None
+    cuda: CudaRef | None = None
+
+
+class EventHandle(Contract):
+    """An interprocess CUDA event (``torch.cuda.Event(interprocess=True).ipc_handle()``)."""
+
+    device: int
+    handle: str
+
+
+class Attachment(Contract):
+    """What a same-host worker maps: the pool, the block table and its own staging buffer.
+
+    ``kv`` is ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (K at
+    index 0, V at 1); ``block_table`` is int32 ``[max_batch_size, max_blocks_per_seq]``, -1 past a
+    request's blocks; ``staging`` is ``[num_layers, 2, max_step_tokens, num_kv_heads, head_dim]``:
+    the worker writes token i of a step (``slot_mapping[i]``) at ``staging[layer, 0 or 1, i]``.
+    On CUDA the worker records ``forward_done`` after its forward and waits on ``commit_done``
+    before its next forward; on CPU both are absent.
+    """
+
+    kv: TensorHandle
+    block_table: TensorHandle
+    staging: TensorHandle
+    forward_done: EventHandle | None = None
+    commit_done: EventHandle | None = None
+
+
+class PoolLayout(Contract):
+    num_blocks: int
+    tokens_per_block: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    staging_dtype: str
+    device: str
+    max_batch_size: int
+    max_blocks_per_seq: int
+    max_draft_len: int
+    max_step_tokens: int
+    overlap_scheduler: bool
+    k_scales: list[float] | None = None
+    v_scales: list[float] | None = None
+
+
+class Registration(Contract):
+    worker_id: str
+    session: int = Field(description="This registration's session; send it with every call. "
+                                     "A call with an ended session is refused (stale_session).")
+    epoch: int = Field(description="The service's epoch; send it with every step.")
+    lease_ttl_s: float = Field(description="A worker silent this long loses its requests.")
+    next_step_id: int = Field(description="Step ids start here and only increase.")
+    layout: PoolLayout
+    attachment: Attachment
+
+
+class Deregistered(Contract):
+    worker_id: str
+    freed_requests: int
+
+
+# ---------------------------------------------------------------- the per-step call
+
+
+class Column:
+    """Marks a list of integers as a column of the step messages. REST carries it as a JSON list;
+    IPC packs every column of a message into one buffer of little-endian int64
+    (`server.contract.wire`), so a batch costs no Python object per element on the hot transport.
+    ``ge`` / ``le`` bound every element on both transports."""
+
+    def __init__(self, ge: int, le: int) -> None:
+        self.ge, self.le = ge, le
+
+    def __repr__(self) -> str:
+        return f"Column(ge={self.ge}, le={self.le})"
+
+
+def _column(ge: int, le: int, description: str) -> Any:
+    return Annotated[list[_constrained(int, ge=ge, le=le)], Column(ge, le),
+                     Field(default_factory=list, description=description)]
+
+
+HANDLE_LIMIT = INT63_MAX
+Handles = _column(0, HANDLE_LIMIT, "Request handles, as `admitted` returned them.")
+
+
+class ResultColumns(Contract):
+    """The previous step's accepted draft counts: the next call commits those tokens and settles
+    the grant (rewinds rejected drafts, reclaims the overlap slack)."""
+
+    handles: Handles
+    num_accepted: _column(0, INT32_MAX, "Accepted drafts, one per handle.")
+
+
+class HandleColumn(Contract):
+    handles: Handles
+
+
+class GrantColumns(Contract):
+    """Generation grants for this step: 1 + draft_len tokens each (+ overlap slack)."""
+
+    handles: Handles
+    draft_lens: _column(0, INT32_MAX, "Drafts of each grant.")
+
+
+class PaddingColumns(Contract):
+    """CUDA-graph padding: run a grant with ``padded_draft_lens`` drafts."""
+
+    handles: Handles
+    padded_draft_lens: _column(0, INT32_MAX, "Padded draft count, >= the grant's draft_len.")
+
+
+class PrefillColumns(Contract):
+    """Further chunks of prompts being prefilled."""
+
+    handles: Handles
+    num_tokens: _column(1, INT32_MAX, "Prompt tokens of the chunk.")
+
+
+class NewColumns(Contract):
+    """Requests admitted by this step. The only place a request's id travels: the reply's
+    ``admitted`` gives each its handle."""
+
+    req_ids: list[ReqId] = Field(default_factory=list)
+    prompt_lens: _column(1, INT32_MAX, "Prompt length of each new request.")
+    first_chunks: _column(0, INT32_MAX, "Prompt tokens scheduled now (0: the whole prompt); "
+                                        "empty: every prompt whole. With a cached prefix they "
+                                        "count from its end.")
+    prompt_token_ids: _column(0, INT32_MAX, "Every new request's prompt token ids, "
+                                            "concatenated (sum of prompt_lens values); empty: "
+                                            "no sharing. With prefix caching on, a request "
+                                            "reuses the cached blocks of its longest cached "
+                                            "prefix.")
+
+
+class StepRequest(Contract):
+    """One scheduler step. Applied atomically, in this order: reverts, results, finished, grants
+    and padding, prefill, new. Every decode request of the previous step must appear in exactly
+    one of ``results``, ``reverts`` or ``finished``.
+
+    ``step_id`` must exceed the last applied one; repeating the last one returns its reply again
+    without applying anything.
+    """
+
+    worker_id: WorkerId
+    session: Serial = Field(description="The session `register` returned.")
+    epoch: Serial
+    step_id: Serial
+    results: ResultColumns = Field(default_factory=ResultColumns)
+    reverts: HandleColumn = Field(default_factory=HandleColumn)
+    finished: HandleColumn = Field(default_factory=HandleColumn)
+    grants: GrantColumns = Field(default_factory=GrantColumns)
+    padding: PaddingColumns = Field(default_factory=PaddingColumns)
+    prefill: PrefillColumns = Field(default_factory=PrefillColumns)
+    new: NewColumns = Field(default_factory=NewColumns)
+
+
+class ScheduledColumns(Contract):
+    """This step's forward, in token order: granted decodes (in grant order), then granted
+    prefill chunks, then admitted new requests. Request ``i`` owns tokens ``token_offsets[i] ..
+    + num_tokens[i]`` of the step at positions ``start_positions[i] ..``; its last
+    ``num_drafts[i]`` tokens are drafts. ``rows`` index the block table."""
+
+    handles: Handles
+    rows: _column(0, INT32_MAX, "Block-table row of each request.")
+    token_offsets: _column(0, INT32_MAX, "First token of each request in the step.")
+    num_tokens: _column(1, INT32_MAX, "Tokens of each request in the step.")
+    num_drafts: _column(0, INT32_MAX, "Drafts among them (the last ones).")
+    start_positions: _column(0, INT32_MAX, "Sequence position of each request's first token.")
+
+
+REFUSED_KINDS = {0: "grant", 1: "prefill", 2: "new"}
+REFUSAL_REASONS = {1: "out_of_blocks", 2: "batch_full"}
+
+
+class RefusedColumns(Contract):
+    """Not scheduled this step; nothing changed for them, so the scheduler can preempt or retry.
+    ``kinds``: 0 grant, 1 prefill chunk, 2 new request; ``indices``: position in that list of the
+    request; ``reasons``: 1 out of blocks, 2 every block-table row in use."""
+
+    kinds: _column(0, 2, "0 grant, 1 prefill, 2 new.")
+    indices: _column(0, INT32_MAX, "Index into the request's list of that kind.")
+    reasons: _column(1, 2, "1 out_of_blocks, 2 batch_full.")
+
+
+class TableDeltas(Contract):
+    """Block-table changes, for workers that did not map the block table: for each ``i``,
+    ``table[rows[i], starts[i]:num_blocks[i]]`` = the next ``num_blocks[i] - starts[i]`` ids of
+    ``block_ids`` and ``table[rows[i], num_blocks[i]:] = -1`` (a freed row has 0 blocks)."""
+
+    rows: _column(0, INT32_MAX, "Rows that changed.")
+    starts: _column(0, INT32_MAX, "First changed column of each row.")
+    num_blocks: _column(0, INT32_MAX, "Each row's block count after the step.")
+    block_ids: _column(0, INT32_MAX, "The new ids, row after row.")
+
+
+class CommitSummary(Contract):
+    """What the previous step's commit wrote into the pool."""
+
+    tokens: int = Field(description="Tokens the previous step staged.")
+    written: int = Field(description="Tokens written into the pool.")
+    fallback: str | None = Field(default=None, description="Why NWOR fell back, if it did.")
+
+
+class StepReply(Contract):
+    epoch: int
+    step_id: int
+    admitted: _column(-1, HANDLE_LIMIT, "Per new request: its handle, or -1 when refused.")
+    scheduled: ScheduledColumns
+    refused: RefusedColumns
+    committed: CommitSummary
+    free_blocks: int
+    tables: TableDeltas | None = Field(
+        default=None, description="Only for workers registered with attached=false.")
+    slot_mapping: _column(-1, INT63_MAX, "Only for workers registered with attached=false: the "
+                                         "pool slot of each token of the step; -1: skip.")
+    cached_tokens: _column(0, INT32_MAX, "Per new request: prompt tokens already in the pool "
+                                         "(a cached prefix; its scheduled prefill starts after "
+                                         "them), 0 when refused.")
+
+
+# ---------------------------------------------------------------- inspection
+
+
+class RequestRef(Contract):
+    worker_id: WorkerId
+    req_id: ReqId
+
+
+class RequestState(Contract):
+    worker_id: str
+    req_id: str
+    handle: int
+    row: int
+    capacity: int
+    history: int
+    pending_overlap_slack: int
+    pending_draft_len: int | None
+    num_blocks: int
+    block_ids: list[int]
+
+
+class PoolQuery(Contract):
+    verify: bool = Field(default=False, description="Also run check_invariants (O(pool)).")
+
+
+class WorkerState(Contract):
+    worker_id: str
+    num_requests: int
+    last_step_id: int | None
+    lease_expires_in_s: float
+
+
+class PoolState(Contract):
+    epoch: int
+    layout: PoolLayout
+    free_blocks: int
+    used_blocks: int
+    num_requests: int
+    workers: list[WorkerState]
+    capacity_tokens: int
+    history_tokens: int
+    pending_slack_tokens: int
+    leases_expired: int
+    counters: dict[str, int]
+    invariants: Literal["ok", "unchecked"]
+
+
+class Health(Contract):
+    status: Literal["ok"]
+
+
+class Readiness(Contract):
+    status: Literal["ready"]
+    epoch: int

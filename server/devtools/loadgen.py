@@ -1,0 +1,368 @@
+"""`kvalloc loadgen`: a simulated inference worker driving a running service, one call per step.
+
+The worker behaves like an engine's overlap scheduler running one-model MTP with chunked
+prefill: each call settles the previous step (accepted drafts drawn at random, or a revert when
+the forward was skipped), finishes requests that produced their output, grants every running
+request ``1 + D`` (sometimes padded to ``max_draft_len`` as a CUDA-graph bucket would be),
+continues prompts being prefilled, and admits new arrivals (a Poisson number per step). A
+request whose grant or prefill chunk is refused is preempted (freed the next step), as a
+scheduler short of KV blocks does, so a full pool keeps turning over instead of stalling.
+
+Invariants the worker keeps, so the service never sees a protocol error from it:
+- every request of the previous step appears in exactly one of results, reverts, finished;
+- a request gets a generation grant only once its whole prompt was scheduled in earlier steps;
+- a step schedules at most the service's ``max_step_tokens``;
+- accepted <= the draft length it was granted.
+
+It stops after ``--steps`` or ``--duration``, whichever comes first (``--duration`` alone: for that
+long; neither: 1000 steps), and prints p50/p99 call latency and every error by code; exit status 1
+when any call failed, 2 when no service could be registered with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from allocator.tools.arguments import argument_type, bounded
+from allocator.tools.simulate import Acceptance
+from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
+from server.contract.addresses import client_address, default_client_address
+from server.contract.columns import StepResult
+
+DEFAULT_STEPS = 1000  # when neither --steps nor --duration is given
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the simulated engine does each step."""
+
+    draft_len: int = 3
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance("geometric", 0.7))
+    arrival_rate: float = 0.5  # expected new requests per step
+    prompt_len: tuple[int, int] = (16, 512)  # inclusive range, uniform
+    output_len: tuple[int, int] = (16, 256)
+    max_live: int = 32
+    skip_rate: float = 0.02  # forwards skipped (reverted)
+    pad_rate: float = 0.1  # grants padded to max_draft_len
+    # Tokens of a system prompt every new prompt starts with, sent with token ids (0: prompts
+    # go without ids and share nothing).
+    shared_prefix: int = 0
+
+
+@dataclass
+class _Request:
+    prompt: int  # prompt tokens
+    prompt_left: int  # prompt tokens not scheduled yet (chunked prefill)
+    remaining: int  # output tokens still to produce
+    in_flight: int | None = None  # D of this step's grant, None when not scheduled
+    preempted: bool = False  # its grant or prefill chunk was refused: free it next step
+
+
+@dataclass
+class _Call:
+    """What the last call asked for, to read its reply's refusals (indices into these)."""
+
+    grants: list[int] = field(default_factory=list)
+    prefill: list[int] = field(default_factory=list)
+    new: list[_Request] = field(default_factory=list)
+
+
+class SimulatedWorker:
+    """Builds each step's call and learns from its reply. No I/O: the driver sends the calls.
+
+    A step schedules at most ``max_step_tokens`` tokens (the service's staging capacity): decode
+    grants first (1 + D each, padding included), then prefill chunks, then new prompts' first
+    chunks, as a chunked-prefill scheduler that never starves running requests does. Requests are
+    named by the handles the service gives them.
+    """
+
+    def __init__(self, workload: Workload, *, max_draft_len: int, max_step_tokens: int,
+                 seed: int = 0) -> None:
+        self.w = workload
+        self.max_draft_len = max_draft_len
+        self.max_step_tokens = max_step_tokens
+        self.rng = np.random.default_rng(seed)
+        self.live: dict[int, _Request] = {}  # by handle
+        self._call = _Call()
+        self._ids = itertools.count()
+        self.stats: Counter[str] = Counter()
+        self._system = self.rng.integers(0, 32000, workload.shared_prefix)
+
+    def next_step(self) -> dict[str, Any]:
+        """The step's columns, as `Client.step` takes them."""
+        results, reverts, finished = self._settle()
+        w, rng = self.w, self.rng
+        budget = self.max_step_tokens
+        call = self._call = _Call()
+        drafts, pad_handles, pads, chunks = [], [], [], []
+        for handle, req in self.live.items():
+            if req.prompt_left:
+                continue
+            d = min(w.draft_len, self.max_draft_len, req.remaining - 1)
+            pad = self.max_draft_len if d < self.max_draft_len and rng.random() < w.pad_rate else d
+            if 1 + pad > budget:
+                continue  # no room this step: it simply is not scheduled
+            budget -= 1 + pad
+            call.grants.append(handle)
+            drafts.append(d)
+            req.in_flight = d
+            if pad > d:
+                pad_handles.append(handle)
+                pads.append(pad)
+        for handle, req in self.live.items():
+            chunk = min(req.prompt_left, budget)
+            if chunk:
+                budget -= chunk
+                req.prompt_left -= chunk
+                call.prefill.append(handle)
+                chunks.append(chunk)
+
+        new_ids, prompts, firsts, token_ids = [], [], [], []
+        room = w.max_live - len(self.live)
+        for _ in range(min(room, int(rng.poisson(w.arrival_rate)))):
+            if not budget:
+                break
+            own = int(rng.integers(*w.prompt_len, endpoint=True))
+            prompt = w.shared_prefix + own
+            if w.shared_prefix:
+                token_ids += [self._system, rng.integers(0, 32000, own)]
+            first = min(prompt, budget)
+            budget -= first
+            new_ids.append(f"r{next(self._ids)}")
+            prompts.append(prompt)
+            firsts.append(first)
+            call.new.append(_Request(prompt=prompt, prompt_left=prompt - first,
+                                     remaining=int(rng.integers(*w.output_len, endpoint=True))))
+        return {"results": results, "reverts": reverts, "finished": finished,
+                "grants": (call.grants, drafts), "padding": (pad_handles, pads),
+                "prefill": (call.prefill, chunks), "new": (new_ids, prompts, firsts),
+                "prompt_token_ids": np.concatenate(token_ids) if token_ids else ()}
+
+    def _settle(self) -> tuple[tuple[list[int], list[int]], list[int], list[int]]:
+        """The previous step's outcome for every request it scheduled, and preemptions."""
+        w, rng = self.w, self.rng
+        handles, accepted_counts, reverts, finished = [], [], [], []
+        for handle, req in self.live.items():
+            if req.preempted:
+                finished.append(handle)
+            if req.in_flight is None:
+                continue
+            if rng.random() < w.skip_rate:
+                reverts.append(handle)
+                self.stats["reverts"] += 1
+            else:
+                accepted = int(w.acceptance.sample(rng, req.in_flight, 1)[0])
+                req.remaining -= 1 + accepted
+                self.stats["accepted_tokens"] += accepted
+                self.stats["output_tokens"] += 1 + accepted
+                if req.remaining <= 0:
+                    finished.append(handle)
+                else:
+                    handles.append(handle)
+                    accepted_counts.append(accepted)
+            req.in_flight = None
+        for handle in finished:
+            self.stats["preempted" if self.live.pop(handle).preempted else "finished"] += 1
+        return (handles, accepted_counts), reverts, finished
+
+    def apply(self, reply: StepResult) -> None:
+        """Learn which grants, prefill chunks and new requests the service refused, and the
+        handles of the admitted ones."""
+        call = self._call
+        for kind, listed in (("grant", call.grants), ("prefill", call.prefill)):
+            for i in reply.refused.of_kind(kind).tolist():
+                req = self.live[listed[i]]
+                req.in_flight, req.preempted = None, True
+                self.stats[f"{kind}s_refused"] += 1  # grants_refused, prefills_refused
+        for handle, cached, req in zip(reply.admitted.tolist(), reply.cached_tokens.tolist(),
+                                       call.new, strict=True):
+            if handle < 0:
+                self.stats["requests_refused"] += 1
+            else:
+                # A cached prefix is in the pool already: the prompt is that much shorter.
+                req.prompt_left = max(0, req.prompt_left - cached)
+                self.live[handle] = req
+                self.stats["admitted"] += 1
+                if self.w.shared_prefix:
+                    self.stats["prompt_tokens"] += req.prompt
+                    self.stats["cached_tokens"] += cached
+
+    def reset(self) -> None:
+        """Forget every request (the service freed them: re-registration or a new epoch)."""
+        self.live.clear()
+        self._call = _Call()
+
+
+# ---------------------------------------------------------------- driving a service
+
+
+@dataclass
+class Report:
+    address: str
+    steps: int = 0
+    seconds: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    worker: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> dict[str, Any]:
+        lat = np.array(self.latencies_s) * 1e3
+        pct = (lambda q: round(float(np.percentile(lat, q)), 3)) if lat.size else (lambda q: None)
+        return {"address": self.address, "steps": self.steps, "seconds": round(self.seconds, 3),
+                "latency_ms": {"p50": pct(50), "p99": pct(99), "max": pct(100)},
+                "errors": dict(self.errors), **{k: self.worker[k] for k in sorted(self.worker)}}
+
+
+def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
+          duration_s: float | None, step_interval_s: float, progress: bool) -> Report:
+    """Run steps until ``steps`` or ``duration_s`` (None: no such bound). A refused call (or a
+    lost service) costs the worker its requests: it re-registers and starts over, as an engine
+    would after a restart."""
+    report = Report(client.address, worker=worker.stats)
+    start = time.perf_counter()
+    deadline = start + duration_s if duration_s is not None else float("inf")
+    limit = steps if steps is not None else float("inf")
+    with tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr) as bar:
+        while report.steps < limit and time.perf_counter() < deadline:
+            fields = worker.next_step()
+            t0 = time.perf_counter()
+            try:
+                reply = client.step(**fields)
+            except (RemoteError, TransportTimeout) as exc:
+                report.errors[getattr(exc, "code", "timeout")] += 1
+                worker.reset()
+                if not _register(client, report):
+                    break
+            except Exception as exc:  # the service is gone: connection refused, ...
+                report.errors[type(exc).__name__] += 1
+                break
+            else:
+                report.latencies_s.append(time.perf_counter() - t0)
+                worker.apply(reply)
+            report.steps += 1
+            bar.update()
+            if report.steps % 100 == 0:
+                bar.set_postfix(p50_ms=f"{np.median(report.latencies_s[-100:]) * 1e3:.2f}",
+                                live=len(worker.live), errors=sum(report.errors.values()))
+            if step_interval_s:
+                time.sleep(step_interval_s)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _register(client: Client, report: Report) -> bool:
+    """Register afresh (the service freed this worker's requests); False when it cannot."""
+    try:
+        # The load generator never touches KV; it takes its own id back (replace) after an error.
+        client.register(attach=False, replace=True)
+    except Exception as exc:  # any failure here: no usable service
+        report.errors[f"register: {type(exc).__name__}"] += 1
+        return False
+    return True
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return bounds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None, type=argument_type(client_address),
+                        help="stream:///path, ipc:///path, tcp://host:port, http://host:port or "
+                             "unix:///path (default: $KVALLOC_ADDRESS, else the service's default "
+                             "stream socket)")
+    parser.add_argument("--worker-id", default=None,
+                        help="the worker's name at the service (default: <host>-<pid>)")
+    parser.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=10.0,
+                        help="seconds to wait for one reply")
+    stop = parser.add_argument_group(
+        "how long", f"whichever comes first; --duration alone runs that long, neither runs "
+                    f"{DEFAULT_STEPS} steps")
+    stop.add_argument("--steps", type=bounded(int, 1), default=None,
+                      help="scheduler steps, one call each")
+    stop.add_argument("--duration", type=bounded(float, 0, low_open=True), default=None,
+                      help="seconds")
+    sim = parser.add_argument_group("the simulated engine")
+    sim.add_argument("--draft-len", type=bounded(int, 0), default=3, help="MTP draft length D")
+    sim.add_argument("--acceptance", type=Acceptance.parse, default="geometric:0.7",
+                     help="geometric:P, fixed:K or uniform")
+    sim.add_argument("--arrival-rate", type=bounded(float, 0), default=0.5,
+                     help="new requests per step, Poisson mean")
+    sim.add_argument("--prompt-len", type=_range, default="16:512", help="MIN:MAX tokens")
+    sim.add_argument("--output-len", type=_range, default="16:256", help="MIN:MAX tokens")
+    sim.add_argument("--max-live", type=bounded(int, 1), default=32,
+                     help="running requests at most")
+    sim.add_argument("--skip-rate", type=bounded(float, 0, 1), default=0.02,
+                     help="share of forwards skipped and reverted")
+    sim.add_argument("--pad-rate", type=bounded(float, 0, 1), default=0.1,
+                     help="share of grants padded to max_draft_len")
+    sim.add_argument("--step-interval", type=bounded(float, 0), default=0.02,
+                     help="seconds between calls: the forward's duration")
+    sim.add_argument("--shared-prefix", type=bounded(int, 0), default=0, metavar="TOKENS",
+                     help="every prompt starts with one system prompt of this many tokens, "
+                          "sent with token ids to share it (the service needs "
+                          "--prefix-caching; --prompt-len is then the rest)")
+    sim.add_argument("--seed", type=int, default=0, help="random seed of the workload")
+    out = parser.add_argument_group("output")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = Workload(draft_len=args.draft_len, acceptance=args.acceptance,
+                        arrival_rate=args.arrival_rate, prompt_len=args.prompt_len,
+                        output_len=args.output_len, max_live=args.max_live,
+                        skip_rate=args.skip_rate, pad_rate=args.pad_rate,
+                        shared_prefix=args.shared_prefix)
+    address = args.address or default_client_address()
+    steps = DEFAULT_STEPS if args.steps is None and args.duration is None else args.steps
+    with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
+        try:
+            registration = client.register(attach=False)  # the load generator never touches KV
+        except (ServiceUnreachable, RemoteError, TransportTimeout) as exc:
+            print(f"kvalloc loadgen: cannot register at {address}: {exc}", file=sys.stderr)
+            return 2
+        layout = registration.layout
+        worker = SimulatedWorker(workload, max_draft_len=layout.max_draft_len,
+                                 max_step_tokens=layout.max_step_tokens, seed=args.seed)
+        report = drive(client, worker, steps=steps, duration_s=args.duration,
+                       step_interval_s=args.step_interval, progress=not args.no_progress)
+        with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
+            client.deregister()
+    summary = report.summary()
+    print(json.dumps(summary) if args.json else _human(summary))
+    return 1 if report.errors else 0
+
+
+def _human(s: dict[str, Any]) -> str:
+    lat = s["latency_ms"]
+    errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"
+    return "\n".join([
+        f"kvalloc loadgen: {s['steps']} steps in {s['seconds']:.1f}s against {s['address']}",
+        f"  step call latency: p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
+        f"  requests: {s.get('admitted', 0)} admitted, {s.get('finished', 0)} finished, "
+        f"{s.get('requests_refused', 0)} refused, {s.get('preempted', 0)} preempted; "
+        f"grants refused {s.get('grants_refused', 0)}, reverts {s.get('reverts', 0)}",
+        f"  tokens: {s.get('output_tokens', 0)} output, {s.get('accepted_tokens', 0)} accepted "
+        f"drafts",
+        f"  errors: {errors}",
+        *([f"  prefix cache: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens cached "
+           f"({s['cached_tokens'] / s['prompt_tokens']:.1%})"] if s.get("prompt_tokens") else []),
+    ])

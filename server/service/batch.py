@@ -1,0 +1,153 @@
+"""`ScheduledBatch`: the tokens of one step's forward, from the reply that schedules them to the
+call that commits them.
+
+The worker stages token ``i`` of its step at ``staging[layer, 0 or 1, i]``. The batch lists the
+scheduled requests in token order (granted decodes, then prefill chunks, then new requests); each
+owns a contiguous run of tokens at consecutive positions, the last ``num_drafts`` of which are
+drafts, and ``slots[i]`` is where token ``i`` lives in the pool.
+
+Settling the batch (the next call) says, per request, how many of its drafts were accepted and
+whether it was dropped (reverted or finished), and yields the slots to commit: a dropped request
+commits nothing, and no token is written past the blocks its request still owns after the
+settlement, so even NWOR's write-everything fallback never touches a block another request may
+have been given in the same call.
+
+Each compiled loop here has a numpy reference (``*_reference``) that states what it computes;
+tests compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from allocator.common.jit import jit, numba
+from server.contract.columns import Scheduled
+from server.contract.errors import StepNotSettled
+
+
+class Settlement(NamedTuple):
+    """Per request of a settled batch."""
+
+    accepted: np.ndarray  # its accepted drafts: 0 unless it was reported (and not dropped)
+    dropped: np.ndarray  # reverted or finished: it commits nothing
+
+
+@dataclass(eq=False)  # not frozen, as `columns`' records: built every step, never changed
+class ScheduledBatch:
+    scheduled: Scheduled
+    num_decodes: int  # the first entries are decodes: only they must be settled
+    slots: np.ndarray  # per token: its pool slot (capacity covers it, so never -1)
+    tokens_per_block: int
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.slots.size)
+
+    def settle(self, result_rows: np.ndarray, num_accepted: np.ndarray,
+               revert_rows: np.ndarray, finished_rows: np.ndarray, *, num_rows: int,
+               step_id: int | None) -> Settlement:
+        """What the settling call says of each request: reported with ``num_accepted`` (per
+        ``result_rows``), reverted or finished. `StepNotSettled` unless every decode request
+        (``step_id`` ran it) is one of these; ``num_rows``: the block table's."""
+        accepted, dropped, missing, unsettled = settle_rows(
+            self.scheduled.rows, self.num_decodes, result_rows, num_accepted, revert_rows,
+            finished_rows, num_rows)
+        if missing >= 0:
+            raise StepNotSettled(
+                f"results: the request of handle {int(self.scheduled.handles[missing])} ran in "
+                f"step {step_id}: report its accepted count, revert it or finish it "
+                f"({unsettled} unsettled)")
+        return Settlement(accepted, dropped)
+
+    def commit_slots(self, dropped: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+        """Slots to commit: -1 for ``dropped`` requests (per request) and for positions past the
+        blocks a request's row owns once the settling call has applied (``num_blocks``, per
+        block-table row)."""
+        s = self.scheduled
+        return commit_slots(s.rows, s.token_offsets, s.num_tokens, s.start_positions, self.slots,
+                            dropped, num_blocks, self.tokens_per_block)
+
+
+def commit_slots_reference(rows: np.ndarray, token_offsets: np.ndarray, num_tokens: np.ndarray,
+                           start_positions: np.ndarray, slots: np.ndarray, dropped: np.ndarray,
+                           num_blocks: np.ndarray, tokens_per_block: int) -> np.ndarray:
+    """`ScheduledBatch.commit_slots` over the batch's columns (`Scheduled`'s, ``slots`` per
+    token), in numpy."""
+    request = np.repeat(np.arange(rows.size), num_tokens)
+    positions = start_positions[request] + np.arange(request.size) - token_offsets[request]
+    owned = positions < num_blocks[rows[request]] * tokens_per_block
+    return np.where(~dropped[request] & owned, slots, -1)
+
+
+def _commit_slots_loop(rows, token_offsets, num_tokens,  # type: ignore[no-untyped-def]
+                       start_positions, slots, dropped, num_blocks,
+                       tokens_per_block):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    out = np.empty(slots.size, np.int64)
+    for e in range(rows.size):
+        first, end = token_offsets[e], token_offsets[e] + num_tokens[e]
+        # Tokens at positions start + k; those below ``owned`` are inside the row's blocks.
+        owned = 0 if dropped[e] else num_blocks[rows[e]] * tokens_per_block - start_positions[e]
+        for t in range(first, end):
+            out[t] = slots[t] if t - first < owned else -1
+    return out
+
+
+# Several whole-batch array operations a step otherwise, over a thousand tokens.
+commit_slots = jit(_commit_slots_loop) if numba is not None else commit_slots_reference
+
+
+_REPORTED, _DROPPED = 1, 2  # a row's settlement; 0: none
+
+
+def settle_rows_reference(rows: np.ndarray, num_decodes: int, result_rows: np.ndarray,
+                          num_accepted: np.ndarray, revert_rows: np.ndarray,
+                          finished_rows: np.ndarray,
+                          num_rows: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """`ScheduledBatch.settle` over the batch's ``rows`` (its first ``num_decodes`` are decodes):
+    accepted and dropped per request, then the index of the first unsettled decode (-1: none)
+    and how many there are. A dropped row counts as dropped even if it was reported too."""
+    settlement = np.zeros(num_rows, dtype=np.int8)
+    settlement[result_rows] = _REPORTED
+    settlement[revert_rows] = settlement[finished_rows] = _DROPPED
+    accepted_by_row = np.zeros(num_rows, dtype=np.int64)
+    accepted_by_row[result_rows] = num_accepted
+    settled = settlement[rows]
+    unsettled = np.flatnonzero(settled[:num_decodes] == 0)
+    accepted = np.where(settled == _REPORTED, accepted_by_row[rows], 0)
+    return (accepted, settled == _DROPPED, int(unsettled[0]) if unsettled.size else -1,
+            int(unsettled.size))
+
+
+def _settle_rows_loop(rows, num_decodes, result_rows, num_accepted,  # type: ignore[no-untyped-def]
+                      revert_rows, finished_rows, num_rows):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    settlement = np.zeros(num_rows, np.int8)
+    accepted_by_row = np.empty(num_rows, np.int64)
+    for i in range(result_rows.size):
+        settlement[result_rows[i]] = _REPORTED
+        accepted_by_row[result_rows[i]] = num_accepted[i]
+    for row in revert_rows:
+        settlement[row] = _DROPPED
+    for row in finished_rows:
+        settlement[row] = _DROPPED
+    accepted = np.zeros(rows.size, np.int64)
+    dropped = np.empty(rows.size, np.bool_)
+    missing, unsettled = -1, 0
+    for e in range(rows.size):
+        state = settlement[rows[e]]
+        dropped[e] = state == _DROPPED
+        if state == _REPORTED:
+            accepted[e] = accepted_by_row[rows[e]]
+        elif state == 0 and e < num_decodes:
+            unsettled += 1
+            if missing < 0:
+                missing = e
+    return accepted, dropped, missing, unsettled
+
+
+# A handful of scatters and gathers over the block table's rows a step otherwise.
+settle_rows = jit(_settle_rows_loop) if numba is not None else settle_rows_reference

@@ -1,0 +1,85 @@
+"""`Committer`: the service's NWOR commit of one worker's batch, on the pool's device.
+
+One `DeferredWriteManager` serves every worker: the core calls ``commit`` under its lock, and a
+whole window (begin, stage every layer straight from the worker's shared staging buffer, commit)
+runs inside that one call, so windows of different workers never interleave. The number of
+device launches does not depend on the number of layers: the commit reads the worker's buffer in
+place. The graphs that commit from a worker's buffer are captured when the buffer is made, at
+registration (``add_staging``), so its first commits replay like the rest, and are dropped with
+it (``release_staging``).
+
+Requests the settling call reverted or finished commit nothing: they enter the layout as all
+drafts with 0 accepted, so NWOR counts their tokens as rejected (never written) and
+``committed == written`` holds; their slots are -1 as well, which keeps even a fallback from
+writing them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from allocator.common.device_io import upload_int64
+from allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
+from allocator.nwor.storage import KVStorage
+from server.contract import wire
+from server.service.batch import ScheduledBatch
+
+NOTHING = wire.CommitSummary(tokens=0, written=0)
+
+
+class Committer:
+    def __init__(self, storage: KVStorage, *, max_tokens: int, stage_dtype: torch.dtype,
+                 nwor: bool = True, protect_cached: bool = False) -> None:
+        """``nwor`` False writes every staged token of a settled request, rejected drafts too
+        (what an engine without NWOR does: the reference to compare NWOR against).
+        ``protect_cached``: refuse writes into cached prefix blocks (``protect`` keeps the
+        device mask current)."""
+        self.device = storage.device
+        self.nwor = nwor
+        self.writes = DeferredWriteManager(storage, max_tokens=max_tokens, stage_dtype=stage_dtype)
+        self._protected: torch.Tensor | None = None
+        if protect_cached:
+            self._protected = torch.zeros(storage.config.total_blocks, dtype=torch.bool,
+                                          device=self.device)
+            self.writes.protect(self._protected)
+
+    def add_staging(self, staging: torch.Tensor) -> None:
+        """Capture the graphs that commit from a worker's new ``staging`` buffer now, at
+        registration, so that its first commits replay like the rest instead of capturing."""
+        self.writes.capture_host_write_graphs(staging)
+
+    def release_staging(self, staging: torch.Tensor) -> None:
+        """Forget the graphs of ``staging``, a buffer about to be released."""
+        self.writes.drop_host_write_graphs(staging)
+
+    def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
+        """Set the protection of ``blocks`` (only the flips since the last call travel)."""
+        if self._protected is not None and blocks.size:
+            self._protected[upload_int64(blocks, self.device)] = torch.from_numpy(
+                protected).to(self.device)
+
+    def commit(self, staging: torch.Tensor, batch: ScheduledBatch, accepted: np.ndarray,
+               dropped: np.ndarray, slots: np.ndarray) -> wire.CommitSummary:
+        """Write ``batch``'s committed tokens from ``staging`` (``[L, 2, T, H, D]``).
+
+        ``accepted`` and ``dropped`` are per batch request; ``slots`` per token (-1: skip).
+        """
+        if batch.total_tokens == 0:
+            return NOTHING
+        scheduled = batch.scheduled
+        drafts = np.where(dropped, scheduled.num_tokens, scheduled.num_drafts)
+        writes = self.writes
+        writes.begin_window(WindowLayout.of_arrays(scheduled.num_tokens, drafts))
+        writes.stage_from(staging, slots)  # host slots: the keep mask is applied on the host
+        if not self.nwor:
+            accepted = scheduled.num_drafts
+        accepted = np.where(dropped, 0, accepted)
+        writes.commit(accepted)
+        stats = writes.last_window
+        # Host slots: the window counts what reached the pool, the kept tokens (all of them
+        # after a fallback) whose slot is not -1 (a reverted or finished request's, or one past
+        # its request's blocks).
+        assert stats is not None and stats.written is not None
+        return wire.CommitSummary(tokens=stats.tokens, written=stats.written,
+                                  fallback=stats.fallback_reason)

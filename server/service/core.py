@@ -1,0 +1,339 @@
+"""`ServiceCore`: the one writer behind both transports.
+
+It owns the pool (`KVStorage`), the host-side `KVCacheManager`, the `WorkerRegistry` and the
+`StepPipeline`, and dispatches every operation under one lock: sessions and the epoch are checked
+first, then a worker's step ids (idempotent retries), then the operation runs. REST and IPC
+decode a request into a `server.contract.wire` struct (a `StepCall` for the step), call one method
+here and encode what it returns; they hold no logic.
+
+Invariants:
+- single writer: every method runs under ``self.lock``, so steps apply atomically and in
+  arrival order, and a concurrent caller never sees half a step;
+- all or nothing: a call that raises has changed nothing (every service check runs before the
+  manager's step, and the manager validates the whole plan before it mutates);
+- a worker's step ids only increase: the last id again, with the same body, returns the cached
+  reply without applying anything; a smaller one is refused;
+- every decode request of a worker's previous step is settled by its next step (results,
+  reverts or finished), so a staged batch is committed exactly once;
+- a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from allocator import InvariantViolation, KVCacheManager, KVStorage, StepPlan
+from server.contract import wire
+from server.contract.columns import StepCall, StepResult
+from server.contract.errors import LimitExceeded, NotReady, StaleEpoch, StepIdReused, StepOutOfOrder
+from server.contract.sharing import StepFence, TensorExporter, dtype_name
+from server.service.commit import Committer
+from server.service.event_publisher import KVEventPublisher
+from server.service.pipeline import StepPipeline
+from server.service.registry import Worker, WorkerRegistry
+from server.service.settings import ServiceConfig
+
+log = logging.getLogger("kvalloc.service")
+
+
+class ServiceObserver(Protocol):
+    """What the service reports to metrics (`allocator.metrics.AllocatorMetrics` is one)."""
+
+    def observe_step(self, transport: str, seconds: float) -> None: ...
+
+    def lease_expired(self, n: int = 1) -> None: ...
+
+    def invariant_violation(self, n: int = 1) -> None: ...
+
+    def state_changed(self) -> None:
+        """Called under the lock after each change and on every lease check (about once a
+        second), so an observer can copy the state it reports without taking the lock later."""
+
+
+class ExportedTensors:
+    """The placement hook the pool and the block table are built with: every tensor is made
+    where same-host workers can map it (shared memory on CPU, CUDA IPC on GPU), and its handle
+    is kept for the workers' attachments."""
+
+    def __init__(self, exporter: TensorExporter) -> None:
+        self.exporter = exporter
+        self.handles: dict[str, wire.TensorHandle] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        tensor, self.handles[name] = self.exporter.empty(name, shape, dtype, device)
+        return tensor
+
+
+class ServiceCore:
+    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic,
+                 epoch: int | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        # 52 bits: exact in every JSON reader, doubles included (jq, JavaScript).
+        self.epoch = secrets.randbits(52) if epoch is None else epoch
+        self.lock = threading.Lock()
+        pool = config.pool
+        self._exporter = TensorExporter(prefix=f"kvalloc-{self.epoch:016x}")
+        placement = ExportedTensors(self._exporter)
+        self.storage = KVStorage(pool, allocate=placement)
+        self.manager = KVCacheManager(pool, allocate=placement,
+                                      prefix_caching=config.prefix_caching,
+                                      kv_events=config.kv_events is not None,
+                                      register_when_written=True)
+        self.device = self.manager.device
+        self._kv_handle = placement.handles["kv"]
+        self._table_handle = placement.handles["block_table"]
+        self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
+        self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
+                                   stage_dtype=self.staging_dtype, nwor=config.nwor,
+                                   protect_cached=config.prefix_caching)
+        self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
+        # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
+        self.kv_events = (KVEventPublisher(config.kv_events,
+                                           replay_endpoint=config.kv_events_replay)
+                          if config.kv_events is not None else None)
+        self.pipeline = StepPipeline(self.manager, self.committer, self.registry,
+                                     max_step_tokens=config.max_step_tokens,
+                                     publish=None if self.kv_events is None
+                                     else self.kv_events.publish)
+        self.pipeline.publish_events()
+        self.layout = _layout(config, dtype_name(self.staging_dtype))
+        self._fences: dict[str, tuple[StepFence, wire.EventHandle, wire.EventHandle]] = {}
+        self._observers: list[ServiceObserver] = []
+        self.leases_expired = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def add_observer(self, observer: ServiceObserver) -> None:
+        self._observers.append(observer)
+
+    def observe_step(self, transport: str, seconds: float) -> None:
+        """Transports report each per-step call's service time here."""
+        for obs in self._observers:
+            obs.observe_step(transport, seconds)
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed
+
+    def close(self) -> None:
+        """Stop answering and unlink every shared-memory segment. Idempotent."""
+        with self.lock:
+            self._closed = True
+            self._exporter.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
+
+    def _state_changed(self) -> None:
+        for obs in self._observers:
+            obs.state_changed()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NotReady("service: shutting down")
+
+    # ------------------------------------------------------------------ workers and leases
+
+    def register(self, req: wire.RegisterRequest) -> wire.Registration:
+        """Open a session for ``worker_id`` (see `WorkerRegistry` for ids held by a session)."""
+        with self.lock:
+            self._check_open()
+            self._expire(self.clock())
+            replaced = self.registry.check_capacity(req.worker_id, req.replace)
+            if replaced is not None:
+                n = self._drop(replaced)
+                log.warning("worker %r registered again with replace: its previous session "
+                            "ended, %d requests freed", req.worker_id, n)
+            worker = self.registry.add(lambda session: self._new_worker(req, session))
+            self._state_changed()
+            return wire.Registration(
+                worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
+                lease_ttl_s=self.config.lease_ttl_s, next_step_id=0, layout=self.layout,
+                attachment=worker.attachment,
+            )
+
+    def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
+        pool = self.config.pool
+        shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
+        staging, handle = self._exporter.empty(f"staging-{req.worker_id}", shape,
+                                               self.staging_dtype, self.device)
+        self.committer.add_staging(staging)
+        fence, fwd, com = self._fence(req.worker_id)
+        attachment = wire.Attachment(kv=self._kv_handle, block_table=self._table_handle,
+                                     staging=handle, forward_done=fwd, commit_done=com)
+        return Worker(req.worker_id, session, req.attached, staging, attachment, fence,
+                      last_seen=self.clock())
+
+    def _fence(self, worker_id: str) -> tuple[StepFence | None, wire.EventHandle | None,
+                                              wire.EventHandle | None]:
+        """The worker id's interprocess events (CUDA pools only), made once and kept until the
+        service closes: using an imported event after its exporter destroyed it is undefined, and
+        a worker whose lease expired may still record its event once before it learns so."""
+        if self.device.type != "cuda":
+            return None, None, None
+        if worker_id not in self._fences:
+            self._fences[worker_id] = StepFence.create(self.device)
+        return self._fences[worker_id]
+
+    def deregister(self, req: wire.WorkerRef) -> wire.Deregistered:
+        with self.lock:
+            self._check_open()
+            self._expire(self.clock())
+            worker = self.registry.worker(req.worker_id, req.session)
+            freed = self._drop(worker)
+            self._state_changed()
+            return wire.Deregistered(worker_id=req.worker_id, freed_requests=freed)
+
+    def expire_leases(self) -> int:
+        """Drop every worker whose lease ran out; returns how many. The reaper calls this."""
+        with self.lock:
+            if self._closed:
+                return 0
+            expired = self._expire(self.clock())
+            self._state_changed()
+            return expired
+
+    def _expire(self, now: float) -> int:
+        ttl = self.config.lease_ttl_s
+        expired = self.registry.expired(now, ttl)
+        for worker in expired:
+            free_before = self.manager.free_blocks
+            n = self._drop(worker)
+            log.warning("lease of worker %r expired (silent > %.1fs): freed %d requests, "
+                        "%d blocks", worker.worker_id, ttl, n,
+                        self.manager.free_blocks - free_before)
+        if expired:
+            self.leases_expired += len(expired)
+            for obs in self._observers:
+                obs.lease_expired(len(expired))
+        return len(expired)
+
+    def _drop(self, worker: Worker) -> int:
+        """End ``worker``'s session: its requests and their blocks go back, its staging too."""
+        rows = self.registry.remove(worker)
+        if rows.size:
+            self.manager.step(StepPlan(finished_rows=rows))
+        self.committer.release_staging(worker.staging)
+        self._exporter.release(f"staging-{worker.worker_id}")
+        return int(rows.size)
+
+    def _worker(self, worker_id: str, session: int, epoch: int) -> Worker:
+        """The live worker, checking the epoch first: a restart is reported as such."""
+        if epoch != self.epoch:
+            raise StaleEpoch(f"epoch: {epoch} is stale, the service restarted (epoch now "
+                             f"{self.epoch}); register again")
+        self._expire(self.clock())
+        return self.registry.worker(worker_id, session)
+
+    # ------------------------------------------------------------------ the per-step call
+
+    def step(self, call: StepCall) -> StepResult:
+        with self.lock:
+            self._check_open()
+            worker = self._worker(call.worker_id, call.session, call.epoch)
+            worker.last_seen = self.clock()
+            last = worker.last_step_id
+            if last is not None and call.step_id <= last:
+                if call.step_id < last:
+                    raise StepOutOfOrder(f"step_id: {call.step_id} is older than the last "
+                                         f"applied step {last}")
+                if call != worker.last_call:
+                    raise StepIdReused(f"step_id: {last} was applied with a different body; "
+                                       f"a retry must resend the same step")
+                assert worker.last_result is not None
+                return worker.last_result
+            self._check_limits(call)
+            result = self.pipeline.apply(worker, call, self.epoch)
+            worker.last_step_id, worker.last_call, worker.last_result = (call.step_id, call,
+                                                                         result)
+            self._state_changed()
+            return result
+
+    def _check_limits(self, call: StepCall) -> None:
+        cap = self.config.pool.max_batch_size
+        for name, n in call.entries().items():
+            if n > cap:
+                raise LimitExceeded(f"{name}: {n} entries, more than max_batch_size={cap}",
+                                    field=name)
+
+    def shared_tensors(self, worker_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      StepFence | None]:
+        """The pool, the block table, ``worker_id``'s staging buffer and fence, as this process
+        holds them: what an in-process worker uses instead of mapping the handles."""
+        with self.lock:
+            worker = self.registry.worker(worker_id, None)
+            return self.storage.kv, self.manager.table.device_table, worker.staging, worker.fence
+
+    # ------------------------------------------------------------------ inspection
+
+    def get_request(self, req: wire.RequestRef) -> wire.RequestState:
+        with self.lock:
+            self._check_open()
+            self._expire(self.clock())
+            worker = self.registry.worker(req.worker_id, None)
+            row = self.registry.row_of(worker, req.req_id)
+            view = self.manager.view(row)
+            return wire.RequestState(
+                worker_id=req.worker_id, req_id=req.req_id, handle=self.registry.handle(row),
+                row=row, capacity=view.capacity, history=view.history,
+                pending_overlap_slack=view.pending_overlap_slack,
+                pending_draft_len=view.pending_draft_len, num_blocks=view.num_blocks,
+                block_ids=view.block_ids.tolist(),
+            )
+
+    def get_pool(self, req: wire.PoolQuery) -> wire.PoolState:
+        with self.lock:
+            self._check_open()
+            mgr, now = self.manager, self.clock()
+            if req.verify:
+                self.check_invariants()
+            totals = mgr.totals()
+            return wire.PoolState(
+                epoch=self.epoch, layout=self.layout, free_blocks=mgr.free_blocks,
+                used_blocks=mgr.pool.num_blocks - mgr.free_blocks, num_requests=mgr.num_requests,
+                workers=[wire.WorkerState(
+                    worker_id=w.worker_id, num_requests=len(w.req_ids),
+                    last_step_id=w.last_step_id,
+                    lease_expires_in_s=max(0.0, w.last_seen + self.config.lease_ttl_s - now),
+                ) for w in self.registry],
+                capacity_tokens=totals["capacity_tokens"], history_tokens=totals["history_tokens"],
+                pending_slack_tokens=totals["pending_slack_tokens"],
+                leases_expired=self.leases_expired,
+                counters={k: int(v) for k, v in dataclasses.asdict(mgr.counters).items()},
+                invariants="ok" if req.verify else "unchecked",
+            )
+
+    def check_invariants(self) -> None:
+        """The manager's invariants plus the registry's: workers own exactly the live requests,
+        in the rows the manager holds them."""
+        try:
+            self.manager.check_invariants()
+            self.registry.check_invariants(self.manager.live_rows)
+        except InvariantViolation:
+            for obs in self._observers:
+                obs.invariant_violation(1)
+            raise
+
+
+def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
+    pool = config.pool
+    return wire.PoolLayout(
+        num_blocks=pool.total_blocks, tokens_per_block=pool.tokens_per_block,
+        num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+        dtype=pool.dtype, staging_dtype=staging_dtype, device=str(pool.device),
+        max_batch_size=pool.max_batch_size, max_blocks_per_seq=pool.max_blocks_per_seq,
+        max_draft_len=pool.max_draft_len, max_step_tokens=config.max_step_tokens,
+        overlap_scheduler=pool.overlap_scheduler,
+        k_scales=list(pool.k_scales) if pool.k_scales else None,
+        v_scales=list(pool.v_scales) if pool.v_scales else None,
+    )

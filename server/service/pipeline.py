@@ -1,0 +1,191 @@
+"""`StepPipeline`: one worker's step, from its `StepCall` to its `StepResult`, as arrays.
+
+Order inside one call (all checks come first; from the manager's step on nothing raises):
+1. handles -> rows (the registry checks ownership and generation), new ids unique, every decode
+   of the previous batch settled, the step's token demand within ``max_step_tokens``;
+2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
+   `allocator.StepOutcome` with everything the rest needs;
+3. the registry frees finished requests and hands out handles for admitted ones;
+4. this step's batch is laid out (`server.service.schedule`);
+5. the previous batch is committed from the worker's staging buffer: exactly its accepted
+   tokens, into blocks their requests still own; the reply is built from the outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from allocator import KVCacheManager, StepOutcome
+from allocator.capacity.kv_events import KVCacheEvent
+from allocator.capacity.step.plan import checked_plan
+from allocator.common.jit import jit, numba
+from server.contract import protocol, wire
+from server.contract.columns import NO_VALUES, Refused, StepCall, StepResult, TableChanges
+from server.contract.errors import LimitExceeded
+from server.service.batch import ScheduledBatch, Settlement
+from server.service.commit import NOTHING, Committer
+from server.service.registry import Worker, WorkerRegistry
+from server.service.schedule import schedule
+
+# The call's lists of handles, in the order `StepPipeline.apply` passes them to the registry.
+_HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "grants.handles",
+                 "padding.handles", "prefill.handles")
+_KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
+_OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
+_NONE_REFUSED = Refused(NO_VALUES, NO_VALUES, NO_VALUES)
+
+
+def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
+    """The concatenated prompt token ids, one array per new request (none: no sharing)."""
+    if token_ids.size == 0:
+        return []
+    return np.split(token_ids, np.cumsum(prompt_lens)[:-1])
+
+
+class StepPipeline:
+    def __init__(self, manager: KVCacheManager, committer: Committer, registry: WorkerRegistry,
+                 *, max_step_tokens: int,
+                 publish: Callable[[list[KVCacheEvent]], None] | None = None) -> None:
+        """``publish``: where the manager's KV events go after each step."""
+        self.manager = manager
+        self.publish = publish
+        self.committer = committer
+        self.registry = registry
+        self.max_step_tokens = max_step_tokens
+        self._rows = manager.config.max_batch_size
+        self._tpb = manager.config.tokens_per_block
+
+    def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
+        registry = self.registry
+        revert_rows, result_rows, finished_rows, grant_rows, padding_rows, prefill_rows = (
+            registry.rows_of(worker, _HANDLE_LISTS, (
+                call.revert_handles, call.result_handles, call.finished_handles,
+                call.grant_handles, call.padding_handles, call.prefill_handles)))
+        registry.check_new(worker, call.new_req_ids)
+        previous = worker.batch
+        settlement = None if previous is None else previous.settle(
+            result_rows, call.num_accepted, revert_rows, finished_rows, num_rows=self._rows,
+            step_id=worker.last_step_id)
+        drafts = self._drafts(grant_rows, padding_rows, call)
+        prompt_tokens = (call.prompt_lens if call.first_chunks.size == 0
+                         else np.where(call.first_chunks > 0, call.first_chunks, call.prompt_lens))
+        self._check_demand(drafts, call.prefill_tokens, prompt_tokens)
+
+        if worker.fence is not None:
+            worker.fence.service_begin()
+        # The call's columns were checked when it was built: the plan skips `coerce`.
+        outcome = self.manager.step_arrays(checked_plan(
+            revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
+            finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
+            padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
+            prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
+            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks),
+            _split(call.prompt_token_ids, call.prompt_lens))
+        # ---- applied: nothing below raises on input.
+        registry.release(worker, finished_rows)
+        admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
+        # Laid out before the commit, while the table rows the step just wrote are in the
+        # cache (the commit streams the staged K/V through it); the commit changes no table cell.
+        cached = outcome.cached_tokens
+        worker.batch = batch = schedule(
+            call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
+            call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
+            outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
+            call.prompt_lens, cached, self.manager.table.host, self._tpb)
+        scheduled = batch.scheduled
+        committed = NOTHING
+        if previous is not None:
+            assert settlement is not None
+            committed = self._commit(worker, previous, settlement, outcome)
+        if worker.fence is not None:
+            worker.fence.service_end()
+        self.publish_events()
+        return StepResult(
+            epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
+            refused=self._refused(outcome, len(scheduled)), committed=committed,
+            free_blocks=self.manager.free_blocks,
+            tables=None if worker.attached else TableChanges(
+                outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
+                outcome.changed_block_ids.astype(np.int64)),
+            slot_mapping=None if worker.attached else batch.slots, cached_tokens=cached)
+
+    def publish_events(self) -> None:
+        if self.publish is not None:
+            self.publish(self.manager.drain_kv_events())
+
+    def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
+                call: StepCall) -> np.ndarray:
+        """Drafts each grant runs with: its draft_len, or its padded_draft_len when padded (the
+        manager refuses padding below the grant, so the padded value is the larger)."""
+        if call.padding_handles.size == 0:
+            return call.draft_lens
+        by_row = np.zeros(self._rows, dtype=np.int64)
+        by_row[grant_rows] = call.draft_lens
+        by_row[padding_rows] = np.maximum(by_row[padding_rows], call.padded_draft_lens)
+        return by_row[grant_rows]
+
+    def _check_demand(self, drafts: np.ndarray, prefill: np.ndarray, prompts: np.ndarray) -> None:
+        demand = token_demand(drafts, prefill, prompts)
+        total = 0
+        for name, tokens in zip(_DEMAND, demand, strict=True):
+            total += tokens
+            if total > self.max_step_tokens:
+                raise LimitExceeded(f"{name}: the step would schedule {sum(demand)} tokens, "
+                                    f"more than max_step_tokens={self.max_step_tokens}",
+                                    field=name)
+
+    def _commit(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
+                outcome: StepOutcome) -> wire.CommitSummary:
+        dropped = settlement.dropped
+        slots = batch.commit_slots(dropped, outcome.num_blocks)
+        cache = self.manager.cache
+        if cache is not None:  # blocks evicted since the last commit may be written now
+            self.committer.protect(*cache.drain_protection())
+        summary = self.committer.commit(worker.staging, batch, settlement.accepted, dropped,
+                                        slots)
+        if cache is not None:
+            # Prompt blocks become shareable, and protected, once their K/V is in the pool.
+            kept = ~dropped
+            scheduled = batch.scheduled
+            rows = scheduled.rows
+            self.manager.mark_written(
+                rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
+            self.committer.protect(*cache.drain_protection())
+        return summary
+
+    def _refused(self, outcome: StepOutcome, scheduled: int) -> Refused:
+        """The entries the step did not schedule, out of ``scheduled`` that it did."""
+        if scheduled == (outcome.granted.size + outcome.prefill_granted.size
+                         + outcome.admitted_rows.size):
+            return _NONE_REFUSED  # the common step: no array to build
+        grants = np.flatnonzero(~outcome.granted)
+        chunks = np.flatnonzero(~outcome.prefill_granted)
+        new = np.flatnonzero(outcome.admitted_rows < 0)
+        kinds = np.repeat([_KIND["grant"], _KIND["prefill"], _KIND["new"]],
+                          [grants.size, chunks.size, new.size])
+        reasons = np.concatenate([np.full(grants.size + chunks.size, _OUT_OF_BLOCKS),
+                                  outcome.new_refusals[new].astype(np.int64)])
+        return Refused(kinds.astype(np.int64), np.concatenate([grants, chunks, new]), reasons)
+
+
+_DEMAND = ("grants", "prefill", "new")  # `token_demand`'s order
+
+
+def token_demand_reference(drafts: np.ndarray, prefill_tokens: np.ndarray,
+                           prompt_tokens: np.ndarray) -> tuple[int, int, int]:
+    """Tokens the step schedules for its grants (each runs its drafts and one more), prefill
+    chunks and new requests, in `_DEMAND`'s order."""
+    return (int(drafts.sum()) + drafts.size, int(prefill_tokens.sum()),
+            int(prompt_tokens.sum()))
+
+
+def _token_demand_loop(drafts, prefill_tokens,  # type: ignore[no-untyped-def]
+                       prompt_tokens):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    return drafts.sum() + drafts.size, prefill_tokens.sum(), prompt_tokens.sum()
+
+
+# Three numpy reductions cost ten times one compiled call.
+token_demand = jit(_token_demand_loop) if numba is not None else token_demand_reference

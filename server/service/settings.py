@@ -1,0 +1,79 @@
+"""`ServiceConfig`: one service's pool and the limits that keep it safe under many workers.
+
+``kvalloc serve`` with no arguments runs `default_pool()`: the small model shape of `PoolConfig`
+on CUDA when present, else on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from allocator import PoolConfig
+from server.contract.addresses import TOKEN_ENV
+
+# Request handles carry a block-table row in their low 20 bits (see `server.service.registry`).
+MAX_ROWS = 1 << 20
+DEFAULT_NUM_BLOCKS = 4096
+
+
+def default_pool(**overrides: object) -> PoolConfig:
+    """The embedded default: PoolConfig's small model shape and `DEFAULT_NUM_BLOCKS` blocks."""
+    return PoolConfig(**{"num_blocks": DEFAULT_NUM_BLOCKS, **overrides})
+
+
+def token_from_env() -> SecretStr | None:
+    """``KVALLOC_TOKEN`` when set and non-empty (never a command-line flag: ps would show it)."""
+    value = os.environ.get(TOKEN_ENV, "")
+    return SecretStr(value) if value else None
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pool: PoolConfig = Field(default_factory=default_pool)
+    lease_ttl_s: float = Field(default=30.0, gt=0,
+                               description="A worker that makes no call for this long loses its "
+                                           "requests; their blocks go back to the pool.")
+    max_workers: int = Field(default=16, gt=0, description="Registered workers at once; each "
+                                                           "holds one staging buffer.")
+    max_step_tokens: int = Field(default=4096, gt=0,
+                                 description="Tokens one step may schedule (staging capacity).")
+    max_body_bytes: int = Field(default=8 << 20, gt=0, description="Largest request body/message.")
+    ipc_spin_s: float = Field(
+        default=0.002, ge=0, le=60,
+        description="After answering, an IPC connection polls for the next call without "
+                    "sleeping for up to this long, from just before the call is due (learnt "
+                    "from the last gaps between calls), which saves waking a sleeping thread per "
+                    "call; 0 blocks at once. A poll gives up when its core is busy with other "
+                    "work")
+    token: SecretStr | None = Field(default=None, description="Bearer token both transports check.")
+    nwor: bool = Field(default=True,
+                       description="No-Write-On-Reject: commit only accepted drafts. False writes "
+                                   "every staged token, as an engine without NWOR does.")
+    prefix_caching: bool = Field(default=False, description="Share the cached full blocks of "
+                                                            "prompts sent with token ids.")
+    kv_events: str | None = Field(default=None, description="ZeroMQ endpoint to publish KV "
+                                                            "events on (vLLM's format).")
+    kv_events_replay: str | None = Field(default=None, description="ZeroMQ endpoint of the KV "
+                                                                   "events replay socket.")
+
+    @model_validator(mode="after")
+    def _events_need_caching(self) -> ServiceConfig:
+        if (self.kv_events is not None or self.kv_events_replay is not None) and not (
+                self.prefix_caching and self.kv_events is not None):
+            raise ValueError("kv_events: KV events need prefix_caching and a kv_events endpoint")
+        return self
+
+    @model_validator(mode="after")
+    def _staging_fits_a_batch(self) -> ServiceConfig:
+        # A full batch of decode steps must fit, or max_batch_size is a lie.
+        if self.pool.max_batch_size > MAX_ROWS:
+            raise ValueError(f"pool.max_batch_size: {self.pool.max_batch_size} rows do not fit a "
+                             f"request handle (at most {MAX_ROWS})")
+        need = self.pool.max_batch_size * (1 + self.pool.max_draft_len)
+        if self.max_step_tokens < need:
+            raise ValueError(f"max_step_tokens: {self.max_step_tokens} cannot hold a full decode "
+                             f"batch ({need} = max_batch_size * (1 + max_draft_len))")
+        return self

@@ -1,0 +1,185 @@
+"""Prometheus config, alert rules and the Grafana dashboard: promtool accepts them, every alert
+has a unit test that promtool runs, and every PromQL expression names only metrics that
+`AllocatorMetrics` exports.
+
+promtool comes from Debian's `prometheus` package (`apt-get install -y prometheus`); these tests
+skip only where that binary is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from allocator import KVCacheManager, KVStorage, PoolConfig
+from allocator.metrics import AllocatorMetrics
+from allocator.nwor.acceptance import ScvAcceptor
+from allocator.nwor.deferred_writes import DeferredWriteManager
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "deploy" / "prometheus"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvalloc.json"
+PROMTOOL = shutil.which("promtool")
+# .ci/run installs it, so in CI a missing binary fails instead of skipping.
+needs_promtool = pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CI"),
+                                    reason="promtool absent: apt-get install -y prometheus")
+
+# Series Prometheus makes itself, not the allocator.
+SYNTHETIC = {"up"}
+# Grafana's variables, replaced by values Prometheus accepts before parsing.
+GRAFANA_VARS = {"$__rate_interval": "1m", "$instance": ".*"}
+
+_KEYWORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+    "unless", "offset", "inf", "nan", "atan2",
+}
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: identifiers that are not functions, aggregations,
+    keywords, label names (in {} or grouping clauses), strings, durations or numbers."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    e = re.sub(r"\{[^}]*\}", "", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", "", e)  # range and subquery durations
+    e = _GROUPING.sub("", e)
+    names = set()
+    for m in _IDENT.finditer(e):
+        before, after = e[: m.start()], e[m.end():]
+        if re.match(r"\s*\(", after) or m.group().lower() in _KEYWORDS:
+            continue  # a function or aggregation call, or a keyword
+        if re.search(r"[0-9.]$", before):
+            continue  # the exponent or unit of a number (1e-3, 5m)
+        names.add(m.group())
+    return names
+
+
+def test_metric_name_extraction_reads_promql_like_prometheus_does():
+    expr = ('histogram_quantile(0.99, sum by (le, transport) (rate(kvalloc_a_bucket'
+            '{instance=~"$x", job="j"}[5m]))) / on (instance) group_left sum(kvalloc_b) > 1e-3')
+    assert metric_names(expr) == {"kvalloc_a_bucket", "kvalloc_b"}
+    assert metric_names("1 + 2 * kvalloc_c offset 5m") == {"kvalloc_c"}
+
+
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+            "gauge": ("",)}
+
+
+def exported_families() -> dict[str, str]:
+    """Family name -> type, from a live `AllocatorMetrics` with the real NWOR and SCV objects
+    attached: the library's whole surface (the service attaches NWOR; SCV runs in workers)."""
+    config = PoolConfig(num_blocks=8, tokens_per_block=4, max_seq_len=16, device="cpu")
+    manager = KVCacheManager(config)
+    registry = CollectorRegistry()
+    AllocatorMetrics(registry, manager, DeferredWriteManager(KVStorage(config), max_tokens=8),
+                     scv=ScvAcceptor("off"))
+    return {fam.name: fam.type for fam in registry.collect()}
+
+
+def exported_names() -> set[str]:
+    """Every series name those families serve, with their type's suffixes (a labelled family
+    with no samples yet, e.g. fallbacks by reason, counts by the names it will have)."""
+    return {name + suffix for name, kind in exported_families().items()
+            for suffix in SUFFIXES[kind]}
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load((PROM / "alerts.yml").read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def dashboard_exprs() -> dict[str, str]:
+    """title/refId -> expression, Grafana variables substituted."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = {}
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, val in GRAFANA_VARS.items():
+                expr = expr.replace(var, val)
+            assert "$" not in expr, f"{panel['title']}: unknown Grafana variable in {expr}"
+            out[f"{panel['title']}/{target['refId']}"] = expr
+    return out
+
+
+def promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+# ---------------------------------------------------------------- promtool
+
+
+@needs_promtool
+def test_promtool_accepts_the_prometheus_config():
+    r = promtool("check", "config", "deploy/prometheus/prometheus.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_promtool
+def test_promtool_accepts_the_alert_rules():
+    r = promtool("check", "rules", "deploy/prometheus/alerts.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in r.stdout
+
+
+@needs_promtool
+def test_every_alert_passes_its_promtool_unit_tests():
+    r = promtool("test", "rules", "tests/alerts_test.yml", cwd=PROM)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_stays_silent():
+    tests = yaml.safe_load((PROM / "tests" / "alerts_test.yml").read_text())["tests"]
+    cases = [c for t in tests for c in t["alert_rule_test"]]
+    fires = {c["alertname"] for c in cases if c["exp_alerts"]}
+    silent = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    names = {r["alert"] for r in alert_rules()}
+    assert fires == names, f"alerts without a firing test: {names - fires}"
+    assert silent == names, f"alerts without a silent case: {names - silent}"
+
+
+@needs_promtool
+def test_every_dashboard_expression_parses(tmp_path):
+    """promtool parses each query as a recording rule with Prometheus's own PromQL parser."""
+    exprs = dashboard_exprs()
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard_query_{i}", "expr": e} for i, e in enumerate(exprs.values())]}]}
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    r = promtool("check", "rules", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("source", ["alerts", "dashboard"])
+def test_every_promql_expression_names_only_exported_metrics(source):
+    exprs = ({r["alert"]: r["expr"] for r in alert_rules()} if source == "alerts"
+             else dashboard_exprs())
+    known = exported_names() | SYNTHETIC
+    unknown = {where: sorted(metric_names(e) - known) for where, e in exprs.items()
+               if metric_names(e) - known}
+    assert unknown == {}
+    assert all(metric_names(e) for e in exprs.values()), "every expression reads a metric"
+
+
+def test_the_dashboard_shows_every_metric_family_the_allocator_exports():
+    used = set().union(*map(metric_names, dashboard_exprs().values()))
+    dash = json.loads(DASHBOARD.read_text())
+    used |= {metric_names(v["definition"].split("(")[1].split(",")[0]).pop()
+             for v in dash["templating"]["list"] if v["type"] == "query"}
+    shown = {name for name, kind in exported_families().items()
+             if any(name + suffix in used for suffix in SUFFIXES[kind])}
+    assert set(exported_families()) - shown == set()

@@ -1,0 +1,199 @@
+"""End to end with real processes: ``kvalloc serve`` as a subprocess and workers as separate
+processes that attach the pool, stage K/V and drive steps over IPC and REST; several workers at
+once; a worker killed mid-run; the service restarted under its workers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from named_worker import NamedWorker
+from service_harness import nwor_scenario
+
+from server.client import Client, ServiceRestarted
+from server.contract import wire
+from server.contract.columns import StepCall
+from server.contract.sharing import SHM_DIR
+from server.devtools.launch import ServiceProcess
+
+SMALL_POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
+              "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",
+              "--max-batch-size", "16", "--max-seq-len", "64", "--max-step-tokens", "128")
+WORKER_TIMEOUT_S = 120
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ServiceProcess(tmp_path_factory.mktemp("e2e"), *SMALL_POOL) as svc:
+        yield svc
+
+
+def address(svc: ServiceProcess, transport: str) -> str:
+    return {"ipc": svc.ipc, "rest": svc.rest_tcp, "rest-unix": svc.rest_unix}[transport]
+
+
+def pool_state(svc: ServiceProcess) -> wire.PoolState:
+    with Client(svc.ipc, worker_id="observer") as client:
+        return client.get_pool(verify=True)
+
+
+# ---------------------------------------------------------------- what runs in worker processes
+
+
+def nwor_worker(addr: str, worker_id: str) -> list[str]:
+    """Attach the pool over ``addr``, run the NWOR scenario, return the pool's mismatches."""
+    torch.set_num_threads(1)
+    with Client(addr, worker_id=worker_id) as client:
+        client.register()
+        outcome = nwor_scenario(client)
+        client.deregister()
+    return outcome.mismatches
+
+
+def traffic_worker(addr: str, worker_id: str, steps: int, seed: int) -> int:
+    """Random admissions, grants, acceptances and completions; every reply is checked against
+    the shared block table. Returns the number of steps applied."""
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(seed)
+    with Client(addr, worker_id=worker_id) as client:
+        reg = client.register()
+        assert client.pool is not None
+        table, tpb = client.pool.block_table, reg.layout.tokens_per_block
+        named = NamedWorker(client)
+        age: dict[str, int] = {}
+        ran: set[str] = set()
+        for step in range(steps):
+            done = [r for r, a in age.items() if a > 6 or rng.random() < 0.15]
+            keep = [r for r in age if r not in done]
+            new = {f"{worker_id}-{step}": int(rng.integers(1, 9))} if len(keep) < 4 else {}
+            reply = named.step(results={r: int(rng.integers(0, 3)) for r in ran if r in keep},
+                               finished=done, grants={r: 2 for r in keep}, new=new)
+            slots = client.pool.slot_mapping(reply).numpy()
+            request, _ = reply.scheduled.positions()
+            rows = reply.scheduled.rows[request]
+            assert (slots >= 0).all()
+            for token, row in enumerate(rows.tolist()):
+                assert slots[token] // tpb in set(table[row].tolist())
+            ran = {name for name, *_ in named.scheduled(reply)} & set(keep)  # granted ones
+            admitted = {named.name(h) for h in reply.admitted.tolist() if h >= 0}
+            age = {r: age[r] + 1 for r in keep} | {r: 0 for r in new if r in admitted}
+        client.deregister()
+    return steps
+
+
+def holding_worker(addr: str, ready: Any) -> None:
+    """Admit requests, take a grant, report readiness, then hang (until killed)."""
+    torch.set_num_threads(1)
+    client = Client(addr, worker_id="doomed")
+    client.register()
+    handles = client.step(new=(["a", "b"], [20, 12])).admitted
+    client.step(grants=(handles, [3, 3]))
+    ready.put(client.get_pool().used_blocks)
+    time.sleep(600)
+
+
+# ---------------------------------------------------------------- specifications
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rest"])
+def test_a_worker_process_commits_exactly_the_accepted_tokens(service: ServiceProcess,
+                                                              transport: str) -> None:
+    with SPAWN.Pool(1) as pool:
+        mismatches = pool.apply_async(
+            nwor_worker, (address(service, transport), f"nwor-{transport}")).get(WORKER_TIMEOUT_S)
+    assert mismatches == []
+    state = pool_state(service)
+    assert state.num_requests == 0 and state.invariants == "ok"
+
+
+def test_concurrent_worker_processes_leave_a_consistent_pool(service: ServiceProcess) -> None:
+    jobs = [(service.ipc, "w0", 30, 0), (service.ipc, "w1", 30, 1),
+            (service.rest_unix, "w2", 20, 2)]
+    with SPAWN.Pool(len(jobs)) as pool:
+        applied = pool.starmap_async(traffic_worker, jobs).get(WORKER_TIMEOUT_S)
+    assert applied == [30, 30, 20]
+    state = pool_state(service)
+    assert state.invariants == "ok"
+    assert (state.num_requests, state.used_blocks, state.workers) == (0, 0, [])
+    assert state.counters["requests_added"] == state.counters["requests_freed"] > 0
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rest"])
+def test_a_retried_step_is_answered_again_not_applied_again(service: ServiceProcess,
+                                                            transport: str) -> None:
+    with Client(address(service, transport), worker_id=f"retry-{transport}") as client:
+        reg = client.register(attach=False)
+        handle = client.step(new=(["a"], [4])).admitted[0]
+        call = StepCall.build(client.worker_id, reg.session, reg.epoch, client.next_step_id,
+                              grant_handles=[handle], draft_lens=[3])
+        first = client.call("step", call)
+        capacity, free = client.get_request("a").capacity, pool_state(service).free_blocks
+        assert client.call("step", call) == first
+        assert (client.get_request("a").capacity, pool_state(service).free_blocks) == (
+            capacity, free)
+        client.deregister()
+
+
+def test_out_of_blocks_is_a_clean_refusal_over_the_wire(service: ServiceProcess) -> None:
+    with Client(service.ipc, worker_id="greedy") as client:
+        client.register(attach=False)
+        named = NamedWorker(client)
+        for pair in range(pool_state(service).free_blocks // 32):  # 16 blocks per request
+            assert not len(named.step(new={f"h{2 * pair}": 64, f"h{2 * pair + 1}": 64}).refused)
+        before = client.get_request("h0")
+        reply = named.step(grants={"h0": 3}, new={"late": 4})
+        assert named.refused(reply, {"grant": ["h0"], "new": ["late"]}) == [
+            ("h0", "grant", "out_of_blocks"), ("late", "new", "out_of_blocks")]
+        assert client.get_request("h0") == before and not len(reply.scheduled)
+        client.deregister()
+    assert pool_state(service).invariants == "ok"
+
+
+def test_a_killed_worker_loses_its_lease_and_its_blocks_return(tmp_path: Path) -> None:
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", "1") as svc:
+        ready = SPAWN.Queue()
+        doomed = SPAWN.Process(target=holding_worker, args=(svc.ipc, ready), daemon=True)
+        doomed.start()
+        try:
+            assert ready.get(timeout=WORKER_TIMEOUT_S) > 0  # it holds blocks
+        finally:
+            doomed.kill()
+            doomed.join(10)
+        deadline = time.monotonic() + 15
+        while (state := pool_state(svc)).num_requests and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (state.num_requests, state.used_blocks, state.leases_expired) == (0, 0, 1)
+        assert state.workers == []
+        assert "lease of worker 'doomed' expired" in svc.log()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rest"])
+def test_a_restarted_service_is_noticed_and_workers_register_again(tmp_path: Path,
+                                                                   transport: str) -> None:
+    svc = ServiceProcess(tmp_path, *SMALL_POOL).start()
+    try:
+        with Client(address(svc, transport), worker_id="survivor") as client:
+            old = client.register()
+            handle = client.step(new=(["a"], [4])).admitted[0]
+            old_epoch = svc.epoch
+            assert svc.stop() == 0  # SIGTERM: graceful, exit status 0, nothing left behind
+            assert not list(SHM_DIR.glob(f"kvalloc-{old_epoch:016x}-*"))
+            assert not svc.uds.exists() and not Path(svc.ipc.removeprefix("ipc://")).exists()
+            svc.start()  # same addresses, new process
+            with pytest.raises(ServiceRestarted):
+                client.step(grants=([handle], [1]))
+            new = client.register()
+            assert new.epoch == svc.epoch != old.epoch
+            assert client.pool is not None and client.pool.kv.shape == (2, 2, 128, 4, 1, 8)
+            reply = client.step(new=(["a"], [4]))
+            assert reply.epoch == new.epoch and client.get_request("a").handle == \
+                reply.scheduled.handles[0] == reply.admitted[0]
+    finally:
+        svc.stop()

@@ -1,0 +1,199 @@
+"""`kvalloc loadgen`: a simulated overlap-scheduler worker that never breaks the step protocol,
+keeps a real service core consistent under block pressure, and reports latency and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from allocator import PoolConfig
+from allocator.tools.simulate import Acceptance
+from server.client import Client
+from server.contract.columns import NO_VALUES, Refused
+from server.devtools.launch import ServiceProcess, kvalloc_command
+from server.devtools.loadgen import SimulatedWorker, Workload, drive
+from server.service.core import ServiceCore
+from server.service.settings import ServiceConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+D = 3
+
+
+@pytest.fixture
+def core():
+    pool = PoolConfig(num_blocks=96, tokens_per_block=16, max_batch_size=16, max_seq_len=1024,
+                      max_draft_len=D + 1, num_layers=1, num_kv_heads=1, head_dim=8,
+                      device="cpu")
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=256))
+    yield core
+    core.close()
+
+
+def fake_reply(refused: dict[str, list[int]], admitted: list[int]) -> SimpleNamespace:
+    """What `SimulatedWorker.apply` reads of a reply: refusals (indices per kind), handles and
+    cached prefixes (none here)."""
+    kinds = {"grant": 0, "prefill": 1, "new": 2}
+    pairs = [(kinds[k], i) for k, ids in refused.items() for i in ids]
+    return SimpleNamespace(
+        refused=Refused(np.array([k for k, _ in pairs], dtype=np.int64),
+                        np.array([i for _, i in pairs], dtype=np.int64),
+                        np.ones(len(pairs), dtype=np.int64)) if pairs else
+        Refused(NO_VALUES, NO_VALUES, NO_VALUES),
+        admitted=np.array(admitted, dtype=np.int64),
+        cached_tokens=np.zeros(len(admitted), dtype=np.int64))
+
+
+def test_every_step_settles_each_scheduled_request_exactly_once():
+    """Each request granted in step n is in exactly one of results / reverts / finished in step
+    n + 1; grants go only to requests whose prompt was scheduled in earlier steps; accepted <=
+    granted; padding >= granted; a step schedules at most max_step_tokens."""
+    worker = SimulatedWorker(Workload(draft_len=D, arrival_rate=2.0, skip_rate=0.2,
+                                      pad_rate=0.5), max_draft_len=D + 1, max_step_tokens=300,
+                             seed=1)
+    rng = np.random.default_rng(2)
+    handles = iter(range(1 << 20, 1 << 30))
+    granted: dict[int, int] = {}
+    prompt_left: dict[int, int] = {}  # of admitted requests, after the previous step
+    for _ in range(300):
+        prefilled = {r for r, left in prompt_left.items() if left == 0}
+        step = worker.next_step()
+        (result_handles, accepted) = step["results"]
+        settled = [*result_handles, *step["reverts"], *step["finished"]]
+        assert len(settled) == len(set(settled))
+        assert set(granted) <= set(settled)
+        for h, n in zip(result_handles, accepted, strict=True):
+            assert n <= granted[h]
+        for h in step["finished"]:
+            prompt_left.pop(h)
+        grants = dict(zip(*step["grants"], strict=True))
+        assert set(grants) <= prefilled
+        padded = dict(zip(*step["padding"], strict=True))
+        assert all(padded[r] >= grants[r] for r in padded)
+        new_ids, prompts, chunks = step["new"]
+        tokens = (sum(1 + padded.get(r, d) for r, d in grants.items())
+                  + sum(step["prefill"][1]) + sum(chunks))
+        assert tokens <= 300
+        # the "service" refuses a random fifth of everything it can refuse
+        refused = {kind: [i for i in range(n) if rng.random() < 0.2] for kind, n in (
+            ("grant", len(grants)), ("prefill", len(step["prefill"][0])), ("new", len(new_ids)))}
+        admitted = [-1 if i in refused["new"] else next(handles) for i in range(len(new_ids))]
+        worker.apply(fake_reply(refused, admitted))
+        out_grants = {step["grants"][0][i] for i in refused["grant"]}
+        granted = {g: d for g, d in grants.items() if g not in out_grants}
+        for h, n in zip(*step["prefill"], strict=True):
+            prompt_left[h] -= n
+        for h, prompt, chunk in zip(admitted, prompts, chunks, strict=True):
+            if h >= 0:
+                prompt_left[h] = prompt - chunk
+    assert worker.stats["preempted"] > 0 and worker.stats["finished"] > 0
+    assert worker.stats["prefills_refused"] > 0
+
+
+def test_drives_a_real_service_core_under_block_pressure_without_a_protocol_error(core):
+    worker = SimulatedWorker(Workload(draft_len=D, arrival_rate=1.0, prompt_len=(16, 512),
+                                      output_len=(8, 64)), max_draft_len=D + 1,
+                             max_step_tokens=core.config.max_step_tokens)
+    client = Client.in_process(core, worker_id="loadgen")
+    client.register(attach=False)
+    report = drive(client, worker, steps=400, duration_s=None, step_interval_s=0,
+                   progress=False)
+    assert report.errors == {}
+    assert report.steps == len(report.latencies_s) == 400
+    assert worker.stats["grants_refused"] > 0, "the pool was under pressure"
+    assert worker.stats["finished"] > 0 and worker.stats["preempted"] > 0
+    core.manager.check_invariants()
+    assert core.manager.counters.padding_topups > 0
+
+    # Drain: no arrivals; every request finishes or is preempted and every block comes back.
+    worker.w = Workload(draft_len=D, arrival_rate=0.0, output_len=(8, 64))
+    drive(client, worker, steps=200, duration_s=None, step_interval_s=0, progress=False)
+    assert not worker.live
+    assert core.manager.free_blocks == core.manager.pool.num_blocks
+
+
+def test_a_refused_call_is_counted_and_the_worker_starts_over(core):
+    worker = SimulatedWorker(Workload(arrival_rate=2.0), max_draft_len=D + 1,
+                             max_step_tokens=core.config.max_step_tokens)
+    client = Client.in_process(core, worker_id="loadgen")
+    client.register(attach=False)
+    drive(client, worker, steps=5, duration_s=None, step_interval_s=0, progress=False)
+    # Another process took this worker id over: this session ended, its requests are gone.
+    Client.in_process(core, worker_id="loadgen").register(attach=False, replace=True)
+    report = drive(client, worker, steps=20, duration_s=None, step_interval_s=0,
+                   progress=False)
+    assert report.errors == {"stale_session": 1}
+    assert len(report.latencies_s) == 19, "every other step went through"
+
+
+def test_accepted_counts_follow_the_acceptance_model():
+    worker = SimulatedWorker(Workload(acceptance=Acceptance("fixed", 2), arrival_rate=1.0,
+                                      skip_rate=0.0), max_draft_len=D, max_step_tokens=4096)
+    handles = iter(range(1 << 20, 1 << 30))
+    for _ in range(50):
+        step = worker.next_step()
+        assert all(n == min(2, worker.w.draft_len) for n in step["results"][1])
+        worker.apply(fake_reply({}, [next(handles) for _ in step["new"][0]]))
+
+
+# ---------------------------------------------------------------- the CLI against `kvalloc serve`
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with ServiceProcess(tmp_path_factory.mktemp("serve"), "--num-blocks", "512",
+                        "--max-draft-len", "4") as svc:
+        yield svc
+
+
+def loadgen(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*kvalloc_command(), "loadgen", "--no-progress",
+                           "--json", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "rest"])
+def test_cli_runs_its_steps_over_either_transport_and_reports_latency(service, transport):
+    address = service.ipc if transport == "ipc" else service.rest_tcp
+    r = loadgen("--address", address, "--steps", "150", "--step-interval", "0",
+                "--worker-id", f"test-{transport}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["steps"] == 150 and summary["errors"] == {}
+    assert 0 < summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"]
+    assert summary["admitted"] > 0 and summary["output_tokens"] > 0
+
+
+@pytest.mark.parametrize("steps", [["--steps", "1000000"], []])
+def test_cli_stops_at_its_duration(service, steps):
+    """With --steps, whichever comes first; alone, --duration means "for this long", not the
+    1000 steps of a run with neither flag (at 0 s between calls those take well under 3 s)."""
+    r = loadgen("--address", service.ipc, *steps, "--duration", "3", "--step-interval", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(r.stdout)
+    assert 3.0 <= summary["seconds"] < 6.0  # one step past the deadline at most, on a busy CPU
+    assert summary["steps"] != 1000
+
+
+def test_cli_prints_a_human_summary(service):
+    r = subprocess.run([*kvalloc_command(), "loadgen", "--no-progress",
+                        "--address", service.rest_tcp, "--steps", "20", "--step-interval", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("kvalloc loadgen: 20 steps in ") and service.rest_tcp in lines[0]
+    assert "step call latency: p50" in r.stdout and "errors: none" in r.stdout
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:9", "ipc:///nonexistent/kvalloc.ipc"])
+def test_cli_exits_2_with_a_message_when_no_service_answers(address):
+    r = loadgen("--address", address, "--steps", "3")
+    assert r.returncode == 2
+    assert f"cannot register at {address}" in r.stderr
+    assert f"is kvalloc serve running at {address}?" in r.stderr
+    assert "Traceback" not in r.stderr

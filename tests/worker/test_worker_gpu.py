@@ -1,0 +1,105 @@
+"""The worker on a CUDA pool: exact tokens in float32, and a ~1B model shape in bfloat16.
+
+In bfloat16 a speculative run batches its tokens differently from a plain run, so near-ties in
+the logits may resolve differently; the test reports how far the two runs agree (the share of
+each request's tokens before its first difference) rather than demanding bit equality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from server.client import Client
+from server.service.core import ServiceCore
+from server.service.settings import ServiceConfig
+from worker.drafters import NgramDrafter, OracleDrafter
+from worker.engine import Engine, Prompt
+from worker.model import pool_for_model, random_model
+
+pytestmark = pytest.mark.gpu
+
+ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=64, max_position_embeddings=4096, eos_token_id=None)
+
+
+def _client(model: torch.nn.Module, *, longest: int, batch: int,
+            dtype: str) -> tuple[ServiceCore, Client]:
+    pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
+                          dtype=dtype, device="cuda", max_batch_size=batch)
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048))
+    client = Client.in_process(core, worker_id="gpu-worker")
+    client.register()
+    return core, client
+
+
+def _run(model: torch.nn.Module, prompts: list[Prompt], new_tokens: int, drafter: object,
+         draft_len: int, **pool: object) -> tuple[dict[str, list[int]], Engine]:
+    core, client = _client(model, **pool)
+    try:
+        engine = Engine(model, client, drafter, draft_len=draft_len)
+        return engine.run(prompts, new_tokens), engine
+    finally:
+        core.close()
+
+
+def test_float32_on_cuda_equals_generate(cuda_device: str) -> None:
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         eos_token_id=None)
+    model = random_model(config, seed=0, device=cuda_device)
+    reference = random_model(config, seed=0, device=cuda_device)
+    reference.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(0)
+    prompts = [Prompt(str(i), rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((1, 5, 17, 40, 130, 300))]
+    expected = {}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p.token_ids], device=cuda_device)
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=16)
+            expected[p.req_id] = out[0, ids.shape[1]:].tolist()
+    drafter = OracleDrafter(expected, 0.5, vocab_size=96)
+    outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316, batch=8,
+                           dtype="float32")
+    assert outputs == expected
+    assert engine.stats.accepted_drafts > 0
+
+
+def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
+        cuda_device: str, record_property: Callable[[str, object], None]) -> None:
+    model = random_model(ONE_B, seed=0, dtype=torch.bfloat16, device=cuda_device)
+    rng = np.random.default_rng(0)
+    prompts = [Prompt(str(i), rng.integers(0, ONE_B.vocab_size, int(n)).tolist())
+               for i, n in enumerate(rng.integers(64, 512, 16))]
+    pool = {"longest": 512 + 32, "batch": 16, "dtype": "bfloat16"}
+    plain, _ = _run(model, prompts, 32, None, 0, **pool)
+    agreement = {}
+    for name, drafter in [("oracle:0.6", OracleDrafter(plain, 0.6, vocab_size=32000)),
+                          ("ngram", NgramDrafter())]:
+        outputs, engine = _run(model, prompts, 32, drafter, 3, **pool)
+        assert all(len(outputs[p.req_id]) == 32 for p in prompts)
+        agreement[name] = float(np.mean([_agreed_prefix(plain[k], outputs[k]) / 32
+                                         for k in plain]))
+        # In the junit XML of the GPU run, beside the log.
+        record_property(f"agreement[{name}]", round(agreement[name], 4))
+        record_property(f"acceptance[{name}]", round(engine.stats.acceptance_rate, 4))
+        print(f"bf16 1B shape, {name}: agreement with the plain run {agreement[name]:.1%}, "
+              f"acceptance {engine.stats.acceptance_rate:.1%}")
+    # Each request's first token comes from its prompt alone; drift after that is bf16 noise.
+    assert all(rate > 0 for rate in agreement.values())
+
+
+def _agreed_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
