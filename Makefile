@@ -14,7 +14,7 @@ CONSTRAINT := $(if $(SYSTEM_TORCH),/dev/null,$(TORCH_CONSTRAINT))
 VENV_FLAGS := $(if $(SYSTEM_TORCH),--system-site-packages,)
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-deps lint bench clean
+.PHONY: run test test-fast test-deps lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -40,6 +40,11 @@ test-deps:
 test: $(STAMP) test-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The same without tests/e2e/ (real service, Prometheus and worker processes): for the edit loop.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --ignore=tests/e2e
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadgen": ("server.devtools.loadgen", "simulated inference worker driving a running service"),
     "worker": ("worker.cli", "a transformers model decoding speculatively, KV in the pool"),
 }
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends an option's default to its help, unless the help already speaks of its default or
@@ -52,6 +54,8 @@ def flag_errors(exc: ValidationError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvalloc", description=DESCRIPTION)
+    parser.add_argument("--version", action="version",
+                        version=f"kvalloc {metadata.version('kvalloc')}")
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in COMMANDS.items():

@@ -1,4 +1,5 @@
-"""Every fenced code block of README.md and docs/*.md runs, as a reader would run it.
+"""Every fenced code block of README.md, CONTRIBUTING.md and docs/*.md runs, as a reader would
+run it.
 
 - ``python`` blocks run in a fresh interpreter, each on its own.
 - ``sh`` blocks run line by line (comments stripped, one command per line). A trailing
@@ -40,7 +41,7 @@ from server.contract.addresses import DEFAULT_PORT
 from server.devtools.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 MEMORY_LIMIT = 4 << 30  # bytes of data segment per block's process
 RUNNABLE = {"python", "sh"}
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)

@@ -4,6 +4,7 @@ on the documented addresses; pool and service flags map onto the configuration."
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -49,6 +50,14 @@ def test_flags_and_the_token_environment_variable_configure_the_service(
     assert (config.pool.num_blocks, config.pool.head_dim, config.pool.device) == (300, 32, "cpu")
     assert (config.lease_ttl_s, config.max_workers, config.ipc_spin_s) == (2.5, 3, 0.02)
     assert config.token is not None and config.token.get_secret_value() == "t0ken"
+
+
+def test_version_prints_the_installed_release() -> None:
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    release = re.search(r'^version = "(.+)"$', pyproject, re.M).group(1)
+    proc = subprocess.run([*kvalloc_command(), "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"kvalloc {release}")
 
 
 def test_a_bad_configuration_exits_2_naming_the_field(tmp_path: Path) -> None:
