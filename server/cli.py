@@ -41,6 +41,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Version(argparse.Action):
+    """``--version``. The release is read only when asked for: a source tree run without an
+    install (``python -m server.cli``) has no package metadata, and must still start."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        try:
+            release = metadata.version("kvalloc")
+        except metadata.PackageNotFoundError:
+            release = "(a source tree that is not installed)"
+        print(f"kvalloc {release}")
+        parser.exit()
+
+
 def flag_errors(exc: ValidationError) -> str:
     """A configuration's validation errors as the flags that set them: ``--num-blocks -3: Input
     should be greater than 0``, one line each."""
@@ -54,8 +70,7 @@ def flag_errors(exc: ValidationError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvalloc", description=DESCRIPTION)
-    parser.add_argument("--version", action="version",
-                        version=f"kvalloc {metadata.version('kvalloc')}")
+    parser.add_argument("--version", action=_Version, help="print the installed release")
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in COMMANDS.items():
