@@ -62,7 +62,12 @@ from allocator.errors import (
     StagingOverflow,
     WindowStateError,
 )
-from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
+from allocator.nwor.acceptance import (
+    StaticAcceptance,
+    accept,
+    is_integer_tensor,
+    validate_inputs,
+)
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.keep_mask import NEVER, mask_rejected
@@ -598,8 +603,7 @@ class DeferredWriteManager:
 
     def _checked_device_counts(self, accepted: torch.Tensor,
                                layout: WindowLayout) -> torch.Tensor:
-        if (accepted.shape != (layout.num_requests,) or accepted.dtype.is_floating_point
-                or accepted.dtype in (torch.bool, torch.complex64, torch.complex128)):
+        if accepted.shape != (layout.num_requests,) or not is_integer_tensor(accepted):
             raise NworInputError(
                 f"accepted_counts: expected an integer tensor of shape ({layout.num_requests},)",
                 field="accepted_counts")
