@@ -69,6 +69,7 @@ from allocator.nwor.acceptance import (
     validate_inputs,
 )
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
+from allocator.nwor.deferred.fp8_scales import Fp8Scales, stage_dtype_for
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.keep_mask import NEVER, mask_rejected
 from allocator.nwor.storage import KVStorage
@@ -77,7 +78,6 @@ from allocator.nwor.window_maths import Kept, keep, token_table
 
 log = logging.getLogger(__name__)
 
-_FP8_STAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INVALID_COUNTS = "accepted_out_of_range"
 INCOMPLETE_STAGING = "incomplete_staging"
 _NO_SLOTS = np.zeros(0, dtype=np.int64)  # `keep`'s slots for a window whose slots are on device
@@ -113,17 +113,7 @@ class DeferredWriteManager:
         self.max_requests = cfg.max_batch_size if max_requests is None else max_requests
         if self.max_requests < 1:
             raise NworInputError("max_requests: must be >= 1", field="max_requests")
-        if storage.is_fp8:
-            self.stage_dtype = stage_dtype or torch.bfloat16
-            if self.stage_dtype not in _FP8_STAGE_DTYPES:
-                raise NworInputError(f"stage_dtype: {self.stage_dtype} cannot be quantised to fp8",
-                                     field="stage_dtype")
-        else:
-            self.stage_dtype = stage_dtype or cfg.torch_dtype
-            if self.stage_dtype != cfg.torch_dtype:
-                raise NworInputError(
-                    f"stage_dtype: {self.stage_dtype} differs from the pool's {cfg.torch_dtype}",
-                    field="stage_dtype")
+        self.stage_dtype = stage_dtype_for(storage, stage_dtype)
         self.backend = resolve_backend(backend, self.device)
 
         dev, i64 = self.device, torch.int64
@@ -167,13 +157,7 @@ class DeferredWriteManager:
         self._dev_total = torch.zeros(3, dtype=i64, device=dev)
         self._dev_per_position = torch.zeros(self._positions + 1, dtype=i64, device=dev)
         self._per_position = np.zeros(self._positions, dtype=np.int64)
-        self._inv_default: torch.Tensor | None = None
-        self._inv: torch.Tensor | None = None
-        if storage.is_fp8:
-            scales = torch.stack([storage.k_scale, storage.v_scale], dim=1)
-            self._inv_default = torch.reciprocal(scales.to(torch.float32))
-            self._inv = self._inv_default.clone()
-        self._overridden: set[tuple[int, int]] = set()
+        self._scales = Fp8Scales(storage, dev)
         self._tokens_per_block = cfg.tokens_per_block
         self._protected: torch.Tensor | None = None
         self._dev_refused = torch.zeros((), dtype=i64, device=dev)
@@ -190,6 +174,11 @@ class DeferredWriteManager:
         self._counted_on_device = False  # this window's counters already landed on the device
 
     # ---- window lifecycle -------------------------------------------------------------------
+
+    @property
+    def _inv(self) -> torch.Tensor | None:
+        """The reciprocal fp8 scales the commit quantises with (None: it copies)."""
+        return self._scales.inv
 
     @property
     def window_open(self) -> bool:
@@ -292,17 +281,15 @@ class DeferredWriteManager:
             raise StagingOverflow(
                 f"slot_mapping: layer {layer} stages {n} tokens at offset {offset}, past the "
                 f"window's {layout.total_tokens} scheduled tokens")
-        scales = [self._checked_scale(name, s) for name, s in (("k_scale", k_scale),
-                                                               ("v_scale", v_scale))]
+        scales = [self._scales.checked(name, s) for name, s in (("k_scale", k_scale),
+                                                                ("v_scale", v_scale))]
         end = offset + n
         row = self.head_shape[0] * self.head_shape[1]
         self._staged[layer, 0, offset:end].copy_(key.reshape(n, row))
         self._staged[layer, 1, offset:end].copy_(value.reshape(n, row))
         self._slots[layer, offset:end].copy_(slot_mapping)
         self._guard(self._slots[layer, offset:end], count=layer == 0)
-        if self._inv is not None:
-            for kv, scale in enumerate(scales):
-                self._set_scale(layer, kv, scale)
+        self._scales.set_layer(layer, scales)
         self._rows[layer] = end
         self._layer_rows[layer].fill_(end)
 
@@ -552,31 +539,6 @@ class DeferredWriteManager:
             raise NworInputError(
                 f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
                 f"expected ({n},) on {self.device}", field="slot_mapping")
-
-    def _checked_scale(self, name: str,
-                       scale: float | torch.Tensor | None) -> float | torch.Tensor | None:
-        if self._inv is None or scale is None:
-            return None
-        if isinstance(scale, torch.Tensor):
-            if scale.numel() != 1 or not scale.dtype.is_floating_point:
-                raise NworInputError(f"{name}: expected one floating-point value", field=name)
-            return scale
-        if not (isinstance(scale, int | float) and np.isfinite(scale) and scale > 0):
-            raise NworInputError(f"{name}: {scale!r} must be finite and > 0", field=name)
-        return float(scale)
-
-    def _set_scale(self, layer: int, kv: int, scale: float | torch.Tensor | None) -> None:
-        assert self._inv is not None and self._inv_default is not None
-        key = (layer, kv)
-        if scale is None:
-            if key in self._overridden:
-                self._inv[layer, kv].copy_(self._inv_default[layer, kv])
-                self._overridden.discard(key)
-            return
-        tensor = scale if isinstance(scale, torch.Tensor) else torch.tensor(scale)
-        self._inv[layer, kv].copy_(torch.reciprocal(
-            tensor.reshape(()).to(device=self.device, dtype=torch.float32)))
-        self._overridden.add(key)
 
     def _checked_host_counts(self, accepted: Sequence[int] | np.ndarray,
                              layout: WindowLayout) -> tuple[np.ndarray, Kept]:
