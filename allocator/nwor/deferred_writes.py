@@ -70,6 +70,7 @@ from allocator.nwor.acceptance import (
 )
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
 from allocator.nwor.deferred.fp8_scales import Fp8Scales, stage_dtype_for
+from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.keep_mask import NEVER, mask_rejected
 from allocator.nwor.storage import KVStorage
@@ -158,9 +159,7 @@ class DeferredWriteManager:
         self._dev_per_position = torch.zeros(self._positions + 1, dtype=i64, device=dev)
         self._per_position = np.zeros(self._positions, dtype=np.int64)
         self._scales = Fp8Scales(storage, dev)
-        self._tokens_per_block = cfg.tokens_per_block
-        self._protected: torch.Tensor | None = None
-        self._dev_refused = torch.zeros((), dtype=i64, device=dev)
+        self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
 
         self._layout: WindowLayout | None = None
         self._rows = [0] * self.num_layers
@@ -181,6 +180,11 @@ class DeferredWriteManager:
         return self._scales.inv
 
     @property
+    def _protected(self) -> torch.Tensor | None:
+        """The mask of protected blocks (None: no guard)."""
+        return self._protection.blocks
+
+    @property
     def window_open(self) -> bool:
         return self._layout is not None
 
@@ -191,23 +195,7 @@ class DeferredWriteManager:
     def protect(self, blocks: torch.Tensor | None) -> None:
         """Refuse writes into blocks where ``blocks`` (bool, one per pool block, on the pool's
         device; the caller keeps it current) is True; None turns the guard off."""
-        if blocks is not None and (blocks.dtype != torch.bool or blocks.device != self.device
-                                   or blocks.shape != (self.storage.config.total_blocks,)):
-            raise NworInputError(
-                f"protect: expected a bool tensor of {self.storage.config.total_blocks} blocks "
-                f"on {self.device}", field="protect")
-        self._protected = blocks
-
-    def _guard(self, slots: torch.Tensor, *, count: bool) -> None:
-        """Set ``slots`` that land in a protected block to -1 (in place, on the device)."""
-        if self._protected is None or slots.numel() == 0:
-            return
-        blocks = torch.div(slots, self._tokens_per_block, rounding_mode="floor").clamp_(
-            0, self._protected.numel() - 1)
-        refused = (slots >= 0) & self._protected[blocks]
-        if count:
-            self._dev_refused += refused.sum()
-        slots.masked_fill_(refused, -1)
+        self._protection.set(blocks)
 
     def staged_rows(self, layer: int) -> int:
         """Tokens staged so far in ``layer`` during the open window."""
@@ -288,7 +276,7 @@ class DeferredWriteManager:
         self._staged[layer, 0, offset:end].copy_(key.reshape(n, row))
         self._staged[layer, 1, offset:end].copy_(value.reshape(n, row))
         self._slots[layer, offset:end].copy_(slot_mapping)
-        self._guard(self._slots[layer, offset:end], count=layer == 0)
+        self._protection.guard(self._slots[layer, offset:end], count=layer == 0)
         self._scales.set_layer(layer, scales)
         self._rows[layer] = end
         self._layer_rows[layer].fill_(end)
@@ -326,7 +314,7 @@ class DeferredWriteManager:
         else:
             self._check_slots(slot_mapping, total)
             self._slots[0, :total].copy_(slot_mapping)
-            self._guard(self._slots[0, :total], count=True)
+            self._protection.guard(self._slots[0, :total], count=True)
             self._share_first_slot_row(total)
         self._rows = [total] * self.num_layers
         self._source = source
@@ -454,7 +442,7 @@ class DeferredWriteManager:
             return False
         self._source = source  # what the captured write reads
         try:
-            return graphs.capture(source, self._protection_variant())
+            return graphs.capture(source, self._protection.variant)
         finally:
             self._source = self._staged
 
@@ -485,7 +473,7 @@ class DeferredWriteManager:
             fallback_tokens=self._fallback_tokens + fallback,
             fallbacks=fallbacks,
             accepted_per_position=tuple(int(c) for c in per_position),
-            protected_refusals=int(self._dev_refused) if self._protected is not None else 0,
+            protected_refusals=self._protection.refusals(),
         )
 
     @property
@@ -635,15 +623,11 @@ class DeferredWriteManager:
         if graphs is None or not graphs.replay(
                 self._source, self._host_slots,
                 self._host_slots if kept_slots is None else kept_slots,
-                variant=self._protection_variant()):
+                variant=self._protection.variant):
             self._upload_host_slots(kept_slots)
             write_staged(self.storage.rows(), self._source,
                          self._shared_row(int(kept_slots is not None)), self._all_rows,
                          self._host_slots.size, self._inv, backend=self.backend)
-
-    def _protection_variant(self) -> int | None:
-        """What a host-slot commit's graph bakes in of the ``protect`` guard."""
-        return None if self._protected is None else self._protected.data_ptr()
 
     def _graphs_for_host_slots(self) -> HostWriteGraphs | None:
         if self._host_graphs is None and self.device.type == "cuda" and self.backend == "triton":
@@ -653,16 +637,10 @@ class DeferredWriteManager:
 
     def _write_captured(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
         """What a host-slot commit's graph runs once the slot rows are on the device: the
-        eager path's guard (`_guard_host_rows`) and fused write, over ``rows`` rows."""
-        self._guard_host_rows(staged, kept)
+        eager path's guard (`guard_host_rows`) and fused write, over ``rows`` rows."""
+        self._protection.guard_host_rows(staged, kept)
         write_staged(self.storage.rows(), self._source, self._every_layer(kept), self._all_rows,
                      rows, self._inv, backend=self.backend)
-
-    def _guard_host_rows(self, staged: torch.Tensor, kept: torch.Tensor | None) -> None:
-        """Slots in protected blocks become -1, counted once per staged token."""
-        self._guard(staged, count=True)
-        if kept is not None:
-            self._guard(kept, count=False)
 
     def _upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
         """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in
@@ -672,9 +650,10 @@ class DeferredWriteManager:
         rows = self._host_slots if kept_slots is None else np.concatenate(
             [self._host_slots, kept_slots])
         self._uploads.into(self._shared_slots[: rows.size], rows)
-        if self._protected is not None:  # its views cost more than the check, every window
-            self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
-                                  else self._shared_slots[total: 2 * total])
+        if self._protection.blocks is not None:  # its views cost more than the check
+            self._protection.guard_host_rows(
+                self._shared_slots[:total],
+                None if kept_slots is None else self._shared_slots[total: 2 * total])
         self._host_slots_uploaded = True
 
     def _shared_row(self, row: int) -> torch.Tensor:
