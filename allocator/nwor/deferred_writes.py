@@ -54,34 +54,22 @@ import numpy as np
 import torch
 
 from allocator.common.device_io import PinnedUploads, capture_graph
-from allocator.errors import (
-    AcceptedExceedsDrafts,
-    InvalidValue,
-    NworInputError,
-    SlotDtypeError,
-    StagingOverflow,
-    WindowStateError,
-)
-from allocator.nwor.acceptance import (
-    StaticAcceptance,
-    accept,
-    is_integer_tensor,
-    validate_inputs,
-)
+from allocator.errors import NworInputError, StagingOverflow, WindowStateError
+from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
-from allocator.nwor.deferred.fp8_scales import Fp8Scales, stage_dtype_for
+from allocator.nwor.deferred.fp8_scales import Fp8Scales
+from allocator.nwor.deferred.input_checks import StagingSpec
 from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.keep_mask import NEVER, mask_rejected
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
-from allocator.nwor.window_maths import Kept, keep, token_table
+from allocator.nwor.window_maths import Kept, token_table
 
 log = logging.getLogger(__name__)
 
 INVALID_COUNTS = "accepted_out_of_range"
 INCOMPLETE_STAGING = "incomplete_staging"
-_NO_SLOTS = np.zeros(0, dtype=np.int64)  # `keep`'s slots for a window whose slots are on device
 
 
 @dataclass
@@ -104,17 +92,9 @@ class DeferredWriteManager:
                  stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
         cfg = storage.config
         self.storage = storage
-        self.device = storage.kv.device  # "cuda:0", not the config's "cuda": compared to tensors
-        self.num_layers = cfg.num_layers
-        self.head_shape = (cfg.num_kv_heads, cfg.head_dim)
-        row = cfg.num_kv_heads * cfg.head_dim
-        if max_tokens < 1:
-            raise NworInputError("max_tokens: must be >= 1", field="max_tokens")
-        self.max_tokens = max_tokens
-        self.max_requests = cfg.max_batch_size if max_requests is None else max_requests
-        if self.max_requests < 1:
-            raise NworInputError("max_requests: must be >= 1", field="max_requests")
-        self.stage_dtype = stage_dtype_for(storage, stage_dtype)
+        self.spec = StagingSpec.of(storage, max_tokens=max_tokens, max_requests=max_requests,
+                                   stage_dtype=stage_dtype)
+        row = self.spec.row
         self.backend = resolve_backend(backend, self.device)
 
         dev, i64 = self.device, torch.int64
@@ -137,8 +117,7 @@ class DeferredWriteManager:
         # their pinned buffer are made when first needed (by such a commit, or by
         # capture_host_write_graphs): a library that stages layer by layer never pays for them.
         self._host_graphs: HostWriteGraphs | None = None
-        # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
-        self._positions = max(1, cfg.max_draft_len)
+        self._positions = self.spec.positions
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
         # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
         # Made and uploaded only when a device path needs them: a commit with host counts
@@ -175,6 +154,30 @@ class DeferredWriteManager:
     # ---- window lifecycle -------------------------------------------------------------------
 
     @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def head_shape(self) -> tuple[int, int]:
+        return self.spec.head_shape
+
+    @property
+    def max_tokens(self) -> int:
+        return self.spec.max_tokens
+
+    @property
+    def max_requests(self) -> int:
+        return self.spec.max_requests
+
+    @property
+    def stage_dtype(self) -> torch.dtype:
+        return self.spec.stage_dtype
+
+    @property
     def _inv(self) -> torch.Tensor | None:
         """The reciprocal fp8 scales the commit quantises with (None: it copies)."""
         return self._scales.inv
@@ -205,17 +208,7 @@ class DeferredWriteManager:
         if self._layout is not None:
             raise WindowStateError("window: begin_window while a window is open; commit or "
                                    "cancel it first")
-        if not isinstance(layout, WindowLayout):
-            raise NworInputError("layout: expected a WindowLayout", field="layout")
-        total, reqs = layout.total_tokens, layout.num_requests
-        if total > self.max_tokens:
-            raise NworInputError(
-                f"layout: {total} scheduled tokens exceed max_tokens={self.max_tokens}",
-                field="layout")
-        if reqs > self.max_requests:
-            raise NworInputError(
-                f"layout: {reqs} requests exceed max_requests={self.max_requests}",
-                field="layout")
+        self.spec.check_layout(layout)
         self._tables_uploaded = False
         self._rows = [0] * self.num_layers
         self._source = self._staged
@@ -257,11 +250,8 @@ class DeferredWriteManager:
         if self._source is not self._staged:
             raise WindowStateError("window: stage_layer after stage_from; a window stages from "
                                    "one place")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not (
-                0 <= layer < self.num_layers):
-            raise NworInputError(f"layer: {layer!r} outside [0, {self.num_layers})",
-                                 field="layer")
-        n = self._checked_stage_tensors(key, value, slot_mapping)
+        self.spec.check_layer(layer)
+        n = self.spec.checked_stage_tensors(key, value, slot_mapping)
         if not any(self._rows):  # the window's first stage_layer: no layer has rows yet
             self._layer_rows.zero_()
         offset = self._rows[layer]
@@ -300,43 +290,16 @@ class DeferredWriteManager:
             raise WindowStateError("window: stage_from after stage_layer; a window stages from "
                                    "one place")
         total = layout.total_tokens
-        source = self._checked_staging(staging, total)
-        if not isinstance(slot_mapping, torch.Tensor | np.ndarray):
-            raise NworInputError("slot_mapping: expected a tensor or a numpy array",
-                                 field="slot_mapping")
+        source = self.spec.checked_staging(staging, total)
+        slot_mapping = self.spec.checked_slot_mapping(slot_mapping, total)
         if isinstance(slot_mapping, np.ndarray):
-            if slot_mapping.dtype != np.int64:
-                raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
-            if slot_mapping.shape != (total,):
-                raise NworInputError(f"slot_mapping: shape {slot_mapping.shape}, expected "
-                                     f"({total},)", field="slot_mapping")
             self._host_slots, self._host_slots_uploaded = slot_mapping.copy(), False
         else:
-            self._check_slots(slot_mapping, total)
             self._slots[0, :total].copy_(slot_mapping)
             self._protection.guard(self._slots[0, :total], count=True)
             self._share_first_slot_row(total)
         self._rows = [total] * self.num_layers
         self._source = source
-
-    def _checked_staging(self, staging: torch.Tensor, tokens: int) -> torch.Tensor:
-        """``staging`` (as ``stage_from`` takes it, holding at least ``tokens`` tokens) as the
-        commit reads it: ``[num_layers, 2, capacity, H * D]``."""
-        heads, dim = self.head_shape
-        if not isinstance(staging, torch.Tensor):
-            raise NworInputError("staging: expected a tensor", field="staging")
-        shape = tuple(staging.shape)
-        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
-                or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < tokens
-                or not staging.is_contiguous()):
-            raise NworInputError(
-                f"staging: shape {shape}, expected contiguous [{self.num_layers}, 2, >= {tokens}, "
-                f"{heads}, {dim}]", field="staging")
-        if staging.dtype != self.stage_dtype or staging.device != self.device:
-            raise NworInputError(
-                f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
-                f"{self.device}", field="staging")
-        return staging.view(self.num_layers, 2, shape[2], heads * dim)
 
     def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[staged_rows, H, D]`` of this window's staged K and V for ``layer``."""
@@ -349,11 +312,11 @@ class DeferredWriteManager:
         """Write every staged layer's committed tokens and close the window."""
         layout = self._require_window("commit")
         if isinstance(accepted_counts, torch.Tensor):
-            counts = self._checked_device_counts(accepted_counts, layout)
+            counts = self.spec.checked_device_counts(accepted_counts, layout)
             self._prepare_device_window()
             self._run_window(lambda: self._commit_device(layout, counts))
         else:
-            host, kept = self._checked_host_counts(accepted_counts, layout)
+            host, kept = self.spec.checked_host_counts(accepted_counts, layout, self._host_slots)
             self._run_window(lambda: self._commit_host(layout, host, kept))
 
     def verify_and_commit(self, draft_ids: torch.Tensor,
@@ -363,9 +326,7 @@ class DeferredWriteManager:
         (int64 device tensor)."""
         layout = self._require_window("verify_and_commit")
         validate_inputs(draft_ids, sampled_ids, list(layout.num_draft))
-        if draft_ids.device != self.device:
-            raise NworInputError(f"draft_ids: on {draft_ids.device}, the pool is on {self.device}",
-                                 field="draft_ids")
+        self.spec.check_on_pool("draft_ids", draft_ids)
         self._prepare_device_window()
         num_draft = self._requests[: layout.num_requests]  # the layout's draft counts, on device
         counts: torch.Tensor | None = None
@@ -400,7 +361,7 @@ class DeferredWriteManager:
     def capture_commit_graph(self, max_window_tokens: int) -> None:
         """Capture the device commit (keep mask + fused write + metrics) for windows of up to
         ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
-        rows = self._checked_capture(max_window_tokens)
+        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
         graph = capture_graph(lambda: self._device_commit(rows, record=True),
                               warmup=lambda: self._quiet_commit(rows))
         self._graphs.append(_Graph(rows, graph))
@@ -410,10 +371,8 @@ class DeferredWriteManager:
         """Capture acceptance + commit for windows of up to ``max_window_tokens`` tokens and
         ``max_requests`` requests, with ``sampled_ids`` up to ``width`` columns and drafts flat
         or padded; ``verify_and_commit`` then replays it."""
-        rows = self._checked_capture(max_window_tokens)
-        if not 1 <= max_requests <= self.max_requests:
-            raise NworInputError(f"max_requests: outside [1, {self.max_requests}]",
-                                 field="max_requests")
+        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
+        self.spec.check_capture_requests(max_requests)
         static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
                                   device=self.device)
 
@@ -436,7 +395,7 @@ class DeferredWriteManager:
         torch write) or a capture failed (logged once; they write eagerly from then on)."""
         if self._layout is not None:
             raise WindowStateError("window: capture graphs between windows, not inside one")
-        source = self._checked_staging(staging, 1)
+        source = self.spec.checked_staging(staging, 1)
         graphs = self._graphs_for_host_slots()
         if graphs is None:
             return False
@@ -449,7 +408,7 @@ class DeferredWriteManager:
     def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
         """Forget the graphs that commit from ``staging``, before its memory is released (it
         may come back as another buffer); how many went."""
-        source = self._checked_staging(staging, 1)
+        source = self.spec.checked_staging(staging, 1)
         return 0 if self._host_graphs is None else self._host_graphs.drop(source)
 
     # ---- metrics ------------------------------------------------------------------------------
@@ -494,74 +453,6 @@ class DeferredWriteManager:
         if self._layout is None:
             raise WindowStateError(f"window: {call} with no open window (begin_window first)")
         return self._layout
-
-    def _checked_stage_tensors(self, key: torch.Tensor, value: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> int:
-        heads, dim = self.head_shape
-        for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
-            if not isinstance(t, torch.Tensor):
-                raise NworInputError(f"{name}: expected a tensor", field=name)
-            if t.device != self.device:
-                raise NworInputError(f"{name}: on {t.device}, the pool is on {self.device}",
-                                     field=name)
-        if key.dtype != self.stage_dtype:
-            raise NworInputError(f"key: dtype {key.dtype}, staging holds {self.stage_dtype}",
-                                 field="key")
-        n = key.shape[0] if key.dim() else 0
-        if key.shape not in ((n, heads, dim), (n, heads * dim)):
-            raise NworInputError(
-                f"key: shape {tuple(key.shape)}, expected [n, {heads}, {dim}] or "
-                f"[n, {heads * dim}]", field="key")
-        if value.shape != key.shape or value.dtype != key.dtype:
-            raise NworInputError(
-                f"value: {tuple(value.shape)} {value.dtype} differs from key's "
-                f"{tuple(key.shape)} {key.dtype}", field="value")
-        self._check_slots(slot_mapping, n)
-        return n
-
-    def _check_slots(self, slot_mapping: torch.Tensor, n: int) -> None:
-        """One int64 slot per staged token, on the pool's device."""
-        if slot_mapping.dtype != torch.int64:
-            raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
-        if slot_mapping.shape != (n,) or slot_mapping.device != self.device:
-            raise NworInputError(
-                f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
-                f"expected ({n},) on {self.device}", field="slot_mapping")
-
-    def _checked_host_counts(self, accepted: Sequence[int] | np.ndarray,
-                             layout: WindowLayout) -> tuple[np.ndarray, Kept]:
-        """The counts as int64, and what the window keeps with them (`window_maths.keep`, with
-        the host slots when the window has them): one pass that also finds a bad count."""
-        counts = np.asarray(accepted)
-        if counts.shape != (layout.num_requests,) or (counts.size and counts.dtype.kind not in
-                                                      "iu"):
-            raise NworInputError(
-                f"accepted_counts: expected {layout.num_requests} integers, one per request",
-                field="accepted_counts")
-        counts = counts.astype(np.int64, copy=False)
-        slots = _NO_SLOTS if self._host_slots is None else self._host_slots
-        kept = keep(*layout.arrays, counts, slots, self._positions)
-        r = kept[0]
-        if r >= 0 and counts[r] < 0:
-            raise InvalidValue(f"accepted_counts: request {r} has {counts[r]} accepted",
-                               field="accepted_counts")
-        if r >= 0:
-            raise AcceptedExceedsDrafts(
-                f"accepted_counts: request {r} accepted {counts[r]} of {layout.arrays[1][r]} "
-                "drafts", field="accepted_counts")
-        return counts, kept
-
-    def _checked_device_counts(self, accepted: torch.Tensor,
-                               layout: WindowLayout) -> torch.Tensor:
-        if accepted.shape != (layout.num_requests,) or not is_integer_tensor(accepted):
-            raise NworInputError(
-                f"accepted_counts: expected an integer tensor of shape ({layout.num_requests},)",
-                field="accepted_counts")
-        if accepted.device != self.device:
-            raise NworInputError(
-                f"accepted_counts: on {accepted.device}, the pool is on {self.device}",
-                field="accepted_counts")
-        return accepted
 
     def _run_window(self, body: Callable[[], WindowStats]) -> None:
         """Run the window's write; on any failure write every staged token instead; close."""
@@ -726,16 +617,6 @@ class DeferredWriteManager:
                     and g.acceptance.fits(draft_ids, sampled_ids)))
         ]
         return min(fits, key=lambda g: g.rows, default=None)
-
-    def _checked_capture(self, max_window_tokens: int) -> int:
-        if self.device.type != "cuda":
-            raise NworInputError("device: CUDA graphs need a CUDA pool", field="device")
-        if self._layout is not None:
-            raise WindowStateError("window: capture a graph between windows, not inside one")
-        if not 1 <= max_window_tokens <= self.max_tokens:
-            raise NworInputError(f"max_window_tokens: outside [1, {self.max_tokens}]",
-                                 field="max_window_tokens")
-        return max_window_tokens
 
     def _fallback(self, reason: str, exc: BaseException | None = None) -> WindowStats:
         """Write every staged token with the reference torch path (what a non-NWOR engine does)."""

@@ -1,5 +1,8 @@
 """The parts `DeferredWriteManager` (`allocator.nwor.deferred_writes`) coordinates, each the one
 owner of its data:
 
-- `fp8_scales`: the dtype an fp8 pool stages in, and the scales its commit quantises with.
+- `input_checks`: `StagingSpec`, what a manager was built for, and the checks of what callers
+  hand it;
+- `fp8_scales`: the dtype an fp8 pool stages in, and the scales its commit quantises with;
+- `protection`: the guard that keeps every write out of protected blocks.
 """
