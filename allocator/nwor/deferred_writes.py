@@ -57,6 +57,7 @@ from allocator.common.device_io import PinnedUploads, capture_graph
 from allocator.errors import NworInputError, StagingOverflow, WindowStateError
 from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
+from allocator.nwor.deferred.counters import WindowCounters
 from allocator.nwor.deferred.fp8_scales import Fp8Scales
 from allocator.nwor.deferred.input_checks import StagingSpec
 from allocator.nwor.deferred.protection import BlockProtection
@@ -68,7 +69,6 @@ from allocator.nwor.window_maths import Kept, token_table
 
 log = logging.getLogger(__name__)
 
-INVALID_COUNTS = "accepted_out_of_range"
 INCOMPLETE_STAGING = "incomplete_staging"
 
 
@@ -131,25 +131,13 @@ class DeferredWriteManager:
         # Per request: the most it may accept (NEVER past the window), then the window's tokens.
         self._requests = torch.full((self.max_requests + 1,), NEVER, dtype=i64, device=dev)
         self._accepted = torch.zeros(self.max_requests, dtype=i64, device=dev)
-        # Device windows' counters, this window and in total: kept tokens (windows with valid
-        # counts), windows with invalid counts, tokens of those windows.
-        self._dev_window = torch.zeros(3, dtype=i64, device=dev)
-        self._dev_total = torch.zeros(3, dtype=i64, device=dev)
-        self._dev_per_position = torch.zeros(self._positions + 1, dtype=i64, device=dev)
-        self._per_position = np.zeros(self._positions, dtype=np.int64)
+        self._counters = WindowCounters(self._positions, dev)
         self._scales = Fp8Scales(storage, dev)
         self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
 
         self._layout: WindowLayout | None = None
         self._rows = [0] * self.num_layers
         self._graphs: list[_Graph] = []
-        self._windows = self._staged_tokens = 0
-        self._committed = self._rejected = self._fallback_tokens = 0
-        self._device_windows = self._device_tokens = 0
-        self._fallbacks: dict[str, int] = {}
-        self._last: WindowStats | None = None
-        self._last_device_path: str | None = None
-        self._counted_on_device = False  # this window's counters already landed on the device
 
     # ---- window lifecycle -------------------------------------------------------------------
 
@@ -340,9 +328,9 @@ class DeferredWriteManager:
             assert graph.acceptance is not None
             graph.acceptance.load(draft_ids, sampled_ids, num_draft)
             graph.graph.replay()
-            self._counted_on_device = True
+            self._counters.counted_on_device = True
             counts = self._accepted[: layout.num_requests].clone()
-            return self._device_window(layout, "graph")
+            return self._counters.device_window(layout.total_tokens, "graph")
 
         self._run_window(body)
         if counts is None:  # the window fell back before acceptance ran
@@ -416,36 +404,12 @@ class DeferredWriteManager:
     def metrics(self) -> NworMetrics:
         """Cumulative metrics. Reads the device-side counters back if any window committed from a
         device tensor (a synchronisation, so call it off the hot path)."""
-        committed, invalid, fallback = (
-            self._dev_total.tolist() if self._device_windows else (0, 0, 0))
-        rejected = self._device_tokens - committed - fallback
-        per_position = self._per_position + (
-            self._dev_per_position[:-1].cpu().numpy() if self._device_windows else 0)
-        fallbacks = dict(self._fallbacks)
-        if invalid:
-            fallbacks[INVALID_COUNTS] = fallbacks.get(INVALID_COUNTS, 0) + invalid
-        return NworMetrics(
-            windows=self._windows,
-            staged_tokens=self._staged_tokens,
-            committed_tokens=self._committed + committed,
-            rejected_tokens=self._rejected + rejected,
-            fallback_tokens=self._fallback_tokens + fallback,
-            fallbacks=fallbacks,
-            accepted_per_position=tuple(int(c) for c in per_position),
-            protected_refusals=self._protection.refusals(),
-        )
+        return self._counters.metrics(self._protection.refusals())
 
     @property
     def last_window(self) -> WindowStats | None:
         """The last closed window (reads device counters back if it committed on the device)."""
-        if self._last is not None and self._last_device_path is not None:
-            committed, invalid, fallback = self._dev_window.tolist()
-            tokens = self._last.tokens
-            return WindowStats(
-                tokens, committed, tokens - committed - fallback, fallback,
-                "fallback" if invalid else self._last_device_path,
-                INVALID_COUNTS if invalid else None)
-        return self._last
+        return self._counters.last_window()
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -458,17 +422,14 @@ class DeferredWriteManager:
         """Run the window's write; on any failure write every staged token instead; close."""
         assert self._layout is not None
         total = self._layout.total_tokens
-        self._counted_on_device = False
+        self._counters.counted_on_device = False
         if any(0 < rows < total for rows in self._rows):
             stats = self._fallback(INCOMPLETE_STAGING)
         else:
             try:
                 stats = body()
             except Exception as exc:  # any failure must still land every staged token
-                if self._counted_on_device:
-                    # The fallback counts this window; take back what the device counted
-                    # (accepted_per_position keeps it: it has no per-window copy).
-                    self._dev_total.sub_(self._dev_window)
+                self._counters.uncount_device_window()
                 stats = self._fallback(f"error:{type(exc).__name__}", exc)
         self._close(stats)
 
@@ -487,7 +448,7 @@ class DeferredWriteManager:
             self._upload_window_tables()
             self._uploads.into(self._accepted[: layout.num_requests], accepted)
             self._device_commit(total, record=False)
-        self._per_position += per_position  # once written: a fallback commits no draft
+        self._counters.count_kept_drafts(per_position)  # once written: a fallback commits no draft
         return WindowStats(total, committed, total - committed, 0,
                            "fast" if committed == total else "masked",
                            written=None if self._host_slots is None else written)
@@ -500,10 +461,10 @@ class DeferredWriteManager:
         graph = self._graph_for(total)
         if graph is None:
             self._device_commit(total, record=True)
-            return self._device_window(layout, "device")
+            return self._counters.device_window(layout.total_tokens, "device")
         graph.graph.replay()
-        self._counted_on_device = True
-        return self._device_window(layout, "graph")
+        self._counters.counted_on_device = True
+        return self._counters.device_window(layout.total_tokens, "graph")
 
     def _write_host_slots(self, kept_slots: np.ndarray | None) -> None:
         """The commit of a window staged with host slots, whose rejected tokens' slots are -1 in
@@ -576,32 +537,23 @@ class DeferredWriteManager:
             self._share_first_slot_row(total)
             self._host_slots = None
 
-    def _device_window(self, layout: WindowLayout, path: str) -> WindowStats:
-        """Placeholder stats for a window whose counts live on the device (see last_window)."""
-        self._last_device_path = path
-        self._device_windows += 1
-        self._device_tokens += layout.total_tokens
-        return WindowStats(layout.total_tokens, 0, 0, 0, path)
-
     def _device_commit(self, rows: int, *, record: bool) -> None:
         """Keep mask -> rejected slots set to -1 -> fused write (-> device metrics) over the
         first ``rows`` staged rows. Device operations on static buffers only."""
-        counters = (self._dev_window, self._dev_total, self._dev_per_position)
         mask_rejected(self._tokens, self._accepted, self._requests, self._slots, rows,
-                      self._masked_slots, counters if record else None, backend=self.backend)
-        self._counted_on_device = record
+                      self._masked_slots, self._counters.on_device if record else None,
+                      backend=self.backend)
+        self._counters.counted_on_device = record
         write_staged(self.storage.rows(), self._source, self._masked_slots, self._layer_rows,
                      rows, self._inv, backend=self.backend)
 
     def _quiet_commit(self, rows: int) -> None:
         """Graph warm-up: the captured kernels (compiled here, never inside a capture) with no
         layer staged, so nothing is written, and the counters restored afterwards."""
-        counters = (self._dev_window, self._dev_total, self._dev_per_position)
-        saved = [c.clone() for c in counters]
+        saved = self._counters.saved_on_device()
         self._layer_rows.zero_()
         self._device_commit(rows, record=True)
-        for counter, value in zip(counters, saved, strict=True):
-            counter.copy_(value)
+        self._counters.restore_on_device(saved)
 
     def _graph_for(self, total: int, draft_ids: torch.Tensor | None = None,
                    sampled_ids: torch.Tensor | None = None) -> _Graph | None:
@@ -620,7 +572,7 @@ class DeferredWriteManager:
 
     def _fallback(self, reason: str, exc: BaseException | None = None) -> WindowStats:
         """Write every staged token with the reference torch path (what a non-NWOR engine does)."""
-        if reason not in self._fallbacks:
+        if reason not in self._counters.fallbacks:
             log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
         rows = max(self._rows, default=0)
         slots, layer_rows, written = self._slots, self._layer_rows, None
@@ -631,16 +583,9 @@ class DeferredWriteManager:
             written = int(np.count_nonzero(self._host_slots >= 0))
         write_staged(self.storage.rows(), self._source, slots, layer_rows, rows, self._inv,
                      backend="torch")
-        self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+        self._counters.count_fallback(reason)
         return WindowStats(rows, 0, 0, rows, "fallback", reason, written)
 
     def _close(self, stats: WindowStats) -> None:
-        if stats.path not in ("device", "graph"):
-            self._last_device_path = None
-            self._committed += stats.committed
-            self._rejected += stats.rejected
-            self._fallback_tokens += stats.fallback_tokens
-        self._windows += 1
-        self._staged_tokens += stats.tokens
-        self._last = stats
+        self._counters.close(stats)
         self._layout = None

@@ -4,5 +4,6 @@ owner of its data:
 - `input_checks`: `StagingSpec`, what a manager was built for, and the checks of what callers
   hand it;
 - `fp8_scales`: the dtype an fp8 pool stages in, and the scales its commit quantises with;
-- `protection`: the guard that keeps every write out of protected blocks.
+- `protection`: the guard that keeps every write out of protected blocks;
+- `counters`: what the closed windows did, counted on the host or on the device.
 """
