@@ -48,17 +48,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from allocator.common.device_io import PinnedUploads, capture_graph
+from allocator.common.device_io import PinnedUploads
 from allocator.errors import NworInputError, StagingOverflow, WindowStateError
 from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
 from allocator.nwor.deferred.counters import WindowCounters
 from allocator.nwor.deferred.fp8_scales import Fp8Scales
+from allocator.nwor.deferred.graphs import CommitGraphs
 from allocator.nwor.deferred.input_checks import StagingSpec
 from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.host_write_graphs import HostWriteGraphs
@@ -70,13 +70,6 @@ from allocator.nwor.window_maths import Kept, token_table
 log = logging.getLogger(__name__)
 
 INCOMPLETE_STAGING = "incomplete_staging"
-
-
-@dataclass
-class _Graph:
-    rows: int
-    graph: torch.cuda.CUDAGraph
-    acceptance: StaticAcceptance | None = None
 
 
 class DeferredWriteManager:
@@ -113,10 +106,6 @@ class DeferredWriteManager:
         self._host_slots: np.ndarray | None = None
         self._host_slots_uploaded = False
         self._uploads = PinnedUploads(dev)
-        # On CUDA with the Triton write, such a commit replays a captured graph. The graphs and
-        # their pinned buffer are made when first needed (by such a commit, or by
-        # capture_host_write_graphs): a library that stages layer by layer never pays for them.
-        self._host_graphs: HostWriteGraphs | None = None
         self._positions = self.spec.positions
         # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
         # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
@@ -137,7 +126,7 @@ class DeferredWriteManager:
 
         self._layout: WindowLayout | None = None
         self._rows = [0] * self.num_layers
-        self._graphs: list[_Graph] = []
+        self._graphs = CommitGraphs(self.max_tokens, dev, self.backend)
 
     # ---- window lifecycle -------------------------------------------------------------------
 
@@ -174,6 +163,11 @@ class DeferredWriteManager:
     def _protected(self) -> torch.Tensor | None:
         """The mask of protected blocks (None: no guard)."""
         return self._protection.blocks
+
+    @property
+    def _host_graphs(self) -> HostWriteGraphs | None:
+        """The graphs of host-slot commits, once made."""
+        return self._graphs.host
 
     @property
     def window_open(self) -> bool:
@@ -321,7 +315,8 @@ class DeferredWriteManager:
 
         def body() -> WindowStats:
             nonlocal counts
-            graph = self._graph_for(layout.total_tokens, draft_ids, sampled_ids)
+            graph = (self._graphs.verify_graph(layout.total_tokens, draft_ids, sampled_ids)
+                     if self._source is self._staged else None)
             if graph is None:
                 counts = accept(draft_ids, sampled_ids, num_draft)[1]
                 return self._commit_device(layout, counts)
@@ -350,9 +345,8 @@ class DeferredWriteManager:
         """Capture the device commit (keep mask + fused write + metrics) for windows of up to
         ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
         rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
-        graph = capture_graph(lambda: self._device_commit(rows, record=True),
-                              warmup=lambda: self._quiet_commit(rows))
-        self._graphs.append(_Graph(rows, graph))
+        self._graphs.capture_commit(rows, lambda: self._device_commit(rows, record=True),
+                                    lambda: self._quiet_commit(rows))
 
     def capture_verify_graph(self, max_window_tokens: int, *, max_requests: int, width: int,
                              flat_drafts: bool = False) -> None:
@@ -363,16 +357,9 @@ class DeferredWriteManager:
         self.spec.check_capture_requests(max_requests)
         static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
                                   device=self.device)
-
-        def body() -> None:
-            static.compute_counts(self._accepted[:max_requests])
-            self._device_commit(rows, record=True)
-
-        def warmup() -> None:
-            static.compute_counts(self._accepted[:max_requests])
-            self._quiet_commit(rows)
-
-        self._graphs.append(_Graph(rows, capture_graph(body, warmup=warmup), static))
+        self._graphs.capture_verify(rows, static, self._accepted[:max_requests],
+                                    lambda: self._device_commit(rows, record=True),
+                                    lambda: self._quiet_commit(rows))
 
     def capture_host_write_graphs(self, staging: torch.Tensor) -> bool:
         """Capture now the graph of every row bucket that a commit staged from ``staging`` with
@@ -384,7 +371,7 @@ class DeferredWriteManager:
         if self._layout is not None:
             raise WindowStateError("window: capture graphs between windows, not inside one")
         source = self.spec.checked_staging(staging, 1)
-        graphs = self._graphs_for_host_slots()
+        graphs = self._graphs.host_writes(self._write_captured)
         if graphs is None:
             return False
         self._source = source  # what the captured write reads
@@ -397,7 +384,7 @@ class DeferredWriteManager:
         """Forget the graphs that commit from ``staging``, before its memory is released (it
         may come back as another buffer); how many went."""
         source = self.spec.checked_staging(staging, 1)
-        return 0 if self._host_graphs is None else self._host_graphs.drop(source)
+        return self._graphs.drop_host_writes(source)
 
     # ---- metrics ------------------------------------------------------------------------------
 
@@ -458,7 +445,7 @@ class DeferredWriteManager:
         if total == 0 or not any(self._rows):
             return WindowStats(0, 0, 0, 0, "empty")
         self._accepted[: layout.num_requests].copy_(accepted)
-        graph = self._graph_for(total)
+        graph = self._graphs.commit_graph(total) if self._source is self._staged else None
         if graph is None:
             self._device_commit(total, record=True)
             return self._counters.device_window(layout.total_tokens, "device")
@@ -471,7 +458,7 @@ class DeferredWriteManager:
         ``kept_slots`` (None: every token is kept): one upload, one write over every layer (one
         graph replay on CUDA)."""
         assert self._host_slots is not None
-        graphs = self._graphs_for_host_slots()
+        graphs = self._graphs.host_writes(self._write_captured)
         if graphs is None or not graphs.replay(
                 self._source, self._host_slots,
                 self._host_slots if kept_slots is None else kept_slots,
@@ -480,12 +467,6 @@ class DeferredWriteManager:
             write_staged(self.storage.rows(), self._source,
                          self._shared_row(int(kept_slots is not None)), self._all_rows,
                          self._host_slots.size, self._inv, backend=self.backend)
-
-    def _graphs_for_host_slots(self) -> HostWriteGraphs | None:
-        if self._host_graphs is None and self.device.type == "cuda" and self.backend == "triton":
-            self._host_graphs = HostWriteGraphs(self.max_tokens, self.device,
-                                                self._write_captured)
-        return self._host_graphs
 
     def _write_captured(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
         """What a host-slot commit's graph runs once the slot rows are on the device: the
@@ -554,21 +535,6 @@ class DeferredWriteManager:
         self._layer_rows.zero_()
         self._device_commit(rows, record=True)
         self._counters.restore_on_device(saved)
-
-    def _graph_for(self, total: int, draft_ids: torch.Tensor | None = None,
-                   sampled_ids: torch.Tensor | None = None) -> _Graph | None:
-        """The smallest captured graph of the right kind that covers this window. None for a
-        window staged with ``stage_from``: a graph replays reads of the internal staging."""
-        if self._source is not self._staged:
-            return None
-        fits = [
-            g for g in self._graphs
-            if g.rows >= total and (
-                (g.acceptance is None) if draft_ids is None else (
-                    g.acceptance is not None and sampled_ids is not None
-                    and g.acceptance.fits(draft_ids, sampled_ids)))
-        ]
-        return min(fits, key=lambda g: g.rows, default=None)
 
     def _fallback(self, reason: str, exc: BaseException | None = None) -> WindowStats:
         """Write every staged token with the reference torch path (what a non-NWOR engine does)."""

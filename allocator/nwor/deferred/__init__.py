@@ -5,5 +5,6 @@ owner of its data:
   hand it;
 - `fp8_scales`: the dtype an fp8 pool stages in, and the scales its commit quantises with;
 - `protection`: the guard that keeps every write out of protected blocks;
-- `counters`: what the closed windows did, counted on the host or on the device.
+- `counters`: what the closed windows did, counted on the host or on the device;
+- `graphs`: the captured commit, verify and host-write graphs.
 """
