@@ -111,7 +111,7 @@ class DeferredWriteManager:
         # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
         # Made and uploaded only when a device path needs them: a commit with host counts
         # applies the keep rule per request (`window_maths.keep`).
-        self._tables_uploaded = True
+        self._tables_uploaded = False
         self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
         self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
                                         device=dev).expand(max_tokens, 3).contiguous()
@@ -191,10 +191,6 @@ class DeferredWriteManager:
             raise WindowStateError("window: begin_window while a window is open; commit or "
                                    "cancel it first")
         self.spec.check_layout(layout)
-        self._tables_uploaded = False
-        self._rows = [0] * self.num_layers
-        self._source = self._staged
-        self._host_slots = None
         self._layout = layout
 
     def _upload_window_tables(self) -> None:
@@ -553,5 +549,11 @@ class DeferredWriteManager:
         return WindowStats(rows, 0, 0, rows, "fallback", reason, written)
 
     def _close(self, stats: WindowStats) -> None:
+        """Count the window and let go of it: what a capture between windows reads (the
+        manager's own staging) and no longer the caller's buffer, which may be released."""
         self._counters.close(stats)
+        self._tables_uploaded = False
+        self._rows = [0] * self.num_layers
+        self._source = self._staged
+        self._host_slots = None
         self._layout = None
