@@ -83,7 +83,7 @@ def profile(setup: bench_step.Setup, steps: int) -> dict[str, float]:
             (writes, "begin_window", "commit.open_window"),
             (writes, "stage_from", "commit.stage"),
             (writes, "commit", "commit.window_commit"),
-            (writes, "_upload_host_slots", "commit.slot_upload"),
+            (writes._staging, "upload_host_slots", "commit.slot_upload"),
             (deferred_writes, "write_staged", "commit.write"),
             (HostWriteGraphs, "replay", "commit.graph_replay")):
         times.wrap(owner, attr, phase)

@@ -57,15 +57,16 @@ from allocator.errors import NworInputError, StagingOverflow, WindowStateError
 from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
 from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
 from allocator.nwor.deferred.counters import WindowCounters
+from allocator.nwor.deferred.device_keep import DeviceKeep
 from allocator.nwor.deferred.fp8_scales import Fp8Scales
 from allocator.nwor.deferred.graphs import CommitGraphs
 from allocator.nwor.deferred.input_checks import StagingSpec
 from allocator.nwor.deferred.protection import BlockProtection
+from allocator.nwor.deferred.staging import StagingBuffers
 from allocator.nwor.host_write_graphs import HostWriteGraphs
-from allocator.nwor.keep_mask import NEVER, mask_rejected
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
-from allocator.nwor.window_maths import Kept, token_table
+from allocator.nwor.window_maths import Kept
 
 log = logging.getLogger(__name__)
 
@@ -87,45 +88,18 @@ class DeferredWriteManager:
         self.storage = storage
         self.spec = StagingSpec.of(storage, max_tokens=max_tokens, max_requests=max_requests,
                                    stage_dtype=stage_dtype)
-        row = self.spec.row
         self.backend = resolve_backend(backend, self.device)
 
-        dev, i64 = self.device, torch.int64
-        self._staged = torch.zeros((self.num_layers, 2, max_tokens, row), dtype=self.stage_dtype,
-                                   device=dev)
-        # What the commit reads: ``_staged``, or for one window the caller's buffer (stage_from).
-        self._source = self._staged
-        self._slots = torch.full((self.num_layers, max_tokens), -1, dtype=i64, device=dev)
-        self._masked_slots = torch.full_like(self._slots, -1)  # rejected tokens' slots at -1
-        self._layer_rows = torch.zeros(self.num_layers, dtype=i64, device=dev)
-        # A window staged from the caller's buffer with host slots: every layer shares one slot
-        # row, read through a stride-0 view. Both rows of a window (as staged, then with rejected
-        # tokens at -1) travel in one upload when it commits: ``[staged | kept]``.
-        self._shared_slots = torch.full((2 * max_tokens,), -1, dtype=i64, device=dev)
-        self._all_rows = torch.full((self.num_layers,), max_tokens, dtype=i64, device=dev)
-        self._host_slots: np.ndarray | None = None
-        self._host_slots_uploaded = False
+        dev = self.device
         self._uploads = PinnedUploads(dev)
         self._positions = self.spec.positions
-        # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
-        # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
-        # Made and uploaded only when a device path needs them: a commit with host counts
-        # applies the keep rule per request (`window_maths.keep`).
-        self._tables_uploaded = False
-        self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
-        self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
-                                        device=dev).expand(max_tokens, 3).contiguous()
-        self._tokens.copy_(self._pad_tokens)
-        self._tokens_written = 0  # rows of _tokens written since they last read as padding
-        # Per request: the most it may accept (NEVER past the window), then the window's tokens.
-        self._requests = torch.full((self.max_requests + 1,), NEVER, dtype=i64, device=dev)
-        self._accepted = torch.zeros(self.max_requests, dtype=i64, device=dev)
+        self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
+        self._staging = StagingBuffers(self.spec, self._protection, self._uploads)
+        self._keep = DeviceKeep(self.spec, self._uploads)
         self._counters = WindowCounters(self._positions, dev)
         self._scales = Fp8Scales(storage, dev)
-        self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
 
         self._layout: WindowLayout | None = None
-        self._rows = [0] * self.num_layers
         self._graphs = CommitGraphs(self.max_tokens, dev, self.backend)
 
     # ---- window lifecycle -------------------------------------------------------------------
@@ -184,7 +158,7 @@ class DeferredWriteManager:
 
     def staged_rows(self, layer: int) -> int:
         """Tokens staged so far in ``layer`` during the open window."""
-        return self._rows[layer]
+        return self._staging.rows[layer]
 
     def begin_window(self, layout: WindowLayout) -> None:
         if self._layout is not None:
@@ -192,26 +166,6 @@ class DeferredWriteManager:
                                    "cancel it first")
         self.spec.check_layout(layout)
         self._layout = layout
-
-    def _upload_window_tables(self) -> None:
-        """The open window's per-token and per-request tables, on the device (once a window):
-        what the device keep mask, acceptance and the captured graphs read."""
-        if self._tables_uploaded:
-            return
-        layout = self._require_window("commit")
-        total = layout.total_tokens
-        self._uploads.into(self._tokens[:total], token_table(*layout.arrays, self._positions))
-        # Rows past the window must read as padding; only rows an earlier window wrote can not.
-        if self._tokens_written > total:
-            self._tokens[total:self._tokens_written].copy_(
-                self._pad_tokens[total:self._tokens_written])
-        self._tokens_written = total
-        limits = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
-        limits[: layout.num_requests] = layout.arrays[1]
-        limits[-1] = total
-        self._uploads.into(self._requests, limits)
-        self._accepted.zero_()  # no count from an earlier window lingers on a padded request
-        self._tables_uploaded = True
 
     def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
@@ -225,29 +179,20 @@ class DeferredWriteManager:
         None means the pool's scale. Readers must dequantise with the same scale.
         """
         layout = self._require_window("stage_layer")
-        if self._source is not self._staged:
+        if not self._staging.own_buffer:
             raise WindowStateError("window: stage_layer after stage_from; a window stages from "
                                    "one place")
         self.spec.check_layer(layer)
         n = self.spec.checked_stage_tensors(key, value, slot_mapping)
-        if not any(self._rows):  # the window's first stage_layer: no layer has rows yet
-            self._layer_rows.zero_()
-        offset = self._rows[layer]
+        offset = self._staging.start_chunk(layer)
         if offset + n > layout.total_tokens:
             raise StagingOverflow(
                 f"slot_mapping: layer {layer} stages {n} tokens at offset {offset}, past the "
                 f"window's {layout.total_tokens} scheduled tokens")
         scales = [self._scales.checked(name, s) for name, s in (("k_scale", k_scale),
                                                                 ("v_scale", v_scale))]
-        end = offset + n
-        row = self.head_shape[0] * self.head_shape[1]
-        self._staged[layer, 0, offset:end].copy_(key.reshape(n, row))
-        self._staged[layer, 1, offset:end].copy_(value.reshape(n, row))
-        self._slots[layer, offset:end].copy_(slot_mapping)
-        self._protection.guard(self._slots[layer, offset:end], count=layer == 0)
+        self._staging.write_chunk(layer, offset, key, value, slot_mapping)
         self._scales.set_layer(layer, scales)
-        self._rows[layer] = end
-        self._layer_rows[layer].fill_(end)
 
     def stage_from(self, staging: torch.Tensor, slot_mapping: torch.Tensor | np.ndarray) -> None:
         """Stage the whole window, every layer at once, from the caller's buffer: token ``i`` of
@@ -264,27 +209,17 @@ class DeferredWriteManager:
         as well as, ``stage_layer``.
         """
         layout = self._require_window("stage_from")
-        if any(self._rows):
+        if self._staging.any_staged():
             raise WindowStateError("window: stage_from after stage_layer; a window stages from "
                                    "one place")
         total = layout.total_tokens
         source = self.spec.checked_staging(staging, total)
-        slot_mapping = self.spec.checked_slot_mapping(slot_mapping, total)
-        if isinstance(slot_mapping, np.ndarray):
-            self._host_slots, self._host_slots_uploaded = slot_mapping.copy(), False
-        else:
-            self._slots[0, :total].copy_(slot_mapping)
-            self._protection.guard(self._slots[0, :total], count=True)
-            self._share_first_slot_row(total)
-        self._rows = [total] * self.num_layers
-        self._source = source
+        self._staging.stage_from(source, self.spec.checked_slot_mapping(slot_mapping, total))
 
     def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[staged_rows, H, D]`` of this window's staged K and V for ``layer``."""
         self._require_window("staged_kv")
-        rows = self._rows[layer]
-        staged = self._source[layer, :, :rows].unflatten(-1, self.head_shape)
-        return staged[0], staged[1]
+        return self._staging.staged_kv(layer)
 
     def commit(self, accepted_counts: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Write every staged layer's committed tokens and close the window."""
@@ -294,7 +229,8 @@ class DeferredWriteManager:
             self._prepare_device_window()
             self._run_window(lambda: self._commit_device(layout, counts))
         else:
-            host, kept = self.spec.checked_host_counts(accepted_counts, layout, self._host_slots)
+            host, kept = self.spec.checked_host_counts(accepted_counts, layout,
+                                                       self._staging.host_slots)
             self._run_window(lambda: self._commit_host(layout, host, kept))
 
     def verify_and_commit(self, draft_ids: torch.Tensor,
@@ -306,13 +242,13 @@ class DeferredWriteManager:
         validate_inputs(draft_ids, sampled_ids, list(layout.num_draft))
         self.spec.check_on_pool("draft_ids", draft_ids)
         self._prepare_device_window()
-        num_draft = self._requests[: layout.num_requests]  # the layout's draft counts, on device
+        num_draft = self._keep.num_draft(layout.num_requests)
         counts: torch.Tensor | None = None
 
         def body() -> WindowStats:
             nonlocal counts
             graph = (self._graphs.verify_graph(layout.total_tokens, draft_ids, sampled_ids)
-                     if self._source is self._staged else None)
+                     if self._staging.own_buffer else None)
             if graph is None:
                 counts = accept(draft_ids, sampled_ids, num_draft)[1]
                 return self._commit_device(layout, counts)
@@ -320,7 +256,7 @@ class DeferredWriteManager:
             graph.acceptance.load(draft_ids, sampled_ids, num_draft)
             graph.graph.replay()
             self._counters.counted_on_device = True
-            counts = self._accepted[: layout.num_requests].clone()
+            counts = self._keep.accepted[: layout.num_requests].clone()
             return self._counters.device_window(layout.total_tokens, "graph")
 
         self._run_window(body)
@@ -353,7 +289,7 @@ class DeferredWriteManager:
         self.spec.check_capture_requests(max_requests)
         static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
                                   device=self.device)
-        self._graphs.capture_verify(rows, static, self._accepted[:max_requests],
+        self._graphs.capture_verify(rows, static, self._keep.accepted[:max_requests],
                                     lambda: self._device_commit(rows, record=True),
                                     lambda: self._quiet_commit(rows))
 
@@ -370,11 +306,8 @@ class DeferredWriteManager:
         graphs = self._graphs.host_writes(self._write_captured)
         if graphs is None:
             return False
-        self._source = source  # what the captured write reads
-        try:
+        with self._staging.reading(source):  # what the captured write reads
             return graphs.capture(source, self._protection.variant)
-        finally:
-            self._source = self._staged
 
     def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
         """Forget the graphs that commit from ``staging``, before its memory is released (it
@@ -406,7 +339,7 @@ class DeferredWriteManager:
         assert self._layout is not None
         total = self._layout.total_tokens
         self._counters.counted_on_device = False
-        if any(0 < rows < total for rows in self._rows):
+        if self._staging.partly_staged(total):
             stats = self._fallback(INCOMPLETE_STAGING)
         else:
             try:
@@ -419,29 +352,29 @@ class DeferredWriteManager:
     def _commit_host(self, layout: WindowLayout, accepted: np.ndarray,
                      kept: Kept) -> WindowStats:
         total = layout.total_tokens
-        if total == 0 or not any(self._rows):
+        if total == 0 or not self._staging.any_staged():
             return WindowStats(0, 0, 0, 0, "empty")
         _, kept_slots, per_position, committed, written = kept
-        if self._host_slots is not None:
+        if self._staging.host_slots is not None:
             self._write_host_slots(None if committed == total else kept_slots)
         elif committed == total:
-            write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows,
-                         total, self._inv, backend=self.backend)
+            write_staged(self.storage.rows(), self._staging.source, self._staging.slots,
+                         self._staging.layer_rows, total, self._inv, backend=self.backend)
         else:
-            self._upload_window_tables()
-            self._uploads.into(self._accepted[: layout.num_requests], accepted)
+            self._keep.upload(layout)
+            self._keep.load_counts(accepted)
             self._device_commit(total, record=False)
         self._counters.count_kept_drafts(per_position)  # once written: a fallback commits no draft
         return WindowStats(total, committed, total - committed, 0,
                            "fast" if committed == total else "masked",
-                           written=None if self._host_slots is None else written)
+                           written=None if self._staging.host_slots is None else written)
 
     def _commit_device(self, layout: WindowLayout, accepted: torch.Tensor) -> WindowStats:
         total = layout.total_tokens
-        if total == 0 or not any(self._rows):
+        if total == 0 or not self._staging.any_staged():
             return WindowStats(0, 0, 0, 0, "empty")
-        self._accepted[: layout.num_requests].copy_(accepted)
-        graph = self._graphs.commit_graph(total) if self._source is self._staged else None
+        self._keep.load_counts(accepted)
+        graph = self._graphs.commit_graph(total) if self._staging.own_buffer else None
         if graph is None:
             self._device_commit(total, record=True)
             return self._counters.device_window(layout.total_tokens, "device")
@@ -453,82 +386,44 @@ class DeferredWriteManager:
         """The commit of a window staged with host slots, whose rejected tokens' slots are -1 in
         ``kept_slots`` (None: every token is kept): one upload, one write over every layer (one
         graph replay on CUDA)."""
-        assert self._host_slots is not None
+        assert self._staging.host_slots is not None
         graphs = self._graphs.host_writes(self._write_captured)
         if graphs is None or not graphs.replay(
-                self._source, self._host_slots,
-                self._host_slots if kept_slots is None else kept_slots,
+                self._staging.source, self._staging.host_slots,
+                self._staging.host_slots if kept_slots is None else kept_slots,
                 variant=self._protection.variant):
-            self._upload_host_slots(kept_slots)
-            write_staged(self.storage.rows(), self._source,
-                         self._shared_row(int(kept_slots is not None)), self._all_rows,
-                         self._host_slots.size, self._inv, backend=self.backend)
+            self._staging.upload_host_slots(kept_slots)
+            write_staged(self.storage.rows(), self._staging.source,
+                         self._staging.shared_row(int(kept_slots is not None)),
+                         self._staging.all_rows, self._staging.host_slots.size, self._inv,
+                         backend=self.backend)
 
     def _write_captured(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
         """What a host-slot commit's graph runs once the slot rows are on the device: the
         eager path's guard (`guard_host_rows`) and fused write, over ``rows`` rows."""
         self._protection.guard_host_rows(staged, kept)
-        write_staged(self.storage.rows(), self._source, self._every_layer(kept), self._all_rows,
-                     rows, self._inv, backend=self.backend)
-
-    def _upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
-        """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in
-        one upload; slots in protected blocks become -1, counted once per staged token."""
-        assert self._host_slots is not None
-        total = self._host_slots.size
-        rows = self._host_slots if kept_slots is None else np.concatenate(
-            [self._host_slots, kept_slots])
-        self._uploads.into(self._shared_slots[: rows.size], rows)
-        if self._protection.blocks is not None:  # its views cost more than the check
-            self._protection.guard_host_rows(
-                self._shared_slots[:total],
-                None if kept_slots is None else self._shared_slots[total: 2 * total])
-        self._host_slots_uploaded = True
-
-    def _shared_row(self, row: int) -> torch.Tensor:
-        """Row ``row`` of the uploaded ``[staged | kept]`` slots, as every layer's slots."""
-        assert self._host_slots is not None
-        total = self._host_slots.size
-        return self._every_layer(self._shared_slots, row * total, total)
-
-    def _every_layer(self, slots: torch.Tensor, start: int = 0,
-                     count: int | None = None) -> torch.Tensor:
-        """``count`` slots of the contiguous row ``slots`` from ``start`` (default: all of it) as
-        every layer's: a stride-0 view, made in one call (slicing first costs as much again)."""
-        count = slots.numel() - start if count is None else count
-        return slots.as_strided((self.num_layers, count), (0, 1), slots.storage_offset() + start)
-
-    def _share_first_slot_row(self, total: int) -> None:
-        """Every layer writes with ``_slots[0]``'s first ``total`` slots."""
-        self._slots[1:, :total].copy_(self._slots[0, :total].expand(self.num_layers - 1, total))
-        self._layer_rows.fill_(total)
+        write_staged(self.storage.rows(), self._staging.source, self._staging.every_layer(kept),
+                     self._staging.all_rows, rows, self._inv, backend=self.backend)
 
     def _prepare_device_window(self) -> None:
         """What a device-side commit reads: the window's tables and per-layer slot rows."""
-        self._upload_window_tables()
-        if self._host_slots is not None:
-            total = self._host_slots.size
-            if not self._host_slots_uploaded:
-                self._upload_host_slots()
-            self._slots[0, :total].copy_(self._shared_slots[:total])
-            self._share_first_slot_row(total)
-            self._host_slots = None
+        self._keep.upload(self._require_window("commit"))
+        self._staging.host_slots_to_slot_rows()
 
     def _device_commit(self, rows: int, *, record: bool) -> None:
         """Keep mask -> rejected slots set to -1 -> fused write (-> device metrics) over the
         first ``rows`` staged rows. Device operations on static buffers only."""
-        mask_rejected(self._tokens, self._accepted, self._requests, self._slots, rows,
-                      self._masked_slots, self._counters.on_device if record else None,
-                      backend=self.backend)
+        self._keep.mask(self._staging.slots, rows,
+                        self._counters.on_device if record else None, backend=self.backend)
         self._counters.counted_on_device = record
-        write_staged(self.storage.rows(), self._source, self._masked_slots, self._layer_rows,
-                     rows, self._inv, backend=self.backend)
+        write_staged(self.storage.rows(), self._staging.source, self._keep.masked_slots,
+                     self._staging.layer_rows, rows, self._inv, backend=self.backend)
 
     def _quiet_commit(self, rows: int) -> None:
         """Graph warm-up: the captured kernels (compiled here, never inside a capture) with no
         layer staged, so nothing is written, and the counters restored afterwards."""
         saved = self._counters.saved_on_device()
-        self._layer_rows.zero_()
+        self._staging.layer_rows.zero_()
         self._device_commit(rows, record=True)
         self._counters.restore_on_device(saved)
 
@@ -536,14 +431,14 @@ class DeferredWriteManager:
         """Write every staged token with the reference torch path (what a non-NWOR engine does)."""
         if reason not in self._counters.fallbacks:
             log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
-        rows = max(self._rows, default=0)
-        slots, layer_rows, written = self._slots, self._layer_rows, None
-        if self._host_slots is not None:
-            if not self._host_slots_uploaded:
-                self._upload_host_slots()
-            slots, layer_rows = self._shared_row(0), self._all_rows
-            written = int(np.count_nonzero(self._host_slots >= 0))
-        write_staged(self.storage.rows(), self._source, slots, layer_rows, rows, self._inv,
+        rows = max(self._staging.rows, default=0)
+        slots, layer_rows, written = self._staging.slots, self._staging.layer_rows, None
+        if self._staging.host_slots is not None:
+            if not self._staging.host_slots_uploaded:
+                self._staging.upload_host_slots()
+            slots, layer_rows = self._staging.shared_row(0), self._staging.all_rows
+            written = int(np.count_nonzero(self._staging.host_slots >= 0))
+        write_staged(self.storage.rows(), self._staging.source, slots, layer_rows, rows, self._inv,
                      backend="torch")
         self._counters.count_fallback(reason)
         return WindowStats(rows, 0, 0, rows, "fallback", reason, written)
@@ -552,8 +447,6 @@ class DeferredWriteManager:
         """Count the window and let go of it: what a capture between windows reads (the
         manager's own staging) and no longer the caller's buffer, which may be released."""
         self._counters.close(stats)
-        self._tables_uploaded = False
-        self._rows = [0] * self.num_layers
-        self._source = self._staged
-        self._host_slots = None
+        self._keep.uploaded = False
+        self._staging.reset()
         self._layout = None

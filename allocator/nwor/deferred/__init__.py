@@ -5,6 +5,8 @@ owner of its data:
   hand it;
 - `fp8_scales`: the dtype an fp8 pool stages in, and the scales its commit quantises with;
 - `protection`: the guard that keeps every write out of protected blocks;
+- `staging`: the window's staged K/V and slot rows, or the caller's buffer and host slots;
+- `device_keep`: the tables the device keep mask reads, and the mask;
 - `counters`: what the closed windows did, counted on the host or on the device;
 - `graphs`: the captured commit, verify and host-write graphs.
 """
