@@ -42,35 +42,34 @@ Accepted counts given as a list are validated on the host: more accepted than dr
 `AcceptedExceedsDrafts`, never a clamp. A tensor is never read back (that would synchronise): it
 is checked on the device, and an out-of-range count makes the window fall back (reason
 ``accepted_out_of_range``), again never a clamp.
+
+The manager coordinates; its parts (`allocator.nwor.deferred`) each own one job's data and state
+the invariants of that data where it lives. ``check_invariants()`` checks them all.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 
 from allocator.common.device_io import PinnedUploads
-from allocator.errors import NworInputError, StagingOverflow, WindowStateError
+from allocator.errors import InvariantViolation, NworInputError, StagingOverflow, WindowStateError
 from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
-from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
+from allocator.nwor.commit_kernel import Backend, resolve_backend
 from allocator.nwor.deferred.counters import WindowCounters
 from allocator.nwor.deferred.device_keep import DeviceKeep
 from allocator.nwor.deferred.fp8_scales import Fp8Scales
 from allocator.nwor.deferred.graphs import CommitGraphs
 from allocator.nwor.deferred.input_checks import StagingSpec
+from allocator.nwor.deferred.pool_writes import PoolWrites
 from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.deferred.staging import StagingBuffers
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
-from allocator.nwor.window_maths import Kept
-
-log = logging.getLogger(__name__)
-
-INCOMPLETE_STAGING = "incomplete_staging"
 
 
 class DeferredWriteManager:
@@ -82,27 +81,39 @@ class DeferredWriteManager:
     with each layer's scales on commit).
     """
 
+    # All of the manager's state: what it was built for, the open window, and the parts that
+    # each own one job's data.
+    storage: KVStorage
+    spec: StagingSpec
+    backend: Literal["torch", "triton"]
+    _layout: WindowLayout | None  # the open window; None between windows
+    _scales: Fp8Scales
+    _protection: BlockProtection
+    _staging: StagingBuffers
+    _keep: DeviceKeep
+    _counters: WindowCounters
+    _graphs: CommitGraphs
+    _writes: PoolWrites
+
     def __init__(self, storage: KVStorage, *, max_tokens: int, max_requests: int | None = None,
                  stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
-        cfg = storage.config
         self.storage = storage
-        self.spec = StagingSpec.of(storage, max_tokens=max_tokens, max_requests=max_requests,
-                                   stage_dtype=stage_dtype)
-        self.backend = resolve_backend(backend, self.device)
-
-        dev = self.device
-        self._uploads = PinnedUploads(dev)
-        self._positions = self.spec.positions
-        self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
-        self._staging = StagingBuffers(self.spec, self._protection, self._uploads)
-        self._keep = DeviceKeep(self.spec, self._uploads)
-        self._counters = WindowCounters(self._positions, dev)
+        self.spec = spec = StagingSpec.of(storage, max_tokens=max_tokens,
+                                          max_requests=max_requests, stage_dtype=stage_dtype)
+        self.backend = resolve_backend(backend, spec.device)
+        cfg, dev = storage.config, spec.device
+        uploads = PinnedUploads(dev)  # one pinned buffer serves every upload of a window
+        self._layout = None
         self._scales = Fp8Scales(storage, dev)
+        self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
+        self._staging = StagingBuffers(spec, self._protection, uploads)
+        self._keep = DeviceKeep(spec, uploads)
+        self._counters = WindowCounters(spec.positions, dev)
+        self._graphs = CommitGraphs(spec.max_tokens, dev, self.backend)
+        self._writes = PoolWrites(storage, self.backend, self._staging, self._keep, self._scales,
+                                  self._protection, self._counters, self._graphs)
 
-        self._layout: WindowLayout | None = None
-        self._graphs = CommitGraphs(self.max_tokens, dev, self.backend)
-
-    # ---- window lifecycle -------------------------------------------------------------------
+    # ---- what it was built for ----------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
@@ -128,6 +139,8 @@ class DeferredWriteManager:
     def stage_dtype(self) -> torch.dtype:
         return self.spec.stage_dtype
 
+    # Read by tests: the parts' state they check a pool or a graph against.
+
     @property
     def _inv(self) -> torch.Tensor | None:
         """The reciprocal fp8 scales the commit quantises with (None: it copies)."""
@@ -142,6 +155,8 @@ class DeferredWriteManager:
     def _host_graphs(self) -> HostWriteGraphs | None:
         """The graphs of host-slot commits, once made."""
         return self._graphs.host
+
+    # ---- window lifecycle ---------------------------------------------------------------------
 
     @property
     def window_open(self) -> bool:
@@ -189,8 +204,8 @@ class DeferredWriteManager:
             raise StagingOverflow(
                 f"slot_mapping: layer {layer} stages {n} tokens at offset {offset}, past the "
                 f"window's {layout.total_tokens} scheduled tokens")
-        scales = [self._scales.checked(name, s) for name, s in (("k_scale", k_scale),
-                                                                ("v_scale", v_scale))]
+        scales = [self._scales.checked("k_scale", k_scale),
+                  self._scales.checked("v_scale", v_scale)]
         self._staging.write_chunk(layer, offset, key, value, slot_mapping)
         self._scales.set_layer(layer, scales)
 
@@ -224,14 +239,17 @@ class DeferredWriteManager:
     def commit(self, accepted_counts: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Write every staged layer's committed tokens and close the window."""
         layout = self._require_window("commit")
+        writes = self._writes
         if isinstance(accepted_counts, torch.Tensor):
             counts = self.spec.checked_device_counts(accepted_counts, layout)
-            self._prepare_device_window()
-            self._run_window(lambda: self._commit_device(layout, counts))
+            self._prepare_device_counts(layout)
+            self._close(writes.write_or_fall_back(
+                layout, lambda: writes.write_device_counted(layout, counts)))
         else:
             host, kept = self.spec.checked_host_counts(accepted_counts, layout,
                                                        self._staging.host_slots)
-            self._run_window(lambda: self._commit_host(layout, host, kept))
+            self._close(writes.write_or_fall_back(
+                layout, lambda: writes.write_host_counted(layout, host, kept)))
 
     def verify_and_commit(self, draft_ids: torch.Tensor,
                           sampled_ids: torch.Tensor) -> torch.Tensor:
@@ -241,25 +259,10 @@ class DeferredWriteManager:
         layout = self._require_window("verify_and_commit")
         validate_inputs(draft_ids, sampled_ids, list(layout.num_draft))
         self.spec.check_on_pool("draft_ids", draft_ids)
-        self._prepare_device_window()
+        self._prepare_device_counts(layout)
         num_draft = self._keep.num_draft(layout.num_requests)
-        counts: torch.Tensor | None = None
-
-        def body() -> WindowStats:
-            nonlocal counts
-            graph = (self._graphs.verify_graph(layout.total_tokens, draft_ids, sampled_ids)
-                     if self._staging.own_buffer else None)
-            if graph is None:
-                counts = accept(draft_ids, sampled_ids, num_draft)[1]
-                return self._commit_device(layout, counts)
-            assert graph.acceptance is not None
-            graph.acceptance.load(draft_ids, sampled_ids, num_draft)
-            graph.graph.replay()
-            self._counters.counted_on_device = True
-            counts = self._keep.accepted[: layout.num_requests].clone()
-            return self._counters.device_window(layout.total_tokens, "graph")
-
-        self._run_window(body)
+        stats, counts = self._writes.write_verified(layout, draft_ids, sampled_ids, num_draft)
+        self._close(stats)
         if counts is None:  # the window fell back before acceptance ran
             counts = accept(draft_ids, sampled_ids, num_draft)[1]
         return counts
@@ -269,7 +272,7 @@ class DeferredWriteManager:
         self._require_window("cancel")
         if not isinstance(reason, str) or not reason:
             raise NworInputError("reason: a non-empty string", field="reason")
-        self._close(self._fallback(reason))
+        self._close(self._writes.write_all_staged(reason))
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -277,8 +280,9 @@ class DeferredWriteManager:
         """Capture the device commit (keep mask + fused write + metrics) for windows of up to
         ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
         rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
-        self._graphs.capture_commit(rows, lambda: self._device_commit(rows, record=True),
-                                    lambda: self._quiet_commit(rows))
+        writes = self._writes
+        self._graphs.capture_commit(rows, lambda: writes.mask_and_write(rows, record=True),
+                                    lambda: writes.warm_up_mask_and_write(rows))
 
     def capture_verify_graph(self, max_window_tokens: int, *, max_requests: int, width: int,
                              flat_drafts: bool = False) -> None:
@@ -289,9 +293,10 @@ class DeferredWriteManager:
         self.spec.check_capture_requests(max_requests)
         static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
                                   device=self.device)
+        writes = self._writes
         self._graphs.capture_verify(rows, static, self._keep.accepted[:max_requests],
-                                    lambda: self._device_commit(rows, record=True),
-                                    lambda: self._quiet_commit(rows))
+                                    lambda: writes.mask_and_write(rows, record=True),
+                                    lambda: writes.warm_up_mask_and_write(rows))
 
     def capture_host_write_graphs(self, staging: torch.Tensor) -> bool:
         """Capture now the graph of every row bucket that a commit staged from ``staging`` with
@@ -302,20 +307,14 @@ class DeferredWriteManager:
         torch write) or a capture failed (logged once; they write eagerly from then on)."""
         if self._layout is not None:
             raise WindowStateError("window: capture graphs between windows, not inside one")
-        source = self.spec.checked_staging(staging, 1)
-        graphs = self._graphs.host_writes(self._write_captured)
-        if graphs is None:
-            return False
-        with self._staging.reading(source):  # what the captured write reads
-            return graphs.capture(source, self._protection.variant)
+        return self._writes.capture_host_writes(self.spec.checked_staging(staging, 1))
 
     def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
         """Forget the graphs that commit from ``staging``, before its memory is released (it
         may come back as another buffer); how many went."""
-        source = self.spec.checked_staging(staging, 1)
-        return self._graphs.drop_host_writes(source)
+        return self._graphs.drop_host_writes(self.spec.checked_staging(staging, 1))
 
-    # ---- metrics ------------------------------------------------------------------------------
+    # ---- metrics and invariants ---------------------------------------------------------------
 
     def metrics(self) -> NworMetrics:
         """Cumulative metrics. Reads the device-side counters back if any window committed from a
@@ -327,6 +326,21 @@ class DeferredWriteManager:
         """The last closed window (reads device counters back if it committed on the device)."""
         return self._counters.last_window()
 
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the manager's own state contradicts itself: each part's
+        invariants, as its module states them, with the window open or closed. Reads device
+        state back (a synchronisation on CUDA), so it is for tests, not the hot path."""
+        layout = self._layout
+        if layout is not None and (layout.total_tokens > self.spec.max_tokens
+                                   or layout.num_requests > self.spec.max_requests):
+            raise InvariantViolation("window: the open layout exceeds max_tokens or max_requests")
+        self._staging.check_invariants(None if layout is None else layout.total_tokens)
+        self._keep.check_invariants(window_open=layout is not None)
+        self._counters.check_invariants()
+        self._protection.check_invariants()
+        self._graphs.check_invariants(self.spec.max_requests)
+        self._scales.check_invariants(self.spec.num_layers)
+
     # ---- internals ----------------------------------------------------------------------------
 
     def _require_window(self, call: str) -> WindowLayout:
@@ -334,119 +348,16 @@ class DeferredWriteManager:
             raise WindowStateError(f"window: {call} with no open window (begin_window first)")
         return self._layout
 
-    def _run_window(self, body: Callable[[], WindowStats]) -> None:
-        """Run the window's write; on any failure write every staged token instead; close."""
-        assert self._layout is not None
-        total = self._layout.total_tokens
-        self._counters.counted_on_device = False
-        if self._staging.partly_staged(total):
-            stats = self._fallback(INCOMPLETE_STAGING)
-        else:
-            try:
-                stats = body()
-            except Exception as exc:  # any failure must still land every staged token
-                self._counters.uncount_device_window()
-                stats = self._fallback(f"error:{type(exc).__name__}", exc)
-        self._close(stats)
-
-    def _commit_host(self, layout: WindowLayout, accepted: np.ndarray,
-                     kept: Kept) -> WindowStats:
-        total = layout.total_tokens
-        if total == 0 or not self._staging.any_staged():
-            return WindowStats(0, 0, 0, 0, "empty")
-        _, kept_slots, per_position, committed, written = kept
-        if self._staging.host_slots is not None:
-            self._write_host_slots(None if committed == total else kept_slots)
-        elif committed == total:
-            write_staged(self.storage.rows(), self._staging.source, self._staging.slots,
-                         self._staging.layer_rows, total, self._inv, backend=self.backend)
-        else:
-            self._keep.upload(layout)
-            self._keep.load_counts(accepted)
-            self._device_commit(total, record=False)
-        self._counters.count_kept_drafts(per_position)  # once written: a fallback commits no draft
-        return WindowStats(total, committed, total - committed, 0,
-                           "fast" if committed == total else "masked",
-                           written=None if self._staging.host_slots is None else written)
-
-    def _commit_device(self, layout: WindowLayout, accepted: torch.Tensor) -> WindowStats:
-        total = layout.total_tokens
-        if total == 0 or not self._staging.any_staged():
-            return WindowStats(0, 0, 0, 0, "empty")
-        self._keep.load_counts(accepted)
-        graph = self._graphs.commit_graph(total) if self._staging.own_buffer else None
-        if graph is None:
-            self._device_commit(total, record=True)
-            return self._counters.device_window(layout.total_tokens, "device")
-        graph.graph.replay()
-        self._counters.counted_on_device = True
-        return self._counters.device_window(layout.total_tokens, "graph")
-
-    def _write_host_slots(self, kept_slots: np.ndarray | None) -> None:
-        """The commit of a window staged with host slots, whose rejected tokens' slots are -1 in
-        ``kept_slots`` (None: every token is kept): one upload, one write over every layer (one
-        graph replay on CUDA)."""
-        assert self._staging.host_slots is not None
-        graphs = self._graphs.host_writes(self._write_captured)
-        if graphs is None or not graphs.replay(
-                self._staging.source, self._staging.host_slots,
-                self._staging.host_slots if kept_slots is None else kept_slots,
-                variant=self._protection.variant):
-            self._staging.upload_host_slots(kept_slots)
-            write_staged(self.storage.rows(), self._staging.source,
-                         self._staging.shared_row(int(kept_slots is not None)),
-                         self._staging.all_rows, self._staging.host_slots.size, self._inv,
-                         backend=self.backend)
-
-    def _write_captured(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
-        """What a host-slot commit's graph runs once the slot rows are on the device: the
-        eager path's guard (`guard_host_rows`) and fused write, over ``rows`` rows."""
-        self._protection.guard_host_rows(staged, kept)
-        write_staged(self.storage.rows(), self._staging.source, self._staging.every_layer(kept),
-                     self._staging.all_rows, rows, self._inv, backend=self.backend)
-
-    def _prepare_device_window(self) -> None:
-        """What a device-side commit reads: the window's tables and per-layer slot rows."""
-        self._keep.upload(self._require_window("commit"))
+    def _prepare_device_counts(self, layout: WindowLayout) -> None:
+        """What a commit with device counts reads: the window's tables and per-layer slot
+        rows."""
+        self._keep.upload(layout)
         self._staging.host_slots_to_slot_rows()
-
-    def _device_commit(self, rows: int, *, record: bool) -> None:
-        """Keep mask -> rejected slots set to -1 -> fused write (-> device metrics) over the
-        first ``rows`` staged rows. Device operations on static buffers only."""
-        self._keep.mask(self._staging.slots, rows,
-                        self._counters.on_device if record else None, backend=self.backend)
-        self._counters.counted_on_device = record
-        write_staged(self.storage.rows(), self._staging.source, self._keep.masked_slots,
-                     self._staging.layer_rows, rows, self._inv, backend=self.backend)
-
-    def _quiet_commit(self, rows: int) -> None:
-        """Graph warm-up: the captured kernels (compiled here, never inside a capture) with no
-        layer staged, so nothing is written, and the counters restored afterwards."""
-        saved = self._counters.saved_on_device()
-        self._staging.layer_rows.zero_()
-        self._device_commit(rows, record=True)
-        self._counters.restore_on_device(saved)
-
-    def _fallback(self, reason: str, exc: BaseException | None = None) -> WindowStats:
-        """Write every staged token with the reference torch path (what a non-NWOR engine does)."""
-        if reason not in self._counters.fallbacks:
-            log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
-        rows = max(self._staging.rows, default=0)
-        slots, layer_rows, written = self._staging.slots, self._staging.layer_rows, None
-        if self._staging.host_slots is not None:
-            if not self._staging.host_slots_uploaded:
-                self._staging.upload_host_slots()
-            slots, layer_rows = self._staging.shared_row(0), self._staging.all_rows
-            written = int(np.count_nonzero(self._staging.host_slots >= 0))
-        write_staged(self.storage.rows(), self._staging.source, slots, layer_rows, rows, self._inv,
-                     backend="torch")
-        self._counters.count_fallback(reason)
-        return WindowStats(rows, 0, 0, rows, "fallback", reason, written)
 
     def _close(self, stats: WindowStats) -> None:
         """Count the window and let go of it: what a capture between windows reads (the
         manager's own staging) and no longer the caller's buffer, which may be released."""
         self._counters.close(stats)
-        self._keep.uploaded = False
+        self._keep.mark_stale()
         self._staging.reset()
         self._layout = None

@@ -8,5 +8,6 @@ owner of its data:
 - `staging`: the window's staged K/V and slot rows, or the caller's buffer and host slots;
 - `device_keep`: the tables the device keep mask reads, and the mask;
 - `counters`: what the closed windows did, counted on the host or on the device;
-- `graphs`: the captured commit, verify and host-write graphs.
+- `graphs`: the captured commit, verify and host-write graphs;
+- `pool_writes`: every way a window's tokens reach the pool, the fallback included.
 """

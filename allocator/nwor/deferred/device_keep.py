@@ -7,8 +7,8 @@ bucket; per request, the most it may accept (``NEVER`` past the window), then th
 tokens; and the accepted counts. They are made and uploaded only when a device path needs them,
 once a window: a commit with host counts applies the keep rule on the host (`window_maths.keep`).
 
-Invariant: rows of ``tokens`` past ``written`` read as padding, so a smaller window never reads
-a larger one's tokens.
+Invariants: rows of ``tokens`` past ``written`` read as padding, so a smaller window never reads
+a larger one's tokens; between windows the tables count as stale.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ class DeviceKeep:
         self.accepted.zero_()  # no count from an earlier window lingers on a padded request
         self.uploaded = True
 
+    def mark_stale(self) -> None:
+        """The window closed: the next one uploads its own tables."""
+        self.uploaded = False
+
     def num_draft(self, num_requests: int) -> torch.Tensor:
         """The window's draft counts, on the device (once uploaded)."""
         return self.requests[:num_requests]
@@ -77,8 +81,10 @@ class DeviceKeep:
         mask_rejected(self.tokens, self.accepted, self.requests, slots, rows,
                       self.masked_slots, counters, backend=backend)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, *, window_open: bool) -> None:
         """Reads the padding rows back: a synchronisation on CUDA."""
+        if self.uploaded and not window_open:
+            raise InvariantViolation("keep tables: marked uploaded between windows")
         if not 0 <= self.written <= self.spec.max_tokens:
             raise InvariantViolation("keep tables: more rows written than max_tokens")
         if not torch.equal(self.tokens[self.written:], self._pad[self.written:]):
