@@ -120,8 +120,8 @@ class WindowCounters:
         """The host's counts only: reading the device's would synchronise."""
         counts = (self.windows, self.staged_tokens, self.committed, self.rejected,
                   self.fallback_tokens, self.device_windows, self.device_tokens)
-        if min(counts) < 0 or (self.per_position < 0).any() or min(
-                self.fallbacks.values(), default=0) < 1:
+        if min(counts) < 0 or (self.per_position < 0).any() or any(
+                n < 1 for n in self.fallbacks.values()):
             raise InvariantViolation("counters: a count is negative (or a reason counted 0)")
         if self.staged_tokens != (self.committed + self.rejected + self.fallback_tokens
                                   + self.device_tokens):
