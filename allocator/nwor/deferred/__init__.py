@@ -1,5 +1,5 @@
 """The parts `DeferredWriteManager` (`allocator.nwor.deferred_writes`) coordinates, each the one
-owner of its data:
+owner of its data and the place its invariants are stated and checked:
 
 - `input_checks`: `StagingSpec`, what a manager was built for, and the checks of what callers
   hand it;
@@ -10,4 +10,6 @@ owner of its data:
 - `counters`: what the closed windows did, counted on the host or on the device;
 - `graphs`: the captured commit, verify and host-write graphs;
 - `pool_writes`: every way a window's tokens reach the pool, the fallback included.
+
+Part of `allocator.nwor`: never imports `allocator.capacity`.
 """
