@@ -172,10 +172,11 @@ class DeferredWriteManager:
         self._protection.set(blocks)
 
     def staged_rows(self, layer: int) -> int:
-        """Tokens staged so far in ``layer`` during the open window."""
+        """Tokens staged so far in ``layer`` during the open window (0 between windows)."""
         return self._staging.rows[layer]
 
     def begin_window(self, layout: WindowLayout) -> None:
+        """Open the window of one step's ``layout`` (lifecycle: the module's docstring)."""
         if self._layout is not None:
             raise WindowStateError("window: begin_window while a window is open; commit or "
                                    "cancel it first")

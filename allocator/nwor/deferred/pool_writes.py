@@ -39,7 +39,7 @@ from allocator.nwor.window_maths import Kept
 log = logging.getLogger(__name__)
 
 INCOMPLETE_STAGING = "incomplete_staging"
-_EMPTY = WindowStats(0, 0, 0, 0, "empty")
+_EMPTY = WindowStats(0, 0, 0, 0, "empty")  # a window of no tokens, or with none staged
 
 
 class PoolWrites:
@@ -155,7 +155,7 @@ class PoolWrites:
         graph replay on CUDA)."""
         staging = self.staging
         assert staging.host_slots is not None
-        graphs = self.host_write_graphs()
+        graphs = self._host_write_graphs()
         if graphs is None or not graphs.replay(
                 staging.source, staging.host_slots,
                 staging.host_slots if kept_slots is None else kept_slots,
@@ -172,13 +172,13 @@ class PoolWrites:
         write_staged(self.storage.rows(), self.staging.source, self.staging.every_layer(kept),
                      self.staging.all_rows, rows, self.scales.inv, backend=self.backend)
 
-    def host_write_graphs(self) -> HostWriteGraphs | None:
+    def _host_write_graphs(self) -> HostWriteGraphs | None:
         return self.graphs.host_writes(self.write_uploaded_slots)
 
     def capture_host_writes(self, source: torch.Tensor) -> bool:
         """Capture every row bucket of host-slot writes from ``source``, between windows;
         False where those writes replay no graph, or a capture failed."""
-        graphs = self.host_write_graphs()
+        graphs = self._host_write_graphs()
         if graphs is None:
             return False
         with self.staging.reading(source):  # what the captured write reads

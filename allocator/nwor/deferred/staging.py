@@ -7,11 +7,11 @@ A window stages one of two ways:
   ``layer_rows[l]``) counts layer ``l``'s staged tokens, so layers stage independently and in
   chunks;
 - ``stage_from``, every layer at once: the commit reads the caller's buffer in place
-  (``source``). Its slots are a device tensor, copied into ``slots[0]`` and shared by every
-  layer, or a host array (``host_slots``): every layer then shares one slot row, read through a
-  stride-0 view (`every_layer`), and both of the window's slot rows (as staged, then with
-  rejected tokens at -1) travel in one upload when it commits: ``shared_slots`` holds
-  ``[staged | kept]``.
+  (``source``). Its slots are a device tensor, copied into ``slots[0]`` and from there into
+  every layer's row, or a host array (``host_slots``): every layer then shares one slot row,
+  read through a stride-0 view (`every_layer`) with ``all_rows`` as its row counts, and both
+  of the window's slot rows (as staged, then with rejected tokens at -1) travel in one upload
+  when it commits: ``shared_slots`` holds ``[staged | kept]``.
 
 Slots in protected blocks are set to -1 as they are staged or uploaded (`BlockProtection`).
 
