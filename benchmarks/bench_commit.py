@@ -165,13 +165,13 @@ def bench_decode_step(repeats: int, ceiling_gbps: float, batch: int = 64, drafts
         "mask_commit_graph_call_us": call_us(
             lambda: graphed.verify_and_commit(draft_ids, sampled), stage(graphed),
             repeats=repeats),
-        "mask_commit_graph_replay_us": loop_us(graphed._graphs[0].graph.replay, iters=50,
+        "mask_commit_graph_replay_us": loop_us(graphed._graphs.verify[0].graph.replay, iters=50,
                                                repeats=repeats),
         "commit_eager_call_us": call_us(lambda: eager.commit(accepted), stage(eager),
                                         repeats=repeats),
         "commit_graph_call_us": call_us(lambda: commit_graphed.commit(accepted),
                                         stage(commit_graphed), repeats=repeats),
-        "commit_graph_replay_us": loop_us(commit_graphed._graphs[0].graph.replay, iters=50,
+        "commit_graph_replay_us": loop_us(commit_graphed._graphs.commit[0].graph.replay, iters=50,
                                           repeats=repeats),
     }
     assert graphed.last_window is not None and graphed.last_window.path == "graph"

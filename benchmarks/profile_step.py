@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
 
-from allocator.nwor import deferred_writes
+from allocator.nwor.deferred import pool_writes
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from server.service import batch, pipeline
 
@@ -83,8 +83,8 @@ def profile(setup: bench_step.Setup, steps: int) -> dict[str, float]:
             (writes, "begin_window", "commit.open_window"),
             (writes, "stage_from", "commit.stage"),
             (writes, "commit", "commit.window_commit"),
-            (writes, "_upload_host_slots", "commit.slot_upload"),
-            (deferred_writes, "write_staged", "commit.write"),
+            (writes._staging, "upload_host_slots", "commit.slot_upload"),
+            (pool_writes, "write_staged", "commit.write"),
             (HostWriteGraphs, "replay", "commit.graph_replay")):
         times.wrap(owner, attr, phase)
 

@@ -126,7 +126,9 @@ def _flat_acceptance(draft: torch.Tensor, sampled: torch.Tensor,
     return (pos < counts[req]) & in_batch, counts
 
 
-def _is_integer(t: torch.Tensor) -> bool:
+def is_integer_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers: NWOR's counts and ids take any integer dtype, never a bool
+    (a mask is not a count), a float or a complex."""
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
@@ -145,7 +147,7 @@ def validate_inputs(draft_ids: torch.Tensor, sampled_ids: torch.Tensor,
     """Check shapes, dtypes and devices, and host-known counts against them; return the counts
     on the host, or None when they are a (trusted: never read back) device tensor."""
     for name, t in (("sampled_ids", sampled_ids), ("draft_ids", draft_ids)):
-        if not isinstance(t, torch.Tensor) or not _is_integer(t):
+        if not isinstance(t, torch.Tensor) or not is_integer_tensor(t):
             raise NworInputError(f"{name}: must be an integer tensor", field=name)
     if sampled_ids.dim() != 2:
         raise NworInputError(
@@ -171,7 +173,7 @@ def validate_inputs(draft_ids: torch.Tensor, sampled_ids: torch.Tensor,
 
     device = sampled_ids.device
     if isinstance(num_draft_tokens, torch.Tensor) and num_draft_tokens.device.type != "cpu":
-        if num_draft_tokens.shape != (batch,) or not _is_integer(num_draft_tokens):
+        if num_draft_tokens.shape != (batch,) or not is_integer_tensor(num_draft_tokens):
             raise NworInputError(
                 f"num_draft_tokens: expected an integer tensor of shape ({batch},)",
                 field="num_draft_tokens")

@@ -42,47 +42,34 @@ Accepted counts given as a list are validated on the host: more accepted than dr
 `AcceptedExceedsDrafts`, never a clamp. A tensor is never read back (that would synchronise): it
 is checked on the device, and an out-of-range count makes the window fall back (reason
 ``accepted_out_of_range``), again never a clamp.
+
+The manager coordinates; its parts (`allocator.nwor.deferred`) each own one job's data and state
+the invariants of that data where it lives. ``check_invariants()`` checks them all.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 
-from allocator.common.device_io import PinnedUploads, capture_graph
-from allocator.errors import (
-    AcceptedExceedsDrafts,
-    InvalidValue,
-    NworInputError,
-    SlotDtypeError,
-    StagingOverflow,
-    WindowStateError,
-)
+from allocator.common.device_io import PinnedUploads
+from allocator.errors import InvariantViolation, NworInputError, StagingOverflow, WindowStateError
 from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
-from allocator.nwor.commit_kernel import Backend, resolve_backend, write_staged
+from allocator.nwor.commit_kernel import Backend, resolve_backend
+from allocator.nwor.deferred.counters import WindowCounters
+from allocator.nwor.deferred.device_keep import DeviceKeep
+from allocator.nwor.deferred.fp8_scales import Fp8Scales
+from allocator.nwor.deferred.graphs import CommitGraphs
+from allocator.nwor.deferred.input_checks import StagingSpec
+from allocator.nwor.deferred.pool_writes import PoolWrites
+from allocator.nwor.deferred.protection import BlockProtection
+from allocator.nwor.deferred.staging import StagingBuffers
 from allocator.nwor.host_write_graphs import HostWriteGraphs
-from allocator.nwor.keep_mask import NEVER, mask_rejected
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
-from allocator.nwor.window_maths import Kept, keep, token_table
-
-log = logging.getLogger(__name__)
-
-_FP8_STAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INVALID_COUNTS = "accepted_out_of_range"
-INCOMPLETE_STAGING = "incomplete_staging"
-_NO_SLOTS = np.zeros(0, dtype=np.int64)  # `keep`'s slots for a window whose slots are on device
-
-
-@dataclass
-class _Graph:
-    rows: int
-    graph: torch.cuda.CUDAGraph
-    acceptance: StaticAcceptance | None = None
 
 
 class DeferredWriteManager:
@@ -94,97 +81,82 @@ class DeferredWriteManager:
     with each layer's scales on commit).
     """
 
+    # All of the manager's state: what it was built for, the open window, and the parts that
+    # each own one job's data.
+    storage: KVStorage
+    spec: StagingSpec
+    backend: Literal["torch", "triton"]
+    _layout: WindowLayout | None  # the open window; None between windows
+    _scales: Fp8Scales
+    _protection: BlockProtection
+    _staging: StagingBuffers
+    _keep: DeviceKeep
+    _counters: WindowCounters
+    _graphs: CommitGraphs
+    _writes: PoolWrites
+
     def __init__(self, storage: KVStorage, *, max_tokens: int, max_requests: int | None = None,
                  stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
-        cfg = storage.config
         self.storage = storage
-        self.device = storage.kv.device  # "cuda:0", not the config's "cuda": compared to tensors
-        self.num_layers = cfg.num_layers
-        self.head_shape = (cfg.num_kv_heads, cfg.head_dim)
-        row = cfg.num_kv_heads * cfg.head_dim
-        if max_tokens < 1:
-            raise NworInputError("max_tokens: must be >= 1", field="max_tokens")
-        self.max_tokens = max_tokens
-        self.max_requests = cfg.max_batch_size if max_requests is None else max_requests
-        if self.max_requests < 1:
-            raise NworInputError("max_requests: must be >= 1", field="max_requests")
-        if storage.is_fp8:
-            self.stage_dtype = stage_dtype or torch.bfloat16
-            if self.stage_dtype not in _FP8_STAGE_DTYPES:
-                raise NworInputError(f"stage_dtype: {self.stage_dtype} cannot be quantised to fp8",
-                                     field="stage_dtype")
-        else:
-            self.stage_dtype = stage_dtype or cfg.torch_dtype
-            if self.stage_dtype != cfg.torch_dtype:
-                raise NworInputError(
-                    f"stage_dtype: {self.stage_dtype} differs from the pool's {cfg.torch_dtype}",
-                    field="stage_dtype")
-        self.backend = resolve_backend(backend, self.device)
+        self.spec = spec = StagingSpec.of(storage, max_tokens=max_tokens,
+                                          max_requests=max_requests, stage_dtype=stage_dtype)
+        self.backend = resolve_backend(backend, spec.device)
+        cfg, dev = storage.config, spec.device
+        uploads = PinnedUploads(dev)  # one pinned buffer serves every upload of a window
+        self._layout = None
+        self._scales = Fp8Scales(storage, dev)
+        self._protection = BlockProtection(cfg.total_blocks, cfg.tokens_per_block, dev)
+        self._staging = StagingBuffers(spec, self._protection, uploads)
+        self._keep = DeviceKeep(spec, uploads)
+        self._counters = WindowCounters(spec.positions, dev)
+        self._graphs = CommitGraphs(spec.max_tokens, dev, self.backend)
+        self._writes = PoolWrites(storage, self.backend, self._staging, self._keep, self._scales,
+                                  self._protection, self._counters, self._graphs)
 
-        dev, i64 = self.device, torch.int64
-        self._staged = torch.zeros((self.num_layers, 2, max_tokens, row), dtype=self.stage_dtype,
-                                   device=dev)
-        # What the commit reads: ``_staged``, or for one window the caller's buffer (stage_from).
-        self._source = self._staged
-        self._slots = torch.full((self.num_layers, max_tokens), -1, dtype=i64, device=dev)
-        self._masked_slots = torch.full_like(self._slots, -1)  # rejected tokens' slots at -1
-        self._layer_rows = torch.zeros(self.num_layers, dtype=i64, device=dev)
-        # A window staged from the caller's buffer with host slots: every layer shares one slot
-        # row, read through a stride-0 view. Both rows of a window (as staged, then with rejected
-        # tokens at -1) travel in one upload when it commits: ``[staged | kept]``.
-        self._shared_slots = torch.full((2 * max_tokens,), -1, dtype=i64, device=dev)
-        self._all_rows = torch.full((self.num_layers,), max_tokens, dtype=i64, device=dev)
-        self._host_slots: np.ndarray | None = None
-        self._host_slots_uploaded = False
-        self._uploads = PinnedUploads(dev)
-        # On CUDA with the Triton write, such a commit replays a captured graph. The graphs and
-        # their pinned buffer are made when first needed (by such a commit, or by
-        # capture_host_write_graphs): a library that stages layer by layer never pays for them.
-        self._host_graphs: HostWriteGraphs | None = None
-        # accepted_per_position length; histogram bucket `positions` collects non-draft tokens.
-        self._positions = max(1, cfg.max_draft_len)
-        # Per token: its request, its draft index (< 0: not a draft; NEVER: past the window, so
-        # never kept) and its histogram bucket (see keep_mask). Rows past the window: _pad_tokens.
-        # Made and uploaded only when a device path needs them: a commit with host counts
-        # applies the keep rule per request (`window_maths.keep`).
-        self._tables_uploaded = True
-        self._tokens = torch.zeros((max_tokens, 3), dtype=i64, device=dev)
-        self._pad_tokens = torch.tensor([0, NEVER, self._positions], dtype=i64,
-                                        device=dev).expand(max_tokens, 3).contiguous()
-        self._tokens.copy_(self._pad_tokens)
-        self._tokens_written = 0  # rows of _tokens written since they last read as padding
-        # Per request: the most it may accept (NEVER past the window), then the window's tokens.
-        self._requests = torch.full((self.max_requests + 1,), NEVER, dtype=i64, device=dev)
-        self._accepted = torch.zeros(self.max_requests, dtype=i64, device=dev)
-        # Device windows' counters, this window and in total: kept tokens (windows with valid
-        # counts), windows with invalid counts, tokens of those windows.
-        self._dev_window = torch.zeros(3, dtype=i64, device=dev)
-        self._dev_total = torch.zeros(3, dtype=i64, device=dev)
-        self._dev_per_position = torch.zeros(self._positions + 1, dtype=i64, device=dev)
-        self._per_position = np.zeros(self._positions, dtype=np.int64)
-        self._inv_default: torch.Tensor | None = None
-        self._inv: torch.Tensor | None = None
-        if storage.is_fp8:
-            scales = torch.stack([storage.k_scale, storage.v_scale], dim=1)
-            self._inv_default = torch.reciprocal(scales.to(torch.float32))
-            self._inv = self._inv_default.clone()
-        self._overridden: set[tuple[int, int]] = set()
-        self._tokens_per_block = cfg.tokens_per_block
-        self._protected: torch.Tensor | None = None
-        self._dev_refused = torch.zeros((), dtype=i64, device=dev)
+    # ---- what it was built for ----------------------------------------------------------------
 
-        self._layout: WindowLayout | None = None
-        self._rows = [0] * self.num_layers
-        self._graphs: list[_Graph] = []
-        self._windows = self._staged_tokens = 0
-        self._committed = self._rejected = self._fallback_tokens = 0
-        self._device_windows = self._device_tokens = 0
-        self._fallbacks: dict[str, int] = {}
-        self._last: WindowStats | None = None
-        self._last_device_path: str | None = None
-        self._counted_on_device = False  # this window's counters already landed on the device
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
 
-    # ---- window lifecycle -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def head_shape(self) -> tuple[int, int]:
+        return self.spec.head_shape
+
+    @property
+    def max_tokens(self) -> int:
+        return self.spec.max_tokens
+
+    @property
+    def max_requests(self) -> int:
+        return self.spec.max_requests
+
+    @property
+    def stage_dtype(self) -> torch.dtype:
+        return self.spec.stage_dtype
+
+    # Read by tests: the parts' state they check a pool or a graph against.
+
+    @property
+    def _inv(self) -> torch.Tensor | None:
+        """The reciprocal fp8 scales the commit quantises with (None: it copies)."""
+        return self._scales.inv
+
+    @property
+    def _protected(self) -> torch.Tensor | None:
+        """The mask of protected blocks (None: no guard)."""
+        return self._protection.blocks
+
+    @property
+    def _host_graphs(self) -> HostWriteGraphs | None:
+        """The graphs of host-slot commits, once made."""
+        return self._graphs.host
+
+    # ---- window lifecycle ---------------------------------------------------------------------
 
     @property
     def window_open(self) -> bool:
@@ -197,68 +169,19 @@ class DeferredWriteManager:
     def protect(self, blocks: torch.Tensor | None) -> None:
         """Refuse writes into blocks where ``blocks`` (bool, one per pool block, on the pool's
         device; the caller keeps it current) is True; None turns the guard off."""
-        if blocks is not None and (blocks.dtype != torch.bool or blocks.device != self.device
-                                   or blocks.shape != (self.storage.config.total_blocks,)):
-            raise NworInputError(
-                f"protect: expected a bool tensor of {self.storage.config.total_blocks} blocks "
-                f"on {self.device}", field="protect")
-        self._protected = blocks
-
-    def _guard(self, slots: torch.Tensor, *, count: bool) -> None:
-        """Set ``slots`` that land in a protected block to -1 (in place, on the device)."""
-        if self._protected is None or slots.numel() == 0:
-            return
-        blocks = torch.div(slots, self._tokens_per_block, rounding_mode="floor").clamp_(
-            0, self._protected.numel() - 1)
-        refused = (slots >= 0) & self._protected[blocks]
-        if count:
-            self._dev_refused += refused.sum()
-        slots.masked_fill_(refused, -1)
+        self._protection.set(blocks)
 
     def staged_rows(self, layer: int) -> int:
-        """Tokens staged so far in ``layer`` during the open window."""
-        return self._rows[layer]
+        """Tokens staged so far in ``layer`` during the open window (0 between windows)."""
+        return self._staging.rows[layer]
 
     def begin_window(self, layout: WindowLayout) -> None:
+        """Open the window of one step's ``layout`` (lifecycle: the module's docstring)."""
         if self._layout is not None:
             raise WindowStateError("window: begin_window while a window is open; commit or "
                                    "cancel it first")
-        if not isinstance(layout, WindowLayout):
-            raise NworInputError("layout: expected a WindowLayout", field="layout")
-        total, reqs = layout.total_tokens, layout.num_requests
-        if total > self.max_tokens:
-            raise NworInputError(
-                f"layout: {total} scheduled tokens exceed max_tokens={self.max_tokens}",
-                field="layout")
-        if reqs > self.max_requests:
-            raise NworInputError(
-                f"layout: {reqs} requests exceed max_requests={self.max_requests}",
-                field="layout")
-        self._tables_uploaded = False
-        self._rows = [0] * self.num_layers
-        self._source = self._staged
-        self._host_slots = None
+        self.spec.check_layout(layout)
         self._layout = layout
-
-    def _upload_window_tables(self) -> None:
-        """The open window's per-token and per-request tables, on the device (once a window):
-        what the device keep mask, acceptance and the captured graphs read."""
-        if self._tables_uploaded:
-            return
-        layout = self._require_window("commit")
-        total = layout.total_tokens
-        self._uploads.into(self._tokens[:total], token_table(*layout.arrays, self._positions))
-        # Rows past the window must read as padding; only rows an earlier window wrote can not.
-        if self._tokens_written > total:
-            self._tokens[total:self._tokens_written].copy_(
-                self._pad_tokens[total:self._tokens_written])
-        self._tokens_written = total
-        limits = np.full(self.max_requests + 1, NEVER, dtype=np.int64)
-        limits[: layout.num_requests] = layout.arrays[1]
-        limits[-1] = total
-        self._uploads.into(self._requests, limits)
-        self._accepted.zero_()  # no count from an earlier window lingers on a padded request
-        self._tables_uploaded = True
 
     def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
@@ -272,34 +195,20 @@ class DeferredWriteManager:
         None means the pool's scale. Readers must dequantise with the same scale.
         """
         layout = self._require_window("stage_layer")
-        if self._source is not self._staged:
+        if not self._staging.own_buffer:
             raise WindowStateError("window: stage_layer after stage_from; a window stages from "
                                    "one place")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not (
-                0 <= layer < self.num_layers):
-            raise NworInputError(f"layer: {layer!r} outside [0, {self.num_layers})",
-                                 field="layer")
-        n = self._checked_stage_tensors(key, value, slot_mapping)
-        if not any(self._rows):  # the window's first stage_layer: no layer has rows yet
-            self._layer_rows.zero_()
-        offset = self._rows[layer]
+        self.spec.check_layer(layer)
+        n = self.spec.checked_stage_tensors(key, value, slot_mapping)
+        offset = self._staging.start_chunk(layer)
         if offset + n > layout.total_tokens:
             raise StagingOverflow(
                 f"slot_mapping: layer {layer} stages {n} tokens at offset {offset}, past the "
                 f"window's {layout.total_tokens} scheduled tokens")
-        scales = [self._checked_scale(name, s) for name, s in (("k_scale", k_scale),
-                                                               ("v_scale", v_scale))]
-        end = offset + n
-        row = self.head_shape[0] * self.head_shape[1]
-        self._staged[layer, 0, offset:end].copy_(key.reshape(n, row))
-        self._staged[layer, 1, offset:end].copy_(value.reshape(n, row))
-        self._slots[layer, offset:end].copy_(slot_mapping)
-        self._guard(self._slots[layer, offset:end], count=layer == 0)
-        if self._inv is not None:
-            for kv, scale in enumerate(scales):
-                self._set_scale(layer, kv, scale)
-        self._rows[layer] = end
-        self._layer_rows[layer].fill_(end)
+        scales = [self._scales.checked("k_scale", k_scale),
+                  self._scales.checked("v_scale", v_scale)]
+        self._staging.write_chunk(layer, offset, key, value, slot_mapping)
+        self._scales.set_layer(layer, scales)
 
     def stage_from(self, staging: torch.Tensor, slot_mapping: torch.Tensor | np.ndarray) -> None:
         """Stage the whole window, every layer at once, from the caller's buffer: token ``i`` of
@@ -316,65 +225,32 @@ class DeferredWriteManager:
         as well as, ``stage_layer``.
         """
         layout = self._require_window("stage_from")
-        if any(self._rows):
+        if self._staging.any_staged():
             raise WindowStateError("window: stage_from after stage_layer; a window stages from "
                                    "one place")
         total = layout.total_tokens
-        source = self._checked_staging(staging, total)
-        if not isinstance(slot_mapping, torch.Tensor | np.ndarray):
-            raise NworInputError("slot_mapping: expected a tensor or a numpy array",
-                                 field="slot_mapping")
-        if isinstance(slot_mapping, np.ndarray):
-            if slot_mapping.dtype != np.int64:
-                raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
-            if slot_mapping.shape != (total,):
-                raise NworInputError(f"slot_mapping: shape {slot_mapping.shape}, expected "
-                                     f"({total},)", field="slot_mapping")
-            self._host_slots, self._host_slots_uploaded = slot_mapping.copy(), False
-        else:
-            self._check_slots(slot_mapping, total)
-            self._slots[0, :total].copy_(slot_mapping)
-            self._guard(self._slots[0, :total], count=True)
-            self._share_first_slot_row(total)
-        self._rows = [total] * self.num_layers
-        self._source = source
-
-    def _checked_staging(self, staging: torch.Tensor, tokens: int) -> torch.Tensor:
-        """``staging`` (as ``stage_from`` takes it, holding at least ``tokens`` tokens) as the
-        commit reads it: ``[num_layers, 2, capacity, H * D]``."""
-        heads, dim = self.head_shape
-        if not isinstance(staging, torch.Tensor):
-            raise NworInputError("staging: expected a tensor", field="staging")
-        shape = tuple(staging.shape)
-        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
-                or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < tokens
-                or not staging.is_contiguous()):
-            raise NworInputError(
-                f"staging: shape {shape}, expected contiguous [{self.num_layers}, 2, >= {tokens}, "
-                f"{heads}, {dim}]", field="staging")
-        if staging.dtype != self.stage_dtype or staging.device != self.device:
-            raise NworInputError(
-                f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
-                f"{self.device}", field="staging")
-        return staging.view(self.num_layers, 2, shape[2], heads * dim)
+        source = self.spec.checked_staging(staging, total)
+        self._staging.stage_from(source, self.spec.checked_slot_mapping(slot_mapping, total))
 
     def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[staged_rows, H, D]`` of this window's staged K and V for ``layer``."""
         self._require_window("staged_kv")
-        rows = self._rows[layer]
-        staged = self._source[layer, :, :rows].unflatten(-1, self.head_shape)
-        return staged[0], staged[1]
+        return self._staging.staged_kv(layer)
 
     def commit(self, accepted_counts: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Write every staged layer's committed tokens and close the window."""
         layout = self._require_window("commit")
+        writes = self._writes
         if isinstance(accepted_counts, torch.Tensor):
-            counts = self._checked_device_counts(accepted_counts, layout)
-            self._prepare_device_window()
-            self._run_window(lambda: self._commit_device(layout, counts))
+            counts = self.spec.checked_device_counts(accepted_counts, layout)
+            self._prepare_device_counts(layout)
+            self._close(writes.write_or_fall_back(
+                layout, lambda: writes.write_device_counted(layout, counts)))
         else:
-            host, kept = self._checked_host_counts(accepted_counts, layout)
-            self._run_window(lambda: self._commit_host(layout, host, kept))
+            host, kept = self.spec.checked_host_counts(accepted_counts, layout,
+                                                       self._staging.host_slots)
+            self._close(writes.write_or_fall_back(
+                layout, lambda: writes.write_host_counted(layout, host, kept)))
 
     def verify_and_commit(self, draft_ids: torch.Tensor,
                           sampled_ids: torch.Tensor) -> torch.Tensor:
@@ -383,27 +259,11 @@ class DeferredWriteManager:
         (int64 device tensor)."""
         layout = self._require_window("verify_and_commit")
         validate_inputs(draft_ids, sampled_ids, list(layout.num_draft))
-        if draft_ids.device != self.device:
-            raise NworInputError(f"draft_ids: on {draft_ids.device}, the pool is on {self.device}",
-                                 field="draft_ids")
-        self._prepare_device_window()
-        num_draft = self._requests[: layout.num_requests]  # the layout's draft counts, on device
-        counts: torch.Tensor | None = None
-
-        def body() -> WindowStats:
-            nonlocal counts
-            graph = self._graph_for(layout.total_tokens, draft_ids, sampled_ids)
-            if graph is None:
-                counts = accept(draft_ids, sampled_ids, num_draft)[1]
-                return self._commit_device(layout, counts)
-            assert graph.acceptance is not None
-            graph.acceptance.load(draft_ids, sampled_ids, num_draft)
-            graph.graph.replay()
-            self._counted_on_device = True
-            counts = self._accepted[: layout.num_requests].clone()
-            return self._device_window(layout, "graph")
-
-        self._run_window(body)
+        self.spec.check_on_pool("draft_ids", draft_ids)
+        self._prepare_device_counts(layout)
+        num_draft = self._keep.num_draft(layout.num_requests)
+        stats, counts = self._writes.write_verified(layout, draft_ids, sampled_ids, num_draft)
+        self._close(stats)
         if counts is None:  # the window fell back before acceptance ran
             counts = accept(draft_ids, sampled_ids, num_draft)[1]
         return counts
@@ -413,39 +273,31 @@ class DeferredWriteManager:
         self._require_window("cancel")
         if not isinstance(reason, str) or not reason:
             raise NworInputError("reason: a non-empty string", field="reason")
-        self._close(self._fallback(reason))
+        self._close(self._writes.write_all_staged(reason))
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
     def capture_commit_graph(self, max_window_tokens: int) -> None:
         """Capture the device commit (keep mask + fused write + metrics) for windows of up to
         ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
-        rows = self._checked_capture(max_window_tokens)
-        graph = capture_graph(lambda: self._device_commit(rows, record=True),
-                              warmup=lambda: self._quiet_commit(rows))
-        self._graphs.append(_Graph(rows, graph))
+        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
+        writes = self._writes
+        self._graphs.capture_commit(rows, lambda: writes.mask_and_write(rows, record=True),
+                                    lambda: writes.warm_up_mask_and_write(rows))
 
     def capture_verify_graph(self, max_window_tokens: int, *, max_requests: int, width: int,
                              flat_drafts: bool = False) -> None:
         """Capture acceptance + commit for windows of up to ``max_window_tokens`` tokens and
         ``max_requests`` requests, with ``sampled_ids`` up to ``width`` columns and drafts flat
         or padded; ``verify_and_commit`` then replays it."""
-        rows = self._checked_capture(max_window_tokens)
-        if not 1 <= max_requests <= self.max_requests:
-            raise NworInputError(f"max_requests: outside [1, {self.max_requests}]",
-                                 field="max_requests")
+        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
+        self.spec.check_capture_requests(max_requests)
         static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
                                   device=self.device)
-
-        def body() -> None:
-            static.compute_counts(self._accepted[:max_requests])
-            self._device_commit(rows, record=True)
-
-        def warmup() -> None:
-            static.compute_counts(self._accepted[:max_requests])
-            self._quiet_commit(rows)
-
-        self._graphs.append(_Graph(rows, capture_graph(body, warmup=warmup), static))
+        writes = self._writes
+        self._graphs.capture_verify(rows, static, self._keep.accepted[:max_requests],
+                                    lambda: writes.mask_and_write(rows, record=True),
+                                    lambda: writes.warm_up_mask_and_write(rows))
 
     def capture_host_write_graphs(self, staging: torch.Tensor) -> bool:
         """Capture now the graph of every row bucket that a commit staged from ``staging`` with
@@ -456,57 +308,39 @@ class DeferredWriteManager:
         torch write) or a capture failed (logged once; they write eagerly from then on)."""
         if self._layout is not None:
             raise WindowStateError("window: capture graphs between windows, not inside one")
-        source = self._checked_staging(staging, 1)
-        graphs = self._graphs_for_host_slots()
-        if graphs is None:
-            return False
-        self._source = source  # what the captured write reads
-        try:
-            return graphs.capture(source, self._protection_variant())
-        finally:
-            self._source = self._staged
+        return self._writes.capture_host_writes(self.spec.checked_staging(staging, 1))
 
     def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
         """Forget the graphs that commit from ``staging``, before its memory is released (it
         may come back as another buffer); how many went."""
-        source = self._checked_staging(staging, 1)
-        return 0 if self._host_graphs is None else self._host_graphs.drop(source)
+        return self._graphs.drop_host_writes(self.spec.checked_staging(staging, 1))
 
-    # ---- metrics ------------------------------------------------------------------------------
+    # ---- metrics and invariants ---------------------------------------------------------------
 
     def metrics(self) -> NworMetrics:
         """Cumulative metrics. Reads the device-side counters back if any window committed from a
         device tensor (a synchronisation, so call it off the hot path)."""
-        committed, invalid, fallback = (
-            self._dev_total.tolist() if self._device_windows else (0, 0, 0))
-        rejected = self._device_tokens - committed - fallback
-        per_position = self._per_position + (
-            self._dev_per_position[:-1].cpu().numpy() if self._device_windows else 0)
-        fallbacks = dict(self._fallbacks)
-        if invalid:
-            fallbacks[INVALID_COUNTS] = fallbacks.get(INVALID_COUNTS, 0) + invalid
-        return NworMetrics(
-            windows=self._windows,
-            staged_tokens=self._staged_tokens,
-            committed_tokens=self._committed + committed,
-            rejected_tokens=self._rejected + rejected,
-            fallback_tokens=self._fallback_tokens + fallback,
-            fallbacks=fallbacks,
-            accepted_per_position=tuple(int(c) for c in per_position),
-            protected_refusals=int(self._dev_refused) if self._protected is not None else 0,
-        )
+        return self._counters.metrics(self._protection.refusals())
 
     @property
     def last_window(self) -> WindowStats | None:
         """The last closed window (reads device counters back if it committed on the device)."""
-        if self._last is not None and self._last_device_path is not None:
-            committed, invalid, fallback = self._dev_window.tolist()
-            tokens = self._last.tokens
-            return WindowStats(
-                tokens, committed, tokens - committed - fallback, fallback,
-                "fallback" if invalid else self._last_device_path,
-                INVALID_COUNTS if invalid else None)
-        return self._last
+        return self._counters.last_window()
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the manager's own state contradicts itself: each part's
+        invariants, as its module states them, with the window open or closed. Reads device
+        state back (a synchronisation on CUDA), so it is for tests, not the hot path."""
+        layout = self._layout
+        if layout is not None and (layout.total_tokens > self.spec.max_tokens
+                                   or layout.num_requests > self.spec.max_requests):
+            raise InvariantViolation("window: the open layout exceeds max_tokens or max_requests")
+        self._staging.check_invariants(None if layout is None else layout.total_tokens)
+        self._keep.check_invariants(window_open=layout is not None)
+        self._counters.check_invariants()
+        self._protection.check_invariants()
+        self._graphs.check_invariants(self.spec.max_requests)
+        self._scales.check_invariants(self.spec.num_layers)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -515,306 +349,16 @@ class DeferredWriteManager:
             raise WindowStateError(f"window: {call} with no open window (begin_window first)")
         return self._layout
 
-    def _checked_stage_tensors(self, key: torch.Tensor, value: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> int:
-        heads, dim = self.head_shape
-        for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
-            if not isinstance(t, torch.Tensor):
-                raise NworInputError(f"{name}: expected a tensor", field=name)
-            if t.device != self.device:
-                raise NworInputError(f"{name}: on {t.device}, the pool is on {self.device}",
-                                     field=name)
-        if key.dtype != self.stage_dtype:
-            raise NworInputError(f"key: dtype {key.dtype}, staging holds {self.stage_dtype}",
-                                 field="key")
-        n = key.shape[0] if key.dim() else 0
-        if key.shape not in ((n, heads, dim), (n, heads * dim)):
-            raise NworInputError(
-                f"key: shape {tuple(key.shape)}, expected [n, {heads}, {dim}] or "
-                f"[n, {heads * dim}]", field="key")
-        if value.shape != key.shape or value.dtype != key.dtype:
-            raise NworInputError(
-                f"value: {tuple(value.shape)} {value.dtype} differs from key's "
-                f"{tuple(key.shape)} {key.dtype}", field="value")
-        self._check_slots(slot_mapping, n)
-        return n
-
-    def _check_slots(self, slot_mapping: torch.Tensor, n: int) -> None:
-        """One int64 slot per staged token, on the pool's device."""
-        if slot_mapping.dtype != torch.int64:
-            raise SlotDtypeError(f"slot_mapping: dtype {slot_mapping.dtype}, slots are int64")
-        if slot_mapping.shape != (n,) or slot_mapping.device != self.device:
-            raise NworInputError(
-                f"slot_mapping: shape {tuple(slot_mapping.shape)} on {slot_mapping.device}, "
-                f"expected ({n},) on {self.device}", field="slot_mapping")
-
-    def _checked_scale(self, name: str,
-                       scale: float | torch.Tensor | None) -> float | torch.Tensor | None:
-        if self._inv is None or scale is None:
-            return None
-        if isinstance(scale, torch.Tensor):
-            if scale.numel() != 1 or not scale.dtype.is_floating_point:
-                raise NworInputError(f"{name}: expected one floating-point value", field=name)
-            return scale
-        if not (isinstance(scale, int | float) and np.isfinite(scale) and scale > 0):
-            raise NworInputError(f"{name}: {scale!r} must be finite and > 0", field=name)
-        return float(scale)
-
-    def _set_scale(self, layer: int, kv: int, scale: float | torch.Tensor | None) -> None:
-        assert self._inv is not None and self._inv_default is not None
-        key = (layer, kv)
-        if scale is None:
-            if key in self._overridden:
-                self._inv[layer, kv].copy_(self._inv_default[layer, kv])
-                self._overridden.discard(key)
-            return
-        tensor = scale if isinstance(scale, torch.Tensor) else torch.tensor(scale)
-        self._inv[layer, kv].copy_(torch.reciprocal(
-            tensor.reshape(()).to(device=self.device, dtype=torch.float32)))
-        self._overridden.add(key)
-
-    def _checked_host_counts(self, accepted: Sequence[int] | np.ndarray,
-                             layout: WindowLayout) -> tuple[np.ndarray, Kept]:
-        """The counts as int64, and what the window keeps with them (`window_maths.keep`, with
-        the host slots when the window has them): one pass that also finds a bad count."""
-        counts = np.asarray(accepted)
-        if counts.shape != (layout.num_requests,) or (counts.size and counts.dtype.kind not in
-                                                      "iu"):
-            raise NworInputError(
-                f"accepted_counts: expected {layout.num_requests} integers, one per request",
-                field="accepted_counts")
-        counts = counts.astype(np.int64, copy=False)
-        slots = _NO_SLOTS if self._host_slots is None else self._host_slots
-        kept = keep(*layout.arrays, counts, slots, self._positions)
-        r = kept[0]
-        if r >= 0 and counts[r] < 0:
-            raise InvalidValue(f"accepted_counts: request {r} has {counts[r]} accepted",
-                               field="accepted_counts")
-        if r >= 0:
-            raise AcceptedExceedsDrafts(
-                f"accepted_counts: request {r} accepted {counts[r]} of {layout.arrays[1][r]} "
-                "drafts", field="accepted_counts")
-        return counts, kept
-
-    def _checked_device_counts(self, accepted: torch.Tensor,
-                               layout: WindowLayout) -> torch.Tensor:
-        if (accepted.shape != (layout.num_requests,) or accepted.dtype.is_floating_point
-                or accepted.dtype in (torch.bool, torch.complex64, torch.complex128)):
-            raise NworInputError(
-                f"accepted_counts: expected an integer tensor of shape ({layout.num_requests},)",
-                field="accepted_counts")
-        if accepted.device != self.device:
-            raise NworInputError(
-                f"accepted_counts: on {accepted.device}, the pool is on {self.device}",
-                field="accepted_counts")
-        return accepted
-
-    def _run_window(self, body: Callable[[], WindowStats]) -> None:
-        """Run the window's write; on any failure write every staged token instead; close."""
-        assert self._layout is not None
-        total = self._layout.total_tokens
-        self._counted_on_device = False
-        if any(0 < rows < total for rows in self._rows):
-            stats = self._fallback(INCOMPLETE_STAGING)
-        else:
-            try:
-                stats = body()
-            except Exception as exc:  # any failure must still land every staged token
-                if self._counted_on_device:
-                    # The fallback counts this window; take back what the device counted
-                    # (accepted_per_position keeps it: it has no per-window copy).
-                    self._dev_total.sub_(self._dev_window)
-                stats = self._fallback(f"error:{type(exc).__name__}", exc)
-        self._close(stats)
-
-    def _commit_host(self, layout: WindowLayout, accepted: np.ndarray,
-                     kept: Kept) -> WindowStats:
-        total = layout.total_tokens
-        if total == 0 or not any(self._rows):
-            return WindowStats(0, 0, 0, 0, "empty")
-        _, kept_slots, per_position, committed, written = kept
-        if self._host_slots is not None:
-            self._write_host_slots(None if committed == total else kept_slots)
-        elif committed == total:
-            write_staged(self.storage.rows(), self._source, self._slots, self._layer_rows,
-                         total, self._inv, backend=self.backend)
-        else:
-            self._upload_window_tables()
-            self._uploads.into(self._accepted[: layout.num_requests], accepted)
-            self._device_commit(total, record=False)
-        self._per_position += per_position  # once written: a fallback commits no draft
-        return WindowStats(total, committed, total - committed, 0,
-                           "fast" if committed == total else "masked",
-                           written=None if self._host_slots is None else written)
-
-    def _commit_device(self, layout: WindowLayout, accepted: torch.Tensor) -> WindowStats:
-        total = layout.total_tokens
-        if total == 0 or not any(self._rows):
-            return WindowStats(0, 0, 0, 0, "empty")
-        self._accepted[: layout.num_requests].copy_(accepted)
-        graph = self._graph_for(total)
-        if graph is None:
-            self._device_commit(total, record=True)
-            return self._device_window(layout, "device")
-        graph.graph.replay()
-        self._counted_on_device = True
-        return self._device_window(layout, "graph")
-
-    def _write_host_slots(self, kept_slots: np.ndarray | None) -> None:
-        """The commit of a window staged with host slots, whose rejected tokens' slots are -1 in
-        ``kept_slots`` (None: every token is kept): one upload, one write over every layer (one
-        graph replay on CUDA)."""
-        assert self._host_slots is not None
-        graphs = self._graphs_for_host_slots()
-        if graphs is None or not graphs.replay(
-                self._source, self._host_slots,
-                self._host_slots if kept_slots is None else kept_slots,
-                variant=self._protection_variant()):
-            self._upload_host_slots(kept_slots)
-            write_staged(self.storage.rows(), self._source,
-                         self._shared_row(int(kept_slots is not None)), self._all_rows,
-                         self._host_slots.size, self._inv, backend=self.backend)
-
-    def _protection_variant(self) -> int | None:
-        """What a host-slot commit's graph bakes in of the ``protect`` guard."""
-        return None if self._protected is None else self._protected.data_ptr()
-
-    def _graphs_for_host_slots(self) -> HostWriteGraphs | None:
-        if self._host_graphs is None and self.device.type == "cuda" and self.backend == "triton":
-            self._host_graphs = HostWriteGraphs(self.max_tokens, self.device,
-                                                self._write_captured)
-        return self._host_graphs
-
-    def _write_captured(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
-        """What a host-slot commit's graph runs once the slot rows are on the device: the
-        eager path's guard (`_guard_host_rows`) and fused write, over ``rows`` rows."""
-        self._guard_host_rows(staged, kept)
-        write_staged(self.storage.rows(), self._source, self._every_layer(kept), self._all_rows,
-                     rows, self._inv, backend=self.backend)
-
-    def _guard_host_rows(self, staged: torch.Tensor, kept: torch.Tensor | None) -> None:
-        """Slots in protected blocks become -1, counted once per staged token."""
-        self._guard(staged, count=True)
-        if kept is not None:
-            self._guard(kept, count=False)
-
-    def _upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
-        """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in
-        one upload; slots in protected blocks become -1, counted once per staged token."""
-        assert self._host_slots is not None
-        total = self._host_slots.size
-        rows = self._host_slots if kept_slots is None else np.concatenate(
-            [self._host_slots, kept_slots])
-        self._uploads.into(self._shared_slots[: rows.size], rows)
-        if self._protected is not None:  # its views cost more than the check, every window
-            self._guard_host_rows(self._shared_slots[:total], None if kept_slots is None
-                                  else self._shared_slots[total: 2 * total])
-        self._host_slots_uploaded = True
-
-    def _shared_row(self, row: int) -> torch.Tensor:
-        """Row ``row`` of the uploaded ``[staged | kept]`` slots, as every layer's slots."""
-        assert self._host_slots is not None
-        total = self._host_slots.size
-        return self._every_layer(self._shared_slots, row * total, total)
-
-    def _every_layer(self, slots: torch.Tensor, start: int = 0,
-                     count: int | None = None) -> torch.Tensor:
-        """``count`` slots of the contiguous row ``slots`` from ``start`` (default: all of it) as
-        every layer's: a stride-0 view, made in one call (slicing first costs as much again)."""
-        count = slots.numel() - start if count is None else count
-        return slots.as_strided((self.num_layers, count), (0, 1), slots.storage_offset() + start)
-
-    def _share_first_slot_row(self, total: int) -> None:
-        """Every layer writes with ``_slots[0]``'s first ``total`` slots."""
-        self._slots[1:, :total].copy_(self._slots[0, :total].expand(self.num_layers - 1, total))
-        self._layer_rows.fill_(total)
-
-    def _prepare_device_window(self) -> None:
-        """What a device-side commit reads: the window's tables and per-layer slot rows."""
-        self._upload_window_tables()
-        if self._host_slots is not None:
-            total = self._host_slots.size
-            if not self._host_slots_uploaded:
-                self._upload_host_slots()
-            self._slots[0, :total].copy_(self._shared_slots[:total])
-            self._share_first_slot_row(total)
-            self._host_slots = None
-
-    def _device_window(self, layout: WindowLayout, path: str) -> WindowStats:
-        """Placeholder stats for a window whose counts live on the device (see last_window)."""
-        self._last_device_path = path
-        self._device_windows += 1
-        self._device_tokens += layout.total_tokens
-        return WindowStats(layout.total_tokens, 0, 0, 0, path)
-
-    def _device_commit(self, rows: int, *, record: bool) -> None:
-        """Keep mask -> rejected slots set to -1 -> fused write (-> device metrics) over the
-        first ``rows`` staged rows. Device operations on static buffers only."""
-        counters = (self._dev_window, self._dev_total, self._dev_per_position)
-        mask_rejected(self._tokens, self._accepted, self._requests, self._slots, rows,
-                      self._masked_slots, counters if record else None, backend=self.backend)
-        self._counted_on_device = record
-        write_staged(self.storage.rows(), self._source, self._masked_slots, self._layer_rows,
-                     rows, self._inv, backend=self.backend)
-
-    def _quiet_commit(self, rows: int) -> None:
-        """Graph warm-up: the captured kernels (compiled here, never inside a capture) with no
-        layer staged, so nothing is written, and the counters restored afterwards."""
-        counters = (self._dev_window, self._dev_total, self._dev_per_position)
-        saved = [c.clone() for c in counters]
-        self._layer_rows.zero_()
-        self._device_commit(rows, record=True)
-        for counter, value in zip(counters, saved, strict=True):
-            counter.copy_(value)
-
-    def _graph_for(self, total: int, draft_ids: torch.Tensor | None = None,
-                   sampled_ids: torch.Tensor | None = None) -> _Graph | None:
-        """The smallest captured graph of the right kind that covers this window. None for a
-        window staged with ``stage_from``: a graph replays reads of the internal staging."""
-        if self._source is not self._staged:
-            return None
-        fits = [
-            g for g in self._graphs
-            if g.rows >= total and (
-                (g.acceptance is None) if draft_ids is None else (
-                    g.acceptance is not None and sampled_ids is not None
-                    and g.acceptance.fits(draft_ids, sampled_ids)))
-        ]
-        return min(fits, key=lambda g: g.rows, default=None)
-
-    def _checked_capture(self, max_window_tokens: int) -> int:
-        if self.device.type != "cuda":
-            raise NworInputError("device: CUDA graphs need a CUDA pool", field="device")
-        if self._layout is not None:
-            raise WindowStateError("window: capture a graph between windows, not inside one")
-        if not 1 <= max_window_tokens <= self.max_tokens:
-            raise NworInputError(f"max_window_tokens: outside [1, {self.max_tokens}]",
-                                 field="max_window_tokens")
-        return max_window_tokens
-
-    def _fallback(self, reason: str, exc: BaseException | None = None) -> WindowStats:
-        """Write every staged token with the reference torch path (what a non-NWOR engine does)."""
-        if reason not in self._fallbacks:
-            log.warning("NWOR fallback (%s): writing every staged token", reason, exc_info=exc)
-        rows = max(self._rows, default=0)
-        slots, layer_rows, written = self._slots, self._layer_rows, None
-        if self._host_slots is not None:
-            if not self._host_slots_uploaded:
-                self._upload_host_slots()
-            slots, layer_rows = self._shared_row(0), self._all_rows
-            written = int(np.count_nonzero(self._host_slots >= 0))
-        write_staged(self.storage.rows(), self._source, slots, layer_rows, rows, self._inv,
-                     backend="torch")
-        self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-        return WindowStats(rows, 0, 0, rows, "fallback", reason, written)
+    def _prepare_device_counts(self, layout: WindowLayout) -> None:
+        """What a commit with device counts reads: the window's tables and per-layer slot
+        rows."""
+        self._keep.upload(layout)
+        self._staging.host_slots_to_slot_rows()
 
     def _close(self, stats: WindowStats) -> None:
-        if stats.path not in ("device", "graph"):
-            self._last_device_path = None
-            self._committed += stats.committed
-            self._rejected += stats.rejected
-            self._fallback_tokens += stats.fallback_tokens
-        self._windows += 1
-        self._staged_tokens += stats.tokens
-        self._last = stats
+        """Count the window and let go of it: what a capture between windows reads (the
+        manager's own staging) and no longer the caller's buffer, which may be released."""
+        self._counters.close(stats)
+        self._keep.mark_stale()
+        self._staging.reset()
         self._layout = None

@@ -17,7 +17,7 @@ from nwor_scenarios import (
     stage,
 )
 
-import allocator.nwor.deferred_writes as deferred_writes
+import allocator.nwor.deferred.pool_writes as pool_writes
 from allocator.errors import (
     AcceptedExceedsDrafts,
     InvalidValue,
@@ -215,7 +215,7 @@ def test_incomplete_staging_falls_back_writing_every_staged_token():
 
 def test_a_failing_write_falls_back_and_loses_nothing(monkeypatch):
     storage, mgr = _manager()
-    real = deferred_writes.write_staged
+    real = pool_writes.write_staged
 
     def flaky(*args, backend, **kw):
         if backend != "torch" or flaky.failed:
@@ -224,7 +224,7 @@ def test_a_failing_write_falls_back_and_loses_nothing(monkeypatch):
         raise RuntimeError("kernel launch failed")
 
     flaky.failed = False
-    monkeypatch.setattr(deferred_writes, "write_staged", flaky)
+    monkeypatch.setattr(pool_writes, "write_staged", flaky)
     mgr.begin_window(WindowLayout.decode([2]))
     k, v = _tokens(3)
     mgr.stage_layer(0, k, v, torch.arange(3, dtype=torch.int64))
@@ -381,7 +381,7 @@ def test_accepted_per_position_counts_each_committed_draft_by_depth(as_tensor):
 def test_a_write_failing_after_the_device_counted_the_window_keeps_metrics_consistent(
         monkeypatch):
     storage, mgr = _manager()
-    real = deferred_writes.write_staged
+    real = pool_writes.write_staged
 
     def failing(*args, backend, **kw):
         if backend == "torch" and not failing.failed:
@@ -390,7 +390,7 @@ def test_a_write_failing_after_the_device_counted_the_window_keeps_metrics_consi
         return real(*args, backend=backend, **kw)
 
     failing.failed = False
-    monkeypatch.setattr(deferred_writes, "write_staged", failing)
+    monkeypatch.setattr(pool_writes, "write_staged", failing)
     mgr.begin_window(WindowLayout.decode([3, 3]))
     k, v = _tokens(8)
     mgr.stage_layer(0, k, v, torch.arange(8, dtype=torch.int64))

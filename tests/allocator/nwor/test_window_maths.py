@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nwor_scenarios import bits, poisoned_storage, pool_config, random_window
 
-import allocator.nwor.deferred_writes as deferred_writes
+import allocator.nwor.deferred.device_keep as device_keep
+import allocator.nwor.deferred.input_checks as input_checks
 from allocator.common.jit import numba
 from allocator.errors import NworInputError
 from allocator.nwor import window_maths
@@ -160,6 +161,6 @@ def _run_windows(counts: str, slots: str) -> list:
 def test_a_manager_commits_the_same_through_the_compiled_loops_and_the_references(
         counts, slots, monkeypatch):
     compiled_run = _run_windows(counts, slots)
-    monkeypatch.setattr(deferred_writes, "keep", keep_reference)
-    monkeypatch.setattr(deferred_writes, "token_table", token_table_reference)
+    monkeypatch.setattr(input_checks, "keep", keep_reference)
+    monkeypatch.setattr(device_keep, "token_table", token_table_reference)
     assert _run_windows(counts, slots) == compiled_run
