@@ -73,7 +73,7 @@ def profile(setup: bench_step.Setup, steps: int) -> dict[str, float]:
     step_pipeline, writes = core.pipeline, core.committer.writes
     for owner, attr, phase in (
             (core, "step", "step"),
-            (step_pipeline.registry, "rows_of", "handles"),
+            (step_pipeline.registry, "rows_of_handles", "handles"),
             (step_pipeline.registry, "admit", "admit"),
             (step_pipeline.manager, "step_arrays", "manager"),
             (step_pipeline.manager.table, "sync", "manager.table_upload"),
