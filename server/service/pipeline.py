@@ -98,7 +98,7 @@ class StepPipeline:
         committed = NOTHING
         if previous is not None:
             assert settlement is not None
-            committed = self._commit(worker, previous, settlement, outcome)
+            committed = self._write_previous(worker, previous, settlement, outcome)
         if worker.fence is not None:
             worker.fence.service_end()
         self.publish_events()
@@ -136,15 +136,15 @@ class StepPipeline:
                                     f"more than max_step_tokens={self.max_step_tokens}",
                                     field=name)
 
-    def _commit(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
-                outcome: StepOutcome) -> wire.CommitSummary:
+    def _write_previous(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
+                        outcome: StepOutcome) -> wire.CommitSummary:
         dropped = settlement.dropped
-        slots = batch.commit_slots(dropped, outcome.num_blocks)
+        slots = batch.owned_slots(dropped, outcome.num_blocks)
         cache = self.manager.cache
         if cache is not None:  # blocks evicted since the last commit may be written now
             self.committer.protect(*cache.drain_protection())
-        summary = self.committer.commit(worker.staging, batch, settlement.accepted, dropped,
-                                        slots)
+        summary = self.committer.write_batch(worker.staging, batch, settlement.accepted, dropped,
+                                             slots)
         if cache is not None:
             # Prompt blocks become shareable, and protected, once their K/V is in the pool.
             kept = ~dropped
