@@ -41,7 +41,6 @@ from server.cli import flag_errors
 from server.contract.addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
-    AddressError,
     claim_socket_path,
     default_ipc_endpoints,
     ipc_endpoint,
@@ -51,6 +50,7 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
+from server.contract.errors import AddressError, InsecureBinding, LimitsError
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
 from server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
@@ -58,7 +58,6 @@ from server.transport.ipc import IpcServer
 from server.transport.network import (
     ACCEPT_BACKLOG,
     DEFAULT_LIMITS,
-    LimitsError,
     RestLimits,
     bounded_protocol,
     connection_budget,
@@ -270,10 +269,6 @@ def _check_socket_directories(args: argparse.Namespace) -> None:
                 require_directory(Path(path))
             except AddressError as exc:
                 raise AddressError(f"argument {flag}: {exc}") from None
-
-
-class InsecureBinding(ValueError):
-    """Listening beyond loopback with no token configured."""
 
 
 def _token(args: argparse.Namespace, configured: SecretStr | None) -> SecretStr | None:

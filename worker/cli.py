@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
+from server.client import Client
 from server.contract.addresses import default_client_address
+from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 from server.service.settings import ServiceConfig
 from worker.drafters import (
     Drafter,

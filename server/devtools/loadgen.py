@@ -36,9 +36,10 @@ from tqdm import tqdm
 
 from allocator.tools.arguments import argument_type, bounded
 from allocator.tools.simulate import Acceptance
-from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
+from server.client import Client
 from server.contract.addresses import client_address, default_client_address
 from server.contract.columns import StepResult
+from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 
 DEFAULT_STEPS = 1000  # when neither --steps nor --duration is given
 
