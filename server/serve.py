@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, get_args
+from typing import get_args
 
 import torch
 import uvicorn
@@ -365,17 +365,20 @@ def _describe(sock: socket.socket) -> str:
 
 
 def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
-    """The Prometheus exposition of `allocator.metrics`, when it and prometheus_client exist."""
+    """The Prometheus exposition of `allocator.metrics` and `server.service.metrics`, when
+    prometheus_client exists."""
     try:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
         from allocator.metrics import AllocatorMetrics
+        from server.service.metrics import ServiceMetrics
     except ImportError as exc:
         log.warning("no /metrics: %s", exc)
         return None
     registry = CollectorRegistry()
     # Scrapes read what the core publishes under its lock: they never take it themselves.
-    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes)
+    metrics = ServiceMetrics(registry, AllocatorMetrics(registry, core.manager,
+                                                        core.committer.writes))
     with core.lock:
         core.add_observer(metrics)
         metrics.state_changed()

@@ -45,7 +45,7 @@ log = logging.getLogger("kvalloc.service")
 
 
 class ServiceObserver(Protocol):
-    """What the service reports to metrics (`allocator.metrics.AllocatorMetrics` is one)."""
+    """What the service reports to metrics (`server.service.metrics.ServiceMetrics` is one)."""
 
     def observe_step(self, transport: str, seconds: float) -> None: ...
 
