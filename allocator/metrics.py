@@ -2,7 +2,8 @@
 
 The library never touches prometheus_client's global registry: an engine embedding ``allocator``
 and the ``kvalloc serve`` service both build ``AllocatorMetrics(registry, manager, ...)`` and
-serve that registry however they like.
+serve that registry however they like. What only the service sees (step latency by transport,
+expired leases) is the service's own: `server.service.metrics`.
 
 Invariants:
 - Every state value (blocks, requests, token sums and maxima, counters) is read from the manager
@@ -14,7 +15,7 @@ Invariants:
 - Names follow Prometheus rules: prefix ``kvalloc_``, base units (tokens, blocks, seconds,
   ratios), counters end in ``_total``, no colons (reserved for recording rules).
 - Counters are monotonic: they are cumulative counts owned by the manager, the deferred-write
-  manager, the SCV engine, or this object (invariant violations, expired leases).
+  manager, the SCV engine, or this object (invariant violations).
 
 Deferred writes (NWOR) and SCV are read through documented, duck-typed interfaces, so this
 module depends on neither implementation. ``deferred_writes`` is a `DeferredWriteManager` (its
@@ -34,18 +35,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from allocator.capacity.manager import KVCacheManager
-
-# Step latency spans an in-process call (~10 us) to REST under load (~100 ms); the decode step
-# this sits beside is 10-30 ms, so resolution is finest below a millisecond.
-STEP_LATENCY_BUCKETS: tuple[float, ...] = (
-    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
-    1.0,
-)
 
 # ManagerCounters field -> help text. Every field is exported as kvalloc_<field>_total; a field
 # added to ManagerCounters later is exported too, with a generic help text until listed here.
@@ -92,9 +86,9 @@ _SCV_COUNTERS: dict[str, tuple[str, str]] = {
 class AllocatorMetrics:
     """The allocator's metrics, registered into ``registry``.
 
-    ``observe_step``, ``lease_expired`` and ``invariant_violation`` record events the manager does
-    not see (transport latency, the service's leases, a failed ``check_invariants``); everything
-    else is read from ``manager``, ``deferred_writes`` and ``scv`` when Prometheus scrapes.
+    ``invariant_violation`` records an event the manager does not see (a failed
+    ``check_invariants``); everything else is read from ``manager``, ``deferred_writes`` and
+    ``scv`` when Prometheus scrapes.
     """
 
     def __init__(self, registry: CollectorRegistry, manager: KVCacheManager,
@@ -106,29 +100,12 @@ class AllocatorMetrics:
         self.min_interval_s = min_interval_s
         self._published: list[Metric] | None = None  # replaced whole, never changed in place
         self._published_at = -float("inf")
-        self.step_latency = Histogram(
-            "kvalloc_step_latency_seconds",
-            "Service time of one per-step call, by transport.",
-            ["transport"], buckets=STEP_LATENCY_BUCKETS, registry=registry,
-        )
-        self.leases_expired = Counter(
-            "kvalloc_leases_expired", "Worker leases that expired; their requests were freed.",
-            registry=registry,
-        )
         self.invariant_violations = Counter(
             "kvalloc_invariant_violations",
             "check_invariants() failures: states that must never exist. Expected zero.",
             registry=registry,
         )
         registry.register(_StateCollector(self))
-
-    def observe_step(self, transport: str, seconds: float) -> None:
-        """Record one per-step call's service time (``transport``: e.g. "ipc", "rest")."""
-        self.step_latency.labels(transport=transport).observe(seconds)
-
-    def lease_expired(self, n: int = 1) -> None:
-        """Count ``n`` expired worker leases."""
-        self.leases_expired.inc(n)
 
     def invariant_violation(self, n: int = 1) -> None:
         """Count ``n`` invariant violations (call it where ``check_invariants`` raised)."""

@@ -267,7 +267,7 @@ class InProcessService(ServiceStep):
     def __init__(self, setup: Setup) -> None:
         self.core = ServiceCore(setup.service_config())
         self.commit_us: list[float] = []
-        commit = self.core.committer.commit
+        commit = self.core.committer.write_batch
         synchronize = torch.cuda.synchronize if self.core.device.type == "cuda" else None
 
         def timed_commit(*args: Any, **kwargs: Any) -> Any:
@@ -278,7 +278,7 @@ class InProcessService(ServiceStep):
             self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
             return out
 
-        self.core.committer.commit = timed_commit  # type: ignore[method-assign]
+        self.core.committer.write_batch = timed_commit  # type: ignore[method-assign]
         super().__init__(setup, Client.in_process(self.core, worker_id="bench"))
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ from server.devtools.launch import ServiceProcess
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from worker.drafters import Drafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine, Prompt
+from worker.engine import Engine, NamedPrompt
 from worker.model import pool_for_model, random_model
 
 FULL = {
@@ -96,7 +96,7 @@ def serve_flags(config: ServiceConfig) -> list[str]:
             *(() if config.nwor else ("--no-nwor",))]
 
 
-def measure(model: Any, client: Client, prompts: list[Prompt], new_tokens: int,
+def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: int,
             drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]],
                                                               dict[str, Any]]:
     engine = Engine(model, client, drafter, draft_len=draft_len)
@@ -122,7 +122,7 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
     rows = []
     for batch in setup["batches"]:
         lo, hi = setup["prompt_len"]
-        prompts = [Prompt(f"p{i}", rng.integers(0, model.config.vocab_size, int(n)).tolist())
+        prompts = [NamedPrompt(f"p{i}", rng.integers(0, model.config.vocab_size, int(n)).tolist())
                    for i, n in enumerate(rng.integers(lo, hi, batch, endpoint=True))]
         pool = pool_for_model(model.config, longest=hi + setup["new_tokens"],
                               num_requests=batch, draft_len=DRAFT_LEN, dtype=setup["dtype"],

@@ -73,13 +73,13 @@ def profile(setup: bench_step.Setup, steps: int) -> dict[str, float]:
     step_pipeline, writes = core.pipeline, core.committer.writes
     for owner, attr, phase in (
             (core, "step", "step"),
-            (step_pipeline.registry, "rows_of", "handles"),
+            (step_pipeline.registry, "rows_of_handles", "handles"),
             (step_pipeline.registry, "admit", "admit"),
             (step_pipeline.manager, "step_arrays", "manager"),
             (step_pipeline.manager.table, "sync", "manager.table_upload"),
             (pipeline, "schedule", "layout"),
-            (step_pipeline, "_commit", "commit"),
-            (batch.ScheduledBatch, "commit_slots", "commit.slots"),
+            (step_pipeline, "_write_previous", "commit"),
+            (batch.ScheduledBatch, "owned_slots", "commit.slots"),
             (writes, "begin_window", "commit.open_window"),
             (writes, "stage_from", "commit.stage"),
             (writes, "commit", "commit.window_commit"),

@@ -11,10 +11,11 @@
     reply = kv.step(results=([handle], [2]), finished=[handle])   # 2 drafts accepted; done
 
 Columns are sequences or int64 arrays; replies (`server.contract.columns.StepResult`) are int64
-arrays. Both transports offer the same methods and raise the same errors (`RemoteError` and its
-subclasses, carrying the service's status / code / field). The client numbers steps itself and
-retries a call that timed out with the same step id, which the service answers without applying
-it twice. On a CUDA pool ``step`` also orders the device work: it records ``forward_done`` on the
+arrays. Both transports offer the same methods and raise the same errors, all in
+`server.contract.errors`: `RemoteError` and its subclasses, carrying the service's status / code
+/ field, `TransportTimeout` and `ServiceUnreachable`. The client numbers steps itself and retries
+a call that timed out with the same step id, which the service answers without applying it
+twice. On a CUDA pool ``step`` also orders the device work: it records ``forward_done`` on the
 current stream before sending (so call it after launching the forward) and makes the current
 stream wait for ``commit_done`` before returning.
 """
@@ -37,58 +38,19 @@ from allocator.capacity.slots import slot_mapping as table_slot_mapping
 from server.contract import wire
 from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
 from server.contract.columns import ColumnInput, StepCall, StepResult
-from server.contract.errors import MalformedBody, ServiceError, describe
+from server.contract.errors import (
+    MalformedBody,
+    ServiceError,
+    ServiceUnreachable,
+    TransportTimeout,
+    describe,
+    remote_error,
+)
 from server.contract.operations import ERROR, OK, OPERATIONS, Operation
 from server.contract.sharing import StepFence, attach
 from server.transport import stream
 from server.transport.polling import Wait, poll_for
 from server.transport.token_files import discover_token
-
-
-class RemoteError(Exception):
-    """The service refused a call; nothing changed there. ``field`` names the input at fault."""
-
-    def __init__(self, body: wire.ErrorBody) -> None:
-        super().__init__(f"{body.status} {body.code}: {body.message}")
-        self.status, self.code, self.field, self.message = (body.status, body.code, body.field,
-                                                            body.message)
-
-
-class ServiceRestarted(RemoteError):
-    """The service's epoch changed: every request is gone. Register again and re-admit."""
-
-
-class NotRegistered(RemoteError):
-    """The worker is unknown to the service (its lease expired): register again."""
-
-
-class TokenRejected(RemoteError):
-    """The service requires a bearer token and this client sent none, or a wrong one."""
-
-    def __init__(self, body: wire.ErrorBody, token_sent: bool) -> None:
-        super().__init__(body)
-        hint = ("the service rejected the token (KVALLOC_TOKEN or token=) as wrong" if token_sent
-                else "the service requires a token and none was sent: set KVALLOC_TOKEN")
-        self.args = (f"{body.status} {body.code}: {hint}",)
-
-
-class TransportTimeout(TimeoutError):
-    """No reply within the timeout, after every retry."""
-
-
-class SessionEnded(RemoteError):
-    """This worker's session ended (another process registered the id with ``replace``, or the
-    lease expired and the id was registered again): register again."""
-
-
-class ServiceUnreachable(ConnectionError):
-    """Nothing accepts a connection at the address: no call was delivered."""
-
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"cannot reach {address} ({reason}): is kvalloc serve running at "
-                         f"{address}?")
-        self.address = address
-
 
 # How long a call waits for a connection before the service counts as absent. The reply timeout
 # is separate: a service may take longer to answer than to accept.
@@ -96,14 +58,6 @@ CONNECT_TIMEOUT_S = 2.0
 # How long an IPC call polls for its reply before sleeping: a batch-256 step takes the service
 # well under this, so a reply usually finds the caller awake.
 REPLY_SPIN_S = 0.002
-
-
-def _remote(body: wire.ErrorBody, *, token_sent: bool = False) -> RemoteError:
-    if body.code == "unauthorized":
-        return TokenRejected(body, token_sent)
-    cls = {"stale_epoch": ServiceRestarted, "unknown_worker": NotRegistered,
-           "stale_session": SessionEnded}.get(body.code, RemoteError)
-    return cls(body)
 
 
 @dataclass
@@ -222,7 +176,7 @@ class Client:
             call = StepCall.build(self.worker_id, reg.session, reg.epoch, self.next_step_id,
                                   new_req_ids=new_ids, **columns)
         except ServiceError as exc:  # the same error the service would answer
-            raise _remote(describe(exc)) from None
+            raise remote_error(describe(exc)) from None
         return self.send_step(call)
 
     def send_step(self, call: StepCall) -> StepResult:
@@ -286,7 +240,7 @@ class _LocalTransport:
                 request = msgspec.convert(msgspec.structs.asdict(request), type(request))
             return getattr(self._core, op.name)(request)
         except Exception as exc:
-            raise _remote(describe(exc)) from exc
+            raise remote_error(describe(exc)) from exc
 
     def attach(self, reg: wire.Registration) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
@@ -337,7 +291,7 @@ class _Frames(_Remote):
         if status == OK:
             return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
         assert status == ERROR
-        raise _remote(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
+        raise remote_error(wire.decode(payload, wire.ErrorBody), token_sent=bool(self._token))
 
 
 class _IpcTransport(_Frames):
@@ -467,7 +421,8 @@ class _RestTransport(_Remote, _KeptConnection):
         status, payload = self._exchange(op, message)
         if status == 200:
             return op.decode_reply(wire.decode(payload, op.reply, "json"))
-        raise _remote(wire.decode(payload, wire.ErrorBody, "json"), token_sent=self._token_sent)
+        raise remote_error(wire.decode(payload, wire.ErrorBody, "json"),
+                           token_sent=self._token_sent)
 
     def _exchange(self, op: Operation, message: bytes) -> tuple[int, bytes]:
         """One request and its response. A kept-alive connection the service closed while idle

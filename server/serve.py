@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, get_args
+from typing import get_args
 
 import torch
 import uvicorn
@@ -41,7 +41,6 @@ from server.cli import flag_errors
 from server.contract.addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
-    AddressError,
     claim_socket_path,
     default_ipc_endpoints,
     ipc_endpoint,
@@ -51,6 +50,7 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
+from server.contract.errors import AddressError, InsecureBinding, LimitsError
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
 from server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
@@ -58,7 +58,6 @@ from server.transport.ipc import IpcServer
 from server.transport.network import (
     ACCEPT_BACKLOG,
     DEFAULT_LIMITS,
-    LimitsError,
     RestLimits,
     bounded_protocol,
     connection_budget,
@@ -272,10 +271,6 @@ def _check_socket_directories(args: argparse.Namespace) -> None:
                 raise AddressError(f"argument {flag}: {exc}") from None
 
 
-class InsecureBinding(ValueError):
-    """Listening beyond loopback with no token configured."""
-
-
 def _token(args: argparse.Namespace, configured: SecretStr | None) -> SecretStr | None:
     """The token both transports require: ``KVALLOC_TOKEN``, else a fresh random one, else none
     (``--insecure-no-token``: logged loudly)."""
@@ -370,17 +365,20 @@ def _describe(sock: socket.socket) -> str:
 
 
 def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
-    """The Prometheus exposition of `allocator.metrics`, when it and prometheus_client exist."""
+    """The Prometheus exposition of `allocator.metrics` and `server.service.metrics`, when
+    prometheus_client exists."""
     try:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
         from allocator.metrics import AllocatorMetrics
+        from server.service.metrics import ServiceMetrics
     except ImportError as exc:
         log.warning("no /metrics: %s", exc)
         return None
     registry = CollectorRegistry()
     # Scrapes read what the core publishes under its lock: they never take it themselves.
-    metrics: Any = AllocatorMetrics(registry, core.manager, core.committer.writes)
+    metrics = ServiceMetrics(registry, AllocatorMetrics(registry, core.manager,
+                                                        core.committer.writes))
     with core.lock:
         core.add_observer(metrics)
         metrics.state_changed()

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
+from server.client import Client
 from server.contract.addresses import default_client_address
+from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 from server.service.settings import ServiceConfig
 from worker.drafters import (
     Drafter,
@@ -37,7 +38,7 @@ from worker.drafters import (
     OracleDrafter,
     parse_drafter_spec,
 )
-from worker.engine import Engine, EngineError, Prompt, RunStats
+from worker.engine import Engine, EngineError, NamedPrompt, RunStats
 from worker.model import (
     DTYPES,
     ModelLoadError,
@@ -52,7 +53,7 @@ class PromptFileError(ValueError):
     """A prompts file line that is not ``{"id": ..., "token_ids": [...]}`` (or ``"text"``)."""
 
 
-def read_prompts(path: str | Path, tokenizer: Any = None) -> list[Prompt]:
+def read_prompts(path: str | Path, tokenizer: Any = None) -> list[NamedPrompt]:
     """The prompts of a JSON-lines file; ``text`` lines need ``tokenizer``."""
     prompts = []
     try:
@@ -81,7 +82,7 @@ def read_prompts(path: str | Path, tokenizer: Any = None) -> list[Prompt]:
             ids = tokenizer(item["text"])["input_ids"]
         else:
             raise PromptFileError(f"{where}: needs \"token_ids\" or \"text\"")
-        prompts.append(Prompt(str(item["id"]), ids))
+        prompts.append(NamedPrompt(str(item["id"]), ids))
     if not prompts:
         raise PromptFileError(f"prompts: {path} holds no prompt")
     return prompts
@@ -172,7 +173,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             **stats.as_dict()}
 
 
-def generate(model: Any, client: Client, prompts: Sequence[Prompt], args: argparse.Namespace,
+def generate(model: Any, client: Client, prompts: Sequence[NamedPrompt], args: argparse.Namespace,
              drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]], RunStats]:
     engine = Engine(model, client, drafter, draft_len=draft_len,
                     stop_token_ids=_stop_tokens(model))
@@ -201,7 +202,7 @@ def _tokenizer(model: str | None) -> Any:
 
 @contextlib.contextmanager
 def _client(args: argparse.Namespace, model: Any,
-            prompts: Sequence[Prompt]) -> Iterator[Client]:
+            prompts: Sequence[NamedPrompt]) -> Iterator[Client]:
     """A registered, attached client: to ``--address``, or to a core made here."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
@@ -224,7 +225,7 @@ def _client(args: argparse.Namespace, model: Any,
 
 
 def in_process_config(args: argparse.Namespace, model: Any,
-                      prompts: Sequence[Prompt]) -> ServiceConfig:
+                      prompts: Sequence[NamedPrompt]) -> ServiceConfig:
     """A pool shaped like ``model``'s KV, long enough for the longest prompt's output."""
     pool = pool_for_model(
         model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,

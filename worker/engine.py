@@ -69,7 +69,9 @@ class PoolTooSmall(EngineError):
 
 
 @dataclass(frozen=True)
-class Prompt:
+class NamedPrompt:
+    """A request's id and its prompt's token ids: what the engine is asked to generate from."""
+
     req_id: str
     token_ids: Sequence[int]
 
@@ -208,7 +210,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, prompts: Sequence[Prompt], max_new_tokens: int, *,
+    def run(self, prompts: Sequence[NamedPrompt], max_new_tokens: int, *,
             on_step: Callable[[StepRecord], None] | None = None,
             on_progress: Callable[[int], None] | None = None) -> dict[str, list[int]]:
         """Generate up to ``max_new_tokens`` for every prompt (fewer when a stop token comes);
@@ -259,7 +261,7 @@ class Engine:
             stats.decode_wall_s += wall_s
             stats.decode_call_s += call_s
 
-    def _request(self, prompt: Prompt, max_new_tokens: int) -> Request:
+    def _request(self, prompt: NamedPrompt, max_new_tokens: int) -> Request:
         ids = np.asarray(prompt.token_ids, dtype=np.int64)
         if ids.ndim != 1 or ids.size == 0:
             raise EngineError(f"token_ids: prompt {prompt.req_id!r} needs at least one token")

@@ -60,7 +60,7 @@ from allocator.capacity.step.plan import (
     coerce,
     prompt_token_arrays,
 )
-from allocator.capacity.step.reference import NO_HITS, StepResult, reference_step
+from allocator.capacity.step.reference import NO_HITS, StepRun, reference_step
 from allocator.common.placement import TensorAllocator, plain_tensor
 from allocator.config import PoolConfig, SlackPolicy
 from allocator.errors import (
@@ -131,7 +131,7 @@ class KVCacheManager:
             prompts = [t if t is None or isinstance(t, Prompt) else self.prompt(t)
                        for t in tokens]
             hits = self.cache.lookup(prompts, arrays.prompt_lens)
-        result: StepResult = self._run(arrays, self.state, hits)
+        result: StepRun = self._run(arrays, self.state, hits)
         if result.error[0]:
             if result.error[0] == ROW_OVERFLOW:
                 self.counters.row_overflows += 1
@@ -147,7 +147,7 @@ class KVCacheManager:
                     del self._row_of[req]
         return result.outcome
 
-    def _cache_after(self, arrays: PlanArrays, result: StepResult,
+    def _cache_after(self, arrays: PlanArrays, result: StepRun,
                      prompts: list[Prompt | None]) -> None:
         """Evicted blocks lose their hashes; finished rows their prompts; admitted rows and
         scheduled prefill chunks register the blocks they filled."""

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+from server.contract.errors import AddressError, NotASocket
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8900
 ADDRESS_ENV = "KVALLOC_ADDRESS"
@@ -63,12 +65,8 @@ def transport_of(address: str) -> Transport:
         return "stream"
     if scheme in ("http", "unix"):
         return "rest"
-    raise ValueError(f"address: {address!r} must start with ipc://, tcp://, stream://, http:// "
-                     "or unix://")
-
-
-class AddressError(ValueError):
-    """An address, port or socket path that cannot work; the message names it and says why."""
+    raise AddressError(f"address: {address!r} must start with ipc://, tcp://, stream://, "
+                       "http:// or unix://")
 
 
 def port_number(text: str) -> int:
@@ -136,10 +134,7 @@ def ipc_endpoint(endpoint: str) -> str:
 
 def client_address(address: str) -> str:
     """An address a client can call: a known scheme, and a port in 1-65535 where there is one."""
-    try:
-        kind = transport_of(address)
-    except ValueError as exc:
-        raise AddressError(str(exc)) from None
+    kind = transport_of(address)
     scheme, _, rest = address.partition("://")
     if not rest:
         raise AddressError(f"{address!r}: nothing after {scheme}://")
@@ -150,10 +145,6 @@ def client_address(address: str) -> str:
         if colon and (not host or port_number(port) == 0):
             raise AddressError(f"{address!r}: need a host and a port in 1-65535")
     return address
-
-
-class NotASocket(OSError):
-    """Something other than a socket file is at a socket path; it is never removed."""
 
 
 def claim_socket_path(path: Path) -> None:

@@ -1,8 +1,21 @@
-"""Service errors and the one table that turns any error into an `ErrorBody` (status, code, field).
+"""The server package's one error tree, and the one table from an error to its status and code.
 
-Both transports answer an error with ``describe(exc)``: REST as the HTTP status and a JSON body,
-IPC as an error frame carrying the same body, so a client raises the same `ServiceError` for
-either. Like the allocator's errors, every service error is raised before any state changes.
+Every error class of the server package is a `KVAllocServerError`, defined here. Where callers
+catch a builtin (a timeout, a refused connection, a bad value), the class keeps that base too:
+
+- `ServiceError`: a call the service refuses, raised before any state changes, like the
+  allocator's errors (so it is a `KVAllocError` as well). Each subclass carries its HTTP status,
+  wire code and the field at fault.
+- `RemoteError` and its subclasses: the client's side of a refusal, rebuilt from the
+  `ErrorBody` the service answered (`remote_error`); `TransportTimeout` (a `TimeoutError`) and
+  `ServiceUnreachable` (a `ConnectionError`): the call got no answer.
+- what attaching the pool, addresses, framing and starting the service can fail on:
+  `AttachError`, `AddressError`, `NotASocket`, `MessageTooLarge`, `LimitsError`,
+  `InsecureBinding`.
+
+``describe(exc)`` turns any exception into its `ErrorBody` (status, code, field): REST answers it
+as the HTTP status and a JSON body, IPC as an error frame carrying the same body, and the client
+turns it back into the same `RemoteError` for either (`remote_error`).
 """
 
 from __future__ import annotations
@@ -12,7 +25,11 @@ from allocator.errors import KVAllocError
 from server.contract import wire
 
 
-class ServiceError(KVAllocError):
+class KVAllocServerError(Exception):
+    """Base of every error the server package (contract, service, transports, client) raises."""
+
+
+class ServiceError(KVAllocServerError, KVAllocError):
     """An error the service (not the allocator) detects. ``status`` is its HTTP status."""
 
     status: int = 400
@@ -103,6 +120,12 @@ class NotReady(ServiceError):
     status, code, field = 503, "not_ready", "service"
 
 
+class Overloaded(ServiceError):
+    """More calls or connections at once than the service takes: retry after Retry-After."""
+
+    status, code, field = 503, "overloaded", "service"
+
+
 # Allocator errors -> (status, code). Looked up along the MRO, so subclasses inherit a row.
 _ALLOCATOR: dict[type[Exception], tuple[int, str]] = {
     ae.GrantPending: (409, "grant_pending"),
@@ -146,3 +169,96 @@ def field_path(loc: tuple[int | str, ...]) -> str:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
+
+# ---------------------------------------------------------------- the client's side
+
+
+class RemoteError(KVAllocServerError):
+    """The service refused a call; nothing changed there. ``field`` names the input at fault."""
+
+    def __init__(self, body: wire.ErrorBody) -> None:
+        super().__init__(f"{body.status} {body.code}: {body.message}")
+        self.status, self.code, self.field, self.message = (body.status, body.code, body.field,
+                                                            body.message)
+
+
+class ServiceRestarted(RemoteError):
+    """The service's epoch changed: every request is gone. Register again and re-admit."""
+
+
+class NotRegistered(RemoteError):
+    """The worker is unknown to the service (its lease expired): register again."""
+
+
+class SessionEnded(RemoteError):
+    """This worker's session ended (another process registered the id with ``replace``, or the
+    lease expired and the id was registered again): register again."""
+
+
+class TokenRejected(RemoteError):
+    """The service requires a bearer token and this client sent none, or a wrong one."""
+
+    def __init__(self, body: wire.ErrorBody, token_sent: bool) -> None:
+        super().__init__(body)
+        hint = ("the service rejected the token (KVALLOC_TOKEN or token=) as wrong" if token_sent
+                else "the service requires a token and none was sent: set KVALLOC_TOKEN")
+        self.args = (f"{body.status} {body.code}: {hint}",)
+
+
+# The refusals a worker answers differently from the rest, by the code the service sent.
+_REMOTE: dict[str, type[RemoteError]] = {
+    StaleEpoch.code: ServiceRestarted,
+    UnknownWorker.code: NotRegistered,
+    StaleSession.code: SessionEnded,
+}
+
+
+def remote_error(body: wire.ErrorBody, *, token_sent: bool = False) -> RemoteError:
+    """The client's exception for the service's answer ``body``, the way back of `describe`."""
+    if body.code == Unauthorized.code:
+        return TokenRejected(body, token_sent)
+    return _REMOTE.get(body.code, RemoteError)(body)
+
+
+class TransportTimeout(KVAllocServerError, TimeoutError):
+    """No reply within the timeout, after every retry."""
+
+
+class ServiceUnreachable(KVAllocServerError, ConnectionError):
+    """Nothing accepts a connection at the address: no call was delivered."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot reach {address} ({reason}): is kvalloc serve running at "
+                         f"{address}?")
+        self.address = address
+
+
+class AttachError(KVAllocServerError, RuntimeError):
+    """A handle cannot be mapped here (another host, a removed segment, no CUDA)."""
+
+
+# ---------------------------------------------------------------- addresses, framing, start
+
+
+class AddressError(KVAllocServerError, ValueError):
+    """An address, port or socket path that cannot work; the message names it and says why."""
+
+
+class NotASocket(KVAllocServerError, OSError):
+    """Something other than a socket file is at a socket path; it is never removed."""
+
+
+class MessageTooLarge(KVAllocServerError):
+    """A message's length prefix exceeds the reader's limit (nothing more of it was read)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
+class LimitsError(KVAllocServerError, ValueError):
+    """The descriptor limit is too small to serve REST with the reserve kept."""
+
+
+class InsecureBinding(KVAllocServerError, ValueError):
+    """Listening beyond loopback with no token configured."""

@@ -37,6 +37,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from server.contract import wire
+from server.contract.errors import AttachError
 
 SHM_DIR = Path("/dev/shm")
 OWNER_SUFFIX = ".owner"
@@ -49,10 +50,6 @@ _DTYPES: dict[str, torch.dtype] = {
     for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int32,
                torch.int64, torch.uint8)
 }
-
-
-class AttachError(RuntimeError):
-    """A handle cannot be mapped here (another host, a removed segment, no CUDA)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

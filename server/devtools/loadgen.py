@@ -36,9 +36,10 @@ from tqdm import tqdm
 
 from allocator.tools.arguments import argument_type, bounded
 from allocator.tools.simulate import Acceptance
-from server.client import Client, RemoteError, ServiceUnreachable, TransportTimeout
+from server.client import Client
 from server.contract.addresses import client_address, default_client_address
 from server.contract.columns import StepResult
+from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 
 DEFAULT_STEPS = 1000  # when neither --steps nor --duration is given
 
@@ -176,7 +177,7 @@ class SimulatedWorker:
             self.stats["preempted" if self.live.pop(handle).preempted else "finished"] += 1
         return (handles, accepted_counts), reverts, finished
 
-    def apply(self, reply: StepResult) -> None:
+    def take_reply(self, reply: StepResult) -> None:
         """Learn which grants, prefill chunks and new requests the service refused, and the
         handles of the admitted ones."""
         call = self._call
@@ -249,7 +250,7 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
                 break
             else:
                 report.latencies_s.append(time.perf_counter() - t0)
-                worker.apply(reply)
+                worker.take_reply(reply)
             report.steps += 1
             bar.update()
             if report.steps % 100 == 0:

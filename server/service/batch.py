@@ -62,19 +62,20 @@ class ScheduledBatch:
                 f"({unsettled} unsettled)")
         return Settlement(accepted, dropped)
 
-    def commit_slots(self, dropped: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+    def owned_slots(self, dropped: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
         """Slots to commit: -1 for ``dropped`` requests (per request) and for positions past the
         blocks a request's row owns once the settling call has applied (``num_blocks``, per
         block-table row)."""
         s = self.scheduled
-        return commit_slots(s.rows, s.token_offsets, s.num_tokens, s.start_positions, self.slots,
-                            dropped, num_blocks, self.tokens_per_block)
+        return mask_unowned_slots(s.rows, s.token_offsets, s.num_tokens, s.start_positions,
+                                  self.slots, dropped, num_blocks, self.tokens_per_block)
 
 
-def commit_slots_reference(rows: np.ndarray, token_offsets: np.ndarray, num_tokens: np.ndarray,
-                           start_positions: np.ndarray, slots: np.ndarray, dropped: np.ndarray,
-                           num_blocks: np.ndarray, tokens_per_block: int) -> np.ndarray:
-    """`ScheduledBatch.commit_slots` over the batch's columns (`Scheduled`'s, ``slots`` per
+def mask_unowned_slots_reference(rows: np.ndarray, token_offsets: np.ndarray,
+                                 num_tokens: np.ndarray, start_positions: np.ndarray,
+                                 slots: np.ndarray, dropped: np.ndarray, num_blocks: np.ndarray,
+                                 tokens_per_block: int) -> np.ndarray:
+    """`ScheduledBatch.owned_slots` over the batch's columns (`Scheduled`'s, ``slots`` per
     token), in numpy."""
     request = np.repeat(np.arange(rows.size), num_tokens)
     positions = start_positions[request] + np.arange(request.size) - token_offsets[request]
@@ -82,9 +83,9 @@ def commit_slots_reference(rows: np.ndarray, token_offsets: np.ndarray, num_toke
     return np.where(~dropped[request] & owned, slots, -1)
 
 
-def _commit_slots_loop(rows, token_offsets, num_tokens,  # type: ignore[no-untyped-def]
-                       start_positions, slots, dropped, num_blocks,
-                       tokens_per_block):  # pragma: no cover
+def _mask_unowned_slots_loop(rows, token_offsets, num_tokens,  # type: ignore[no-untyped-def]
+                             start_positions, slots, dropped, num_blocks,
+                             tokens_per_block):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
     out = np.empty(slots.size, np.int64)
     for e in range(rows.size):
@@ -97,7 +98,8 @@ def _commit_slots_loop(rows, token_offsets, num_tokens,  # type: ignore[no-untyp
 
 
 # Several whole-batch array operations a step otherwise, over a thousand tokens.
-commit_slots = jit(_commit_slots_loop) if numba is not None else commit_slots_reference
+mask_unowned_slots = (jit(_mask_unowned_slots_loop) if numba is not None
+                      else mask_unowned_slots_reference)
 
 
 _REPORTED, _DROPPED = 1, 2  # a row's settlement; 0: none

@@ -1,8 +1,8 @@
 """`Committer`: the service's NWOR commit of one worker's batch, on the pool's device.
 
-One `DeferredWriteManager` serves every worker: the core calls ``commit`` under its lock, and a
-whole window (begin, stage every layer straight from the worker's shared staging buffer, commit)
-runs inside that one call, so windows of different workers never interleave. The number of
+One `DeferredWriteManager` serves every worker: the core calls ``write_batch`` under its lock,
+and a whole window (begin, stage every layer straight from the worker's shared staging buffer,
+commit) runs inside that one call, so windows of different workers never interleave. The number of
 device launches does not depend on the number of layers: the commit reads the worker's buffer in
 place. The graphs that commit from a worker's buffer are captured when the buffer is made, at
 registration (``add_staging``), so its first commits replay like the rest, and are dropped with
@@ -59,8 +59,8 @@ class Committer:
             self._protected[upload_int64(blocks, self.device)] = torch.from_numpy(
                 protected).to(self.device)
 
-    def commit(self, staging: torch.Tensor, batch: ScheduledBatch, accepted: np.ndarray,
-               dropped: np.ndarray, slots: np.ndarray) -> wire.CommitSummary:
+    def write_batch(self, staging: torch.Tensor, batch: ScheduledBatch, accepted: np.ndarray,
+                    dropped: np.ndarray, slots: np.ndarray) -> wire.CommitSummary:
         """Write ``batch``'s committed tokens from ``staging`` (``[L, 2, T, H, D]``).
 
         ``accepted`` and ``dropped`` are per batch request; ``slots`` per token (-1: skip).

@@ -45,7 +45,7 @@ log = logging.getLogger("kvalloc.service")
 
 
 class ServiceObserver(Protocol):
-    """What the service reports to metrics (`allocator.metrics.AllocatorMetrics` is one)."""
+    """What the service reports to metrics (`server.service.metrics.ServiceMetrics` is one)."""
 
     def observe_step(self, transport: str, seconds: float) -> None: ...
 
@@ -253,7 +253,7 @@ class ServiceCore:
                 assert worker.last_result is not None
                 return worker.last_result
             self._check_limits(call)
-            result = self.pipeline.apply(worker, call, self.epoch)
+            result = self.pipeline.execute(worker, call, self.epoch)
             worker.last_step_id, worker.last_call, worker.last_result = (call.step_id, call,
                                                                          result)
             self._state_changed()

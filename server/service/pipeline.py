@@ -29,7 +29,7 @@ from server.service.commit import NOTHING, Committer
 from server.service.registry import Worker, WorkerRegistry
 from server.service.schedule import schedule
 
-# The call's lists of handles, in the order `StepPipeline.apply` passes them to the registry.
+# The call's lists of handles, in the order `StepPipeline.execute` passes them to the registry.
 _HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "grants.handles",
                  "padding.handles", "prefill.handles")
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
@@ -57,10 +57,10 @@ class StepPipeline:
         self._rows = manager.config.max_batch_size
         self._tpb = manager.config.tokens_per_block
 
-    def apply(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
+    def execute(self, worker: Worker, call: StepCall, epoch: int) -> StepResult:
         registry = self.registry
         revert_rows, result_rows, finished_rows, grant_rows, padding_rows, prefill_rows = (
-            registry.rows_of(worker, _HANDLE_LISTS, (
+            registry.rows_of_handles(worker, _HANDLE_LISTS, (
                 call.revert_handles, call.result_handles, call.finished_handles,
                 call.grant_handles, call.padding_handles, call.prefill_handles)))
         registry.check_new(worker, call.new_req_ids)
@@ -98,7 +98,7 @@ class StepPipeline:
         committed = NOTHING
         if previous is not None:
             assert settlement is not None
-            committed = self._commit(worker, previous, settlement, outcome)
+            committed = self._write_previous(worker, previous, settlement, outcome)
         if worker.fence is not None:
             worker.fence.service_end()
         self.publish_events()
@@ -136,15 +136,15 @@ class StepPipeline:
                                     f"more than max_step_tokens={self.max_step_tokens}",
                                     field=name)
 
-    def _commit(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
-                outcome: StepOutcome) -> wire.CommitSummary:
+    def _write_previous(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
+                        outcome: StepOutcome) -> wire.CommitSummary:
         dropped = settlement.dropped
-        slots = batch.commit_slots(dropped, outcome.num_blocks)
+        slots = batch.owned_slots(dropped, outcome.num_blocks)
         cache = self.manager.cache
         if cache is not None:  # blocks evicted since the last commit may be written now
             self.committer.protect(*cache.drain_protection())
-        summary = self.committer.commit(worker.staging, batch, settlement.accepted, dropped,
-                                        slots)
+        summary = self.committer.write_batch(worker.staging, batch, settlement.accepted, dropped,
+                                             slots)
         if cache is not None:
             # Prompt blocks become shareable, and protected, once their K/V is in the pool.
             kept = ~dropped

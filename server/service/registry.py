@@ -142,8 +142,8 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ handles
 
-    def rows_of(self, worker: Worker, names: tuple[str, ...],
-                lists: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    def rows_of_handles(self, worker: Worker, names: tuple[str, ...],
+                        lists: tuple[np.ndarray, ...]) -> list[np.ndarray]:
         """Rows of every list of handles, in order, checked in one pass; `UnknownHandle` naming
         the first that is not a live request of ``worker`` (``<name>[<index>]``, ``names`` one
         per list)."""

@@ -30,6 +30,9 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server.contract import wire
+from server.contract.errors import LimitsError, Overloaded, describe
+
 # Descriptors kept out of REST's reach for ZeroMQ's peers and listeners, shared-memory segments,
 # socket files, logs and the interpreter's own files.
 FD_RESERVE = 256
@@ -41,10 +44,6 @@ ACCEPT_BACKLOG = 64
 ACCEPT_BATCHES = 4
 
 OVERLOADED_RETRY_AFTER_S = 1
-
-
-class LimitsError(ValueError):
-    """The descriptor limit is too small to serve REST with the reserve kept."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +104,10 @@ _OVERLOADED = (b"HTTP/1.1 503 Service Unavailable\r\n"
                b"connection: close\r\n\r\n%s")
 
 
+@functools.cache
 def overloaded_response() -> bytes:
-    body = (b'{"status":503,"code":"overloaded","field":"connection",'
-            b'"message":"connection: too many open connections; retry later"}')
+    body = wire.encode_json(describe(Overloaded(
+        "connection: too many open connections; retry later", field="connection")))
     return _OVERLOADED % (OVERLOADED_RETRY_AFTER_S, len(body), body)
 
 

@@ -38,7 +38,7 @@ import msgspec
 
 from server.contract import wire
 from server.contract.addresses import claim_socket_path
-from server.contract.errors import BodyTooLarge, MalformedBody, describe
+from server.contract.errors import BodyTooLarge, MalformedBody, MessageTooLarge, describe
 from server.contract.operations import ERROR, OK
 from server.transport.polling import BLOCK, CallPacer, Wait, wait_for
 
@@ -78,14 +78,6 @@ def set_timeouts(conn: socket.socket, seconds: float) -> None:
     limit = struct.pack("ll", whole, int((seconds - whole) * 1e6))
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-
-
-class MessageTooLarge(Exception):
-    """A message's length prefix exceeds the reader's limit (nothing more of it was read)."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(f"{size} bytes")
-        self.size = size
 
 
 class Inbox:

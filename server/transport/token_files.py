@@ -28,6 +28,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from server.contract.addresses import runtime_dir
+from server.contract.errors import AddressError
 
 SUFFIX = ".token"
 
@@ -42,8 +43,8 @@ def token_file(address: str) -> Path:
         parts = urlsplit(address)
         host = (parts.hostname or "").replace(":", "_")  # IPv6 colons out of the file name
         return runtime_dir() / f"{scheme}-{host}-{parts.port}{SUFFIX}"
-    raise ValueError(f"address: {address!r} must start with ipc://, stream://, unix://, http:// "
-                     "or tcp://")
+    raise AddressError(f"address: {address!r} must start with ipc://, stream://, unix://, "
+                       "http:// or tcp://")
 
 
 def write_token_files(token: str, endpoints: Iterable[str]) -> list[Path]:

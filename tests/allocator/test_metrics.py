@@ -7,15 +7,14 @@ parses it back with prometheus_client's parser, so naming and suffixes are teste
 from __future__ import annotations
 
 import dataclasses
-import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_scrape import assert_names_follow_prometheus_rules, scrape, value
 
 from allocator import BlockTableOverflow, KVCacheManager, OutOfBlocks, PoolConfig, StepPlan
 from allocator.metrics import AllocatorMetrics
@@ -31,17 +30,6 @@ def small_manager(**overrides: object) -> KVCacheManager:
                max_draft_len=D, num_layers=1, num_kv_heads=1, head_dim=8, device="cpu")
     cfg.update(overrides)
     return KVCacheManager(PoolConfig(**cfg))
-
-
-def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
-    """Every sample served, keyed by (sample name, labels)."""
-    text = generate_latest(registry).decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
 
 
 def assert_matches_manager(registry: CollectorRegistry, m: KVCacheManager) -> None:
@@ -144,22 +132,12 @@ def test_allocation_failures_and_row_overflows_are_counted(manager, registry):
     assert_matches_manager(registry, m)
 
 
-def test_invariant_violations_leases_and_step_latency(manager, registry):
+def test_invariant_violations_are_counted(manager, registry):
+    """Leases and step latency are the service's: tests/server/service/test_service_metrics.py."""
     metrics = AllocatorMetrics(registry, manager)
     metrics.invariant_violation()
-    metrics.lease_expired(2)
-    metrics.observe_step("ipc", 40e-6)
-    metrics.observe_step("ipc", 3e-3)
-    metrics.observe_step("rest", 0.2)
     s = scrape(registry)
     assert value(s, "kvalloc_invariant_violations_total") == 1
-    assert value(s, "kvalloc_leases_expired_total") == 2
-    assert value(s, "kvalloc_step_latency_seconds_count", transport="ipc") == 2
-    assert value(s, "kvalloc_step_latency_seconds_sum", transport="ipc") == pytest.approx(3.04e-3)
-    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="ipc", le="5e-05") == 1
-    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="ipc", le="0.005") == 2
-    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="rest", le="0.1") == 0
-    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="rest", le="+Inf") == 1
 
 
 def test_nwor_and_scv_counters_follow_the_documented_interface(manager, registry):
@@ -226,16 +204,9 @@ def test_nwor_families_are_absent_without_a_deferred_writes_object(manager, regi
 
 def test_names_follow_prometheus_rules_and_the_global_registry_is_untouched(manager, registry):
     before = set(REGISTRY._names_to_collectors)
-    metrics = AllocatorMetrics(registry, manager, SimpleNamespace(), scv=SimpleNamespace())
-    metrics.observe_step("ipc", 1e-3)
+    AllocatorMetrics(registry, manager, SimpleNamespace(), scv=SimpleNamespace())
     assert set(REGISTRY._names_to_collectors) == before
-    text = generate_latest(registry).decode()
-    for fam in text_string_to_metric_families(text):
-        assert re.fullmatch(r"kvalloc_[a-z0-9_]+", fam.name), fam.name
-        if fam.type == "counter":
-            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), fam.name
-        else:
-            assert not fam.name.endswith("_total"), f"{fam.name}: _total is for counters"
+    assert_names_follow_prometheus_rules(registry)
 
 
 def test_once_published_a_scrape_serves_the_writers_copy(manager, registry):

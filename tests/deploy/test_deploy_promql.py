@@ -1,6 +1,6 @@
 """Prometheus config, alert rules and the Grafana dashboard: promtool accepts them, every alert
 has a unit test that promtool runs, and every PromQL expression names only metrics that
-`AllocatorMetrics` exports.
+`AllocatorMetrics` and the service's own `ServiceMetrics` export.
 
 promtool comes from Debian's `prometheus` package (`apt-get install -y prometheus`); these tests
 skip only where that binary is absent.
@@ -23,6 +23,7 @@ from allocator import KVCacheManager, KVStorage, PoolConfig
 from allocator.metrics import AllocatorMetrics
 from allocator.nwor.acceptance import ScvAcceptor
 from allocator.nwor.deferred_writes import DeferredWriteManager
+from server.service.metrics import ServiceMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
@@ -76,12 +77,14 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 
 def exported_families() -> dict[str, str]:
     """Family name -> type, from a live `AllocatorMetrics` with the real NWOR and SCV objects
-    attached: the library's whole surface (the service attaches NWOR; SCV runs in workers)."""
+    attached (the library's whole surface: the service attaches NWOR; SCV runs in workers) and
+    the service's `ServiceMetrics` beside it, in one registry as ``kvalloc serve`` builds them."""
     config = PoolConfig(num_blocks=8, tokens_per_block=4, max_seq_len=16, device="cpu")
     manager = KVCacheManager(config)
     registry = CollectorRegistry()
-    AllocatorMetrics(registry, manager, DeferredWriteManager(KVStorage(config), max_tokens=8),
-                     scv=ScvAcceptor("off"))
+    ServiceMetrics(registry, AllocatorMetrics(
+        registry, manager, DeferredWriteManager(KVStorage(config), max_tokens=8),
+        scv=ScvAcceptor("off")))
     return {fam.name: fam.type for fam in registry.collect()}
 
 

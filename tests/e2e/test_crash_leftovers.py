@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from server.client import Client
-from server.contract.addresses import NotASocket, claim_socket_path
+from server.contract.addresses import claim_socket_path
+from server.contract.errors import NotASocket
 from server.contract.sharing import OWNER_SUFFIX, SHM_DIR, TensorExporter, reap_dead_instances
 from server.devtools.launch import ServiceProcess
 

@@ -20,8 +20,9 @@ import pytest
 
 from server import serve
 from server.client import Client
+from server.contract.errors import LimitsError
 from server.devtools.launch import ServiceProcess
-from server.transport.network import LimitsError, connection_budget, http_parsers
+from server.transport.network import connection_budget, http_parsers
 from server.transport.token_files import discover_token
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",

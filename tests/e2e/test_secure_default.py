@@ -25,6 +25,7 @@ from pydantic import SecretStr
 
 from server import serve
 from server.client import Client
+from server.contract.errors import InsecureBinding
 from server.contract.operations import OPERATIONS
 from server.devtools.launch import ServiceProcess, free_port
 from server.transport.token_files import discover_token, token_file
@@ -161,7 +162,7 @@ def test_listening_beyond_loopback_without_a_token_is_refused(
     args = parser.parse_args(flags)
     assert serve._token(args, SecretStr("t0ken")) == SecretStr("t0ken")
     assert serve._token(parser.parse_args([*flags, "--insecure-no-token"]), None) is None
-    with pytest.raises(serve.InsecureBinding, match=re.escape(flags[1].split(":")[0])):
+    with pytest.raises(InsecureBinding, match=re.escape(flags[1].split(":")[0])):
         serve._token(args, None)
 
 

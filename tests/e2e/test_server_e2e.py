@@ -16,9 +16,10 @@ import torch
 from named_worker import NamedWorker
 from service_harness import nwor_scenario
 
-from server.client import Client, ServiceRestarted
+from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepCall
+from server.contract.errors import ServiceRestarted
 from server.contract.sharing import SHM_DIR
 from server.devtools.launch import ServiceProcess
 

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import zmq
 
-from server.client import Client, RemoteError
+from server.client import Client
 from server.contract import protocol, wire
+from server.contract.errors import RemoteError
 from server.contract.operations import OK, OPERATIONS
 from server.devtools.launch import ServiceProcess, free_port
 from server.transport.token_files import discover_token

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from server import cli
-from server.client import Client, ServiceUnreachable, TokenRejected
+from server.client import Client
+from server.contract.errors import ServiceUnreachable, TokenRejected
 from server.devtools.launch import ServiceProcess, kvalloc_command
 
 

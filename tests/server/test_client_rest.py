@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.client import Client, ServiceUnreachable, TokenRejected, TransportTimeout
+from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepCall
+from server.contract.errors import ServiceUnreachable, TokenRejected, TransportTimeout
 
 Script = Callable[[socket.socket, int], None]  # (accepted connection, its number)
 

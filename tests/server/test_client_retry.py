@@ -13,8 +13,9 @@ import msgspec
 import pytest
 import zmq
 
-from server.client import Client, TransportTimeout
+from server.client import Client
 from server.contract import wire
+from server.contract.errors import TransportTimeout
 from server.contract.operations import OK
 
 REPLY = wire.PoolState  # any reply type will do; get_pool's is the simplest to build

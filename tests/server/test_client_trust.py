@@ -18,8 +18,9 @@ import zmq
 
 from server.client import Client
 from server.contract import wire
+from server.contract.errors import AttachError
 from server.contract.operations import OK
-from server.contract.sharing import SHM_DIR, AttachError, TensorExporter, attach
+from server.contract.sharing import SHM_DIR, TensorExporter, attach
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 

@@ -18,7 +18,7 @@ from server.client import Client
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from worker.drafters import NgramDrafter, OracleDrafter
-from worker.engine import Engine, Prompt
+from worker.engine import Engine, NamedPrompt
 from worker.model import pool_for_model, random_model
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def _client(model: torch.nn.Module, *, longest: int, batch: int,
     return core, client
 
 
-def _run(model: torch.nn.Module, prompts: list[Prompt], new_tokens: int, drafter: object,
+def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, drafter: object,
          draft_len: int, **pool: object) -> tuple[dict[str, list[int]], Engine]:
     core, client = _client(model, **pool)
     try:
@@ -56,7 +56,7 @@ def test_float32_on_cuda_equals_generate(cuda_device: str) -> None:
     reference = random_model(config, seed=0, device=cuda_device)
     reference.set_attn_implementation("sdpa")
     rng = np.random.default_rng(0)
-    prompts = [Prompt(str(i), rng.integers(0, 96, n).tolist())
+    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
                for i, n in enumerate((1, 5, 17, 40, 130, 300))]
     expected = {}
     with torch.inference_mode():
@@ -76,7 +76,7 @@ def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
         cuda_device: str, record_property: Callable[[str, object], None]) -> None:
     model = random_model(ONE_B, seed=0, dtype=torch.bfloat16, device=cuda_device)
     rng = np.random.default_rng(0)
-    prompts = [Prompt(str(i), rng.integers(0, ONE_B.vocab_size, int(n)).tolist())
+    prompts = [NamedPrompt(str(i), rng.integers(0, ONE_B.vocab_size, int(n)).tolist())
                for i, n in enumerate(rng.integers(64, 512, 16))]
     pool = {"longest": 512 + 32, "batch": 16, "dtype": "bfloat16"}
     plain, _ = _run(model, prompts, 32, None, 0, **pool)

@@ -15,7 +15,7 @@ from worker_oracle import CONFIGS, Oracle, pool_config
 from worker.attention import KvallocAttentionError
 from worker.cli import PromptFileError, read_prompts
 from worker.drafters import DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
-from worker.engine import Engine, EngineError, LayoutMismatch, Prompt
+from worker.engine import Engine, EngineError, LayoutMismatch, NamedPrompt
 from worker.model import ModelLoadError, config_from_file, load_model, random_model
 
 pytest_plugins = ["worker_fixtures"]
@@ -60,7 +60,7 @@ def test_bad_drafter_specs_name_the_problem(spec: str) -> None:
 def test_prompt_file(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"id": 1, "token_ids": [4, 5]}\n\n{"id": "b", "token_ids": [6]}\n')
-    assert read_prompts(path) == [Prompt("1", [4, 5]), Prompt("b", [6])]
+    assert read_prompts(path) == [NamedPrompt("1", [4, 5]), NamedPrompt("b", [6])]
 
 
 @pytest.mark.parametrize(("text", "match"), [
@@ -131,15 +131,15 @@ def test_the_engine_refuses_bad_requests_before_any_call(llama_oracle: Oracle,
     engine = Engine(llama_oracle.model, client, NgramDrafter(), draft_len=3)
     step_id = client.next_step_id
     for prompts, match in [
-        ([Prompt("a", [1, 96])], "outside the vocabulary"),
-        ([Prompt("a", [])], "at least one token"),
-        ([Prompt("a", [1]), Prompt("a", [2])], "unique"),
-        ([Prompt("a", [1] * 90)], "max_seq_len"),
+        ([NamedPrompt("a", [1, 96])], "outside the vocabulary"),
+        ([NamedPrompt("a", [])], "at least one token"),
+        ([NamedPrompt("a", [1]), NamedPrompt("a", [2])], "unique"),
+        ([NamedPrompt("a", [1] * 90)], "max_seq_len"),
     ]:
         with pytest.raises(EngineError, match=match):
             engine.run(prompts, 10)
     with pytest.raises(EngineError, match="max_new_tokens"):
-        engine.run([Prompt("a", [1])], 0)
+        engine.run([NamedPrompt("a", [1])], 0)
     with pytest.raises(EngineError, match="draft_len: 4"):
         Engine(llama_oracle.model, client, NgramDrafter(), draft_len=4)
     assert client.next_step_id == step_id  # nothing reached the service

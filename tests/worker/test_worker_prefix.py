@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
 
-from worker.engine import Engine, Prompt
+from worker.engine import Engine, NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -17,7 +17,7 @@ def test_shared_prefixes_give_the_same_tokens_and_skip_their_prefill(llama_oracl
     base = llama_oracle.prompts[-1].token_ids  # 70 tokens
     # Four prompts of 40 tokens sharing their first 32: about one is admitted per step
     # (48-token steps), so later ones find an earlier one's blocks written and cached.
-    prompts = [Prompt(f"p{i}", base[:32] + base[40 + 2 * i : 48 + 2 * i]) for i in range(4)]
+    prompts = [NamedPrompt(f"p{i}", base[:32] + base[40 + 2 * i : 48 + 2 * i]) for i in range(4)]
     outputs = {}
     for share in (False, True):
         config = pool_config(llama_oracle.model)

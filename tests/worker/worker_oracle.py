@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedMod
 
 from allocator import PoolConfig
 from server.service.settings import ServiceConfig
-from worker.engine import Prompt
+from worker.engine import NamedPrompt
 from worker.model import kv_shape, random_model
 
 MAX_NEW_TOKENS = 10
@@ -44,7 +44,7 @@ class Oracle:
 
     model: PreTrainedModel
     reference: PreTrainedModel
-    prompts: list[Prompt]
+    prompts: list[NamedPrompt]
     expected: dict[str, list[int]]  # generate(do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
     # Per prompt: K and V of prompt + output from one plain forward, [layers, 2, tokens, H, D].
     kv: dict[str, torch.Tensor]
@@ -61,7 +61,7 @@ def make_oracle(family: str) -> Oracle:
     reference = random_model(config, seed=0)
     reference.set_attn_implementation("sdpa")
     rng = np.random.default_rng(1)
-    prompts = [Prompt(f"{family}-{i}", rng.integers(0, config.vocab_size, n).tolist())
+    prompts = [NamedPrompt(f"{family}-{i}", rng.integers(0, config.vocab_size, n).tolist())
                for i, n in enumerate(PROMPT_LENS)]
     expected, kv = {}, {}
     with torch.inference_mode():

@@ -27,7 +27,7 @@ from allocator.capacity.step.plan import (
     PlanArrays,
     StepOutcome,
 )
-from allocator.capacity.step.reference import NO_HITS, Hits, StepResult
+from allocator.capacity.step.reference import NO_HITS, Hits, StepRun
 from allocator.common.jit import jit, numba
 from allocator.config import SlackPolicy
 
@@ -580,7 +580,7 @@ class CompiledStep:
         self.evicted = np.zeros(state.pool.num_blocks, dtype=np.int64)
         self.no_hits = np.zeros(n, dtype=np.int64)
 
-    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepResult:
+    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
         rows, pool, table = state.rows, state.pool, state.table
         error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
@@ -598,7 +598,7 @@ class CompiledStep:
             self.claimed, self.evicted, self.scratch, self.flags, self.items, self.item_ok,
             error, deltas)
         if error[0]:
-            return StepResult(error)
+            return StepRun(error)
         pool.num_free = int(self.tops[0])
         table.num_free_rows = int(self.tops[1])
         table.mark_cells(changed_cells)
@@ -610,4 +610,4 @@ class CompiledStep:
             changed_num_blocks=changed_blocks, changed_block_ids=changed_ids,
             num_blocks=rows.num_blocks.copy(), cached_tokens=cached_tokens,
         )
-        return StepResult(error, outcome, deltas, self.evicted[: self.tops[2]].copy())
+        return StepRun(error, outcome, deltas, self.evicted[: self.tops[2]].copy())

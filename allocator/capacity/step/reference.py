@@ -19,7 +19,7 @@ and only then, when nothing can fail any more,
    row's blocks follow its capacity (finished rows go back to the pool, their cached blocks to
    the LRU tail, the prefix's end first so that it is evicted first), then new requests are
    admitted. A block is taken from the free stack, or, when it is empty, evicted from the LRU
-   head (the caller drops the evicted blocks' hashes: `StepResult.evicted`).
+   head (the caller drops the evicted blocks' hashes: `StepRun.evicted`).
 
 A phase that finds bad input stops the step with a ``[kind, subject, index, detail]`` error (see
 `step_errors`) before any state changed. `step_compiled` is the same step as one compiled loop;
@@ -47,9 +47,10 @@ from allocator.config import SlackPolicy
 
 
 @dataclass
-class StepResult:
-    """A step's result: ``error[0] != 0`` (and nothing changed), or its outcome and the
-    counter deltas (one per `ManagerCounters` field)."""
+class StepRun:
+    """One run of the step over a plan (the reference's or the compiled one's): ``error[0] != 0``
+    (and nothing changed), or its outcome and the counter deltas (one per `ManagerCounters`
+    field)."""
 
     error: np.ndarray
     outcome: StepOutcome | None = None
@@ -115,7 +116,7 @@ class Served:
     prefill_starts: np.ndarray  # per prefill chunk: history before it
 
 
-def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepResult:
+def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
     if hits.counts.size != plan.prompt_lens.size:  # no lookups: no new request reuses a block
         hits = Hits(np.zeros(plan.prompt_lens.size, dtype=np.int64), NO_HITS.blocks)
     try:
@@ -125,7 +126,7 @@ def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS)
         plan_prefill(plan, state, settled, demand)
         served = serve_blocks(plan, state, settled, demand, hits)
     except _Failed as failed:
-        return StepResult(failed.error)
+        return StepRun(failed.error)
     deltas = replace_state(plan, state, settled, demand, served)
     evicted: list[int] = []
     outcome = move_blocks(plan, state, served, hits, evicted)
@@ -133,7 +134,7 @@ def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS)
     deltas[COUNTER_INDEX["requests_added"]] = int(served.admitted.sum())
     deltas[COUNTER_INDEX["requests_refused"]] = int((~served.admitted).sum())
     deltas[COUNTER_INDEX["requests_freed"]] = plan.finished_rows.size
-    return StepResult(codes.no_error(), outcome, deltas, np.array(evicted, dtype=np.int64))
+    return StepRun(codes.no_error(), outcome, deltas, np.array(evicted, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------- 1. validate

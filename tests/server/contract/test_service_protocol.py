@@ -320,7 +320,7 @@ def test_each_compiled_loop_of_the_step_compiles_once_however_the_call_was_built
     out = subprocess.run([sys.executable, "-c", _STEPS_EVERY_WAY], capture_output=True,
                          text=True, timeout=300, check=True).stdout
     compiled = json.loads(out.splitlines()[-1])
-    for loop in ("server.service.batch.settle_rows", "server.service.batch.commit_slots",
+    for loop in ("server.service.batch.settle_rows", "server.service.batch.mask_unowned_slots",
                  "server.service.pipeline.token_demand", "server.service.registry.live_rows",
                  "server.service.registry.take_rows", "server.service.schedule._compiled_loop",
                  "server.contract.columns.first_outside", "allocator.capacity.step.compiled._step"):

@@ -83,7 +83,7 @@ def test_every_step_settles_each_scheduled_request_exactly_once():
         refused = {kind: [i for i in range(n) if rng.random() < 0.2] for kind, n in (
             ("grant", len(grants)), ("prefill", len(step["prefill"][0])), ("new", len(new_ids)))}
         admitted = [-1 if i in refused["new"] else next(handles) for i in range(len(new_ids))]
-        worker.apply(fake_reply(refused, admitted))
+        worker.take_reply(fake_reply(refused, admitted))
         out_grants = {step["grants"][0][i] for i in refused["grant"]}
         granted = {g: d for g, d in grants.items() if g not in out_grants}
         for h, n in zip(*step["prefill"], strict=True):
@@ -138,7 +138,7 @@ def test_accepted_counts_follow_the_acceptance_model():
     for _ in range(50):
         step = worker.next_step()
         assert all(n == min(2, worker.w.draft_len) for n in step["results"][1])
-        worker.apply(fake_reply({}, [next(handles) for _ in step["new"][0]]))
+        worker.take_reply(fake_reply({}, [next(handles) for _ in step["new"][0]]))
 
 
 # ---------------------------------------------------------------- the CLI against `kvalloc serve`

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(batch.numba is None, reason="numba is not instal
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(0, 8), st.sampled_from([np.int32, np.int64]))
-def test_the_compiled_commit_slots_equal_the_reference(seed: int, requests: int,
-                                                       block_dtype: type) -> None:
+def test_the_compiled_mask_unowned_slots_equals_the_reference(seed: int, requests: int,
+                                                             block_dtype: type) -> None:
     rng = np.random.default_rng(seed)
     rows = rng.permutation(2 * requests)[:requests]
     num_tokens = rng.integers(0, 6, requests)
@@ -26,15 +26,15 @@ def test_the_compiled_commit_slots_equal_the_reference(seed: int, requests: int,
     dropped = rng.random(requests) < 0.3
     num_blocks = rng.integers(0, 20, 2 * requests).astype(block_dtype)
     args = (rows, token_offsets, num_tokens, start_positions, slots, dropped, num_blocks, 4)
-    want = batch.commit_slots_reference(*args)
-    got = batch.commit_slots(*args)
+    want = batch.mask_unowned_slots_reference(*args)
+    got = batch.mask_unowned_slots(*args)
     assert got.dtype == np.int64 and np.array_equal(got, want)
 
 
 def test_a_dropped_request_and_positions_past_its_blocks_commit_nothing() -> None:
     # request 0 (row 1, positions 6-7) is dropped; request 1 (row 0, positions 6-8) owns 2
     # blocks (positions 0-7), so position 8 is past them
-    got = batch.commit_slots_reference(
+    got = batch.mask_unowned_slots_reference(
         np.array([1, 0]), np.array([0, 2]), np.array([2, 3]), np.array([6, 6]),
         np.array([10, 11, 20, 21, 22]), np.array([True, False]), np.array([2, 5]), 4)
     assert got.tolist() == [-1, -1, 20, 21, -1]

@@ -14,9 +14,10 @@ import pytest
 from named_worker import NamedWorker
 from service_harness import POISON, committed_slots, nwor_scenario, pool_mismatches, stage_pattern
 
-from server.client import Client, NotRegistered, RemoteError, ServiceRestarted, SessionEnded
+from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepCall
+from server.contract.errors import NotRegistered, RemoteError, ServiceRestarted, SessionEnded
 from server.contract.sharing import SHM_DIR
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig

@@ -1,4 +1,5 @@
-"""``/metrics`` never waits for the step lock: the core publishes what scrapes read."""
+"""`ServiceMetrics`: step latency by transport and expired leases, served beside the allocator's
+metrics; and ``/metrics`` never waits for the step lock: the core publishes what scrapes read."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_scrape import assert_names_follow_prometheus_rules, scrape, value
 
+from allocator import KVCacheManager
+from allocator.metrics import AllocatorMetrics
 from server import serve
 from server.contract import wire
 from server.contract.columns import StepCall
 from server.service.core import ServiceCore
+from server.service.metrics import ServiceMetrics
 from server.service.settings import ServiceConfig
 
 
@@ -39,3 +46,33 @@ def test_a_scrape_answers_while_a_step_holds_the_lock(make_config: Callable[...,
         assert live_requests(bodies[0]) == 1
     finally:
         core.close()
+
+
+def test_expired_leases_step_latency_and_invariant_violations(
+        make_manager: Callable[..., KVCacheManager]) -> None:
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry, AllocatorMetrics(registry, make_manager()))
+    metrics.invariant_violation()
+    metrics.lease_expired(2)
+    metrics.observe_step("ipc", 40e-6)
+    metrics.observe_step("ipc", 3e-3)
+    metrics.observe_step("rest", 0.2)
+    s = scrape(registry)
+    assert value(s, "kvalloc_invariant_violations_total") == 1
+    assert value(s, "kvalloc_leases_expired_total") == 2
+    assert value(s, "kvalloc_step_latency_seconds_count", transport="ipc") == 2
+    assert value(s, "kvalloc_step_latency_seconds_sum", transport="ipc") == pytest.approx(3.04e-3)
+    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="ipc", le="5e-05") == 1
+    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="ipc", le="0.005") == 2
+    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="rest", le="0.1") == 0
+    assert value(s, "kvalloc_step_latency_seconds_bucket", transport="rest", le="+Inf") == 1
+
+
+def test_service_names_follow_prometheus_rules_and_the_global_registry_is_untouched(
+        make_manager: Callable[..., KVCacheManager]) -> None:
+    before = set(REGISTRY._names_to_collectors)
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry, AllocatorMetrics(registry, make_manager()))
+    metrics.observe_step("ipc", 1e-3)
+    assert set(REGISTRY._names_to_collectors) == before
+    assert_names_follow_prometheus_rules(registry)

@@ -14,7 +14,8 @@ from service_harness import stage_pattern
 
 from allocator import PoolConfig
 from allocator.capacity.kv_events import external_hash
-from server.client import Client, RemoteError
+from server.client import Client
+from server.contract.errors import RemoteError
 from server.devtools.loadgen import SimulatedWorker, Workload, drive
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig

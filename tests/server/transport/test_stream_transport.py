@@ -16,8 +16,9 @@ import pytest
 from pydantic import SecretStr
 
 from allocator import PoolConfig
-from server.client import Client, TokenRejected, TransportTimeout
+from server.client import Client
 from server.contract import wire
+from server.contract.errors import TokenRejected, TransportTimeout
 from server.contract.operations import ERROR, OK
 from server.devtools.launch import ServiceProcess
 from server.service.core import ServiceCore
