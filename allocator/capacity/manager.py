@@ -48,6 +48,7 @@ from allocator.capacity.block_pool import BlockPool
 from allocator.capacity.block_table import BlockTable
 from allocator.capacity.kv_events import KVCacheEvent
 from allocator.capacity.prefix_cache import PrefixCache, Prompt
+from allocator.capacity.slots import run_slots
 from allocator.capacity.state import CapacityState, ManagerCounters, RowState, StepLimits
 from allocator.capacity.step import compiled as step_compiled
 from allocator.capacity.step.codes import ROW_OVERFLOW, raise_step_error
@@ -182,6 +183,13 @@ class KVCacheManager:
                                 strict=True):
             if row in cache.prompts and self.rows.live[row]:
                 cache.register(row, self.rows, self.table.host, written)
+
+    def token_slots(self, rows: np.ndarray, starts: np.ndarray,
+                    num_tokens: np.ndarray) -> np.ndarray:
+        """Where runs of tokens live in the pool, by the host table (`slots.run_slots`): run
+        ``i`` is ``num_tokens[i]`` tokens from position ``starts[i]`` of row ``rows[i]``. int64
+        slots, run after run; -1 where a position has no block."""
+        return run_slots(self.table.host, rows, starts, num_tokens, self.tokens_per_block)
 
     def prompt(self, tokens: ArrayLike) -> Prompt:
         """``tokens`` with their block hashes under this manager's cache key, for

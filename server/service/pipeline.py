@@ -6,7 +6,8 @@ Order inside one call (all checks come first; from the manager's step on nothing
 2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
    `allocator.StepOutcome` with everything the rest needs;
 3. the registry frees finished requests and hands out handles for admitted ones;
-4. this step's batch is laid out (`server.service.schedule`);
+4. this step's batch is laid out (`server.service.schedule`), its tokens' slots read from the
+   manager's table (`KVCacheManager.token_slots`);
 5. the previous batch is committed from the worker's staging buffer: exactly its accepted
    tokens, into blocks their requests still own; the reply is built from the outcome.
 """
@@ -86,15 +87,17 @@ class StepPipeline:
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
-        # Laid out before the commit, while the table rows the step just wrote are in the
-        # cache (the commit streams the staged K/V through it); the commit changes no table cell.
         cached = outcome.cached_tokens
-        worker.batch = batch = schedule(
+        scheduled, num_decodes = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
             call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
             outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
-            call.prompt_lens, cached, self.manager.table.host, self._tpb)
-        scheduled = batch.scheduled
+            call.prompt_lens, cached)
+        # Read before the commit, while the table rows the step just wrote are in the cache
+        # (the commit streams the staged K/V through it); the commit changes no table cell.
+        slots = self.manager.token_slots(scheduled.rows, scheduled.start_positions,
+                                         scheduled.num_tokens)
+        worker.batch = batch = ScheduledBatch(scheduled, num_decodes, slots, self._tpb)
         committed = NOTHING
         if previous is not None:
             assert settlement is not None
