@@ -47,7 +47,7 @@ from allocator.capacity.accounting import blocks_for, slack_for
 from allocator.capacity.block_pool import BlockPool
 from allocator.capacity.block_table import BlockTable
 from allocator.capacity.kv_events import KVCacheEvent
-from allocator.capacity.prefix_cache import PrefixCache, Prompt
+from allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt
 from allocator.capacity.slots import run_slots
 from allocator.capacity.state import CapacityState, ManagerCounters, RowState, StepLimits
 from allocator.capacity.step import compiled as step_compiled
@@ -190,6 +190,14 @@ class KVCacheManager:
         ``i`` is ``num_tokens[i]`` tokens from position ``starts[i]`` of row ``rows[i]``. int64
         slots, run after run; -1 where a position has no block."""
         return run_slots(self.table.host, rows, starts, num_tokens, self.tokens_per_block)
+
+    def drain_cache_changes(self) -> CacheChanges:
+        """What the prefix cache changed since the last drain: the blocks whose write protection
+        flipped, their protection now (for a device copy of the mask) and the KV events, oldest
+        first. Nothing without prefix caching."""
+        if self.cache is None:
+            return CacheChanges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), [])
+        return self.cache.drain_changes()
 
     def prompt(self, tokens: ArrayLike) -> Prompt:
         """``tokens`` with their block hashes under this manager's cache key, for
@@ -341,8 +349,17 @@ class KVCacheManager:
         return np.flatnonzero(self.rows.live)
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.cache is not None
+
+    @property
     def free_blocks(self) -> int:
         return self.pool.num_free
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks off the free stack: held by requests, or parked in the prefix cache."""
+        return self.pool.num_blocks - self.pool.num_free
 
     @property
     def num_requests(self) -> int:
