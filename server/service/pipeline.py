@@ -4,7 +4,7 @@ Order inside one call (all checks come first; from the manager's step on nothing
 1. handles -> rows (the registry checks ownership and generation), new ids unique, every decode
    of the previous batch settled, the step's token demand within ``max_step_tokens``;
 2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
-   `allocator.StepOutcome` with everything the rest needs;
+   `allocator.StepOutcome`: what it granted, admitted and changed in the block table;
 3. the registry frees finished requests and hands out handles for admitted ones;
 4. this step's batch is laid out (`server.service.schedule`), its tokens' slots read from the
    manager's table (`KVCacheManager.token_slots`);
