@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from allocator.capacity.state import POLICY_CODES
 from allocator.config import SlackPolicy
 
+_NO_SLACK = POLICY_CODES[SlackPolicy.NONE]
 
-def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,
-              lead: np.ndarray | int = 0) -> np.ndarray:
-    """Slack a grant records under overlap (unless policy is ``none``): D, or the device's lead
-    if that is larger.
+
+def slack_rule(draft_len, lead, overlap, policy):  # type: ignore[no-untyped-def]
+    """Slack a grant records under overlap (unless the policy is ``none``): D, or the device's
+    lead if that is larger. ``policy`` is the `POLICY_CODES` integer; numpy arrays and, compiled
+    inside the step, plain integers alike (one rule for both steps).
 
     The lead is the previous step's accepted drafts, which the device has already advanced over
     when this step writes (docs/design.md's accepted-but-uncommitted tokens). With a constant D it
@@ -25,9 +28,15 @@ def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,
     the next (dynamic speculation) would otherwise see reach = history + lead + 1 + D outrun
     capacity = history + 1 + 2D: the IMA again.
     """
-    if overlap and policy is not SlackPolicy.NONE:
+    if overlap and policy != _NO_SLACK:
         return np.maximum(draft_len, lead)
-    return np.zeros_like(draft_len)
+    return draft_len * 0  # zero in the shape of draft_len, an array or an integer
+
+
+def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,
+              lead: np.ndarray | int = 0) -> np.ndarray:
+    """`slack_rule` over arrays, for a `SlackPolicy`."""
+    return slack_rule(draft_len, lead, overlap, POLICY_CODES[policy])
 
 
 def grant_tokens(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,

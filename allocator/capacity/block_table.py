@@ -122,17 +122,6 @@ class BlockTable:
             index, src = self._uploads.upload(cells, self._host_cells[cells])
             self.device_table.view(-1).index_copy_(0, index, src)
 
-    def host_slot_mapping(self, rows: np.ndarray, positions: np.ndarray,
-                          tokens_per_block: int) -> np.ndarray:
-        """`slot_mapping` read from the host mirror, for a scheduler that sends slots with its
-        reply: same rule (-1 for padding or past the row's blocks), no device round trip."""
-        positions = np.asarray(positions, dtype=np.int64)
-        col = np.where(positions >= 0, positions // tokens_per_block, 0)
-        in_row = col < self.max_blocks_per_seq
-        block = self.host[rows, np.where(in_row, col, 0)].astype(np.int64)
-        keep = (positions >= 0) & in_row & (block >= 0)
-        return np.where(keep, block * tokens_per_block + positions % tokens_per_block, -1)
-
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
                      tokens_per_block: int) -> torch.Tensor:
         """int64 slots for a whole batch on the device (`allocator.capacity.slots.slot_mapping` on

@@ -4,14 +4,12 @@ The manager is host-only: it owns the block pool's bookkeeping and the block tab
 plus the device copy it keeps in sync), not the KV pool itself (`KVStorage`, built by whoever
 runs the model). Its state is keyed by block-table row (`capacity_state.RowState`).
 
-This is where capacity is granted: every grant site (``try_allocate_generation``,
-``prepare_draft_resources``, ``extend_capacity_for_tokens``, prefill) and every settlement
-(``update_resources``, ``revert_allocate_generation``, ``free``) is one `StepPlan` applied by the
-same step the batched ``step`` takes. The step runs compiled (`step_compiled`, numba) or as the
-numpy specification (`step_reference`); both change the same state identically.
-
-Requests are named by row on the hot path (``step``); the per-request methods take the id a
-request was added under (``add_request``) and translate it at the edge (``rows_of``).
+This module is the batched core: ``step`` applies one `StepPlan`, and every grant site and every
+settlement goes through it. The step runs compiled (`step_compiled`, numba) or as the numpy
+specification (`step_reference`); both change the same state identically. The per-request API of
+docs/design.md (``add_request``, ``try_allocate_generation``, ``update_resources``, ``free``,
+``capacity``, ...) is a facade over ``step`` (`capacity.requests`): it names a request by the id
+it was added under and translates it at the edge (``rows_of``).
 
 Invariants (``check_invariants`` verifies all of them):
 - history <= capacity, and num_blocks == ceil(capacity / tokens_per_block) <= max_blocks_per_seq;
@@ -36,7 +34,7 @@ prompt is scheduled.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,12 +45,13 @@ from allocator.capacity.accounting import blocks_for, slack_for
 from allocator.capacity.block_pool import BlockPool
 from allocator.capacity.block_table import BlockTable
 from allocator.capacity.kv_events import KVCacheEvent
-from allocator.capacity.prefix_cache import PrefixCache, Prompt
+from allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt
+from allocator.capacity.requests import RequestApi, RequestIds
+from allocator.capacity.slots import run_slots
 from allocator.capacity.state import CapacityState, ManagerCounters, RowState, StepLimits
 from allocator.capacity.step import compiled as step_compiled
 from allocator.capacity.step.codes import ROW_OVERFLOW, raise_step_error
 from allocator.capacity.step.plan import (
-    REFUSED_BATCH_FULL,
     PlanArrays,
     RequestView,
     StepOutcome,
@@ -63,19 +62,10 @@ from allocator.capacity.step.plan import (
 from allocator.capacity.step.reference import NO_HITS, StepRun, reference_step
 from allocator.common.placement import TensorAllocator, plain_tensor
 from allocator.config import PoolConfig, SlackPolicy
-from allocator.errors import (
-    BatchFull,
-    DuplicateRequest,
-    InvalidValue,
-    InvariantViolation,
-    OutOfBlocks,
-    UnknownRequest,
-)
-
-ReqId = Hashable
+from allocator.errors import InvariantViolation, UnknownRequest
 
 
-class KVCacheManager:
+class KVCacheManager(RequestApi):
     def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
                  compiled: bool | None = None, prefix_caching: bool = False,
                  cache_key: bytes = b"", kv_events: bool = False,
@@ -107,9 +97,8 @@ class KVCacheManager:
                                   track_protection=register_when_written)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
-        # The id edge: requests added by id (rows admitted by a batched step have none).
-        self._row_of: dict[ReqId, int] = {}
-        self._id_of: dict[int, ReqId] = {}
+        # The per-request API's ids; rows a batched step admits have none.
+        self.ids = RequestIds()
 
     # ------------------------------------------------------------------ the batched step
 
@@ -135,16 +124,13 @@ class KVCacheManager:
         if result.error[0]:
             if result.error[0] == ROW_OVERFLOW:
                 self.counters.row_overflows += 1
-            raise_step_error(result.error, arrays, self._id_of.get)
+            raise_step_error(result.error, arrays, self.ids.name)
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
         if self.cache is not None:
             self._cache_after(arrays, result, prompts)
-        if self._id_of and arrays.finished_rows.size:
-            for row in arrays.finished_rows.tolist():
-                req = self._id_of.pop(row, _NO_ID)
-                if req is not _NO_ID:
-                    del self._row_of[req]
+        if arrays.finished_rows.size:
+            self.ids.forget(arrays.finished_rows)
         return result.outcome
 
     def _cache_after(self, arrays: PlanArrays, result: StepRun,
@@ -183,6 +169,21 @@ class KVCacheManager:
             if row in cache.prompts and self.rows.live[row]:
                 cache.register(row, self.rows, self.table.host, written)
 
+    def token_slots(self, rows: np.ndarray, starts: np.ndarray,
+                    num_tokens: np.ndarray) -> np.ndarray:
+        """Where runs of tokens live in the pool, by the host table (`slots.run_slots`): run
+        ``i`` is ``num_tokens[i]`` tokens from position ``starts[i]`` of row ``rows[i]``. int64
+        slots, run after run; -1 where a position has no block."""
+        return run_slots(self.table.host, rows, starts, num_tokens, self.tokens_per_block)
+
+    def drain_cache_changes(self) -> CacheChanges:
+        """What the prefix cache changed since the last drain: the blocks whose write protection
+        flipped, their protection now (for a device copy of the mask) and the KV events, oldest
+        first. Nothing without prefix caching."""
+        if self.cache is None:
+            return CacheChanges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), [])
+        return self.cache.drain_changes()
+
     def prompt(self, tokens: ArrayLike) -> Prompt:
         """``tokens`` with their block hashes under this manager's cache key, for
         ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step."""
@@ -202,118 +203,7 @@ class KVCacheManager:
         self.cache.forget(np.array(evicted, dtype=np.int64))
         self.counters.evicted_blocks += len(evicted)
 
-    # ------------------------------------------------------------------ per-request API
-
-    def add_request(self, req_id: ReqId, prompt_len: int, first_chunk: int | None = None, *,
-                    prompt_tokens: ArrayLike | None = None) -> int:
-        """Admit a request, reserve its prompt (or its first prefill chunk), return its row.
-        With ``prompt_tokens`` (and prefix caching on) its cached prefix is reused:
-        ``view(row).history`` then starts past it.
-
-        Raises OutOfBlocks / BatchFull when it cannot be admitted; nothing changes then.
-        """
-        try:
-            known = req_id in self._row_of
-        except TypeError:
-            raise InvalidValue("new: request ids must be hashable", field="new") from None
-        if known:
-            raise DuplicateRequest(f"new: request {req_id!r} already exists", field="new")
-        if first_chunk is None:
-            first_chunk = 0  # the plan's "whole prompt"
-        elif isinstance(first_chunk, int | np.integer) and first_chunk < 1:
-            raise InvalidValue(f"first_chunk: {first_chunk} is below 1", field="first_chunk")
-        out = self.step(StepPlan(prompt_lens=[prompt_len], first_chunks=[first_chunk],
-                                 prompt_tokens=() if prompt_tokens is None else [prompt_tokens]))
-        row = int(out.admitted_rows[0])
-        if row < 0:
-            if out.new_refusals[0] == REFUSED_BATCH_FULL:
-                raise BatchFull(f"req_id: all {self.config.max_batch_size} rows are in use")
-            raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prompt")
-        self._row_of[req_id] = row
-        self._id_of[row] = req_id
-        return row
-
-    def extend_prefill(self, req_id: ReqId, num_tokens: int) -> None:
-        """Reserve the next chunk of a chunked prefill. Raises OutOfBlocks if it does not fit."""
-        out = self.step(StepPlan(prefill_rows=self._one_row(req_id), prefill_tokens=[num_tokens]))
-        if not out.prefill_granted[0]:
-            raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prefill chunk")
-
-    def try_allocate_generation(self, req_id: ReqId, draft_len: int) -> bool:
-        """Grant 1 + D (+ D slack under overlap); False, changing nothing, when out of blocks."""
-        out = self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len]))
-        return bool(out.granted[0])
-
-    def prepare_draft_resources(self, req_id: ReqId, draft_len: int) -> None:
-        """The draft model's grant site: the same rule and bookkeeping; raises OutOfBlocks."""
-        self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len],
-                           strict_grants=True))
-        self.counters.draft_grants += 1
-
-    def extend_capacity_for_tokens(self, req_id: ReqId, padded_draft_len: int) -> None:
-        """CUDA-graph padding: grow the pending grant to ``padded_draft_len`` drafts (and slack)."""
-        self.step(StepPlan(padding_rows=self._one_row(req_id),
-                           padded_draft_lens=[padded_draft_len]))
-
-    def revert_allocate_generation(self, req_id: ReqId) -> None:
-        """The forward was skipped: undo exactly what the pending grant added, slack included."""
-        self.step(StepPlan(revert_rows=self._one_row(req_id)))
-
-    def update_resources(self, req_id: ReqId, num_accepted: int) -> None:
-        """Settle the pending grant: rewind rejected drafts, reclaim slack, commit 1 + accepted."""
-        self.step(StepPlan(result_rows=self._one_row(req_id), num_accepted=[num_accepted]))
-
-    def free(self, req_id: ReqId) -> None:
-        """All of the request's blocks back to the pool; its row back to -1."""
-        self.step(StepPlan(finished_rows=self._one_row(req_id)))
-
     # ------------------------------------------------------------------ queries
-
-    def row(self, req_id: ReqId) -> int:
-        """The request's block-table row index."""
-        try:
-            return self._row_of[req_id]
-        except (KeyError, TypeError):
-            raise UnknownRequest(f"req_id: unknown request {req_id!r}") from None
-
-    def _one_row(self, req_id: ReqId) -> np.ndarray:
-        return np.array([self.row(req_id)], dtype=np.int64)
-
-    def rows_of(self, req_ids: Iterable[ReqId]) -> np.ndarray:
-        """Rows of ``req_ids`` (int64, in order, repeats allowed), to build a batched plan."""
-        ids = list(req_ids)
-        try:
-            return np.fromiter(map(self._row_of.__getitem__, ids), dtype=np.int64,
-                               count=len(ids))
-        except (KeyError, TypeError):
-            bad = next(i for i in ids if not _known(self._row_of, i))
-            raise UnknownRequest(f"req_id: unknown request {bad!r}") from None
-
-    def __contains__(self, req_id: object) -> bool:
-        return _known(self._row_of, req_id)
-
-    def capacity(self, req_id: ReqId) -> int:
-        return int(self.rows.capacity[self.row(req_id)])
-
-    def history(self, req_id: ReqId) -> int:
-        return int(self.rows.history[self.row(req_id)])
-
-    def pending_overlap_slack(self, req_id: ReqId) -> int:
-        return int(self.rows.slack[self.row(req_id)])
-
-    def pending_draft_len(self, req_id: ReqId) -> int | None:
-        """D of the pending generation grant, or None when the request holds none."""
-        row = self.row(req_id)
-        return int(self.rows.draft_len[row]) if self.rows.pending[row] else None
-
-    def num_blocks(self, req_id: ReqId) -> int:
-        return int(self.rows.num_blocks[self.row(req_id)])
-
-    def block_ids(self, req_id: ReqId) -> np.ndarray:
-        return self._block_ids(self.row(req_id))
-
-    def _block_ids(self, row: int) -> np.ndarray:
-        return self.table.host[row, : self.rows.num_blocks[row]].copy()
 
     def view(self, row: int) -> RequestView:
         """Everything about one live row (UnknownRequest naming ``row`` otherwise)."""
@@ -325,7 +215,8 @@ class KVCacheManager:
             row=int(row), capacity=int(r.capacity[row]), history=int(r.history[row]),
             pending_overlap_slack=int(r.slack[row]),
             pending_draft_len=int(r.draft_len[row]) if r.pending[row] else None,
-            num_blocks=int(r.num_blocks[row]), block_ids=self._block_ids(row),
+            num_blocks=int(r.num_blocks[row]),
+            block_ids=self.table.host[row, : r.num_blocks[row]].copy(),
         )
 
     @property
@@ -333,18 +224,22 @@ class KVCacheManager:
         return np.flatnonzero(self.rows.live)
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.cache is not None
+
+    @property
     def free_blocks(self) -> int:
         return self.pool.num_free
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks off the free stack: held by requests, or parked in the prefix cache."""
+        return self.pool.num_blocks - self.pool.num_free
 
     @property
     def num_requests(self) -> int:
         """Live requests, with or without an id."""
         return self.config.max_batch_size - self.table.num_free_rows
-
-    @property
-    def request_ids(self) -> list[ReqId]:
-        """Ids of the live requests added by id (``add_request``)."""
-        return list(self._row_of)
 
     def totals(self) -> dict[str, int]:
         """Sums and maxima over live requests (for metrics and the pool endpoint)."""
@@ -399,20 +294,4 @@ class KVCacheManager:
             self.cache.check_invariants(r, self.table.host, self.pool)
         elif self.pool.num_parked or r.cached.any() or (self.pool.refcounts > 1).any():
             raise InvariantViolation("cached or shared blocks without prefix caching")
-        if any(not r.live[row] or self._row_of.get(req, -1) != row
-               for row, req in self._id_of.items()) or len(self._row_of) != len(self._id_of):
-            raise InvariantViolation("the request-id edge disagrees with the live rows")
-
-
-class _NoId:
-    pass
-
-
-_NO_ID = _NoId()
-
-
-def _known(rows_of: dict[ReqId, int], req_id: object) -> bool:
-    try:
-        return req_id in rows_of
-    except TypeError:
-        return False
+        self.ids.check_invariants(r.live)

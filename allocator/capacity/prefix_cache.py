@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,6 +76,14 @@ class Prompt:
     @classmethod
     def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"") -> Prompt:
         return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key))
+
+
+class CacheChanges(NamedTuple):
+    """What a prefix cache changed since it was last drained (`PrefixCache.drain_changes`)."""
+
+    blocks: np.ndarray  # int64: blocks whose write protection flipped
+    protected: np.ndarray  # bool, one per block: its protection now
+    events: list[KVCacheEvent]  # oldest first
 
 
 class PrefixCache:
@@ -160,6 +169,11 @@ class PrefixCache:
         blocks = np.array(self._flipped, dtype=np.int64)
         self._flipped = []
         return blocks, self.protected[blocks]
+
+    def drain_changes(self) -> CacheChanges:
+        """The protection flips and the events since the last drain of either."""
+        blocks, protected = self.drain_protection()
+        return CacheChanges(blocks, protected, self.drain_events())
 
     def check_invariants(self, rows: RowState, host: np.ndarray, pool: BlockPool) -> None:
         if len(self.block_of) != len(self.hash_of) or any(

@@ -2,7 +2,10 @@
 numpy reference that states what it computes (tests compare the two); where numba is missing,
 the references run.
 
-Compiled code is cached on disk, so only the first process on a machine pays the compile.
+Compiled code is cached on disk, so only the first process on a machine pays the compile. numba
+keys that cache on the compiled function's own file: a constant or a compiled helper it takes
+from another module (the step's error codes, its slack rule) is baked in, and changing only that
+module leaves the old code cached. Delete the ``*.nbi`` / ``*.nbc`` files after such a change.
 """
 
 from __future__ import annotations

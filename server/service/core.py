@@ -60,16 +60,18 @@ class ServiceObserver(Protocol):
 
 class ExportedTensors:
     """The placement hook the pool and the block table are built with: every tensor is made
-    where same-host workers can map it (shared memory on CPU, CUDA IPC on GPU), and its handle
-    is kept for the workers' attachments."""
+    where same-host workers can map it (shared memory on CPU, CUDA IPC on GPU), and kept with
+    its handle: the handle for the workers' attachments, the tensor for in-process workers."""
 
     def __init__(self, exporter: TensorExporter) -> None:
         self.exporter = exporter
         self.handles: dict[str, wire.TensorHandle] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
         tensor, self.handles[name] = self.exporter.empty(name, shape, dtype, device)
+        self.tensors[name] = tensor
         return tensor
 
 
@@ -92,6 +94,7 @@ class ServiceCore:
         self.device = self.manager.device
         self._kv_handle = placement.handles["kv"]
         self._table_handle = placement.handles["block_table"]
+        self._block_table = placement.tensors["block_table"]
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
         self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
                                    stage_dtype=self.staging_dtype, nwor=config.nwor,
@@ -105,7 +108,7 @@ class ServiceCore:
                                      max_step_tokens=config.max_step_tokens,
                                      publish=None if self.kv_events is None
                                      else self.kv_events.publish)
-        self.pipeline.publish_events()
+        self.pipeline.sync_cache()
         self.layout = _layout(config, dtype_name(self.staging_dtype))
         self._fences: dict[str, tuple[StepFence, wire.EventHandle, wire.EventHandle]] = {}
         self._observers: list[ServiceObserver] = []
@@ -272,7 +275,7 @@ class ServiceCore:
         holds them: what an in-process worker uses instead of mapping the handles."""
         with self.lock:
             worker = self.registry.worker(worker_id, None)
-            return self.storage.kv, self.manager.table.device_table, worker.staging, worker.fence
+            return self.storage.kv, self._block_table, worker.staging, worker.fence
 
     # ------------------------------------------------------------------ inspection
 
@@ -300,7 +303,7 @@ class ServiceCore:
             totals = mgr.totals()
             return wire.PoolState(
                 epoch=self.epoch, layout=self.layout, free_blocks=mgr.free_blocks,
-                used_blocks=mgr.pool.num_blocks - mgr.free_blocks, num_requests=mgr.num_requests,
+                used_blocks=mgr.used_blocks, num_requests=mgr.num_requests,
                 workers=[wire.WorkerState(
                     worker_id=w.worker_id, num_requests=len(w.req_ids),
                     last_step_id=w.last_step_id,

@@ -4,11 +4,15 @@ Order inside one call (all checks come first; from the manager's step on nothing
 1. handles -> rows (the registry checks ownership and generation), new ids unique, every decode
    of the previous batch settled, the step's token demand within ``max_step_tokens``;
 2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
-   `allocator.StepOutcome` with everything the rest needs;
+   `allocator.StepOutcome`: what it granted, admitted and changed in the block table;
 3. the registry frees finished requests and hands out handles for admitted ones;
-4. this step's batch is laid out (`server.service.schedule`);
+4. this step's batch is laid out (`server.service.schedule`), its tokens' slots read from the
+   manager's table (`KVCacheManager.token_slots`);
 5. the previous batch is committed from the worker's staging buffer: exactly its accepted
-   tokens, into blocks their requests still own; the reply is built from the outcome.
+   tokens, into blocks their requests still own; with prefix caching, the manager learns which
+   prompt tokens are now written, and what that (and the step) changed in its cache reaches the
+   committer's write protection and the KV-event publisher (`sync_cache`); the reply is built
+   from the outcome.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class StepPipeline:
                  publish: Callable[[list[KVCacheEvent]], None] | None = None) -> None:
         """``publish``: where the manager's KV events go after each step."""
         self.manager = manager
+        self._caching = manager.prefix_caching
         self.publish = publish
         self.committer = committer
         self.registry = registry
@@ -86,22 +91,24 @@ class StepPipeline:
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
-        # Laid out before the commit, while the table rows the step just wrote are in the
-        # cache (the commit streams the staged K/V through it); the commit changes no table cell.
         cached = outcome.cached_tokens
-        worker.batch = batch = schedule(
+        scheduled, num_decodes = schedule(
             call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
             call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
             outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
-            call.prompt_lens, cached, self.manager.table.host, self._tpb)
-        scheduled = batch.scheduled
+            call.prompt_lens, cached)
+        # Read before the commit, while the table rows the step just wrote are in the cache
+        # (the commit streams the staged K/V through it); the commit changes no table cell.
+        slots = self.manager.token_slots(scheduled.rows, scheduled.start_positions,
+                                         scheduled.num_tokens)
+        worker.batch = batch = ScheduledBatch(scheduled, num_decodes, slots, self._tpb)
         committed = NOTHING
         if previous is not None:
             assert settlement is not None
             committed = self._write_previous(worker, previous, settlement, outcome)
         if worker.fence is not None:
             worker.fence.service_end()
-        self.publish_events()
+        self.sync_cache()
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
             refused=self._refused(outcome, len(scheduled)), committed=committed,
@@ -111,9 +118,16 @@ class StepPipeline:
                 outcome.changed_block_ids.astype(np.int64)),
             slot_mapping=None if worker.attached else batch.slots, cached_tokens=cached)
 
-    def publish_events(self) -> None:
+    def sync_cache(self) -> None:
+        """What the manager's prefix cache changed since the last call: protection flips to the
+        committer (blocks evicted since the last commit may be written by the next one, blocks
+        just registered must not be), KV events to ``publish``."""
+        if not self._caching:
+            return
+        changes = self.manager.drain_cache_changes()
+        self.committer.protect(changes.blocks, changes.protected)
         if self.publish is not None:
-            self.publish(self.manager.drain_kv_events())
+            self.publish(changes.events)
 
     def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
                 call: StepCall) -> np.ndarray:
@@ -140,19 +154,14 @@ class StepPipeline:
                         outcome: StepOutcome) -> wire.CommitSummary:
         dropped = settlement.dropped
         slots = batch.owned_slots(dropped, outcome.num_blocks)
-        cache = self.manager.cache
-        if cache is not None:  # blocks evicted since the last commit may be written now
-            self.committer.protect(*cache.drain_protection())
         summary = self.committer.write_batch(worker.staging, batch, settlement.accepted, dropped,
                                              slots)
-        if cache is not None:
+        if self._caching:
             # Prompt blocks become shareable, and protected, once their K/V is in the pool.
             kept = ~dropped
             scheduled = batch.scheduled
-            rows = scheduled.rows
             self.manager.mark_written(
-                rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
-            self.committer.protect(*cache.drain_protection())
+                scheduled.rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
         return summary
 
     def _refused(self, outcome: StepOutcome, scheduled: int) -> Refused:

@@ -1,14 +1,12 @@
-"""This step's forward, laid out: which requests run, where their tokens sit in the step and in
-the pool.
+"""This step's forward, laid out: which requests run, and where their tokens sit in the step.
 
-Input: the manager's `StepOutcome` and the call's columns. Output: a `ScheduledBatch`, the
-`Scheduled` columns of the reply plus each token's slot (what the next call commits). Order:
-granted decodes (in grant order), then granted prefill chunks, then admitted new requests, each
-running ``min(prompt_tokens, prompt_len - start)`` tokens from its start (after its cached
-prompt tokens). Request ``i`` owns tokens ``token_offsets[i] ..`` at positions
-``start_positions[i] ..``, its last ``num_drafts[i]`` are drafts; ``slot = table[row, pos //
-tpb] * tpb + pos % tpb`` (-1 past the row's blocks, which capacity rules out but a bug must not
-turn into a write).
+Input: the manager's `StepOutcome` and the call's columns. Output: the `Scheduled` columns of the
+reply and how many of its entries are decodes. Order: granted decodes (in grant order), then
+granted prefill chunks, then admitted new requests, each running ``min(prompt_tokens, prompt_len
+- start)`` tokens from its start (after its cached prompt tokens). Request ``i`` owns tokens
+``token_offsets[i] ..`` at positions ``start_positions[i] ..``, its last ``num_drafts[i]`` are
+drafts. Where those tokens live in the pool is the manager's to say
+(`KVCacheManager.token_slots` of the runs).
 
 `schedule_reference` is the specification in numpy; `schedule_compiled` the same as one numba
 loop (the per-step cost is a few dozen tiny array operations otherwise). Tests compare the two.
@@ -22,7 +20,6 @@ import numpy as np
 
 from allocator.common.jit import jit, numba
 from server.contract.columns import Scheduled
-from server.service.batch import ScheduledBatch
 
 
 def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,
@@ -31,8 +28,7 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
                        prefill_granted: np.ndarray, prefill_tokens: np.ndarray,
                        prefill_starts: np.ndarray, new_handles: np.ndarray,
                        admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
-                       prompt_lens: np.ndarray, new_starts: np.ndarray, table: np.ndarray,
-                       tokens_per_block: int) -> ScheduledBatch:
+                       prompt_lens: np.ndarray, new_starts: np.ndarray) -> tuple[Scheduled, int]:
     new = admitted_rows >= 0
     decode_drafts = drafts[granted]
     new_tokens = np.minimum(prompt_tokens, prompt_lens - new_starts)
@@ -43,13 +39,6 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
                            admitted_rows[new]])
     starts = np.concatenate([grant_starts[granted], prefill_starts[prefill_granted],
                              new_starts[new]])
-    request = np.repeat(np.arange(rows.size), num_tokens)  # per token: its entry
-    positions = starts[request] + np.arange(request.size) - offsets[request]
-    column = positions // tokens_per_block
-    in_row = column < table.shape[1]
-    block = table[rows[request], np.where(in_row, column, 0)].astype(np.int64)
-    slots = np.where(in_row & (block >= 0), block * tokens_per_block
-                     + positions % tokens_per_block, -1)
     scheduled = Scheduled(
         handles=np.concatenate([grant_handles[granted], prefill_handles[prefill_granted],
                                 new_handles[new]]),
@@ -57,32 +46,17 @@ def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, grante
         num_drafts=np.concatenate([decode_drafts,
                                    np.zeros(rows.size - decode_drafts.size, dtype=np.int64)]),
         start_positions=starts)
-    return ScheduledBatch(scheduled, int(decode_drafts.size), slots, tokens_per_block)
+    return scheduled, int(decode_drafts.size)
 
 
 def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
                    prefill_rows, prefill_granted, prefill_tokens, prefill_starts, new_handles,
-                   admitted_rows, prompt_tokens, prompt_lens, new_starts, table,
-                   tokens_per_block):  # pragma: no cover
+                   admitted_rows, prompt_tokens, prompt_lens, new_starts):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
-    entries = 0
-    tokens = 0
-    for i in range(granted.size):
-        if granted[i]:
-            entries += 1
-            tokens += 1 + drafts[i]
-    num_decodes = entries
-    for i in range(prefill_granted.size):
-        if prefill_granted[i]:
-            entries += 1
-            tokens += prefill_tokens[i]
-    for i in range(admitted_rows.size):
-        if admitted_rows[i] >= 0:
-            entries += 1
-            tokens += min(prompt_tokens[i], prompt_lens[i] - new_starts[i])
+    num_decodes = granted.sum()
+    entries = num_decodes + prefill_granted.sum() + (admitted_rows >= 0).sum()
     # One block of columns instead of six arrays: each returned array costs a conversion.
     per_entry = np.zeros((6, entries), np.int64)  # `Scheduled`'s fields, in its order
-    slots = np.empty(tokens, np.int64)
     handles, rows, offsets, num_tokens, num_drafts, starts = per_entry
     e = 0
     for i in range(granted.size):
@@ -100,31 +74,21 @@ def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, pre
             handles[e], rows[e], starts[e] = new_handles[i], admitted_rows[i], new_starts[i]
             num_tokens[e] = min(prompt_tokens[i], prompt_lens[i] - new_starts[i])
             e += 1
-    width = table.shape[1]
     t = 0
     for e in range(entries):
         offsets[e] = t
-        position, end = starts[e], starts[e] + num_tokens[e]
-        while position < end:  # a run of tokens in one block: one table read, no division
-            column = position // tokens_per_block
-            within = position - column * tokens_per_block
-            run = min(tokens_per_block - within, end - position)
-            block = table[rows[e], column] if column < width else -1
-            for k in range(run):
-                slots[t] = block * tokens_per_block + within + k if block >= 0 else -1
-                t += 1
-            position += run
-    return per_entry, slots, num_decodes
+        t += num_tokens[e]
+    return per_entry, num_decodes
 
 
 if numba is not None:
     _compiled_loop = jit(_schedule_loop)
 
 
-def schedule_compiled(*args: Any) -> ScheduledBatch:
+def schedule_compiled(*args: Any) -> tuple[Scheduled, int]:
     """`schedule_reference` as one compiled loop (same arguments, same result)."""
-    per_entry, slots, num_decodes = _compiled_loop(*args)
-    return ScheduledBatch(Scheduled(*per_entry), int(num_decodes), slots, args[-1])
+    per_entry, num_decodes = _compiled_loop(*args)
+    return Scheduled(*per_entry), int(num_decodes)
 
 
 schedule = schedule_compiled if numba is not None else schedule_reference

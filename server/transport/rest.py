@@ -50,6 +50,7 @@ log = logging.getLogger("kvalloc.rest")
 
 JSON = "application/json"
 T = TypeVar("T")
+Responses = dict[int | str, dict[str, Any]]  # FastAPI's ``responses``: status -> its document
 
 _STATUS_TEXT = {
     401: "Missing or wrong bearer token (KVALLOC_TOKEN).",
@@ -65,7 +66,7 @@ _STATUS_TEXT = {
 }
 
 
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def _errors(*statuses: int) -> Responses:
     return {s: {"model": protocol.ErrorBody, "description": _STATUS_TEXT[s]} for s in statuses}
 
 
@@ -83,24 +84,30 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         title="kvalloc", version="0.1.0",
         description="KV-cache block allocator service: one batched call per scheduler step.",
     )
-    step_op = OPERATIONS["step"]
-
-    async def step(request: Request) -> Response:
-        """Apply one scheduler step atomically; a retried step id returns the same reply."""
-        # msgspec validates the columns in C against the same bounds the document states;
-        # pydantic would build a Python object per element first.
-        struct = _decode_json(await request.body(), step_op.request)
-        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
-
     _install_error_handlers(app)
     # The document describes this service: bearer auth and its 401 appear only when it has a token.
     auth = [Depends(_Authorize(token))] if token is not None else []
+    errors = _operation_errors(token is not None)
+    # Added in the order the document lists them.
+    _add_worker_routes(app, core, auth, errors)
+    step = _add_step_route(app, core, auth, errors)
+    _add_inspection_routes(app, core, auth, errors)
+    _add_health_routes(app, core, metrics)
+    return TransportMiddleware(app, core, core.config.max_body_bytes, step=step, token=token,
+                               limits=limits)
 
-    def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+
+def _operation_errors(token_required: bool) -> Callable[..., Responses]:
+    def errors(*statuses: int) -> Responses:
         """The statuses of a /v1 operation: its own, plus what the transport may answer before
         the route runs (a slow body, overload; a missing token where one is required)."""
-        return _errors(*sorted({*statuses, 408, 503, *((401,) if token is not None else ())}))
+        return _errors(*sorted({*statuses, 408, 503, *((401,) if token_required else ())}))
 
+    return errors
+
+
+def _add_worker_routes(app: FastAPI, core: ServiceCore, auth: list[Any],
+                       errors: Callable[..., Responses]) -> None:
     ops = OPERATIONS
 
     @app.post(ops["register"].path, response_model=protocol.Registration, dependencies=auth,
@@ -118,12 +125,31 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         """End the worker's session: free every request of it and forget it."""
         return _json(core.deregister(wire.WorkerRef(worker_id=worker_id, session=session)))
 
-    # The route is what the document lists (and what answers other methods on the path); the
-    # middleware calls ``step`` itself for every POST, before FastAPI's routing and dependencies.
+
+def _add_step_route(app: FastAPI, core: ServiceCore, auth: list[Any],
+                    errors: Callable[..., Responses]) -> Callable[[Request], Awaitable[Response]]:
+    """The step's route, for the document; returns its endpoint, which `TransportMiddleware`
+    calls itself for every POST, before FastAPI's routing and dependencies."""
+    step_op = OPERATIONS["step"]
+
+    async def step(request: Request) -> Response:
+        """Apply one scheduler step atomically; a retried step id returns the same reply."""
+        # msgspec validates the columns in C against the same bounds the document states;
+        # pydantic would build a Python object per element first.
+        struct = _decode_json(await request.body(), step_op.request)
+        return _json(step_op.from_core(core.step(step_op.to_core(struct)), binary=False))
+
+    # The route is what the document lists (and what answers other methods on the path).
     app.post(step_op.path, response_model=protocol.StepReply, dependencies=auth,
              responses=errors(404, 409, 413, 422, 500, 503), tags=["steps"],
              openapi_extra={"requestBody": _body_schema(protocol.StepRequest)})(step)
     _document_models(app, protocol.StepRequest)
+    return step
+
+
+def _add_inspection_routes(app: FastAPI, core: ServiceCore, auth: list[Any],
+                           errors: Callable[..., Responses]) -> None:
+    ops = OPERATIONS
 
     @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
              responses=errors(404, 413, 422, 500, 503), tags=["inspection"])
@@ -140,6 +166,9 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
         """Pool occupancy, workers and their leases; ``verify`` also runs check_invariants."""
         return _json(core.get_pool(wire.PoolQuery(verify=verify)))
 
+
+def _add_health_routes(app: FastAPI, core: ServiceCore,
+                       metrics: Callable[[], tuple[bytes, str]] | None) -> None:
     @app.get("/healthz", response_model=protocol.Health, responses=_errors(413, 500),
              tags=["health"])
     async def healthz() -> Response:
@@ -163,9 +192,6 @@ def create_app(core: ServiceCore, *, token: SecretStr | None = None,
             """Prometheus exposition of the allocator's metrics."""
             body, content_type = render()
             return Response(body, media_type=content_type)
-
-    return TransportMiddleware(app, core, core.config.max_body_bytes, step=step, token=token,
-                               limits=limits)
 
 
 def _body_schema(model: type[protocol.Contract]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from allocator.capacity.accounting import slack_rule as _slack_for
 from allocator.capacity.state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
 from allocator.capacity.step import codes
 from allocator.capacity.step.plan import (
@@ -38,7 +39,6 @@ def available() -> bool:
 
 
 RECLAIM = POLICY_CODES[SlackPolicy.RECLAIM]
-NO_SLACK = POLICY_CODES[SlackPolicy.NONE]
 COUNT_GRANTS = COUNTER_INDEX["grants"]
 COUNT_REFUSED = COUNTER_INDEX["grants_refused"]
 COUNT_REVERTS = COUNTER_INDEX["reverts"]
@@ -153,12 +153,6 @@ def _copy_into(destination, source):
     brings a shape check whose error message alone takes seconds to compile)."""
     for i in range(source.size):
         destination[i] = source[i]
-
-
-def _slack_for(draft, lead, overlap, policy):
-    if overlap and policy != NO_SLACK:
-        return max(draft, lead)
-    return 0
 
 
 def _blocks_for(tokens, tokens_per_block):

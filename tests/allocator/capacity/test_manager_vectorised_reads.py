@@ -1,6 +1,7 @@
 """Row-based reads of `KVCacheManager`: ``rows_of`` translates ids for a batched step (in the
 caller's order, an unknown id raises `UnknownRequest` naming it), ``view(row)`` equals the
-per-request getters, and a step's outcome says which block-table cells it rewrote."""
+per-request getters, a step's outcome says which block-table cells it rewrote, and
+``token_slots`` says where runs of tokens live in the rows' blocks."""
 
 from __future__ import annotations
 
@@ -90,3 +91,21 @@ def test_outcome_names_exactly_the_cells_a_step_rewrote(
     unchanged = np.setdiff1d(np.arange(mgr.config.max_batch_size), out.changed_rows)
     np.testing.assert_array_equal(before[unchanged], mgr.table.host[unchanged])
     assert out.changed_from[list(out.changed_rows).index(b)] == 0  # freed and readmitted
+
+
+def test_token_slots_are_each_run_in_its_rows_blocks_and_minus_one_past_them(
+        make_manager: Callable[..., KVCacheManager]) -> None:
+    mgr = _running(make_manager)
+    tpb = mgr.config.tokens_per_block
+    runs = [("b", 0, 3), ("a", mgr.history("a"), 2), ("c", mgr.num_blocks("c") * tpb - 1, 2)]
+    want = []
+    for req, start, count in runs:
+        blocks = mgr.block_ids(req).tolist()
+        want += [blocks[p // tpb] * tpb + p % tpb if p // tpb < len(blocks) else -1
+                 for p in range(start, start + count)]
+    got = mgr.token_slots(mgr.rows_of([req for req, _, _ in runs]),
+                          np.array([start for _, start, _ in runs]),
+                          np.array([count for _, _, count in runs]))
+    assert got.dtype == np.int64
+    assert got.tolist() == want
+    assert want[-1] == -1  # c's last run reaches one position past its blocks

@@ -115,6 +115,40 @@ def test_parked_blocks_count_as_available_but_not_twice():
     m.check_invariants()
 
 
+def test_cache_changes_are_the_protection_flips_and_events_since_the_last_drain():
+    """Registering a written prefix protects its blocks; evicting them lifts it; each drain gives
+    what changed since the previous one, then nothing."""
+    m = make_manager(kv_events=True, register_when_written=True)
+    first = m.drain_cache_changes()
+    assert first.blocks.size == 0 and [type(e).__name__ for e in first.events] == [
+        "AllBlocksCleared"]
+    row = m.add_request("a", 26, prompt_tokens=prompt(1))
+    blocks = m.view(row).block_ids[:6]  # its full blocks
+    m.mark_written(np.array([row]), np.array([26]))
+    registered = m.drain_cache_changes()
+    assert registered.blocks.tolist() == blocks.tolist() and registered.protected.all()
+    assert [type(e).__name__ for e in registered.events] == ["BlockStored"]
+    m.free("a")
+    assert m.used_blocks == m.pool.num_parked == 6  # parked blocks are not free
+    m.add_request("b", 48)  # 12 blocks: the 10 free ones, then the prefix's last two evicted
+    evicted = m.drain_cache_changes()
+    assert sorted(evicted.blocks.tolist()) == sorted(blocks[4:].tolist())
+    assert not evicted.protected.any()
+    assert [type(e).__name__ for e in evicted.events] == ["BlockRemoved"]
+    nothing = m.drain_cache_changes()
+    assert nothing.blocks.size == nothing.protected.size == 0 and nothing.events == []
+    m.check_invariants()
+
+
+def test_without_prefix_caching_the_cache_changes_nothing():
+    m = KVCacheManager(PoolConfig(num_blocks=8, tokens_per_block=TPB, max_seq_len=16,
+                                  device="cpu"))
+    assert not m.prefix_caching
+    changes = m.drain_cache_changes()
+    assert changes.blocks.dtype == np.int64 and changes.protected.dtype == bool
+    assert changes.blocks.size == changes.protected.size == 0 and changes.events == []
+
+
 @pytest.mark.parametrize("tokens, message", [
     ([np.arange(5)], "must be 6"),
     ([np.arange(6) - 3], "non-negative"),

@@ -16,6 +16,7 @@ import torch
 from nwor_scenarios import bits, poisoned_storage, pool_config
 
 from allocator import KVCacheManager, StepPlan
+from allocator.capacity.slots import slots_reference
 from allocator.nwor.deferred_writes import DeferredWriteManager
 from allocator.nwor.window import WindowLayout
 
@@ -47,8 +48,8 @@ def shared_setup(device: str):
 
 
 def slots_for(manager: KVCacheManager, row: int, positions: list[int]) -> torch.Tensor:
-    return torch.from_numpy(manager.table.host_slot_mapping(
-        np.full(len(positions), row), np.array(positions), TPB))
+    return torch.from_numpy(slots_reference(manager.table.host, np.full(len(positions), row),
+                                            np.array(positions), TPB))
 
 
 @pytest.mark.parametrize("device", DEVICES)

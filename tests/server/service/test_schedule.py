@@ -1,5 +1,6 @@
 """`server.service.schedule`: the compiled layout of a step's forward equals the numpy reference on
-random outcomes, and the reference states the rules (token order, offsets, positions, slots)."""
+random outcomes, and the reference states the rules (token order, offsets, positions); the slots
+of the runs it lays out follow the table (`allocator.capacity.slots`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from allocator.capacity.slots import run_slots_reference
+from server.contract.columns import Scheduled
 from server.service import schedule as sched
 
 pytestmark = pytest.mark.skipif(sched.numba is None, reason="numba is not installed")
@@ -26,7 +29,6 @@ def step_outcomes(draw: st.DrawFn) -> tuple[object, ...]:
     grant_rows, prefill_rows, admitted_rows = np.split(rows[:grants + chunks + new],
                                                        [grants, grants + chunks])
     admitted_rows = np.where(rng.random(new) < 0.3, -1, admitted_rows)
-    table = rng.integers(-1, 500, size=(32, WIDTH)).astype(np.int32)
     return (rng.integers(1 << 20, 1 << 30, grants), grant_rows.astype(np.int64),
             rng.random(grants) < 0.8, rng.integers(0, 4, grants),
             rng.integers(0, WIDTH * TPB - 4, grants),
@@ -35,20 +37,23 @@ def step_outcomes(draw: st.DrawFn) -> tuple[object, ...]:
             rng.integers(0, WIDTH * TPB, chunks),
             np.where(admitted_rows >= 0, rng.integers(1 << 20, 1 << 30, new), -1),
             admitted_rows.astype(np.int64), rng.integers(1, WIDTH * TPB + 6, new),
-            rng.integers(2 * TPB + 1, WIDTH * TPB + 6, new), rng.integers(0, 3, new) * TPB,
-            table, TPB)
+            rng.integers(2 * TPB + 1, WIDTH * TPB + 6, new), rng.integers(0, 3, new) * TPB)
 
 
 @settings(max_examples=300, deadline=None)
 @given(step_outcomes())
 def test_the_compiled_layout_equals_the_reference(args: tuple[object, ...]) -> None:
-    want = sched.schedule_reference(*args)
-    got = sched.schedule_compiled(*args)
-    assert (got.num_decodes, got.tokens_per_block) == (want.num_decodes, want.tokens_per_block)
-    assert got.scheduled == want.scheduled
-    assert np.array_equal(got.slots, want.slots) and got.slots.dtype == np.int64
-    for name in dataclasses.fields(got.scheduled):
-        assert getattr(got.scheduled, name.name).dtype == np.int64, name.name
+    want, want_decodes = sched.schedule_reference(*args)
+    got, got_decodes = sched.schedule_compiled(*args)
+    assert got_decodes == want_decodes
+    assert got == want
+    for name in dataclasses.fields(got):
+        assert getattr(got, name.name).dtype == np.int64, name.name
+
+
+def slots_of(scheduled: Scheduled, table: np.ndarray) -> list[int]:
+    return run_slots_reference(table, scheduled.rows, scheduled.start_positions,
+                               scheduled.num_tokens, TPB).tolist()
 
 
 def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
@@ -57,43 +62,41 @@ def test_the_reference_lays_out_decodes_then_chunks_then_new_requests() -> None:
     table[1, :1] = [9]
     table[2, :1] = [5]
     i64 = np.int64
-    batch = sched.schedule_reference(
+    scheduled, num_decodes = sched.schedule_reference(
         np.array([100, 101], i64), np.array([0, 3], i64), np.array([True, False]),
         np.array([2, 3], i64), np.array([3, 0], i64),
         np.array([200], i64), np.array([1], i64), np.array([True]), np.array([2], i64),
         np.array([1], i64),
         np.array([300], i64), np.array([2], i64), np.array([3], i64), np.array([3], i64),
-        np.array([0], i64), table, TPB)
-    assert batch.scheduled.handles.tolist() == [100, 200, 300]  # the refused grant is left out
-    assert batch.scheduled.num_tokens.tolist() == [3, 2, 3]
-    assert batch.scheduled.num_drafts.tolist() == [2, 0, 0]
-    assert batch.scheduled.token_offsets.tolist() == [0, 3, 5] and batch.num_decodes == 1
-    assert batch.scheduled.positions()[1].tolist() == [3, 4, 5, 1, 2, 0, 1, 2]
+        np.array([0], i64))
+    assert scheduled.handles.tolist() == [100, 200, 300]  # the refused grant is left out
+    assert scheduled.num_tokens.tolist() == [3, 2, 3]
+    assert scheduled.num_drafts.tolist() == [2, 0, 0]
+    assert scheduled.token_offsets.tolist() == [0, 3, 5] and num_decodes == 1
+    assert scheduled.positions()[1].tolist() == [3, 4, 5, 1, 2, 0, 1, 2]
     # row 0: position 3 is block 7 offset 3, positions 4-5 are block 3 offsets 0-1
-    assert batch.slots.tolist() == [31, 12, 13, 37, 38, 20, 21, 22]
+    assert slots_of(scheduled, table) == [31, 12, 13, 37, 38, 20, 21, 22]
 
 
 def test_a_new_request_with_a_cached_prefix_starts_after_it() -> None:
     table = np.full((2, WIDTH), -1, dtype=np.int32)
     table[1, :3] = [4, 8, 6]
     i64, none = np.int64, np.zeros(0, np.int64)
-    batch = sched.schedule_reference(
+    scheduled, _ = sched.schedule_reference(
         none, none, np.zeros(0, bool), none, none, none, none, np.zeros(0, bool), none, none,
         np.array([300], i64), np.array([1], i64), np.array([3], i64), np.array([11], i64),
-        np.array([8], i64), table, TPB)
-    assert batch.scheduled.start_positions.tolist() == [8]
-    assert batch.scheduled.positions()[1].tolist() == [8, 9, 10]
-    assert batch.slots.tolist() == [24, 25, 26]
+        np.array([8], i64))
+    assert scheduled.start_positions.tolist() == [8]
+    assert scheduled.positions()[1].tolist() == [8, 9, 10]
+    assert slots_of(scheduled, table) == [24, 25, 26]
 
 
 def test_a_new_request_runs_no_further_than_its_prompt() -> None:
-    table = np.full((2, WIDTH), -1, dtype=np.int32)
-    table[1, :3] = [4, 8, 6]
     i64, none = np.int64, np.zeros(0, np.int64)
     # a chunk of up to 5 tokens, 8 of the prompt's 10 cached: the last 2 run
-    batch = sched.schedule_reference(
+    scheduled, _ = sched.schedule_reference(
         none, none, np.zeros(0, bool), none, none, none, none, np.zeros(0, bool), none, none,
         np.array([300], i64), np.array([1], i64), np.array([5], i64), np.array([10], i64),
-        np.array([8], i64), table, TPB)
-    assert batch.scheduled.num_tokens.tolist() == [2]
-    assert batch.scheduled.positions()[1].tolist() == [8, 9]
+        np.array([8], i64))
+    assert scheduled.num_tokens.tolist() == [2]
+    assert scheduled.positions()[1].tolist() == [8, 9]
