@@ -71,6 +71,13 @@ class RowState:
     num_blocks: np.ndarray  # == ceil(capacity / tokens_per_block)
     # Leading columns holding cached prefix blocks (shared, never written, never shrunk).
     cached: np.ndarray
+    # Lag 2: the pending grant was made under lag 2 (its slack follows `lag2_slack`), and the
+    # step granted before it is still unsettled (``behind``: its D and the slack it recorded).
+    # Results settle the behind step first; a request has at most one.
+    ahead: np.ndarray  # bool
+    behind: np.ndarray  # bool; implies pending
+    behind_draft: np.ndarray
+    behind_slack: np.ndarray
 
     @classmethod
     def empty(cls, num_rows: int) -> RowState:
@@ -80,7 +87,8 @@ class RowState:
         flags = np.zeros(num_rows, dtype=bool)
         return cls(live=flags, capacity=counts(), history=counts(), prompt_len=counts(),
                    slack=counts(), draft_len=counts(), pending=flags.copy(), lead=counts(),
-                   num_blocks=counts(), cached=counts())
+                   num_blocks=counts(), cached=counts(), ahead=flags.copy(),
+                   behind=flags.copy(), behind_draft=counts(), behind_slack=counts())
 
     def reset(self, row: int) -> None:
         for arr in vars(self).values():
