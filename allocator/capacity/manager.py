@@ -2,11 +2,11 @@
 
 The manager is host-only: it owns the block pool's bookkeeping and the block table (host mirror
 plus the device copy it keeps in sync), not the KV pool itself (`KVStorage`, built by whoever
-runs the model). Its state is keyed by block-table row (`capacity_state.RowState`).
+runs the model). Its state is keyed by block-table row (`state.RowState`).
 
 This module is the batched core: ``step`` applies one `StepPlan`, and every grant site and every
-settlement goes through it. The step runs compiled (`step_compiled`, numba) or as the numpy
-specification (`step_reference`); both change the same state identically. The per-request API of
+settlement goes through it. The step runs compiled (`step.compiled`, numba) or as the numpy
+specification (`step.reference`); both change the same state identically. The per-request API of
 docs/design.md (``add_request``, ``try_allocate_generation``, ``update_resources``, ``free``,
 ``capacity``, ...) is a facade over ``step`` (`capacity.requests`): it names a request by the id
 it was added under and translates it at the edge (``rows_of``).
@@ -118,7 +118,7 @@ class KVCacheManager(RequestApi):
 
     def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = ()) -> StepOutcome:
         """`step` for a plan its caller already converted and checked as `step` would (`coerce`
-        or `step_plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
+        or `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
         bounds and the state machine are still the step's to check, and a typed error still
         changes nothing."""
         prompts: list[Prompt | None] = []

@@ -3,7 +3,7 @@
 `RowState` holds one entry per block-table row (index = row); `CapacityState` bundles it with the
 block pool (free stack, reference counts, the LRU list of parked cached blocks), the block table
 (host cells, free-row stack) and the limits of the pool. Both step implementations
-(`step_reference`, `step_compiled`) change exactly this state and nothing else (the counters
+(`step.reference`, `step.compiled`) change exactly this state and nothing else (the counters
 move by the deltas a step returns), so comparing two copies of it compares everything a step
 can do.
 

@@ -1,6 +1,6 @@
 """The batched step's failures as codes, and the one place that turns a code into a typed error.
 
-Both implementations of the step (`step_reference`, numpy, and `step_compiled`, numba) report a
+Both implementations of the step (`step.reference`, numpy, and `step.compiled`, numba) report a
 bad plan the same way: an int64 array ``[kind, subject, index, detail]`` (``kind`` 0: no error).
 ``subject`` is the plan list at fault (one of ``SUBJECTS``), ``index`` the position in that list
 (or a row, for the block errors), ``detail`` a number the message quotes. `raise_step_error` turns

@@ -3,7 +3,7 @@
 `reference_step` applies a coerced plan to a `CapacityState` in named phases:
 
 1. ``validate``: list by list in plan order, every row live and listed once and every count at
-   least its least value (`step_errors.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then
+   least its least value (`codes.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then
    no request in two lists that exclude each other;
 2. ``settle``: reverts, then results, on copies of the row state (`Settled`);
 3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
@@ -22,7 +22,7 @@ and only then, when nothing can fail any more,
    head (the caller drops the evicted blocks' hashes: `StepRun.evicted`).
 
 A phase that finds bad input stops the step with a ``[kind, subject, index, detail]`` error (see
-`step_errors`) before any state changed. `step_compiled` is the same step as one compiled loop;
+`codes`) before any state changed. `step.compiled` is the same step compiled, phase for phase;
 the two are tested against each other on random plans.
 """
 
