@@ -44,6 +44,10 @@ class Committer:
                                           device=self.device)
             self.writes.protect(self._protected)
 
+    def check_invariants(self) -> None:
+        """The NWOR window manager's own state (`DeferredWriteManager.check_invariants`)."""
+        self.writes.check_invariants()
+
     def add_staging(self, staging: torch.Tensor) -> None:
         """Capture the graphs that commit from a worker's new ``staging`` buffer now, at
         registration, so that its first commits replay like the rest instead of capturing."""

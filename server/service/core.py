@@ -317,11 +317,12 @@ class ServiceCore:
             )
 
     def check_invariants(self) -> None:
-        """The manager's invariants plus the registry's: workers own exactly the live requests,
-        in the rows the manager holds them."""
+        """The manager's invariants plus the registry's (workers own exactly the live requests,
+        in the rows the manager holds them) and the committer's."""
         try:
             self.manager.check_invariants()
             self.registry.check_invariants(self.manager.live_rows)
+            self.committer.check_invariants()
         except InvariantViolation:
             for obs in self._observers:
                 obs.invariant_violation(1)
