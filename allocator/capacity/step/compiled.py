@@ -418,8 +418,8 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
             capacity[prefill_rows[i]] += prefill_tokens[i]
             history[prefill_rows[i]] += prefill_tokens[i]
 
-    # ---- 6. admitted requests take their cached blocks; blocks follow capacity: all shrinks
-    # (LIFO pushes; a finished row's cached blocks parked, last first), then all growth (pops)
+    # ---- 6. admitted requests take their cached blocks; blocks follow capacity: finished rows'
+    # cached blocks parked (last first), then all shrinks (LIFO pushes), then all growth (pops)
     start = 0
     for i in range(num_new):
         if refusals[i] == 0:
@@ -431,15 +431,16 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
         start += hit_counts[i]
     top = tops[0]
     tops[2] = 0
-    for row in range(n):
-        old_blocks[row] = num_blocks[row]
-        new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
-        for column in range(min(cached[row], num_blocks[row]) - 1, new - 1, -1):
+    for row in finished_rows:  # in the plan's order: it is the LRU order of their blocks
+        for column in range(min(cached[row], num_blocks[row]) - 1, -1, -1):
             block = host[row, column]
             host[row, column] = -1
             refcounts[block] -= 1
             if refcounts[block] == 0:
                 _park(block, lru_prev, lru_next, lru)
+    for row in range(n):
+        old_blocks[row] = num_blocks[row]
+        new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
         for column in range(max(new, cached[row]), num_blocks[row]):
             block = host[row, column]
             host[row, column] = -1
