@@ -1,27 +1,58 @@
-"""The batched step as one compiled loop (numba), for the hot path.
+"""The batched step compiled with numba, for the hot path: `reference`'s phases, one for one.
 
-`step_reference` is the specification; this is the same step written as plain loops over int64
-arrays so that numba compiles it into one native routine: the same checks in the same order (so
-the same error for the same bad plan), the same block moves in the same order (so the same block
-ids, free stack and table cells), the same outcome and counter deltas. Tests run both on random
-plans and compare every array of the state after each step.
+`reference_step` is the specification; this is the same step written as plain loops over int64
+arrays so that numba compiles it to native code: the same checks in the same order (so the same
+error for the same bad plan), the same block moves in the same order (so the same block ids,
+free stack and table cells), the same outcome and counter deltas. Tests run both on random plans
+and compare every array of the state after each step.
 
-Nothing is changed before every check has passed: the settled state is built in scratch arrays
-and copied back only then. The routine reports bad input as ``[kind, subject, index, detail]``
-(`step_errors`) and returns empty outputs.
+`_step` is `reference_step`'s driver: it calls functions named as the reference's phases, in its
+order, with the same arguments (the state and the step's scratch arrays as named tuples, so that
+the two files read side by side):
 
-numba caches the compiled routine on disk (``cache=True``, next to this file or, when that is
-not writable, in numba's user cache directory; ``NUMBA_CACHE_DIR`` overrides both), so only the
-first process on a machine pays the compile.
+1. ``validate``;
+2. ``settle_step``: reverts, then results, into `Settled` (scratch copies of the row state);
+3. ``plan_grants`` (returns the `Demand`) and ``plan_prefill``;
+4. ``serve_blocks``: row overflow, blocks served in order (`serve_in_order`, then
+   `serve_hits_in_order` for the new requests), rows for the new requests (returns `Served`);
+
+and only then, when nothing can fail any more,
+
+5. ``replace_state``: the settled and granted state replaces the row state;
+6. ``move_blocks``: new requests take their cached blocks, every row's blocks follow its
+   capacity (``_park_prefix``, ``_truncate``, ``_take``), finished rows are reset, new requests
+   are admitted (``_admit``); returns the outcome's arrays.
+
+A phase that finds bad input writes ``[kind, subject, index, detail]`` (`codes`) into ``error``
+and returns at once (its result unfinished); `_step` then returns empty outputs. Nothing is
+changed before every check has passed: the settled state is built in scratch arrays and copied
+back only then.
+
+Every function here is compiled into `_step` (``inline="always"``, see the note where they are
+compiled), so the step is still one native routine, and `_step` its one compiled signature.
+numba caches it on disk (``cache=True``, next to this file or, when that is not writable, in
+numba's user cache directory; ``NUMBA_CACHE_DIR`` overrides both), so only the first process on
+a machine pays the compile.
 """
-
 from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import asdict, fields
+from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
 from allocator.capacity.accounting import slack_rule as _slack_for
-from allocator.capacity.state import COUNTER_INDEX, COUNTER_NAMES, POLICY_CODES, CapacityState
-from allocator.capacity.step import codes
+from allocator.capacity.state import (
+    COUNTER_INDEX,
+    COUNTER_NAMES,
+    POLICY_CODES,
+    CapacityState,
+    RowState,
+    StepLimits,
+)
+from allocator.capacity.step import codes, reference
 from allocator.capacity.step.plan import (
     REFUSED_BATCH_FULL,
     REFUSED_OUT_OF_BLOCKS,
@@ -39,6 +70,7 @@ def available() -> bool:
 
 
 RECLAIM = POLICY_CODES[SlackPolicy.RECLAIM]
+NO_SLACK = POLICY_CODES[SlackPolicy.NONE]
 COUNT_GRANTS = COUNTER_INDEX["grants"]
 COUNT_REFUSED = COUNTER_INDEX["grants_refused"]
 COUNT_REVERTS = COUNTER_INDEX["reverts"]
@@ -51,64 +83,156 @@ COUNT_NOT_ADDED = COUNTER_INDEX["requests_refused"]
 COUNT_FREED = COUNTER_INDEX["requests_freed"]
 COUNT_EVICTED = COUNTER_INDEX["evicted_blocks"]
 
+# `State.tops`: the stack tops the step moves (numba cannot assign a tuple's fields).
+NUM_FREE = 0  # `BlockPool.num_free`
+NUM_FREE_ROWS = 1  # `BlockTable.num_free_rows`
+NUM_EVICTED = 2  # blocks this step evicted, in `Scratch.evicted`
+# `BlockPool.lru`'s entries.
+LRU_HEAD, LRU_TAIL, LRU_LENGTH = 0, 1, 2
 
-def _fail(error, kind, subject, index, detail):
+
+# The named tuples the step's functions take (numba compiles a field read to a struct read).
+# These four have the fields of `PlanArrays` (its lists: all int64, so that `validate` can index
+# them by subject code), `StepLimits` (the policy as its code, `POLICY_CODES`), `RowState` and
+# `reference.Settled` (in scratch arrays).
+Plan = namedtuple("Plan", [name for name in PlanArrays._fields if name != "strict_grants"])
+Limits = namedtuple("Limits", [field.name for field in fields(StepLimits)])
+Rows = namedtuple("Rows", [field.name for field in fields(RowState)])
+Settled = namedtuple("Settled", [field.name for field in fields(reference.Settled)])
+
+
+class Pool(NamedTuple):
+    """`BlockPool`'s arrays (its ``num_free`` is ``State.tops[NUM_FREE]``)."""
+
+    free_stack: np.ndarray
+    refcounts: np.ndarray
+    lru_prev: np.ndarray
+    lru_next: np.ndarray
+    lru: np.ndarray
+
+
+class Table(NamedTuple):
+    """`BlockTable`'s host arrays (its ``num_free_rows`` is ``State.tops[NUM_FREE_ROWS]``)."""
+
+    host: np.ndarray
+    free_rows: np.ndarray
+
+
+class State(NamedTuple):
+    """`CapacityState`, and the tops of its stacks (updated)."""
+
+    limits: Limits
+    rows: Rows
+    pool: Pool
+    table: Table
+    tops: np.ndarray  # int64 [3]: NUM_FREE, NUM_FREE_ROWS, NUM_EVICTED
+
+
+class HitArrays(NamedTuple):
+    """`Hits`' arrays: one count per new request, their blocks concatenated."""
+
+    counts: np.ndarray
+    blocks: np.ndarray
+
+
+class Demand(NamedTuple):
+    """`reference.Demand`; its arrays are `Scratch`'s, ``item_rows`` a view of its first ones."""
+
+    item_rows: np.ndarray
+    num_topups: int
+    is_new_grant: np.ndarray
+    wanted_draft: np.ndarray
+    target_capacity: np.ndarray
+
+
+class Served(NamedTuple):
+    """`reference.Served` without ``admitted``, ``first_tokens`` and ``hit_counts``: a new request
+    is admitted where its refusal is 0, and `_admit` works out the rest from the plan and hits."""
+
+    item_ok: np.ndarray  # per row that grows (top-ups, grants, prefill chunks): a view of scratch
+    granted: np.ndarray
+    prefill_ok: np.ndarray
+    refusals: np.ndarray
+    grant_starts: np.ndarray
+    prefill_starts: np.ndarray
+
+
+class Scratch(NamedTuple):
+    """The step's other working arrays, kept between steps (so a step allocates little). Per
+    row: ``item_rows`` (`Demand`'s, then `serve_blocks` puts the prefill rows after them),
+    ``is_new_grant``, ``wanted_draft``, ``target_capacity`` (`Demand`), ``item_ok`` (`Served`;
+    top-ups, grants and prefill chunks name distinct rows, so they fit), ``seen`` (`validate`),
+    ``rewritten`` (freed or admitted rows) and ``old_blocks`` (`move_blocks`). Per block:
+    ``claimed`` (`serve_hits_in_order`) and ``evicted`` (`_take`). ``seen`` and ``claimed`` are
+    all False on entry and on return."""
+
+    item_rows: np.ndarray
+    is_new_grant: np.ndarray
+    wanted_draft: np.ndarray
+    target_capacity: np.ndarray
+    item_ok: np.ndarray
+    seen: np.ndarray
+    claimed: np.ndarray
+    rewritten: np.ndarray
+    old_blocks: np.ndarray
+    evicted: np.ndarray
+
+
+def _step(plan: tuple, strict: bool, state: tuple, hits: tuple, settled: tuple, scratch: tuple,
+          error: np.ndarray, deltas: np.ndarray) -> tuple:
+    """One step: `reference_step`. The arguments come as plain tuples (numba types a named
+    tuple argument on a slow path, a microsecond a call) of the fields of `Plan`, `State` (its
+    ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled` and
+    `Scratch`. Returns `move_blocks`' outcome, or empty arrays when ``error`` stops the step;
+    ``deltas``: the counter deltas."""
+    plan, hits = Plan(*plan), HitArrays(*hits)
+    settled, scratch = Settled(*settled), Scratch(*scratch)
+    limits, rows, pool, table, tops = state
+    state = State(Limits(*limits), Rows(*rows), Pool(*pool), Table(*table), tops)
+    validate(plan, state, scratch.seen, error)
+    if error[0]:
+        return _no_outcome()
+    settle_step(plan, state, settled, error)
+    if error[0]:
+        return _no_outcome()
+    demand = plan_grants(plan, state, settled, scratch, error)
+    if error[0]:
+        return _no_outcome()
+    plan_prefill(plan, state, settled, demand, error)
+    if error[0]:
+        return _no_outcome()
+    served = serve_blocks(plan, strict, state, settled, demand, hits, scratch, error)
+    if error[0]:
+        return _no_outcome()
+    replace_state(plan, state, settled, demand, served, deltas)
+    outcome = move_blocks(plan, state, served, hits, scratch)
+    deltas[COUNT_EVICTED] = tops[NUM_EVICTED]
+    admitted = served.refusals.size - np.count_nonzero(served.refusals)
+    deltas[COUNT_ADDED] = admitted
+    deltas[COUNT_NOT_ADDED] = served.refusals.size - admitted
+    deltas[COUNT_FREED] = plan.finished_rows.size
+    return outcome
+
+
+def _no_outcome() -> tuple:
+    """`move_blocks`' outcome, empty."""
+    nothing = np.empty(0, dtype=np.int64)
+    no = np.empty(0, dtype=np.bool_)
+    return (no, no, nothing, np.empty(0, dtype=np.int8), nothing, nothing, nothing, nothing,
+            nothing, np.empty(0, dtype=np.int32), nothing, nothing)
+
+
+def _fail(error: np.ndarray, kind: int, subject: int, index: int, detail: int) -> None:
     error[0] = kind
     error[1] = subject
     error[2] = index
     error[3] = detail
-    return True
 
 
-def _first_unknown(rows, live):
-    """Index of the first row that is out of range or not live, or -1."""
-    for i in range(rows.size):
-        if rows[i] < 0 or rows[i] >= live.size or not live[rows[i]]:
-            return i
-    return -1
+# ---------------------------------------------------------------------- 1. validate
 
-
-def _first_repeat(rows, seen):
-    """Index of the first row listed earlier in ``rows``, or -1 (``seen``: all False on entry
-    and on return)."""
-    repeat = -1
-    for i in range(rows.size):
-        if seen[rows[i]]:
-            repeat = i
-            break
-        seen[rows[i]] = True
-    for i in range(rows.size):
-        seen[rows[i]] = False
-    return repeat
-
-
-def _first_outside(values, least, most):
-    """Index of the first value below ``least`` or above ``most``, or -1."""
-    for i in range(values.size):
-        if values[i] < least or values[i] > most:
-            return i
-    return -1
-
-
-def _first_listed(rows, first, second, third, seen):
-    """Index of the first of ``rows`` also in ``first``, ``second`` or ``third``, or -1."""
-    for others in (first, second, third):
-        for i in range(others.size):
-            seen[others[i]] = True
-    found = -1
-    for i in range(rows.size):
-        if seen[rows[i]]:
-            found = i
-            break
-    for others in (first, second, third):
-        for i in range(others.size):
-            seen[others[i]] = False
-    return found
-
-
-def _validate(plan, live, max_draft_len, max_seq_len, seen, error):
-    (revert_rows, result_rows, _, finished_rows, grant_rows, draft_lens, padding_rows, padded,
-     prefill_rows, _, prompt_lens, first_chunks) = plan
+def validate(plan: Plan, state: State, seen: np.ndarray, error: np.ndarray) -> None:
+    live, limits = state.rows.live, state.limits
     no_limit = np.iinfo(np.int64).max
     for subject in range(len(plan)):
         values = plan[subject]
@@ -125,279 +249,348 @@ def _validate(plan, live, max_draft_len, max_seq_len, seen, error):
             if i >= 0:
                 return _fail(error, codes.BELOW_MINIMUM, subject, i, least)
     for values, subject, most, kind in (
-            (draft_lens, codes.DRAFTS, max_draft_len, codes.ABOVE_MAX_DRAFT),
-            (padded, codes.PADDED, max_draft_len, codes.ABOVE_MAX_DRAFT),
-            (prompt_lens, codes.PROMPTS, max_seq_len, codes.PROMPT_TOO_LONG)):
+            (plan.draft_lens, codes.DRAFTS, limits.max_draft_len, codes.ABOVE_MAX_DRAFT),
+            (plan.padded_draft_lens, codes.PADDED, limits.max_draft_len, codes.ABOVE_MAX_DRAFT),
+            (plan.prompt_lens, codes.PROMPTS, limits.max_seq_len, codes.PROMPT_TOO_LONG)):
         i = _first_outside(values, -no_limit, most)
         if i >= 0:
             return _fail(error, kind, subject, i, most)
-    for i in range(first_chunks.size):
-        if first_chunks[i] > prompt_lens[i]:
+    for i in range(plan.first_chunks.size):
+        if plan.first_chunks[i] > plan.prompt_lens[i]:
             return _fail(error, codes.CHUNK_PAST_PROMPT, codes.FIRST_CHUNKS, i, 0)
-    none = revert_rows[:0]
+    none = plan.revert_rows[:0]
     for rows, subject, first, second, third, kind in (
-            (result_rows, codes.RESULTS, revert_rows, none, none, codes.REVERTED_AND_SETTLED),
-            (finished_rows, codes.FINISHED, grant_rows, padding_rows, prefill_rows,
-             codes.FINISHED_AND_SCHEDULED),
-            (prefill_rows, codes.GRANTS, grant_rows, none, none, codes.SCHEDULED_AND_PREFILLED),
-            (prefill_rows, codes.PADDING, padding_rows, none, none,
+            (plan.result_rows, codes.RESULTS, plan.revert_rows, none, none,
+             codes.REVERTED_AND_SETTLED),
+            (plan.finished_rows, codes.FINISHED, plan.grant_rows, plan.padding_rows,
+             plan.prefill_rows, codes.FINISHED_AND_SCHEDULED),
+            (plan.prefill_rows, codes.GRANTS, plan.grant_rows, none, none,
+             codes.SCHEDULED_AND_PREFILLED),
+            (plan.prefill_rows, codes.PADDING, plan.padding_rows, none, none,
              codes.SCHEDULED_AND_PREFILLED)):
         i = _first_listed(rows, first, second, third, seen)
         if i >= 0:
             return _fail(error, kind, subject, i, 0)
-    return False
+    return None
 
 
-def _copy_into(destination, source):
+def _first_unknown(rows: np.ndarray, live: np.ndarray) -> int:
+    """Index of the first row that is out of range or not live, or -1."""
+    for i in range(rows.size):
+        if rows[i] < 0 or rows[i] >= live.size or not live[rows[i]]:
+            return i
+    return -1
+
+
+def _first_repeat(rows: np.ndarray, seen: np.ndarray) -> int:
+    """Index of the first row listed earlier in ``rows``, or -1 (``seen``: all False on entry
+    and on return)."""
+    repeat = -1
+    for i in range(rows.size):
+        if seen[rows[i]]:
+            repeat = i
+            break
+        seen[rows[i]] = True
+    for i in range(rows.size):
+        seen[rows[i]] = False
+    return repeat
+
+
+def _first_outside(values: np.ndarray, least: int, most: int) -> int:
+    """Index of the first value below ``least`` or above ``most``, or -1."""
+    for i in range(values.size):
+        if values[i] < least or values[i] > most:
+            return i
+    return -1
+
+
+def _first_listed(rows: np.ndarray, first: np.ndarray, second: np.ndarray, third: np.ndarray,
+                  seen: np.ndarray) -> int:
+    """Index of the first of ``rows`` also in ``first``, ``second`` or ``third``, or -1."""
+    for others in (first, second, third):
+        for i in range(others.size):
+            seen[others[i]] = True
+    found = -1
+    for i in range(rows.size):
+        if seen[rows[i]]:
+            found = i
+            break
+    for others in (first, second, third):
+        for i in range(others.size):
+            seen[others[i]] = False
+    return found
+
+
+def _first_marked(rows: np.ndarray, marks: np.ndarray, value: bool) -> int:
+    """Index of the first of ``rows`` whose mark is ``value``, or -1."""
+    for i in range(rows.size):
+        if marks[rows[i]] == value:
+            return i
+    return -1
+
+
+# ---------------------------------------------------------------------- 2. settle
+
+def settle_step(plan: Plan, state: State, settled: Settled, error: np.ndarray) -> None:
+    """`reference.settle_step`, into ``settled``."""
+    reverts, results, accepted = plan.revert_rows, plan.result_rows, plan.num_accepted
+    policy = state.limits.policy
+    _copy_settled(settled, state.rows)
+    capacity, history, slack, draft_len, pending, lead = settled
+    i = _first_marked(reverts, pending, False)
+    if i >= 0:
+        return _fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
+    for row in reverts:
+        capacity[row] -= 1 + draft_len[row] + slack[row]
+        pending[row] = False
+        slack[row] = 0
+        draft_len[row] = 0
+    i = _first_marked(results, pending, False)
+    if i >= 0:
+        return _fail(error, codes.NO_PENDING_GRANT, codes.RESULTS, i, 0)
+    for i in range(results.size):
+        if accepted[i] > draft_len[results[i]]:
+            return _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i,
+                         draft_len[results[i]])
+    for i in range(results.size):  # `accounting.settle`
+        row = results[i]
+        new_history = history[row] + 1 + accepted[i]
+        reclaimed = slack[row] if policy == RECLAIM else 0
+        capacity[row] = max(capacity[row] - (draft_len[row] - accepted[i]) - reclaimed,
+                            new_history)
+        history[row] = new_history
+        pending[row] = False
+        lead[row] = accepted[i]
+        slack[row] = 0
+        draft_len[row] = 0
+    return None
+
+
+def _copy_settled(destination: Settled | Rows, source: Settled | Rows) -> None:
+    """`Settled`'s fields from ``source`` to ``destination``."""
+    _copy_into(destination.capacity, source.capacity)
+    _copy_into(destination.history, source.history)
+    _copy_into(destination.slack, source.slack)
+    _copy_into(destination.draft_len, source.draft_len)
+    _copy_into(destination.pending, source.pending)
+    _copy_into(destination.lead, source.lead)
+
+
+def _copy_into(destination: np.ndarray, source: np.ndarray) -> None:
     """``destination[:] = source`` for arrays of one length (as a loop: numba's slice assignment
     brings a shape check whose error message alone takes seconds to compile)."""
     for i in range(source.size):
         destination[i] = source[i]
 
 
-def _blocks_for(tokens, tokens_per_block):
-    return -(-tokens // tokens_per_block)
+# ---------------------------------------------------------------------- 3. grants and prefill
 
-
-def _unlink(block, lru_prev, lru_next, lru):
-    """Take ``block`` out of the LRU list (``BlockPool.unpark``)."""
-    before = lru_prev[block]
-    after = lru_next[block]
-    if before >= 0:
-        lru_next[before] = after
-    else:
-        lru[0] = after
-    if after >= 0:
-        lru_prev[after] = before
-    else:
-        lru[1] = before
-    lru_prev[block] = -1
-    lru_next[block] = -1
-    lru[2] -= 1
-
-
-def _park(block, lru_prev, lru_next, lru):
-    """Append ``block`` at the LRU tail (``BlockPool.park``)."""
-    tail = lru[1]
-    lru_prev[block] = tail
-    lru_next[block] = -1
-    if tail >= 0:
-        lru_next[tail] = block
-    else:
-        lru[0] = block
-    lru[1] = block
-    lru[2] += 1
-
-
-def _pop(free_stack, top, lru_prev, lru_next, lru, evicted, tops):
-    """A block off the free stack (its new top is ``top - 1``); when the stack is empty, the LRU
-    head is evicted onto it first and recorded in ``evicted[tops[2]]``."""
-    if top == 0:
-        block = lru[0]
-        _unlink(block, lru_prev, lru_next, lru)
-        free_stack[0] = block
-        evicted[tops[2]] = block
-        tops[2] += 1
-        top = 1
-    return free_stack[top - 1]
-
-
-def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refcounts, host,
-          free_rows, tops, lru_prev, lru_next, lru, hit_counts, hit_blocks, claimed, evicted,
-          scratch, flags, items, item_ok, error, deltas):
-    """One step. ``counts``: capacity, history, prompt_len, slack, draft_len, lead, num_blocks,
-    cached (int64 per row); ``limits``: max_batch_size, tokens_per_block, max_blocks_per_seq,
-    max_draft_len, max_seq_len, policy; ``tops``: free blocks, free rows, evicted blocks
-    (updated); ``lru_*``: the pool's LRU list (updated); ``hit_counts`` (one per new request)
-    and ``hit_blocks``: the cached blocks new requests reuse. Scratch: ``scratch`` int64
-    [8, rows], ``flags`` bool [4, rows], ``items`` int64 and ``item_ok`` bool [rows] (top-ups,
-    grants and prefill chunks name distinct rows), ``claimed`` bool [blocks] (all False on entry
-    and on return), ``evicted`` int64 [blocks] (filled from ``tops[2]`` on)."""
-    (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens, padding_rows,
-     padded, prefill_rows, prefill_tokens, prompt_lens, first_chunks) = plan
-    n, tpb, max_blocks, max_draft_len, max_seq_len, policy = limits
-    capacity, history, prompt_len, slack, draft_len, lead, num_blocks, cached = counts
-    flags[:] = False
-    seen, is_new_grant, settled_pending, rewritten = flags[0], flags[1], flags[2], flags[3]
-    settled_capacity, settled_history, settled_slack, settled_draft = (
-        scratch[0], scratch[1], scratch[2], scratch[3])
-    settled_lead, wanted, target, old_blocks = scratch[4], scratch[5], scratch[6], scratch[7]
-    num_grants, num_chunks, num_new = grant_rows.size, prefill_rows.size, prompt_lens.size
-    granted = np.zeros(num_grants, dtype=np.bool_)
-    chunk_ok = np.zeros(num_chunks, dtype=np.bool_)
-    admitted_rows = np.full(num_new, -1, dtype=np.int64)
-    refusals = np.zeros(num_new, dtype=np.int8)
-    grant_starts = np.empty(num_grants, dtype=np.int64)
-    chunk_starts = np.empty(num_chunks, dtype=np.int64)
-    cached_tokens = np.zeros(num_new, dtype=np.int64)
-    nothing = np.empty(0, dtype=np.int64)
-    failed = (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, nothing,
-              nothing, nothing, np.empty(0, dtype=np.int32), nothing, cached_tokens)
-
-    # ---- 1. validate
-    if _validate(plan, live, max_draft_len, max_seq_len, seen, error):
-        return failed
-
-    # ---- 2. settle reverts and results (in scratch)
-    # The settled copies of the counts, in the same order.
-    settled = (settled_capacity, settled_history, settled_slack, settled_draft, settled_lead)
-    current = (capacity, history, slack, draft_len, lead)
-    for which in range(len(settled)):
-        _copy_into(settled[which], current[which])
-    _copy_into(settled_pending, pending)
-    for i in range(revert_rows.size):
-        if not settled_pending[revert_rows[i]]:
-            _fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
-            return failed
-    for row in revert_rows:
-        settled_capacity[row] -= 1 + settled_draft[row] + settled_slack[row]
-        settled_pending[row] = False
-        settled_slack[row] = 0
-        settled_draft[row] = 0
-    for i in range(result_rows.size):
-        if not settled_pending[result_rows[i]]:
-            _fail(error, codes.NO_PENDING_GRANT, codes.RESULTS, i, 0)
-            return failed
-    for i in range(result_rows.size):
-        drafts = settled_draft[result_rows[i]]
-        if num_accepted[i] > drafts:
-            _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts)
-            return failed
-    for i in range(result_rows.size):
-        row, accepted = result_rows[i], num_accepted[i]
-        new_history = settled_history[row] + 1 + accepted
-        reclaimed = settled_slack[row] if policy == RECLAIM else 0
-        settled_capacity[row] = max(
-            settled_capacity[row] - (settled_draft[row] - accepted) - reclaimed, new_history)
-        settled_history[row] = new_history
-        settled_pending[row] = False
-        settled_lead[row] = accepted
-        settled_slack[row] = 0
-        settled_draft[row] = 0
-
-    # ---- 3. grants, padding, prefill: the capacity each one wants
-    for i in range(num_grants):
-        if settled_pending[grant_rows[i]]:
-            _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
-            return failed
-    for i in range(num_grants):
-        row = grant_rows[i]
-        if settled_history[row] < prompt_len[row]:
+def plan_grants(plan: Plan, state: State, settled: Settled, scratch: Scratch,
+                error: np.ndarray) -> Demand:
+    """`reference.plan_grants`; the `Demand`'s arrays are ``scratch``'s (no item rows when it
+    stopped the step)."""
+    grants, draft_lens = plan.grant_rows, plan.draft_lens
+    padding, padded = plan.padding_rows, plan.padded_draft_lens
+    prompt_len, limits = state.rows.prompt_len, state.limits
+    capacity, history, slack, draft_len, pending, lead = settled
+    items, is_new_grant = scratch.item_rows, scratch.is_new_grant
+    wanted, target = scratch.wanted_draft, scratch.target_capacity
+    stopped = Demand(items[:0], 0, is_new_grant, wanted, target)
+    i = _first_marked(grants, pending, True)
+    if i >= 0:
+        _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
+        return stopped
+    for i in range(grants.size):
+        if history[grants[i]] < prompt_len[grants[i]]:
             _fail(error, codes.PREFILL_INCOMPLETE, codes.GRANTS, i, 0)
-            return failed
-    for row in padding_rows:
-        wanted[row] = settled_draft[row]
-    for i in range(num_grants):
-        is_new_grant[grant_rows[i]] = True
-        wanted[grant_rows[i]] = draft_lens[i]
-    for i in range(padding_rows.size):
-        row = padding_rows[i]
-        if not (settled_pending[row] or is_new_grant[row]):
+            return stopped
+    is_new_grant[:] = False
+    for row in padding:  # `wanted` is read at padding and grant rows only
+        wanted[row] = draft_len[row]
+    for i in range(grants.size):
+        is_new_grant[grants[i]] = True
+        wanted[grants[i]] = draft_lens[i]
+    for i in range(padding.size):
+        if not (pending[padding[i]] or is_new_grant[padding[i]]):
             _fail(error, codes.NO_PENDING_GRANT, codes.PADDING, i, 0)
-            return failed
-    for i in range(padding_rows.size):
-        if padded[i] < wanted[padding_rows[i]]:
-            _fail(error, codes.PADDING_BELOW_DRAFT, codes.PADDED, i, wanted[padding_rows[i]])
-            return failed
-    num_items = 0
-    for i in range(padding_rows.size):
-        row = padding_rows[i]
-        wanted[row] = padded[i]
-        if not is_new_grant[row]:  # top-ups of earlier grants are served first
-            items[num_items] = row
-            num_items += 1
-    num_topups = num_items
-    for row in grant_rows:
-        items[num_items] = row
-        num_items += 1
-    for k in range(num_items):
-        row = items[k]
-        new_slack = _slack_for(wanted[row], settled_lead[row], overlap, policy)
-        if is_new_grant[row]:
+            return stopped
+    for i in range(padding.size):
+        if padded[i] < wanted[padding[i]]:
+            _fail(error, codes.PADDING_BELOW_DRAFT, codes.PADDED, i, wanted[padding[i]])
+            return stopped
+    # Padding of grants made in earlier calls cannot be refused (the forward is already
+    # planned), so it is served before this step's new grants.
+    num_topups = 0
+    for i in range(padding.size):
+        wanted[padding[i]] = padded[i]
+        if not is_new_grant[padding[i]]:
+            items[num_topups] = padding[i]
+            num_topups += 1
+    for i in range(grants.size):
+        items[num_topups + i] = grants[i]
+    for row in items[: num_topups + grants.size]:
+        new_slack = _slack_for(wanted[row], lead[row], limits.overlap, limits.policy)
+        if is_new_grant[row]:  # `accounting.grant_tokens`
             added = 1 + wanted[row] + new_slack
         else:
-            added = (wanted[row] - settled_draft[row]) + (new_slack - settled_slack[row])
-        target[row] = settled_capacity[row] + added
-    for i in range(num_chunks):
-        row = prefill_rows[i]
-        if settled_history[row] + prefill_tokens[i] > prompt_len[row]:
-            _fail(error, codes.PREFILL_PAST_PROMPT, codes.CHUNK_TOKENS, i, prompt_len[row])
-            return failed
-        target[row] = settled_capacity[row] + prefill_tokens[i]
-    for i in range(num_chunks):  # rows are distinct across items and chunks: <= rows in all
-        items[num_items + i] = prefill_rows[i]
-    num_grown = num_items + num_chunks
+            added = (wanted[row] - draft_len[row]) + (new_slack - slack[row])
+        target[row] = capacity[row] + added
+    return Demand(items[: num_topups + grants.size], num_topups, is_new_grant, wanted, target)
 
-    # ---- 4. blocks, served in order, then rows for the new requests
-    for k in range(num_grown):
-        row = items[k]
+
+def plan_prefill(plan: Plan, state: State, settled: Settled, demand: Demand,
+                 error: np.ndarray) -> None:
+    rows, tokens = plan.prefill_rows, plan.prefill_tokens
+    prompt_len, target = state.rows.prompt_len, demand.target_capacity
+    capacity, history = settled.capacity, settled.history
+    for i in range(rows.size):
+        row = rows[i]
+        if history[row] + tokens[i] > prompt_len[row]:
+            return _fail(error, codes.PREFILL_PAST_PROMPT, codes.CHUNK_TOKENS, i, prompt_len[row])
+        target[row] = capacity[row] + tokens[i]
+    return None
+
+
+# ---------------------------------------------------------------------- 4. blocks and rows
+
+def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, demand: Demand,
+                 hits: HitArrays, scratch: Scratch, error: np.ndarray) -> Served:
+    """`reference.serve_blocks`; returns the `Served` (unfinished when it stopped the step)."""
+    grants, chunks, finished = plan.grant_rows, plan.prefill_rows, plan.finished_rows
+    prompt_lens, first_chunks = plan.prompt_lens, plan.first_chunks
+    tpb, max_blocks = state.limits.tokens_per_block, state.limits.max_blocks_per_seq
+    num_blocks, cached, refcounts = state.rows.num_blocks, state.rows.cached, state.pool.refcounts
+    # Parked blocks count: they are evicted when the stack runs dry.
+    free_blocks = state.tops[NUM_FREE] + state.pool.lru[LRU_LENGTH]
+    rows_left = state.tops[NUM_FREE_ROWS] + finished.size
+    capacity, history = settled.capacity, settled.history
+    items, num_topups, target = demand.item_rows, demand.num_topups, demand.target_capacity
+    claimed = scratch.claimed
+    # The demand's item rows are the scratch's first ones: the prefill rows go after them.
+    grow_rows = scratch.item_rows[: items.size + chunks.size]
+    _copy_into(grow_rows[items.size :], chunks)
+    served = Served(scratch.item_ok[: grow_rows.size], np.zeros(grants.size, dtype=np.bool_),
+                    np.zeros(chunks.size, dtype=np.bool_),
+                    np.zeros(prompt_lens.size, dtype=np.int8),
+                    np.empty(grants.size, dtype=np.int64), np.empty(chunks.size, dtype=np.int64))
+    item_ok, granted, prefill_ok, refusals, grant_starts, prefill_starts = served
+    for row in grow_rows:
         if _blocks_for(target[row], tpb) > max_blocks:
             _fail(error, codes.ROW_OVERFLOW, codes.GRANTS, row, max_blocks)
-            return failed
-    for row in finished_rows:
-        rewritten[row] = True  # finished rows free all their blocks (and may be rewritten)
-    # Parked blocks count (they are evicted when the stack runs dry); a finished row's cached
-    # blocks do not: they are parked only if nobody else holds them.
-    available = tops[0] + lru[2]
-    for row in range(n):
-        if rewritten[row]:
-            available += num_blocks[row] - cached[row]
-        else:
-            available += num_blocks[row] - _blocks_for(settled_capacity[row], tpb)
-    left = available
-    for k in range(num_grown):
-        row = items[k]
-        need = _blocks_for(target[row], tpb) - _blocks_for(settled_capacity[row], tpb)
-        item_ok[k] = need <= left
-        if item_ok[k]:
-            left -= need
-    start = 0
-    for i in range(num_new):
-        tokens = _admitted_tokens(prompt_lens[i], first_chunks[i], hit_counts[i] * tpb)
-        need = _blocks_for(tokens, tpb) - hit_counts[i]
-        for k in range(start, start + hit_counts[i]):  # parked blocks it takes back
-            if refcounts[hit_blocks[k]] == 0 and not claimed[hit_blocks[k]]:
-                need += 1
-        if need <= left:
-            left -= need
-            for k in range(start, start + hit_counts[i]):
-                claimed[hit_blocks[k]] = True
-        else:
-            refusals[i] = REFUSED_OUT_OF_BLOCKS
-        start += hit_counts[i]
-    for k in range(hit_blocks.size):
-        claimed[hit_blocks[k]] = False
-    rows_left = tops[1] + finished_rows.size
-    for i in range(num_new):
+            return served
+    available = free_blocks + _released(num_blocks, cached, capacity, finished, tpb)
+    left = serve_in_order(grow_rows, target, capacity, tpb, available, item_ok)
+    serve_hits_in_order(prompt_lens, first_chunks, hits, refcounts, tpb, left, claimed, refusals)
+    # Rows are the other resource: admit in order while rows last.
+    for i in range(refusals.size):
         if refusals[i] == 0:
             if rows_left > 0:
                 rows_left -= 1
             else:
                 refusals[i] = REFUSED_BATCH_FULL
-    for k in range(num_items):
+    # Padding of an earlier grant, and strict grants, are not allowed to be refused.
+    for k in range(items.size):
         if (k < num_topups or strict) and not item_ok[k]:
             _fail(error, codes.OUT_OF_BLOCKS, codes.GRANTS, items[k], available)
-            return failed
-
-    # ---- validated: from here on nothing fails. 5. replace_state
-    for i in range(num_grants):
-        grant_starts[i] = settled_history[grant_rows[i]]
+            return served
+    for i in range(grants.size):
         granted[i] = item_ok[num_topups + i]
-    for i in range(num_chunks):
-        chunk_starts[i] = settled_history[prefill_rows[i]]
-        chunk_ok[i] = item_ok[num_items + i]
+        grant_starts[i] = history[grants[i]]
+    for i in range(chunks.size):
+        prefill_ok[i] = item_ok[items.size + i]
+        prefill_starts[i] = history[chunks[i]]
+    return served
+
+
+def _released(num_blocks: np.ndarray, cached: np.ndarray, capacity: np.ndarray,
+              finished: np.ndarray, tokens_per_block: int) -> int:
+    """Blocks the settled ``capacity`` frees: finished rows all theirs but their cached blocks
+    (those are parked, not free, until evicted)."""
+    released = 0
+    for row in range(num_blocks.size):
+        released += num_blocks[row] - _blocks_for(capacity[row], tokens_per_block)
+    for row in finished:
+        released += _blocks_for(capacity[row], tokens_per_block) - cached[row]
+    return released
+
+
+def admitted_tokens(prompt_len: int, first_chunk: int, cached_tokens: int) -> int:
+    """`reference.admitted_tokens` for one request."""
+    rest = prompt_len - cached_tokens
+    return cached_tokens + (rest if first_chunk == 0 else min(first_chunk, rest))
+
+
+def serve_hits_in_order(prompt_lens: np.ndarray, first_chunks: np.ndarray, hits: HitArrays,
+                        refcounts: np.ndarray, tokens_per_block: int, available: int,
+                        claimed: np.ndarray, refusals: np.ndarray) -> None:
+    """`reference.serve_hits_in_order` (with no hits, `serve_in_order`) for the new requests:
+    those not served are refused (``refusals``) for want of blocks."""
+    counts, blocks = hits
+    left = available
+    start = 0
+    for i in range(prompt_lens.size):
+        tokens = admitted_tokens(prompt_lens[i], first_chunks[i], counts[i] * tokens_per_block)
+        need = _blocks_for(tokens, tokens_per_block) - counts[i]
+        for k in range(start, start + counts[i]):  # parked blocks it takes back
+            if refcounts[blocks[k]] == 0 and not claimed[blocks[k]]:
+                need += 1
+        if need <= left:
+            left -= need
+            for k in range(start, start + counts[i]):
+                claimed[blocks[k]] = True
+        else:
+            refusals[i] = REFUSED_OUT_OF_BLOCKS
+        start += counts[i]
+    for k in range(blocks.size):
+        claimed[blocks[k]] = False
+
+
+def serve_in_order(grow_rows: np.ndarray, target: np.ndarray, capacity: np.ndarray,
+                   tokens_per_block: int, available: int, ok: np.ndarray) -> int:
+    """`reference.serve_in_order` for the rows that grow from ``capacity`` to ``target``: which
+    of them get their blocks (``ok``) when served in order, each one only if it still fits.
+    Returns the blocks left."""
+    left = available
+    for k in range(grow_rows.size):
+        row = grow_rows[k]
+        need = (_blocks_for(target[row], tokens_per_block)
+                - _blocks_for(capacity[row], tokens_per_block))
+        ok[k] = need <= left
+        if ok[k]:
+            left -= need
+    return left
+
+
+def _blocks_for(tokens: int, tokens_per_block: int) -> int:
+    return -(-tokens // tokens_per_block)
+
+
+# ---------------------------------------------------------------------- 5. replace_state
+
+def replace_state(plan: Plan, state: State, settled: Settled, demand: Demand, served: Served,
+                  deltas: np.ndarray) -> None:
+    """The settled and granted state replaces the row state; fills the counter deltas."""
+    results, accepted = plan.result_rows, plan.num_accepted
+    chunks, tokens = plan.prefill_rows, plan.prefill_tokens
+    num_reverts, num_grants, num_padding = (plan.revert_rows.size, plan.grant_rows.size,
+                                            plan.padding_rows.size)
+    overlap, policy = state.limits.overlap, state.limits.policy
+    rows = state.rows
+    capacity, history, slack, draft_len = rows.capacity, rows.history, rows.slack, rows.draft_len
+    pending, lead = rows.pending, rows.lead
+    items, is_new_grant = demand.item_rows, demand.is_new_grant
+    wanted, target = demand.wanted_draft, demand.target_capacity
+    item_ok, prefill_ok = served.item_ok, served.prefill_ok
     deltas[:] = 0
-    for i in range(result_rows.size):
-        deltas[COUNT_REWOUND] += draft_len[result_rows[i]] - num_accepted[i]
+    for i in range(results.size):
+        deltas[COUNT_REWOUND] += draft_len[results[i]] - accepted[i]
         if policy == RECLAIM:
-            deltas[COUNT_RECLAIMED] += slack[result_rows[i]]
-    deltas[COUNT_REVERTS] = revert_rows.size
-    deltas[COUNT_UPDATES] = result_rows.size
-    deltas[COUNT_TOPUPS] = padding_rows.size
-    for which in range(len(settled)):
-        _copy_into(current[which], settled[which])
-    _copy_into(pending, settled_pending)
-    for k in range(num_items):
+            deltas[COUNT_RECLAIMED] += slack[results[i]]
+    deltas[COUNT_REVERTS] = num_reverts
+    deltas[COUNT_UPDATES] = results.size
+    deltas[COUNT_TOPUPS] = num_padding
+    _copy_settled(rows, settled)
+    for k in range(items.size):
         if item_ok[k]:
             row = items[k]
             capacity[row] = target[row]
@@ -407,95 +600,202 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
             if is_new_grant[row]:
                 deltas[COUNT_GRANTS] += 1
     deltas[COUNT_REFUSED] = num_grants - deltas[COUNT_GRANTS]
-    for i in range(num_chunks):
-        if chunk_ok[i]:
-            capacity[prefill_rows[i]] += prefill_tokens[i]
-            history[prefill_rows[i]] += prefill_tokens[i]
+    for i in range(chunks.size):
+        if prefill_ok[i]:
+            capacity[chunks[i]] += tokens[i]
+            history[chunks[i]] += tokens[i]
 
-    # ---- 6. admitted requests take their cached blocks; blocks follow capacity: all shrinks
-    # (LIFO pushes; a finished row's cached blocks parked, last first), then all growth (pops)
-    start = 0
-    for i in range(num_new):
-        if refusals[i] == 0:
-            for k in range(start, start + hit_counts[i]):
-                block = hit_blocks[k]
-                if refcounts[block] == 0:
-                    _unlink(block, lru_prev, lru_next, lru)
-                refcounts[block] += 1
-        start += hit_counts[i]
-    top = tops[0]
-    tops[2] = 0
-    for row in range(n):
+
+# ---------------------------------------------------------------------- 6. blocks follow
+
+def move_blocks(plan: Plan, state: State, served: Served, hits: HitArrays,
+                scratch: Scratch) -> tuple:
+    """New requests take their cached blocks; every row's blocks follow
+    ceil(capacity / tokens_per_block): finished rows' cached blocks are parked (in the plan's
+    order), then all shrinks (blocks pushed on the free stack), then all growth (blocks taken);
+    finished rows are reset and go back to the free rows; admitted requests take rows and their
+    first blocks. Returns the outcome's arrays."""
+    finished, prompt_lens, first_chunks = plan.finished_rows, plan.prompt_lens, plan.first_chunks
+    rows, pool, table, tops = state.rows, state.pool, state.table, state.tops
+    tpb, capacity, num_blocks, cached = (state.limits.tokens_per_block, rows.capacity,
+                                         rows.num_blocks, rows.cached)
+    host, free_rows = table.host, table.free_rows
+    rewritten, old_blocks, evicted = scratch.rewritten, scratch.old_blocks, scratch.evicted
+    granted, prefill_ok, refusals, grant_starts, prefill_starts = (
+        served.granted, served.prefill_ok, served.refusals, served.grant_starts,
+        served.prefill_starts)
+    _take_hits(refusals, hits, pool)
+    rewritten[:] = False  # freed or admitted: from column 0
+    for row in finished:
+        rewritten[row] = True
+        _park_prefix(pool, host, row, min(cached[row], num_blocks[row]))
+    for row in range(num_blocks.size):
         old_blocks[row] = num_blocks[row]
-        new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
-        for column in range(min(cached[row], num_blocks[row]) - 1, new - 1, -1):
-            block = host[row, column]
-            host[row, column] = -1
-            refcounts[block] -= 1
-            if refcounts[block] == 0:
-                _park(block, lru_prev, lru_next, lru)
-        for column in range(max(new, cached[row]), num_blocks[row]):
-            block = host[row, column]
-            host[row, column] = -1
-            refcounts[block] -= 1
-            if refcounts[block] == 0:
-                free_stack[top] = block
-                top += 1
-        num_blocks[row] = min(new, num_blocks[row])
-    for row in range(n):
-        new = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
-        for column in range(num_blocks[row], new):
-            block = _pop(free_stack, top, lru_prev, lru_next, lru, evicted, tops)
-            top = max(top, 1) - 1
-            host[row, column] = block
-            refcounts[block] = 1
-        num_blocks[row] = max(new, num_blocks[row])
-    free_top = tops[1]
-    for row in finished_rows:
-        live[row] = False
-        capacity[row] = history[row] = prompt_len[row] = 0
-        slack[row] = draft_len[row] = lead[row] = cached[row] = 0
-        pending[row] = False
-        free_rows[free_top] = row
-        free_top += 1
-    admitted = 0
+        target = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
+        if target < num_blocks[row]:
+            _truncate(pool, tops, host, row, max(target, cached[row]), num_blocks[row])
+            num_blocks[row] = target
+    tops[NUM_EVICTED] = 0
+    for row in range(num_blocks.size):
+        target = 0 if rewritten[row] else _blocks_for(capacity[row], tpb)
+        if target > num_blocks[row]:
+            _take(pool, tops, evicted, host, row, num_blocks[row], target)
+            num_blocks[row] = target
+    for row in finished:
+        _reset(rows, row)
+        free_rows[tops[NUM_FREE_ROWS]] = row
+        tops[NUM_FREE_ROWS] += 1
+    admitted_rows, cached_tokens = _admit(prompt_lens, first_chunks, refusals, hits, rows, pool,
+                                          host, free_rows, tops, tpb, rewritten, evicted)
+    changed_rows, changed_from, changed_blocks, changed_ids, changed_cells = _changes(
+        num_blocks, old_blocks, rewritten, host)
+    return (granted, prefill_ok, admitted_rows, refusals, grant_starts, prefill_starts,
+            changed_rows, changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens)
+
+
+def _take_hits(refusals: np.ndarray, hits: HitArrays, pool: Pool) -> None:
+    """Each admitted request takes a reference on its cached blocks, out of the LRU list if
+    parked."""
+    counts, blocks = hits
+    refcounts = pool.refcounts
     start = 0
-    for i in range(num_new):
-        start += hit_counts[i]
+    for i in range(refusals.size):
+        if refusals[i] == 0:
+            for block in blocks[start : start + counts[i]]:
+                if refcounts[block] == 0:
+                    _unpark(block, pool)
+                refcounts[block] += 1
+        start += counts[i]
+
+
+def _park_prefix(pool: Pool, host: np.ndarray, row: int, cached: int) -> None:
+    """Release a finished row's ``cached`` columns, last first: a block nobody else holds is
+    parked at the LRU tail (so a prefix's end is evicted before its start)."""
+    for column in range(cached - 1, -1, -1):
+        block = _release(host, row, column, pool.refcounts)
+        if block >= 0:
+            _park(block, pool)
+
+
+def _truncate(pool: Pool, tops: np.ndarray, host: np.ndarray, row: int, start: int,
+              end: int) -> None:
+    """Columns ``start`` to ``end`` of ``row`` emptied (`BlockTable.truncate`) and their blocks
+    released, one nobody else holds onto the free stack (`BlockPool.release_unique`)."""
+    free_stack, refcounts = pool.free_stack, pool.refcounts
+    for column in range(start, end):
+        block = _release(host, row, column, refcounts)
+        if block >= 0:
+            free_stack[tops[NUM_FREE]] = block
+            tops[NUM_FREE] += 1
+
+
+def _release(host: np.ndarray, row: int, column: int, refcounts: np.ndarray) -> int:
+    """Empty one cell of the table; returns its block if nobody holds it any more, else -1."""
+    block = host[row, column]
+    host[row, column] = -1
+    refcounts[block] -= 1
+    return block if refcounts[block] == 0 else -1
+
+
+def _take(pool: Pool, tops: np.ndarray, evicted: np.ndarray, host: np.ndarray, row: int,
+          start: int, end: int) -> None:
+    """`reference._take` into columns ``start`` to ``end`` of ``row``: blocks with refcount 1 off
+    the free stack; when the stack is empty, the LRU head is evicted onto it first (and recorded
+    in ``evicted``)."""
+    free_stack, refcounts = pool.free_stack, pool.refcounts
+    for column in range(start, end):
+        if tops[NUM_FREE] == 0:
+            block = pool.lru[LRU_HEAD]
+            _unpark(block, pool)
+            free_stack[0] = block
+            evicted[tops[NUM_EVICTED]] = block
+            tops[NUM_EVICTED] += 1
+            tops[NUM_FREE] = 1
+        tops[NUM_FREE] -= 1
+        block = free_stack[tops[NUM_FREE]]
+        refcounts[block] = 1
+        host[row, column] = block
+
+
+def _unpark(block: int, pool: Pool) -> None:
+    """`BlockPool.unpark`: ``block`` out of the LRU list."""
+    lru_prev, lru_next, lru = pool.lru_prev, pool.lru_next, pool.lru
+    before = lru_prev[block]
+    after = lru_next[block]
+    if before >= 0:
+        lru_next[before] = after
+    else:
+        lru[LRU_HEAD] = after
+    if after >= 0:
+        lru_prev[after] = before
+    else:
+        lru[LRU_TAIL] = before
+    lru_prev[block] = -1
+    lru_next[block] = -1
+    lru[LRU_LENGTH] -= 1
+
+
+def _park(block: int, pool: Pool) -> None:
+    """`BlockPool.park`: ``block`` at the LRU tail."""
+    lru_prev, lru_next, lru = pool.lru_prev, pool.lru_next, pool.lru
+    tail = lru[LRU_TAIL]
+    lru_prev[block] = tail
+    lru_next[block] = -1
+    if tail >= 0:
+        lru_next[tail] = block
+    else:
+        lru[LRU_HEAD] = block
+    lru[LRU_TAIL] = block
+    lru[LRU_LENGTH] += 1
+
+
+def _reset(rows: Rows, row: int) -> None:
+    """`RowState.reset` (``num_blocks`` is 0 already)."""
+    rows.live[row] = False
+    rows.capacity[row] = rows.history[row] = rows.prompt_len[row] = 0
+    rows.slack[row] = rows.draft_len[row] = rows.lead[row] = rows.cached[row] = 0
+    rows.pending[row] = False
+
+
+def _admit(prompt_lens: np.ndarray, first_chunks: np.ndarray, refusals: np.ndarray,
+           hits: HitArrays, rows: Rows, pool: Pool, host: np.ndarray, free_rows: np.ndarray,
+           tops: np.ndarray, tpb: int, rewritten: np.ndarray,
+           evicted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each admitted request (refusal 0) takes a free row, its cached blocks, then fresh ones.
+    Returns the admitted rows (-1: refused) and cached tokens, one per new request."""
+    counts, blocks = hits
+    admitted_rows = np.full(prompt_lens.size, -1, dtype=np.int64)
+    cached_tokens = np.zeros(prompt_lens.size, dtype=np.int64)
+    end = 0
+    for i in range(prompt_lens.size):
+        cached = counts[i]
+        start, end = end, end + cached
         if refusals[i] != 0:
             continue
-        free_top -= 1
-        row = free_rows[free_top]
-        tokens = _admitted_tokens(prompt_lens[i], first_chunks[i], hit_counts[i] * tpb)
-        blocks = _blocks_for(tokens, tpb)
-        for column in range(hit_counts[i]):
-            host[row, column] = hit_blocks[start - hit_counts[i] + column]
-        for column in range(hit_counts[i], blocks):
-            block = _pop(free_stack, top, lru_prev, lru_next, lru, evicted, tops)
-            top = max(top, 1) - 1
-            host[row, column] = block
-            refcounts[block] = 1
-        cached[row] = hit_counts[i]
-        cached_tokens[i] = hit_counts[i] * tpb
-        live[row] = True
-        capacity[row] = history[row] = tokens
-        prompt_len[row] = prompt_lens[i]
-        num_blocks[row] = blocks
+        tops[NUM_FREE_ROWS] -= 1
+        row = free_rows[tops[NUM_FREE_ROWS]]
+        tokens = admitted_tokens(prompt_lens[i], first_chunks[i], cached * tpb)
+        n = _blocks_for(tokens, tpb)
+        for column in range(cached):
+            host[row, column] = blocks[start + column]
+        _take(pool, tops, evicted, host, row, cached, n)
+        rows.live[row] = True
+        rows.capacity[row] = rows.history[row] = tokens
+        rows.prompt_len[row] = prompt_lens[i]
+        rows.num_blocks[row] = n
+        rows.cached[row] = cached
+        cached_tokens[i] = cached * tpb
         rewritten[row] = True
         admitted_rows[i] = row
-        admitted += 1
-    tops[0] = top
-    tops[1] = free_top
-    deltas[COUNT_ADDED] = admitted
-    deltas[COUNT_NOT_ADDED] = num_new - admitted
-    deltas[COUNT_FREED] = finished_rows.size
-    deltas[COUNT_EVICTED] = tops[2]
+    return admitted_rows, cached_tokens
 
-    # ---- the outcome: every row whose cells changed, and those cells (flat indices)
-    num_changed = 0
-    num_ids = 0
-    num_cells = 0
-    for row in range(n):
+
+def _changes(num_blocks: np.ndarray, old_blocks: np.ndarray, rewritten: np.ndarray,
+             host: np.ndarray) -> tuple:
+    """Every row whose cells changed (`StepOutcome`'s ``changed_*``: rows, first column, block
+    count, ids), and those cells as flat indices into the table."""
+    num_changed = num_ids = num_cells = 0
+    for row in range(num_blocks.size):
         if rewritten[row] or num_blocks[row] != old_blocks[row]:
             start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
             num_changed += 1
@@ -507,10 +807,8 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
     changed_ids = np.empty(num_ids, dtype=np.int32)
     changed_cells = np.empty(num_cells, dtype=np.int64)
     width = host.shape[1]
-    k = 0
-    j = 0
-    c = 0
-    for row in range(n):
+    k = j = c = 0
+    for row in range(num_blocks.size):
         if rewritten[row] or num_blocks[row] != old_blocks[row]:
             start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
             changed_rows[k] = row
@@ -523,34 +821,55 @@ def _step(plan, strict, limits, overlap, counts, live, pending, free_stack, refc
                 changed_cells[c] = row * width + column
                 c += 1
             k += 1
-    return (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
-            changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens)
-
-
-def _admitted_tokens(prompt_len, first_chunk, cached_tokens):
-    """`step_reference.admitted_tokens` for one request."""
-    rest = prompt_len - cached_tokens
-    return cached_tokens + (rest if first_chunk == 0 else min(first_chunk, rest))
+    return changed_rows, changed_from, changed_blocks, changed_ids, changed_cells
 
 
 if numba is not None:
-    # Helpers take no constant arguments: numba compiles a separate variant of a function for
-    # every distinct constant it is called with. The one that does (the error setter) is
-    # inlined instead.
+    # All are inlined into `_step`. Those called with constants (`_fail`'s codes, `_first_marked`'s
+    # value) or with arrays of two types (`_copy_into`) must be: compiled on their own, they would
+    # be compiled again for each. The rest are too: the step runs a few per cent faster so
+    # (benchmarks/bench_step.py) and compiles no slower. Inlined, a tuple argument that stays
+    # alive across a loop costs a reference count taken and dropped per array in it: so each
+    # function takes the arrays it uses from its tuples at its top, and the helpers called per
+    # row take arrays, not `State`.
     _fail = jit(_fail, inline="always")
-    _first_unknown = jit(_first_unknown)
-    _first_repeat = jit(_first_repeat)
-    _first_outside = jit(_first_outside)
-    _first_listed = jit(_first_listed)
-    _validate = jit(_validate)
-    _copy_into = jit(_copy_into)
-    _slack_for = jit(_slack_for)
-    _blocks_for = jit(_blocks_for)
-    _unlink = jit(_unlink)
-    _park = jit(_park)
-    _pop = jit(_pop)
-    _admitted_tokens = jit(_admitted_tokens)
+    _first_marked = jit(_first_marked, inline="always")
+    _copy_settled = jit(_copy_settled, inline="always")
+    _copy_into = jit(_copy_into, inline="always")
+    _first_unknown = jit(_first_unknown, inline="always")
+    _first_repeat = jit(_first_repeat, inline="always")
+    _first_outside = jit(_first_outside, inline="always")
+    _first_listed = jit(_first_listed, inline="always")
+    validate = jit(validate, inline="always")
+    settle_step = jit(settle_step, inline="always")
+    plan_grants = jit(plan_grants, inline="always")
+    plan_prefill = jit(plan_prefill, inline="always")
+    _slack_for = jit(_slack_for, inline="always")
+    serve_blocks = jit(serve_blocks, inline="always")
+    _released = jit(_released, inline="always")
+    admitted_tokens = jit(admitted_tokens, inline="always")
+    serve_hits_in_order = jit(serve_hits_in_order, inline="always")
+    serve_in_order = jit(serve_in_order, inline="always")
+    _blocks_for = jit(_blocks_for, inline="always")
+    replace_state = jit(replace_state, inline="always")
+    move_blocks = jit(move_blocks, inline="always")
+    _take_hits = jit(_take_hits, inline="always")
+    _park_prefix = jit(_park_prefix, inline="always")
+    _truncate = jit(_truncate, inline="always")
+    _release = jit(_release, inline="always")
+    _take = jit(_take, inline="always")
+    _unpark = jit(_unpark, inline="always")
+    _park = jit(_park, inline="always")
+    _reset = jit(_reset, inline="always")
+    _admit = jit(_admit, inline="always")
+    _changes = jit(_changes, inline="always")
+    _no_outcome = jit(_no_outcome, inline="always")
     _step = jit(_step)
+
+_plan_lists = len(Plan._fields)
+_row_arrays = attrgetter(*Rows._fields)
+_pool_arrays = attrgetter(*Pool._fields)
+_table_arrays = attrgetter(*Table._fields)
 
 
 class CompiledStep:
@@ -561,40 +880,45 @@ class CompiledStep:
             raise ImportError("the compiled step needs numba (pip install numba)")
         limits = state.limits
         n = limits.max_batch_size
-        self.limits = np.array([n, limits.tokens_per_block, limits.max_blocks_per_seq,
-                                limits.max_draft_len, limits.max_seq_len,
-                                POLICY_CODES[limits.policy]], dtype=np.int64)
-        self.overlap = bool(limits.overlap)
-        self.scratch = np.zeros((8, n), dtype=np.int64)
-        self.flags = np.zeros((4, n), dtype=bool)
-        self.items = np.zeros(n, dtype=np.int64)
-        self.item_ok = np.zeros(n, dtype=bool)
+        self.limits = tuple(Limits(**{**asdict(limits), "overlap": bool(limits.overlap),
+                                      "policy": POLICY_CODES[limits.policy]}))
+
+        def counts(size: int = n) -> np.ndarray:
+            return np.zeros(size, dtype=np.int64)
+
+        def marks(size: int = n) -> np.ndarray:
+            return np.zeros(size, dtype=bool)
+
+        # `_step` takes them as plain tuples.
+        self.settled = tuple(Settled(capacity=counts(), history=counts(), slack=counts(),
+                                     draft_len=counts(), pending=marks(), lead=counts()))
+        blocks = state.pool.num_blocks
+        self.scratch = Scratch(item_rows=counts(), is_new_grant=marks(), wanted_draft=counts(),
+                               target_capacity=counts(), item_ok=marks(), seen=marks(),
+                               claimed=marks(blocks), rewritten=marks(), old_blocks=counts(),
+                               evicted=counts(blocks))
+        self.scratch_arrays = tuple(self.scratch)
         self.tops = np.zeros(3, dtype=np.int64)
-        self.claimed = np.zeros(state.pool.num_blocks, dtype=bool)
-        self.evicted = np.zeros(state.pool.num_blocks, dtype=np.int64)
-        self.no_hits = np.zeros(n, dtype=np.int64)
+        self.no_hits = counts()
 
     def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
         rows, pool, table = state.rows, state.pool, state.table
         error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
-        self.tops[0] = pool.num_free
-        self.tops[1] = table.num_free_rows
-        counts = (rows.capacity, rows.history, rows.prompt_len, rows.slack, rows.draft_len,
-                  rows.lead, rows.num_blocks, rows.cached)
+        self.tops[NUM_FREE] = pool.num_free
+        self.tops[NUM_FREE_ROWS] = table.num_free_rows
         num_new = plan.prompt_lens.size
         hit_counts = hits.counts if hits.counts.size == num_new else self.no_hits[:num_new]
+        step_state = (self.limits, _row_arrays(rows), _pool_arrays(pool), _table_arrays(table),
+                      self.tops)
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
          changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
-            tuple(plan[:12]), plan.strict_grants, self.limits, self.overlap, counts, rows.live,
-            rows.pending, pool.free_stack, pool.refcounts, table.host, table.free_rows,
-            self.tops, pool.lru_prev, pool.lru_next, pool.lru, hit_counts, hits.blocks,
-            self.claimed, self.evicted, self.scratch, self.flags, self.items, self.item_ok,
-            error, deltas)
+            plan[:_plan_lists], plan.strict_grants, step_state, (hit_counts, hits.blocks),
+            self.settled, self.scratch_arrays, error, deltas)
         if error[0]:
             return StepRun(error)
-        pool.num_free = int(self.tops[0])
-        table.num_free_rows = int(self.tops[1])
+        pool.num_free = int(self.tops[NUM_FREE])
+        table.num_free_rows = int(self.tops[NUM_FREE_ROWS])
         table.mark_cells(changed_cells)
         table.sync()
         outcome = StepOutcome(
@@ -604,4 +928,5 @@ class CompiledStep:
             changed_num_blocks=changed_blocks, changed_block_ids=changed_ids,
             num_blocks=rows.num_blocks.copy(), cached_tokens=cached_tokens,
         )
-        return StepRun(error, outcome, deltas, self.evicted[: self.tops[2]].copy())
+        return StepRun(error, outcome, deltas,
+                          self.scratch.evicted[: self.tops[NUM_EVICTED]].copy())
