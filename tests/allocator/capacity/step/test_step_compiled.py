@@ -9,8 +9,9 @@ the state exactly as it was before the plan.
 
 Plans are drawn around the managers' current state, at lag 1 or 2 (results for pending grants,
 grants for idle requests and at lag 2 for pending ones, chunks for prefilling ones, new requests,
-finishes) and then, often, broken in one of the ways a caller can break them: a stale or out-of-range row, a row listed twice or in two lists
-that exclude each other, a value out of bounds, too many blocks.
+finishes) and then, often, broken in one of the ways a caller can break them: a stale or
+out-of-range row, a row listed twice or in two lists that exclude each other, a value out of
+bounds, too many blocks.
 """
 
 from __future__ import annotations
