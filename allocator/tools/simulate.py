@@ -190,9 +190,7 @@ class Timeline:
 
     def __init__(self, spec: SimulationSpec) -> None:
         self.spec = spec
-        # TODO compiled lag 2: the compiled step refuses a grant behind an unsettled step.
-        self.manager = KVCacheManager(spec.pool_config(),
-                                      compiled=False if spec.lag == 2 else None)
+        self.manager = KVCacheManager(spec.pool_config())
         self.rng = np.random.default_rng(spec.seed)
         n = spec.num_requests
         admitted = self.manager.step(StepPlan(prompt_lens=np.full(n, spec.isl, dtype=np.int64)))
