@@ -5,6 +5,13 @@ for a whole batch (numpy arrays), so the per-request methods and the batched ``s
 
 Terms (tokens, per request): ``capacity`` reserved, ``history`` committed (history <= capacity),
 ``draft`` the D of the pending grant, ``slack`` the overlap slack that grant recorded.
+
+Two timelines (docs/design.md, "Lag"). At lag 1 a step's results come with the next call, before
+its next grant: the rules above. At lag 2 they come one call later, so a grant may find the
+request's previous step still unsettled (*behind*): the device is then already somewhere in that
+step's 1 + D tokens, and the grant must cover its own 1 + D past all of them. The behind step's
+reservation is that cover, kept whole until its results arrive: a lag-2 grant adds no slack of
+its own (`lag2_slack`), and settling the behind step gives back exactly its rejected drafts.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from allocator.capacity.state import POLICY_CODES
 from allocator.config import SlackPolicy
 
 _NO_SLACK = POLICY_CODES[SlackPolicy.NONE]
+_UNRECLAIMED = POLICY_CODES[SlackPolicy.UNRECLAIMED]
 
 
 def slack_rule(draft_len, lead, overlap, policy):  # type: ignore[no-untyped-def]
@@ -31,6 +39,36 @@ def slack_rule(draft_len, lead, overlap, policy):  # type: ignore[no-untyped-def
     if overlap and policy != _NO_SLACK:
         return np.maximum(draft_len, lead)
     return draft_len * 0  # zero in the shape of draft_len, an array or an integer
+
+
+def lag2_slack(draft_len, policy):  # type: ignore[no-untyped-def]
+    """Slack a lag-2 grant records: none, since the behind step's drafts stay reserved until its
+    results come; ``unreclaimed`` (the leak, on purpose) still grants D every step. Arrays and
+    integers alike, like `slack_rule`."""
+    if policy == _UNRECLAIMED:
+        return draft_len
+    return draft_len * 0
+
+
+def released_behind(behind_draft, policy):  # type: ignore[no-untyped-def]
+    """Drafts of the behind step a lag-2 grant gives back at once: all of them under ``none``
+    (the host assumes the unsettled drafts were rejected, and the device, which accepted some,
+    writes past capacity: the IMA on purpose), else none."""
+    if policy == _NO_SLACK:
+        return behind_draft
+    return behind_draft * 0
+
+
+def settle_behind(capacity, history, behind_draft, behind_slack, accepted,  # type: ignore[no-untyped-def]
+                  policy):
+    """Results for a step that was behind a lag-2 grant: commit 1 + accepted, give back the
+    rejected drafts (unless `released_behind` already gave back all of them) and, under
+    ``reclaim``, the slack its own grant recorded (none at lag 2; a lag-1 grant's otherwise).
+    Capacity never drops below the new history. Returns ``(capacity, history)``."""
+    new_history = history + 1 + accepted
+    rejected = (behind_draft - accepted) if policy != _NO_SLACK else accepted * 0
+    reclaimed = behind_slack if policy != _UNRECLAIMED and policy != _NO_SLACK else 0 * accepted
+    return np.maximum(capacity - rejected - reclaimed, new_history), new_history
 
 
 def slack_for(draft_len: np.ndarray, overlap: bool, policy: SlackPolicy,

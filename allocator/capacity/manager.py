@@ -2,20 +2,21 @@
 
 The manager is host-only: it owns the block pool's bookkeeping and the block table (host mirror
 plus the device copy it keeps in sync), not the KV pool itself (`KVStorage`, built by whoever
-runs the model). Its state is keyed by block-table row (`capacity_state.RowState`).
+runs the model). Its state is keyed by block-table row (`state.RowState`).
 
 This module is the batched core: ``step`` applies one `StepPlan`, and every grant site and every
-settlement goes through it. The step runs compiled (`step_compiled`, numba) or as the numpy
-specification (`step_reference`); both change the same state identically. The per-request API of
+settlement goes through it. The step runs compiled (`step.compiled`, numba) or as the numpy
+specification (`step.reference`); both change the same state identically. The per-request API of
 docs/design.md (``add_request``, ``try_allocate_generation``, ``update_resources``, ``free``,
 ``capacity``, ...) is a facade over ``step`` (`capacity.requests`): it names a request by the id
 it was added under and translates it at the edge (``rows_of``).
 
 Invariants (``check_invariants`` verifies all of them):
 - history <= capacity, and num_blocks == ceil(capacity / tokens_per_block) <= max_blocks_per_seq;
-- a request holds at most one generation grant at a time; while it does, that grant added
-  exactly ``1 + draft + slack`` (slack per `accounting.slack_for`), which is what a revert
-  takes back;
+- a request holds at most one generation grant at a time, and at lag 2 at most one unsettled
+  step behind it (granted at lag 2 too); the pending grant added exactly ``1 + draft + slack``
+  (slack per `reference.grant_slack`: `accounting.slack_for` at lag 1, `accounting.lag2_slack`
+  at lag 2), which is what a revert takes back;
 - blocks are conserved (free + parked + owned == total); reference counts equal the number of
   rows holding a block, and a block held by more than one row, or parked, is a cached prefix
   block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
@@ -41,14 +42,20 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
-from allocator.capacity.accounting import blocks_for, slack_for
+from allocator.capacity.accounting import blocks_for, lag2_slack
 from allocator.capacity.block_pool import BlockPool
 from allocator.capacity.block_table import BlockTable
 from allocator.capacity.kv_events import KVCacheEvent
 from allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt
 from allocator.capacity.requests import RequestApi, RequestIds
 from allocator.capacity.slots import run_slots
-from allocator.capacity.state import CapacityState, ManagerCounters, RowState, StepLimits
+from allocator.capacity.state import (
+    POLICY_CODES,
+    CapacityState,
+    ManagerCounters,
+    RowState,
+    StepLimits,
+)
 from allocator.capacity.step import compiled as step_compiled
 from allocator.capacity.step.codes import ROW_OVERFLOW, raise_step_error
 from allocator.capacity.step.plan import (
@@ -59,7 +66,7 @@ from allocator.capacity.step.plan import (
     coerce,
     prompt_token_arrays,
 )
-from allocator.capacity.step.reference import NO_HITS, StepRun, reference_step
+from allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
 from allocator.common.placement import TensorAllocator, plain_tensor
 from allocator.config import PoolConfig, SlackPolicy
 from allocator.errors import InvariantViolation, UnknownRequest
@@ -111,7 +118,7 @@ class KVCacheManager(RequestApi):
 
     def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = ()) -> StepOutcome:
         """`step` for a plan its caller already converted and checked as `step` would (`coerce`
-        or `step_plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
+        or `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
         bounds and the state machine are still the step's to check, and a typed error still
         changes nothing."""
         prompts: list[Prompt | None] = []
@@ -259,6 +266,27 @@ class KVCacheManager(RequestApi):
 
     # ------------------------------------------------------------------ invariants
 
+    def _check_grant_records(self, live: np.ndarray) -> None:
+        """A pending grant's slack is what its grant site adds (`grant_slack`, by the lag it was
+        made at); a step behind it was granted at lag 2 too; nothing is recorded without them."""
+        r = self.rows
+        pend = live[r.pending[live]]
+        want = grant_slack(r.draft_len[pend], r.ahead[pend], r.lead[pend], self.state.limits)
+        if not np.array_equal(r.slack[pend], want):
+            raise InvariantViolation("a pending grant's slack is not what its grant site adds")
+        idle = live[~r.pending[live]]
+        if (r.slack[idle] != 0).any() or (r.draft_len[idle] != 0).any() or r.ahead[idle].any():
+            raise InvariantViolation("slack or drafts recorded without a pending grant")
+        behind = live[r.behind[live]]
+        if not (r.pending[behind] & r.ahead[behind]).all():
+            raise InvariantViolation("a step behind a grant that is not a pending lag-2 grant")
+        policy = POLICY_CODES[self.policy]
+        if not np.array_equal(r.behind_slack[behind], lag2_slack(r.behind_draft[behind], policy)):
+            raise InvariantViolation("a step behind records a slack its grant did not add")
+        alone = live[~r.behind[live]]
+        if r.behind_draft[alone].any() or r.behind_slack[alone].any():
+            raise InvariantViolation("a step behind recorded where there is none")
+
     def check_invariants(self) -> None:
         """Raise InvariantViolation if any documented invariant does not hold."""
         r = self.rows
@@ -274,14 +302,7 @@ class KVCacheManager(RequestApi):
             raise InvariantViolation("num_blocks != ceil(capacity / tokens_per_block)")
         if (r.num_blocks[live] > self.max_blocks_per_seq).any():
             raise InvariantViolation("a row holds more than max_blocks_per_seq blocks")
-        pend = live[r.pending[live]]
-        want = slack_for(r.draft_len[pend], self.config.overlap_scheduler, self.policy,
-                         r.lead[pend])
-        if not np.array_equal(r.slack[pend], want):
-            raise InvariantViolation("a pending grant's slack is not what its grant site adds")
-        idle = live[~r.pending[live]]
-        if (r.slack[idle] != 0).any() or (r.draft_len[idle] != 0).any():
-            raise InvariantViolation("slack or drafts recorded without a pending grant")
+        self._check_grant_records(live)
         self.table.check_invariants(live, r.num_blocks[live], self.pool.num_blocks, synced=True)
         self.table.check_held_rows(r.live)
         held = self.table.host[live]

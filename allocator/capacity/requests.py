@@ -142,15 +142,18 @@ class RequestApi:
         if not out.prefill_granted[0]:
             raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prefill chunk")
 
-    def try_allocate_generation(self, req_id: ReqId, draft_len: int) -> bool:
-        """Grant 1 + D (+ D slack under overlap); False, changing nothing, when out of blocks."""
-        out = self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len]))
+    def try_allocate_generation(self, req_id: ReqId, draft_len: int, *, lag: int = 1) -> bool:
+        """Grant 1 + D (+ D slack under overlap at lag 1; at lag 2 the grant may find the
+        previous step unsettled, see `StepPlan.lag`); False, changing nothing, when out of
+        blocks."""
+        out = self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len],
+                                 lag=lag))
         return bool(out.granted[0])
 
-    def prepare_draft_resources(self, req_id: ReqId, draft_len: int) -> None:
+    def prepare_draft_resources(self, req_id: ReqId, draft_len: int, *, lag: int = 1) -> None:
         """The draft model's grant site: the same rule and bookkeeping; raises OutOfBlocks."""
         self.step(StepPlan(grant_rows=self._one_row(req_id), draft_lens=[draft_len],
-                           strict_grants=True))
+                           strict_grants=True, lag=lag))
         self.counters.draft_grants += 1
 
     def extend_capacity_for_tokens(self, req_id: ReqId, padded_draft_len: int) -> None:

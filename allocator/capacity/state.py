@@ -3,7 +3,7 @@
 `RowState` holds one entry per block-table row (index = row); `CapacityState` bundles it with the
 block pool (free stack, reference counts, the LRU list of parked cached blocks), the block table
 (host cells, free-row stack) and the limits of the pool. Both step implementations
-(`step_reference`, `step_compiled`) change exactly this state and nothing else (the counters
+(`step.reference`, `step.compiled`) change exactly this state and nothing else (the counters
 move by the deltas a step returns), so comparing two copies of it compares everything a step
 can do.
 
@@ -71,6 +71,13 @@ class RowState:
     num_blocks: np.ndarray  # == ceil(capacity / tokens_per_block)
     # Leading columns holding cached prefix blocks (shared, never written, never shrunk).
     cached: np.ndarray
+    # Lag 2: the pending grant was made under lag 2 (its slack follows `lag2_slack`), and the
+    # step granted before it is still unsettled (``behind``: its D and the slack it recorded).
+    # Results settle the behind step first; a request has at most one.
+    ahead: np.ndarray  # bool
+    behind: np.ndarray  # bool; implies pending
+    behind_draft: np.ndarray
+    behind_slack: np.ndarray
 
     @classmethod
     def empty(cls, num_rows: int) -> RowState:
@@ -80,7 +87,8 @@ class RowState:
         flags = np.zeros(num_rows, dtype=bool)
         return cls(live=flags, capacity=counts(), history=counts(), prompt_len=counts(),
                    slack=counts(), draft_len=counts(), pending=flags.copy(), lead=counts(),
-                   num_blocks=counts(), cached=counts())
+                   num_blocks=counts(), cached=counts(), ahead=flags.copy(),
+                   behind=flags.copy(), behind_draft=counts(), behind_slack=counts())
 
     def reset(self, row: int) -> None:
         for arr in vars(self).values():

@@ -1,20 +1,24 @@
 """`kvalloc simulate`: a step-level model of an overlap scheduler running one-model MTP.
 
-The host side is the real `KVCacheManager`: every iteration is one batched ``step`` that settles
-the previous step (``update_resources`` with its accepted count), frees finished requests and
-grants this step (``try_allocate_generation``). The device side is a model of where the forward
-writes, following docs/design.md's write-reach formula::
+The host side is the real `KVCacheManager`: every iteration is one batched ``step`` that
+settles the results it has heard of, frees finished requests and grants this step. The device
+side plays the timeline (`StepPlan.lag`): each granted forward runs right after the call that
+granted it, from the device's own position, and accepts a sampled number of its drafts; the host
+hears that count ``lag`` calls later. At lag 1 that is the next call, before the next grant, so
+the device is never ahead of the host's history. At lag 2 a grant finds the previous step
+unsettled, and the device is ahead by the 1 + accepted of every forward the host has not heard
+of. docs/design.md's write reach is then::
 
-    reach = history + uncommitted + 1 + D
+    reach = device position + 1 + D
 
-Under the overlap scheduler the device runs one step ahead of the host's bookkeeping, so the
-accepted drafts of the previous step are already part of the device's KV position (``uncommitted``,
-at most D) when this step writes. A write at a position >= blocks * tokens_per_block lands on a
--1 block-table entry: the illegal memory access. A grant that needs more than
-``max_blocks_per_seq`` blocks is the row overflow.
+A forward writes positions ``position .. position + D``; one at or past blocks *
+tokens_per_block lands on a -1 block-table entry: the illegal memory access. Every forward still
+in flight is checked after every call, so a later call that takes its blocks away counts too. A
+grant that needs more than ``max_blocks_per_seq`` blocks is the row overflow.
 
-The slack policy reproduces the two production crashes on purpose: ``none`` -> IMA at a block
-boundary, ``unreclaimed`` -> row overflow; ``reclaim`` runs clean.
+The slack policy reproduces the two production crashes on purpose: at lag 2 ``none`` -> IMA at
+a block boundary, ``unreclaimed`` -> row overflow, while ``reclaim`` runs clean. At lag 1 results
+come before the next grant, so no slack is needed: ``none`` runs clean too.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from allocator.capacity.manager import KVCacheManager, StepPlan
+from allocator.capacity.step.plan import LAGS
 from allocator.config import PoolConfig, SlackPolicy
-from allocator.errors import BlockTableOverflow, OutOfBlocks
+from allocator.errors import BlockTableOverflow, InvariantViolation, OutOfBlocks
 from allocator.tools.arguments import bounded, output_file
 from allocator.tools.simulate_plot import plot
 from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
@@ -87,11 +92,13 @@ class Failure:
 @dataclass
 class SimulationResult:
     policy: str
+    lag: int
     steps: int
     requests_finished: int
     requests_total: int
     output_tokens: int
     grants_refused: int
+    grants_behind: int  # grants that found the request's previous step unsettled (lag 2)
     max_capacity_minus_history: int
     first_ima: Failure | None = None
     first_reach_past_capacity: Failure | None = None
@@ -123,7 +130,15 @@ class SimulationSpec:
     seed: int = 0
     policy: SlackPolicy = SlackPolicy.RECLAIM
     overlap: bool = True
+    lag: int = 2
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lag not in LAGS:
+            raise ValueError(f"lag {self.lag} is not one of {LAGS}")
+        if not self.overlap and self.lag != 1:
+            # Without overlap the host waits for a step's results before the next one.
+            raise ValueError("a scheduler without overlap runs at lag 1")
 
     def pool_config(self) -> PoolConfig:
         slack = self.draft_len if self.overlap else 0
@@ -139,80 +154,144 @@ class SimulationSpec:
 
 def simulate(spec: SimulationSpec) -> SimulationResult:
     """Run every request from prefill to ``osl`` output tokens or the first row overflow."""
-    manager = KVCacheManager(spec.pool_config())
-    rng = np.random.default_rng(spec.seed)
-    n, d, tpb = spec.num_requests, spec.draft_len, spec.tokens_per_block
-    admitted = manager.step(StepPlan(prompt_lens=np.full(n, spec.isl, dtype=np.int64)))
-    rows = admitted.admitted_rows  # request i lives in rows[i] (-1: not admitted)
-    request_of = {int(row): i for i, row in enumerate(rows.tolist()) if row >= 0}
-    result = SimulationResult(
-        policy=spec.policy.value, steps=0, requests_finished=0, requests_total=n,
-        output_tokens=0, grants_refused=0, max_capacity_minus_history=0,
-        max_blocks_per_seq=manager.max_blocks_per_seq, tokens_per_block=tpb,
-        trace={k: [] for k in ("capacity", "history", "reach", "allocated")},
-    )
-    live = [i for i in range(n) if rows[i] >= 0]
-    in_flight: dict[int, int] = {}  # request -> accepted drafts of its last forward
-    finished_tokens = 0
-    max_steps = spec.osl + 1  # every step commits at least one token
+    timeline = Timeline(spec)
+    # Every step commits at least one token, and the last one's results come `lag` calls on.
+    max_steps = spec.osl + spec.lag
     progress = _progress(max_steps, spec.progress)
     for step in range(1, max_steps + 1):
-        results = list(in_flight)
-        accepted = [in_flight[r] for r in results]
-        produced = {r: manager.view(int(rows[r])).history + 1 + a - spec.isl
-                    for r, a in zip(results, accepted, strict=True)}
-        done = [r for r, out in produced.items() if out >= spec.osl]
-        grants = [r for r in live if r not in done]
-        plan = StepPlan(result_rows=rows[results], num_accepted=accepted,
-                        finished_rows=rows[done], grant_rows=rows[grants],
-                        draft_lens=np.full(len(grants), d, dtype=np.int64))
-        try:
-            outcome = manager.step(plan)
-        except BlockTableOverflow as exc:
-            who = request_of[exc.row]
-            result.first_row_overflow = _failure(manager, step, who, int(rows[who]),
-                                                 in_flight.get(who, 0), d)
+        if not timeline.call(step):
             break
-        result.steps = step
-        result.requests_finished += len(done)
-        finished_tokens += sum(produced[r] for r in done)
-        live = grants
-        if not live:
-            break
-        lead = in_flight if spec.overlap else {}
-        in_flight = {}
-        for r, ok in zip(grants, outcome.granted.tolist(), strict=True):
-            if not ok:
-                result.grants_refused += 1
-                continue
-            f = _failure(manager, step, r, int(rows[r]), lead.get(r, 0), d)
-            if f.reach > f.allocated_tokens and result.first_ima is None:
-                result.first_ima = f
-            if f.reach > f.capacity and result.first_reach_past_capacity is None:
-                result.first_reach_past_capacity = f
-            if r == 0:
-                for key, value in (("capacity", f.capacity), ("history", f.history),
-                                   ("reach", f.reach), ("allocated", f.allocated_tokens)):
-                    result.trace[key].append(value)
-            in_flight[r] = int(spec.acceptance.sample(rng, d, 1)[0])
-        result.max_capacity_minus_history = max(
-            result.max_capacity_minus_history, manager.totals()["max_uncommitted_tokens"])
         progress.update(1)
     progress.close()
-    result.output_tokens = finished_tokens + sum(
-        manager.view(row).history - spec.isl for row in manager.live_rows.tolist())
-    manager.check_invariants()
-    return result
+    return timeline.finish()
 
 
-def _failure(manager: KVCacheManager, step: int, req: int, row: int, uncommitted: int,
-             draft_len: int) -> Failure:
-    view = manager.view(row)
-    return Failure(
-        step=step, request=req, reach=view.history + uncommitted + 1 + draft_len,
-        capacity=view.capacity,
-        allocated_tokens=view.num_blocks * manager.tokens_per_block, history=view.history,
-    )
+@dataclass
+class Forward:
+    """One granted forward as the simulated device ran it."""
+
+    draft: int
+    start: int  # the device's position when it began: it writes start .. start + draft
+    accepted: int  # drafts the device kept; the host hears of them `lag` calls later
+    due: int  # the call whose plan reports them
+
+    @property
+    def reach(self) -> int:
+        return self.start + 1 + self.draft
+
+
+class Timeline:
+    """The host's calls to the real manager and a device that runs each granted forward at once.
+
+    The device's position is its own: it advances by 1 + accepted when a forward runs, and the
+    host only learns the accepted count ``lag`` calls later (``StepPlan.result_rows``), so at
+    lag 2 the device is ahead of the host's history by every forward still unsettled.
+    """
+
+    def __init__(self, spec: SimulationSpec) -> None:
+        self.spec = spec
+        self.manager = KVCacheManager(spec.pool_config())
+        self.rng = np.random.default_rng(spec.seed)
+        n = spec.num_requests
+        admitted = self.manager.step(StepPlan(prompt_lens=np.full(n, spec.isl, dtype=np.int64)))
+        self.rows = admitted.admitted_rows  # request i lives in rows[i] (-1: not admitted)
+        self.request_of = {int(row): i for i, row in enumerate(self.rows.tolist()) if row >= 0}
+        self.live = [i for i in range(n) if self.rows[i] >= 0]
+        # The device's own count of kept tokens, ahead of the host's history at lag 2.
+        self.position = {r: spec.isl for r in self.live}
+        self.forwards: dict[int, list[Forward]] = {r: [] for r in self.live}  # oldest first
+        self.output = dict.fromkeys(self.live, 0)  # tokens the host has settled per request
+        self.result = SimulationResult(
+            policy=spec.policy.value, lag=spec.lag, steps=0, requests_finished=0,
+            requests_total=n, output_tokens=0, grants_refused=0, grants_behind=0,
+            max_capacity_minus_history=0,
+            max_blocks_per_seq=self.manager.max_blocks_per_seq,
+            tokens_per_block=spec.tokens_per_block,
+            trace={k: [] for k in ("capacity", "history", "reach", "allocated")},
+        )
+
+    def call(self, step: int) -> bool:
+        """One batched step; False when nothing is left to run (or a row overflowed)."""
+        results = [r for r in self.live if self.forwards[r] and self.forwards[r][0].due == step]
+        for r in results:
+            self.output[r] += 1 + self.forwards[r][0].accepted
+        done = {r for r in self.live if self.output[r] >= self.spec.osl}
+        # A done request waits for its last forward's results: freeing its blocks while that
+        # forward still writes would be a write into another request's blocks.
+        finished = [r for r in done if len(self.forwards[r]) - (r in results) == 0]
+        grants = [r for r in self.live if r not in done]
+        accepted = [self.forwards[r][0].accepted for r in results]
+        plan = StepPlan(result_rows=self.rows[results], num_accepted=accepted,
+                        finished_rows=self.rows[finished], grant_rows=self.rows[grants],
+                        draft_lens=np.full(len(grants), self.spec.draft_len, dtype=np.int64),
+                        lag=self.spec.lag)
+        try:
+            outcome = self.manager.step(plan)
+        except BlockTableOverflow as exc:
+            who = self.request_of[exc.row]
+            self.result.first_row_overflow = self._failure(step, who, self._reach(who))
+            return False
+        self.result.steps = step
+        self.result.requests_finished += len(finished)
+        for r in results:
+            self.forwards[r].pop(0)
+        self.live = [r for r in self.live if r not in finished]
+        self._launch(step, grants, outcome.granted.tolist(), outcome.grant_starts.tolist())
+        self._check_writes(step)
+        self.result.max_capacity_minus_history = max(
+            self.result.max_capacity_minus_history,
+            self.manager.totals()["max_uncommitted_tokens"])
+        return bool(self.live)
+
+    def _launch(self, step: int, grants: list[int], granted: list[bool],
+                starts: list[int]) -> None:
+        """Each granted forward runs now, from the device's position, whatever the host knows."""
+        for r, ok, start in zip(grants, granted, starts, strict=True):
+            if not ok:
+                self.result.grants_refused += 1
+                continue
+            # The host places the forward short of the device by exactly the drafts it has not
+            # heard of; anything else is a manager whose timeline disagrees with the device's.
+            unheard = sum(f.accepted for f in self.forwards[r])
+            if start + unheard != self.position[r]:
+                raise InvariantViolation(f"request {r}: grant_starts {start} + {unheard} unheard "
+                                         f"drafts is not the device's position {self.position[r]}")
+            self.result.grants_behind += bool(self.forwards[r])
+            accepted = int(self.spec.acceptance.sample(self.rng, self.spec.draft_len, 1)[0])
+            self.forwards[r].append(Forward(self.spec.draft_len, self.position[r],
+                                            accepted, step + self.spec.lag))
+            self.position[r] += 1 + accepted
+            if r == 0:
+                f = self._failure(step, r, self.forwards[r][-1].reach)
+                for key, value in (("capacity", f.capacity), ("history", f.history),
+                                   ("reach", f.reach), ("allocated", f.allocated_tokens)):
+                    self.result.trace[key].append(value)
+
+    def _check_writes(self, step: int) -> None:
+        """Every forward still in flight, this call's and older ones, against the blocks and
+        capacity its row holds now: a later call must not take away what it writes."""
+        for r in self.live:
+            for forward in self.forwards[r]:
+                f = self._failure(step, r, forward.reach)
+                if f.reach > f.allocated_tokens and self.result.first_ima is None:
+                    self.result.first_ima = f
+                if f.reach > f.capacity and self.result.first_reach_past_capacity is None:
+                    self.result.first_reach_past_capacity = f
+
+    def _reach(self, req: int) -> int:
+        """The reach of the forward the request would run next."""
+        return self.position[req] + 1 + self.spec.draft_len
+
+    def _failure(self, step: int, req: int, reach: int) -> Failure:
+        view = self.manager.view(int(self.rows[req]))
+        return Failure(step=step, request=req, reach=reach, capacity=view.capacity,
+                       allocated_tokens=view.num_blocks * self.manager.tokens_per_block,
+                       history=view.history)
+
+    def finish(self) -> SimulationResult:
+        self.result.output_tokens = sum(self.output.values())
+        self.manager.check_invariants()
+        return self.result
 
 
 class _NoProgress:
@@ -249,7 +328,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=[x.value for x in SlackPolicy], default=d.policy.value,
                    help="overlap slack: reclaim (correct), none (reproduces the IMA), "
                         "unreclaimed (reproduces the row overflow)")
-    p.add_argument("--no-overlap", action="store_true", help="model a non-overlap scheduler")
+    p.add_argument("--lag", type=int, choices=LAGS, default=None,
+                   help="calls between a step's grant and its results: 2, the overlap "
+                        "scheduler's timeline (default; 1 with --no-overlap), or 1")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="model a non-overlap scheduler (lag 1, no slack)")
     p.add_argument("--json", type=output_file, help="write the JSON summary here (also printed)")
     p.add_argument("--plot", type=output_file,
                    help="write a PNG of capacity/history/reach per step")
@@ -267,11 +350,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.shared_prefix is not None:
         return _run_sharing(args)
+    if args.no_overlap and args.lag == 2:
+        print("kvalloc simulate: error: --no-overlap --lag 2: a scheduler without overlap "
+              "waits for each step's results (lag 1)", file=sys.stderr)
+        return 2
     spec = SimulationSpec(
         isl=args.isl, osl=args.osl, draft_len=args.draft_len, acceptance=args.acceptance,
         tokens_per_block=args.tokens_per_block, num_requests=args.num_requests,
         num_blocks=args.num_blocks, seed=args.seed, policy=SlackPolicy(args.policy),
-        overlap=not args.no_overlap, progress=not args.no_progress and sys.stderr.isatty(),
+        overlap=not args.no_overlap, lag=args.lag or (1 if args.no_overlap else 2),
+        progress=not args.no_progress and sys.stderr.isatty(),
     )
     try:
         spec.pool_config()

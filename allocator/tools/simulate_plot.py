@@ -2,9 +2,10 @@
 
 Top: everything measured from the request's committed history, so the few tokens that decide
 an IMA are not lost in a 128k-token axis. The granted capacity is a shaded band, the write reach
-a line on top of it (a red cross wherever it leaves the band), and the end of the allocated
-blocks a dashed line that dips into view at every block boundary: reach past that line is the
-illegal memory access. Bottom: the request's block-table row filling up against its limit,
+(the device's own position + 1 + D: at lag 2 above history by the forward the host has not heard
+of yet) a line on top of it (a red cross wherever it leaves the band), and the end of the
+allocated blocks a dashed line that dips into view at every block boundary: reach past that line
+is the illegal memory access. Bottom: the request's block-table row filling up against its limit,
 which is where the row overflow shows. A failure is a vertical line through both panels with a
 label at the top of the picture; the legend sits outside the axes so it hides nothing.
 """
@@ -79,7 +80,8 @@ def figure(result: SimulationResult) -> Figure:
         _mark(top, bottom, name, failure, steps.size)
     verdict = ", ".join(f"{name} at step {f.step}" for name, f in failures) or (
         "clean: the write reach stays within granted capacity at every step")
-    fig.suptitle(f"kvalloc simulate --policy {result.policy}: {verdict}", fontsize=12)
+    fig.suptitle(f"kvalloc simulate --policy {result.policy} --lag {result.lag}: {verdict}",
+                 fontsize=12)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)

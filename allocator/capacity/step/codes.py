@@ -1,6 +1,6 @@
 """The batched step's failures as codes, and the one place that turns a code into a typed error.
 
-Both implementations of the step (`step_reference`, numpy, and `step_compiled`, numba) report a
+Both implementations of the step (`step.reference`, numpy, and `step.compiled`, numba) report a
 bad plan the same way: an int64 array ``[kind, subject, index, detail]`` (``kind`` 0: no error).
 ``subject`` is the plan list at fault (one of ``SUBJECTS``), ``index`` the position in that list
 (or a row, for the block errors), ``detail`` a number the message quotes. `raise_step_error` turns
@@ -60,6 +60,8 @@ PADDING_BELOW_DRAFT = 14  # detail: the granted draft length
 PREFILL_PAST_PROMPT = 15  # detail: the prompt length
 ROW_OVERFLOW = 16  # index: the row; detail: max_blocks_per_seq
 OUT_OF_BLOCKS = 17  # index: the first row refused; detail: blocks available
+TWO_UNSETTLED = 18  # a lag-2 grant for a request whose pending grant already has a step behind
+LAG1_PENDING = 19  # a lag-2 grant for a request whose pending grant was made at lag 1
 
 ERROR_SLOTS = 4
 
@@ -108,6 +110,10 @@ _MESSAGES: dict[int, tuple[type[KVAllocError], Callable[[_Failure], str]]] = {
     ACCEPTED_EXCEEDS_DRAFTS: (AcceptedExceedsDrafts, lambda f: f"{f.value} accepted for "
                               f"{f.detail} drafts ({f.row_of('result_rows')})"),
     GRANT_PENDING: (GrantPending, lambda f: f"{f.describe(f.value)} already holds a grant"),
+    TWO_UNSETTLED: (GrantPending, lambda f: f"{f.describe(f.value)} already has two unsettled "
+                    "steps (lag 2 allows one besides the grant): report the older one's results"),
+    LAG1_PENDING: (GrantPending, lambda f: f"{f.describe(f.value)} holds a grant made at lag 1: "
+                   "settle it before granting at lag 2"),
     PREFILL_INCOMPLETE: (PrefillIncomplete, lambda f: f"{f.describe(f.value)}'s prompt is not "
                          "fully scheduled"),
     PADDING_BELOW_DRAFT: (InvalidValue, lambda f: f"{f.value} is below the granted "

@@ -43,6 +43,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from allocator.capacity.accounting import lag2_slack as _lag2_slack
+from allocator.capacity.accounting import released_behind as _released_behind
+from allocator.capacity.accounting import settle_behind as _settle_behind
 from allocator.capacity.accounting import slack_rule as _slack_for
 from allocator.capacity.state import (
     COUNTER_INDEX,
@@ -95,7 +98,8 @@ LRU_HEAD, LRU_TAIL, LRU_LENGTH = 0, 1, 2
 # These four have the fields of `PlanArrays` (its lists: all int64, so that `validate` can index
 # them by subject code), `StepLimits` (the policy as its code, `POLICY_CODES`), `RowState` and
 # `reference.Settled` (in scratch arrays).
-Plan = namedtuple("Plan", [name for name in PlanArrays._fields if name != "strict_grants"])
+Plan = namedtuple("Plan", [name for name in PlanArrays._fields
+                           if name not in ("strict_grants", "lag")])
 Limits = namedtuple("Limits", [field.name for field in fields(StepLimits)])
 Rows = namedtuple("Rows", [field.name for field in fields(RowState)])
 Settled = namedtuple("Settled", [field.name for field in fields(reference.Settled)])
@@ -178,8 +182,8 @@ class Scratch(NamedTuple):
     evicted: np.ndarray
 
 
-def _step(plan: tuple, strict: bool, state: tuple, hits: tuple, settled: tuple, scratch: tuple,
-          error: np.ndarray, deltas: np.ndarray) -> tuple:
+def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settled: tuple,
+          scratch: tuple, error: np.ndarray, deltas: np.ndarray) -> tuple:
     """One step: `reference_step`. The arguments come as plain tuples (numba types a named
     tuple argument on a slow path, a microsecond a call) of the fields of `Plan`, `State` (its
     ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled` and
@@ -195,7 +199,7 @@ def _step(plan: tuple, strict: bool, state: tuple, hits: tuple, settled: tuple, 
     settle_step(plan, state, settled, error)
     if error[0]:
         return _no_outcome()
-    demand = plan_grants(plan, state, settled, scratch, error)
+    demand = plan_grants(plan, lag, state, settled, scratch, error)
     if error[0]:
         return _no_outcome()
     plan_prefill(plan, state, settled, demand, error)
@@ -204,7 +208,7 @@ def _step(plan: tuple, strict: bool, state: tuple, hits: tuple, settled: tuple, 
     served = serve_blocks(plan, strict, state, settled, demand, hits, scratch, error)
     if error[0]:
         return _no_outcome()
-    replace_state(plan, state, settled, demand, served, deltas)
+    replace_state(plan, lag, state, settled, demand, served, deltas)
     outcome = move_blocks(plan, state, served, hits, scratch)
     deltas[COUNT_EVICTED] = tops[NUM_EVICTED]
     admitted = served.refusals.size - np.count_nonzero(served.refusals)
@@ -258,10 +262,11 @@ def validate(plan: Plan, state: State, seen: np.ndarray, error: np.ndarray) -> N
     for i in range(plan.first_chunks.size):
         if plan.first_chunks[i] > plan.prompt_lens[i]:
             return _fail(error, codes.CHUNK_PAST_PROMPT, codes.FIRST_CHUNKS, i, 0)
+    i = _first_reverted_alone(plan.result_rows, plan.revert_rows, state.rows.behind, seen)
+    if i >= 0:
+        return _fail(error, codes.REVERTED_AND_SETTLED, codes.RESULTS, i, 0)
     none = plan.revert_rows[:0]
     for rows, subject, first, second, third, kind in (
-            (plan.result_rows, codes.RESULTS, plan.revert_rows, none, none,
-             codes.REVERTED_AND_SETTLED),
             (plan.finished_rows, codes.FINISHED, plan.grant_rows, plan.padding_rows,
              plan.prefill_rows, codes.FINISHED_AND_SCHEDULED),
             (plan.prefill_rows, codes.GRANTS, plan.grant_rows, none, none,
@@ -321,6 +326,22 @@ def _first_listed(rows: np.ndarray, first: np.ndarray, second: np.ndarray, third
     return found
 
 
+def _first_reverted_alone(results: np.ndarray, reverts: np.ndarray, behind: np.ndarray,
+                          seen: np.ndarray) -> int:
+    """Index of the first of ``results`` also reverted while no step is behind its grant (with
+    one, results settle the older step and the revert undoes the newer), or -1."""
+    for row in reverts:
+        seen[row] = True
+    found = -1
+    for i in range(results.size):
+        if seen[results[i]] and not behind[results[i]]:
+            found = i
+            break
+    for row in reverts:
+        seen[row] = False
+    return found
+
+
 def _first_marked(rows: np.ndarray, marks: np.ndarray, value: bool) -> int:
     """Index of the first of ``rows`` whose mark is ``value``, or -1."""
     for i in range(rows.size):
@@ -336,34 +357,65 @@ def settle_step(plan: Plan, state: State, settled: Settled, error: np.ndarray) -
     reverts, results, accepted = plan.revert_rows, plan.result_rows, plan.num_accepted
     policy = state.limits.policy
     _copy_settled(settled, state.rows)
-    capacity, history, slack, draft_len, pending, lead = settled
+    capacity, slack, draft_len, pending = (settled.capacity, settled.slack, settled.draft_len,
+                                           settled.pending)
+    behind, behind_draft = settled.behind, settled.behind_draft
     i = _first_marked(reverts, pending, False)
     if i >= 0:
         return _fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
     for row in reverts:
-        capacity[row] -= 1 + draft_len[row] + slack[row]
-        pending[row] = False
-        slack[row] = 0
-        draft_len[row] = 0
+        capacity[row] -= (1 + draft_len[row] + slack[row]
+                          - _released_behind(behind_draft[row], policy))
+        _revert_to_behind(settled, row)
     i = _first_marked(results, pending, False)
     if i >= 0:
         return _fail(error, codes.NO_PENDING_GRANT, codes.RESULTS, i, 0)
     for i in range(results.size):
-        if accepted[i] > draft_len[results[i]]:
-            return _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i,
-                         draft_len[results[i]])
-    for i in range(results.size):  # `accounting.settle`
         row = results[i]
-        new_history = history[row] + 1 + accepted[i]
-        reclaimed = slack[row] if policy == RECLAIM else 0
-        capacity[row] = max(capacity[row] - (draft_len[row] - accepted[i]) - reclaimed,
-                            new_history)
-        history[row] = new_history
-        pending[row] = False
-        lead[row] = accepted[i]
-        slack[row] = 0
-        draft_len[row] = 0
+        drafts = behind_draft[row] if behind[row] else draft_len[row]
+        if accepted[i] > drafts:
+            return _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts)
+    for i in range(results.size):
+        if behind[results[i]]:
+            _settle_older(settled, results[i], accepted[i], policy)
+        else:
+            _settle_single(settled, results[i], accepted[i], policy)
     return None
+
+
+def _revert_to_behind(settled: Settled, row: int) -> None:
+    """`reference._revert_to_behind` for one row."""
+    if settled.behind[row]:
+        settled.draft_len[row] = settled.behind_draft[row]
+        settled.slack[row] = settled.behind_slack[row]
+        settled.behind[row] = False
+        settled.behind_draft[row] = settled.behind_slack[row] = 0
+    else:
+        settled.pending[row] = settled.ahead[row] = False
+        settled.slack[row] = settled.draft_len[row] = 0
+
+
+def _settle_single(settled: Settled, row: int, accepted: int, policy: int) -> None:
+    """`accounting.settle` for one row."""
+    capacity, history = settled.capacity, settled.history
+    new_history = history[row] + 1 + accepted
+    reclaimed = settled.slack[row] if policy == RECLAIM else 0
+    capacity[row] = max(capacity[row] - (settled.draft_len[row] - accepted) - reclaimed,
+                        new_history)
+    history[row] = new_history
+    settled.pending[row] = settled.ahead[row] = False
+    settled.lead[row] = accepted
+    settled.slack[row] = settled.draft_len[row] = 0
+
+
+def _settle_older(settled: Settled, row: int, accepted: int, policy: int) -> None:
+    """`reference._settle_behind` for one row: the newer grant stays pending."""
+    settled.capacity[row], settled.history[row] = _settle_behind(
+        settled.capacity[row], settled.history[row], settled.behind_draft[row],
+        settled.behind_slack[row], accepted, policy)
+    settled.lead[row] = accepted
+    settled.behind[row] = False
+    settled.behind_draft[row] = settled.behind_slack[row] = 0
 
 
 def _copy_settled(destination: Settled | Rows, source: Settled | Rows) -> None:
@@ -374,6 +426,10 @@ def _copy_settled(destination: Settled | Rows, source: Settled | Rows) -> None:
     _copy_into(destination.draft_len, source.draft_len)
     _copy_into(destination.pending, source.pending)
     _copy_into(destination.lead, source.lead)
+    _copy_into(destination.ahead, source.ahead)
+    _copy_into(destination.behind, source.behind)
+    _copy_into(destination.behind_draft, source.behind_draft)
+    _copy_into(destination.behind_slack, source.behind_slack)
 
 
 def _copy_into(destination: np.ndarray, source: np.ndarray) -> None:
@@ -385,20 +441,20 @@ def _copy_into(destination: np.ndarray, source: np.ndarray) -> None:
 
 # ---------------------------------------------------------------------- 3. grants and prefill
 
-def plan_grants(plan: Plan, state: State, settled: Settled, scratch: Scratch,
+def plan_grants(plan: Plan, lag: int, state: State, settled: Settled, scratch: Scratch,
                 error: np.ndarray) -> Demand:
     """`reference.plan_grants`; the `Demand`'s arrays are ``scratch``'s (no item rows when it
     stopped the step)."""
     grants, draft_lens = plan.grant_rows, plan.draft_lens
     padding, padded = plan.padding_rows, plan.padded_draft_lens
     prompt_len, limits = state.rows.prompt_len, state.limits
-    capacity, history, slack, draft_len, pending, lead = settled
+    capacity, history, slack, draft_len = (settled.capacity, settled.history, settled.slack,
+                                           settled.draft_len)
+    pending, lead, ahead = settled.pending, settled.lead, settled.ahead
     items, is_new_grant = scratch.item_rows, scratch.is_new_grant
     wanted, target = scratch.wanted_draft, scratch.target_capacity
     stopped = Demand(items[:0], 0, is_new_grant, wanted, target)
-    i = _first_marked(grants, pending, True)
-    if i >= 0:
-        _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
+    if not _grantable(grants, lag, settled, error):
         return stopped
     for i in range(grants.size):
         if history[grants[i]] < prompt_len[grants[i]]:
@@ -429,13 +485,41 @@ def plan_grants(plan: Plan, state: State, settled: Settled, scratch: Scratch,
     for i in range(grants.size):
         items[num_topups + i] = grants[i]
     for row in items[: num_topups + grants.size]:
-        new_slack = _slack_for(wanted[row], lead[row], limits.overlap, limits.policy)
-        if is_new_grant[row]:  # `accounting.grant_tokens`
-            added = 1 + wanted[row] + new_slack
+        at_lag2 = lag == 2 if is_new_grant[row] else ahead[row]
+        new_slack = _grant_slack(wanted[row], at_lag2, lead[row], limits.overlap, limits.policy)
+        if is_new_grant[row]:
+            released = _released_behind(draft_len[row], limits.policy) if pending[row] else 0
+            added = 1 + wanted[row] + new_slack - released
         else:
             added = (wanted[row] - draft_len[row]) + (new_slack - slack[row])
-        target[row] = capacity[row] + added
+        target[row] = max(capacity[row] + added, history[row])
     return Demand(items[: num_topups + grants.size], num_topups, is_new_grant, wanted, target)
+
+
+def _grantable(grants: np.ndarray, lag: int, settled: Settled, error: np.ndarray) -> bool:
+    """`reference._check_grantable`: False, with ``error`` set, when a grant is not allowed."""
+    if lag == 1:
+        i = _first_marked(grants, settled.pending, True)
+        if i >= 0:
+            _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
+            return False
+        return True
+    i = _first_marked(grants, settled.behind, True)
+    if i >= 0:
+        _fail(error, codes.TWO_UNSETTLED, codes.GRANTS, i, 0)
+        return False
+    for i in range(grants.size):
+        if settled.pending[grants[i]] and not settled.ahead[grants[i]]:
+            _fail(error, codes.LAG1_PENDING, codes.GRANTS, i, 0)
+            return False
+    return True
+
+
+def _grant_slack(draft: int, at_lag2: bool, lead: int, overlap: bool, policy: int) -> int:
+    """`reference.grant_slack` for one grant."""
+    if at_lag2:
+        return _lag2_slack(draft, policy)
+    return _slack_for(draft, lead, overlap, policy)
 
 
 def plan_prefill(plan: Plan, state: State, settled: Settled, demand: Demand,
@@ -495,7 +579,7 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
             return served
     for i in range(grants.size):
         granted[i] = item_ok[num_topups + i]
-        grant_starts[i] = history[grants[i]]
+        grant_starts[i] = history[grants[i]] + (1 if settled.pending[grants[i]] else 0)
     for i in range(chunks.size):
         prefill_ok[i] = item_ok[items.size + i]
         prefill_starts[i] = history[chunks[i]]
@@ -567,8 +651,8 @@ def _blocks_for(tokens: int, tokens_per_block: int) -> int:
 
 # ---------------------------------------------------------------------- 5. replace_state
 
-def replace_state(plan: Plan, state: State, settled: Settled, demand: Demand, served: Served,
-                  deltas: np.ndarray) -> None:
+def replace_state(plan: Plan, lag: int, state: State, settled: Settled, demand: Demand,
+                  served: Served, deltas: np.ndarray) -> None:
     """The settled and granted state replaces the row state; fills the counter deltas."""
     results, accepted = plan.result_rows, plan.num_accepted
     chunks, tokens = plan.prefill_rows, plan.prefill_tokens
@@ -582,10 +666,12 @@ def replace_state(plan: Plan, state: State, settled: Settled, demand: Demand, se
     wanted, target = demand.wanted_draft, demand.target_capacity
     item_ok, prefill_ok = served.item_ok, served.prefill_ok
     deltas[:] = 0
-    for i in range(results.size):
-        deltas[COUNT_REWOUND] += draft_len[results[i]] - accepted[i]
+    for i in range(results.size):  # what they settled: the step behind, where there was one
+        row = results[i]
+        older = rows.behind[row]
+        deltas[COUNT_REWOUND] += (rows.behind_draft[row] if older else draft_len[row]) - accepted[i]
         if policy == RECLAIM:
-            deltas[COUNT_RECLAIMED] += slack[results[i]]
+            deltas[COUNT_RECLAIMED] += rows.behind_slack[row] if older else slack[row]
     deltas[COUNT_REVERTS] = num_reverts
     deltas[COUNT_UPDATES] = results.size
     deltas[COUNT_TOPUPS] = num_padding
@@ -593,17 +679,28 @@ def replace_state(plan: Plan, state: State, settled: Settled, demand: Demand, se
     for k in range(items.size):
         if item_ok[k]:
             row = items[k]
+            if is_new_grant[row]:
+                _record_grant(rows, row, lag)
+                deltas[COUNT_GRANTS] += 1
             capacity[row] = target[row]
-            slack[row] = _slack_for(wanted[row], lead[row], overlap, policy)
+            slack[row] = _grant_slack(wanted[row], rows.ahead[row], lead[row], overlap, policy)
             draft_len[row] = wanted[row]
             pending[row] = True
-            if is_new_grant[row]:
-                deltas[COUNT_GRANTS] += 1
     deltas[COUNT_REFUSED] = num_grants - deltas[COUNT_GRANTS]
     for i in range(chunks.size):
         if prefill_ok[i]:
             capacity[chunks[i]] += tokens[i]
             history[chunks[i]] += tokens[i]
+
+
+def _record_grant(rows: Rows, row: int, lag: int) -> None:
+    """`reference._record_grants`' first half for one new grant: a step it found unsettled
+    goes behind it."""
+    if rows.pending[row]:
+        rows.behind[row] = True
+        rows.behind_draft[row] = rows.draft_len[row]
+        rows.behind_slack[row] = rows.slack[row]
+    rows.ahead[row] = lag == 2
 
 
 # ---------------------------------------------------------------------- 6. blocks follow
@@ -754,7 +851,8 @@ def _reset(rows: Rows, row: int) -> None:
     rows.live[row] = False
     rows.capacity[row] = rows.history[row] = rows.prompt_len[row] = 0
     rows.slack[row] = rows.draft_len[row] = rows.lead[row] = rows.cached[row] = 0
-    rows.pending[row] = False
+    rows.behind_draft[row] = rows.behind_slack[row] = 0
+    rows.pending[row] = rows.ahead[row] = rows.behind[row] = False
 
 
 def _admit(prompt_lens: np.ndarray, first_chunks: np.ndarray, refusals: np.ndarray,
@@ -845,6 +943,16 @@ if numba is not None:
     plan_grants = jit(plan_grants, inline="always")
     plan_prefill = jit(plan_prefill, inline="always")
     _slack_for = jit(_slack_for, inline="always")
+    _lag2_slack = jit(_lag2_slack, inline="always")
+    _released_behind = jit(_released_behind, inline="always")
+    _settle_behind = jit(_settle_behind, inline="always")
+    _grantable = jit(_grantable, inline="always")
+    _grant_slack = jit(_grant_slack, inline="always")
+    _first_reverted_alone = jit(_first_reverted_alone, inline="always")
+    _revert_to_behind = jit(_revert_to_behind, inline="always")
+    _settle_single = jit(_settle_single, inline="always")
+    _settle_older = jit(_settle_older, inline="always")
+    _record_grant = jit(_record_grant, inline="always")
     serve_blocks = jit(serve_blocks, inline="always")
     _released = jit(_released, inline="always")
     admitted_tokens = jit(admitted_tokens, inline="always")
@@ -890,8 +998,9 @@ class CompiledStep:
             return np.zeros(size, dtype=bool)
 
         # `_step` takes them as plain tuples.
-        self.settled = tuple(Settled(capacity=counts(), history=counts(), slack=counts(),
-                                     draft_len=counts(), pending=marks(), lead=counts()))
+        like = RowState.empty(1)
+        self.settled = tuple(np.zeros(n, dtype=getattr(like, name).dtype)
+                             for name in Settled._fields)
         blocks = state.pool.num_blocks
         self.scratch = Scratch(item_rows=counts(), is_new_grant=marks(), wanted_draft=counts(),
                                target_capacity=counts(), item_ok=marks(), seen=marks(),
@@ -913,7 +1022,7 @@ class CompiledStep:
                       self.tops)
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
          changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
-            plan[:_plan_lists], plan.strict_grants, step_state, (hit_counts, hits.blocks),
+            plan[:_plan_lists], plan.strict_grants, plan.lag, step_state, (hit_counts, hits.blocks),
             self.settled, self.scratch_arrays, error, deltas)
         if error[0]:
             return StepRun(error)

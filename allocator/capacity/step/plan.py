@@ -24,6 +24,8 @@ ADMITTED = 0
 REFUSED_OUT_OF_BLOCKS = 1
 REFUSED_BATCH_FULL = 2
 
+LAGS = (1, 2)  # StepPlan.lag: calls between a step's grant and its results
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -43,6 +45,10 @@ class StepPlan:
     Running requests come before prefill and new requests when blocks are short, so a step never
     starves a request it already admitted. ``strict_grants``: a grant that does not fit raises
     OutOfBlocks (the step changes nothing) instead of being refused.
+
+    ``lag``: 1 (a step's results come with the next call, before its next grant) or 2 (they
+    come one call later: a grant may find the request's previous step still unsettled, and
+    ``result_rows`` settle each request's oldest unsettled step; a revert undoes the newest).
     """
 
     revert_rows: ArrayLike = ()
@@ -58,6 +64,7 @@ class StepPlan:
     prompt_lens: ArrayLike = ()
     first_chunks: ArrayLike = ()
     strict_grants: bool = False
+    lag: int = 1
     # Empty, or one per new request: its prompt's token ids (None: not shared), or a
     # `prefix_cache.Prompt` made when it arrived. With prefix caching on, the longest cached
     # run of its full blocks becomes its first blocks.
@@ -120,6 +127,7 @@ class PlanArrays(NamedTuple):
     prompt_lens: np.ndarray
     first_chunks: np.ndarray  # one per new request; 0 (whole prompt) where the plan gave none
     strict_grants: bool
+    lag: int = 1
 
 
 # The name each plan list goes by in an error's ``field`` (the service's names for them).
@@ -161,16 +169,18 @@ def coerce(plan: StepPlan) -> PlanArrays:
     elif first_chunks.size != prompt_lens.size:
         raise InvalidValue(f"first_chunk: {first_chunks.size} values for {prompt_lens.size} "
                            "new requests (give none, or one per new request)", field="first_chunk")
+    if type(plan.lag) is not int or plan.lag not in LAGS:
+        raise InvalidValue(f"lag: {plan.lag!r} is not one of {LAGS}", field="lag")
     return PlanArrays(revert_rows, result_rows, num_accepted, finished_rows, grant_rows,
                       draft_lens, padding_rows, padded, prefill_rows, prefill_tokens, prompt_lens,
-                      first_chunks, bool(plan.strict_grants))
+                      first_chunks, bool(plan.strict_grants), plan.lag)
 
 
 def checked_plan(*, revert_rows: np.ndarray, result_rows: np.ndarray, num_accepted: np.ndarray,
                  finished_rows: np.ndarray, grant_rows: np.ndarray, draft_lens: np.ndarray,
                  padding_rows: np.ndarray, padded_draft_lens: np.ndarray,
                  prefill_rows: np.ndarray, prefill_tokens: np.ndarray, prompt_lens: np.ndarray,
-                 first_chunks: np.ndarray) -> PlanArrays:
+                 first_chunks: np.ndarray, lag: int = 1) -> PlanArrays:
     """`coerce`'s result for lists the caller already checked: 1-D int64 arrays whose lengths
     match (``first_chunks`` empty or one per new request). Only the array type is settled here:
     a read-only or strided array (a transport's buffer, a view) is copied, since the compiled
@@ -180,7 +190,7 @@ def checked_plan(*, revert_rows: np.ndarray, result_rows: np.ndarray, num_accept
     columns = (revert_rows, result_rows, num_accepted, finished_rows, grant_rows, draft_lens,
                padding_rows, padded_draft_lens, prefill_rows, prefill_tokens, prompt_lens,
                first_chunks)
-    return PlanArrays(*[compiled_type(c) for c in columns], False)
+    return PlanArrays(*[compiled_type(c) for c in columns], False, lag)
 
 
 def compiled_type(values: np.ndarray) -> np.ndarray:

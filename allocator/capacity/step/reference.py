@@ -3,7 +3,7 @@
 `reference_step` applies a coerced plan to a `CapacityState` in named phases:
 
 1. ``validate``: list by list in plan order, every row live and listed once and every count at
-   least its least value (`step_errors.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then
+   least its least value (`codes.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then
    no request in two lists that exclude each other;
 2. ``settle``: reverts, then results, on copies of the row state (`Settled`);
 3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
@@ -22,7 +22,7 @@ and only then, when nothing can fail any more,
    head (the caller drops the evicted blocks' hashes: `StepRun.evicted`).
 
 A phase that finds bad input stops the step with a ``[kind, subject, index, detail]`` error (see
-`step_errors`) before any state changed. `step_compiled` is the same step as one compiled loop;
+`codes`) before any state changed. `step.compiled` is the same step compiled, phase for phase;
 the two are tested against each other on random plans.
 """
 
@@ -33,9 +33,23 @@ from typing import NoReturn
 
 import numpy as np
 
-from allocator.capacity.accounting import blocks_for, grant_tokens, settle, slack_for
+from allocator.capacity.accounting import (
+    blocks_for,
+    lag2_slack,
+    released_behind,
+    settle,
+    settle_behind,
+    slack_for,
+)
 from allocator.capacity.block_pool import BlockPool
-from allocator.capacity.state import COUNTER_INDEX, COUNTER_NAMES, CapacityState, RowState
+from allocator.capacity.state import (
+    COUNTER_INDEX,
+    COUNTER_NAMES,
+    POLICY_CODES,
+    CapacityState,
+    RowState,
+    StepLimits,
+)
 from allocator.capacity.step import codes
 from allocator.capacity.step.plan import (
     REFUSED_BATCH_FULL,
@@ -90,6 +104,10 @@ class Settled:
     draft_len: np.ndarray
     pending: np.ndarray
     lead: np.ndarray
+    ahead: np.ndarray
+    behind: np.ndarray
+    behind_draft: np.ndarray
+    behind_slack: np.ndarray
 
 
 @dataclass
@@ -112,7 +130,7 @@ class Served:
     refusals: np.ndarray  # int8 per new request
     first_tokens: np.ndarray  # per new request: tokens its admission reserves (hits included)
     hit_counts: np.ndarray  # per new request: cached blocks it reuses
-    grant_starts: np.ndarray  # per grant: settled history
+    grant_starts: np.ndarray  # per grant: `grant_starts`
     prefill_starts: np.ndarray  # per prefill chunk: history before it
 
 
@@ -153,8 +171,12 @@ def validate(plan: PlanArrays, state: CapacityState) -> None:
     _first_where(plan.first_chunks > plan.prompt_lens, codes.CHUNK_PAST_PROMPT,
                  codes.FIRST_CHUNKS)
     num_rows = live.size
-    _check_apart(plan.result_rows, codes.RESULTS, [plan.revert_rows], num_rows,
-                 codes.REVERTED_AND_SETTLED)
+    # A request with a step behind its pending grant may see both: results settle the older
+    # step, the revert undoes the newer.
+    single = plan.result_rows[~state.rows.behind[plan.result_rows]]
+    _check_apart(single, codes.RESULTS, [plan.revert_rows], num_rows,
+                 codes.REVERTED_AND_SETTLED, positions=np.flatnonzero(
+                     ~state.rows.behind[plan.result_rows]))
     _check_apart(plan.finished_rows, codes.FINISHED,
                  [plan.grant_rows, plan.padding_rows, plan.prefill_rows], num_rows,
                  codes.FINISHED_AND_SCHEDULED)
@@ -194,43 +216,74 @@ def _check_maximum(values: np.ndarray, subject: int, maximum: int, kind: int) ->
 
 
 def _check_apart(rows: np.ndarray, subject: int, others: list[np.ndarray], num_rows: int,
-                 kind: int) -> None:
-    """The first of ``rows`` that also appears in one of ``others`` fails the step."""
+                 kind: int, positions: np.ndarray | None = None) -> None:
+    """The first of ``rows`` that also appears in one of ``others`` fails the step (its index
+    in the plan list: ``positions[i]`` when ``rows`` is a selection of that list)."""
     if rows.size == 0 or not any(o.size for o in others):
         return
     listed = np.zeros(num_rows, dtype=bool)
     for other in others:
         listed[other] = True
-    _first_where(listed[rows], kind, subject)
+    bad = listed[rows]
+    if bad.any():
+        i = int(np.argmax(bad))
+        _fail(kind, subject, i if positions is None else positions[i])
 
 
 # ---------------------------------------------------------------------- 2. settle
 
 def settle_step(plan: PlanArrays, state: CapacityState) -> Settled:
-    rows = state.rows
-    s = Settled(rows.capacity.copy(), rows.history.copy(), rows.slack.copy(),
-                rows.draft_len.copy(), rows.pending.copy(), rows.lead.copy())
+    s = Settled(*(getattr(state.rows, f.name).copy() for f in fields(Settled)))
     reverts = plan.revert_rows
     if reverts.size:
         _first_where(~s.pending[reverts], codes.NO_PENDING_GRANT, codes.REVERTS)
-        s.capacity[reverts] -= 1 + s.draft_len[reverts] + s.slack[reverts]
-        s.pending[reverts] = False
-        s.slack[reverts] = s.draft_len[reverts] = 0
+        # Exactly what the grant added; a lag-2 grant also gave back what `released_behind` says.
+        s.capacity[reverts] -= (1 + s.draft_len[reverts] + s.slack[reverts] - released_behind(
+            s.behind_draft[reverts], POLICY_CODES[state.limits.policy]))
+        _revert_to_behind(s, reverts)
     results, accepted = plan.result_rows, plan.num_accepted
     if results.size:
         _first_where(~s.pending[results], codes.NO_PENDING_GRANT, codes.RESULTS)
-        drafts = s.draft_len[results]
+        behind = s.behind[results]  # after the reverts: a reverted row's older step is pending
+        drafts = np.where(behind, s.behind_draft[results], s.draft_len[results])
         over = accepted > drafts
         if over.any():
             i = int(np.argmax(over))
             _fail(codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts[i])
-        s.capacity[results], s.history[results] = settle(
-            s.capacity[results], s.history[results], drafts, s.slack[results], accepted,
-            state.limits.policy)
-        s.pending[results] = False
-        s.lead[results] = accepted
-        s.slack[results] = s.draft_len[results] = 0
+        _settle_single(s, results[~behind], accepted[~behind], state.limits.policy)
+        _settle_behind(s, results[behind], accepted[behind], state.limits.policy)
     return s
+
+
+def _revert_to_behind(s: Settled, rows: np.ndarray) -> None:
+    """The newest grant is gone; a step behind it (its forward ran) is the pending one again."""
+    behind = rows[s.behind[rows]]
+    s.pending[rows] = s.ahead[rows] = False
+    s.slack[rows] = s.draft_len[rows] = 0
+    s.pending[behind] = s.ahead[behind] = True
+    s.draft_len[behind], s.slack[behind] = s.behind_draft[behind], s.behind_slack[behind]
+    s.behind[behind] = False
+    s.behind_draft[behind] = s.behind_slack[behind] = 0
+
+
+def _settle_single(s: Settled, rows: np.ndarray, accepted: np.ndarray,
+                   policy: SlackPolicy) -> None:
+    s.capacity[rows], s.history[rows] = settle(s.capacity[rows], s.history[rows],
+                                               s.draft_len[rows], s.slack[rows], accepted, policy)
+    s.pending[rows] = s.ahead[rows] = False
+    s.lead[rows] = accepted
+    s.slack[rows] = s.draft_len[rows] = 0
+
+
+def _settle_behind(s: Settled, rows: np.ndarray, accepted: np.ndarray,
+                   policy: SlackPolicy) -> None:
+    """The older of two unsettled steps settles; the newer grant stays pending."""
+    s.capacity[rows], s.history[rows] = settle_behind(
+        s.capacity[rows], s.history[rows], s.behind_draft[rows], s.behind_slack[rows], accepted,
+        POLICY_CODES[policy])
+    s.lead[rows] = accepted
+    s.behind[rows] = False
+    s.behind_draft[rows] = s.behind_slack[rows] = 0
 
 
 # ---------------------------------------------------------------------- 3. grants and prefill
@@ -239,7 +292,7 @@ def plan_grants(plan: PlanArrays, state: CapacityState, settled: Settled) -> Dem
     limits = state.limits
     grants, padding = plan.grant_rows, plan.padding_rows
     if grants.size:
-        _first_where(settled.pending[grants], codes.GRANT_PENDING, codes.GRANTS)
+        _check_grantable(plan, settled)
         _first_where(settled.history[grants] < state.rows.prompt_len[grants],
                      codes.PREFILL_INCOMPLETE, codes.GRANTS)
     is_new_grant = np.zeros(limits.max_batch_size, dtype=bool)
@@ -260,15 +313,36 @@ def plan_grants(plan: PlanArrays, state: CapacityState, settled: Settled) -> Dem
     items = np.concatenate([topups, grants])
     target = settled.capacity.copy()
     if items.size:
-        lead, draft = settled.lead[items], wanted[items]
-        new_slack = slack_for(draft, limits.overlap, limits.policy, lead)
-        added = np.where(
-            is_new_grant[items],
-            grant_tokens(draft, limits.overlap, limits.policy, lead),
-            (draft - settled.draft_len[items]) + (new_slack - settled.slack[items]),
-        )
-        target[items] = settled.capacity[items] + added
+        new = is_new_grant[items]
+        ahead = np.where(new, plan.lag == 2, settled.ahead[items])
+        draft = wanted[items]
+        new_slack = grant_slack(draft, ahead, settled.lead[items], limits)
+        added = np.where(new, 1 + draft + new_slack - released_behind(
+            np.where(settled.pending[items], settled.draft_len[items], 0),
+            POLICY_CODES[limits.policy]),
+            (draft - settled.draft_len[items]) + (new_slack - settled.slack[items]))
+        # Never below history: only `released_behind` (the crash policy) could go there.
+        target[items] = np.maximum(settled.capacity[items] + added, settled.history[items])
     return Demand(items, topups.size, is_new_grant, wanted, target)
+
+
+def _check_grantable(plan: PlanArrays, settled: Settled) -> None:
+    """At lag 1 a grant needs the request's previous step settled; at lag 2 it may find one
+    step unsettled, granted at lag 2 too (that step goes behind the new grant)."""
+    grants = plan.grant_rows
+    pending = settled.pending[grants]
+    if plan.lag == 1:
+        _first_where(pending, codes.GRANT_PENDING, codes.GRANTS)
+        return
+    _first_where(settled.behind[grants], codes.TWO_UNSETTLED, codes.GRANTS)
+    _first_where(pending & ~settled.ahead[grants], codes.LAG1_PENDING, codes.GRANTS)
+
+
+def grant_slack(draft: np.ndarray, ahead: np.ndarray, lead: np.ndarray,
+                limits: StepLimits) -> np.ndarray:
+    """The slack each grant records: `lag2_slack` for one made at lag 2, `slack_for` else."""
+    return np.where(ahead, lag2_slack(draft, POLICY_CODES[limits.policy]),
+                    slack_for(draft, limits.overlap, limits.policy, lead))
 
 
 def plan_prefill(plan: PlanArrays, state: CapacityState, settled: Settled,
@@ -332,7 +406,14 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
         _fail(codes.OUT_OF_BLOCKS, codes.GRANTS, demand.item_rows[np.argmax(refused)], available)
     return Served(item_ok, item_ok[demand.num_topups :], prefill_ok, admitted, refusals,
                   first_tokens, np.where(admitted, hit_counts, 0),
-                  settled.history[plan.grant_rows], settled.history[plan.prefill_rows])
+                  grant_starts(plan.grant_rows, settled), settled.history[plan.prefill_rows])
+
+
+def grant_starts(grants: np.ndarray, settled: Settled) -> np.ndarray:
+    """Position of each grant's first token: the settled history, plus, behind an unsettled
+    step, that step's one sure token (the device adds the drafts it accepts, which the host
+    learns a call later)."""
+    return settled.history[grants] + settled.pending[grants]
 
 
 def admitted_tokens(prompt_lens: np.ndarray, first_chunks: np.ndarray,
@@ -378,15 +459,11 @@ def serve_in_order(demands: np.ndarray, available: int) -> np.ndarray:
 # ---------------------------------------------------------------------- 5. replace_state
 
 def replace_state(plan: PlanArrays, state: CapacityState, settled: Settled, demand: Demand,
-           served: Served) -> np.ndarray:
+                  served: Served) -> np.ndarray:
     """The settled and granted state replaces the row state; returns the counter deltas."""
-    limits, rows = state.limits, state.rows
+    rows = state.rows
     granted = demand.item_rows[served.item_ok]
-    settled.capacity[granted] = demand.target_capacity[granted]
-    settled.slack[granted] = slack_for(demand.wanted_draft[granted], limits.overlap,
-                                       limits.policy, settled.lead[granted])
-    settled.draft_len[granted] = demand.wanted_draft[granted]
-    settled.pending[granted] = True
+    _record_grants(plan, state.limits, settled, demand, granted)
     chunks = plan.prefill_rows[served.prefill_ok]
     tokens = plan.prefill_tokens[served.prefill_ok]
     settled.capacity[chunks] += tokens
@@ -397,10 +474,12 @@ def replace_state(plan: PlanArrays, state: CapacityState, settled: Settled, dema
     fresh = int(demand.is_new_grant[granted].sum())
     deltas[COUNTER_INDEX["reverts"]] = plan.revert_rows.size
     deltas[COUNTER_INDEX["updates"]] = results.size
-    deltas[COUNTER_INDEX["rewound_tokens"]] = int((rows.draft_len[results]
-                                                   - plan.num_accepted).sum())
-    if limits.policy is SlackPolicy.RECLAIM:
-        deltas[COUNTER_INDEX["reclaimed_slack_tokens"]] = int(rows.slack[results].sum())
+    # What the results settled: the step behind the pending grant where there was one.
+    drafts = np.where(rows.behind[results], rows.behind_draft[results], rows.draft_len[results])
+    slack = np.where(rows.behind[results], rows.behind_slack[results], rows.slack[results])
+    deltas[COUNTER_INDEX["rewound_tokens"]] = int((drafts - plan.num_accepted).sum())
+    if state.limits.policy is SlackPolicy.RECLAIM:
+        deltas[COUNTER_INDEX["reclaimed_slack_tokens"]] = int(slack.sum())
     deltas[COUNTER_INDEX["grants"]] = fresh
     deltas[COUNTER_INDEX["grants_refused"]] = plan.grant_rows.size - fresh
     deltas[COUNTER_INDEX["padding_topups"]] = plan.padding_rows.size
@@ -408,6 +487,23 @@ def replace_state(plan: PlanArrays, state: CapacityState, settled: Settled, dema
     for name in (f.name for f in fields(Settled)):
         np.copyto(getattr(rows, name), getattr(settled, name))
     return deltas
+
+
+def _record_grants(plan: PlanArrays, limits: StepLimits, settled: Settled, demand: Demand,
+                   granted: np.ndarray) -> None:
+    """Served grants and top-ups become the pending grant; a lag-2 grant first moves the step it
+    found unsettled behind itself."""
+    behind = granted[demand.is_new_grant[granted] & settled.pending[granted]]
+    settled.behind[behind] = True
+    settled.behind_draft[behind] = settled.draft_len[behind]
+    settled.behind_slack[behind] = settled.slack[behind]
+    new = granted[demand.is_new_grant[granted]]
+    settled.ahead[new] = plan.lag == 2
+    settled.capacity[granted] = demand.target_capacity[granted]
+    settled.slack[granted] = grant_slack(demand.wanted_draft[granted], settled.ahead[granted],
+                                         settled.lead[granted], limits)
+    settled.draft_len[granted] = demand.wanted_draft[granted]
+    settled.pending[granted] = True
 
 
 # ---------------------------------------------------------------------- 6. blocks follow

@@ -1,7 +1,10 @@
 """`kvalloc simulate` reproduces both production crashes on purpose and proves `reclaim` clean.
 
 Default run = the production case: one request, 128k prompt ending just before a 256-token
-block boundary, 1024 output tokens, MTP3 (D=3), overlap scheduler.
+block boundary, 1024 output tokens, MTP3 (D=3), overlap scheduler on its lag-2 timeline (a
+step's results come two calls after its grant, so the device runs ahead of the host). At lag 1
+results come before the next grant, so no slack is needed: only the row overflow of
+``unreclaimed`` is left to find there.
 """
 
 from __future__ import annotations
@@ -14,67 +17,116 @@ import numpy as np
 import pytest
 
 from allocator import SlackPolicy
-from allocator.tools.simulate import Acceptance, SimulationSpec, simulate
+from allocator.tools.simulate import Acceptance, SimulationResult, SimulationSpec, simulate
 
 D = 3
+LAGS = [1, 2]
+# Capacity above history that `reclaim` holds at most: one grant's 1 + D and its slack D at
+# lag 1; at lag 2 two unsettled grants of 1 + D each, no slack.
+HELD = {1: 1 + 2 * D, 2: 2 * (1 + D)}
 
 
-def run(policy: SlackPolicy, **kw) -> object:
+def run(policy: SlackPolicy, **kw) -> SimulationResult:
     return simulate(SimulationSpec(policy=policy, **kw))
 
 
-def test_reclaim_runs_the_production_case_clean_to_the_end():
-    r = run(SlackPolicy.RECLAIM)
-    assert not r.failed
+def test_the_default_timeline_is_lag_2():
+    assert SimulationSpec().lag == 2
+    assert run(SlackPolicy.RECLAIM, osl=16).lag == 2
+
+
+@pytest.mark.parametrize("lag", LAGS)
+def test_reclaim_runs_the_production_case_clean_to_the_end(lag):
+    r = run(SlackPolicy.RECLAIM, lag=lag)
+    assert not r.failed and r.first_reach_past_capacity is None
     assert r.requests_finished == 1 and r.output_tokens >= 1024
     reach, cap = np.array(r.trace["reach"]), np.array(r.trace["capacity"])
     hist = np.array(r.trace["history"])
     assert (reach <= cap).all(), "every forward's write reach is covered by granted capacity"
-    assert (cap - hist).max() <= 1 + 2 * D, "no capacity beyond one step's grant is held"
+    assert (cap - hist).max() <= HELD[lag], "no capacity beyond the unsettled grants is held"
 
 
-def test_no_slack_policy_hits_an_illegal_memory_access_within_a_few_dozen_steps():
-    r = run(SlackPolicy.NONE)
+def test_at_lag_2_the_device_runs_ahead_of_the_host():
+    """Every grant but the first finds the previous step unsettled, and the forward writes from
+    the device's position: above history by that step's 1 + accepted."""
+    r = run(SlackPolicy.RECLAIM, lag=2)
+    assert r.grants_behind == len(r.trace["reach"]) - 1  # one request: all its forwards
+    ahead = np.array(r.trace["reach"]) - np.array(r.trace["history"]) - (1 + D)
+    assert ahead[0] == 0 and ahead.min() >= 0 and ahead.max() == 1 + D
+    assert (ahead[1:] >= 1).all(), "each later forward starts past the verified token"
+
+
+def test_at_lag_1_the_device_never_runs_ahead():
+    r = run(SlackPolicy.RECLAIM, lag=1)
+    assert r.grants_behind == 0
+    reach, hist = np.array(r.trace["reach"]), np.array(r.trace["history"])
+    assert (reach == hist + 1 + D).all(), "each forward starts at the settled history"
+
+
+def test_no_slack_policy_hits_an_illegal_memory_access_at_a_block_boundary_at_lag_2():
+    r = run(SlackPolicy.NONE, lag=2)
     assert r.failed and r.first_ima is not None
     assert r.first_ima.step <= 36
     f = r.first_ima
     assert f.reach > f.allocated_tokens >= f.capacity, "the write lands past the granted blocks"
+    assert f.allocated_tokens % 256 == 0 and f.reach - 1 - D < f.allocated_tokens, (
+        "the forward starts inside the row's last block and writes across its end")
     assert r.first_row_overflow is None
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_no_slack_policy_faults_before_the_output_finishes_for_any_seed(seed):
-    r = run(SlackPolicy.NONE, seed=seed)
+def test_no_slack_policy_faults_before_the_output_finishes_for_any_seed_at_lag_2(seed):
+    r = run(SlackPolicy.NONE, seed=seed, lag=2)
     assert r.first_ima is not None
     assert r.first_ima.step <= r.steps
 
 
-def test_unreclaimed_slack_leaks_draft_len_per_step_until_the_row_overflows():
-    r = run(SlackPolicy.UNRECLAIMED)
+@pytest.mark.parametrize("seed", range(4))
+def test_at_lag_1_results_come_before_the_next_grant_so_no_slack_is_needed(seed):
+    """The rule: at lag 1 the host has settled every accepted draft before it grants again, so
+    the device writes from history and 1 + D covers it; `none` runs clean."""
+    r = run(SlackPolicy.NONE, seed=seed, lag=1)
+    assert not r.failed
+    assert r.first_reach_past_capacity is None
+    assert r.requests_finished == 1
+
+
+@pytest.mark.parametrize("lag", LAGS)
+def test_unreclaimed_slack_leaks_draft_len_per_step_until_the_row_overflows(lag):
+    r = run(SlackPolicy.UNRECLAIMED, lag=lag)
     assert r.failed and r.first_row_overflow is not None
     assert r.first_ima is None
     assert r.requests_finished == 0 and r.output_tokens < 1024, "overflow before the output ends"
     cap, hist = np.array(r.trace["capacity"]), np.array(r.trace["history"])
     leak = np.diff(cap - hist)
-    assert (leak == D).all(), "capacity - history grows by exactly D every step"
+    # At lag 2 the second grant comes before the first results: 1 + 2D more, nothing settled.
+    settled = leak[lag - 1:]
+    assert (settled == D).all(), "capacity - history grows by exactly D every settled step"
 
 
 def test_without_overlap_even_the_no_slack_policy_is_safe():
     """No overlap means no accepted-but-uncommitted lead: 1 + D is enough."""
-    r = run(SlackPolicy.NONE, overlap=False)
+    r = run(SlackPolicy.NONE, overlap=False, lag=1)
     assert not r.failed
 
 
-def test_many_requests_share_one_pool_and_all_finish():
+def test_without_overlap_there_is_no_lag_2():
+    with pytest.raises(ValueError, match="lag 1"):
+        SimulationSpec(overlap=False, lag=2)
+
+
+@pytest.mark.parametrize("lag", LAGS)
+def test_many_requests_share_one_pool_and_all_finish(lag):
     r = run(SlackPolicy.RECLAIM, num_requests=32, isl=3000, osl=300, tokens_per_block=16,
-            acceptance=Acceptance("uniform"), seed=3)
+            acceptance=Acceptance("uniform"), seed=3, lag=lag)
     assert not r.failed
     assert r.requests_finished == 32
 
 
-def test_tight_pool_refuses_grants_instead_of_overcommitting():
+@pytest.mark.parametrize("lag", LAGS)
+def test_tight_pool_refuses_grants_instead_of_overcommitting(lag):
     r = run(SlackPolicy.RECLAIM, num_requests=8, isl=200, osl=100, tokens_per_block=16,
-            num_blocks=8 * 14 + 1)
+            num_blocks=8 * 14 + 1, lag=lag)
     assert r.grants_refused > 0
     assert not r.failed
 
@@ -101,10 +153,34 @@ def test_cli_exits_zero_for_a_clean_run():
     assert json.loads(proc.stdout)["failed"] is False
 
 
+# README.md's "Reproducing the two crashes", at both lags: exit status and what failed where.
+@pytest.mark.parametrize("lag, policy, status, failure, step", [
+    (2, "none", 1, "first_ima", 3),
+    (2, "unreclaimed", 1, "first_row_overflow", 193),
+    (2, "reclaim", 0, None, None),
+    (1, "none", 0, None, None),
+    (1, "unreclaimed", 1, "first_row_overflow", 193),
+    (1, "reclaim", 0, None, None),
+])
+def test_cli_reproduces_each_policy_outcome_at_each_lag(lag, policy, status, failure, step):
+    argv = ["--policy", policy, "--no-progress"] + ([] if lag == 2 else ["--lag", "1"])
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "simulate", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["lag"] == lag
+    failures = {k for k in ("first_ima", "first_row_overflow") if summary[k] is not None}
+    assert failures == ({failure} if failure else set())
+    if failure:
+        assert summary[failure]["step"] == step
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--acceptance", "geometric:2"], "--acceptance"),
     (["--isl", "0"], "--isl"),
     (["--draft-len", "-1"], "--draft-len"),
+    (["--lag", "3"], "--lag"),
+    (["--no-overlap", "--lag", "2"], "--no-overlap --lag 2"),
 ])
 def test_cli_rejects_bad_arguments_naming_them(argv, message):
     proc = subprocess.run([sys.executable, "-m", "server.cli", "simulate", *argv],
@@ -113,18 +189,21 @@ def test_cli_rejects_bad_arguments_naming_them(argv, message):
     assert message in proc.stderr
 
 
-@pytest.mark.parametrize("policy, verdict", [
-    (SlackPolicy.NONE, "IMA at step"), (SlackPolicy.UNRECLAIMED, "row overflow at step"),
-    (SlackPolicy.RECLAIM, "clean: the write reach stays within granted capacity")])
-def test_the_plot_names_the_outcome_and_keeps_its_legends_off_the_data(policy, verdict):
+CLEAN = "clean: the write reach stays within granted capacity"
+
+
+@pytest.mark.parametrize("policy, lag, verdict", [
+    (SlackPolicy.NONE, 2, "IMA at step"), (SlackPolicy.UNRECLAIMED, 2, "row overflow at step"),
+    (SlackPolicy.RECLAIM, 2, CLEAN), (SlackPolicy.NONE, 1, CLEAN)])
+def test_the_plot_names_the_outcome_and_keeps_its_legends_off_the_data(policy, lag, verdict):
     import matplotlib.pyplot as plt
 
     from allocator.tools.simulate_plot import figure
 
-    result = run(policy)
+    result = run(policy, lag=lag)
     fig = figure(result)
     try:
-        assert verdict in fig._suptitle.get_text()
+        assert f"--lag {lag}: {verdict}" in fig._suptitle.get_text()
         top, bottom = fig.axes
         failure = result.first_ima or result.first_row_overflow
         if failure is not None:  # labelled on the picture, at the step it happened

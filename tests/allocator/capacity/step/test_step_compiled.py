@@ -7,10 +7,11 @@ pool's free stack (all of it), its top and reference counts, the block table on 
 the device, the free-row stack, the counters and the request-id edge. An error must also leave
 the state exactly as it was before the plan.
 
-Plans are drawn around the managers' current state (results for pending grants, grants for idle
-requests, chunks for prefilling ones, new requests, finishes) and then, often, broken in one of
-the ways a caller can break them: a stale or out-of-range row, a row listed twice or in two lists
-that exclude each other, a value out of bounds, too many blocks.
+Plans are drawn around the managers' current state, at lag 1 or 2 (results for pending grants,
+grants for idle requests and at lag 2 for pending ones, chunks for prefilling ones, new requests,
+finishes) and then, often, broken in one of the ways a caller can break them: a stale or
+out-of-range row, a row listed twice or in two lists that exclude each other, a value out of
+bounds, too many blocks.
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ def plans(draw, m: KVCacheManager) -> StepPlan:
     split = draw(st.integers(0, len(pending)))
     reverts, results = pending[:split], pending[split:]
     idle_and_settled = [x for x in groups["idle"] + results if x not in reverts]
-    grants = pick(idle_and_settled)
+    # At lag 2 a grant may also find a step unsettled (sometimes two: an error both must name).
+    lag = draw(st.sampled_from([1, 2]))
+    grants = pick(idle_and_settled + ([x for x in groups["pending"] if x not in idle_and_settled]
+                                      if lag == 2 else []))
     padding = pick([x for x in groups["pending"] + grants if x not in reverts and x not in results])
     prefill = pick(groups["prefilling"])
     scheduled = set(grants) | set(padding) | set(prefill)
@@ -139,7 +143,8 @@ def plans(draw, m: KVCacheManager) -> StepPlan:
     plan = {
         "revert_rows": reverts,
         "result_rows": results,
-        "num_accepted": [draw(st.integers(0, int(m.rows.draft_len[x]))) for x in results],
+        "num_accepted": [draw(st.integers(0, int(m.rows.behind_draft[x] if m.rows.behind[x]
+                                                 else m.rows.draft_len[x]))) for x in results],
         "finished_rows": finished,
         "grant_rows": grants,
         "draft_lens": [draw(st.integers(0, d)) for _ in grants],
@@ -200,7 +205,7 @@ def plans(draw, m: KVCacheManager) -> StepPlan:
     elif damage == "length":
         name = draw(st.sampled_from(list(VALUES)))
         plan[name] = [*plan[name], 1]
-    return StepPlan(**plan, strict_grants=draw(st.integers(0, 5)) == 0)
+    return StepPlan(**plan, strict_grants=draw(st.integers(0, 5)) == 0, lag=lag)
 
 
 FAMILIES = [np.arange(100) % 5 + 10 * k for k in range(2)]
