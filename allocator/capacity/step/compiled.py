@@ -353,20 +353,28 @@ def _first_marked(rows: np.ndarray, marks: np.ndarray, value: bool) -> int:
 # ---------------------------------------------------------------------- 2. settle
 
 def settle_step(plan: Plan, state: State, settled: Settled, error: np.ndarray) -> None:
-    """`reference.settle_step`, into ``settled``."""
+    """`reference.settle_step`, into ``settled``. Loops read arrays, never the tuple: an inlined
+    helper given a tuple per row costs a reference count per array in it."""
     reverts, results, accepted = plan.revert_rows, plan.result_rows, plan.num_accepted
     policy = state.limits.policy
     _copy_settled(settled, state.rows)
-    capacity, slack, draft_len, pending = (settled.capacity, settled.slack, settled.draft_len,
-                                           settled.pending)
-    behind, behind_draft = settled.behind, settled.behind_draft
+    capacity, history, slack, draft_len = (settled.capacity, settled.history, settled.slack,
+                                           settled.draft_len)
+    pending, ahead, lead = settled.pending, settled.ahead, settled.lead
+    behind, behind_draft, behind_slack = settled.behind, settled.behind_draft, settled.behind_slack
     i = _first_marked(reverts, pending, False)
     if i >= 0:
         return _fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
     for row in reverts:
-        capacity[row] -= (1 + draft_len[row] + slack[row]
-                          - _released_behind(behind_draft[row], policy))
-        _revert_to_behind(settled, row)
+        capacity[row] -= 1 + draft_len[row] + slack[row] - _released_behind(behind_draft[row],
+                                                                             policy)
+        if behind[row]:  # the step behind (its forward ran) is the pending one again
+            draft_len[row], slack[row] = behind_draft[row], behind_slack[row]
+            behind[row] = False
+            behind_draft[row] = behind_slack[row] = 0
+        else:
+            pending[row] = ahead[row] = False
+            slack[row] = draft_len[row] = 0
     i = _first_marked(results, pending, False)
     if i >= 0:
         return _fail(error, codes.NO_PENDING_GRANT, codes.RESULTS, i, 0)
@@ -376,46 +384,22 @@ def settle_step(plan: Plan, state: State, settled: Settled, error: np.ndarray) -
         if accepted[i] > drafts:
             return _fail(error, codes.ACCEPTED_EXCEEDS_DRAFTS, codes.ACCEPTED, i, drafts)
     for i in range(results.size):
-        if behind[results[i]]:
-            _settle_older(settled, results[i], accepted[i], policy)
-        else:
-            _settle_single(settled, results[i], accepted[i], policy)
+        row, count = results[i], accepted[i]
+        if behind[row]:  # `accounting.settle_behind`: the newer grant stays pending
+            capacity[row], history[row] = _settle_behind(
+                capacity[row], history[row], behind_draft[row], behind_slack[row], count, policy)
+            behind[row] = False
+            behind_draft[row] = behind_slack[row] = 0
+        else:  # `accounting.settle`
+            new_history = history[row] + 1 + count
+            reclaimed = slack[row] if policy == RECLAIM else 0
+            capacity[row] = max(capacity[row] - (draft_len[row] - count) - reclaimed,
+                                new_history)
+            history[row] = new_history
+            pending[row] = ahead[row] = False
+            slack[row] = draft_len[row] = 0
+        lead[row] = count
     return None
-
-
-def _revert_to_behind(settled: Settled, row: int) -> None:
-    """`reference._revert_to_behind` for one row."""
-    if settled.behind[row]:
-        settled.draft_len[row] = settled.behind_draft[row]
-        settled.slack[row] = settled.behind_slack[row]
-        settled.behind[row] = False
-        settled.behind_draft[row] = settled.behind_slack[row] = 0
-    else:
-        settled.pending[row] = settled.ahead[row] = False
-        settled.slack[row] = settled.draft_len[row] = 0
-
-
-def _settle_single(settled: Settled, row: int, accepted: int, policy: int) -> None:
-    """`accounting.settle` for one row."""
-    capacity, history = settled.capacity, settled.history
-    new_history = history[row] + 1 + accepted
-    reclaimed = settled.slack[row] if policy == RECLAIM else 0
-    capacity[row] = max(capacity[row] - (settled.draft_len[row] - accepted) - reclaimed,
-                        new_history)
-    history[row] = new_history
-    settled.pending[row] = settled.ahead[row] = False
-    settled.lead[row] = accepted
-    settled.slack[row] = settled.draft_len[row] = 0
-
-
-def _settle_older(settled: Settled, row: int, accepted: int, policy: int) -> None:
-    """`reference._settle_behind` for one row: the newer grant stays pending."""
-    settled.capacity[row], settled.history[row] = _settle_behind(
-        settled.capacity[row], settled.history[row], settled.behind_draft[row],
-        settled.behind_slack[row], accepted, policy)
-    settled.lead[row] = accepted
-    settled.behind[row] = False
-    settled.behind_draft[row] = settled.behind_slack[row] = 0
 
 
 def _copy_settled(destination: Settled | Rows, source: Settled | Rows) -> None:
@@ -454,7 +438,7 @@ def plan_grants(plan: Plan, lag: int, state: State, settled: Settled, scratch: S
     items, is_new_grant = scratch.item_rows, scratch.is_new_grant
     wanted, target = scratch.wanted_draft, scratch.target_capacity
     stopped = Demand(items[:0], 0, is_new_grant, wanted, target)
-    if not _grantable(grants, lag, settled, error):
+    if not _grantable(grants, lag, pending, ahead, settled.behind, error):
         return stopped
     for i in range(grants.size):
         if history[grants[i]] < prompt_len[grants[i]]:
@@ -496,20 +480,21 @@ def plan_grants(plan: Plan, lag: int, state: State, settled: Settled, scratch: S
     return Demand(items[: num_topups + grants.size], num_topups, is_new_grant, wanted, target)
 
 
-def _grantable(grants: np.ndarray, lag: int, settled: Settled, error: np.ndarray) -> bool:
+def _grantable(grants: np.ndarray, lag: int, pending: np.ndarray, ahead: np.ndarray,
+               behind: np.ndarray, error: np.ndarray) -> bool:
     """`reference._check_grantable`: False, with ``error`` set, when a grant is not allowed."""
     if lag == 1:
-        i = _first_marked(grants, settled.pending, True)
+        i = _first_marked(grants, pending, True)
         if i >= 0:
             _fail(error, codes.GRANT_PENDING, codes.GRANTS, i, 0)
             return False
         return True
-    i = _first_marked(grants, settled.behind, True)
+    i = _first_marked(grants, behind, True)
     if i >= 0:
         _fail(error, codes.TWO_UNSETTLED, codes.GRANTS, i, 0)
         return False
     for i in range(grants.size):
-        if settled.pending[grants[i]] and not settled.ahead[grants[i]]:
+        if pending[grants[i]] and not ahead[grants[i]]:
             _fail(error, codes.LAG1_PENDING, codes.GRANTS, i, 0)
             return False
     return True
@@ -547,7 +532,7 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
     # Parked blocks count: they are evicted when the stack runs dry.
     free_blocks = state.tops[NUM_FREE] + state.pool.lru[LRU_LENGTH]
     rows_left = state.tops[NUM_FREE_ROWS] + finished.size
-    capacity, history = settled.capacity, settled.history
+    capacity, history, pending = settled.capacity, settled.history, settled.pending
     items, num_topups, target = demand.item_rows, demand.num_topups, demand.target_capacity
     claimed = scratch.claimed
     # The demand's item rows are the scratch's first ones: the prefill rows go after them.
@@ -579,7 +564,7 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
             return served
     for i in range(grants.size):
         granted[i] = item_ok[num_topups + i]
-        grant_starts[i] = history[grants[i]] + (1 if settled.pending[grants[i]] else 0)
+        grant_starts[i] = history[grants[i]] + (1 if pending[grants[i]] else 0)
     for i in range(chunks.size):
         prefill_ok[i] = item_ok[items.size + i]
         prefill_starts[i] = history[chunks[i]]
@@ -666,24 +651,31 @@ def replace_state(plan: Plan, lag: int, state: State, settled: Settled, demand: 
     wanted, target = demand.wanted_draft, demand.target_capacity
     item_ok, prefill_ok = served.item_ok, served.prefill_ok
     deltas[:] = 0
+    was_behind, was_behind_draft, was_behind_slack = (rows.behind, rows.behind_draft,
+                                                      rows.behind_slack)
     for i in range(results.size):  # what they settled: the step behind, where there was one
         row = results[i]
-        older = rows.behind[row]
-        deltas[COUNT_REWOUND] += (rows.behind_draft[row] if older else draft_len[row]) - accepted[i]
+        older = was_behind[row]
+        deltas[COUNT_REWOUND] += (was_behind_draft[row] if older else draft_len[row]) - accepted[i]
         if policy == RECLAIM:
-            deltas[COUNT_RECLAIMED] += rows.behind_slack[row] if older else slack[row]
+            deltas[COUNT_RECLAIMED] += was_behind_slack[row] if older else slack[row]
     deltas[COUNT_REVERTS] = num_reverts
     deltas[COUNT_UPDATES] = results.size
     deltas[COUNT_TOPUPS] = num_padding
     _copy_settled(rows, settled)
+    ahead, behind, behind_draft, behind_slack = (rows.ahead, rows.behind, rows.behind_draft,
+                                                 rows.behind_slack)
     for k in range(items.size):
         if item_ok[k]:
             row = items[k]
-            if is_new_grant[row]:
-                _record_grant(rows, row, lag)
+            if is_new_grant[row]:  # a step it found unsettled goes behind it
+                if pending[row]:
+                    behind[row] = True
+                    behind_draft[row], behind_slack[row] = draft_len[row], slack[row]
+                ahead[row] = lag == 2
                 deltas[COUNT_GRANTS] += 1
             capacity[row] = target[row]
-            slack[row] = _grant_slack(wanted[row], rows.ahead[row], lead[row], overlap, policy)
+            slack[row] = _grant_slack(wanted[row], ahead[row], lead[row], overlap, policy)
             draft_len[row] = wanted[row]
             pending[row] = True
     deltas[COUNT_REFUSED] = num_grants - deltas[COUNT_GRANTS]
@@ -691,16 +683,6 @@ def replace_state(plan: Plan, lag: int, state: State, settled: Settled, demand: 
         if prefill_ok[i]:
             capacity[chunks[i]] += tokens[i]
             history[chunks[i]] += tokens[i]
-
-
-def _record_grant(rows: Rows, row: int, lag: int) -> None:
-    """`reference._record_grants`' first half for one new grant: a step it found unsettled
-    goes behind it."""
-    if rows.pending[row]:
-        rows.behind[row] = True
-        rows.behind_draft[row] = rows.draft_len[row]
-        rows.behind_slack[row] = rows.slack[row]
-    rows.ahead[row] = lag == 2
 
 
 # ---------------------------------------------------------------------- 6. blocks follow
@@ -949,10 +931,6 @@ if numba is not None:
     _grantable = jit(_grantable, inline="always")
     _grant_slack = jit(_grant_slack, inline="always")
     _first_reverted_alone = jit(_first_reverted_alone, inline="always")
-    _revert_to_behind = jit(_revert_to_behind, inline="always")
-    _settle_single = jit(_settle_single, inline="always")
-    _settle_older = jit(_settle_older, inline="always")
-    _record_grant = jit(_record_grant, inline="always")
     serve_blocks = jit(serve_blocks, inline="always")
     _released = jit(_released, inline="always")
     admitted_tokens = jit(admitted_tokens, inline="always")
