@@ -78,6 +78,11 @@ class RegisterRequest(Contract):
         default=True, description="The worker maps the pool and block table (same host); "
                                   "false: every reply carries table deltas and slot mappings.")
     replace: bool = Field(default=False, description="Take over the id from a live session.")
+    overlap: bool = Field(
+        default=False, description="The worker's steps run at lag 2: a step may grant a request "
+                                   "whose previous step is unsettled, results come one call "
+                                   "later, and the worker commits its own accepted tokens "
+                                   "(refused by a service with prefix caching).")
 
 
 class WorkerRef(Contract):
