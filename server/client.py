@@ -78,15 +78,30 @@ class AttachedPool:
         return cls(attach(attachment.kv), attach(attachment.block_table, writable=False),
                    attach(attachment.staging), fence)
 
-    def slot_mapping(self, reply: StepResult) -> torch.Tensor:
+    def slot_mapping(self, reply: StepResult, lead: torch.Tensor | None = None) -> torch.Tensor:
         """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
-        shared block table (-1 where a position lies past its row's blocks)."""
-        scheduled = reply.scheduled
-        device = self.block_table.device
-        request, positions = scheduled.positions()
-        rows = torch.from_numpy(scheduled.rows[request]).to(device)
-        return table_slot_mapping(self.block_table, rows, torch.from_numpy(positions).to(device),
-                                  self.kv.shape[3])
+        shared block table (-1 where a position lies past its row's blocks); ``lead`` as
+        `step_slots` takes it."""
+        return step_slots(self.block_table, self.kv.shape[3], reply, lead)
+
+
+def step_slots(table: torch.Tensor, tokens_per_block: int, reply: StepResult,
+               lead: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 slot of every token of ``reply``'s step in ``table`` (the shared block table, or
+    the copy a worker that did not attach keeps from ``reply.tables``), on the table's device.
+
+    ``lead``: an overlap worker's offset per scheduled request, on that device: the drafts that
+    the request's unsettled step accepted, which its grant starts after (the reply's
+    ``start_positions`` count only settled tokens); 0 where nothing is unsettled. The device
+    knows the count before the service does, so the slots never wait for the host."""
+    scheduled = reply.scheduled
+    device = table.device
+    request, positions = scheduled.positions()
+    at = torch.from_numpy(positions).to(device)
+    if lead is not None:
+        at = at + lead.to(device=device, dtype=torch.int64)[torch.from_numpy(request).to(device)]
+    rows = torch.from_numpy(scheduled.rows[request]).to(device)
+    return table_slot_mapping(table, rows, at, tokens_per_block)
 
 
 class Client:
@@ -130,13 +145,16 @@ class Client:
 
     # ------------------------------------------------------------------ operations
 
-    def register(self, *, attach: bool = True, replace: bool = False) -> wire.Registration:
+    def register(self, *, attach: bool = True, replace: bool = False,
+                 overlap: bool = False) -> wire.Registration:
         """Open a session and, unless ``attach`` is False (another host: replies then carry table
         deltas and slot mappings), map the pool, block table and staging buffer. ``replace``
         takes the worker id over from a live session (a restarted worker), freeing its requests.
-        """
+        ``overlap``: steps run at lag 2 and the worker commits its own tokens (docs/protocol.md,
+        "Overlap workers")."""
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
-                                                         attached=attach, replace=replace))
+                                                         attached=attach, replace=replace,
+                                                         overlap=overlap))
         self.registration, self.next_step_id = reg, reg.next_step_id
         self.pool = self._transport.attach(reg) if attach else None
         return reg

@@ -91,9 +91,16 @@ class TooManyWorkers(ServiceError):
 
 
 class StepNotSettled(ServiceError):
-    """A decode request of the previous step is in none of results / reverts / finished."""
+    """A decode request of the previous step (an overlap worker's: of the step before it) is in
+    none of results / reverts / finished."""
 
     status, code, field = 422, "unsettled_requests", "results"
+
+
+class OverlapUnsupported(ServiceError):
+    """``overlap`` asked of a service that cannot serve it (one with prefix caching)."""
+
+    status, code, field = 422, "overlap_unsupported", "overlap"
 
 
 class LimitExceeded(ServiceError):

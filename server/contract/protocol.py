@@ -78,6 +78,11 @@ class RegisterRequest(Contract):
         default=True, description="The worker maps the pool and block table (same host); "
                                   "false: every reply carries table deltas and slot mappings.")
     replace: bool = Field(default=False, description="Take over the id from a live session.")
+    overlap: bool = Field(
+        default=False, description="The worker's steps run at lag 2: a step may grant a request "
+                                   "whose previous step is unsettled, results come one call "
+                                   "later, and the worker commits its own accepted tokens "
+                                   "(refused by a service with prefix caching).")
 
 
 class WorkerRef(Contract):
@@ -202,7 +207,8 @@ Handles = _column(0, HANDLE_LIMIT, "Request handles, as `admitted` returned them
 
 class ResultColumns(Contract):
     """The previous step's accepted draft counts: the next call commits those tokens and settles
-    the grant (rewinds rejected drafts, reclaims the overlap slack)."""
+    the grant (rewinds rejected drafts, reclaims the overlap slack). An overlap worker's settle
+    each request's oldest unsettled step, which it committed itself."""
 
     handles: Handles
     num_accepted: _column(0, INT32_MAX, "Accepted drafts, one per handle.")
@@ -252,7 +258,8 @@ class NewColumns(Contract):
 class StepRequest(Contract):
     """One scheduler step. Applied atomically, in this order: reverts, results, finished, grants
     and padding, prefill, new. Every decode request of the previous step must appear in exactly
-    one of ``results``, ``reverts`` or ``finished``.
+    one of ``results``, ``reverts`` or ``finished``; for an overlap worker (lag 2), of the step
+    before it, and a revert undoes a request's newest unsettled step.
 
     ``step_id`` must exceed the last applied one; repeating the last one returns its reply again
     without applying anything.
@@ -311,10 +318,11 @@ class TableDeltas(Contract):
 
 
 class CommitSummary(Contract):
-    """What the previous step's commit wrote into the pool."""
+    """What the service's commit of the previous step wrote into the pool: nothing for an
+    overlap worker, which commits its own tokens."""
 
-    tokens: int = Field(description="Tokens the previous step staged.")
-    written: int = Field(description="Tokens written into the pool.")
+    tokens: int = Field(description="Tokens the previous step staged (0: overlap worker).")
+    written: int = Field(description="Tokens the service wrote into the pool.")
     fallback: str | None = Field(default=None, description="Why NWOR fell back, if it did.")
 
 
@@ -329,7 +337,8 @@ class StepReply(Contract):
     tables: TableDeltas | None = Field(
         default=None, description="Only for workers registered with attached=false.")
     slot_mapping: _column(-1, INT63_MAX, "Only for workers registered with attached=false: the "
-                                         "pool slot of each token of the step; -1: skip.")
+                                         "pool slot of each token of the step; -1: skip. Empty "
+                                         "for an overlap worker (it computes its slots).")
     cached_tokens: _column(0, INT32_MAX, "Per new request: prompt tokens already in the pool "
                                          "(a cached prefix; its scheduled prefill starts after "
                                          "them), 0 when refused.")

@@ -14,7 +14,8 @@ Invariants:
 - a worker's step ids only increase: the last id again, with the same body, returns the cached
   reply without applying anything; a smaller one is refused;
 - every decode request of a worker's previous step is settled by its next step (results,
-  reverts or finished), so a staged batch is committed exactly once;
+  reverts or finished), so a staged batch is committed exactly once; an overlap worker's by the
+  step after (lag 2, `server.service.inflight`), and it commits its own tokens;
 - a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks.
 """
 
@@ -33,7 +34,14 @@ import torch
 from allocator import InvariantViolation, KVCacheManager, KVStorage, StepPlan
 from server.contract import wire
 from server.contract.columns import StepCall, StepResult
-from server.contract.errors import LimitExceeded, NotReady, StaleEpoch, StepIdReused, StepOutOfOrder
+from server.contract.errors import (
+    LimitExceeded,
+    NotReady,
+    OverlapUnsupported,
+    StaleEpoch,
+    StepIdReused,
+    StepOutOfOrder,
+)
 from server.contract.sharing import StepFence, TensorExporter, dtype_name
 from server.service.commit import Committer
 from server.service.event_publisher import KVEventPublisher
@@ -87,7 +95,8 @@ class ServiceCore:
         self._exporter = TensorExporter(prefix=f"kvalloc-{self.epoch:016x}")
         placement = ExportedTensors(self._exporter)
         self.storage = KVStorage(pool, allocate=placement)
-        self.manager = KVCacheManager(pool, allocate=placement,
+        # TODO compiled lag 2: the compiled step ignores StepPlan.lag (overlap workers).
+        self.manager = KVCacheManager(pool, allocate=placement, compiled=False,
                                       prefix_caching=config.prefix_caching,
                                       kv_events=config.kv_events is not None,
                                       register_when_written=True)
@@ -151,6 +160,7 @@ class ServiceCore:
         """Open a session for ``worker_id`` (see `WorkerRegistry` for ids held by a session)."""
         with self.lock:
             self._check_open()
+            self._check_overlap(req)
             self._expire(self.clock())
             replaced = self.registry.check_capacity(req.worker_id, req.replace)
             if replaced is not None:
@@ -165,17 +175,26 @@ class ServiceCore:
                 attachment=worker.attachment,
             )
 
+    def _check_overlap(self, req: wire.RegisterRequest) -> None:
+        if req.overlap and self.config.prefix_caching:
+            raise OverlapUnsupported(
+                "overlap: this service shares cached prefix blocks (--prefix-caching), and a "
+                "worker that commits its own tokens has no write protection for them on its "
+                "device yet: it could overwrite a block other requests read; register without "
+                "overlap, or use a service without --prefix-caching")
+
     def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
         pool = self.config.pool
         shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
         staging, handle = self._exporter.empty(f"staging-{req.worker_id}", shape,
                                                self.staging_dtype, self.device)
-        self.committer.add_staging(staging)
+        if not req.overlap:  # the service never commits an overlap worker's staging
+            self.committer.add_staging(staging)
         fence, fwd, com = self._fence(req.worker_id)
         attachment = wire.Attachment(kv=self._kv_handle, block_table=self._table_handle,
                                      staging=handle, forward_done=fwd, commit_done=com)
         return Worker(req.worker_id, session, req.attached, staging, attachment, fence,
-                      last_seen=self.clock())
+                      last_seen=self.clock(), overlap=req.overlap)
 
     def _fence(self, worker_id: str) -> tuple[StepFence | None, wire.EventHandle | None,
                                               wire.EventHandle | None]:

@@ -2,9 +2,11 @@
 
 Order inside one call (all checks come first; from the manager's step on nothing raises):
 1. handles -> rows (the registry checks ownership and generation), new ids unique, every decode
-   of the previous batch settled, the step's token demand within ``max_step_tokens``;
-2. the manager applies the whole step atomically (`allocator.StepPlan`) and returns one
-   `allocator.StepOutcome`: what it granted, admitted and changed in the block table;
+   of the previous batch settled (an overlap worker's: of the batch before it, see
+   `server.service.inflight`), the step's token demand within ``max_step_tokens``;
+2. the manager applies the whole step atomically (`allocator.StepPlan`, at lag 2 for an overlap
+   worker) and returns one `allocator.StepOutcome`: what it granted, admitted and changed in the
+   block table;
 3. the registry frees finished requests and hands out handles for admitted ones;
 4. this step's batch is laid out (`server.service.schedule`), its tokens' slots read from the
    manager's table (`KVCacheManager.token_slots`);
@@ -12,7 +14,8 @@ Order inside one call (all checks come first; from the manager's step on nothing
    tokens, into blocks their requests still own; with prefix caching, the manager learns which
    prompt tokens are now written, and what that (and the step) changed in its cache reaches the
    committer's write protection and the KV-event publisher (`sync_cache`); the reply is built
-   from the outcome.
+   from the outcome. An overlap worker commits its own tokens: for it, 4 reads no slots and 5
+   writes nothing, and the batch that retires is the one whose results this call brought.
 """
 
 from __future__ import annotations
@@ -26,10 +29,18 @@ from allocator.capacity.kv_events import KVCacheEvent
 from allocator.capacity.step.plan import checked_plan
 from allocator.common.jit import jit, numba
 from server.contract import protocol, wire
-from server.contract.columns import NO_VALUES, Refused, StepCall, StepResult, TableChanges
+from server.contract.columns import (
+    NO_VALUES,
+    Refused,
+    Scheduled,
+    StepCall,
+    StepResult,
+    TableChanges,
+)
 from server.contract.errors import LimitExceeded
 from server.service.batch import ScheduledBatch, Settlement
 from server.service.commit import NOTHING, Committer
+from server.service.inflight import Flight, Settled
 from server.service.registry import Worker, WorkerRegistry
 from server.service.schedule import schedule
 
@@ -69,10 +80,8 @@ class StepPipeline:
                 call.revert_handles, call.result_handles, call.finished_handles,
                 call.grant_handles, call.padding_handles, call.prefill_handles)))
         registry.check_new(worker, call.new_req_ids)
-        previous = worker.batch
-        settlement = None if previous is None else previous.settle(
-            result_rows, call.num_accepted, revert_rows, finished_rows, num_rows=self._rows,
-            step_id=worker.last_step_id)
+        settled = self._settle(worker, result_rows, call.num_accepted, revert_rows,
+                               finished_rows)
         drafts = self._drafts(grant_rows, padding_rows, call)
         prompt_tokens = (call.prompt_lens if call.first_chunks.size == 0
                          else np.where(call.first_chunks > 0, call.first_chunks, call.prompt_lens))
@@ -86,7 +95,8 @@ class StepPipeline:
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
-            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks),
+            prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
+            lag=2 if worker.overlap else 1),
             _split(call.prompt_token_ids, call.prompt_lens))
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
@@ -97,15 +107,8 @@ class StepPipeline:
             call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
             outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
             call.prompt_lens, cached)
-        # Read before the commit, while the table rows the step just wrote are in the cache
-        # (the commit streams the staged K/V through it); the commit changes no table cell.
-        slots = self.manager.token_slots(scheduled.rows, scheduled.start_positions,
-                                         scheduled.num_tokens)
-        worker.batch = batch = ScheduledBatch(scheduled, num_decodes, slots, self._tpb)
-        committed = NOTHING
-        if previous is not None:
-            assert settlement is not None
-            committed = self._write_previous(worker, previous, settlement, outcome)
+        committed, slots = self._advance(worker, settled, scheduled, num_decodes, outcome,
+                                         call.step_id)
         if worker.fence is not None:
             worker.fence.service_end()
         self.sync_cache()
@@ -116,7 +119,45 @@ class StepPipeline:
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
                 outcome.changed_block_ids.astype(np.int64)),
-            slot_mapping=None if worker.attached else batch.slots, cached_tokens=cached)
+            slot_mapping=None if worker.attached else slots, cached_tokens=cached)
+
+    def _settle(self, worker: Worker, result_rows: np.ndarray, num_accepted: np.ndarray,
+                revert_rows: np.ndarray, finished_rows: np.ndarray) -> Settlement | Settled | None:
+        """What the call settles of the worker's steps in flight, before anything changes: the
+        previous batch's `Settlement` (None before the first step), or for an overlap worker
+        both of its batches as the call leaves them. Raises `StepNotSettled`."""
+        if worker.overlap:
+            return worker.flights.settle(result_rows, revert_rows, finished_rows,
+                                         num_rows=self._rows)
+        previous = worker.batch
+        return None if previous is None else previous.settle(
+            result_rows, num_accepted, revert_rows, finished_rows, num_rows=self._rows,
+            step_id=worker.last_step_id)
+
+    def _advance(self, worker: Worker, settled: Settlement | Settled | None,
+                 scheduled: Scheduled, num_decodes: int, outcome: StepOutcome,
+                 step_id: int) -> tuple[wire.CommitSummary, np.ndarray]:
+        """Keep the batch this call laid out and retire the one it settled; returns what the
+        service committed and the new batch's slots. An overlap worker writes its own tokens
+        and computes its own slots (the service knows only the host's start of a grant behind
+        an unsettled step): neither is done here, and its slots are none (empty on every
+        transport alike)."""
+        if worker.overlap:
+            assert isinstance(settled, Settled)
+            retired = worker.flights.advance(settled, Flight.of(scheduled, num_decodes, step_id))
+            if retired is not None:
+                self._mark_written(retired.scheduled, retired.dropped)
+            return NOTHING, NO_VALUES
+        # Read before the commit, while the table rows the step just wrote are in the cache
+        # (the commit streams the staged K/V through it); the commit changes no table cell.
+        slots = self.manager.token_slots(scheduled.rows, scheduled.start_positions,
+                                         scheduled.num_tokens)
+        previous, worker.batch = worker.batch, ScheduledBatch(scheduled, num_decodes, slots,
+                                                              self._tpb)
+        if previous is None:
+            return NOTHING, slots
+        assert isinstance(settled, Settlement)
+        return self._write_previous(worker, previous, settled, outcome), slots
 
     def sync_cache(self) -> None:
         """What the manager's prefix cache changed since the last call: protection flips to the
@@ -156,13 +197,16 @@ class StepPipeline:
         slots = batch.owned_slots(dropped, outcome.num_blocks)
         summary = self.committer.write_batch(worker.staging, batch, settlement.accepted, dropped,
                                              slots)
+        self._mark_written(batch.scheduled, dropped)
+        return summary
+
+    def _mark_written(self, scheduled: Scheduled, dropped: np.ndarray) -> None:
+        """A retired batch's prompt blocks become shareable, and protected, now that their K/V
+        is in the pool (``dropped`` requests, per entry, are skipped)."""
         if self._caching:
-            # Prompt blocks become shareable, and protected, once their K/V is in the pool.
             kept = ~dropped
-            scheduled = batch.scheduled
             self.manager.mark_written(
                 scheduled.rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
-        return summary
 
     def _refused(self, outcome: StepOutcome, scheduled: int) -> Refused:
         """The entries the step did not schedule, out of ``scheduled`` that it did."""

@@ -46,6 +46,7 @@ from server.contract.errors import (
 )
 from server.contract.sharing import StepFence
 from server.service.batch import ScheduledBatch
+from server.service.inflight import InFlight
 from server.service.settings import MAX_ROWS
 
 log = logging.getLogger("kvalloc.service")
@@ -63,11 +64,14 @@ class Worker:
     attachment: wire.Attachment
     fence: StepFence | None
     last_seen: float  # the clock at its last call; only grows (the clock is monotonic)
+    # Its steps run at lag 2 (`server.service.inflight`) and it commits its own tokens.
+    overlap: bool = False
     req_ids: dict[str, int] = field(default_factory=dict)  # live request id -> row
     last_step_id: int | None = None
     last_call: StepCall | None = None
     last_result: StepResult | None = None
     batch: ScheduledBatch | None = None  # its last step's forward; the next call commits it
+    flights: InFlight = field(default_factory=InFlight)  # an overlap worker's last two steps
 
 
 class WorkerRegistry:

@@ -1,9 +1,11 @@
 """End to end with real processes: ``kvalloc serve`` as a subprocess and workers as separate
 processes that attach the pool, stage K/V and drive steps over IPC and REST; several workers at
-once; a worker killed mid-run; the service restarted under its workers."""
+once; overlap (lag-2) workers over every carrier, each checking its own model of capacity; a
+worker killed mid-run, with two steps in flight too; the service restarted under its workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from lag2_worker import Lag2Worker
 from named_worker import NamedWorker
 from service_harness import nwor_scenario
 
@@ -27,6 +30,11 @@ SMALL_POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4
               "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",
               "--max-batch-size", "16", "--max-seq-len", "64", "--max-step-tokens", "128")
 WORKER_TIMEOUT_S = 120
+# A lease of 1 s ends and the service frees the worker: 1.05 s measured on a loaded 2-core
+# machine (the reaper looks about once a second), as long as a lag-2 worker process took to start
+# and run 40 calls (2 s; WORKER_TIMEOUT_S is 60 times that).
+REAP_TIMEOUT_S = 15
+LAG2_CALLS = 40
 SPAWN = mp.get_context("spawn")
 
 
@@ -89,13 +97,28 @@ def traffic_worker(addr: str, worker_id: str, steps: int, seed: int) -> int:
     return steps
 
 
-def holding_worker(addr: str, ready: Any) -> None:
-    """Admit requests, take a grant, report readiness, then hang (until killed)."""
+def lag2_worker(addr: str, worker_id: str, seed: int) -> dict[str, int]:
+    """Register with overlap, run random lag-2 calls checking every reply against the worker's
+    own model (`Lag2Worker`), finish what is left; returns what the schedule exercised."""
+    torch.set_num_threads(1)
+    with Client(addr, worker_id=worker_id) as client:
+        client.register(overlap=True)
+        worker = Lag2Worker(client, seed)
+        done = worker.run(LAG2_CALLS)
+        worker.finish_all()
+        client.deregister()
+    return dataclasses.asdict(done)
+
+
+def holding_worker(addr: str, ready: Any, overlap: bool) -> None:
+    """Admit requests, take a grant (an overlap worker: two, the second behind the first),
+    report readiness, then hang (until killed)."""
     torch.set_num_threads(1)
     client = Client(addr, worker_id="doomed")
-    client.register()
+    client.register(overlap=overlap)
     handles = client.step(new=(["a", "b"], [20, 12])).admitted
-    client.step(grants=(handles, [3, 3]))
+    for _ in range(1 + overlap):
+        client.step(grants=(handles, [3, 3]))
     ready.put(client.get_pool().used_blocks)
     time.sleep(600)
 
@@ -157,21 +180,41 @@ def test_out_of_blocks_is_a_clean_refusal_over_the_wire(service: ServiceProcess)
     assert pool_state(service).invariants == "ok"
 
 
-def test_a_killed_worker_loses_its_lease_and_its_blocks_return(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["stream", "ipc", "rest"])
+def test_a_lag_2_worker_process_keeps_its_model_of_capacity(service: ServiceProcess,
+                                                            transport: str) -> None:
+    addr = {"stream": service.stream, "ipc": service.ipc, "rest": service.rest_tcp}[transport]
+    with SPAWN.Pool(1) as pool:
+        done = pool.apply_async(lag2_worker, (addr, f"lag2-{transport}", 7)).get(
+            WORKER_TIMEOUT_S)
+    assert done["calls"] == LAG2_CALLS and done["behind"] > 10
+    state = pool_state(service)
+    assert state.invariants == "ok"
+    assert (state.num_requests, state.used_blocks, state.workers) == (0, 0, [])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["lag1", "overlap"])
+def test_a_killed_worker_loses_its_lease_and_its_blocks_return(tmp_path: Path,
+                                                              overlap: bool) -> None:
     with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", "1") as svc:
         ready = SPAWN.Queue()
-        doomed = SPAWN.Process(target=holding_worker, args=(svc.ipc, ready), daemon=True)
+        doomed = SPAWN.Process(target=holding_worker, args=(svc.ipc, ready, overlap),
+                               daemon=True)
         doomed.start()
         try:
             assert ready.get(timeout=WORKER_TIMEOUT_S) > 0  # it holds blocks
+            assert svc.epoch is not None
+            staging = list(SHM_DIR.glob(f"kvalloc-{svc.epoch:016x}-staging-doomed"))
+            assert staging  # its staging segment, while its session lives
         finally:
-            doomed.kill()
+            doomed.kill()  # SIGKILL: no deregistration, no cleanup in the worker
             doomed.join(10)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + REAP_TIMEOUT_S
         while (state := pool_state(svc)).num_requests and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (state.num_requests, state.used_blocks, state.leases_expired) == (0, 0, 1)
-        assert state.workers == []
+        assert state.workers == [] and state.invariants == "ok"
+        assert not any(p.exists() for p in staging)
         assert "lease of worker 'doomed' expired" in svc.log()
 
 

@@ -75,6 +75,17 @@ def pool_mismatches(kv: torch.Tensor, expected: Mapping[int, tuple[int, int]],
 
 
 POISON = -3.0
+TTL = 10.0  # the lease of a core made for a test
+
+
+class FakeClock:
+    """A service core's clock that only the test moves (``now``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass

@@ -7,12 +7,20 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from named_worker import NamedWorker
-from service_harness import POISON, committed_slots, nwor_scenario, pool_mismatches, stage_pattern
+from service_harness import (
+    POISON,
+    TTL,
+    FakeClock,
+    committed_slots,
+    nwor_scenario,
+    pool_mismatches,
+    stage_pattern,
+)
 
 from server.client import Client
 from server.contract import wire
@@ -21,16 +29,6 @@ from server.contract.errors import NotRegistered, RemoteError, ServiceRestarted,
 from server.contract.sharing import SHM_DIR
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
-
-TTL = 10.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Recorder:
@@ -53,32 +51,6 @@ class Recorder:
 
     def state_changed(self) -> None:
         self.changes += 1
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def make_core(make_config: Callable[..., object],
-              clock: FakeClock) -> Iterator[Callable[..., ServiceCore]]:
-    cores: list[ServiceCore] = []
-
-    def factory(**pool: object) -> ServiceCore:
-        config = ServiceConfig(pool=make_config(**{"num_layers": 2, **pool}), lease_ttl_s=TTL,
-                               max_step_tokens=64)
-        cores.append(ServiceCore(config, clock=clock))
-        return cores[-1]
-
-    yield factory
-    for core in cores:
-        core.close()
-
-
-@pytest.fixture
-def core(make_core: Callable[..., ServiceCore]) -> ServiceCore:
-    return make_core()
 
 
 def worker(core: ServiceCore, worker_id: str = "w", *, attach: bool = True) -> NamedWorker:
