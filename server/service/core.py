@@ -95,8 +95,7 @@ class ServiceCore:
         self._exporter = TensorExporter(prefix=f"kvalloc-{self.epoch:016x}")
         placement = ExportedTensors(self._exporter)
         self.storage = KVStorage(pool, allocate=placement)
-        # TODO compiled lag 2: the compiled step ignores StepPlan.lag (overlap workers).
-        self.manager = KVCacheManager(pool, allocate=placement, compiled=False,
+        self.manager = KVCacheManager(pool, allocate=placement,
                                       prefix_caching=config.prefix_caching,
                                       kv_events=config.kv_events is not None,
                                       register_when_written=True)
