@@ -6,10 +6,8 @@
 - ``make_each_manager(**overrides)``: the same, once with the numpy step and once with the
   compiled one (the test runs twice).
 - ``cuda_device``: ``"cuda"``, or skip.
-- ``needs_triton_interpreter``: the mark of the tests that run a Triton kernel in Triton's
-  interpreter on CPU and compare it bit for bit with the torch path. torch pins its own Triton, so
-  whichever release it brought is the one tested; a release older than ``TRITON_OLDEST_CHECKED``
-  was never checked against these tests, and they skip there with a reason rather than fail.
+- ``needs_triton_interpreter`` (in ``support/triton_interpreter.py``): the mark of the tests that
+  run a Triton kernel in Triton's interpreter on CPU.
 
 GPU variants: parametrise ``device`` over "cpu" and a "cuda" param carrying the ``gpu`` marker
 plus a skip-without-CUDA, in the test module itself (see
@@ -20,10 +18,8 @@ dev-only imports (hypothesis, httpx, ...) out of this file and of modules with G
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -35,25 +31,6 @@ from allocator import KVCacheManager, PoolConfig
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 CUDA_AVAILABLE = torch.cuda.is_available()
-
-TRITON_OLDEST_CHECKED = (3, 6)
-
-
-def _triton_interpreter_gap() -> str | None:
-    """Why the Triton-interpreter tests cannot run here, or None when they can."""
-    try:
-        version = metadata.version("triton")
-    except metadata.PackageNotFoundError:
-        return "triton is not installed"
-    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if release < TRITON_OLDEST_CHECKED:
-        oldest = ".".join(map(str, TRITON_OLDEST_CHECKED))
-        return f"triton {version}: its interpreter predates {oldest}, the oldest checked"
-    return None
-
-
-needs_triton_interpreter = pytest.mark.skipif(_triton_interpreter_gap() is not None,
-                                              reason=_triton_interpreter_gap() or "")
 
 # Small enough to exhaust in a few calls, big enough for a handful of requests.
 SMALL_POOL: dict[str, object] = {

@@ -8,8 +8,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-import conftest
 import pytest
+import triton_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
@@ -55,10 +55,10 @@ def test_the_triton_interpreter_tests_skip_with_a_reason_only_below_the_oldest_c
         return lookup
 
     monkeypatch.setattr(metadata, "version", installed("3.5.2"))
-    assert conftest._triton_interpreter_gap() == (
+    assert triton_interpreter.triton_interpreter_gap() == (
         "triton 3.5.2: its interpreter predates 3.6, the oldest checked")
     for version in ("3.6.0", "3.7.1", "3.9.0", "4.0.0+git1234"):
         monkeypatch.setattr(metadata, "version", installed(version))
-        assert conftest._triton_interpreter_gap() is None, version
+        assert triton_interpreter.triton_interpreter_gap() is None, version
     monkeypatch.setattr(metadata, "version", installed(None))
-    assert conftest._triton_interpreter_gap() == "triton is not installed"
+    assert triton_interpreter.triton_interpreter_gap() == "triton is not installed"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_triton_interpreter
+from triton_interpreter import needs_triton_interpreter
 
 from allocator.errors import NworInputError, SlotDtypeError
 from allocator.nwor.commit_kernel import quantise_fp8, resolve_backend, write_staged

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import needs_triton_interpreter
 from nwor_scenarios import (
     POISON_BITS,
     bits,
@@ -16,6 +15,7 @@ from nwor_scenarios import (
     random_window,
     stage,
 )
+from triton_interpreter import needs_triton_interpreter
 
 import allocator.nwor.deferred.pool_writes as pool_writes
 from allocator.errors import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import needs_triton_interpreter
+from triton_interpreter import needs_triton_interpreter
 
 from allocator.nwor.keep_mask import NEVER, mask_rejected
 
