@@ -24,6 +24,9 @@ same machine state; each reports the median and p99 of its timed part in microse
   attached worker, so it includes the NWOR commit of the previous step; ``commit`` is that
   commit's own time inside it (a host memory copy on a CPU pool; on a CUDA pool the kernels,
   synchronised so their device time counts);
+- ``service_inproc_overlap``: the same for a worker registered with ``overlap=True``, stepping at
+  lag 2 (`OverlapWorkload`: results one call late, every running request granted behind its
+  unsettled step); such a worker commits its own tokens, so the step holds no commit;
 - ``ipc``, ``stream``, ``rest_tcp``: the round trip to a real ``kvalloc serve`` subprocess over
   ZeroMQ, over its plain Unix stream socket and over HTTP on TCP, attached too: encoding,
   transport, the service's step, decoding. ``ipc_service``, ``stream_service`` and
@@ -140,6 +143,45 @@ class DecodeWorkload:
         self.waiting = admitted[admitted >= 0]
 
 
+class OverlapWorkload(DecodeWorkload):
+    """The same decode at lag 2, as an overlap scheduler steps it: a call's results are for the
+    grants of the call before the last, and every running request is granted again while its
+    previous step is still unsettled."""
+
+    def __init__(self, batch: int, seed: int) -> None:
+        super().__init__(batch, seed)
+        self.in_flight: list[np.ndarray] = []  # each recent call's grants, oldest first
+
+    def next_step(self) -> StepArrays:
+        rng, empty = self.rng, np.zeros(0, dtype=np.int64)
+        newest = self.in_flight[-1] if self.in_flight else empty
+        new = min(ADMIT_PER_STEP, self.batch - newest.size - self.waiting.size)
+        results = self.in_flight.pop(0) if len(self.in_flight) == 2 else empty
+        accepted = rng.integers(0, DRAFT_LEN + 1, size=results.size)
+        finished = empty
+        if results.size and rng.random() < FINISH_RATE:
+            finished = results[rng.integers(0, results.size, size=1)]
+            new += 1
+        running = np.concatenate([newest, self.waiting])
+        grants = running[~np.isin(running, finished)] if finished.size else running
+        if finished.size:  # a finish drops its newer step too
+            self.in_flight = [f[~np.isin(f, finished)] for f in self.in_flight]
+        self._step = StepArrays(results, accepted, finished, grants,
+                                np.full(grants.size, DRAFT_LEN, dtype=np.int64),
+                                np.full(new, PROMPT_LEN, dtype=np.int64))
+        return self._step
+
+    @property
+    def full(self) -> bool:
+        newest = self.in_flight[-1].size if self.in_flight else 0
+        return newest + self.waiting.size >= self.batch
+
+    def observe(self, admitted: np.ndarray, granted: np.ndarray) -> None:
+        assert self._step is not None
+        self.in_flight.append(self._step.grant_handles[granted])
+        self.waiting = admitted[admitted >= 0]
+
+
 @dataclass(frozen=True)
 class Setup:
     """What every measurement of one run shares."""
@@ -229,10 +271,10 @@ class ManagerStep:
 class ServiceStep:
     """One step call of an attached worker through ``client`` (handles are the service's)."""
 
-    def __init__(self, setup: Setup, client: Client) -> None:
+    def __init__(self, setup: Setup, client: Client, *, overlap: bool = False) -> None:
         self.client = client
-        self.registration = client.register()
-        self.workload = DecodeWorkload(setup.batch, setup.seed)
+        self.registration = client.register(overlap=overlap)
+        self.workload = (OverlapWorkload if overlap else DecodeWorkload)(setup.batch, setup.seed)
 
     def prepare(self) -> StepCall:
         s = self.workload.next_step()
@@ -264,7 +306,7 @@ class ServiceStep:
 class InProcessService(ServiceStep):
     """`ServiceCore.step` in this process; also times the commit inside it (``commit``)."""
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, *, overlap: bool = False) -> None:
         self.core = ServiceCore(setup.service_config())
         self.commit_us: list[float] = []
         commit = self.core.committer.write_batch
@@ -279,7 +321,7 @@ class InProcessService(ServiceStep):
             return out
 
         self.core.committer.write_batch = timed_commit  # type: ignore[method-assign]
-        super().__init__(setup, Client.in_process(self.core, worker_id="bench"))
+        super().__init__(setup, Client.in_process(self.core, worker_id="bench"), overlap=overlap)
 
     def close(self) -> None:
         super().close()
@@ -381,6 +423,7 @@ MEASUREMENTS: dict[str, Callable[[Setup], Measurement]] = {
     "manager": lambda setup: ManagerStep(setup, compiled=True),
     "manager_cached": CachedManagerStep,
     "service_inproc": InProcessService,
+    "service_inproc_overlap": lambda setup: InProcessService(setup, overlap=True),
     "ipc": lambda setup: RemoteService(setup, "ipc"),
     "stream": lambda setup: RemoteService(setup, "stream"),
     "rest_tcp": lambda setup: RemoteService(setup, "rest_tcp"),
@@ -421,7 +464,7 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
             (after_seconds - seconds) / max(1, after_count - count) * 1e6, 1)}
     hit_rate = None
     for m in runs.values():
-        if isinstance(m, InProcessService):
+        if isinstance(m, InProcessService) and m.commit_us:  # an overlap worker commits itself
             samples["commit"] = m.commit_us
         if isinstance(m, CachedManagerStep):
             hit_rate = m.hit_rate
@@ -446,6 +489,9 @@ def targets(r: dict[str, float]) -> dict[str, float]:
     if "service_inproc_us" in r and "commit_us" in r and "manager_us" in r:
         out["service_over_2x_manager_plus_commit"] = (
             r["service_inproc_us"] / (2 * r["manager_us"] + r["commit_us"]))
+    if "service_inproc_overlap_us" in r and "manager_us" in r:
+        out["overlap_service_over_2x_manager"] = r["service_inproc_overlap_us"] / (
+            2 * r["manager_us"])
     for key in ("ipc_us", "stream_us", "rest_tcp_us"):
         if key in r and "service_inproc_us" in r:
             out[f"{key.removesuffix('_us')}_minus_inproc_us"] = r[key] - r["service_inproc_us"]

@@ -48,7 +48,7 @@ want targets && for layers in 2 32; do
     for transport in ipc stream; do
         step "$PYTHON" benchmarks/bench_step.py --device cuda --quick --steps 80 \
             --layers "$layers" --kv-heads 8 --head-dim 128 \
-            --only manager service_inproc "$transport" \
+            --only manager service_inproc service_inproc_overlap "$transport" \
             --out "$OUT/bench_step_cuda_${layers}_layers_${transport}.json" 2>&1 \
             | tee -a "$OUT/bench.log"
     done
