@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from allocator.capacity.accounting import blocks_for as _blocks_for
 from allocator.capacity.accounting import lag2_slack as _lag2_slack
 from allocator.capacity.accounting import released_behind as _released_behind
 from allocator.capacity.accounting import settle_behind as _settle_behind
@@ -628,10 +629,6 @@ def serve_in_order(grow_rows: np.ndarray, target: np.ndarray, capacity: np.ndarr
         if ok[k]:
             left -= need
     return left
-
-
-def _blocks_for(tokens: int, tokens_per_block: int) -> int:
-    return -(-tokens // tokens_per_block)
 
 
 # ---------------------------------------------------------------------- 5. replace_state
