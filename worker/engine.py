@@ -51,9 +51,10 @@ from transformers import PreTrainedModel
 from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepResult
-from worker.attention import PackedStep
+from worker.attention import PoolStep
 from worker.drafters import Drafter
 from worker.model import kv_shape
+from worker.pool_attention import PagedLayout
 
 
 class EngineError(RuntimeError):
@@ -376,9 +377,10 @@ class Engine:
         positions = np.repeat(starts - offsets, num_tokens) + np.arange(total)
         logit_rows = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
         forward_started = time.perf_counter()
-        step = PackedStep.build(self.pool.kv, self.pool.staging, self.pool.block_table, offsets,
-                                num_tokens, starts, rows,
-                                group_width=1 + self.layout.max_draft_len)
+        layout = PagedLayout.build(self.pool.block_table, self.layout.tokens_per_block,
+                                   rows=rows, query_starts=offsets, query_lens=num_tokens,
+                                   starts=starts, group_width=1 + self.layout.max_draft_len)
+        step = PoolStep(self.pool.kv, self.pool.staging, layout)
         dev = self.device
         input_ids = torch.as_tensor(ids, device=dev)
         position_ids = torch.as_tensor(positions, device=dev)

@@ -1,6 +1,7 @@
 """The worker's attention against the project's reference two-source attention, on random
 pools: grouped-query heads, requests with and without history, decode-sized and long entries,
-and NaN everywhere in the pool outside the requests' history."""
+histories known only on the device (an overlap worker's lead), and NaN everywhere in the pool
+outside the requests' history."""
 
 from __future__ import annotations
 
@@ -11,15 +12,20 @@ import torch
 from allocator import PoolConfig
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.two_source_attention import two_source_attention
-from worker.attention import KvallocAttentionError, PackedStep, kvalloc_attention
+from worker.attention import KvallocAttentionError, PoolStep, kvalloc_attention
+from worker.pool_attention import PagedLayout
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 4, 2, 8, 4
 
 
 @pytest.mark.parametrize("group_width", [1, 4, 64])
 @pytest.mark.parametrize("layer", [0, 1])
-def test_equals_the_reference_two_source_attention(group_width: int, layer: int) -> None:
-    gen = torch.Generator().manual_seed(group_width * 10 + layer)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_equals_the_reference_two_source_attention(group_width: int, layer: int,
+                                                    on_device: bool) -> None:
+    """``on_device``: the host knows each history only up to a lead of at most 3 tokens, which
+    the device adds."""
+    gen = torch.Generator().manual_seed(group_width * 10 + layer + 100 * on_device)
     config = PoolConfig(num_blocks=64, tokens_per_block=TOKENS_PER_BLOCK, num_layers=2,
                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32", device="cpu",
                         max_batch_size=8, max_seq_len=64, max_draft_len=3)
@@ -44,8 +50,12 @@ def test_equals_the_reference_two_source_attention(group_width: int, layer: int)
     value = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=gen)
     staging = torch.zeros(2, 2, 64, KV_HEADS, HEAD_DIM)
     offsets = np.cumsum(lengths) - lengths
-    step = PackedStep.build(storage.kv, staging, table, offsets, lengths, history, rows,
-                            group_width=group_width)
+    lead = np.array([2, 0, 3, 1, 0]) if on_device else np.zeros(5, dtype=np.int64)
+    layout = PagedLayout.build(table, TOKENS_PER_BLOCK, rows=rows, query_starts=offsets,
+                               query_lens=lengths, starts=history - lead,
+                               lead=torch.as_tensor(lead) if on_device else None,
+                               lead_bound=3 if on_device else 0, group_width=group_width)
+    step = PoolStep(storage.kv, staging, layout)
     module = torch.nn.Module()
     module.layer_idx = layer
     out, _ = kvalloc_attention(module, query, key, value, None, scaling=HEAD_DIM ** -0.5,
@@ -64,8 +74,7 @@ def test_rejects_what_it_does_not_implement() -> None:
     kv = torch.zeros(1, 2, 4, 4, 1, 8)
     staging = torch.zeros(1, 2, 8, 1, 8)
     table = torch.tensor([[0, 1, -1, -1]], dtype=torch.int32)
-    step = PackedStep.build(kv, staging, table, np.array([0]), np.array([3]), np.array([5]),
-                            np.array([0]), group_width=4)
+    step = PoolStep(kv, staging, _layout(table, length=3, start=5))
     module = torch.nn.Module()
     module.layer_idx = 0
     q, k = torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8)
@@ -74,5 +83,10 @@ def test_rejects_what_it_does_not_implement() -> None:
     with pytest.raises(KvallocAttentionError, match="expected one packed sequence of 3"):
         kvalloc_attention(module, torch.zeros(1, 1, 2, 8), k, k, None, kvalloc_step=step)
     with pytest.raises(KvallocAttentionError, match="staging holds 8"):
-        PackedStep.build(kv, staging, table, np.array([0]), np.array([9]), np.array([0]),
-                         np.array([0]), group_width=4)
+        PoolStep(kv, staging, _layout(table, length=9, start=0))
+
+
+def _layout(table: torch.Tensor, *, length: int, start: int) -> PagedLayout:
+    return PagedLayout.build(table, 4, rows=np.array([0]), query_starts=np.array([0]),
+                             query_lens=np.array([length]), starts=np.array([start]),
+                             group_width=4)

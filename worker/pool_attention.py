@@ -1,0 +1,167 @@
+"""Two-source attention straight from the kvalloc pool, with the step's layout on the device.
+
+One step packs every scheduled request's tokens back to back (an *entry* each). Entry ``r``
+owns the packed tokens ``query_starts[r] .. + query_lens[r]`` at positions ``history[r] ..``;
+its history (the positions below ``history[r]``) lives in the pool, read through block-table row
+``rows[r]``, and its own tokens of this step live in staging. Each query attends over both
+sources in one softmax, causal among the step's tokens, and a sliding-window layer sees only the
+last ``window`` positions (key ``j`` is visible to the query at position ``p`` iff
+``p - window < j <= p``, as transformers' masks have it).
+
+`PagedLayout` holds those per-entry columns as device tensors. ``history`` in particular may be
+known only on the device: an overlap worker's entry starts after the drafts its unsettled step
+accepted, which the host has not read yet. Nothing here reads a device value back, so the
+attention never waits for the host, and the host needs only bounds (``max_query``,
+``max_keys`` per group) that it knows without the device.
+
+`pool_attention` is the plain torch form (any device, the reference); the Triton kernel beside it
+(`worker.pool_attention_triton`) reads the same layout and is tested against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from allocator.capacity.slots import slot_mapping
+from allocator.common.device_io import upload_int64
+
+
+@dataclass(frozen=True)
+class EntryGroup:
+    """Entries the reference attends together, padded to ``[g, max_query]`` queries and
+    ``max_keys`` keys (bounds the host knows; a long prefill chunk gets a group of its own so it
+    never pads a batch of decodes). Its gather indices are built once a step, not once a layer."""
+
+    query_index: torch.Tensor  # int64 [g, Q]: packed index of each query (0 where padded)
+    query_valid: torch.Tensor  # bool [g, Q]
+    key_slot: torch.Tensor  # int64 [g, S]: pool slot of a history key, else -1
+    key_packed: torch.Tensor  # int64 [g, S]: packed index of a staged key, else 0
+    visible: torch.Tensor  # bool [g, Q, S]: causal visibility, before any window
+    query_positions: torch.Tensor  # int64 [g, Q, 1]
+
+    @classmethod
+    def of(cls, layout: PagedLayout, entries: torch.Tensor, max_query: int,
+           max_keys: int) -> EntryGroup:
+        """``max_keys`` must be at least every member's ``history + query_len``."""
+        device = entries.device
+        i = torch.arange(max_query, device=device)
+        j = torch.arange(max_keys, device=device)
+        starts, lens = layout.query_starts[entries], layout.query_lens[entries]
+        hist = layout.history[entries]
+        query_valid = i[None, :] < lens[:, None]
+        query_index = torch.where(query_valid, starts[:, None] + i[None, :], 0)
+        in_history = j[None, :] < hist[:, None]
+        staged = ~in_history & (j[None, :] < (hist + lens)[:, None])
+        rows = layout.rows[entries][:, None].expand(-1, max_keys)
+        table_slot = slot_mapping(layout.block_table, rows.reshape(-1),
+                                  j.expand(entries.numel(), -1).reshape(-1),
+                                  layout.tokens_per_block).view(entries.numel(), max_keys)
+        # A history position past its row's blocks has no slot: it is never read (an engine
+        # would read out of bounds there; the validator counts such positions).
+        key_slot = torch.where(in_history, table_slot, -1)
+        key_packed = torch.where(staged, starts[:, None] + j[None, :] - hist[:, None], 0)
+        query_positions = (hist[:, None] + i[None, :])[..., None]
+        visible = (((key_slot >= 0) | staged)[:, None, :] & (j <= query_positions)
+                   & query_valid[..., None])
+        return cls(query_index, query_valid, key_slot, key_packed, visible, query_positions)
+
+    def visible_in(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.visible
+        keys = torch.arange(self.visible.shape[-1], device=self.visible.device)
+        return self.visible & (keys > self.query_positions - window)
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """One step's entries in the pool's terms, on the pool's device (int64 columns ``[R]``)."""
+
+    block_table: torch.Tensor  # int32 [max_batch_size, max_blocks_per_seq], -1 past a row's blocks
+    tokens_per_block: int
+    rows: torch.Tensor
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+    history: torch.Tensor
+    token_entry: torch.Tensor  # int64 [N]: the entry of each packed token
+    groups: tuple[EntryGroup, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_entry.numel()
+
+    @classmethod
+    def build(cls, block_table: torch.Tensor, tokens_per_block: int, *, rows: np.ndarray,
+              query_starts: np.ndarray, query_lens: np.ndarray, starts: np.ndarray,
+              lead: torch.Tensor | None = None, lead_bound: np.ndarray | int = 0,
+              group_width: int) -> PagedLayout:
+        """A step's layout from the service's reply (host arrays per entry) and, for an overlap
+        worker, each entry's ``lead`` on the device (the drafts its unsettled step accepted: its
+        history is ``starts + lead``), which the host bounds by ``lead_bound``. One upload of the
+        host columns; entries of at most ``group_width`` tokens form one reference group."""
+        device = block_table.device
+        num_tokens = int(query_lens.sum())
+        token_entry = np.repeat(np.arange(query_lens.size), query_lens)
+        packed = np.concatenate([rows, query_starts, query_lens, starts, token_entry])
+        columns = upload_int64(packed.astype(np.int64, copy=False), device)
+        r = query_lens.size
+        rows_t, starts_t, lens_t, history = (columns[k * r:(k + 1) * r] for k in range(4))
+        if lead is not None:
+            history = history + lead
+        layout = cls(block_table, tokens_per_block, rows_t, starts_t, lens_t, history,
+                     columns[4 * r:4 * r + num_tokens])
+        reach = starts + lead_bound + query_lens
+        short = np.flatnonzero(query_lens <= group_width)
+        members = ([short] if short.size else []) + [
+            np.array([i]) for i in np.flatnonzero(query_lens > group_width)]
+        groups = tuple(EntryGroup.of(layout, torch.as_tensor(m, device=device),
+                                     int(query_lens[m].max()), int(reach[m].max()))
+                       for m in members)
+        return dataclasses.replace(layout, groups=groups)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[N]``: the position of every packed token."""
+        e = self.token_entry
+        offset = torch.arange(self.num_tokens, device=e.device) - self.query_starts[e]
+        return self.history[e] + offset
+
+    def slots(self) -> torch.Tensor:
+        """int64 ``[N]``: the pool slot every packed token commits to (-1 where its position lies
+        past its row's blocks)."""
+        return slot_mapping(self.block_table, self.rows[self.token_entry], self.positions,
+                            self.tokens_per_block)
+
+
+def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
+                    pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, *,
+                    scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """``query [N, Hq, D]``; ``staged_k`` / ``staged_v`` ``[>= N, Hkv, D]`` (packed token ``i``
+    at row ``i``); ``pool_k`` / ``pool_v`` ``[num_blocks, tokens_per_block, Hkv, D]``. Returns
+    ``[N, Hq, D]``. A key no query sees is zeroed after the gather, so a pool slot holding NaN
+    (poison, another request's garbage) cannot reach the output through a masked weight."""
+    out = torch.zeros_like(query)
+    flat_k, flat_v = pool_k.flatten(0, 1), pool_v.flatten(0, 1)
+    for group in layout.groups:
+        visible = group.visible_in(window)
+        used = visible.any(1)[..., None, None]  # [g, S, 1, 1]
+        from_pool = (group.key_slot >= 0)[..., None, None]
+        slot = group.key_slot.clamp(min=0)
+        keys = torch.where(from_pool, flat_k[slot], staged_k[group.key_packed])
+        values = torch.where(from_pool, flat_v[slot], staged_v[group.key_packed])
+        keys = torch.where(used, keys, 0)
+        values = torch.where(used, values, 0)
+        # A padded query sees key 0 only, so its softmax stays finite; its output is dropped.
+        first = torch.zeros_like(visible)
+        first[..., 0] = True
+        mask = torch.where(visible.any(-1, keepdim=True), visible, first)
+        attended = F.scaled_dot_product_attention(
+            query[group.query_index].transpose(1, 2), keys.transpose(1, 2),
+            values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+            enable_gqa=True)  # [g, Hq, Q, D]
+        out[group.query_index[group.query_valid]] = attended.transpose(1, 2)[group.query_valid]
+    return out
