@@ -68,15 +68,18 @@ class AttachedPool:
     block_table: torch.Tensor
     staging: torch.Tensor
     fence: StepFence | None
+    protected: torch.Tensor | None = None  # cached prefix blocks (a prefix-caching service)
 
     @classmethod
     def attach(cls, attachment: wire.Attachment) -> AttachedPool:
         fence = None
         if attachment.forward_done is not None and attachment.commit_done is not None:
             fence = StepFence.open(attachment.forward_done, attachment.commit_done)
-        # The block table is the service's to write; workers only read it.
+        # The block table and the protection are the service's to write; workers only read them.
+        protected = (attach(attachment.protected, writable=False)
+                     if attachment.protected is not None else None)
         return cls(attach(attachment.kv), attach(attachment.block_table, writable=False),
-                   attach(attachment.staging), fence)
+                   attach(attachment.staging), fence, protected)
 
     def slot_mapping(self, reply: StepResult, lead: torch.Tensor | None = None) -> torch.Tensor:
         """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
@@ -263,8 +266,7 @@ class _LocalTransport:
     def attach(self, reg: wire.Registration) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
-        kv, table, staging, fence = self._core.shared_tensors(reg.worker_id)
-        return AttachedPool(kv, table, staging, fence)
+        return AttachedPool(*self._core.shared_tensors(reg.worker_id))
 
     def close(self) -> None:
         pass

@@ -13,7 +13,7 @@ Why this layout:
   fused kernel addresses every layer as ``(layer * 2 + kv) * num_slots + slot``.
 
 The tensor comes from a `placement.TensorAllocator` (shared memory or CUDA IPC in a service,
-a plain tensor by default) and is zero-filled here.
+a plain tensor by default) and is zero-filled here; `KVStorage.over` wraps a pool that exists.
 
 fp8 pools store ``float8_e4m3fn`` with per-layer K and V dequantisation scales
 (``value = stored * scale``); writers quantise with ``stored = value / scale``.
@@ -25,6 +25,7 @@ import torch
 
 from allocator.common.placement import TensorAllocator, plain_tensor
 from allocator.config import PoolConfig
+from allocator.errors import NworInputError
 
 
 class KVStorage:
@@ -36,6 +37,26 @@ class KVStorage:
                  config.num_kv_heads, config.head_dim)
         self.kv = allocate("kv", shape, config.torch_dtype, self.device)
         self.kv.zero_()
+        self._scales_from(config)
+
+    @classmethod
+    def over(cls, config: PoolConfig, kv: torch.Tensor) -> KVStorage:
+        """The storage of a pool that already exists (a worker's attached pool): nothing is
+        allocated and nothing cleared, since other processes read and write it."""
+        storage = cls.__new__(cls)
+        storage.config = config
+        storage.device = kv.device
+        storage.num_slots = config.total_blocks * config.tokens_per_block
+        want = (config.num_layers, 2, config.total_blocks, config.tokens_per_block,
+                config.num_kv_heads, config.head_dim)
+        if tuple(kv.shape) != want or kv.dtype != config.torch_dtype:
+            raise NworInputError(f"kv: a {tuple(kv.shape)} {kv.dtype} pool is not the configured "
+                              f"{want} {config.torch_dtype}", field="kv")
+        storage.kv = kv
+        storage._scales_from(config)
+        return storage
+
+    def _scales_from(self, config: PoolConfig) -> None:
         ones = [1.0] * config.num_layers
         self.k_scale = torch.tensor(config.k_scales or ones, dtype=torch.float32,
                                     device=self.device)

@@ -97,12 +97,6 @@ class StepNotSettled(ServiceError):
     status, code, field = 422, "unsettled_requests", "results"
 
 
-class OverlapUnsupported(ServiceError):
-    """``overlap`` asked of a service that cannot serve it (one with prefix caching)."""
-
-    status, code, field = 422, "overlap_unsupported", "overlap"
-
-
 class LimitExceeded(ServiceError):
     """A list is longer, or a step schedules more tokens, than the service allows."""
 

@@ -136,7 +136,9 @@ class Attachment(Contract):
     request's blocks; ``staging`` is ``[num_layers, 2, max_step_tokens, num_kv_heads, head_dim]``:
     the worker writes token i of a step (``slot_mapping[i]``) at ``staging[layer, 0 or 1, i]``.
     On CUDA the worker records ``forward_done`` after its forward and waits on ``commit_done``
-    before its next forward; on CPU both are absent.
+    before its next forward; on CPU both are absent. ``protected`` (a service with prefix
+    caching) is bool ``[num_blocks]``, True for a cached prefix block that other requests read:
+    a worker that commits its own tokens must not write those blocks.
     """
 
     kv: TensorHandle
@@ -144,6 +146,7 @@ class Attachment(Contract):
     staging: TensorHandle
     forward_done: EventHandle | None = None
     commit_done: EventHandle | None = None
+    protected: TensorHandle | None = None
 
 
 class PoolLayout(Contract):

@@ -48,7 +48,7 @@ SEGMENT_NAME = re.compile(r"kvalloc-[0-9a-f]{16}-[A-Za-z0-9][A-Za-z0-9._-]{0,127
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int32,
-               torch.int64, torch.uint8)
+               torch.int64, torch.uint8, torch.bool)
 }
 
 

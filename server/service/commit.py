@@ -30,19 +30,23 @@ NOTHING = wire.CommitSummary(tokens=0, written=0)
 
 class Committer:
     def __init__(self, storage: KVStorage, *, max_tokens: int, stage_dtype: torch.dtype,
-                 nwor: bool = True, protect_cached: bool = False) -> None:
+                 nwor: bool = True, protected: torch.Tensor | None = None) -> None:
         """``nwor`` False writes every staged token of a settled request, rejected drafts too
         (what an engine without NWOR does: the reference to compare NWOR against).
-        ``protect_cached``: refuse writes into cached prefix blocks (``protect`` keeps the
-        device mask current)."""
+        ``protected``: bool ``[total_blocks]`` on the pool's device (shared with workers that
+        commit their own tokens): refuse writes into cached prefix blocks; ``protect`` keeps it
+        current."""
         self.device = storage.device
         self.nwor = nwor
         self.writes = DeferredWriteManager(storage, max_tokens=max_tokens, stage_dtype=stage_dtype)
-        self._protected: torch.Tensor | None = None
-        if protect_cached:
-            self._protected = torch.zeros(storage.config.total_blocks, dtype=torch.bool,
-                                          device=self.device)
-            self.writes.protect(self._protected)
+        self._protected = protected
+        if protected is not None:
+            self.writes.protect(protected)
+
+    @property
+    def protected(self) -> torch.Tensor | None:
+        """The mask of protected blocks, shared with workers that commit their own tokens."""
+        return self._protected
 
     def check_invariants(self) -> None:
         """The NWOR window manager's own state (`DeferredWriteManager.check_invariants`)."""

@@ -37,7 +37,6 @@ from server.contract.columns import StepCall, StepResult
 from server.contract.errors import (
     LimitExceeded,
     NotReady,
-    OverlapUnsupported,
     StaleEpoch,
     StepIdReused,
     StepOutOfOrder,
@@ -104,9 +103,14 @@ class ServiceCore:
         self._table_handle = placement.handles["block_table"]
         self._block_table = placement.tensors["block_table"]
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
+        self._protected_handle: wire.TensorHandle | None = None
+        protected = None
+        if config.prefix_caching:  # shared: overlap workers' own commits read it too
+            protected, self._protected_handle = self._exporter.empty(
+                "protected", (pool.total_blocks,), torch.bool, self.device)
         self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
                                    stage_dtype=self.staging_dtype, nwor=config.nwor,
-                                   protect_cached=config.prefix_caching)
+                                   protected=protected)
         self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
         # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
         self.kv_events = (KVEventPublisher(config.kv_events,
@@ -159,7 +163,6 @@ class ServiceCore:
         """Open a session for ``worker_id`` (see `WorkerRegistry` for ids held by a session)."""
         with self.lock:
             self._check_open()
-            self._check_overlap(req)
             self._expire(self.clock())
             replaced = self.registry.check_capacity(req.worker_id, req.replace)
             if replaced is not None:
@@ -174,14 +177,6 @@ class ServiceCore:
                 attachment=worker.attachment,
             )
 
-    def _check_overlap(self, req: wire.RegisterRequest) -> None:
-        if req.overlap and self.config.prefix_caching:
-            raise OverlapUnsupported(
-                "overlap: this service shares cached prefix blocks (--prefix-caching), and a "
-                "worker that commits its own tokens has no write protection for them on its "
-                "device yet: it could overwrite a block other requests read; register without "
-                "overlap, or use a service without --prefix-caching")
-
     def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
         pool = self.config.pool
         shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
@@ -191,7 +186,8 @@ class ServiceCore:
             self.committer.add_staging(staging)
         fence, fwd, com = self._fence(req.worker_id)
         attachment = wire.Attachment(kv=self._kv_handle, block_table=self._table_handle,
-                                     staging=handle, forward_done=fwd, commit_done=com)
+                                     staging=handle, forward_done=fwd, commit_done=com,
+                                     protected=self._protected_handle)
         return Worker(req.worker_id, session, req.attached, staging, attachment, fence,
                       last_seen=self.clock(), overlap=req.overlap)
 
@@ -288,12 +284,14 @@ class ServiceCore:
                                     field=name)
 
     def shared_tensors(self, worker_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      StepFence | None]:
-        """The pool, the block table, ``worker_id``'s staging buffer and fence, as this process
-        holds them: what an in-process worker uses instead of mapping the handles."""
+                                                      StepFence | None, torch.Tensor | None]:
+        """The pool, the block table, ``worker_id``'s staging buffer and fence, and the
+        protection of cached blocks (prefix caching), as this process holds them: what an
+        in-process worker uses instead of mapping the handles."""
         with self.lock:
             worker = self.registry.worker(worker_id, None)
-            return self.storage.kv, self._block_table, worker.staging, worker.fence
+            return (self.storage.kv, self._block_table, worker.staging, worker.fence,
+                    self.committer.protected)
 
     # ------------------------------------------------------------------ inspection
 

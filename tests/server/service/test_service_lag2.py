@@ -225,13 +225,14 @@ def test_deregistering_with_two_steps_in_flight_frees_them(core: ServiceCore) ->
     core.check_invariants()
 
 
-def test_prefix_caching_refuses_an_overlap_worker_by_name(
+def test_prefix_caching_shares_its_protection_with_an_overlap_worker(
         make_core: Callable[..., ServiceCore]) -> None:
+    """An overlap worker commits its own tokens, so it maps the mask of cached prefix blocks
+    that the service keeps current, and its commit refuses them as the service's does."""
     core = make_core(service={"prefix_caching": True})
-    with pytest.raises(RemoteError) as err:
-        overlap_worker(core)
-    assert (err.value.status, err.value.code, err.value.field) == (
-        422, "overlap_unsupported", "overlap")
-    assert "--prefix-caching" in err.value.message and "write protection" in err.value.message
-    assert len(core.registry) == 0
-    overlap_worker(core, overlap=False)  # a worker the service commits for is welcome
+    w = overlap_worker(core)
+    protected = w.client.pool.protected
+    assert protected is not None and protected.dtype == torch.bool
+    assert protected.shape == (core.config.pool.total_blocks,) and not protected.any()
+    core.committer.protect(np.array([3, 5]), np.array([True, True]))
+    assert protected.nonzero().flatten().tolist() == [3, 5]
