@@ -6,7 +6,9 @@
   repeat themselves (code, extraction, summaries).
 - `OracleDrafter`: proposes the true greedy continuation (computed beforehand) with each token
   replaced by a wrong one at a given rate, so tests and benchmarks can set acceptance anywhere
-  from 0 to 100%.
+  from 0 to 100%. `DeviceOracleDrafter` is the same on the device, for a worker that drafts
+  step k before the host has read step k-1's tokens (an overlap worker): a gather from the truth
+  at each row's device-side count of emitted tokens.
 
 A drafter may propose fewer than ``num`` tokens (none at all when it has no guess); the engine
 then grants that request a shorter draft.
@@ -18,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
+import torch
 
 
 class Drafter(Protocol):
@@ -74,6 +77,41 @@ class OracleDrafter:
         # A shift in [1, vocab) always lands on another token.
         shift = self.rng.integers(1, self.vocab_size, size=true.size)
         return np.where(wrong, (true + shift) % self.vocab_size, true)
+
+
+class DeviceOracleDrafter:
+    """`OracleDrafter` on the device. ``truth`` as there; its random draws come from a torch
+    generator on ``device``, so the wrong tokens differ from `OracleDrafter`'s (the tokens a
+    greedy worker emits do not)."""
+
+    def __init__(self, truth: Mapping[str, Sequence[int]], rate: float, *, vocab_size: int,
+                 device: torch.device, seed: int = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise DrafterSpecError(f"oracle: rate {rate} is not in [0, 1]")
+        self.truth = {k: np.asarray(v, dtype=np.int64) for k, v in truth.items()}
+        self.width = max((v.size for v in self.truth.values()), default=0)
+        self.rate, self.vocab_size = rate, vocab_size
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def truth_rows(self, req_ids: Sequence[str]) -> np.ndarray:
+        """``[len(req_ids), width]``: each request's truth, padded with 0."""
+        rows = np.zeros((len(req_ids), self.width), dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            t = self.truth[req_id]
+            rows[i, :t.size] = t
+        return rows
+
+    def draft(self, truth: torch.Tensor, generated: torch.Tensor, width: int) -> torch.Tensor:
+        """``[len(generated), width]`` drafts: row ``r`` follows its ``generated[r]`` emitted
+        tokens (``truth [R, W]``, one row per drafting request)."""
+        at = (generated[:, None] + torch.arange(width, device=truth.device)).clamp_(
+            max=truth.shape[1] - 1)
+        true = truth.gather(1, at)
+        wrong = torch.rand(true.shape, generator=self.generator,
+                           device=truth.device) >= self.rate
+        shift = torch.randint(1, max(self.vocab_size, 2), true.shape, generator=self.generator,
+                              device=truth.device)
+        return torch.where(wrong, (true + shift) % self.vocab_size, true)
 
 
 def parse_drafter_spec(spec: str) -> tuple[str, float | None]:

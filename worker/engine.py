@@ -1,15 +1,14 @@
 """`Engine`: continuous batching with speculative decoding, KV in the kvalloc pool, one service
-call per step.
+call per step, synchronous or one step ahead of the host (``overlap``).
 
 How the loop maps onto the step protocol (a pool with ``overlap_scheduler=True``):
 
 - Step ``n``'s call carries, in its columns:
-  ``results``  (handle, accepted drafts) of every request that decoded in step ``n - 1`` and goes
-               on: the service commits its verified token and accepted drafts from the staging
-               buffer, rewinds the rejected drafts and reclaims the overlap slack;
-  ``finished`` requests that produced their last token in step ``n - 1`` (their step-``n - 1``
-               tokens are never committed: nothing will read them), and requests preempted in
-               step ``n - 1``;
+  ``results``  (handle, accepted drafts) of every request whose oldest unsettled decode is being
+               settled and that goes on: step ``n - 1``'s synchronously, step ``n - 2``'s for an
+               overlap worker (docs/protocol.md, "Overlap workers");
+  ``finished`` requests that produced their last token in a step the host has read, and
+               requests preempted in step ``n - 1``: their unsettled steps are dropped;
   ``grants``   (handle, D) for every decoding request: its pending token plus D drafts, with
                D = min(draft_len, what the drafter proposes, tokens still to generate - 1);
   ``prefill``  (handle, chunk) for admitted prompts not yet fully scheduled;
@@ -17,22 +16,24 @@ How the loop maps onto the step protocol (a pool with ``overlap_scheduler=True``
                the step has tokens.
   Everything is sized so the step fits ``max_step_tokens``: decodes first, then prefill chunks,
   then new prompts, as a chunked-prefill scheduler that never starves running requests does.
-- The reply schedules tokens in packed order; the model runs them as one sequence (batch 1,
-  positions from ``start_positions``) and the kvalloc attention stages each layer's K/V at
-  ``staging[layer, :, token_offset + i]``, reading history through the attached block table.
-  Prefill chunks are history as soon as scheduled; their K/V is committed by the next call.
-- Verification is greedy: a request accepts the longest prefix of its drafts that matches the
-  model's own argmax, plus the model's token after it (the bonus), which becomes the next
-  step's pending token. A prompt's last prefill chunk yields its first generated token.
+- The reply schedules tokens in packed order; `DeviceStep` runs them as one sequence (batch 1)
+  and the kvalloc attention stages each layer's K/V at ``staging[layer, :, token_offset + i]``,
+  reading history through the attached block table. Verification is greedy and on the device:
+  a request accepts the longest prefix of its drafts that matches the model's own argmax, plus
+  the model's token after it (the bonus), which becomes the next step's pending token. A
+  prompt's last prefill chunk yields its first generated token.
 - A grant or prefill chunk the service refuses (out of blocks) preempts its request: it is
   finished in the next call and waits to be admitted again with its prompt and the tokens it
   generated so far as a new prompt (recompute). A refused new prompt simply waits.
 
-Under overlap the service grants each decode ``1 + D`` plus a slack of D (or the last step's
-accepted drafts when D shrank). This worker settles each step before its next call (the result
-columns need the accepted counts), so its device never runs ahead of history; the slack it is
-granted is reclaimed by every result, and block-boundary growth is exercised exactly as for an
-engine that does run ahead.
+Synchronously (the reference) the host reads each step's outcome before its next call, and the
+service commits the accepted tokens from staging. With ``overlap`` the host makes the call for
+step k+1 and launches its forward while the device still runs step k: step k+1's inputs (the
+pending tokens, a device drafter's drafts, each history's lead) come from the device, the worker
+commits its own accepted tokens on the device right after verification, and the host reads step
+k's outcome only when it plans step k+2. A request that ends in step k may then be scheduled in
+step k+1 already; that forward is wasted and commits nothing, and its grant is dropped when the
+request is finished.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ from transformers import PreTrainedModel
 from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepResult
-from worker.attention import PoolStep
-from worker.drafters import Drafter
+from worker.commit import worker_commit
+from worker.device_step import DeviceStep, Launched, LaunchPlan, StepTensors, Validator
+from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
-from worker.pool_attention import PagedLayout
+from worker.rows import DeviceRows
 
 
 class EngineError(RuntimeError):
@@ -88,8 +90,9 @@ class Request:
     handle: int = -1  # the service's handle while admitted
     admitted: np.ndarray | None = None  # the prompt it was (re)admitted with
     scheduled: int = 0  # tokens of `admitted` scheduled so far
-    drafts: np.ndarray | None = None  # drafts of the step in flight (decodes)
-    accepted: int = 0  # drafts the step in flight accepted
+    drafts: np.ndarray | None = None  # host drafts of the step being planned (decodes)
+    num_drafts: int = -1  # drafts of the step being planned; -1 when it is not a decode in it
+    unread: int = 0  # its steps that emit and whose outcome the host has not read
     chunk: int = 0  # prompt tokens scheduled in the step being planned
     done: bool = False
     preempted: bool = False
@@ -112,7 +115,7 @@ class RunStats:
     steps: int = 0
     wall_s: float = 0.0
     call_s: float = 0.0  # inside the service call
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # launching each step's device work (on a CPU: running it)
     generated_tokens: int = 0
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -124,6 +127,15 @@ class RunStats:
     decode_steps: int = 0
     decode_wall_s: float = 0.0
     decode_call_s: float = 0.0
+    # Forwards launched before the host had read the previous step's outcome: the device ran
+    # ahead of the host (overlap only).
+    forwards_ahead: int = 0
+    # CUDA only, from events on the worker's stream: time between one forward's end and the
+    # next one's start, and inside forwards (inputs, forward, verification, commit).
+    device_idle_s: float = 0.0
+    device_busy_s: float = 0.0
+    # Block-table entries a step addressed that held no block (the validator, when on).
+    table_violations: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,25 +163,43 @@ class RunStats:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step ran, for observers (tests check the pool and the logits with it)."""
+    """What one step ran, for observers (tests check the pool and the logits with it). The
+    tensors are the device's; on an overlap worker reading them waits for the step."""
 
-    call: dict[str, Any]  # the client's step() keywords: settles the previous step
+    call: dict[str, Any]  # the client's step() keywords: settles an earlier step
     reply: StepResult
     requests: list[Request]  # one per scheduled entry, in reply order
-    input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
-    logit_rows: np.ndarray  # packed token index of each row of `logits`
-    logits: torch.Tensor  # [len(logit_rows), vocab]
+    tensors: StepTensors
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tensors.input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.tensors.positions
+
+    @property
+    def logit_rows(self) -> np.ndarray:
+        return self.tensors.logit_rows
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.tensors.logits
 
 
 class Engine:
     """Serves prompts with ``model`` through ``client`` (registered and attached)."""
 
-    def __init__(self, model: PreTrainedModel, client: Client, drafter: Drafter | None, *,
-                 draft_len: int, stop_token_ids: Iterable[int] = (),
-                 share_prefixes: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, client: Client,
+                 drafter: Drafter | DeviceOracleDrafter | None, *, draft_len: int,
+                 stop_token_ids: Iterable[int] = (), share_prefixes: bool = False,
+                 overlap: bool = False, validate: bool = False) -> None:
         """``share_prefixes``: send prompts' token ids so that a service with prefix caching
-        reuses cached prefix blocks; their prefill is skipped."""
+        reuses cached prefix blocks; their prefill is skipped. ``overlap``: run one step ahead
+        of the host (the client registered with ``overlap=True``; drafts, if any, from a
+        `DeviceOracleDrafter`). ``validate``: count block-table entries each step addresses
+        that hold no block (``RunStats.table_violations``)."""
         if client.registration is None or client.pool is None:
             raise EngineError("client: register() with the pool attached first")
         self.model, self.client, self.drafter = model, client, drafter
@@ -183,16 +213,32 @@ class Engine:
                                  f"{self.device}; run the model where the pool is")
         if draft_len and drafter is None:
             raise EngineError("drafter: draft_len > 0 needs a drafter")
+        if overlap and drafter is not None and not isinstance(drafter, DeviceOracleDrafter):
+            raise EngineError("drafter: an overlap worker drafts on the device; the n-gram "
+                              "drafter reads the host's tokens (use oracle:RATE, or no overlap)")
         if not 0 <= draft_len <= layout.max_draft_len:
             raise EngineError(f"draft_len: {draft_len} is outside the pool's 0.."
                               f"{layout.max_draft_len} (max_draft_len)")
-        self.draft_len = draft_len
+        self.draft_len, self.overlap = draft_len, overlap
         self.share_prefixes = share_prefixes
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
-        # A decode near the end of a row still needs room for 1 + D tokens and D of slack.
+        # A decode near the end of a row still needs room for 1 + D tokens and D of slack, and
+        # an overlap worker's wasted step past a request's end another 1 + D.
         self.max_seq_len = (layout.max_blocks_per_seq * layout.tokens_per_block
                             - 1 - 2 * layout.max_draft_len)
+        self.device_drafter = drafter if isinstance(drafter, DeviceOracleDrafter) else None
+        self.rows = DeviceRows(layout.max_batch_size, self.device,
+                               truth_width=self.device_drafter.width
+                               if self.device_drafter is not None else 0)
+        self.validator = Validator(self.device) if validate else None
+        self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
+                               self.rows, max_draft_len=layout.max_draft_len,
+                               stop_token_ids=self.stop_token_ids,
+                               drafter=self.device_drafter,
+                               commit=worker_commit(self.pool, layout) if overlap else None,
+                               validator=self.validator)
         self.stats = RunStats()
+        self._last_done: torch.cuda.Event | None = None
 
     @staticmethod
     def _check_layout(model: PreTrainedModel, layout: wire.PoolLayout,
@@ -216,7 +262,7 @@ class Engine:
             on_progress: Callable[[int], None] | None = None) -> dict[str, list[int]]:
         """Generate up to ``max_new_tokens`` for every prompt (fewer when a stop token comes);
         returns the generated token ids per request id. ``on_progress`` gets each step's count
-        of new tokens."""
+        of new tokens as the host reads it."""
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens: {max_new_tokens} must be >= 1")
         requests = [self._request(p, max_new_tokens) for p in prompts]
@@ -224,10 +270,14 @@ class Engine:
             raise EngineError("req_id: prompt ids must be unique")
         waiting: deque[Request] = deque(requests)
         live: dict[int, Request] = {}  # handle -> admitted request
-        in_flight: list[Request] = []  # the previous step's decodes
+        flights: deque[_Flight | None] = deque()  # launched steps not read yet, oldest first
+        lag = 2 if self.overlap else 1
         while waiting or live:
             step_started = time.perf_counter()
-            plan = self._plan(waiting, live, in_flight)
+            results: list[tuple[Request, int]] = []
+            while len(flights) >= lag:
+                results += self._read(flights.popleft(), on_progress)
+            plan = self._plan(waiting, live, results)
             called = time.perf_counter()
             reply = self.client.step(**plan.call)
             call_s = time.perf_counter() - called
@@ -239,17 +289,20 @@ class Engine:
                     waiting.appendleft(r)
             self._admit(reply, plan, waiting, live)
             scheduled = [live[h] for h in np.asarray(reply.scheduled.handles).tolist()]
-            in_flight = [r for r in scheduled if r.drafts is not None]
             if scheduled:
-                generated = self._forward(plan.call, reply, scheduled, on_step)
-                if on_progress is not None:
-                    on_progress(generated)
-            elif not live and waiting:
-                raise PoolTooSmall(f"prompt {waiting[0].req_id!r} ({waiting[0].tokens.size} "
-                                   f"tokens) was refused with nothing else running: the pool is "
-                                   f"too small for it")
+                flights.append(self._launch(plan.call, reply, scheduled, bool(flights), on_step))
+            else:
+                flights.append(None)
+                if not live and waiting:
+                    raise PoolTooSmall(f"prompt {waiting[0].req_id!r} ({waiting[0].tokens.size} "
+                                       f"tokens) was refused with nothing else running: the "
+                                       f"pool is too small for it")
             self._count_step(time.perf_counter() - step_started, call_s,
                              decode_only=not (plan.prefilling or plan.new))
+        for flight in flights:  # forwards past every request's end: nothing to emit
+            self._read(flight, on_progress)
+        if self.validator is not None:
+            self.stats.table_violations = self.validator.count()
         return {r.req_id: r.output for r in requests}
 
     def _count_step(self, wall_s: float, call_s: float, *, decode_only: bool) -> None:
@@ -278,24 +331,27 @@ class Engine:
         return Request(prompt.req_id, ids, max_new_tokens)
 
     def _plan(self, waiting: deque[Request], live: dict[int, Request],
-              in_flight: list[Request]) -> _Plan:
-        """The step's call: settle the previous step, then fill ``max_step_tokens`` with decodes,
-        prefill chunks and new prompts, in that order."""
+              results: list[tuple[Request, int]]) -> _Plan:
+        """The step's call: settle what the host has read, then fill ``max_step_tokens`` with
+        decodes, prefill chunks and new prompts, in that order."""
         plan = _Plan()
         plan.finished = [r for r in live.values() if r.done or r.preempted]
-        results = [r for r in in_flight if not (r.done or r.preempted)]
+        results = [(r, a) for r, a in results if not (r.done or r.preempted or r.handle < 0)]
         budget = self.layout.max_step_tokens
         for r in live.values():
-            r.drafts = None
-            if r.done or r.preempted or budget < 1:
+            r.drafts, r.num_drafts = None, -1
+            # An unread step emits at least one token: the request may end in it.
+            ahead = r.remaining - r.unread
+            if r.done or r.preempted or budget < 1 or not r.decoding or ahead < 1:
                 continue
-            if r.decoding:
-                num = min(self.draft_len, r.remaining - 1, budget - 1)
-                proposed = (self.drafter.propose(r.req_id, r.tokens, len(r.output), num)
-                            if num > 0 and self.drafter is not None else ())
+            num = min(self.draft_len, ahead - 1, budget - 1)
+            if num > 0 and self.drafter is not None and self.device_drafter is None:
+                proposed = self.drafter.propose(r.req_id, r.tokens, len(r.output), num)
                 r.drafts = np.asarray(proposed, dtype=np.int64)[:num]
-                budget -= 1 + r.drafts.size
-                plan.granted.append(r)
+                num = r.drafts.size
+            r.num_drafts = max(num, 0)
+            budget -= 1 + r.num_drafts
+            plan.granted.append(r)
         for r in live.values():
             if r.done or r.preempted or r.decoding or budget < 1:
                 continue
@@ -309,13 +365,17 @@ class Engine:
             r.chunk = min(r.admitted.size, budget)
             budget -= r.chunk
             plan.new.append(r)
+        self._columns(plan, results)
+        return plan
+
+    def _columns(self, plan: _Plan, results: list[tuple[Request, int]]) -> None:
         call = plan.call
         if results:
-            call["results"] = (_handles(results), _ints(r.accepted for r in results))
+            call["results"] = (_handles([r for r, _ in results]), _ints(a for _, a in results))
         if plan.finished:
             call["finished"] = _handles(plan.finished)
         if plan.granted:
-            call["grants"] = (_handles(plan.granted), _ints(r.drafts.size for r in plan.granted))
+            call["grants"] = (_handles(plan.granted), _ints(r.num_drafts for r in plan.granted))
         if plan.prefilling:
             call["prefill"] = (_handles(plan.prefilling), _ints(r.chunk for r in plan.prefilling))
         if plan.new:
@@ -323,11 +383,11 @@ class Engine:
                            _ints(r.chunk for r in plan.new))
             if self.share_prefixes:
                 call["prompt_token_ids"] = np.concatenate([r.admitted for r in plan.new])
-        return plan
 
     def _admit(self, reply: StepResult, plan: _Plan, waiting: deque[Request],
                live: dict[int, Request]) -> None:
         """Take the reply's handles for admitted prompts; preempt refused grants and chunks."""
+        admitted = []
         for r, handle, cached in zip(plan.new, np.asarray(reply.admitted).tolist(),
                                      np.asarray(reply.cached_tokens).tolist(), strict=True):
             if handle >= 0:
@@ -335,10 +395,13 @@ class Engine:
                 r.scheduled = cached  # a cached prefix is in the pool already
                 self.stats.cached_prompt_tokens += cached
                 live[handle] = r
+                admitted.append(r)
+        self._admit_rows(reply, admitted)
         refused = reply.refused
         for kind, requests in (("grant", plan.granted), ("prefill", plan.prefilling)):
             for i in refused.of_kind(kind).tolist():
                 requests[i].preempted, requests[i].drafts = True, None
+                requests[i].num_drafts = -1
                 self.stats.preemptions += 1
         refused_new = [plan.new[i] for i in refused.of_kind("new").tolist()]
         for r in reversed(refused_new):
@@ -346,87 +409,112 @@ class Engine:
             waiting.appendleft(r)  # keeps its place at the head of the queue
         self.stats.refused_new += len(refused_new)
 
-    def _forward(self, call: dict[str, Any], reply: StepResult, scheduled: list[Request],
-                 on_step: Callable[[StepRecord], None] | None) -> int:
-        """Run the step's packed tokens through the model; verify, emit. Returns the number of
-        tokens generated."""
+    def _admit_rows(self, reply: StepResult, admitted: list[Request]) -> None:
+        """The device's state of the rows the reply gave admitted requests."""
+        if not admitted:
+            return
+        row_of = dict(zip(np.asarray(reply.scheduled.handles).tolist(),
+                          np.asarray(reply.scheduled.rows).tolist(), strict=True))
+        rows = _ints(row_of[r.handle] for r in admitted)
+        truth = (self.device_drafter.truth_rows([r.req_id for r in admitted])
+                 if self.device_drafter is not None else None)
+        self.rows.admit(rows, _ints(len(r.output) for r in admitted),
+                        _ints(r.max_new_tokens for r in admitted), truth)
+
+    def _launch(self, call: dict[str, Any], reply: StepResult, scheduled: list[Request],
+                ahead: bool, on_step: Callable[[StepRecord], None] | None) -> _Flight:
+        """Check the reply against what the worker planned and launch the step's forward;
+        ``ahead``: an earlier step's outcome is still unread."""
+        plan, emitting = self._launch_plan(reply, scheduled)
+        launching = time.perf_counter()
+        launched = self.step.launch(plan)
+        self.stats.forward_s += time.perf_counter() - launching
+        self.stats.forwards_ahead += ahead and bool(self.overlap)
+        for r in emitting:
+            r.unread += 1
+        if on_step is not None:
+            on_step(StepRecord(call, reply, scheduled, launched.record))
+        return _Flight(launched, emitting)
+
+    def _launch_plan(self, reply: StepResult, scheduled: list[Request]
+                     ) -> tuple[LaunchPlan, list[Request]]:
         sched = reply.scheduled
         offsets = np.asarray(sched.token_offsets, dtype=np.int64)
         num_tokens = np.asarray(sched.num_tokens, dtype=np.int64)
         starts = np.asarray(sched.start_positions, dtype=np.int64)
-        rows = np.asarray(sched.rows, dtype=np.int64)
-        total = int(num_tokens.sum())
-        ids = np.empty(total, dtype=np.int64)
-        keep: list[np.ndarray] = []  # packed indices whose logits the step needs
-        for r, off, n, start in zip(scheduled, offsets.tolist(), num_tokens.tolist(),
-                                    starts.tolist(), strict=True):
-            if r.drafts is not None:
-                expected = r.prompt.size + len(r.output) - 1  # the pending token's position
-                tokens = np.concatenate([r.output[-1:], r.drafts])
-                keep.append(np.arange(off, off + n))
+        ids = np.zeros(int(num_tokens.sum()), dtype=np.int64)
+        behind = _ints(r.unread for r in scheduled)
+        emitting, decode = [], []
+        for e, (r, off, n, start) in enumerate(zip(scheduled, offsets.tolist(),
+                                                   num_tokens.tolist(), starts.tolist(),
+                                                   strict=True)):
+            if r.num_drafts >= 0:
+                # Behind an unread step the reply's start counts only settled tokens.
+                expected = r.prompt.size + len(r.output) - 1 + r.unread
+                tokens = 1 + r.num_drafts
+                if r.drafts is not None:
+                    ids[off + 1:off + 1 + r.drafts.size] = r.drafts
             else:
-                expected = r.scheduled
-                tokens = r.admitted[r.scheduled:r.scheduled + n]
-                r.scheduled += n
-                if r.decoding:
-                    keep.append(np.array([off + n - 1]))
-            if start != expected or tokens.size != n:
+                chunk = r.admitted[r.scheduled:r.scheduled + n]
+                expected, tokens = r.scheduled, chunk.size
+                ids[off:off + chunk.size] = chunk
+                r.scheduled += chunk.size
+            if start != expected or tokens != n:
                 raise EngineError(f"scheduled: request {r.req_id!r} got {n} tokens at position "
-                                  f"{start}; the worker expected {tokens.size} at {expected}")
-            ids[off:off + n] = tokens
-        positions = np.repeat(starts - offsets, num_tokens) + np.arange(total)
-        logit_rows = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
-        forward_started = time.perf_counter()
-        layout = PagedLayout.build(self.pool.block_table, self.layout.tokens_per_block,
-                                   rows=rows, query_starts=offsets, query_lens=num_tokens,
-                                   starts=starts, group_width=1 + self.layout.max_draft_len)
-        step = PoolStep(self.pool.kv, self.pool.staging, layout)
-        dev = self.device
-        input_ids = torch.as_tensor(ids, device=dev)
-        position_ids = torch.as_tensor(positions, device=dev)
-        with torch.inference_mode():
-            logits = self.model(
-                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                logits_to_keep=torch.as_tensor(logit_rows, device=dev), kvalloc_step=step,
-            ).logits[0]
-            predicted = logits.argmax(dim=-1).cpu().numpy()
-        self.stats.forward_s += time.perf_counter() - forward_started
-        if on_step is not None:
-            on_step(StepRecord(call, reply, scheduled, input_ids, position_ids, logit_rows,
-                               logits))
-        return self._verify(scheduled, offsets, logit_rows, predicted)
+                                  f"{start}; the worker expected {tokens} at {expected}")
+            if r.num_drafts >= 0 or r.decoding:
+                emitting.append(e)
+                decode.append(r.num_drafts >= 0)
+        plan = LaunchPlan(np.asarray(sched.rows, dtype=np.int64), offsets, num_tokens, starts,
+                          behind, ids, _ints(emitting), np.array(decode, dtype=bool))
+        return plan, [scheduled[e] for e in emitting]
 
-    def _verify(self, scheduled: list[Request], offsets: np.ndarray, logit_rows: np.ndarray,
-                predicted: np.ndarray) -> int:
-        """Greedy verification: each request emits its accepted drafts and the bonus token."""
-        first_row = np.searchsorted(logit_rows, offsets)
-        generated = 0
-        for r, row in zip(scheduled, first_row.tolist(), strict=True):
-            if r.drafts is not None:
-                guesses = predicted[row:row + 1 + r.drafts.size]
-                matches = np.cumprod(r.drafts == guesses[:-1])
-                r.accepted = int(matches.sum())
-                self.stats.proposed_drafts += r.drafts.size
-                self.stats.accepted_drafts += r.accepted
-                emitted = guesses[:r.accepted + 1]
-            elif r.decoding:
-                emitted = predicted[row:row + 1]  # the prompt's last chunk: first new token
-            else:
+    def _read(self, flight: _Flight | None,
+              on_progress: Callable[[int], None] | None) -> list[tuple[Request, int]]:
+        """Apply a launched step's outcome to its requests; returns the results it settles:
+        (request, accepted drafts) of its decodes."""
+        if flight is None:
+            return []
+        tokens, emitted, accepted = flight.launched.outcome()
+        self._time(flight.launched)
+        stats, generated, results = self.stats, 0, []
+        plan = flight.launched.plan
+        for r, row, n, a, is_decode, width in zip(
+                flight.requests, tokens, emitted.tolist(), accepted.tolist(),
+                plan.decode.tolist(), plan.widths.tolist(), strict=True):
+            r.unread -= 1
+            if n == 0:  # it had ended already: a wasted forward
                 continue
-            generated += self._emit(r, emitted.tolist())
-        self.stats.generated_tokens += generated
-        return generated
+            r.output.extend(row[:n].tolist())
+            r.done = r.remaining == 0 or r.output[-1] in self.stop_token_ids
+            generated += n
+            if is_decode:
+                # Draft i proposes emitted token i: past a request's last token it proposes
+                # nothing the request needed (an overlap worker drafts before it knows the end).
+                drafts = min(width - 1, n) if r.done else width - 1
+                stats.proposed_drafts += drafts
+                stats.accepted_drafts += min(a, drafts)
+                results.append((r, a))
+        stats.generated_tokens += generated
+        if on_progress is not None:
+            on_progress(generated)
+        return results
 
-    def _emit(self, r: Request, tokens: list[int]) -> int:
-        tokens = tokens[:r.remaining]
-        for i, t in enumerate(tokens):
-            if t in self.stop_token_ids:
-                tokens = tokens[:i + 1]
-                r.done = True
-                break
-        r.output.extend(tokens)
-        r.done = r.done or r.remaining == 0
-        return len(tokens)
+    def _time(self, launched: Launched) -> None:
+        if launched.started is None or launched.done is None:
+            return
+        if self._last_done is not None:
+            self.stats.device_idle_s += self._last_done.elapsed_time(launched.started) / 1e3
+        self.stats.device_busy_s += launched.started.elapsed_time(launched.done) / 1e3
+        self._last_done = launched.done
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """A launched step and the request of each of its emitting entries."""
+
+    launched: Launched
+    requests: list[Request]
 
 
 @dataclass

@@ -104,24 +104,30 @@ class PagedLayout:
         history is ``starts + lead``), which the host bounds by ``lead_bound``. One upload of the
         host columns; entries of at most ``group_width`` tokens form one reference group."""
         device = block_table.device
-        num_tokens = int(query_lens.sum())
         token_entry = np.repeat(np.arange(query_lens.size), query_lens)
         packed = np.concatenate([rows, query_starts, query_lens, starts, token_entry])
-        columns = upload_int64(packed.astype(np.int64, copy=False), device)
+        columns = upload_int64(packed, device)
         r = query_lens.size
         rows_t, starts_t, lens_t, history = (columns[k * r:(k + 1) * r] for k in range(4))
         if lead is not None:
             history = history + lead
         layout = cls(block_table, tokens_per_block, rows_t, starts_t, lens_t, history,
-                     columns[4 * r:4 * r + num_tokens])
-        reach = starts + lead_bound + query_lens
+                     columns[4 * r:])
+        return layout.grouped(query_lens, starts + lead_bound + query_lens,
+                              group_width=group_width)
+
+    def grouped(self, query_lens: np.ndarray, reach: np.ndarray, *,
+                group_width: int) -> PagedLayout:
+        """This layout with the reference's groups, from host bounds per entry: its query
+        length and its ``reach`` (at least history + query length). Entries of at most
+        ``group_width`` tokens form one group; each longer one a group of its own."""
         short = np.flatnonzero(query_lens <= group_width)
         members = ([short] if short.size else []) + [
             np.array([i]) for i in np.flatnonzero(query_lens > group_width)]
-        groups = tuple(EntryGroup.of(layout, torch.as_tensor(m, device=device),
+        groups = tuple(EntryGroup.of(self, torch.as_tensor(m, device=self.rows.device),
                                      int(query_lens[m].max()), int(reach[m].max()))
                        for m in members)
-        return dataclasses.replace(layout, groups=groups)
+        return dataclasses.replace(self, groups=groups)
 
     @property
     def positions(self) -> torch.Tensor:

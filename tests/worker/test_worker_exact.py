@@ -138,12 +138,12 @@ def test_logits_equal_a_plain_full_sequence_forward(llama_oracle: Oracle,
         if len(compared) >= 40:
             return
         offsets = np.asarray(record.reply.scheduled.token_offsets).tolist()
-        for r, off in zip(record.requests, offsets, strict=True):
+        for entry, (r, off) in enumerate(zip(record.requests, offsets, strict=True)):
             rows = np.flatnonzero((record.logit_rows >= off) &
-                                  (record.logit_rows < off + _step_tokens(r)))
+                                  (record.logit_rows < off + _step_tokens(record, entry)))
             if not rows.size:
                 continue
-            sequence = _sequence_through_step(r)
+            sequence = _sequence_through_step(record, entry, r)
             with torch.inference_mode():
                 plain = oracle.reference(torch.tensor([sequence])).logits[0]
             positions = record.positions[torch.as_tensor(record.logit_rows[rows])]
@@ -156,16 +156,14 @@ def test_logits_equal_a_plain_full_sequence_forward(llama_oracle: Oracle,
     assert len(compared) >= 40
 
 
-def _step_tokens(r: Request) -> int:
-    """Tokens ``r`` runs in the step being observed (before the engine's verification)."""
-    if r.drafts is not None:
-        return 1 + r.drafts.size
-    return r.chunk
+def _step_tokens(record: StepRecord, entry: int) -> int:
+    return int(record.reply.scheduled.num_tokens[entry])
 
 
-def _sequence_through_step(r: Request) -> list[int]:
-    """``r``'s tokens from position 0 through the last token of the observed step."""
-    if r.drafts is not None:
-        return [*r.tokens.tolist(), *r.drafts.tolist()]
-    assert r.admitted is not None
-    return r.admitted[:r.scheduled].tolist()
+def _sequence_through_step(record: StepRecord, entry: int, r: Request) -> list[int]:
+    """``r``'s tokens from position 0 through the last token of the observed step (a
+    synchronous worker has read every earlier step)."""
+    sched = record.reply.scheduled
+    off, n, start = (int(a[entry]) for a in (sched.token_offsets, sched.num_tokens,
+                                              sched.start_positions))
+    return [*r.tokens[:start].tolist(), *record.input_ids[off:off + n].tolist()]

@@ -36,13 +36,14 @@ def llama_oracle(one_thread: None) -> Oracle:
 
 @pytest.fixture
 def connect() -> Iterator[Callable[[ServiceConfig], Client]]:
-    """A registered, attached in-process client on a fresh core per call."""
+    """A registered, attached in-process client on a fresh core per call (``overlap``: one
+    that runs a step ahead and commits its own tokens)."""
     cores: list[ServiceCore] = []
 
-    def factory(config: ServiceConfig) -> Client:
+    def factory(config: ServiceConfig, *, overlap: bool = False) -> Client:
         cores.append(ServiceCore(config))
         client = Client.in_process(cores[-1], worker_id="worker")
-        client.register()
+        client.register(overlap=overlap)
         return client
 
     yield factory

@@ -1,0 +1,134 @@
+"""The overlap worker (float32, CPU): one step ahead of the host, drafts and commits on the
+device, and still exactly transformers' tokens and K/V.
+
+Every run poisons the pool with NaN and replays, from each step's record, what the worker's own
+commit kept (the first ``kept[e]`` tokens of each entry, at the slots the device computed);
+after the run the pool must hold the plain forward's K/V at every such slot and the poison
+everywhere else: no rejected draft, no token of a forward wasted past a request's end, and no
+slot outside the request's blocks was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
+
+from worker.drafters import DeviceOracleDrafter, NgramDrafter
+from worker.engine import Engine, EngineError, NamedPrompt, StepRecord
+
+pytest_plugins = ["worker_fixtures"]
+
+
+class CommitReplay:
+    """The on_step observer: the shadow of what the worker's commits wrote."""
+
+    def __init__(self, oracle: Oracle, kv: torch.Tensor) -> None:
+        self.oracle = oracle
+        layers, _, blocks, tokens_per_block, heads, dim = kv.shape
+        self.pool = kv.view(layers, 2, blocks * tokens_per_block, heads, dim)
+        self.shadow = torch.full_like(self.pool, float("nan"))
+        self.kept = 0
+
+    def __call__(self, record: StepRecord) -> None:
+        tensors = record.tensors
+        assert tensors.kept is not None, "an overlap worker commits its own tokens"
+        sched = record.reply.scheduled
+        for r, off, kept in zip(record.requests, np.asarray(sched.token_offsets).tolist(),
+                                tensors.kept.tolist(), strict=True):
+            slots = tensors.slots[off:off + kept]
+            positions = tensors.positions[off:off + kept]
+            assert bool((slots >= 0).all()), "a kept token without a slot"
+            self.shadow[:, :, slots] = self.oracle.kv[r.req_id][:, :, positions]
+            self.kept += kept
+
+    def check(self) -> None:
+        torch.testing.assert_close(self.pool, self.shadow, equal_nan=True, atol=1e-4, rtol=1e-4)
+
+
+def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len: int, *,
+                prompts: list[NamedPrompt] | None = None, share_prefixes: bool = False,
+                replay: bool = True, **service: object
+                ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
+    """``prompts``: other than the oracle's, whose K/V the replay knows (no replay then)."""
+    replay = replay and prompts is None
+    config = pool_config(oracle.model)
+    pool = config.pool.model_copy(update=service)
+    config = config.model_copy(update={"pool": pool, "prefix_caching": share_prefixes})
+    client = connect(config, overlap=True)
+    client.pool.kv.fill_(float("nan"))
+    watch = CommitReplay(oracle, client.pool.kv) if replay else None
+    drafter = None if rate is None else DeviceOracleDrafter(
+        oracle.expected, rate, vocab_size=oracle.model.config.vocab_size,
+        device=client.pool.kv.device, seed=3)
+    engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
+                    stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
+                    share_prefixes=share_prefixes)
+    outputs = engine.run(prompts or oracle.prompts, MAX_NEW_TOKENS, on_step=watch)
+    return engine, outputs, watch
+
+
+@pytest.mark.parametrize(("draft_len", "rate"), [(0, None), (1, 0.5), (3, 0.0), (3, 0.5),
+                                                 (3, 1.0)])
+def test_tokens_and_pool_equal_generate_one_step_ahead(oracle: Oracle, connect: Callable,
+                                                       draft_len: int,
+                                                       rate: float | None) -> None:
+    engine, outputs, replay = run_overlap(oracle, connect, rate, draft_len)
+    assert outputs == oracle.expected
+    assert replay is not None
+    replay.check()
+    stats = engine.stats
+    assert replay.kept > 0
+    assert stats.forwards_ahead > stats.steps // 2  # the device really ran ahead of the host
+    assert stats.table_violations == 0
+    assert stats.generated_tokens == sum(map(len, oracle.expected.values()))
+    if rate == 1.0:
+        assert stats.proposed_drafts > 0 and stats.acceptance_rate == 1.0
+    elif rate == 0.0:
+        assert stats.proposed_drafts > 0 and stats.accepted_drafts == 0
+    elif rate == 0.5:
+        assert 0.1 < stats.acceptance_rate < 0.8
+
+
+def test_preemption_on_a_small_pool_still_gives_the_exact_tokens(llama_oracle: Oracle,
+                                                                 connect: Callable) -> None:
+    engine, outputs, replay = run_overlap(llama_oracle, connect, 0.5, 3, num_blocks=30)
+    assert outputs == llama_oracle.expected
+    assert replay is not None
+    replay.check()
+    assert engine.stats.preemptions > 0 and engine.stats.forwards_ahead > 0
+
+
+def test_shared_prefixes_one_step_ahead(llama_oracle: Oracle, connect: Callable) -> None:
+    """With prefix caching the worker's commit maps the service's protection mask; prompts that
+    share a prefix skip its prefill and still give a synchronous run's tokens."""
+    base = llama_oracle.prompts[-1].token_ids  # 70 tokens
+    # Blocks become shareable once their step's results arrive, a call later than for a
+    # synchronous worker: six prompts, so that the later ones find the first ones' blocks.
+    prompts = [NamedPrompt(f"p{i}", base[:32] + base[40 + 2 * i:48 + 2 * i]) for i in range(6)]
+    sync_client = connect(pool_config(llama_oracle.model))
+    want = Engine(llama_oracle.model, sync_client, None, draft_len=0,
+                  stop_token_ids=llama_oracle.stop_tokens()).run(prompts, MAX_NEW_TOKENS)
+    engine, outputs, _ = run_overlap(llama_oracle, connect, None, 0, prompts=prompts,
+                                     share_prefixes=True)
+    assert outputs == want
+    assert engine.stats.cached_prompt_tokens > 0 and engine.stats.forwards_ahead > 0
+    assert engine.client.pool.protected is not None and bool(engine.client.pool.protected.any())
+
+
+def test_without_slack_the_device_outruns_its_blocks(llama_oracle: Oracle,
+                                                     connect: Callable) -> None:
+    """The reproduction: a service that grants no overlap slack leaves a decode one step ahead
+    writing past its row's blocks at a block boundary, which the validator counts (an engine's
+    kernel would read and write out of bounds there)."""
+    engine, _, _ = run_overlap(llama_oracle, connect, 1.0, 3, replay=False, slack_policy="none")
+    assert engine.stats.table_violations > 0
+
+
+def test_an_overlap_worker_drafts_on_the_device(llama_oracle: Oracle, connect: Callable) -> None:
+    client = connect(pool_config(llama_oracle.model), overlap=True)
+    with pytest.raises(EngineError, match="drafts on the device"):
+        Engine(llama_oracle.model, client, NgramDrafter(), draft_len=3, overlap=True)

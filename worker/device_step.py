@@ -1,0 +1,238 @@
+"""`DeviceStep`: one scheduler step's forward, verification and commit, launched on the device
+without reading anything back.
+
+The host hands over what it knows of the step (`LaunchPlan`, from the service's reply) in one
+upload; the rest comes from the device (`DeviceRows`): the token each decode feeds first, its
+drafts when a device drafter makes them, and, behind a step the host has not read (an overlap
+worker's), the lead its history starts after. Verification is greedy and on the device: a
+decode accepts the longest prefix of its drafts that the model's own argmax agrees with, plus
+the model's next token; the emitted tokens stop at the request's limit or a stop token. Each
+step's outcome (`Launched`) is copied to pinned host memory behind an event, and the host reads
+it when it needs it: at once in a synchronous worker, one step later in an overlap worker.
+
+An overlap worker also commits on the device (`worker.commit`), right after verification and
+before the next forward reads history. Its window counts every token of an entry as a draft: an
+entry keeps ``1 + accepted`` tokens (a decode) or its whole chunk (a prefill) while its request
+goes on, and nothing once the request ended, in this step or before (a wasted forward), so the
+pool receives exactly what a synchronous service would have committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from allocator.common.device_io import upload_int64
+from worker.attention import PoolStep
+from worker.commit import WorkerCommit
+from worker.drafters import DeviceOracleDrafter
+from worker.pool_attention import PagedLayout
+from worker.rows import DeviceRows
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A step as the host knows it: per entry of the reply (``[R]``) and per emitting entry
+    (``[E]``: decodes, and prefill chunks that end their prompt, in entry order)."""
+
+    rows: np.ndarray
+    offsets: np.ndarray
+    num_tokens: np.ndarray
+    starts: np.ndarray
+    behind: np.ndarray  # [R] 1 where the request has an unread step: its history starts later
+    host_ids: np.ndarray  # [N]: prompt tokens, host drafts; 0 where the device fills in
+    emitting: np.ndarray  # [E] entry indices
+    decode: np.ndarray  # [E] bool: a decode (else a prompt's last chunk)
+
+    @property
+    def widths(self) -> np.ndarray:
+        """Logits each emitting entry keeps: every token of a decode, a chunk's last."""
+        return np.where(self.decode, self.num_tokens[self.emitting], 1)
+
+    @property
+    def logit_rows(self) -> np.ndarray:
+        """Packed index of every kept logit, in order."""
+        ends = self.offsets[self.emitting] + self.num_tokens[self.emitting]
+        return np.repeat(ends - self.widths, self.widths) + _ranges(self.widths)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step on its way: the host reads ``outcome()`` once ``done`` has passed."""
+
+    plan: LaunchPlan
+    host: torch.Tensor  # int64, pinned on CUDA: [E * W] argmax, [E] emitted, [E] accepted
+    width: int  # W
+    done: torch.cuda.Event | None
+    started: torch.cuda.Event | None  # the forward's first and last work, for idle time
+    record: StepTensors
+
+    def outcome(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens [E, W], emitted [E], accepted [E])``: entry e emitted ``tokens[e,
+        :emitted[e]]``; waits for the device."""
+        if self.done is not None:
+            self.done.synchronize()
+        e = self.plan.emitting.size
+        flat = self.host.numpy()
+        return (flat[:e * self.width].reshape(e, self.width), flat[e * self.width:][:e],
+                flat[e * self.width + e:])
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """What the step ran, on the device, for observers (tests check the pool with it)."""
+
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    logit_rows: np.ndarray
+    logits: torch.Tensor  # [K, vocab]
+    slots: torch.Tensor  # [N]
+    kept: torch.Tensor | None  # [R] tokens the worker's commit kept per entry (overlap only)
+
+
+class Validator:
+    """Counts, on the device, every block-table entry a step's reads and writes address that
+    holds no block: the positions below an entry's history plus its own tokens, in its row.
+    Where it counts, an engine's attention reads or writes out of bounds (the first crash
+    kvalloc exists to prevent)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.violations = torch.zeros((), dtype=torch.int64, device=device)
+
+    def check(self, layout: PagedLayout) -> None:
+        table = layout.block_table
+        width = table.shape[1]
+        reach = layout.history + layout.query_lens
+        needed = (reach + layout.tokens_per_block - 1) // layout.tokens_per_block
+        cols = torch.arange(width, device=table.device)
+        holes = (cols < needed[:, None]) & (table[layout.rows] < 0)
+        self.violations += holes.sum() + (needed - width).clamp(min=0).sum()
+
+    def count(self) -> int:
+        """A read back (a synchronisation on CUDA)."""
+        return int(self.violations)
+
+
+class DeviceStep:
+    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, staging: torch.Tensor,
+                 block_table: torch.Tensor, rows: DeviceRows, *, max_draft_len: int,
+                 stop_token_ids: frozenset[int],
+                 drafter: DeviceOracleDrafter | None = None, commit: WorkerCommit | None = None,
+                 validator: Validator | None = None) -> None:
+        self.model, self.kv, self.staging, self.block_table = model, kv, staging, block_table
+        self.rows, self.max_draft_len = rows, max_draft_len
+        self.drafter, self.committer, self.validator = drafter, commit, validator
+        self.device = kv.device
+        self.stop = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=self.device)
+        self.timed = self.device.type == "cuda"
+
+    def launch(self, plan: LaunchPlan) -> Launched:
+        started = self._event()
+        layout, ids, logit_rows = self._inputs(plan)
+        if self.validator is not None:
+            self.validator.check(layout)
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=ids[None], position_ids=layout.positions[None], use_cache=False,
+                logits_to_keep=logit_rows, kvalloc_step=PoolStep(self.kv, self.staging, layout),
+            ).logits[0]
+        tokens, emitted, accepted, kept = self._verify(plan, layout, ids, logits.argmax(-1))
+        slots = layout.slots()
+        if self.committer is not None:
+            self.committer.commit(plan.num_tokens, slots, kept)
+        out = torch.cat([tokens.flatten(), emitted, accepted])
+        host = out
+        if self.timed:  # the host reads it behind the step's event, never by waiting on it now
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+        record = StepTensors(ids, layout.positions, plan.logit_rows, logits, slots,
+                             kept if self.committer is not None else None)
+        return Launched(plan, host, tokens.shape[1], self._event(), started, record)
+
+    def _event(self) -> torch.cuda.Event | None:
+        if not self.timed:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, torch.Tensor, torch.Tensor]:
+        """The step's layout, input ids and kept-logit rows, from one upload."""
+        r, n = plan.rows.size, plan.host_ids.size
+        token_entry = np.repeat(np.arange(r), plan.num_tokens)
+        logit_rows = plan.logit_rows
+        cols = upload_int64(np.concatenate([plan.rows, plan.offsets, plan.num_tokens,
+                                            plan.starts, plan.behind, token_entry,
+                                            plan.host_ids, logit_rows]), self.device)
+        rows, offsets, num_tokens, starts, behind = (cols[k * r:(k + 1) * r] for k in range(5))
+        token_entry_t = cols[5 * r:5 * r + n]
+        ids = cols[5 * r + n:5 * r + 2 * n].clone()
+        # An unread step's accepted drafts (the lead) come before this step's tokens.
+        history = starts + behind * self.rows.lead[rows]
+        layout = PagedLayout(self.block_table, self.kv.shape[3], rows, offsets, num_tokens,
+                             history, token_entry_t)
+        reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
+        layout = layout.grouped(plan.num_tokens, reach, group_width=1 + self.max_draft_len)
+        self._feed(plan, ids, rows, offsets)
+        return layout, ids, cols[5 * r + 2 * n:]
+
+    def _feed(self, plan: LaunchPlan, ids: torch.Tensor, rows: torch.Tensor,
+              offsets: torch.Tensor) -> None:
+        """Each decode's first token is its request's pending one; its drafts, with a device
+        drafter, come from that drafter."""
+        decodes = plan.emitting[plan.decode]
+        if decodes.size == 0:
+            return
+        at = torch.from_numpy(decodes).to(self.device)
+        dec_rows, first = rows[at], offsets[at]
+        ids[first] = self.rows.pending[dec_rows]
+        width = int(plan.num_tokens[decodes].max()) - 1
+        if self.drafter is None or width == 0:
+            return
+        drafts = self.drafter.draft(self.rows.truth[dec_rows], self.rows.generated[dec_rows],
+                                    width)
+        i = torch.arange(width, device=self.device)
+        lens = torch.from_numpy(plan.num_tokens[decodes] - 1).to(self.device)
+        real = i[None, :] < lens[:, None]
+        ids[(first[:, None] + 1 + i)[real]] = drafts[real]
+
+    def _verify(self, plan: LaunchPlan, layout: PagedLayout, ids: torch.Tensor,
+                guesses: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Greedy acceptance and the rows' new state; returns ``(tokens [E, W], emitted [E],
+        accepted [E], kept [R])``."""
+        device, state = self.device, self.rows
+        widths = plan.widths
+        width = int(widths.max()) if widths.size else 1
+        e = torch.from_numpy(plan.emitting).to(device)
+        w = torch.from_numpy(widths).to(device)
+        i = torch.arange(width, device=device)
+        logit_start = torch.cumsum(w, 0) - w
+        tokens = guesses[(logit_start[:, None] + i).clamp(max=max(guesses.numel() - 1, 0))]
+        draft_at = (layout.query_starts[e][:, None] + 1 + i[:-1]).clamp(max=ids.numel() - 1)
+        matches = (ids[draft_at] == tokens[:, :-1]) & (i[:-1] < w[:, None] - 1)
+        accepted = torch.cumprod(matches.long(), 1).sum(1)
+        rows = layout.rows[e]
+        alive = state.alive[rows]
+        emitted = torch.minimum(accepted + 1, state.limit[rows] - state.generated[rows])
+        stops = torch.isin(tokens, self.stop) & (i < emitted[:, None])
+        stopped = stops.any(1)
+        emitted = torch.where(stopped, stops.long().argmax(1) + 1, emitted)
+        emitted = torch.where(alive, emitted, 0)
+        ended = alive & (stopped | (state.generated[rows] + emitted >= state.limit[rows]))
+        picked = tokens.gather(1, accepted[:, None])[:, 0]
+        state.pending[rows] = torch.where(alive, picked, state.pending[rows])
+        state.generated[rows] += emitted
+        state.alive[rows] = alive & ~ended
+        state.lead[rows] = accepted
+        kept = torch.where(state.alive[layout.rows], layout.query_lens, 0)
+        decoding = torch.from_numpy(plan.decode).to(device)
+        kept[e] = torch.where(decoding, torch.where(alive & ~ended, accepted + 1, 0), kept[e])
+        return tokens, emitted, accepted, kept
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """``[0 .. lengths[0]), [0 .. lengths[1]), ...`` concatenated."""
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum())) - np.repeat(starts, lengths)

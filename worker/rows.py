@@ -1,0 +1,61 @@
+"""`DeviceRows`: what the device knows of each block-table row's request between steps.
+
+An overlap worker launches step k before the host has read step k-1's outcome, so everything
+step k needs of that outcome must already be on the device: the token each request feeds next
+(its last emitted, ``pending``), how many drafts its step k-1 accepted (``lead``: its step k
+starts that many positions past the reply's ``start_positions``), how many tokens it has emitted
+(``generated``, which a device drafter indexes and the length limit is checked against) and
+whether it is still going (``alive``: a request that hit its limit or a stop token in step k-1
+may still be scheduled in step k, whose forward is then wasted and commits nothing).
+
+The host writes a row only when a request is admitted to it (`admit`), as device operations on
+the current stream: they land after every step already launched, so a row freed and taken again
+in one call never sees the old request's in-flight updates after the new request's.
+
+Invariants: ``0 <= generated <= limit`` for a live row; ``lead`` is what the row's last emitting
+step accepted (0 after a prompt's last chunk), and counts only where the host says the request
+is behind a step it has not read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from allocator.common.device_io import upload_int64
+from allocator.errors import InvariantViolation
+
+
+class DeviceRows:
+    def __init__(self, num_rows: int, device: torch.device, *, truth_width: int = 0) -> None:
+        """``truth_width``: tokens per row a device drafter may draft from (0: none)."""
+        self.device = device
+        zeros = {"dtype": torch.int64, "device": device}
+        self.pending = torch.zeros(num_rows, **zeros)
+        self.lead = torch.zeros(num_rows, **zeros)
+        self.generated = torch.zeros(num_rows, **zeros)
+        self.limit = torch.zeros(num_rows, **zeros)
+        self.alive = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.truth = torch.full((num_rows, max(truth_width, 1)), -1, **zeros)
+
+    def admit(self, rows: np.ndarray, generated: np.ndarray, limit: np.ndarray,
+              truth: np.ndarray | None = None) -> None:
+        """Requests (re)admitted to ``rows`` having emitted ``generated`` of ``limit`` tokens;
+        ``truth`` ``[len(rows), truth_width]``: what a device drafter drafts for each."""
+        if rows.size == 0:
+            return
+        at = upload_int64(rows, self.device)
+        self.generated[at] = upload_int64(generated, self.device)
+        self.limit[at] = upload_int64(limit, self.device)
+        self.lead[at] = 0
+        self.alive[at] = True
+        if truth is not None:
+            width = self.truth.shape[1]
+            self.truth[at] = upload_int64(truth[:, :width].reshape(-1), self.device).view(
+                rows.size, width)
+
+    def check_invariants(self) -> None:
+        """A read back: for tests and debugging, never on the hot path."""
+        alive = self.alive
+        if bool(((self.generated < 0) | (self.generated > self.limit))[alive].any()):
+            raise InvariantViolation("rows: a live row emitted more than its limit")
