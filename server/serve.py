@@ -35,7 +35,7 @@ import uvicorn
 from pydantic import SecretStr, ValidationError
 
 from allocator import PoolConfig
-from allocator.config import KVDType
+from allocator.config import KVDType, SlackPolicy
 from allocator.tools.arguments import argument_type
 from server.cli import flag_errors
 from server.contract.addresses import (
@@ -82,7 +82,11 @@ _POOL_FLAGS: dict[str, tuple[type, str]] = {
     "max_batch_size": (int, "requests live at once, one block-table row each"),
     "max_seq_len": (int, "longest request: prompt + output tokens"),
     "max_draft_len": (int, "largest draft length D a grant may ask for"),
+    "slack_policy": (str, "overlap slack: reclaim is the only correct one; none and unreclaimed "
+                          "reproduce the two crashes kvalloc prevents, on purpose"),
 }
+_FLAG_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": get_args(KVDType), "slack_policy": tuple(p.value for p in SlackPolicy)}
 _SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s")
 
 
@@ -115,9 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = PoolConfig.model_fields
     for name, (kind, help_text) in _POOL_FLAGS.items():
         default = DEFAULT_NUM_BLOCKS if name == "num_blocks" else defaults[name].default
+        default = getattr(default, "value", default)  # an enum's flag spelling
         pool.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                           metavar="N" if kind is int else None,
-                          choices=get_args(KVDType) if name == "dtype" else None,
+                          choices=_FLAG_CHOICES.get(name),
                           help=help_text if name == "device" else f"{help_text} "
                                                                   f"(default {default})")
     svc = parser.add_argument_group("service")
@@ -254,6 +259,9 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
+    if pool.get("slack_policy", SlackPolicy.RECLAIM) != SlackPolicy.RECLAIM:
+        log.warning("--slack-policy %s: overlap workers will crash or overflow their rows on "
+                    "purpose (a reproduction, never for serving)", pool["slack_policy"])
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,

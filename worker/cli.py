@@ -10,6 +10,9 @@ the model (layers, KV heads, head size, dtype). ``--drafter oracle:RATE`` first 
 without speculation to learn the true continuation, then drafts it with each token right with
 probability RATE; the figures are the speculative run's.
 
+``--overlap`` runs the worker one step ahead of the host (it registers with ``overlap=True``):
+drafts come from the device (``oracle:RATE`` only), and the worker commits its own tokens.
+
 ``prompts.jsonl``: one ``{"id": ..., "token_ids": [...]}`` per line, or ``{"id": ..., "text":
 ...}`` with ``--model`` pointing at a checkpoint that has a tokenizer.
 """
@@ -27,11 +30,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from allocator.config import SlackPolicy
 from server.client import Client
 from server.contract.addresses import default_client_address
 from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 from server.service.settings import ServiceConfig
 from worker.drafters import (
+    DeviceOracleDrafter,
     Drafter,
     DrafterSpecError,
     NgramDrafter,
@@ -120,6 +125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds to wait for one reply (default 30)")
     svc.add_argument("--in-process", action="store_true",
                      help="run a service core in this process instead of calling one")
+    svc.add_argument("--overlap", action="store_true",
+                     help="run one step ahead of the host: the call for step k+1 and its launch "
+                          "while the device runs step k; drafts (oracle only), verification and "
+                          "the commit on the device")
+    svc.add_argument("--validate", action="store_true",
+                     help="count block-table entries each step addresses that hold no block "
+                          "(table_violations; off by default)")
     pool = parser.add_argument_group("the in-process pool")
     pool.add_argument("--num-blocks", type=int, default=None,
                       help="default: room for every prompt at once")
@@ -129,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests running at once (default 64)")
     pool.add_argument("--max-step-tokens", type=int, default=2048,
                       help="tokens one step may schedule (default 2048)")
+    pool.add_argument("--slack-policy", choices=[p.value for p in SlackPolicy],
+                      default=SlackPolicy.RECLAIM.value,
+                      help="the in-process service's overlap slack; none and unreclaimed "
+                           "reproduce the crashes kvalloc prevents (default reclaim)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -162,10 +178,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                              device=args.device)
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
     with _client(args, model, prompts) as client:
+        drafter: Drafter | DeviceOracleDrafter
         if name == "oracle":
             truth, _ = generate(model, client, prompts, args, None, 0)
-            drafter: Drafter = OracleDrafter(truth, rate, vocab_size=model.config.vocab_size,
-                                             seed=args.seed)
+            oracle = DeviceOracleDrafter if args.overlap else OracleDrafter
+            drafter = oracle(truth, rate, vocab_size=model.config.vocab_size, seed=args.seed,
+                             **({"device": client.pool.kv.device} if args.overlap else {}))
         else:
             drafter = NgramDrafter()
         outputs, stats = generate(model, client, prompts, args, drafter, args.draft_len)
@@ -174,9 +192,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def generate(model: Any, client: Client, prompts: Sequence[NamedPrompt], args: argparse.Namespace,
-             drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]], RunStats]:
+             drafter: Drafter | DeviceOracleDrafter | None,
+             draft_len: int) -> tuple[dict[str, list[int]], RunStats]:
     engine = Engine(model, client, drafter, draft_len=draft_len,
-                    stop_token_ids=_stop_tokens(model))
+                    stop_token_ids=_stop_tokens(model), overlap=args.overlap,
+                    validate=args.validate)
     total = len(prompts) * args.max_new_tokens
     with tqdm(total=total, unit="tok", file=sys.stderr, disable=args.no_progress or None,
               desc="speculative" if draft_len else "plain") as bar:
@@ -206,7 +226,7 @@ def _client(args: argparse.Namespace, model: Any,
     """A registered, attached client: to ``--address``, or to a core made here."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
-            client.register()
+            client.register(overlap=args.overlap)
             try:
                 yield client
             finally:
@@ -218,7 +238,7 @@ def _client(args: argparse.Namespace, model: Any,
     core = ServiceCore(in_process_config(args, model, prompts))
     try:
         client = Client.in_process(core, worker_id=args.worker_id or "worker")
-        client.register()
+        client.register(overlap=args.overlap)
         yield client
     finally:
         core.close()
@@ -231,7 +251,8 @@ def in_process_config(args: argparse.Namespace, model: Any,
         model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,
         num_requests=len(prompts), draft_len=args.draft_len, dtype=args.dtype,
         device=args.device, tokens_per_block=args.tokens_per_block,
-        max_batch_size=args.max_batch_size, num_blocks=args.num_blocks)
+        max_batch_size=args.max_batch_size, num_blocks=args.num_blocks,
+        slack_policy=args.slack_policy)
     return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens)
 
 
@@ -242,4 +263,7 @@ def _human(result: dict[str, Any]) -> str:
                  f"{result['acceptance_rate']:.1%} ({result['accepted_drafts']}/"
                  f"{result['proposed_drafts']} drafts); kvalloc call "
                  f"{result['call_share']:.1%} of step time; {result['preemptions']} preemptions")
+    if result["forwards_ahead"]:
+        lines.append(f"{result['forwards_ahead']} of {result['steps']} forwards launched ahead "
+                     f"of the host; {result['table_violations']} block-table violations")
     return "\n".join(lines)

@@ -79,7 +79,8 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
 
 def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
                    draft_len: int, dtype: str, device: str, tokens_per_block: int = 16,
-                   max_batch_size: int = 64, num_blocks: int | None = None) -> PoolConfig:
+                   max_batch_size: int = 64, num_blocks: int | None = None,
+                   slack_policy: str = "reclaim") -> PoolConfig:
     """A pool shaped like the model's KV whose rows hold ``longest`` tokens (prompt + output);
     by default with blocks for ``num_requests`` such requests at once."""
     layers, kv_heads, head_dim = kv_shape(config)
@@ -88,7 +89,7 @@ def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
         num_blocks=num_blocks or per_request * num_requests, tokens_per_block=tokens_per_block,
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
         max_batch_size=max_batch_size, max_seq_len=longest, max_draft_len=draft_len,
-        overlap_scheduler=True)
+        overlap_scheduler=True, slack_policy=slack_policy)
 
 
 def _check_family(model_type: str, field: str) -> None:

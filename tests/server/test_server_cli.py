@@ -52,6 +52,15 @@ def test_flags_and_the_token_environment_variable_configure_the_service(
     assert config.token is not None and config.token.get_secret_value() == "t0ken"
 
 
+def test_a_reproduction_slack_policy_is_a_flag_and_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    assert serve._config(parse("--device", "cpu")).pool.slack_policy == "reclaim"
+    with caplog.at_level("WARNING", logger="kvalloc.serve"):
+        config = serve._config(parse("--device", "cpu", "--slack-policy", "none"))
+    assert config.pool.slack_policy == "none"
+    assert "--slack-policy none" in caplog.text and "on purpose" in caplog.text
+
+
 def test_version_prints_the_installed_release() -> None:
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     release = re.search(r'^version = "(.+)"$', pyproject, re.M).group(1)

@@ -1,4 +1,5 @@
-"""`kvalloc worker` end to end: in process, and against a real `kvalloc serve` over IPC."""
+"""`kvalloc worker` end to end: in process, and against a real `kvalloc serve` over ZeroMQ and
+the stream socket, synchronous and one step ahead (``--overlap``)."""
 
 from __future__ import annotations
 
@@ -50,17 +51,46 @@ def test_in_process_cli_prints_the_generated_tokens(oracle: Oracle, tmp_path: Pa
     assert 0 < json.loads(out)["acceptance_rate"] < 1
 
 
+SERVICE_POOL = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads",
+                "2", "--head-dim", "8", "--num-blocks", "256", "--tokens-per-block",
+                str(TOKENS_PER_BLOCK), "--max-seq-len", "96", "--max-draft-len",
+                str(MAX_DRAFT_LEN), "--max-batch-size", "8", "--max-step-tokens", "48"]
+
+
 def test_worker_against_a_running_service_over_ipc(llama_oracle: Oracle, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     config, prompts = write_inputs(llama_oracle, tmp_path)
-    pool = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
-            "--head-dim", "8", "--num-blocks", "256", "--tokens-per-block",
-            str(TOKENS_PER_BLOCK), "--max-seq-len", "96", "--max-draft-len", str(MAX_DRAFT_LEN),
-            "--max-batch-size", "8", "--max-step-tokens", "48"]
-    with ServiceProcess(tmp_path, *pool, tcp=False) as service:
+    with ServiceProcess(tmp_path, *SERVICE_POOL, tcp=False) as service:
         assert main(worker_args(config, prompts, "--address", service.ipc, "--draft-len", "2",
                                 "--drafter", "ngram")) == 0
     assert outputs(capsys.readouterr().out) == llama_oracle.expected
+
+
+def test_an_overlap_worker_against_a_running_service_with_prefix_caching(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Over the stream socket, one step ahead, committing its own tokens into the service's
+    pool under the service's write protection."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with ServiceProcess(tmp_path, *SERVICE_POOL, "--prefix-caching", tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream, "--draft-len",
+                                "3", "--drafter", "oracle:0.5", "--overlap", "--validate")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {o["id"]: o["token_ids"] for o in result["outputs"]} == llama_oracle.expected
+    assert result["forwards_ahead"] > 0 and result["table_violations"] == 0
+    assert 0 < result["acceptance_rate"] < 1
+
+
+@pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])
+def test_the_validator_sees_a_service_without_slack(llama_oracle: Oracle, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    policy: str, violations: bool) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", "--overlap", "--validate",
+                            "--draft-len", "3", "--drafter", "oracle:1.0", "--max-step-tokens",
+                            "64", "--max-batch-size", "8", "--slack-policy", policy)) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["table_violations"] > 0) == violations
+    assert result["forwards_ahead"] > 0
 
 
 def test_no_service_at_the_address_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,
