@@ -1,20 +1,23 @@
-"""A real model decoding through kvalloc: tokens/s, step time and the per-step call's share of it.
+"""A real model decoding through kvalloc: tokens/s, step time, the per-step call's share of it, and
+the GPU's idle time between forwards, synchronous and one step ahead (``--overlap``).
 
     python benchmarks/bench_worker.py --out benchmarks/results/worker_cuda.json     # on a GPU
     python benchmarks/bench_worker.py --quick                                       # CPU, seconds
 
 Full run: a ~1B Llama shape (16 layers, hidden 2048, 32 query heads, 8 KV heads x 64, random
 weights, bf16), batches of 32 and 64 prompts of 512-2048 tokens, 64 new tokens each, D=3 with
-the oracle drafter at a 60% per-token hit rate and with the n-gram drafter. Side by side in one
-run: a plain run (D=0, which also gives the oracle its continuation) and every drafter with the
-service in process and behind IPC (a ``kvalloc serve`` subprocess sharing its pool over CUDA IPC;
-its messages over ZeroMQ, ``ipc``, and over its plain Unix stream socket, ``stream``).
+the oracle drafter at a 60% per-token hit rate. Side by side in one run, with the service in
+process and behind IPC (a ``kvalloc serve`` subprocess sharing its pool over CUDA IPC; its
+messages over ZeroMQ, ``ipc``, and over its plain Unix stream socket, ``stream``): a plain run
+(D=0, which also gives the oracle its continuation), the n-gram and oracle drafters
+synchronously, and the oracle drafted on the device by a worker one step ahead (``overlap``).
 ``decode_call_share`` is the call's share of the wall time of decode-only steps (no prefill in
-them), the figure the <= 5% target at batch 64 over IPC is about. Each transport also runs the
-oracle drafter with NWOR off (the service writes every staged token, rejected drafts too), side
-by side with NWOR on. Each batch first runs untimed in process, without drafts and with the
-n-gram drafter, so that the model's first steps at the batch's shapes count in no transport's
-figures.
+them). ``idle_ms``: per step, the GPU time between the end of one step's device work and the
+start of the next one's (CUDA events on the worker's stream): a synchronous worker leaves the
+GPU idle for its whole call, an overlap worker makes the call while the GPU runs the previous
+step. ``metadata_us``: the worker's host time per step to lay out the step (inputs, positions,
+slots, one upload). Each batch first runs untimed in process, so that the model's first steps
+at the batch's shapes count in no transport's figures.
 
 ``--quick``: a 2-layer model in float32 on the CPU, batches of 4 and 8 prompts of 16-64 tokens.
 """
@@ -43,7 +46,7 @@ from server.client import Client
 from server.devtools.launch import ServiceProcess
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
-from worker.drafters import Drafter, NgramDrafter, OracleDrafter
+from worker.drafters import DeviceOracleDrafter, Drafter, NgramDrafter, OracleDrafter
 from worker.engine import Engine, NamedPrompt
 from worker.model import pool_for_model, random_model
 
@@ -67,22 +70,31 @@ TRANSPORTS = ("in-process", "ipc", "stream")
 
 
 @contextlib.contextmanager
-def connect(transport: str, config: ServiceConfig, workdir: Path) -> Iterator[Client]:
-    """A registered, attached client: on a core in this process, or over IPC to a service
-    (``ipc``: ZeroMQ; ``stream``: its plain Unix stream socket)."""
+def service(transport: str, config: ServiceConfig, workdir: Path) -> Iterator[Any]:
+    """A core in this process, or a ``kvalloc serve`` subprocess."""
     if transport == "in-process":
         core = ServiceCore(config)
         try:
-            client = Client.in_process(core, worker_id="bench")
-            client.register()
-            yield client
+            yield core
         finally:
             core.close()
         return
-    with ServiceProcess(workdir, *serve_flags(config), tcp=False) as service, \
-            Client(getattr(service, transport), worker_id="bench", timeout_s=120.0) as client:
-        client.register()
-        yield client
+    with ServiceProcess(workdir, *serve_flags(config), tcp=False) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def connect(transport: str, target: Any, *, overlap: bool = False) -> Iterator[Client]:
+    """A registered, attached client of ``target`` (`service`'s): in process, or over IPC
+    (``ipc``: ZeroMQ; ``stream``: the plain Unix stream socket)."""
+    client = (Client.in_process(target, worker_id="bench") if transport == "in-process"
+              else Client(getattr(target, transport), worker_id="bench", timeout_s=120.0))
+    with client:
+        client.register(overlap=overlap)
+        try:
+            yield client
+        finally:
+            client.deregister()
 
 
 def serve_flags(config: ServiceConfig) -> list[str]:
@@ -97,12 +109,17 @@ def serve_flags(config: ServiceConfig) -> list[str]:
 
 
 def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: int,
-            drafter: Drafter | None, draft_len: int) -> tuple[dict[str, list[int]],
-                                                              dict[str, Any]]:
-    engine = Engine(model, client, drafter, draft_len=draft_len)
+            drafter: Drafter | DeviceOracleDrafter | None, draft_len: int, *,
+            overlap: bool = False) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap)
     outputs = engine.run(prompts, new_tokens)
     s = engine.stats
     return outputs, {
+        "idle_ms": round(1e3 * s.device_idle_s / s.steps, 3),
+        "busy_ms": round(1e3 * s.device_busy_s / s.steps, 3),
+        "idle_share": round(s.device_idle_s / max(s.device_idle_s + s.device_busy_s, 1e-12), 4),
+        "metadata_us": round(1e6 * s.metadata_s / s.steps, 1),
+        "forwards_ahead": s.forwards_ahead,
         "tokens_per_s": round(s.tokens_per_s, 1), "steps": s.steps,
         "step_ms": round(1e3 * s.wall_s / s.steps, 3),
         "call_ms": round(1e3 * s.call_s / s.steps, 3),
@@ -131,42 +148,53 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp:
             # Untimed, at the measured shapes: the model's first steps at a new batch shape pick
             # and compile its kernels, which would otherwise slow the first transport's runs.
-            with connect("in-process", config, Path(tmp)) as client:
-                for drafter, draft_len in ((None, 0), (NgramDrafter(), DRAFT_LEN)):
-                    measure(model, client, prompts, setup["new_tokens"], drafter, draft_len)
+            with service("in-process", config, Path(tmp)) as core:
+                with connect("in-process", core) as client:
+                    truth, _ = measure(model, client, prompts, setup["new_tokens"], None, 0)
+                with connect("in-process", core, overlap=True) as client:
+                    measure(model, client, prompts, setup["new_tokens"], device_oracle(
+                        truth, model, seed), DRAFT_LEN, overlap=True)
             for transport in TRANSPORTS:
-                with connect(transport, config, Path(tmp)) as client:
-                    # Warm-up, not measured: first calls compile and allocate (service and model).
-                    measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
-                    truth, row = measure(model, client, prompts, setup["new_tokens"], None, 0)
-                    rows.append({"batch": batch, "transport": transport, "drafter": "none",
-                                 "draft_len": 0, "nwor": True, **row})
-                    drafters: dict[str, Drafter] = {
-                        f"oracle:{ORACLE_RATE}": OracleDrafter(
-                            truth, ORACLE_RATE, vocab_size=model.config.vocab_size, seed=seed),
-                        "ngram": NgramDrafter(),
-                    }
-                    for name, drafter in drafters.items():
-                        _, row = measure(model, client, prompts, setup["new_tokens"], drafter,
-                                         DRAFT_LEN)
-                        rows.append({"batch": batch, "transport": transport, "drafter": name,
-                                     "draft_len": DRAFT_LEN, "nwor": True, **row})
-                no_nwor = config.model_copy(update={"nwor": False})
-                with connect(transport, no_nwor, Path(tmp)) as client:
-                    measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
-                    oracle = OracleDrafter(truth, ORACLE_RATE,
-                                           vocab_size=model.config.vocab_size, seed=seed)
-                    _, row = measure(model, client, prompts, setup["new_tokens"], oracle,
-                                     DRAFT_LEN)
-                    rows.append({"batch": batch, "transport": transport,
-                                 "drafter": f"oracle:{ORACLE_RATE}", "draft_len": DRAFT_LEN,
-                                 "nwor": False, **row})
+                with service(transport, config, Path(tmp)) as target:
+                    rows += [{"batch": batch, "transport": transport, **row}
+                             for row in transport_rows(model, target, transport, prompts,
+                                                       setup["new_tokens"], seed)]
                 print(table(rows[-4:], header=not rows[:-4]), flush=True)
     return rows
 
 
-COLUMNS = ("batch", "transport", "drafter", "nwor", "tokens_per_s", "step_ms", "decode_step_ms",
-           "decode_call_ms", "decode_call_share", "call_share", "acceptance_rate")
+def device_oracle(truth: dict[str, list[int]], model: Any, seed: int) -> DeviceOracleDrafter:
+    return DeviceOracleDrafter(truth, ORACLE_RATE, vocab_size=model.config.vocab_size,
+                               device=next(model.parameters()).device, seed=seed)
+
+
+def transport_rows(model: Any, target: Any, transport: str, prompts: list[NamedPrompt],
+                   new_tokens: int, seed: int) -> list[dict[str, Any]]:
+    """The plain run, the synchronous drafters and the overlap worker, on one service."""
+    rows = []
+    with connect(transport, target) as client:
+        # Warm-up, not measured: first calls compile and allocate (service and model).
+        measure(model, client, prompts[:2], 2, NgramDrafter(), DRAFT_LEN)
+        truth, row = measure(model, client, prompts, new_tokens, None, 0)
+        rows.append({"mode": "sync", "drafter": "none", **row})
+        drafters: dict[str, Drafter] = {
+            f"oracle:{ORACLE_RATE}": OracleDrafter(truth, ORACLE_RATE,
+                                                   vocab_size=model.config.vocab_size, seed=seed),
+            "ngram": NgramDrafter()}
+        for name, drafter in drafters.items():
+            _, row = measure(model, client, prompts, new_tokens, drafter, DRAFT_LEN)
+            rows.append({"mode": "sync", "drafter": name, **row})
+    with connect(transport, target, overlap=True) as client:
+        measure(model, client, prompts[:2], 2, None, 0, overlap=True)
+        _, row = measure(model, client, prompts, new_tokens, device_oracle(truth, model, seed),
+                         DRAFT_LEN, overlap=True)
+        rows.append({"mode": "overlap", "drafter": f"oracle:{ORACLE_RATE}", **row})
+    return rows
+
+
+COLUMNS = ("batch", "transport", "mode", "drafter", "tokens_per_s", "step_ms", "decode_step_ms",
+           "decode_call_ms", "decode_call_share", "idle_ms", "idle_share", "metadata_us",
+           "forwards_ahead", "acceptance_rate")
 
 
 def table(rows: list[dict[str, Any]], header: bool = True) -> str:

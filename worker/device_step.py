@@ -19,6 +19,7 @@ pool receives exactly what a synchronous service would have committed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,7 @@ from allocator.common.device_io import upload_int64
 from worker.attention import PoolStep
 from worker.commit import WorkerCommit
 from worker.drafters import DeviceOracleDrafter
-from worker.pool_attention import PagedLayout
+from worker.pool_attention import HostBounds, PagedLayout
 from worker.rows import DeviceRows
 
 
@@ -68,6 +69,7 @@ class Launched:
     done: torch.cuda.Event | None
     started: torch.cuda.Event | None  # the forward's first and last work, for idle time
     record: StepTensors
+    metadata_s: float  # host time to lay the step out and upload it
 
     def outcome(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens [E, W], emitted [E], accepted [E])``: entry e emitted ``tokens[e,
@@ -130,7 +132,9 @@ class DeviceStep:
 
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
+        building = time.perf_counter()
         layout, ids, logit_rows = self._inputs(plan)
+        metadata_s = time.perf_counter() - building
         if self.validator is not None:
             self.validator.check(layout)
         with torch.inference_mode():
@@ -149,7 +153,7 @@ class DeviceStep:
             host.copy_(out, non_blocking=True)
         record = StepTensors(ids, layout.positions, plan.logit_rows, logits, slots,
                              kept if self.committer is not None else None)
-        return Launched(plan, host, tokens.shape[1], self._event(), started, record)
+        return Launched(plan, host, tokens.shape[1], self._event(), started, record, metadata_s)
 
     def _event(self) -> torch.cuda.Event | None:
         if not self.timed:
@@ -171,10 +175,10 @@ class DeviceStep:
         ids = cols[5 * r + n:5 * r + 2 * n].clone()
         # An unread step's accepted drafts (the lead) come before this step's tokens.
         history = starts + behind * self.rows.lead[rows]
-        layout = PagedLayout(self.block_table, self.kv.shape[3], rows, offsets, num_tokens,
-                             history, token_entry_t)
         reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
-        layout = layout.grouped(plan.num_tokens, reach, group_width=1 + self.max_draft_len)
+        layout = PagedLayout(self.block_table, self.kv.shape[3], rows, offsets, num_tokens,
+                             history, token_entry_t,
+                             HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
         self._feed(plan, ids, rows, offsets)
         return layout, ids, cols[5 * r + 2 * n:]
 

@@ -116,6 +116,7 @@ class RunStats:
     wall_s: float = 0.0
     call_s: float = 0.0  # inside the service call
     forward_s: float = 0.0  # launching each step's device work (on a CPU: running it)
+    metadata_s: float = 0.0  # of which laying out the step's inputs, positions and slots
     generated_tokens: int = 0
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -429,6 +430,7 @@ class Engine:
         launching = time.perf_counter()
         launched = self.step.launch(plan)
         self.stats.forward_s += time.perf_counter() - launching
+        self.stats.metadata_s += launched.metadata_s
         self.stats.forwards_ahead += ahead and bool(self.overlap)
         for r in emitting:
             r.unread += 1

@@ -20,7 +20,7 @@ attention never waits for the host, and the host needs only bounds (``max_query`
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,6 +78,21 @@ class EntryGroup:
 
 
 @dataclass(frozen=True)
+class HostBounds:
+    """What the host knows of a step's entries without the device: each one's query length and
+    ``reach`` (at least its history + query length), and the widest entry still batched with
+    decodes by the reference (``group_width``)."""
+
+    query_lens: np.ndarray
+    reach: np.ndarray
+    group_width: int
+
+    @property
+    def max_query(self) -> int:
+        return int(self.query_lens.max()) if self.query_lens.size else 0
+
+
+@dataclass(frozen=True)
 class PagedLayout:
     """One step's entries in the pool's terms, on the pool's device (int64 columns ``[R]``)."""
 
@@ -88,7 +103,7 @@ class PagedLayout:
     query_lens: torch.Tensor
     history: torch.Tensor
     token_entry: torch.Tensor  # int64 [N]: the entry of each packed token
-    groups: tuple[EntryGroup, ...] = ()
+    bounds: HostBounds
 
     @property
     def num_tokens(self) -> int:
@@ -101,33 +116,28 @@ class PagedLayout:
               group_width: int) -> PagedLayout:
         """A step's layout from the service's reply (host arrays per entry) and, for an overlap
         worker, each entry's ``lead`` on the device (the drafts its unsettled step accepted: its
-        history is ``starts + lead``), which the host bounds by ``lead_bound``. One upload of the
-        host columns; entries of at most ``group_width`` tokens form one reference group."""
-        device = block_table.device
+        history is ``starts + lead``), which the host bounds by ``lead_bound``. One upload."""
         token_entry = np.repeat(np.arange(query_lens.size), query_lens)
         packed = np.concatenate([rows, query_starts, query_lens, starts, token_entry])
-        columns = upload_int64(packed, device)
+        columns = upload_int64(packed, block_table.device)
         r = query_lens.size
         rows_t, starts_t, lens_t, history = (columns[k * r:(k + 1) * r] for k in range(4))
         if lead is not None:
             history = history + lead
-        layout = cls(block_table, tokens_per_block, rows_t, starts_t, lens_t, history,
-                     columns[4 * r:])
-        return layout.grouped(query_lens, starts + lead_bound + query_lens,
-                              group_width=group_width)
+        bounds = HostBounds(query_lens, starts + lead_bound + query_lens, group_width)
+        return cls(block_table, tokens_per_block, rows_t, starts_t, lens_t, history,
+                   columns[4 * r:], bounds)
 
-    def grouped(self, query_lens: np.ndarray, reach: np.ndarray, *,
-                group_width: int) -> PagedLayout:
-        """This layout with the reference's groups, from host bounds per entry: its query
-        length and its ``reach`` (at least history + query length). Entries of at most
-        ``group_width`` tokens form one group; each longer one a group of its own."""
-        short = np.flatnonzero(query_lens <= group_width)
+    @functools.cached_property
+    def groups(self) -> tuple[EntryGroup, ...]:
+        """The reference's groups, built once a step on first use: entries of at most
+        ``group_width`` tokens together, each longer one on its own."""
+        lens, reach = self.bounds.query_lens, self.bounds.reach
+        short = np.flatnonzero(lens <= self.bounds.group_width)
         members = ([short] if short.size else []) + [
-            np.array([i]) for i in np.flatnonzero(query_lens > group_width)]
-        groups = tuple(EntryGroup.of(self, torch.as_tensor(m, device=self.rows.device),
-                                     int(query_lens[m].max()), int(reach[m].max()))
-                       for m in members)
-        return dataclasses.replace(self, groups=groups)
+            np.array([i]) for i in np.flatnonzero(lens > self.bounds.group_width)]
+        return tuple(EntryGroup.of(self, torch.as_tensor(m, device=self.rows.device),
+                                   int(lens[m].max()), int(reach[m].max())) for m in members)
 
     @property
     def positions(self) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The worker on a CUDA pool: exact tokens in float32, and a ~1B model shape in bfloat16.
+"""The worker on a CUDA pool: exact tokens in float32, synchronous and one step ahead (the pool
+poisoned with NaN first, so a read outside what was committed shows), and a ~1B model shape in
+bfloat16.
 
 In bfloat16 a speculative run batches its tokens differently from a plain run, so near-ties in
 the logits may resolve differently; the test reports how far the two runs agree (the share of
@@ -17,7 +19,7 @@ from transformers import LlamaConfig
 from server.client import Client
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
-from worker.drafters import NgramDrafter, OracleDrafter
+from worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
 from worker.engine import Engine, NamedPrompt
 from worker.model import pool_for_model, random_model
 
@@ -28,27 +30,31 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                     head_dim=64, max_position_embeddings=4096, eos_token_id=None)
 
 
-def _client(model: torch.nn.Module, *, longest: int, batch: int,
-            dtype: str) -> tuple[ServiceCore, Client]:
+def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
+            overlap: bool = False) -> tuple[ServiceCore, Client]:
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
                           dtype=dtype, device="cuda", max_batch_size=batch)
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048))
     client = Client.in_process(core, worker_id="gpu-worker")
-    client.register()
+    client.register(overlap=overlap)
     return core, client
 
 
 def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, drafter: object,
-         draft_len: int, **pool: object) -> tuple[dict[str, list[int]], Engine]:
-    core, client = _client(model, **pool)
+         draft_len: int, *, overlap: bool = False,
+         **pool: object) -> tuple[dict[str, list[int]], Engine]:
+    core, client = _client(model, overlap=overlap, **pool)
     try:
-        engine = Engine(model, client, drafter, draft_len=draft_len)
+        client.pool.kv.fill_(float("nan"))
+        engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap,
+                        validate=True)
         return engine.run(prompts, new_tokens), engine
     finally:
         core.close()
 
 
-def test_float32_on_cuda_equals_generate(cuda_device: str) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool) -> None:
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          eos_token_id=None)
@@ -65,11 +71,15 @@ def test_float32_on_cuda_equals_generate(cuda_device: str) -> None:
             out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=16)
             expected[p.req_id] = out[0, ids.shape[1]:].tolist()
-    drafter = OracleDrafter(expected, 0.5, vocab_size=96)
+    drafter = (DeviceOracleDrafter(expected, 0.5, vocab_size=96, device=torch.device("cuda"))
+               if overlap else OracleDrafter(expected, 0.5, vocab_size=96))
     outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316, batch=8,
-                           dtype="float32")
+                           dtype="float32", overlap=overlap)
     assert outputs == expected
-    assert engine.stats.accepted_drafts > 0
+    stats = engine.stats
+    assert stats.accepted_drafts > 0 and stats.table_violations == 0
+    assert (stats.forwards_ahead > 0) == overlap
+    assert stats.device_busy_s > 0
 
 
 def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
@@ -81,9 +91,14 @@ def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
     pool = {"longest": 512 + 32, "batch": 16, "dtype": "bfloat16"}
     plain, _ = _run(model, prompts, 32, None, 0, **pool)
     agreement = {}
-    for name, drafter in [("oracle:0.6", OracleDrafter(plain, 0.6, vocab_size=32000)),
-                          ("ngram", NgramDrafter())]:
-        outputs, engine = _run(model, prompts, 32, drafter, 3, **pool)
+    device = torch.device(cuda_device)
+    for name, drafter, overlap in [
+            ("oracle:0.6", OracleDrafter(plain, 0.6, vocab_size=32000), False),
+            ("ngram", NgramDrafter(), False),
+            ("overlap oracle:0.6", DeviceOracleDrafter(plain, 0.6, vocab_size=32000,
+                                                       device=device), True)]:
+        outputs, engine = _run(model, prompts, 32, drafter, 3, overlap=overlap, **pool)
+        assert engine.stats.table_violations == 0
         assert all(len(outputs[p.req_id]) == 32 for p in prompts)
         agreement[name] = float(np.mean([_agreed_prefix(plain[k], outputs[k]) / 32
                                          for k in plain]))
