@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from allocator.capacity.table_validator import TableValidator
 from allocator.common.device_io import upload_int64
 from worker.attention import PoolStep
 from worker.commit import WorkerCommit
@@ -94,35 +95,12 @@ class StepTensors:
     kept: torch.Tensor | None  # [R] tokens the worker's commit kept per entry (overlap only)
 
 
-class Validator:
-    """Counts, on the device, every block-table entry a step's reads and writes address that
-    holds no block: the positions below an entry's history plus its own tokens, in its row.
-    Where it counts, an engine's attention reads or writes out of bounds (the first crash
-    kvalloc exists to prevent)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.violations = torch.zeros((), dtype=torch.int64, device=device)
-
-    def check(self, layout: PagedLayout) -> None:
-        table = layout.block_table
-        width = table.shape[1]
-        reach = layout.history + layout.query_lens
-        needed = (reach + layout.tokens_per_block - 1) // layout.tokens_per_block
-        cols = torch.arange(width, device=table.device)
-        holes = (cols < needed[:, None]) & (table[layout.rows] < 0)
-        self.violations += holes.sum() + (needed - width).clamp(min=0).sum()
-
-    def count(self) -> int:
-        """A read back (a synchronisation on CUDA)."""
-        return int(self.violations)
-
-
 class DeviceStep:
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, staging: torch.Tensor,
                  block_table: torch.Tensor, rows: DeviceRows, *, max_draft_len: int,
                  stop_token_ids: frozenset[int],
                  drafter: DeviceOracleDrafter | None = None, commit: WorkerCommit | None = None,
-                 validator: Validator | None = None) -> None:
+                 validator: TableValidator | None = None) -> None:
         self.model, self.kv, self.staging, self.block_table = model, kv, staging, block_table
         self.rows, self.max_draft_len = rows, max_draft_len
         self.drafter, self.committer, self.validator = drafter, commit, validator
@@ -136,7 +114,8 @@ class DeviceStep:
         layout, ids, logit_rows = self._inputs(plan)
         metadata_s = time.perf_counter() - building
         if self.validator is not None:
-            self.validator.check(layout)
+            self.validator.check(layout.block_table, layout.rows,
+                                 layout.history + layout.query_lens, layout.tokens_per_block)
         with torch.inference_mode():
             logits = self.model(
                 input_ids=ids[None], position_ids=layout.positions[None], use_cache=False,

@@ -49,11 +49,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from allocator.capacity.table_validator import TableValidator
 from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepResult
 from worker.commit import worker_commit
-from worker.device_step import DeviceStep, Launched, LaunchPlan, StepTensors, Validator
+from worker.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
 from worker.rows import DeviceRows
@@ -231,7 +232,7 @@ class Engine:
         self.rows = DeviceRows(layout.max_batch_size, self.device,
                                truth_width=self.device_drafter.width
                                if self.device_drafter is not None else 0)
-        self.validator = Validator(self.device) if validate else None
+        self.validator = TableValidator(self.device) if validate else None
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
                                self.rows, max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,

@@ -1,0 +1,33 @@
+"""`TableValidator`: a device-side check of the block table against what a step will address.
+
+Before a forward, an engine's attention reads every position below a request's history and its
+KV writes land at the step's own positions; each such position must fall in a block the row
+holds. Where it does not, the block-table entry is -1 (or the position lies past the row) and a
+real kernel reads or writes out of bounds: the illegal memory access kvalloc's accounting rules
+out. TensorRT-LLM's debug validator made this check in the original report; this one counts
+violations on the device, so it never synchronises and can stay on in long runs. Off by
+default (it costs a few small kernels per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TableValidator:
+    def __init__(self, device: torch.device) -> None:
+        self.violations = torch.zeros((), dtype=torch.int64, device=device)
+
+    def check(self, table: torch.Tensor, rows: torch.Tensor, reach: torch.Tensor,
+              tokens_per_block: int) -> None:
+        """Count the entries of ``table[rows[e]]`` that positions ``0 .. reach[e] - 1`` address
+        and that hold no block, plus the positions' blocks past the row's end."""
+        width = table.shape[1]
+        needed = (reach + tokens_per_block - 1) // tokens_per_block
+        cols = torch.arange(width, device=table.device)
+        holes = (cols < needed[:, None]) & (table[rows] < 0)
+        self.violations += holes.sum() + (needed - width).clamp(min=0).sum()
+
+    def count(self) -> int:
+        """Violations so far (a read back: a synchronisation on CUDA)."""
+        return int(self.violations)
