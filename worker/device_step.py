@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -111,7 +112,7 @@ class DeviceStep:
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
         building = time.perf_counter()
-        layout, ids, logit_rows = self._inputs(plan)
+        layout, ids, cols = self._inputs(plan)
         metadata_s = time.perf_counter() - building
         if self.validator is not None:
             self.validator.check(layout.block_table, layout.rows,
@@ -119,9 +120,10 @@ class DeviceStep:
         with torch.inference_mode():
             logits = self.model(
                 input_ids=ids[None], position_ids=layout.positions[None], use_cache=False,
-                logits_to_keep=logit_rows, kvalloc_step=PoolStep(self.kv, self.staging, layout),
-            ).logits[0]
-        tokens, emitted, accepted, kept = self._verify(plan, layout, ids, logits.argmax(-1))
+                logits_to_keep=cols.logit_rows,
+                kvalloc_step=PoolStep(self.kv, self.staging, layout)).logits[0]
+        tokens, emitted, accepted, kept = self._verify(plan, layout, ids, logits.argmax(-1),
+                                                       cols)
         slots = layout.slots()
         if self.committer is not None:
             self.committer.commit(plan.num_tokens, slots, kept)
@@ -141,56 +143,42 @@ class DeviceStep:
         event.record()
         return event
 
-    def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, torch.Tensor, torch.Tensor]:
-        """The step's layout, input ids and kept-logit rows, from one upload."""
-        r, n = plan.rows.size, plan.host_ids.size
-        token_entry = np.repeat(np.arange(r), plan.num_tokens)
-        logit_rows = plan.logit_rows
-        cols = upload_int64(np.concatenate([plan.rows, plan.offsets, plan.num_tokens,
-                                            plan.starts, plan.behind, token_entry,
-                                            plan.host_ids, logit_rows]), self.device)
-        rows, offsets, num_tokens, starts, behind = (cols[k * r:(k + 1) * r] for k in range(5))
-        token_entry_t = cols[5 * r:5 * r + n]
-        ids = cols[5 * r + n:5 * r + 2 * n].clone()
+    def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, torch.Tensor, _Columns]:
+        """The step's layout, input ids and columns, from one upload."""
+        cols = _Columns.upload(plan, self.device)
+        ids = cols.host_ids.clone()
         # An unread step's accepted drafts (the lead) come before this step's tokens.
-        history = starts + behind * self.rows.lead[rows]
+        history = cols.starts + cols.behind * self.rows.lead[cols.rows]
         reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
-        layout = PagedLayout(self.block_table, self.kv.shape[3], rows, offsets, num_tokens,
-                             history, token_entry_t,
+        layout = PagedLayout(self.block_table, self.kv.shape[3], cols.rows, cols.offsets,
+                             cols.num_tokens, history, cols.token_entry,
                              HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
-        self._feed(plan, ids, rows, offsets)
-        return layout, ids, cols[5 * r + 2 * n:]
+        self._feed(plan, ids, cols)
+        return layout, ids, cols
 
-    def _feed(self, plan: LaunchPlan, ids: torch.Tensor, rows: torch.Tensor,
-              offsets: torch.Tensor) -> None:
+    def _feed(self, plan: LaunchPlan, ids: torch.Tensor, cols: _Columns) -> None:
         """Each decode's first token is its request's pending one; its drafts, with a device
         drafter, come from that drafter."""
-        decodes = plan.emitting[plan.decode]
-        if decodes.size == 0:
+        if cols.decodes.numel() == 0:
             return
-        at = torch.from_numpy(decodes).to(self.device)
-        dec_rows, first = rows[at], offsets[at]
+        dec_rows, first = cols.rows[cols.decodes], cols.offsets[cols.decodes]
         ids[first] = self.rows.pending[dec_rows]
-        width = int(plan.num_tokens[decodes].max()) - 1
+        width = int(plan.widths[plan.decode].max()) - 1
         if self.drafter is None or width == 0:
             return
         drafts = self.drafter.draft(self.rows.truth[dec_rows], self.rows.generated[dec_rows],
                                     width)
         i = torch.arange(width, device=self.device)
-        lens = torch.from_numpy(plan.num_tokens[decodes] - 1).to(self.device)
-        real = i[None, :] < lens[:, None]
+        real = i[None, :] < cols.num_tokens[cols.decodes][:, None] - 1
         ids[(first[:, None] + 1 + i)[real]] = drafts[real]
 
     def _verify(self, plan: LaunchPlan, layout: PagedLayout, ids: torch.Tensor,
-                guesses: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                guesses: torch.Tensor, cols: _Columns) -> tuple[torch.Tensor, ...]:
         """Greedy acceptance and the rows' new state; returns ``(tokens [E, W], emitted [E],
         accepted [E], kept [R])``."""
-        device, state = self.device, self.rows
-        widths = plan.widths
-        width = int(widths.max()) if widths.size else 1
-        e = torch.from_numpy(plan.emitting).to(device)
-        w = torch.from_numpy(widths).to(device)
-        i = torch.arange(width, device=device)
+        state, e, w = self.rows, cols.emitting, cols.widths
+        width = int(plan.widths.max()) if plan.emitting.size else 1
+        i = torch.arange(width, device=self.device)
         logit_start = torch.cumsum(w, 0) - w
         tokens = guesses[(logit_start[:, None] + i).clamp(max=max(guesses.numel() - 1, 0))]
         draft_at = (layout.query_starts[e][:, None] + 1 + i[:-1]).clamp(max=ids.numel() - 1)
@@ -210,9 +198,40 @@ class DeviceStep:
         state.alive[rows] = alive & ~ended
         state.lead[rows] = accepted
         kept = torch.where(state.alive[layout.rows], layout.query_lens, 0)
-        decoding = torch.from_numpy(plan.decode).to(device)
-        kept[e] = torch.where(decoding, torch.where(alive & ~ended, accepted + 1, 0), kept[e])
+        kept[e] = torch.where(cols.decode.bool(), torch.where(alive & ~ended, accepted + 1, 0),
+                              kept[e])
         return tokens, emitted, accepted, kept
+
+
+class _Columns(NamedTuple):
+    """A `LaunchPlan`'s columns on the device, from one upload (views of one tensor): per entry
+    ``rows, offsets, num_tokens, starts, behind``, per token ``token_entry, host_ids``, the kept
+    logits' ``logit_rows``, per emitting entry ``emitting, widths, decode``, and ``decodes``
+    (the entries that decode)."""
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    num_tokens: torch.Tensor
+    starts: torch.Tensor
+    behind: torch.Tensor
+    token_entry: torch.Tensor
+    host_ids: torch.Tensor
+    logit_rows: torch.Tensor
+    emitting: torch.Tensor
+    widths: torch.Tensor
+    decode: torch.Tensor
+    decodes: torch.Tensor
+
+    @classmethod
+    def upload(cls, plan: LaunchPlan, device: torch.device) -> _Columns:
+        parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind,
+                 np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
+                 plan.logit_rows, plan.emitting, plan.widths, plan.decode,
+                 plan.emitting[plan.decode]]
+        flat = upload_int64(np.concatenate(parts), device)
+        ends = np.cumsum([p.size for p in parts])
+        return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends.tolist(),
+                                                                 strict=True)))
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:

@@ -136,8 +136,8 @@ class PagedLayout:
         short = np.flatnonzero(lens <= self.bounds.group_width)
         members = ([short] if short.size else []) + [
             np.array([i]) for i in np.flatnonzero(lens > self.bounds.group_width)]
-        return tuple(EntryGroup.of(self, torch.as_tensor(m, device=self.rows.device),
-                                   int(lens[m].max()), int(reach[m].max())) for m in members)
+        return tuple(EntryGroup.of(self, upload_int64(m, self.rows.device), int(lens[m].max()),
+                                   int(reach[m].max())) for m in members)
 
     @property
     def positions(self) -> torch.Tensor:
