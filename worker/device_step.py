@@ -33,6 +33,7 @@ from worker.commit import WorkerCommit
 from worker.drafters import DeviceOracleDrafter
 from worker.pool_attention import HostBounds, PagedLayout
 from worker.rows import DeviceRows
+from worker.step_metadata import EntryColumns, StepMetadata, step_metadata
 
 
 @dataclass(frozen=True)
@@ -112,27 +113,26 @@ class DeviceStep:
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
         building = time.perf_counter()
-        layout, ids, cols = self._inputs(plan)
+        layout, meta, cols = self._inputs(plan)
         metadata_s = time.perf_counter() - building
         if self.validator is not None:
             self.validator.check(layout.block_table, layout.rows,
                                  layout.history + layout.query_lens, layout.tokens_per_block)
         with torch.inference_mode():
             logits = self.model(
-                input_ids=ids[None], position_ids=layout.positions[None], use_cache=False,
+                input_ids=meta.ids[None], position_ids=meta.positions[None], use_cache=False,
                 logits_to_keep=cols.logit_rows,
                 kvalloc_step=PoolStep(self.kv, self.staging, layout)).logits[0]
-        tokens, emitted, accepted, kept = self._verify(plan, layout, ids, logits.argmax(-1),
-                                                       cols)
-        slots = layout.slots()
+        tokens, emitted, accepted, kept = self._verify(plan, layout, meta.ids,
+                                                       logits.argmax(-1), cols)
         if self.committer is not None:
-            self.committer.commit(plan.num_tokens, slots, kept)
+            self.committer.commit(plan.num_tokens, meta.slots, kept)
         out = torch.cat([tokens.flatten(), emitted, accepted])
         host = out
         if self.timed:  # the host reads it behind the step's event, never by waiting on it now
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host.copy_(out, non_blocking=True)
-        record = StepTensors(ids, layout.positions, plan.logit_rows, logits, slots,
+        record = StepTensors(meta.ids, meta.positions, plan.logit_rows, logits, meta.slots,
                              kept if self.committer is not None else None)
         return Launched(plan, host, tokens.shape[1], self._event(), started, record, metadata_s)
 
@@ -143,34 +143,38 @@ class DeviceStep:
         event.record()
         return event
 
-    def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, torch.Tensor, _Columns]:
-        """The step's layout, input ids and columns, from one upload."""
+    def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, StepMetadata, _Columns]:
+        """The step's layout, metadata (input ids, positions, slots) and columns, from one
+        upload and one launch (`worker.step_metadata`)."""
         cols = _Columns.upload(plan, self.device)
-        ids = cols.host_ids.clone()
-        # An unread step's accepted drafts (the lead) come before this step's tokens.
-        history = cols.starts + cols.behind * self.rows.lead[cols.rows]
+        meta = step_metadata(
+            EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
+                         cols.token_entry, cols.host_ids),
+            self.rows.lead, self.rows.pending, self.block_table, self.kv.shape[3])
+        # The host bounds each history by the most a lead can be.
         reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
         layout = PagedLayout(self.block_table, self.kv.shape[3], cols.rows, cols.offsets,
-                             cols.num_tokens, history, cols.token_entry,
+                             cols.num_tokens, meta.history, cols.token_entry,
                              HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
-        self._feed(plan, ids, cols)
-        return layout, ids, cols
+        self._draft(plan, meta.ids, cols)
+        return layout, meta, cols
 
-    def _feed(self, plan: LaunchPlan, ids: torch.Tensor, cols: _Columns) -> None:
-        """Each decode's first token is its request's pending one; its drafts, with a device
-        drafter, come from that drafter."""
-        if cols.decodes.numel() == 0:
+    def _draft(self, plan: LaunchPlan, ids: torch.Tensor, cols: _Columns) -> None:
+        """A device drafter's drafts into each decode's tokens after its first."""
+        width = int(plan.widths[plan.decode].max()) - 1 if plan.decode.any() else 0
+        if self.drafter is None or width <= 0:
             return
         dec_rows, first = cols.rows[cols.decodes], cols.offsets[cols.decodes]
-        ids[first] = self.rows.pending[dec_rows]
-        width = int(plan.widths[plan.decode].max()) - 1
-        if self.drafter is None or width == 0:
-            return
         drafts = self.drafter.draft(self.rows.truth[dec_rows], self.rows.generated[dec_rows],
                                     width)
         i = torch.arange(width, device=self.device)
         real = i[None, :] < cols.num_tokens[cols.decodes][:, None] - 1
-        ids[(first[:, None] + 1 + i)[real]] = drafts[real]
+        # Padded drafts land on one spare slot past the ids: a boolean mask would make the
+        # host wait for the device to learn how many are real.
+        spare = ids.numel()
+        padded = torch.cat([ids, ids.new_zeros(1)])
+        padded[torch.where(real, first[:, None] + 1 + i, spare)] = drafts
+        ids.copy_(padded[:spare])
 
     def _verify(self, plan: LaunchPlan, layout: PagedLayout, ids: torch.Tensor,
                 guesses: torch.Tensor, cols: _Columns) -> tuple[torch.Tensor, ...]:
@@ -205,15 +209,16 @@ class DeviceStep:
 
 class _Columns(NamedTuple):
     """A `LaunchPlan`'s columns on the device, from one upload (views of one tensor): per entry
-    ``rows, offsets, num_tokens, starts, behind``, per token ``token_entry, host_ids``, the kept
-    logits' ``logit_rows``, per emitting entry ``emitting, widths, decode``, and ``decodes``
-    (the entries that decode)."""
+    ``rows, offsets, num_tokens, starts, behind, decoding``, per token ``token_entry,
+    host_ids``, the kept logits' ``logit_rows``, per emitting entry ``emitting, widths,
+    decode``, and ``decodes`` (the entries that decode)."""
 
     rows: torch.Tensor
     offsets: torch.Tensor
     num_tokens: torch.Tensor
     starts: torch.Tensor
     behind: torch.Tensor
+    decoding: torch.Tensor
     token_entry: torch.Tensor
     host_ids: torch.Tensor
     logit_rows: torch.Tensor
@@ -224,7 +229,9 @@ class _Columns(NamedTuple):
 
     @classmethod
     def upload(cls, plan: LaunchPlan, device: torch.device) -> _Columns:
-        parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind,
+        decoding = np.zeros(plan.rows.size, dtype=np.int64)
+        decoding[plan.emitting[plan.decode]] = 1
+        parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
                  np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
                  plan.logit_rows, plan.emitting, plan.widths, plan.decode,
                  plan.emitting[plan.decode]]

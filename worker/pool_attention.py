@@ -160,7 +160,10 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
     at row ``i``); ``pool_k`` / ``pool_v`` ``[num_blocks, tokens_per_block, Hkv, D]``. Returns
     ``[N, Hq, D]``. A key no query sees is zeroed after the gather, so a pool slot holding NaN
     (poison, another request's garbage) cannot reach the output through a masked weight."""
-    out = torch.zeros_like(query)
+    # One spare row past the step's tokens takes every padded query's output: indexing with a
+    # boolean mask instead would make the host wait for the device in every layer.
+    spare = query.shape[0]
+    out = query.new_zeros((spare + 1, *query.shape[1:]))
     flat_k, flat_v = pool_k.flatten(0, 1), pool_v.flatten(0, 1)
     for group in layout.groups:
         visible = group.visible_in(window)
@@ -179,5 +182,5 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
             query[group.query_index].transpose(1, 2), keys.transpose(1, 2),
             values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
             enable_gqa=True)  # [g, Hq, Q, D]
-        out[group.query_index[group.query_valid]] = attended.transpose(1, 2)[group.query_valid]
-    return out
+        out[torch.where(group.query_valid, group.query_index, spare)] = attended.transpose(1, 2)
+    return out[:spare]

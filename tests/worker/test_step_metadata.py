@@ -1,0 +1,67 @@
+"""A step's metadata: the Triton kernel equals its torch reference (in Triton's interpreter on
+CPU, compiled on a GPU), and the reference says what it should on a worked example."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from triton_interpreter import needs_triton_interpreter
+
+from worker.step_metadata import EntryColumns, metadata_reference, step_metadata
+
+TOKENS_PER_BLOCK = 4
+
+
+def _layout(rng: np.random.Generator, device: str) -> tuple:
+    """Random entries over a table whose rows hold a few blocks (-1 past them), some entries
+    behind an unread step, some reaching past their row's blocks."""
+    rows_in_table, width = 8, 6
+    table = torch.full((rows_in_table, width), -1, dtype=torch.int32)
+    for row in range(rows_in_table):
+        held = int(rng.integers(0, width + 1))
+        table[row, :held] = torch.from_numpy(rng.permutation(64)[:held].astype(np.int32))
+    r = int(rng.integers(1, rows_in_table + 1))
+    rows = rng.permutation(rows_in_table)[:r]
+    num_tokens = rng.integers(1, 9, r)
+    offsets = np.cumsum(num_tokens) - num_tokens
+    cols = EntryColumns(*(torch.as_tensor(a, dtype=torch.int64, device=device) for a in (
+        rows, offsets, rng.integers(0, 20, r), rng.integers(0, 2, r), rng.integers(0, 2, r),
+        np.repeat(np.arange(r), num_tokens), rng.integers(0, 1000, int(num_tokens.sum())))))
+    lead = torch.as_tensor(rng.integers(0, 4, rows_in_table), device=device)
+    pending = torch.as_tensor(rng.integers(1000, 2000, rows_in_table), device=device)
+    return cols, lead, pending, table.to(device)
+
+
+def test_the_reference_on_a_worked_example() -> None:
+    table = torch.tensor([[5, 9, -1], [2, -1, -1]], dtype=torch.int32)
+    # Entry 0: a decode of row 0 behind an unread step (lead 2), 3 tokens from start 3.
+    # Entry 1: a prefill chunk of row 1, 2 tokens from start 3 (its second block: none).
+    cols = EntryColumns(*(torch.tensor(a) for a in (
+        [0, 1], [0, 3], [3, 3], [1, 0], [1, 0], [0, 0, 0, 1, 1], [0, 70, 71, 80, 81])))
+    meta = metadata_reference(cols, torch.tensor([2, 7]), torch.tensor([42, 43]), table, 4)
+    assert meta.history.tolist() == [5, 3]
+    assert meta.positions.tolist() == [5, 6, 7, 3, 4]
+    assert meta.slots.tolist() == [37, 38, 39, 11, -1]
+    assert meta.ids.tolist() == [42, 70, 71, 80, 81]
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kernel_is_the_reference_in_the_interpreter(seed: int) -> None:
+    cols, lead, pending, table = _layout(np.random.default_rng(seed), "cpu")
+    want = metadata_reference(cols, lead, pending, table, TOKENS_PER_BLOCK)
+    got = step_metadata(cols, lead, pending, table, TOKENS_PER_BLOCK, backend="triton")
+    for name, a, b in zip(want._fields, want, got, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_the_compiled_kernel_is_the_reference(cuda_device: str) -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        cols, lead, pending, table = _layout(rng, cuda_device)
+        want = metadata_reference(cols, lead, pending, table, TOKENS_PER_BLOCK)
+        got = step_metadata(cols, lead, pending, table, TOKENS_PER_BLOCK)
+        for name, a, b in zip(want._fields, want, got, strict=True):
+            assert torch.equal(a, b), name

@@ -1,0 +1,68 @@
+"""`step_metadata`: what a step's forward needs per token, computed on the device.
+
+From the reply's columns (uploaded once) and the rows' device state, without reading anything
+back: each entry's ``history`` (its start, plus its lead when it is behind a step the host has
+not read), each packed token's ``position`` and pool ``slot`` (from the shared block table; -1
+past the row's blocks), and the ``ids`` the forward reads (the host's, except a decode's first
+token: its request's pending token, which only the device knows on an overlap worker).
+
+`metadata_reference` states it in torch (any device: a few dozen tiny operations);
+`worker.step_metadata_triton` is the same as one kernel launch, which is what keeps a step's
+host time to a few microseconds on a GPU. Tests compare the two in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+from allocator.nwor.commit_kernel import resolve_backend
+
+
+class EntryColumns(NamedTuple):
+    """Per entry ``[R]`` and per token ``[N]`` columns on the device (int64)."""
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    starts: torch.Tensor
+    behind: torch.Tensor  # 1: the history starts ``lead[row]`` later
+    decoding: torch.Tensor  # 1: a decode, whose first token is the row's pending one
+    token_entry: torch.Tensor  # [N]
+    host_ids: torch.Tensor  # [N]
+
+
+class StepMetadata(NamedTuple):
+    history: torch.Tensor  # [R]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]
+    ids: torch.Tensor  # [N]
+
+
+def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
+                       table: torch.Tensor, tokens_per_block: int) -> StepMetadata:
+    history = cols.starts + cols.behind * lead[cols.rows]
+    e = cols.token_entry
+    index = torch.arange(e.numel(), device=e.device) - cols.offsets[e]
+    positions = history[e] + index
+    rows = cols.rows[e]
+    col = positions // tokens_per_block
+    in_row = col < table.shape[1]
+    block = table[rows, torch.where(in_row, col, 0)].long()
+    slots = torch.where(in_row & (block >= 0),
+                        block * tokens_per_block + positions % tokens_per_block, -1)
+    first = (index == 0) & (cols.decoding[e] != 0)
+    ids = torch.where(first, pending[rows], cols.host_ids)
+    return StepMetadata(history, positions, slots, ids)
+
+
+def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
+                  table: torch.Tensor, tokens_per_block: int, *,
+                  backend: Literal["auto", "torch", "triton"] = "auto") -> StepMetadata:
+    """`metadata_reference`, as one Triton launch on CUDA (``auto``) or in Triton's
+    interpreter on CPU tensors (``triton``)."""
+    if resolve_backend(backend, table.device) == "torch":
+        return metadata_reference(cols, lead, pending, table, tokens_per_block)
+    from worker.step_metadata_triton import metadata_triton
+
+    return metadata_triton(cols, lead, pending, table, tokens_per_block)
