@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -29,6 +30,13 @@ import torch.nn.functional as F
 
 from allocator.capacity.slots import slot_mapping
 from allocator.common.device_io import upload_int64
+from allocator.errors import NworInputError
+
+
+class PoolAttentionInputError(NworInputError):
+    """Tensors the pool attention cannot take: shapes that disagree with the layout or each
+    other, a pool dtype the queries cannot use, an fp8 pool without its scales, a window below
+    one position. Raised before anything runs; ``field`` names the argument."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class PagedLayout:
     query_lens: torch.Tensor
     history: torch.Tensor
     token_entry: torch.Tensor  # int64 [N]: the entry of each packed token
+    max_query: int  # no entry has more tokens this step (a host bound: kernels size grids by it)
     groups: tuple[EntryGroup, ...] = ()
 
     @property
@@ -113,7 +122,7 @@ class PagedLayout:
         if lead is not None:
             history = history + lead
         layout = cls(block_table, tokens_per_block, rows_t, starts_t, lens_t, history,
-                     columns[4 * r:4 * r + num_tokens])
+                     columns[4 * r:4 * r + num_tokens], int(query_lens.max(initial=0)))
         reach = starts + lead_bound + query_lens
         short = np.flatnonzero(query_lens <= group_width)
         members = ([short] if short.size else []) + [
@@ -139,11 +148,17 @@ class PagedLayout:
 
 def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
                     pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, *,
-                    scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                    scale: float | None = None, window: int | None = None,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``query [N, Hq, D]``; ``staged_k`` / ``staged_v`` ``[>= N, Hkv, D]`` (packed token ``i``
     at row ``i``); ``pool_k`` / ``pool_v`` ``[num_blocks, tokens_per_block, Hkv, D]``. Returns
     ``[N, Hq, D]``. A key no query sees is zeroed after the gather, so a pool slot holding NaN
-    (poison, another request's garbage) cannot reach the output through a masked weight."""
+    (poison, another request's garbage) cannot reach the output through a masked weight.
+    An fp8 pool needs its layer's ``k_scale`` / ``v_scale`` (one-element device tensors):
+    a pool value is ``stored * scale``, dequantised in float32."""
+    check_inputs(query, staged_k, staged_v, pool_k, pool_v, layout, window=window,
+                 k_scale=k_scale, v_scale=v_scale)
     out = torch.zeros_like(query)
     flat_k, flat_v = pool_k.flatten(0, 1), pool_v.flatten(0, 1)
     for group in layout.groups:
@@ -151,8 +166,10 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
         used = visible.any(1)[..., None, None]  # [g, S, 1, 1]
         from_pool = (group.key_slot >= 0)[..., None, None]
         slot = group.key_slot.clamp(min=0)
-        keys = torch.where(from_pool, flat_k[slot], staged_k[group.key_packed])
-        values = torch.where(from_pool, flat_v[slot], staged_v[group.key_packed])
+        keys = torch.where(from_pool, _dequantised(flat_k[slot], k_scale, query.dtype),
+                           staged_k[group.key_packed])
+        values = torch.where(from_pool, _dequantised(flat_v[slot], v_scale, query.dtype),
+                             staged_v[group.key_packed])
         keys = torch.where(used, keys, 0)
         values = torch.where(used, values, 0)
         # A padded query sees key 0 only, so its softmax stays finite; its output is dropped.
@@ -165,3 +182,55 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
             enable_gqa=True)  # [g, Hq, Q, D]
         out[group.query_index[group.query_valid]] = attended.transpose(1, 2)[group.query_valid]
     return out
+
+
+def _dequantised(stored: torch.Tensor, scale: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return stored
+    return (stored.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
+def check_inputs(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
+                 pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, *,
+                 window: int | None, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> None:
+    """What both forms of the pool attention require of their inputs (shapes and dtypes only:
+    nothing here reads a device value)."""
+    if query.dim() != 3 or query.shape[0] != layout.num_tokens:
+        _fail("query", f"expected [{layout.num_tokens}, Hq, D] (one row per packed token), got "
+                       f"{tuple(query.shape)}")
+    heads, dim = query.shape[1:]
+    for name, pool in (("pool_k", pool_k), ("pool_v", pool_v)):
+        if pool.dim() != 4 or pool.shape[1] != layout.tokens_per_block or pool.shape[3] != dim:
+            _fail(name, f"expected [num_blocks, {layout.tokens_per_block}, Hkv, {dim}], got "
+                        f"{tuple(pool.shape)}")
+    kv_heads = pool_k.shape[2]
+    if pool_v.shape != pool_k.shape or heads % kv_heads:
+        _fail("pool_v", f"K {tuple(pool_k.shape)} and V {tuple(pool_v.shape)} must agree, with "
+                        f"{heads} query heads a multiple of {kv_heads} KV heads")
+    for name, staged in (("staged_k", staged_k), ("staged_v", staged_v)):
+        if (staged.dim() != 3 or staged.shape[0] < layout.num_tokens
+                or staged.shape[1:] != (kv_heads, dim) or staged.dtype != query.dtype):
+            _fail(name, f"expected {query.dtype} [>= {layout.num_tokens}, {kv_heads}, {dim}], "
+                        f"got {staged.dtype} {tuple(staged.shape)}")
+    _check_pool_dtype(query.dtype, pool_k.dtype, k_scale, v_scale)
+    if window is not None and window < 1:
+        _fail("window", f"a sliding window spans at least 1 position, got {window}")
+
+
+def _check_pool_dtype(dtype: torch.dtype, pool_dtype: torch.dtype, k_scale: torch.Tensor | None,
+                      v_scale: torch.Tensor | None) -> None:
+    fp8 = pool_dtype == torch.float8_e4m3fn
+    if not fp8 and pool_dtype != dtype:
+        _fail("pool_k", f"a {pool_dtype} pool cannot serve {dtype} queries (the pool holds "
+                        f"the model's dtype, or float8_e4m3fn with scales)")
+    for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if fp8 and (given is None or given.numel() != 1):
+            _fail(name, "an fp8 pool needs its layer's dequantisation scale, one element")
+        if not fp8 and given is not None:
+            _fail(name, f"only an fp8 pool has scales; this one is {pool_dtype}")
+
+
+def _fail(field: str, message: str) -> NoReturn:
+    raise PoolAttentionInputError(f"{field}: {message}", field=field)

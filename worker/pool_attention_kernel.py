@@ -1,0 +1,154 @@
+"""The paged two-source attention kernel (Triton). Imported only where Triton is installed.
+
+Program ``(entry, kv_head, query_tile)`` attends the rows ``query_tile`` covers: ``QUERY_TILE``
+consecutive queries of one entry times the ``GROUP`` query heads that share ``kv_head`` (row
+``m`` is query ``m // GROUP`` of the tile, head ``kv_head * GROUP + m % GROUP``), so each K/V
+tile is read once for the whole group: grouped-query attention without repeating KV heads. It
+walks the entry's history in the pool through its block-table row up to the device-side
+``history`` (a slot whose table entry is -1 is masked out of the load, so never read), then the
+entry's own staged tokens, causal among themselves, in one online softmax (base 2, fp32). A
+sliding window starts both walks at the tile's first visible key.
+
+fp8 pools arrive as their raw bytes (uint8: a masked load's fill must be a value of the loaded
+type, and the interpreter cannot make an fp8 one). A tile's keys and values are converted to the
+query's dtype unscaled, and the layer's ``k_scale`` / ``v_scale`` multiply the scores and the
+probabilities instead, which equals dequantising every element first.
+
+The two functions are plain Python: `pool_attention_triton` wraps them with ``triton.jit`` for a
+GPU and with Triton's interpreter for CPU tensors. The update is passed to the kernel as a
+constexpr (``UPDATE``) because a kernel can only call a helper wrapped the same way it is.
+
+No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
+objects, not strings.
+"""
+
+import triton
+import triton.language as tl
+
+# Lower than any score, yet finite: the first update of a row that has seen no key yet gives
+# exp2(NO_SCORE - NO_SCORE) = 1 on an empty accumulator instead of exp2(-inf + inf) = NaN.
+NO_SCORE = tl.constexpr(-1.0e38)
+
+
+# Reductions go through tl.reduce with these rather than tl.sum / tl.max: those are @jit library
+# functions, which Triton's interpreter can only call when TRITON_INTERPRET was set at import.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+def _online_update(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION: tl.constexpr):
+    """One K/V tile into the running ``(max, sum, accumulator)`` of every row: ``k_mult``
+    scales the scores (softmax scale x log2(e) x the pool's k scale), ``v_mult`` the values."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_mult
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _add)
+    pv = tl.dot((p * v_mult).to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
+                    rows_ptr, starts_ptr, lens_ptr, hist_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                    qk_scale, window, table_width,
+                    q_stride_t, q_stride_h, s_stride_t, s_stride_h,
+                    p_stride_b, p_stride_s, p_stride_h, table_stride, o_stride_t, o_stride_h,
+                    GROUP: tl.constexpr, QUERY_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    TOKENS_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                    WINDOWED: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+                    PRECISION: tl.constexpr, UPDATE: tl.constexpr):
+    entry = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.program_id(2) * QUERY_TILE  # the tile's first query, within the entry
+    row = tl.load(rows_ptr + entry)
+    start = tl.load(starts_ptr + entry)
+    length = tl.load(lens_ptr + entry)
+    hist = tl.load(hist_ptr + entry)
+
+    m = tl.arange(0, BLOCK_M)
+    qi = first + m // GROUP
+    live = (m < QUERY_TILE * GROUP) & (qi < length)
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < HEAD_DIM
+    q_off = (start + qi)[:, None] * q_stride_t + (head * GROUP + m % GROUP)[:, None] * q_stride_h
+    q = tl.load(q_ptr + q_off + d[None, :], mask=live[:, None] & in_dim[None, :], other=0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    position = hist + qi
+
+    m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    tile_live = first < length
+    k_mult = qk_scale
+    v_mult = 1.0
+    if FP8:
+        k_mult = qk_scale * tl.load(k_scale_ptr)
+        v_mult = tl.load(v_scale_ptr)
+
+    # History: pool keys [lo, hist); a key below every query's window is never loaded.
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(hist + first - window + 1, 0)
+    hi = tl.where(tile_live, hist, lo)
+    head_off = head * p_stride_h
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        col = j // TOKENS_PER_BLOCK
+        block = tl.load(table_ptr + row * table_stride + col,
+                        mask=(j < hi) & (col < table_width), other=-1)
+        readable = block >= 0
+        slot = block.to(tl.int64) * p_stride_b + (j % TOKENS_PER_BLOCK) * p_stride_s + head_off
+        kv_mask = readable[:, None] & in_dim[None, :]
+        k = tl.load(pk_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(pv_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
+        if FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        visible = readable[None, :]
+        if WINDOWED:
+            visible = visible & (j[None, :] > position[:, None] - window)
+        m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION)
+
+    # The step's own tokens from staging: entry-relative keys [s_lo, s_hi), causal.
+    s_lo = 0
+    if WINDOWED:
+        s_lo = tl.maximum(first - window + 1, 0)
+    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
+    for t0 in range(s_lo, s_hi, BLOCK_S):
+        t = t0 + tl.arange(0, BLOCK_S)
+        staged = (start + t) * s_stride_t + head * s_stride_h
+        kv_mask = (t < s_hi)[:, None] & in_dim[None, :]
+        k = tl.load(sk_ptr + staged[:, None] + d[None, :], mask=kv_mask, other=0).to(q.dtype)
+        v = tl.load(sv_ptr + staged[:, None] + d[None, :], mask=kv_mask, other=0).to(q.dtype)
+        visible = (t < s_hi)[None, :] & (t[None, :] <= qi[:, None])
+        if WINDOWED:
+            visible = visible & (t[None, :] > qi[:, None] - window)
+        m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, qk_scale, 1.0, PRECISION)
+
+    # A live row always sees its own staged token, so its sum is positive.
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    o_off = (start + qi)[:, None] * o_stride_t + (head * GROUP + m % GROUP)[:, None] * o_stride_h
+    tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & in_dim[None, :])
+
+
+online_update_jit = triton.jit(_online_update)
+pool_attention_jit = triton.jit(_pool_attention)
+
+
+def interpreted():
+    """The kernel and its update in Triton's interpreter, for CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(_pool_attention), InterpretedFunction(_online_update)
