@@ -168,16 +168,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_attention: needs CUDA")
     repeats = 5 if args.quick else 30
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "decode": [decode_row(s, args.launches, repeats, args.sweep) for s in SHAPES],
-        "chunk": [chunk_row(s, args.launches, repeats) for s in SHAPES],
-    }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-
+    result: dict = {"device": torch.cuda.get_device_name(), "decode": [], "chunk": []}
+    rows = [("decode", lambda s: decode_row(s, args.launches, repeats, args.sweep)),
+            ("chunk", lambda s: chunk_row(s, args.launches, repeats))]
+    for section, row in rows:
+        for shape in SHAPES:
+            result[section].append(row(shape))
+            if args.out:  # after every row: a run cut short still records what it measured
+                args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
 
 if __name__ == "__main__":
     main()
