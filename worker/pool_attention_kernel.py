@@ -57,6 +57,7 @@ def _online_update(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION: t
 
 def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     rows_ptr, starts_ptr, lens_ptr, hist_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                    part_acc_ptr, part_ml_ptr,
                     qk_scale, window, table_width,
                     q_stride_t, q_stride_h, s_stride_t, s_stride_h,
                     p_stride_b, p_stride_s, p_stride_h, table_stride, o_stride_t, o_stride_h,
@@ -64,10 +65,11 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     TOKENS_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                     WINDOWED: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                    PRECISION: tl.constexpr, UPDATE: tl.constexpr):
+                    PRECISION: tl.constexpr, SPLITS: tl.constexpr, UPDATE: tl.constexpr):
     entry = tl.program_id(0)
     head = tl.program_id(1)
-    first = tl.program_id(2) * QUERY_TILE  # the tile's first query, within the entry
+    split = tl.program_id(2) % SPLITS
+    first = tl.program_id(2) // SPLITS * QUERY_TILE  # the tile's first query, within the entry
     row = tl.load(rows_ptr + entry)
     start = tl.load(starts_ptr + entry)
     length = tl.load(lens_ptr + entry)
@@ -78,8 +80,11 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
     live = (m < QUERY_TILE * GROUP) & (qi < length)
     d = tl.arange(0, BLOCK_D)
     in_dim = d < HEAD_DIM
-    q_off = (start + qi)[:, None] * q_stride_t + (head * GROUP + m % GROUP)[:, None] * q_stride_h
-    q = tl.load(q_ptr + q_off + d[None, :], mask=live[:, None] & in_dim[None, :], other=0)
+    token = (start + qi)[:, None]
+    q_head = (head * GROUP + m % GROUP)[:, None]
+    row_mask = live[:, None] & in_dim[None, :]
+    q = tl.load(q_ptr + token * q_stride_t + q_head * q_stride_h + d[None, :], mask=row_mask,
+                other=0)
     if DOT_F32:
         q = q.to(tl.float32)
     position = hist + qi
@@ -99,6 +104,10 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
     if WINDOWED:
         lo = tl.maximum(hist + first - window + 1, 0)
     hi = tl.where(tile_live, hist, lo)
+    if SPLITS > 1:  # this split's share, whole BLOCK_N steps (the last ones may be empty)
+        chunk = (hi - lo + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
     head_off = head * p_stride_h
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
@@ -125,6 +134,8 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
     if WINDOWED:
         s_lo = tl.maximum(first - window + 1, 0)
     s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
+    if SPLITS > 1:  # the staged tokens are the last split's
+        s_hi = tl.where(split == SPLITS - 1, s_hi, s_lo)
     for t0 in range(s_lo, s_hi, BLOCK_S):
         t = t0 + tl.arange(0, BLOCK_S)
         staged = (start + t) * s_stride_t + head * s_stride_h
@@ -136,19 +147,56 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
             visible = visible & (t[None, :] > qi[:, None] - window)
         m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, qk_scale, 1.0, PRECISION)
 
-    # A live row always sees its own staged token, so its sum is positive.
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        # A live row always sees its own staged token, so its sum is positive.
+        out = acc / tl.where(live, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token * o_stride_t + q_head * o_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (entry * tl.num_programs(1) + head).to(tl.int64) * tl.num_programs(2) \
+            + tl.program_id(2)
+        tl.store(part_acc_ptr + (part * BLOCK_M + m[:, None]) * BLOCK_D + d[None, :], acc)
+        tl.store(part_ml_ptr + part * 2 * BLOCK_M + m, m_i)
+        tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
+
+
+def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_stride_t,
+                    o_stride_h, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SPLITS: tl.constexpr):
+    """Program ``(entry, kv_head, query_tile)``: its ``SPLITS`` partial softmaxes into one."""
+    entry = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.program_id(2) * QUERY_TILE
+    start = tl.load(starts_ptr + entry)
+    m = tl.arange(0, BLOCK_M)
+    qi = first + m // GROUP
+    live = (m < QUERY_TILE * GROUP) & (qi < tl.load(lens_ptr + entry))
+    d = tl.arange(0, BLOCK_D)
+    parts = ((entry * tl.num_programs(1) + head).to(tl.int64) * tl.num_programs(2)
+             + tl.program_id(2)) * SPLITS + tl.arange(0, SPLITS)
+    ml = part_ml_ptr + parts[:, None] * 2 * BLOCK_M + m[None, :]
+    m_s = tl.load(ml)  # [SPLITS, BLOCK_M]
+    top = tl.reduce(m_s, 0, _max)
+    weight = tl.exp2(m_s - top[None, :])
+    total = tl.reduce(weight * tl.load(ml + BLOCK_M), 0, _add)
+    acc = tl.load(part_acc_ptr + (parts[:, None, None] * BLOCK_M + m[None, :, None]) * BLOCK_D
+                  + d[None, None, :])
+    acc = tl.reduce(acc * weight[:, :, None], 0, _add)
+    out = acc / tl.where(live, total, 1.0)[:, None]
     o_off = (start + qi)[:, None] * o_stride_t + (head * GROUP + m % GROUP)[:, None] * o_stride_h
     tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=live[:, None] & in_dim[None, :])
+             mask=live[:, None] & (d < HEAD_DIM)[None, :])
 
 
 online_update_jit = triton.jit(_online_update)
 pool_attention_jit = triton.jit(_pool_attention)
+combine_splits_jit = triton.jit(_combine_splits)
 
 
 def interpreted():
-    """The kernel and its update in Triton's interpreter, for CPU tensors."""
+    """The kernels and the update in Triton's interpreter, for CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return InterpretedFunction(_pool_attention), InterpretedFunction(_online_update)
+    return (InterpretedFunction(_pool_attention), InterpretedFunction(_combine_splits),
+            InterpretedFunction(_online_update))

@@ -34,16 +34,53 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one launch is cut: ``block_n`` history keys per loop step, Triton's warps and
-    pipeline stages."""
+    pipeline stages, and ``splits``: programs sharing one entry's history (1, 2, 4 or 8; each
+    keeps a partial softmax that a second launch merges), None for as many as keep every SM
+    busy with two programs when entries alone do not."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128):
+            _reject("launch", f"splits must be 1, 2, 4 or 8 and block_n 16..128, a power of "
+                              f"two, got {self.splits} and {self.block_n}")
 
 
 def default_launch(head_dim: int) -> LaunchConfig:
     """The cut for a head size (benchmarks/bench_attention.py --sweep times the others)."""
     return LaunchConfig(num_warps=4 if head_dim <= 64 else 8)
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    group: int  # query heads a KV head serves
+    query_tile: int  # queries a program holds
+    tiles: int  # query tiles per entry and KV head
+    splits: int
+    block_m: int  # query_tile x group rows, padded to a power of two (>= 16, for tl.dot)
+
+    @classmethod
+    def of(cls, query: torch.Tensor, kv_heads: int, layout: PagedLayout,
+           launch: LaunchConfig) -> _Tiling:
+        group = query.shape[1] // kv_heads
+        query_tile = max(1, min(layout.max_query, _MAX_ROWS // group))
+        tiles = -(-layout.max_query // query_tile)
+        programs = layout.rows.numel() * kv_heads * tiles
+        splits = launch.splits or _splits_to_fill(programs, query.device)
+        return cls(group, query_tile, tiles, splits, max(16, _pow2(query_tile * group)))
+
+
+def _splits_to_fill(programs: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = 1
+    while splits < 8 and programs * splits < target:
+        splits *= 2
+    return splits
 
 
 @cache
@@ -70,45 +107,14 @@ def pool_attention_triton(query: torch.Tensor, staged_k: torch.Tensor, staged_v:
     given, receives the result. Every tensor's last dimension must be contiguous."""
     check_inputs(query, staged_k, staged_v, pool_k, pool_v, layout, window=window,
                  k_scale=k_scale, v_scale=v_scale)
-    launch = launch or default_launch(query.shape[-1])
     _check_kernel_inputs(query, (staged_k, staged_v, pool_k, pool_v), out)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if layout.num_tokens == 0:
         return out
-    from worker import pool_attention_kernel as kernels
-
-    if query.is_cuda:
-        kernel, update = kernels.pool_attention_jit, kernels.online_update_jit
-    else:
-        kernel, update = kernels.interpreted()
-    heads, dim = query.shape[1:]
-    kv_heads = pool_k.shape[2]
-    group = heads // kv_heads
-    query_tile = max(1, min(layout.max_query, _MAX_ROWS // group))
-    fp8 = pool_k.dtype == torch.float8_e4m3fn
-    scales = (k_scale, v_scale) if fp8 else (layout.rows, layout.rows)  # never read unless fp8
-    grid = (layout.rows.numel(), kv_heads, -(-layout.max_query // query_tile))
-    table = layout.block_table
-    if fp8:
-        pool_k, pool_v = pool_k.view(torch.uint8), pool_v.view(torch.uint8)
-    kernel[grid](
-        query, staged_k, staged_v, pool_k, pool_v, table,
-        layout.rows, layout.query_starts, layout.query_lens, layout.history, *scales, out,
-        (dim ** -0.5 if scale is None else scale) * math.log2(math.e), window or 0,
-        table.shape[1], query.stride(0), query.stride(1), staged_k.stride(0), staged_k.stride(1),
-        pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), table.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, QUERY_TILE=query_tile, HEAD_DIM=dim,
-        TOKENS_PER_BLOCK=layout.tokens_per_block,
-        BLOCK_M=max(16, _pow2(query_tile * group)), BLOCK_N=launch.block_n,
-        BLOCK_S=min(launch.block_n, max(16, _pow2(query_tile))), BLOCK_D=max(16, _pow2(dim)),
-        WINDOWED=window is not None, FP8=fp8,
-        # The interpreter's bf16 dot is wrong (it multiplies raw bits): it gets float32 tiles.
-        DOT_F32=not query.is_cuda and query.dtype == torch.bfloat16,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", UPDATE=update,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    _launch(query, staged_k, staged_v, pool_k, pool_v, layout, out,
+            (query.shape[-1] ** -0.5 if scale is None else scale), window, (k_scale, v_scale),
+            launch or default_launch(query.shape[-1]))
     return out
 
 
@@ -134,3 +140,51 @@ def _check_kernel_inputs(query: torch.Tensor, kv: tuple[torch.Tensor, ...],
 
 def _reject(field: str, message: str) -> NoReturn:
     raise PoolAttentionInputError(f"{field}: {message}", field=field)
+
+
+def _launch(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
+            pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, out: torch.Tensor,
+            scale: float, window: int | None, scales: tuple[torch.Tensor | None, ...],
+            launch: LaunchConfig) -> None:
+    from worker import pool_attention_kernel as kernels
+
+    if query.is_cuda:
+        kernel, combine, update = (kernels.pool_attention_jit, kernels.combine_splits_jit,
+                                   kernels.online_update_jit)
+    else:
+        kernel, combine, update = kernels.interpreted()
+    dim, kv_heads = query.shape[-1], pool_k.shape[2]
+    tiling = _Tiling.of(query, kv_heads, layout, launch)
+    block_d = max(16, _pow2(dim))
+    grid = (layout.rows.numel(), kv_heads, tiling.tiles)
+    fp8 = pool_k.dtype == torch.float8_e4m3fn
+    if fp8:
+        pool_k, pool_v = pool_k.view(torch.uint8), pool_v.view(torch.uint8)
+    else:
+        scales = (layout.rows, layout.rows)  # valid pointers, never read
+    # Partial softmaxes when the history is split: sizes from host bounds only.
+    parts = grid[0] * kv_heads * tiling.tiles * tiling.splits * tiling.block_m
+    part_acc = out if tiling.splits == 1 else out.new_empty(parts * block_d, dtype=torch.float32)
+    part_ml = out if tiling.splits == 1 else out.new_empty(parts * 2, dtype=torch.float32)
+    table = layout.block_table
+    kernel[(*grid[:2], tiling.tiles * tiling.splits)](
+        query, staged_k, staged_v, pool_k, pool_v, table,
+        layout.rows, layout.query_starts, layout.query_lens, layout.history, *scales, out,
+        part_acc, part_ml, scale * math.log2(math.e), window or 0,
+        table.shape[1], query.stride(0), query.stride(1), staged_k.stride(0), staged_k.stride(1),
+        pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=tiling.group, QUERY_TILE=tiling.query_tile, HEAD_DIM=dim,
+        TOKENS_PER_BLOCK=layout.tokens_per_block, BLOCK_M=tiling.block_m,
+        BLOCK_N=launch.block_n, BLOCK_S=min(launch.block_n, max(16, _pow2(tiling.query_tile))),
+        BLOCK_D=block_d, WINDOWED=window is not None, FP8=fp8,
+        # The interpreter's bf16 dot is wrong (it multiplies raw bits): it gets float32 tiles.
+        DOT_F32=not query.is_cuda and query.dtype == torch.bfloat16,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=tiling.splits,
+        UPDATE=update, num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    if tiling.splits > 1:
+        combine[grid](part_acc, part_ml, layout.query_starts, layout.query_lens, out,
+                      out.stride(0), out.stride(1), GROUP=tiling.group,
+                      QUERY_TILE=tiling.query_tile, HEAD_DIM=dim, BLOCK_M=tiling.block_m,
+                      BLOCK_D=block_d, SPLITS=tiling.splits, num_warps=4)

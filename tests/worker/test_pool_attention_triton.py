@@ -85,6 +85,20 @@ def test_prefill_chunks_split_into_query_tiles(window: int | None) -> None:
 
 
 @needs_triton_interpreter
+@pytest.mark.parametrize(("dtype", "fp8", "group", "window", "splits"), [
+    (torch.float32, False, 4, None, 2), (torch.float32, False, 1, 3, 4),
+    (torch.bfloat16, True, 8, 9, 8)])
+def test_split_histories_merge_to_the_reference(dtype: torch.dtype, fp8: bool, group: int,
+                                                window: int | None, splits: int) -> None:
+    """Histories up to 60 keys in 16-key steps: 2 to 4 steps an entry, so with 4 or 8 splits
+    some splits hold no key (their partial softmax must weigh nothing)."""
+    step = random_step(splits + group, entries=4, kv_heads=2, group=group, dim=16,
+                       tokens_per_block=4, max_history=60, max_query=4, dtype=dtype,
+                       device="cpu", fp8=fp8, lead=True)
+    _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16, splits=splits)))
+
+
+@needs_triton_interpreter
 def test_an_empty_step_writes_nothing() -> None:
     step = random_step(1, entries=2, kv_heads=1, group=2, dim=16, tokens_per_block=4,
                        max_history=8, max_query=0, dtype=torch.float32, device="cpu")
@@ -114,6 +128,8 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
         pool_attention_triton(step.query[:-1], *args[1:], out=out)
     with pytest.raises(PoolAttentionInputError, match=r"^pool_k:"):
         pool_attention_triton(*args[:3], step.pool_k.half(), step.pool_v.half(), step.layout)
+    with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
+        LaunchConfig(splits=3)
     with pytest.raises(PoolAttentionInputError, match=r"^staged_k:"):
         pool_attention(step.query, step.staged_k[:, :1], *args[2:])
     assert out.isnan().all()
@@ -153,6 +169,14 @@ def test_kernel_equals_reference_on_gpu(dtype: torch.dtype, fp8: bool, group: in
 def test_float32_on_gpu_matches_to_float32_rounding(window: int | None) -> None:
     step = _gpu_step(9, group=4, dim=64, max_query=4, dtype=torch.float32)
     _assert_matches(*_both(step, window=window))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 2, 8, None])
+def test_every_split_count_on_gpu(splits: int | None) -> None:
+    step = _gpu_step(12, group=4, dim=128, max_query=4, dtype=torch.bfloat16)
+    _assert_matches(*_both(step, window=None, launch=LaunchConfig(splits=splits)))
 
 
 @pytest.mark.gpu
