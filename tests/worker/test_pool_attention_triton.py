@@ -20,7 +20,7 @@ import pytest
 import torch
 from cuda_checks import no_host_sync
 from pool_steps import RandomStep, random_step
-from triton_interpreter import needs_triton_interpreter
+from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
 
 from worker import attention
 from worker.pool_attention import PagedLayout, PoolAttentionInputError, pool_attention
@@ -64,7 +64,7 @@ CPU_CASES = [  # (dtype, fp8 pool, GQA ratio, window, device-only leads)
 ]
 
 
-@needs_triton_interpreter
+@needs_interpreter
 @pytest.mark.parametrize(("dtype", "fp8", "group", "window", "lead"), CPU_CASES)
 def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: bool, group: int,
                                                     window: int | None, lead: bool) -> None:
@@ -74,7 +74,7 @@ def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: boo
     _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
 
 
-@needs_triton_interpreter
+@needs_interpreter
 @pytest.mark.parametrize("window", [None, 7])
 def test_prefill_chunks_split_into_query_tiles(window: int | None) -> None:
     """GQA 8 with 12-token entries: two query tiles a head (8 queries x 8 heads a program)."""
@@ -84,7 +84,7 @@ def test_prefill_chunks_split_into_query_tiles(window: int | None) -> None:
     _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
 
 
-@needs_triton_interpreter
+@needs_interpreter
 @pytest.mark.parametrize(("dtype", "fp8", "group", "window", "splits"), [
     (torch.float32, False, 4, None, 2), (torch.float32, False, 1, 3, 4),
     (torch.bfloat16, True, 8, 9, 8)])
@@ -98,7 +98,7 @@ def test_split_histories_merge_to_the_reference(dtype: torch.dtype, fp8: bool, g
     _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16, splits=splits)))
 
 
-@needs_triton_interpreter
+@needs_interpreter
 def test_an_empty_step_writes_nothing() -> None:
     step = random_step(1, entries=2, kv_heads=1, group=2, dim=16, tokens_per_block=4,
                        max_history=8, max_query=0, dtype=torch.float32, device="cpu")
