@@ -43,7 +43,8 @@ from worker.pool_attention_triton import LaunchConfig, default_launch, pool_atte
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # query heads, KV heads, head size
 BATCH, QUERIES, HISTORY, TPB = 64, 4, 1536, 16
-SWEEP = [LaunchConfig(*c) for c in itertools.product((32, 64), (4, 8), (2, 3), (1, 2))]
+SWEEP = [*(LaunchConfig(*c, splits=1) for c in itertools.product((32, 64), (4, 8), (2, 3))),
+         *(LaunchConfig(n, w, 2, splits=2) for n, w in ((32, 4), (64, 4), (64, 8)))]
 BF16 = torch.bfloat16
 
 
