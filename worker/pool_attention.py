@@ -161,15 +161,18 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
                  k_scale=k_scale, v_scale=v_scale)
     out = torch.zeros_like(query)
     flat_k, flat_v = pool_k.flatten(0, 1), pool_v.flatten(0, 1)
+    # An fp8 pool's attention runs in float32: rounding its dequantised values to the query's
+    # dtype would add an error of the reference's own (the kernel scales scores instead).
+    work = torch.float32 if k_scale is not None else query.dtype
     for group in layout.groups:
         visible = group.visible_in(window)
         used = visible.any(1)[..., None, None]  # [g, S, 1, 1]
         from_pool = (group.key_slot >= 0)[..., None, None]
         slot = group.key_slot.clamp(min=0)
-        keys = torch.where(from_pool, _dequantised(flat_k[slot], k_scale, query.dtype),
-                           staged_k[group.key_packed])
-        values = torch.where(from_pool, _dequantised(flat_v[slot], v_scale, query.dtype),
-                             staged_v[group.key_packed])
+        keys = torch.where(from_pool, _dequantised(flat_k[slot], k_scale),
+                           staged_k[group.key_packed].to(work))
+        values = torch.where(from_pool, _dequantised(flat_v[slot], v_scale),
+                             staged_v[group.key_packed].to(work))
         keys = torch.where(used, keys, 0)
         values = torch.where(used, values, 0)
         # A padded query sees key 0 only, so its softmax stays finite; its output is dropped.
@@ -177,18 +180,18 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
         first[..., 0] = True
         mask = torch.where(visible.any(-1, keepdim=True), visible, first)
         attended = F.scaled_dot_product_attention(
-            query[group.query_index].transpose(1, 2), keys.transpose(1, 2),
+            query[group.query_index].to(work).transpose(1, 2), keys.transpose(1, 2),
             values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
             enable_gqa=True)  # [g, Hq, Q, D]
-        out[group.query_index[group.query_valid]] = attended.transpose(1, 2)[group.query_valid]
+        out[group.query_index[group.query_valid]] = attended.transpose(1, 2)[
+            group.query_valid].to(out.dtype)
     return out
 
 
-def _dequantised(stored: torch.Tensor, scale: torch.Tensor | None,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _dequantised(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     if scale is None:
         return stored
-    return (stored.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+    return stored.to(torch.float32) * scale.to(torch.float32)
 
 
 def check_inputs(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,

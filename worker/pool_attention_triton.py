@@ -50,8 +50,10 @@ class LaunchConfig:
 
 
 def default_launch(head_dim: int) -> LaunchConfig:
-    """The cut for a head size (benchmarks/bench_attention.py --sweep times the others)."""
-    return LaunchConfig(num_warps=4 if head_dim <= 64 else 8)
+    """The cut for a head size: the fastest of benchmarks/bench_attention.py's sweep on an H200
+    for decode at batch 64 (a 128-wide head takes 32 keys a step, so its registers leave room
+    for more programs per SM)."""
+    return LaunchConfig(block_n=64 if head_dim <= 64 else 32, num_warps=4, num_stages=3)
 
 
 @dataclass(frozen=True)
