@@ -14,9 +14,10 @@ type, and the interpreter cannot make an fp8 one). A tile's keys and values are 
 query's dtype unscaled, and the layer's ``k_scale`` / ``v_scale`` multiply the scores and the
 probabilities instead, which equals dequantising every element first.
 
-The two functions are plain Python: `pool_attention_triton` wraps them with ``triton.jit`` for a
-GPU and with Triton's interpreter for CPU tensors. The update is passed to the kernel as a
-constexpr (``UPDATE``) because a kernel can only call a helper wrapped the same way it is.
+The functions are plain Python: `pool_attention_triton` wraps them with ``triton.jit`` for a
+GPU and with Triton's interpreter for CPU tensors. The helpers (the two key walks and the
+softmax update) are passed to the kernel as constexprs (``HISTORY``, ``STAGED``, ``UPDATE``)
+because a kernel can only call a helper wrapped the same way it is.
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
@@ -55,6 +56,56 @@ def _online_update(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION: t
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+def _attend_history(q, m_i, l_i, acc, pk_ptr, pv_ptr, table_row_ptr, lo, hi, head_off, position,
+                    window, k_mult, v_mult, table_width, p_stride_b, p_stride_s,
+                    TOKENS_PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOWED: tl.constexpr,
+                    FP8: tl.constexpr, PRECISION: tl.constexpr, UPDATE: tl.constexpr):
+    """Pool keys ``[lo, hi)`` of one block-table row into the running softmax; a key whose
+    table entry is -1 is masked out of the load."""
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        col = j // TOKENS_PER_BLOCK
+        block = tl.load(table_row_ptr + col, mask=(j < hi) & (col < table_width), other=-1)
+        readable = block >= 0
+        slot = block.to(tl.int64) * p_stride_b + (j % TOKENS_PER_BLOCK) * p_stride_s + head_off
+        kv_mask = readable[:, None] & in_dim[None, :]
+        k = tl.load(pk_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(pv_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
+        if FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        visible = readable[None, :]
+        if WINDOWED:
+            visible = visible & (j[None, :] > position[:, None] - window)
+        m_i, l_i, acc = UPDATE(q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, k_mult,
+                               v_mult, PRECISION)
+    return m_i, l_i, acc
+
+
+def _attend_staged(q, m_i, l_i, acc, sk_ptr, sv_ptr, lo, hi, qi, window, qk_scale,
+                   s_stride_t, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                   UPDATE: tl.constexpr):
+    """The entry's staged tokens ``[lo, hi)`` (entry-relative; ``sk_ptr`` / ``sv_ptr`` at its
+    first token and this KV head), causal: query ``qi`` sees token ``t <= qi``."""
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < HEAD_DIM
+    for t0 in range(lo, hi, BLOCK_S):
+        t = t0 + tl.arange(0, BLOCK_S)
+        staged = t[:, None] * s_stride_t + d[None, :]
+        kv_mask = (t < hi)[:, None] & in_dim[None, :]
+        k = tl.load(sk_ptr + staged, mask=kv_mask, other=0).to(q.dtype)
+        v = tl.load(sv_ptr + staged, mask=kv_mask, other=0).to(q.dtype)
+        visible = (t < hi)[None, :] & (t[None, :] <= qi[:, None])
+        if WINDOWED:
+            visible = visible & (t[None, :] > qi[:, None] - window)
+        m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, qk_scale, 1.0, PRECISION)
+    return m_i, l_i, acc
+
+
 def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     rows_ptr, starts_ptr, lens_ptr, hist_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                     part_acc_ptr, part_ml_ptr,
@@ -65,87 +116,61 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     TOKENS_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                     WINDOWED: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                    PRECISION: tl.constexpr, SPLITS: tl.constexpr, UPDATE: tl.constexpr):
+                    PRECISION: tl.constexpr, SPLITS: tl.constexpr, HISTORY: tl.constexpr,
+                    STAGED: tl.constexpr, UPDATE: tl.constexpr):
     entry = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2) % SPLITS
     first = tl.program_id(2) // SPLITS * QUERY_TILE  # the tile's first query, within the entry
-    row = tl.load(rows_ptr + entry)
     start = tl.load(starts_ptr + entry)
     length = tl.load(lens_ptr + entry)
     hist = tl.load(hist_ptr + entry)
-
     m = tl.arange(0, BLOCK_M)
     qi = first + m // GROUP
     live = (m < QUERY_TILE * GROUP) & (qi < length)
     d = tl.arange(0, BLOCK_D)
-    in_dim = d < HEAD_DIM
     token = (start + qi)[:, None]
     q_head = (head * GROUP + m % GROUP)[:, None]
-    row_mask = live[:, None] & in_dim[None, :]
+    row_mask = live[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + token * q_stride_t + q_head * q_stride_h + d[None, :], mask=row_mask,
                 other=0)
     if DOT_F32:
         q = q.to(tl.float32)
-    position = hist + qi
-
-    m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    tile_live = first < length
     k_mult = qk_scale
     v_mult = 1.0
     if FP8:
         k_mult = qk_scale * tl.load(k_scale_ptr)
         v_mult = tl.load(v_scale_ptr)
 
-    # History: pool keys [lo, hist); a key below every query's window is never loaded.
+    # Which keys this program reads: a key below every query's window is never loaded, a
+    # split takes its share of the history in whole BLOCK_N steps (the last ones may be empty),
+    # and the staged tokens are the last split's.
+    tile_live = first < length
     lo = 0
+    s_lo = 0
     if WINDOWED:
         lo = tl.maximum(hist + first - window + 1, 0)
+        s_lo = tl.maximum(first - window + 1, 0)
     hi = tl.where(tile_live, hist, lo)
-    if SPLITS > 1:  # this split's share, whole BLOCK_N steps (the last ones may be empty)
+    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
+    if SPLITS > 1:
         chunk = (hi - lo + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
-    head_off = head * p_stride_h
-    for n0 in range(lo, hi, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        col = j // TOKENS_PER_BLOCK
-        block = tl.load(table_ptr + row * table_stride + col,
-                        mask=(j < hi) & (col < table_width), other=-1)
-        readable = block >= 0
-        slot = block.to(tl.int64) * p_stride_b + (j % TOKENS_PER_BLOCK) * p_stride_s + head_off
-        kv_mask = readable[:, None] & in_dim[None, :]
-        k = tl.load(pk_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(pv_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0)
-        if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True)
-            v = v.to(tl.float8e4nv, bitcast=True)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        visible = readable[None, :]
-        if WINDOWED:
-            visible = visible & (j[None, :] > position[:, None] - window)
-        m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION)
-
-    # The step's own tokens from staging: entry-relative keys [s_lo, s_hi), causal.
-    s_lo = 0
-    if WINDOWED:
-        s_lo = tl.maximum(first - window + 1, 0)
-    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
-    if SPLITS > 1:  # the staged tokens are the last split's
         s_hi = tl.where(split == SPLITS - 1, s_hi, s_lo)
-    for t0 in range(s_lo, s_hi, BLOCK_S):
-        t = t0 + tl.arange(0, BLOCK_S)
-        staged = (start + t) * s_stride_t + head * s_stride_h
-        kv_mask = (t < s_hi)[:, None] & in_dim[None, :]
-        k = tl.load(sk_ptr + staged[:, None] + d[None, :], mask=kv_mask, other=0).to(q.dtype)
-        v = tl.load(sv_ptr + staged[:, None] + d[None, :], mask=kv_mask, other=0).to(q.dtype)
-        visible = (t < s_hi)[None, :] & (t[None, :] <= qi[:, None])
-        if WINDOWED:
-            visible = visible & (t[None, :] > qi[:, None] - window)
-        m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, qk_scale, 1.0, PRECISION)
+
+    m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    m_i, l_i, acc = HISTORY(
+        q, m_i, l_i, acc, pk_ptr, pv_ptr, table_ptr + tl.load(rows_ptr + entry) * table_stride,
+        lo, hi, head * p_stride_h, hist + qi, window, k_mult, v_mult, table_width, p_stride_b,
+        p_stride_s, TOKENS_PER_BLOCK, BLOCK_N, BLOCK_D, HEAD_DIM, WINDOWED, FP8, PRECISION,
+        UPDATE)
+    s_off = start * s_stride_t + head * s_stride_h
+    m_i, l_i, acc = STAGED(q, m_i, l_i, acc, sk_ptr + s_off, sv_ptr + s_off, s_lo, s_hi, qi,
+                           window, qk_scale, s_stride_t, BLOCK_S, BLOCK_D, HEAD_DIM, WINDOWED,
+                           PRECISION, UPDATE)
 
     if SPLITS == 1:
         # A live row always sees its own staged token, so its sum is positive.
@@ -189,14 +214,16 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_
              mask=live[:, None] & (d < HEAD_DIM)[None, :])
 
 
-online_update_jit = triton.jit(_online_update)
 pool_attention_jit = triton.jit(_pool_attention)
 combine_splits_jit = triton.jit(_combine_splits)
+HELPERS_JIT = {"HISTORY": triton.jit(_attend_history), "STAGED": triton.jit(_attend_staged),
+               "UPDATE": triton.jit(_online_update)}
 
 
 def interpreted():
-    """The kernels and the update in Triton's interpreter, for CPU tensors."""
+    """The kernels and their helpers in Triton's interpreter, for CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    helpers = {"HISTORY": _attend_history, "STAGED": _attend_staged, "UPDATE": _online_update}
     return (InterpretedFunction(_pool_attention), InterpretedFunction(_combine_splits),
-            InterpretedFunction(_online_update))
+            {name: InterpretedFunction(fn) for name, fn in helpers.items()})

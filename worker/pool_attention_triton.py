@@ -151,10 +151,10 @@ def _launch(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
     from worker import pool_attention_kernel as kernels
 
     if query.is_cuda:
-        kernel, combine, update = (kernels.pool_attention_jit, kernels.combine_splits_jit,
-                                   kernels.online_update_jit)
+        kernel, combine, helpers = (kernels.pool_attention_jit, kernels.combine_splits_jit,
+                                    kernels.HELPERS_JIT)
     else:
-        kernel, combine, update = kernels.interpreted()
+        kernel, combine, helpers = kernels.interpreted()
     dim, kv_heads = query.shape[-1], pool_k.shape[2]
     tiling = _Tiling.of(query, kv_heads, layout, launch)
     block_d = max(16, _pow2(dim))
@@ -183,7 +183,7 @@ def _launch(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
         # The interpreter's bf16 dot is wrong (it multiplies raw bits): it gets float32 tiles.
         DOT_F32=not query.is_cuda and query.dtype == torch.bfloat16,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLITS=tiling.splits,
-        UPDATE=update, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **helpers, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if tiling.splits > 1:
         combine[grid](part_acc, part_ml, layout.query_starts, layout.query_lens, out,
