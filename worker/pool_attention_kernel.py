@@ -23,6 +23,8 @@ No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` an
 objects, not strings.
 """
 
+from functools import cache
+
 import triton
 import triton.language as tl
 
@@ -220,6 +222,7 @@ HELPERS_JIT = {"HISTORY": triton.jit(_attend_history), "STAGED": triton.jit(_att
                "UPDATE": triton.jit(_online_update)}
 
 
+@cache
 def interpreted():
     """The kernels and their helpers in Triton's interpreter, for CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
