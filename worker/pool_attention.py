@@ -201,39 +201,41 @@ def check_inputs(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Te
     """What both forms of the pool attention require of their inputs (shapes and dtypes only:
     nothing here reads a device value)."""
     if query.dim() != 3 or query.shape[0] != layout.num_tokens:
-        _fail("query", f"expected [{layout.num_tokens}, Hq, D] (one row per packed token), got "
-                       f"{tuple(query.shape)}")
+        reject("query", f"expected [{layout.num_tokens}, Hq, D] (one row per packed token), got "
+                        f"{tuple(query.shape)}")
     heads, dim = query.shape[1:]
     for name, pool in (("pool_k", pool_k), ("pool_v", pool_v)):
         if pool.dim() != 4 or pool.shape[1] != layout.tokens_per_block or pool.shape[3] != dim:
-            _fail(name, f"expected [num_blocks, {layout.tokens_per_block}, Hkv, {dim}], got "
-                        f"{tuple(pool.shape)}")
+            reject(name, f"expected [num_blocks, {layout.tokens_per_block}, Hkv, {dim}], got "
+                         f"{tuple(pool.shape)}")
     kv_heads = pool_k.shape[2]
-    if pool_v.shape != pool_k.shape or heads % kv_heads:
-        _fail("pool_v", f"K {tuple(pool_k.shape)} and V {tuple(pool_v.shape)} must agree, with "
-                        f"{heads} query heads a multiple of {kv_heads} KV heads")
+    if pool_v.shape != pool_k.shape or pool_v.dtype != pool_k.dtype or heads % kv_heads:
+        reject("pool_v", f"K {pool_k.dtype} {tuple(pool_k.shape)} and V {pool_v.dtype} "
+                         f"{tuple(pool_v.shape)} must agree, with {heads} query heads a "
+                         f"multiple of {kv_heads} KV heads")
     for name, staged in (("staged_k", staged_k), ("staged_v", staged_v)):
         if (staged.dim() != 3 or staged.shape[0] < layout.num_tokens
                 or staged.shape[1:] != (kv_heads, dim) or staged.dtype != query.dtype):
-            _fail(name, f"expected {query.dtype} [>= {layout.num_tokens}, {kv_heads}, {dim}], "
-                        f"got {staged.dtype} {tuple(staged.shape)}")
+            reject(name, f"expected {query.dtype} [>= {layout.num_tokens}, {kv_heads}, {dim}], "
+                         f"got {staged.dtype} {tuple(staged.shape)}")
     _check_pool_dtype(query.dtype, pool_k.dtype, k_scale, v_scale)
     if window is not None and window < 1:
-        _fail("window", f"a sliding window spans at least 1 position, got {window}")
+        reject("window", f"a sliding window spans at least 1 position, got {window}")
 
 
 def _check_pool_dtype(dtype: torch.dtype, pool_dtype: torch.dtype, k_scale: torch.Tensor | None,
                       v_scale: torch.Tensor | None) -> None:
     fp8 = pool_dtype == torch.float8_e4m3fn
     if not fp8 and pool_dtype != dtype:
-        _fail("pool_k", f"a {pool_dtype} pool cannot serve {dtype} queries (the pool holds "
-                        f"the model's dtype, or float8_e4m3fn with scales)")
+        reject("pool_k", f"a {pool_dtype} pool cannot serve {dtype} queries (the pool holds "
+                         f"the model's dtype, or float8_e4m3fn with scales)")
     for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
         if fp8 and (given is None or given.numel() != 1):
-            _fail(name, "an fp8 pool needs its layer's dequantisation scale, one element")
+            reject(name, "an fp8 pool needs its layer's dequantisation scale, one element")
         if not fp8 and given is not None:
-            _fail(name, f"only an fp8 pool has scales; this one is {pool_dtype}")
+            reject(name, f"only an fp8 pool has scales; this one is {pool_dtype}")
 
 
-def _fail(field: str, message: str) -> NoReturn:
+def reject(field: str, message: str) -> NoReturn:
+    """Raise the pool attention's input error for ``field``."""
     raise PoolAttentionInputError(f"{field}: {message}", field=field)

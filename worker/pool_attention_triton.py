@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from typing import NoReturn
 
 import torch
 
-from worker.pool_attention import PagedLayout, PoolAttentionInputError, check_inputs
+from worker.pool_attention import PagedLayout, check_inputs, reject
 
 MAX_HEAD_DIM = 256
 MAX_KERNEL_QUERY = 64
@@ -45,8 +44,8 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         if self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128):
-            _reject("launch", f"splits must be 1, 2, 4 or 8 and block_n 16..128, a power of "
-                              f"two, got {self.splits} and {self.block_n}")
+            reject("launch", f"splits must be 1, 2, 4 or 8 and block_n 16..128, a power of "
+                             f"two, got {self.splits} and {self.block_n}")
 
 
 def default_launch(head_dim: int) -> LaunchConfig:
@@ -129,19 +128,15 @@ def _check_kernel_inputs(query: torch.Tensor, kv: tuple[torch.Tensor, ...],
     for name, tensor in zip(("query", "staged_k", "staged_v", "pool_k", "pool_v"),
                             (query, *kv), strict=True):
         if tensor.stride(-1) != 1 or tensor.device != query.device:
-            _reject(name, f"expected a contiguous last dimension on {query.device}, got stride "
-                        f"{tensor.stride(-1)} on {tensor.device}")
+            reject(name, f"expected a contiguous last dimension on {query.device}, got stride "
+                         f"{tensor.stride(-1)} on {tensor.device}")
     if query.dtype not in _KERNEL_DTYPES or query.shape[-1] > MAX_HEAD_DIM:
-        _reject("query", f"the kernel takes bf16 / fp16 / fp32 heads of at most {MAX_HEAD_DIM}, "
-                       f"got {query.dtype} x {query.shape[-1]}")
+        reject("query", f"the kernel takes bf16 / fp16 / fp32 heads of at most {MAX_HEAD_DIM}, "
+                        f"got {query.dtype} x {query.shape[-1]}")
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype
                             or out.device != query.device or out.stride(-1) != 1):
-        _reject("out", f"expected {query.dtype} {tuple(query.shape)} on {query.device}, got "
-                     f"{out.dtype} {tuple(out.shape)} on {out.device}")
-
-
-def _reject(field: str, message: str) -> NoReturn:
-    raise PoolAttentionInputError(f"{field}: {message}", field=field)
+        reject("out", f"expected {query.dtype} {tuple(query.shape)} on {query.device}, got "
+                      f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
 def _launch(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,

@@ -131,6 +131,8 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
         pool_attention_triton(step.query[:-1], *args[1:], out=out)
     with pytest.raises(PoolAttentionInputError, match=r"^pool_k:"):
         pool_attention_triton(*args[:3], step.pool_k.half(), step.pool_v.half(), step.layout)
+    with pytest.raises(PoolAttentionInputError, match=r"^pool_v:"):
+        pool_attention_triton(*args[:4], step.pool_v.half(), step.layout, out=out)
     with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
         LaunchConfig(splits=3)
     with pytest.raises(PoolAttentionInputError, match=r"^staged_k:"):
