@@ -108,7 +108,7 @@ def pool_attention_triton(query: torch.Tensor, staged_k: torch.Tensor, staged_v:
     given, receives the result. Every tensor's last dimension must be contiguous."""
     check_inputs(query, staged_k, staged_v, pool_k, pool_v, layout, window=window,
                  k_scale=k_scale, v_scale=v_scale)
-    _check_kernel_inputs(query, (staged_k, staged_v, pool_k, pool_v), out)
+    _check_kernel_inputs(query, (staged_k, staged_v, pool_k, pool_v), out, layout.block_table)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if layout.num_tokens == 0:
@@ -124,7 +124,10 @@ def _pow2(n: int) -> int:
 
 
 def _check_kernel_inputs(query: torch.Tensor, kv: tuple[torch.Tensor, ...],
-                         out: torch.Tensor | None) -> None:
+                         out: torch.Tensor | None, table: torch.Tensor) -> None:
+    if table.dtype != torch.int32 or table.stride(-1) != 1 or table.device != query.device:
+        reject("block_table", f"expected int32 rows with contiguous entries on {query.device}, "
+                              f"got {table.dtype} with stride {table.stride(-1)} on {table.device}")
     for name, tensor in zip(("query", "staged_k", "staged_v", "pool_k", "pool_v"),
                             (query, *kv), strict=True):
         if tensor.stride(-1) != 1 or tensor.device != query.device:

@@ -19,6 +19,8 @@ measured 0.022 away from the kernel on the GPU, and 0.026 from a float64 truth o
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from cuda_checks import no_host_sync
@@ -133,6 +135,9 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
         pool_attention_triton(*args[:3], step.pool_k.half(), step.pool_v.half(), step.layout)
     with pytest.raises(PoolAttentionInputError, match=r"^pool_v:"):
         pool_attention_triton(*args[:4], step.pool_v.half(), step.layout, out=out)
+    wide_table = dataclasses.replace(step.layout, block_table=step.layout.block_table.long())
+    with pytest.raises(PoolAttentionInputError, match=r"^block_table:"):
+        pool_attention_triton(*args[:5], wide_table, out=out)
     with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
         LaunchConfig(splits=3)
     with pytest.raises(PoolAttentionInputError, match=r"^staged_k:"):
