@@ -3,13 +3,13 @@
 # `make SYSTEM_TORCH=1 .venv/.installed` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
-#   sections: tests targets profile table split round_trip worker sweep commit (see below)
+#   sections: tests targets profile table split round_trip worker sweep commit attention (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets profile table split round_trip worker sweep commit} "
+SECTIONS=" ${*:-tests targets profile table split round_trip worker sweep commit attention} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -81,4 +81,6 @@ want sweep && step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 100 
     --out "$OUT/bench_step_cuda.json" 2>&1 | tee -a "$OUT/bench.log"
 # commit: the NWOR commit kernel against the copy ceiling.
 want commit && step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee -a "$OUT/bench.log"
+# attention: the paged attention kernel's decode layer against a device copy and cuDNN's SDPA.
+want attention && step "$PYTHON" benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"

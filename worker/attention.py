@@ -9,7 +9,8 @@ back in the reply's token order). The step travels as the ``kvalloc_step`` keywo
 Per layer the function
 1. stages the step's K/V at ``staging[layer, 0 / 1, i]`` for token ``i``: the commit writes the
    pool from there (the service's, or an overlap worker's own), so nothing here writes the pool;
-2. attends over two sources in one softmax (`worker.pool_attention`): each request's history in
+2. attends over two sources in one softmax (`worker.pool_attention`, or its Triton kernel where
+   `kernel_takes` the step: CUDA, decode and short chunks): each request's history in
    the pool, read through its block-table row, and its own staged tokens, causal among
    themselves, with the layer's sliding window when it has one. The step's layout
    (`PagedLayout`) is on the device, built once per step, so a request's history length may be
@@ -25,6 +26,7 @@ import torch
 from transformers import AttentionInterface
 
 from worker.pool_attention import PagedLayout, pool_attention
+from worker.pool_attention_triton import kernel_takes, pool_attention_triton
 
 ATTN_IMPLEMENTATION = "kvalloc"
 
@@ -73,9 +75,11 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     staged_k, staged_v = step.staging[layer, 0, :n], step.staging[layer, 1, :n]
     staged_k.copy_(key[0].transpose(0, 1))
     staged_v.copy_(value[0].transpose(0, 1))
-    out = pool_attention(query[0].transpose(0, 1), staged_k, staged_v, step.kv[layer, 0],
-                         step.kv[layer, 1], step.layout, scale=scaling,
-                         window=kwargs.get("sliding_window"))  # this layer's, when it slides
+    packed_query, pool_k, pool_v = query[0].transpose(0, 1), step.kv[layer, 0], step.kv[layer, 1]
+    kernel = kernel_takes(packed_query, pool_k, step.layout)
+    out = (pool_attention_triton if kernel else pool_attention)(
+        packed_query, staged_k, staged_v, pool_k, pool_v, step.layout, scale=scaling,
+        window=kwargs.get("sliding_window"))  # this layer's, when it slides
     return out.unsqueeze(0), None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -29,6 +30,13 @@ import torch.nn.functional as F
 
 from allocator.capacity.slots import slot_mapping
 from allocator.common.device_io import upload_int64
+from allocator.errors import NworInputError
+
+
+class PoolAttentionInputError(NworInputError):
+    """Tensors the pool attention cannot take: shapes that disagree with the layout or each
+    other, a pool dtype the queries cannot use, an fp8 pool without its scales, a window below
+    one position. Raised before anything runs; ``field`` names the argument."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,11 @@ class PagedLayout:
     def num_tokens(self) -> int:
         return self.token_entry.numel()
 
+    @property
+    def max_query(self) -> int:
+        """No entry has more tokens this step (a host bound: kernels size grids by it)."""
+        return self.bounds.max_query
+
     @classmethod
     def build(cls, block_table: torch.Tensor, tokens_per_block: int, *, rows: np.ndarray,
               query_starts: np.ndarray, query_lens: np.ndarray, starts: np.ndarray,
@@ -155,23 +168,34 @@ class PagedLayout:
 
 def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
                     pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, *,
-                    scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                    scale: float | None = None, window: int | None = None,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``query [N, Hq, D]``; ``staged_k`` / ``staged_v`` ``[>= N, Hkv, D]`` (packed token ``i``
     at row ``i``); ``pool_k`` / ``pool_v`` ``[num_blocks, tokens_per_block, Hkv, D]``. Returns
     ``[N, Hq, D]``. A key no query sees is zeroed after the gather, so a pool slot holding NaN
-    (poison, another request's garbage) cannot reach the output through a masked weight."""
+    (poison, another request's garbage) cannot reach the output through a masked weight.
+    An fp8 pool needs its layer's ``k_scale`` / ``v_scale`` (one-element device tensors):
+    a pool value is ``stored * scale``, dequantised in float32."""
+    check_inputs(query, staged_k, staged_v, pool_k, pool_v, layout, window=window,
+                 k_scale=k_scale, v_scale=v_scale)
     # One spare row past the step's tokens takes every padded query's output: indexing with a
     # boolean mask instead would make the host wait for the device in every layer.
     spare = query.shape[0]
     out = query.new_zeros((spare + 1, *query.shape[1:]))
     flat_k, flat_v = pool_k.flatten(0, 1), pool_v.flatten(0, 1)
+    # An fp8 pool's attention runs in float32: rounding its dequantised values to the query's
+    # dtype would add an error of the reference's own (the kernel scales scores instead).
+    work = torch.float32 if k_scale is not None else query.dtype
     for group in layout.groups:
         visible = group.visible_in(window)
         used = visible.any(1)[..., None, None]  # [g, S, 1, 1]
         from_pool = (group.key_slot >= 0)[..., None, None]
         slot = group.key_slot.clamp(min=0)
-        keys = torch.where(from_pool, flat_k[slot], staged_k[group.key_packed])
-        values = torch.where(from_pool, flat_v[slot], staged_v[group.key_packed])
+        keys = torch.where(from_pool, _dequantised(flat_k[slot], k_scale),
+                           staged_k[group.key_packed].to(work))
+        values = torch.where(from_pool, _dequantised(flat_v[slot], v_scale),
+                             staged_v[group.key_packed].to(work))
         keys = torch.where(used, keys, 0)
         values = torch.where(used, values, 0)
         # A padded query sees key 0 only, so its softmax stays finite; its output is dropped.
@@ -179,8 +203,62 @@ def pool_attention(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.
         first[..., 0] = True
         mask = torch.where(visible.any(-1, keepdim=True), visible, first)
         attended = F.scaled_dot_product_attention(
-            query[group.query_index].transpose(1, 2), keys.transpose(1, 2),
+            query[group.query_index].to(work).transpose(1, 2), keys.transpose(1, 2),
             values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
             enable_gqa=True)  # [g, Hq, Q, D]
-        out[torch.where(group.query_valid, group.query_index, spare)] = attended.transpose(1, 2)
+        out[torch.where(group.query_valid, group.query_index, spare)] = attended.transpose(
+            1, 2).to(out.dtype)
     return out[:spare]
+
+
+def _dequantised(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:
+        return stored
+    return stored.to(torch.float32) * scale.to(torch.float32)
+
+
+def check_inputs(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
+                 pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, *,
+                 window: int | None, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> None:
+    """What both forms of the pool attention require of their inputs (shapes and dtypes only:
+    nothing here reads a device value)."""
+    if query.dim() != 3 or query.shape[0] != layout.num_tokens:
+        reject("query", f"expected [{layout.num_tokens}, Hq, D] (one row per packed token), got "
+                        f"{tuple(query.shape)}")
+    heads, dim = query.shape[1:]
+    for name, pool in (("pool_k", pool_k), ("pool_v", pool_v)):
+        if pool.dim() != 4 or pool.shape[1] != layout.tokens_per_block or pool.shape[3] != dim:
+            reject(name, f"expected [num_blocks, {layout.tokens_per_block}, Hkv, {dim}], got "
+                         f"{tuple(pool.shape)}")
+    kv_heads = pool_k.shape[2]
+    if pool_v.shape != pool_k.shape or pool_v.dtype != pool_k.dtype or heads % kv_heads:
+        reject("pool_v", f"K {pool_k.dtype} {tuple(pool_k.shape)} and V {pool_v.dtype} "
+                         f"{tuple(pool_v.shape)} must agree, with {heads} query heads a "
+                         f"multiple of {kv_heads} KV heads")
+    for name, staged in (("staged_k", staged_k), ("staged_v", staged_v)):
+        if (staged.dim() != 3 or staged.shape[0] < layout.num_tokens
+                or staged.shape[1:] != (kv_heads, dim) or staged.dtype != query.dtype):
+            reject(name, f"expected {query.dtype} [>= {layout.num_tokens}, {kv_heads}, {dim}], "
+                         f"got {staged.dtype} {tuple(staged.shape)}")
+    _check_pool_dtype(query.dtype, pool_k.dtype, k_scale, v_scale)
+    if window is not None and window < 1:
+        reject("window", f"a sliding window spans at least 1 position, got {window}")
+
+
+def _check_pool_dtype(dtype: torch.dtype, pool_dtype: torch.dtype, k_scale: torch.Tensor | None,
+                      v_scale: torch.Tensor | None) -> None:
+    fp8 = pool_dtype == torch.float8_e4m3fn
+    if not fp8 and pool_dtype != dtype:
+        reject("pool_k", f"a {pool_dtype} pool cannot serve {dtype} queries (the pool holds "
+                         f"the model's dtype, or float8_e4m3fn with scales)")
+    for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if fp8 and (given is None or given.numel() != 1):
+            reject(name, "an fp8 pool needs its layer's dequantisation scale, one element")
+        if not fp8 and given is not None:
+            reject(name, f"only an fp8 pool has scales; this one is {pool_dtype}")
+
+
+def reject(field: str, message: str) -> NoReturn:
+    """Raise the pool attention's input error for ``field``."""
+    raise PoolAttentionInputError(f"{field}: {message}", field=field)

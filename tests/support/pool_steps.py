@@ -1,0 +1,73 @@
+"""Random steps in the pool's terms for the pool attention's tests: ragged histories and
+query lengths (empty entries too), blocks in random order, rows whose history runs past their
+blocks (-1 table entries read as invisible), device-only leads, and NaN everywhere a correct
+kernel never reads: pool slots outside every history, staging rows past the step's tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.pool_attention import PagedLayout
+
+LEAD_BOUND = 3
+
+
+@dataclass(frozen=True)
+class RandomStep:
+    query: torch.Tensor  # [N, Hq, D]
+    staged_k: torch.Tensor  # [N + pad, Hkv, D], NaN past N
+    staged_v: torch.Tensor
+    pool_k: torch.Tensor  # [num_blocks, tpb, Hkv, D], NaN outside every history
+    pool_v: torch.Tensor
+    layout: PagedLayout
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
+                tokens_per_block: int, max_history: int, max_query: int,
+                dtype: torch.dtype, device: str, fp8: bool = False,
+                lead: bool = False) -> RandomStep:
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    history = rng.integers(0, max_history + 1, entries)
+    lengths = rng.integers(0, max_query + 1, entries)
+    longest = rng.integers(entries)
+    lengths[longest] = max_query  # the bound the layout keeps is reached
+    lengths[(longest + 1) % entries] = 0  # an empty entry: a padded row of a batch bucket
+    max_blocks = -(-(max_history + max_query) // tokens_per_block)
+    num_blocks = entries * max_blocks + 3
+    rows = rng.permutation(entries + 2)[:entries]
+    table = torch.full((entries + 2, max_blocks), -1, dtype=torch.int32)
+    free = iter(rng.permutation(num_blocks).tolist())
+    pool_dtype = torch.float8_e4m3fn if fp8 else dtype
+    pool = torch.full((2, num_blocks, tokens_per_block, kv_heads, dim), float("nan"),
+                      dtype=pool_dtype)
+    for row, hist, n in zip(rows, history, lengths, strict=True):
+        # One row in five holds blocks for only part of its history.
+        owned = -(-(hist + n) // tokens_per_block)
+        if rng.random() < 0.2:
+            owned = hist // 2 // tokens_per_block
+        table[row, :owned] = torch.tensor([next(free) for _ in range(owned)], dtype=torch.int32)
+        readable = min(hist, owned * tokens_per_block)
+        pos = torch.arange(readable)
+        blocks = table[row, pos // tokens_per_block].long()
+        pool[:, blocks, pos % tokens_per_block] = torch.randn(
+            2, readable, kv_heads, dim, generator=gen).to(pool_dtype)
+    total = int(lengths.sum())
+    staged = torch.full((2, total + 5, kv_heads, dim), float("nan"), dtype=dtype)
+    staged[:, :total] = torch.randn(2, total, kv_heads, dim, generator=gen).to(dtype)
+    query = torch.randn(total, kv_heads * group, dim, generator=gen).to(dtype)
+    leads = rng.integers(0, LEAD_BOUND + 1, entries).clip(max=history) if lead else 0
+    layout = PagedLayout.build(
+        table.to(device), tokens_per_block, rows=rows, query_starts=np.cumsum(lengths) - lengths,
+        query_lens=lengths, starts=history - leads,
+        lead=torch.as_tensor(leads, device=device) if lead else None,
+        lead_bound=LEAD_BOUND if lead else 0, group_width=max_query)
+    scales = (torch.tensor([0.7], device=device), torch.tensor([1.3], device=device)) if fp8 \
+        else (None, None)
+    pool, staged, query = pool.to(device), staged.to(device), query.to(device)
+    return RandomStep(query, staged[0], staged[1], pool[0], pool[1], layout, *scales)
