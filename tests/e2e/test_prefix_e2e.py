@@ -1,22 +1,29 @@
 """Prefix caching and KV events end to end: a real ``kvalloc serve --kv-events`` process, a worker
 over IPC or REST sharing a system prompt between requests, and a subscriber written from vLLM's
-message shape that rebuilds the service's cached blocks from the events it publishes."""
+message shape that rebuilds the service's cached blocks from the events it publishes. Without
+the token a local peer completes no handshake with the event sockets and cannot compute a
+guessed prompt's block hashes; workers share cached blocks only when the operator groups them;
+events beyond loopback without ``KVALLOC_TOKEN`` are refused at start."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from kv_event_subscriber import Subscriber
+import zmq
+from kv_event_subscriber import HANDSHAKE_FAILURES, Subscriber, handshake, watch
 
 from allocator.capacity.kv_events import external_hash
 from allocator.capacity.prefix_cache import block_hashes
 from server.client import Client
+from server.contract.routing import hash_seed, worker_salt
 from server.devtools.launch import ServiceProcess, free_port, kvalloc_command
+from server.transport.token_files import discover_token
 
 POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
         "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",
@@ -30,7 +37,9 @@ def test_a_router_sees_what_the_service_caches_and_workers_skip_the_cached_prefi
     events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     with ServiceProcess(tmp_path, *POOL, "--kv-events", events,
                         "--kv-events-replay", replay) as service:
-        sub = Subscriber(events, replay)
+        token = discover_token(events)  # generated, written 0600 for this user's routers
+        assert token is not None
+        sub = Subscriber(events, replay, token)
         time.sleep(0.3)  # the subscription reaches the publisher
         address = service.ipc if transport == "ipc" else service.rest_tcp
         with Client(address, worker_id="w") as kv:
@@ -46,7 +55,62 @@ def test_a_router_sees_what_the_service_caches_and_workers_skip_the_cached_prefi
             kv.step()
         while sub.receive(1000):
             pass
-    assert sub.cached == {external_hash(h) for h in block_hashes(prompt, 4)}
+    router = block_hashes(prompt, 4, salt=worker_salt("w", {}), seed=hash_seed(token))
+    assert sub.cached == {external_hash(h) for h in router}
+
+
+# Handshakes take about a millisecond; a loaded two-core machine may take far longer.
+HANDSHAKE_MS = 10_000
+TOKEN = "e2e-service-token"
+
+
+def test_without_the_token_no_event_is_read_and_no_hash_computed(tmp_path: Path) -> None:
+    events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    with ServiceProcess(tmp_path, *POOL, "--kv-events", events, "--kv-events-replay", replay,
+                        env={"KVALLOC_TOKEN": TOKEN}) as service:
+        peer = zmq.Context.instance().socket(zmq.SUB)
+        monitor = watch(peer)
+        peer.subscribe(b"")
+        peer.connect(events)
+        try:
+            assert handshake(monitor, HANDSHAKE_MS) in HANDSHAKE_FAILURES
+        finally:
+            peer.close(linger=0)
+            monitor.close(linger=0)
+        sub = Subscriber(events, replay, TOKEN)
+        with Client(service.ipc, worker_id="w", token=TOKEN) as kv:
+            kv.register()
+            kv.step(new=(["a"], [SYSTEM.size]), prompt_token_ids=SYSTEM)
+            kv.step()
+        while sub.receive(1000):
+            pass
+    guessed = {external_hash(h) for h in block_hashes(SYSTEM, 4)}
+    assert len(sub.cached) == SYSTEM.size // 4 and not guessed & sub.cached
+    assert sub.cached == {external_hash(h) for h in block_hashes(
+        SYSTEM, 4, salt=worker_salt("w", {}), seed=hash_seed(TOKEN))}
+
+
+@pytest.mark.parametrize(("flags", "probe"), [((), 0), (("--cache-group", "team=a,b"), 16)])
+def test_workers_share_cached_blocks_only_when_grouped(tmp_path: Path, flags: tuple[str, ...],
+                                                       probe: int) -> None:
+    with (ServiceProcess(tmp_path, *POOL, "--prefix-caching", *flags) as service,
+          Client(service.ipc, worker_id="a") as a, Client(service.ipc, worker_id="b") as b):
+        a.register()
+        b.register()
+        a.step(new=(["secret"], [SYSTEM.size]), prompt_token_ids=SYSTEM)
+        a.step()  # written: "secret"'s five blocks are cached
+        guess = b.step(new=(["guess"], [SYSTEM.size]), prompt_token_ids=SYSTEM)
+        assert guess.cached_tokens.tolist() == [probe]
+
+
+def test_events_beyond_loopback_without_a_token_are_refused(tmp_path: Path) -> None:
+    r = subprocess.run([*kvalloc_command(), "serve", *POOL, "--no-tcp",
+                        "--ipc", f"ipc://{tmp_path / 'kvalloc.ipc'}",
+                        "--kv-events", f"tcp://0.0.0.0:{free_port()}"],
+                       capture_output=True, text=True, timeout=120, check=False,
+                       env={k: v for k, v in os.environ.items() if k != "KVALLOC_TOKEN"})
+    assert r.returncode == 2
+    assert "is reachable beyond this host and KVALLOC_TOKEN is not set" in r.stderr
 
 
 def test_loadgen_reports_the_hit_rate_of_a_shared_system_prompt(tmp_path: Path) -> None:
