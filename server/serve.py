@@ -8,7 +8,8 @@ Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports re
 bearer token; without it the service generates one for its lifetime and writes it 0600 where its
 own user's clients find it (`server.transport.token_files`), so no other local user can call
 ``/v1``. Listening beyond loopback without ``KVALLOC_TOKEN`` is refused unless
-``--insecure-no-token``.
+``--insecure-no-token``. KV events admit holders of that token alone (CURVE keys derived from
+it), and the block hashes are keyed with ``KVALLOC_HASH_SEED``, else with the token.
 
 At start it raises RLIMIT_NOFILE to the hard limit, bounds REST connections so a descriptor
 reserve stays free (`server.transport.network`), and removes the shared memory of dead instances.
@@ -151,8 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefix-caching", action="store_true",
                        help="share the cached full blocks of prompts sent with token ids")
     cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
-                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
-                            "turns prefix caching on")
+                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint, "
+                            "to holders of the token (CURVE); turns prefix caching on")
     cache.add_argument("--kv-events-replay", type=argument_type(server_endpoint),
                        metavar="ENDPOINT", help="serve KV event replays on this ZeroMQ endpoint")
     cache.add_argument("--cache-group", action="append", type=_cache_group, default=[],
