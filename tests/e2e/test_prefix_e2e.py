@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from allocator.capacity.prefix_cache import block_hashes
 from server.client import Client
 from server.contract.routing import hash_seed, worker_salt
 from server.devtools.launch import ServiceProcess, free_port, kvalloc_command
-from server.transport.token_files import discover_token
+from server.transport.token_files import discover_token, token_file
 
 POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
         "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",
@@ -88,6 +90,48 @@ def test_without_the_token_no_event_is_read_and_no_hash_computed(tmp_path: Path)
     assert len(sub.cached) == SYSTEM.size // 4 and not guessed & sub.cached
     assert sub.cached == {external_hash(h) for h in block_hashes(
         SYSTEM, 4, salt=worker_salt("w", {}), seed=hash_seed(TOKEN))}
+
+
+# Another local user's subscriber: it tries the token file, then subscribes without keys; it
+# prints whether it read the token and how its handshake ended.
+OTHER_USER = """
+import json, sys, zmq
+from zmq.utils.monitor import recv_monitor_message
+path, endpoint, timeout_ms = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    token_read = bool(open(path).read())
+except OSError:
+    token_read = False
+sub = zmq.Context().socket(zmq.SUB)
+monitor = sub.get_monitor_socket()
+sub.subscribe(b"")
+sub.connect(endpoint)
+ends = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+event = None
+while monitor.poll(timeout_ms):
+    event = int(recv_monitor_message(monitor)["event"])
+    if event & ends:
+        break
+print(json.dumps({"token_read": token_read, "handshake": event}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="runs a subscriber as user nobody: needs root and setpriv")
+def test_another_local_user_reads_neither_the_token_nor_an_event(tmp_path: Path) -> None:
+    events = f"tcp://127.0.0.1:{free_port()}"
+    with ServiceProcess(tmp_path, *POOL, "--kv-events", events,
+                        env={"KVALLOC_TOKEN": ""}) as service:
+        assert "generated token required" in service.log()
+        r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                            sys.executable, "-c", OTHER_USER, str(token_file(events)), events,
+                            str(HANDSHAKE_MS)],
+                           capture_output=True, text=True, timeout=120, check=False, cwd="/")
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    assert not seen["token_read"]
+    assert seen["handshake"] in HANDSHAKE_FAILURES
 
 
 @pytest.mark.parametrize(("flags", "probe"), [((), 0), (("--cache-group", "team=a,b"), 16)])

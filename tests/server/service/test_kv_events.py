@@ -18,7 +18,12 @@ from pydantic import SecretStr
 from allocator import KVCacheManager, PoolConfig, StepPlan
 from allocator.capacity.kv_events import AllBlocksCleared, external_hash
 from server.contract.routing import authenticate_subscriber
-from server.service.event_publisher import END_OF_REPLAY, REPLAY_REFUSED, KVEventPublisher
+from server.service.event_publisher import (
+    END_OF_REPLAY,
+    REPLAY_REFUSED,
+    KVEventPublisher,
+    ReplayBudget,
+)
 
 
 def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap():
@@ -133,3 +138,13 @@ def test_replay_requests_are_bounded_in_size_shape_and_rate():
         dealer.close(linger=0)
         monitor.close(linger=0)
         publisher.close()
+
+
+def test_the_replay_budget_refills_at_its_rate_and_holds_one_second_of_it():
+    now = [0.0]
+    budget = ReplayBudget(4, clock=lambda: now[0])
+    assert [budget.take() for _ in range(5)] == [True] * 4 + [False]
+    now[0] += 0.5  # two more
+    assert [budget.take() for _ in range(3)] == [True, True, False]
+    now[0] += 60  # idle for long: still four at most
+    assert sum(budget.take() for _ in range(10)) == 4
