@@ -55,15 +55,17 @@ class _SubscriberKey:
 
 
 class ReplayBudget:
-    """A token bucket: ``rate`` replays a second, ``rate`` at once at most."""
+    """A token bucket: ``rate`` (above 0) replays a second, a second's worth at once at most
+    (one at least, so a rate below one a second still answers)."""
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate, self.clock = rate, clock
-        self.tokens, self.last = rate, clock()
+        self.burst = max(1.0, rate)
+        self.tokens, self.last = self.burst, clock()
 
     def take(self) -> bool:
         now = self.clock()
-        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate)
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
         self.last = now
         if self.tokens < 1:
             return False

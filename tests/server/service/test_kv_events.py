@@ -148,3 +148,7 @@ def test_the_replay_budget_refills_at_its_rate_and_holds_one_second_of_it():
     assert [budget.take() for _ in range(3)] == [True, True, False]
     now[0] += 60  # idle for long: still four at most
     assert sum(budget.take() for _ in range(10)) == 4
+    slow = ReplayBudget(0.5, clock=lambda: now[0])
+    assert [slow.take(), slow.take()] == [True, False]
+    now[0] += 2
+    assert slow.take()
