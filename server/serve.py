@@ -8,7 +8,8 @@ Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports re
 bearer token; without it the service generates one for its lifetime and writes it 0600 where its
 own user's clients find it (`server.transport.token_files`), so no other local user can call
 ``/v1``. Listening beyond loopback without ``KVALLOC_TOKEN`` is refused unless
-``--insecure-no-token``.
+``--insecure-no-token``. KV events admit holders of that token alone (CURVE keys derived from
+it), and the block hashes are keyed with ``KVALLOC_HASH_SEED``, else with the token.
 
 At start it raises RLIMIT_NOFILE to the hard limit, bounds REST connections so a descriptor
 reserve stays free (`server.transport.network`), and removes the shared memory of dead instances.
@@ -53,7 +54,13 @@ from server.contract.addresses import (
 from server.contract.errors import AddressError, InsecureBinding, LimitsError
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
-from server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
+from server.service.settings import (
+    DEFAULT_NUM_BLOCKS,
+    ServiceConfig,
+    default_pool,
+    hash_seed_from_env,
+    token_from_env,
+)
 from server.transport.ipc import IpcServer
 from server.transport.network import (
     ACCEPT_BACKLOG,
@@ -150,10 +157,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefix-caching", action="store_true",
                        help="share the cached full blocks of prompts sent with token ids")
     cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
-                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
-                            "turns prefix caching on")
+                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint, "
+                            "to holders of the token (CURVE); turns prefix caching on")
     cache.add_argument("--kv-events-replay", type=argument_type(server_endpoint),
                        metavar="ENDPOINT", help="serve KV event replays on this ZeroMQ endpoint")
+    cache.add_argument("--cache-group", action="append", type=_cache_group, default=[],
+                       metavar="NAME=ID[,ID...]",
+                       help="these workers share one prefix-cache namespace (repeatable); every "
+                            "other worker's cached blocks are its own")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="log verbosity")
 
@@ -172,6 +183,15 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _cache_group(text: str) -> tuple[str, list[str]]:
+    """An argparse type: ``NAME=ID,ID`` (argparse names the flag on error)."""
+    name, _, ids = text.partition("=")
+    workers = [w.strip() for w in ids.split(",") if w.strip()]
+    if not name.strip() or not workers:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=ID[,ID...]")
+    return name.strip(), workers
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -186,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         token = _token(args, config.token)
+        config = _with_secrets(config, token)
         limits = _limits(args)
     except (InsecureBinding, LimitsError) as exc:
         log.error("%s", exc)
@@ -214,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(core, token=token, metrics=_metrics(core), limits=limits)
         endpoints = ipc.start()
         if token is not None and config.token is None:  # generated: for our own user's clients
-            write_token_files(token.get_secret_value(), [*rest, *endpoints])
+            write_token_files(token.get_secret_value(),
+                              [*rest, *endpoints, *_event_endpoints(core)])
         reaper.start()
         pool = config.pool
         log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
@@ -265,7 +287,31 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+                         hash_seed=hash_seed_from_env(), cache_groups=_groups(args.cache_group),
                          **service)
+
+
+def _groups(groups: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
+    merged: dict[str, list[str]] = {}
+    for name, ids in groups:
+        merged.setdefault(name, []).extend(ids)
+    return merged
+
+
+def _with_secrets(config: ServiceConfig, token: SecretStr | None) -> ServiceConfig:
+    """KV events take the token both transports require; the block hashes are keyed with
+    ``KVALLOC_HASH_SEED``, else with the token too (a router given it computes them)."""
+    return config.model_copy(update={
+        "kv_events_token": token if config.kv_events is not None else None,
+        "hash_seed": config.hash_seed or token})
+
+
+def _event_endpoints(core: ServiceCore) -> list[str]:
+    """The bound KV event endpoints: their token files let this user's routers find the key."""
+    events = core.kv_events
+    if events is None:
+        return []
+    return [e for e in (events.endpoint, events.replay_endpoint) if e is not None]
 
 
 def _check_socket_directories(args: argparse.Namespace) -> None:
@@ -314,8 +360,8 @@ def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:
 def _exposed(args: argparse.Namespace) -> list[str]:
     """The TCP endpoints that listen beyond loopback."""
     hosts = [] if args.no_tcp else [(f"http://{args.host}:{args.port}", args.host)]
-    for address in args.ipc or []:
-        if address.startswith("tcp://"):
+    for address in [*(args.ipc or []), args.kv_events, args.kv_events_replay]:
+        if address is not None and address.startswith("tcp://"):
             hosts.append((address, address.removeprefix("tcp://").rpartition(":")[0]))
     return [address for address, host in hosts if not _is_loopback(host)]
 

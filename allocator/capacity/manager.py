@@ -46,7 +46,7 @@ from allocator.capacity.accounting import blocks_for, lag2_slack
 from allocator.capacity.block_pool import BlockPool
 from allocator.capacity.block_table import BlockTable
 from allocator.capacity.kv_events import KVCacheEvent
-from allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt
+from allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from allocator.capacity.requests import RequestApi, RequestIds
 from allocator.capacity.slots import run_slots
 from allocator.capacity.state import (
@@ -75,11 +75,12 @@ from allocator.errors import InvariantViolation, UnknownRequest
 class KVCacheManager(RequestApi):
     def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
                  compiled: bool | None = None, prefix_caching: bool = False,
-                 cache_key: bytes = b"", kv_events: bool = False,
+                 cache_key: bytes = b"", hash_seed: bytes = b"", kv_events: bool = False,
                  register_when_written: bool = False) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
         imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
+        ``hash_seed``: the secret the block hashes are keyed with (`prefix_cache.chain_root`);
         ``kv_events``: record KV events for ``drain_kv_events``; ``register_when_written``:
         a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
         not when its prefill is scheduled."""
@@ -99,6 +100,8 @@ class KVCacheManager(RequestApi):
         self.compiled = compiled
         self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
         self.cache_key = bytes(cache_key)
+        self.hash_seed = bytes(hash_seed)
+        chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
         self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
                                   record_events=kv_events,
                                   track_protection=register_when_written)
@@ -191,11 +194,13 @@ class KVCacheManager(RequestApi):
             return CacheChanges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), [])
         return self.cache.drain_changes()
 
-    def prompt(self, tokens: ArrayLike) -> Prompt:
-        """``tokens`` with their block hashes under this manager's cache key, for
-        ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step."""
+    def prompt(self, tokens: ArrayLike, salt: bytes = b"") -> Prompt:
+        """``tokens`` with their block hashes under this manager's cache key and seed, for
+        ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step.
+        ``salt``: the prompt's namespace (vLLM's ``cache_salt``); prompts share blocks only
+        under the same salt. Token ids given bare to the step are hashed with no salt."""
         return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
-                         self.cache_key)
+                         self.cache_key, salt=salt, seed=self.hash_seed)
 
     def drain_kv_events(self) -> list[KVCacheEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""

@@ -1,9 +1,14 @@
 """Prefix caching: full, committed prompt blocks addressed by content, shared between requests.
 
 A block's hash chains over its parent's hash and its token ids, from a root that covers the
-cache key (model variant, LoRA adapter): two requests share a block only if everything before it
-and in it is the same. The hash is BLAKE2b with a 128-bit digest: an accidental collision needs
-about 2^64 distinct blocks, and being a cryptographic hash a client cannot craft a prompt whose
+cache key (model variant, LoRA adapter) and a salt (a tenant's namespace, vLLM's ``cache_salt``):
+two requests share a block only if their key and salt are the same and everything before the
+block and in it is. The root is keyed with an optional secret seed (BLAKE2b's ``key``), so
+whoever lacks the seed cannot compute a guessed prompt's hashes to match them against
+published ones; every later hash inherits that from the root it chains on.
+
+The hash is BLAKE2b with a 128-bit digest: an accidental collision needs about 2^64 distinct
+blocks, and being a cryptographic hash a client cannot craft a prompt whose
 block collides with another tenant's to read its KV; it is in the standard library and costs
 about a microsecond per 16-token block.
 
@@ -47,16 +52,28 @@ from allocator.capacity.kv_events import (
 from allocator.capacity.kv_events import external_hash as external
 from allocator.capacity.state import RowState
 from allocator.capacity.step.reference import Hits
-from allocator.errors import InvariantViolation
+from allocator.errors import InvalidValue, InvariantViolation
 
 HASH_BYTES = 16
+MAX_SEED_BYTES = hashlib.blake2b.MAX_KEY_SIZE
 
 
-def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"") -> list[bytes]:
-    """Chained hashes of the full blocks of ``tokens`` (a 1-D integer array)."""
+def chain_root(cache_key: bytes = b"", salt: bytes = b"", seed: bytes = b"") -> bytes:
+    """The hash a prompt's chain starts from. The key's length goes in first, so no key and salt
+    pair reads as another (``b"ab" + b"c"`` is not ``b"a" + b"bc"``)."""
+    if len(seed) > MAX_SEED_BYTES:
+        raise InvalidValue(f"seed: {len(seed)} bytes, at most {MAX_SEED_BYTES}", field="seed")
+    return hashlib.blake2b(b"kvalloc-prefix\0" + len(cache_key).to_bytes(4, "big") + cache_key
+                           + salt, digest_size=HASH_BYTES, key=seed).digest()
+
+
+def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"", *,
+                 salt: bytes = b"", seed: bytes = b"") -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens`` (a 1-D integer array), from
+    `chain_root`."""
     data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     step = tokens_per_block * 8
-    parent = hashlib.blake2b(b"kvalloc-prefix\0" + cache_key, digest_size=HASH_BYTES).digest()
+    parent = chain_root(cache_key, salt, seed)
     out = []
     for start in range(0, (len(data) // step) * step, step):
         parent = hashlib.blake2b(parent + data[start : start + step],
@@ -74,8 +91,10 @@ class Prompt:
     hashes: list[bytes]
 
     @classmethod
-    def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"") -> Prompt:
-        return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key))
+    def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"", *,
+           salt: bytes = b"", seed: bytes = b"") -> Prompt:
+        return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key, salt=salt,
+                                        seed=seed))
 
 
 class CacheChanges(NamedTuple):

@@ -41,6 +41,7 @@ from server.contract.errors import (
     StepIdReused,
     StepOutOfOrder,
 )
+from server.contract.routing import SEED_BYTES, hash_seed, worker_salt
 from server.contract.sharing import StepFence, TensorExporter, dtype_name
 from server.service.commit import Committer
 from server.service.event_publisher import KVEventPublisher
@@ -96,6 +97,7 @@ class ServiceCore:
         self.storage = KVStorage(pool, allocate=placement)
         self.manager = KVCacheManager(pool, allocate=placement,
                                       prefix_caching=config.prefix_caching,
+                                      hash_seed=_hash_seed(config),
                                       kv_events=config.kv_events is not None,
                                       register_when_written=True)
         self.device = self.manager.device
@@ -114,7 +116,8 @@ class ServiceCore:
         self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
         # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
         self.kv_events = (KVEventPublisher(config.kv_events,
-                                           replay_endpoint=config.kv_events_replay)
+                                           replay_endpoint=config.kv_events_replay,
+                                           token=config.kv_events_token)
                           if config.kv_events is not None else None)
         self.pipeline = StepPipeline(self.manager, self.committer, self.registry,
                                      max_step_tokens=config.max_step_tokens,
@@ -189,7 +192,8 @@ class ServiceCore:
                                      staging=handle, forward_done=fwd, commit_done=com,
                                      protected=self._protected_handle)
         return Worker(req.worker_id, session, req.attached, staging, attachment, fence,
-                      last_seen=self.clock(), overlap=req.overlap)
+                      last_seen=self.clock(), overlap=req.overlap,
+                      cache_salt=worker_salt(req.worker_id, self.config.cache_groups))
 
     def _fence(self, worker_id: str) -> tuple[StepFence | None, wire.EventHandle | None,
                                               wire.EventHandle | None]:
@@ -343,6 +347,14 @@ class ServiceCore:
             for obs in self._observers:
                 obs.invariant_violation(1)
             raise
+
+
+def _hash_seed(config: ServiceConfig) -> bytes:
+    """The block hashes' key: from the configured secret, else random (then nobody outside this
+    process can compute a hash; a router indexes the events' token ids instead)."""
+    if config.hash_seed is None:
+        return secrets.token_bytes(SEED_BYTES)
+    return hash_seed(config.hash_seed.get_secret_value())
 
 
 def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:

@@ -26,6 +26,7 @@ import numpy as np
 
 from allocator import KVCacheManager, StepOutcome
 from allocator.capacity.kv_events import KVCacheEvent
+from allocator.capacity.prefix_cache import Prompt
 from allocator.capacity.step.plan import checked_plan
 from allocator.common.jit import jit, numba
 from server.contract import protocol, wire
@@ -57,6 +58,13 @@ def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
     if token_ids.size == 0:
         return []
     return np.split(token_ids, np.cumsum(prompt_lens)[:-1])
+
+
+def _prompts(manager: KVCacheManager, worker: Worker, call: StepCall) -> list[Prompt]:
+    """The new requests' prompts, hashed in the worker's namespace: its blocks are shared with
+    the workers of that namespace alone."""
+    return [manager.prompt(tokens, worker.cache_salt)
+            for tokens in _split(call.prompt_token_ids, call.prompt_lens)]
 
 
 class StepPipeline:
@@ -97,7 +105,7 @@ class StepPipeline:
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
             prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
             lag=2 if worker.overlap else 1),
-            _split(call.prompt_token_ids, call.prompt_lens))
+            _prompts(self.manager, worker, call) if self._caching else ())
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)

@@ -66,6 +66,7 @@ class Worker:
     last_seen: float  # the clock at its last call; only grows (the clock is monotonic)
     # Its steps run at lag 2 (`server.service.inflight`) and it commits its own tokens.
     overlap: bool = False
+    cache_salt: bytes = b""  # its prompts' prefix-cache namespace (`server.contract.routing`)
     req_ids: dict[str, int] = field(default_factory=dict)  # live request id -> row
     last_step_id: int | None = None
     last_call: StepCall | None = None

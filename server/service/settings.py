@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from allocator import PoolConfig
 from server.contract.addresses import TOKEN_ENV
 
+HASH_SEED_ENV = "KVALLOC_HASH_SEED"
+
 # Request handles carry a block-table row in their low 20 bits (see `server.service.registry`).
 MAX_ROWS = 1 << 20
 DEFAULT_NUM_BLOCKS = 4096
@@ -26,6 +28,12 @@ def default_pool(**overrides: object) -> PoolConfig:
 def token_from_env() -> SecretStr | None:
     """``KVALLOC_TOKEN`` when set and non-empty (never a command-line flag: ps would show it)."""
     value = os.environ.get(TOKEN_ENV, "")
+    return SecretStr(value) if value else None
+
+
+def hash_seed_from_env() -> SecretStr | None:
+    """``KVALLOC_HASH_SEED`` when set and non-empty (a secret: never a flag)."""
+    value = os.environ.get(HASH_SEED_ENV, "")
     return SecretStr(value) if value else None
 
 
@@ -58,12 +66,33 @@ class ServiceConfig(BaseModel):
                                                             "events on (vLLM's format).")
     kv_events_replay: str | None = Field(default=None, description="ZeroMQ endpoint of the KV "
                                                                    "events replay socket.")
+    kv_events_token: SecretStr | None = Field(
+        default=None, description="Only subscribers holding it read KV events (CURVE keys from "
+                                  "it, `server.contract.routing`); none: whoever reaches them.")
+    hash_seed: SecretStr | None = Field(
+        default=None, description="Secret the block hashes are keyed with "
+                                  "(`server.contract.routing.hash_seed`); none: random per start.")
+    cache_groups: dict[str, list[str]] = Field(
+        default_factory=dict, description="Prefix-cache namespaces that several workers share: "
+                                          "name -> worker ids; every other worker has its own.")
 
     @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:
         if (self.kv_events is not None or self.kv_events_replay is not None) and not (
                 self.prefix_caching and self.kv_events is not None):
             raise ValueError("kv_events: KV events need prefix_caching and a kv_events endpoint")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_are_disjoint(self) -> ServiceConfig:
+        seen: dict[str, str] = {}
+        for name, ids in self.cache_groups.items():
+            if not name or not ids or "" in ids:
+                raise ValueError(f"cache_groups: group {name!r} needs a name and worker ids")
+            for worker_id in ids:
+                if seen.setdefault(worker_id, name) != name:
+                    raise ValueError(f"cache_groups: worker {worker_id!r} is in groups "
+                                     f"{seen[worker_id]!r} and {name!r}")
         return self
 
     @model_validator(mode="after")

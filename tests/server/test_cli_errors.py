@@ -36,6 +36,8 @@ def fails_with(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     (["--ipc", "tcp://:5555"], "need tcp://host:port"),
     (["--num-blocks", "many"], "argument --num-blocks: invalid int value: 'many'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--cache-group", "team"], "argument --cache-group: 'team' is not NAME=ID[,ID...]"),
+    (["--cache-group", "=a,b"], "argument --cache-group: '=a,b' is not NAME=ID[,ID...]"),
 ])
 def test_serve_refuses_a_bad_flag_naming_it_and_the_value(capsys, argv, message):
     err = fails_with(capsys, "serve", *argv)
@@ -47,6 +49,8 @@ def test_serve_refuses_a_bad_flag_naming_it_and_the_value(capsys, argv, message)
     (["--num-blocks", "-3"], "--num-blocks -3: Input should be greater than 0"),
     (["--max-workers", "0"], "--max-workers 0: Input should be greater than 0"),
     (["--device", "tpu"], "--device tpu: Value error, device: 'tpu' is not a torch device"),
+    (["--cache-group", "x=a", "--cache-group", "y=a,b"],
+     "configuration: Value error, cache_groups: worker 'a' is in groups 'x' and 'y'"),
     # Socket directories are checked where the service runs (a deployed command line is also
     # read elsewhere), before anything is bound.
     (["--ipc", "ipc:///nonexistent/x"],

@@ -2,29 +2,58 @@
 raw msgpack ``[ts, [event, ...], rank]``, each event an array tagged by its class name; three
 frames ``topic, seq (8 bytes big-endian), payload``; on a gap, a replay request ``[b"", start]``
 answered by ``[b"", seq, payload]`` ... ``[b"", -1, b""]``. It keeps the set of cached block
-hashes."""
+hashes. Given the service token it connects as kvalloc's docs say a router does: with the CURVE
+keys derived from it (`server.contract.routing`); `handshake` tells how a connection's
+handshake ended, from ZeroMQ's own monitor events."""
 
 from __future__ import annotations
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from server.contract.routing import authenticate_subscriber
+
+# Which failure ZeroMQ reports for a refused handshake depends on where it stopped.
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                      zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+HANDSHAKE_ENDS = zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(HANDSHAKE_FAILURES)
+
+
+def watch(socket: zmq.Socket) -> zmq.Socket:
+    """A monitor of ``socket``'s handshakes (call before it connects)."""
+    return socket.get_monitor_socket(HANDSHAKE_ENDS | zmq.EVENT_DISCONNECTED)
+
+
+def handshake(monitor: zmq.Socket, timeout_ms: int) -> int | None:
+    """The first handshake (or disconnection) event, None if none comes within ``timeout_ms``."""
+    if not monitor.poll(timeout_ms):
+        return None
+    return recv_monitor_message(monitor)["event"]
 
 
 class Subscriber:
     """Written from vLLM's message shape alone: no kvalloc types."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str, token: str | None = None) -> None:
         self.context = zmq.Context.instance()
         self.endpoint = endpoint
-        self.replay = self.context.socket(zmq.DEALER)
+        self.token = token
+        self.replay = self._socket(zmq.DEALER)
         self.replay.connect(replay_endpoint)
         self.cached: set[int] = set()
         self.last_seq = -1
         self.replayed = 0
         self.connect()
 
+    def _socket(self, kind: int) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        if self.token is not None:
+            authenticate_subscriber(socket, self.token)
+        return socket
+
     def connect(self) -> None:
-        self.sub = self.context.socket(zmq.SUB)
+        self.sub = self._socket(zmq.SUB)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
         self.sub.connect(self.endpoint)
 

@@ -81,6 +81,35 @@ def test_without_token_ids_or_with_another_cache_key_nothing_is_shared():
     assert other.step(StepPlan(prompt_lens=[26], prompt_tokens=[prompt(1)])).cached_tokens[0] == 0
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_prompts_share_blocks_only_under_the_same_salt(compiled: bool):
+    """A salt is a namespace: a prompt hashed under another salt neither hits the blocks cached
+    under the first (a probe learns nothing) nor registers over them (nothing is poisoned)."""
+    m = make_manager(compiled=compiled)
+    m.step(StepPlan(prompt_lens=[20], prompt_tokens=[m.prompt(SYSTEM, b"tenant-a")]))
+    probe = m.step(StepPlan(prompt_lens=[20], prompt_tokens=[m.prompt(SYSTEM, b"tenant-b")]))
+    assert probe.cached_tokens.tolist() == [0]
+    again = m.step(StepPlan(prompt_lens=[20], prompt_tokens=[m.prompt(SYSTEM, b"tenant-a")]))
+    assert again.cached_tokens.tolist() == [16]
+    a, b, a2 = (m.view(int(r)).block_ids[:4].tolist() for r in
+                (*m.live_rows[:2], m.live_rows[2]))
+    assert a2 == a and not set(b) & set(a)
+    m.check_invariants()
+
+
+def test_the_root_separates_key_from_salt_and_takes_a_secret_seed():
+    assert block_hashes(SYSTEM, TPB, b"ab", salt=b"c") != block_hashes(SYSTEM, TPB, b"a",
+                                                                        salt=b"bc")
+    seeded = block_hashes(SYSTEM, TPB, seed=b"s" * 32)
+    assert seeded == block_hashes(SYSTEM, TPB, seed=b"s" * 32)
+    others = set(block_hashes(SYSTEM, TPB)) | set(block_hashes(SYSTEM, TPB, seed=b"t" * 32))
+    assert not set(seeded) & others
+    m = make_manager(hash_seed=b"s" * 32)
+    assert m.prompt(SYSTEM).hashes == seeded
+    with pytest.raises(InvalidValue, match="seed: 65 bytes"):
+        make_manager(hash_seed=b"s" * 65)
+
+
 def test_freed_cached_blocks_are_parked_reusable_then_evicted_tail_first():
     m = make_manager(num_blocks=12)
     row = m.add_request("a", 26, prompt_tokens=prompt(1))
