@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from cuda_checks import no_host_sync
 from transformers import LlamaConfig
 
 from server.client import Client
@@ -80,6 +81,38 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool) -> Non
     assert stats.accepted_drafts > 0 and stats.table_violations == 0
     assert (stats.forwards_ahead > 0) == overlap
     assert stats.device_busy_s > 0
+
+
+def test_an_overlap_step_never_makes_the_host_wait(cuda_device: str) -> None:
+    """Every launch of an overlap worker's step (inputs, forward, verification, commit) runs
+    under torch's sync debug mode set to error: a read back anywhere in it would raise."""
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         eos_token_id=None)
+    model = random_model(config, seed=0, device=cuda_device)
+    rng = np.random.default_rng(1)
+    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist()) for i, n in
+               enumerate((3, 9, 30, 70))]
+    truth = {p.req_id: rng.integers(0, 96, 12).tolist() for p in prompts}
+    core, client = _client(model, longest=90, batch=4, dtype="float32", overlap=True)
+    try:
+        engine = Engine(model, client, DeviceOracleDrafter(truth, 0.5, vocab_size=96,
+                                                           device=torch.device(cuda_device)),
+                        draft_len=3, overlap=True)
+        launch, launched = engine.step.launch, []
+
+        def checked(plan: object) -> object:
+            with no_host_sync():
+                launched.append(launch(plan))
+            return launched[-1]
+
+        engine.step.launch = checked  # type: ignore[method-assign]
+        outputs = engine.run(prompts, 12)
+    finally:
+        core.close()
+    assert launched
+    assert all(len(v) == 12 for v in outputs.values())
+    assert engine.stats.forwards_ahead > 0
 
 
 def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
