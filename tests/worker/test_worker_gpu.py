@@ -32,30 +32,36 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
 
 
 def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
-            overlap: bool = False) -> tuple[ServiceCore, Client]:
+            overlap: bool = False, prefix_caching: bool = False) -> tuple[ServiceCore, Client]:
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
                           dtype=dtype, device="cuda", max_batch_size=batch)
-    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048))
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048,
+                                     prefix_caching=prefix_caching))
     client = Client.in_process(core, worker_id="gpu-worker")
     client.register(overlap=overlap)
     return core, client
 
 
 def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, drafter: object,
-         draft_len: int, *, overlap: bool = False,
+         draft_len: int, *, overlap: bool = False, prefix_caching: bool = False,
          **pool: object) -> tuple[dict[str, list[int]], Engine]:
-    core, client = _client(model, overlap=overlap, **pool)
+    core, client = _client(model, overlap=overlap, prefix_caching=prefix_caching, **pool)
     try:
         client.pool.kv.fill_(float("nan"))
         engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap,
-                        validate=True)
+                        validate=True, share_prefixes=prefix_caching)
         return engine.run(prompts, new_tokens), engine
     finally:
         core.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "prefix_caching"), [(False, False), (True, False),
+                                                         (True, True)],
+                         ids=["sync", "overlap", "overlap-prefix-caching"])
+def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool,
+                                         prefix_caching: bool) -> None:
+    """With prefix caching the prompts share a 64-token prefix: later ones skip its prefill
+    and read the blocks an earlier one committed, under the service's write protection."""
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          eos_token_id=None)
@@ -63,8 +69,9 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool) -> Non
     reference = random_model(config, seed=0, device=cuda_device)
     reference.set_attn_implementation("sdpa")
     rng = np.random.default_rng(0)
-    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
-               for i, n in enumerate((1, 5, 17, 40, 130, 300))]
+    shared = rng.integers(0, 96, 64).tolist() if prefix_caching else []
+    prompts = [NamedPrompt(str(i), shared + rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((1, 5, 17, 40, 130, 236))]
     expected = {}
     with torch.inference_mode():
         for p in prompts:
@@ -75,9 +82,10 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool) -> Non
     drafter = (DeviceOracleDrafter(expected, 0.5, vocab_size=96, device=torch.device("cuda"))
                if overlap else OracleDrafter(expected, 0.5, vocab_size=96))
     outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316, batch=8,
-                           dtype="float32", overlap=overlap)
+                           dtype="float32", overlap=overlap, prefix_caching=prefix_caching)
     assert outputs == expected
     stats = engine.stats
+    assert (stats.cached_prompt_tokens > 0) == prefix_caching
     assert stats.accepted_drafts > 0 and stats.table_violations == 0
     assert (stats.forwards_ahead > 0) == overlap
     assert stats.device_busy_s > 0
