@@ -81,8 +81,11 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool,
             expected[p.req_id] = out[0, ids.shape[1]:].tolist()
     drafter = (DeviceOracleDrafter(expected, 0.5, vocab_size=96, device=torch.device("cuda"))
                if overlap else OracleDrafter(expected, 0.5, vocab_size=96))
-    outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316, batch=8,
-                           dtype="float32", overlap=overlap, prefix_caching=prefix_caching)
+    # Two rows with prefix caching: the later prompts are admitted once earlier ones finished,
+    # so their shared prefix is cached by then.
+    outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316,
+                           batch=2 if prefix_caching else 8, dtype="float32", overlap=overlap,
+                           prefix_caching=prefix_caching)
     assert outputs == expected
     stats = engine.stats
     assert (stats.cached_prompt_tokens > 0) == prefix_caching
