@@ -38,8 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_commit import call_us  # one eager call from an idle device (the reference syncs)
 
-from worker.pool_attention import PagedLayout, pool_attention
-from worker.pool_attention_triton import LaunchConfig, default_launch, pool_attention_triton
+from worker.attention.pool_attention import PagedLayout, pool_attention
+from worker.attention.pool_attention_triton import (
+    LaunchConfig,
+    default_launch,
+    pool_attention_triton,
+)
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # query heads, KV heads, head size
 BATCH, QUERIES, HISTORY, TPB = 64, 4, 1536, 16
@@ -151,7 +155,7 @@ def decode_row(shape: str, launches: int, repeats: int, sweep: bool) -> dict:
 
 
 def chunk_row(shape: str, launches: int, repeats: int) -> dict:
-    from worker.pool_attention_triton import MAX_KERNEL_QUERY
+    from worker.attention.pool_attention_triton import MAX_KERNEL_QUERY
 
     step = DecodeStep(shape, entries=8, queries=MAX_KERNEL_QUERY, history=HISTORY)
     return {"shape": shape, "entries": 8, "queries": MAX_KERNEL_QUERY, "history": HISTORY,

@@ -38,6 +38,9 @@ FORBIDDEN = (
     ("server.service", "server.devtools"),
     ("server.transport", "server.devtools"),
     ("server", "worker"),
+    ("worker.attention", "worker.step"),
+    ("worker.attention", "worker.engine"),
+    ("worker.step", "worker.engine"),
 )
 
 

@@ -53,11 +53,11 @@ from allocator.capacity.table_validator import TableValidator
 from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepResult
-from worker.commit import worker_commit
-from worker.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
-from worker.rows import DeviceRows
+from worker.step.commit import worker_commit
+from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
+from worker.step.rows import DeviceRows
 
 
 class EngineError(RuntimeError):

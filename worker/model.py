@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from allocator import PoolConfig
-from worker.attention import ATTN_IMPLEMENTATION, register
+from worker.attention.hook import ATTN_IMPLEMENTATION, register
 
 # Decoder-only families whose attention is plain (optionally grouped-query) softmax attention
 # over rotary positions, which is what the pool path implements.

@@ -12,7 +12,7 @@ import pytest
 import torch
 from worker_oracle import CONFIGS, Oracle, pool_config
 
-from worker.attention import KvallocAttentionError
+from worker.attention.hook import KvallocAttentionError
 from worker.cli import PromptFileError, read_prompts
 from worker.drafters import DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
 from worker.engine import Engine, EngineError, LayoutMismatch, NamedPrompt

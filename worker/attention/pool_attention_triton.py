@@ -1,4 +1,4 @@
-"""`pool_attention_triton`: `worker.pool_attention.pool_attention` as one Triton launch.
+"""`pool_attention_triton`: `worker.attention.pool_attention.pool_attention` as one Triton launch.
 
 Same inputs, same layout, same result (to rounding), plus an optional ``out``. The launch reads
 no device value on the host: its grid is ``(entries, kv_heads, query tiles)``, all sizes the
@@ -22,7 +22,7 @@ from functools import cache
 
 import torch
 
-from worker.pool_attention import PagedLayout, check_inputs, reject
+from worker.attention.pool_attention import PagedLayout, check_inputs, reject
 
 MAX_HEAD_DIM = 256
 MAX_KERNEL_QUERY = 64
@@ -146,7 +146,7 @@ def _launch(query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
             pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, out: torch.Tensor,
             scale: float, window: int | None, scales: tuple[torch.Tensor | None, ...],
             launch: LaunchConfig) -> None:
-    from worker import pool_attention_kernel as kernels
+    from worker.attention import pool_attention_kernel as kernels
 
     if query.is_cuda:
         kernel, combine, helpers = (kernels.pool_attention_jit, kernels.combine_splits_jit,

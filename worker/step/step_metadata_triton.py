@@ -1,4 +1,4 @@
-"""`metadata_triton`: `worker.step_metadata.metadata_reference` as one Triton launch.
+"""`metadata_triton`: `worker.step.step_metadata.metadata_reference` as one Triton launch.
 
 Program ``p`` handles packed tokens ``p * BLOCK ..``: it finds each token's entry, the entry's
 history (its first token's program also stores it), the token's position, its slot through the
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.step_metadata import EntryColumns, StepMetadata
+from worker.step.step_metadata import EntryColumns, StepMetadata
 
 BLOCK = 128
 

@@ -10,7 +10,7 @@ the model's next token; the emitted tokens stop at the request's limit or a stop
 step's outcome (`Launched`) is copied to pinned host memory behind an event, and the host reads
 it when it needs it: at once in a synchronous worker, one step later in an overlap worker.
 
-An overlap worker also commits on the device (`worker.commit`), right after verification and
+An overlap worker also commits on the device (`worker.step.commit`), right after verification and
 before the next forward reads history. Its window counts every token of an entry as a draft: an
 entry keeps ``1 + accepted`` tokens (a decode) or its whole chunk (a prefill) while its request
 goes on, and nothing once the request ended, in this step or before (a wasted forward), so the
@@ -28,12 +28,12 @@ import torch
 
 from allocator.capacity.table_validator import TableValidator
 from allocator.common.device_io import upload_int64
-from worker.attention import PoolStep
-from worker.commit import WorkerCommit
+from worker.attention.hook import PoolStep
+from worker.attention.pool_attention import HostBounds, PagedLayout
 from worker.drafters import DeviceOracleDrafter
-from worker.pool_attention import HostBounds, PagedLayout
-from worker.rows import DeviceRows
-from worker.step_metadata import EntryColumns, StepMetadata, step_metadata
+from worker.step.commit import WorkerCommit
+from worker.step.rows import DeviceRows
+from worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class DeviceStep:
 
     def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, StepMetadata, _Columns]:
         """The step's layout, metadata (input ids, positions, slots) and columns, from one
-        upload and one launch (`worker.step_metadata`)."""
+        upload and one launch (`worker.step.step_metadata`)."""
         cols = _Columns.upload(plan, self.device)
         meta = step_metadata(
             EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,

@@ -1,10 +1,11 @@
-"""The paged two-source attention kernel (`worker.pool_attention_triton`) against the torch
-reference (`worker.pool_attention.pool_attention`) on random steps (`pool_steps`): ragged
-histories crossing blocks, empty entries, rows whose history runs past their blocks (-1 table
-entries, invisible to both), device-only leads, sliding windows, GQA ratios 1 / 4 / 8, and NaN
-in every pool slot and staging row the step does not own, so a read outside an entry's blocks
-shows in the output. CPU cases run the kernel in Triton's interpreter on small shapes; GPU cases
-run it compiled on larger ones, and once captured in a CUDA graph and replayed.
+"""The paged two-source attention kernel (`worker.attention.pool_attention_triton`) against the
+torch reference (`worker.attention.pool_attention.pool_attention`) on random steps
+(`pool_steps`): ragged histories crossing blocks, empty entries, rows whose history runs past
+their blocks (-1 table entries, invisible to both), device-only leads, sliding windows, GQA
+ratios 1 / 4 / 8, and NaN in every pool slot and staging row the step does not own, so a read
+outside an entry's blocks shows in the output. CPU cases run the kernel in Triton's interpreter
+on small shapes; GPU cases run it compiled on larger ones, and once captured in a CUDA graph and
+replayed.
 
 Tolerances. float32: 1e-5 (both sum the same products in float32, in another order). 16-bit
 dtypes: outputs are convex combinations of N(0, 1) values, below ~4 in size; the reference
@@ -27,9 +28,9 @@ from cuda_checks import no_host_sync
 from pool_steps import RandomStep, random_step
 from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
 
-from worker import attention
-from worker.pool_attention import PagedLayout, PoolAttentionInputError, pool_attention
-from worker.pool_attention_triton import (
+from worker.attention import hook
+from worker.attention.pool_attention import PagedLayout, PoolAttentionInputError, pool_attention
+from worker.attention.pool_attention_triton import (
     MAX_KERNEL_QUERY,
     LaunchConfig,
     kernel_takes,
@@ -247,17 +248,17 @@ def test_the_workers_attention_takes_the_kernel_on_cuda(monkeypatch: pytest.Monk
         calls.append(args[-1])
         return pool_attention_triton(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "pool_attention_triton", counted)
+    monkeypatch.setattr(hook, "pool_attention_triton", counted)
     n = step.layout.num_tokens
     kv = torch.stack([step.pool_k, step.pool_v])[None]
     staging = torch.empty(1, 2, n + 8, *step.staged_k.shape[1:], dtype=step.query.dtype,
                           device="cuda")
     module = torch.nn.Module()
     module.layer_idx = 0
-    out, _ = attention.kvalloc_attention(
+    out, _ = hook.kvalloc_attention(
         module, step.query.transpose(0, 1)[None], step.staged_k[:n].transpose(0, 1)[None],
         step.staged_v[:n].transpose(0, 1)[None], None, scaling=0.125,
-        kvalloc_step=attention.PoolStep(kv, staging, step.layout))
+        kvalloc_step=hook.PoolStep(kv, staging, step.layout))
     assert len(calls) == 1 and calls[0] is step.layout
     want = pool_attention(step.query, step.staged_k, step.staged_v, step.pool_k, step.pool_v,
                           step.layout, scale=0.125)

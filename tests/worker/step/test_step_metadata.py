@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpreter import needs_triton_interpreter
 
-from worker.step_metadata import EntryColumns, metadata_reference, step_metadata
+from worker.step.step_metadata import EntryColumns, metadata_reference, step_metadata
 
 TOKENS_PER_BLOCK = 4
 

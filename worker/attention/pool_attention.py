@@ -15,7 +15,7 @@ attention never waits for the host, and the host needs only bounds (``max_query`
 ``max_keys`` per group) that it knows without the device.
 
 `pool_attention` is the plain torch form (any device, the reference); the Triton kernel beside it
-(`worker.pool_attention_triton`) reads the same layout and is tested against it.
+(`worker.attention.pool_attention_triton`) reads the same layout and is tested against it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ past the row's blocks), and the ``ids`` the forward reads (the host's, except a 
 token: its request's pending token, which only the device knows on an overlap worker).
 
 `metadata_reference` states it in torch (any device: a few dozen tiny operations);
-`worker.step_metadata_triton` is the same as one kernel launch, which is what keeps a step's
+`worker.step.step_metadata_triton` is the same as one kernel launch, which is what keeps a step's
 host time to a few microseconds on a GPU. Tests compare the two in Triton's interpreter.
 """
 
@@ -63,6 +63,6 @@ def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
     interpreter on CPU tensors (``triton``)."""
     if resolve_backend(backend, table.device) == "torch":
         return metadata_reference(cols, lead, pending, table, tokens_per_block)
-    from worker.step_metadata_triton import metadata_triton
+    from worker.step.step_metadata_triton import metadata_triton
 
     return metadata_triton(cols, lead, pending, table, tokens_per_block)

@@ -1,0 +1,8 @@
+"""Attention straight from the kvalloc pool: `hook` (transformers' ``AttentionInterface``
+function the model calls in every layer, and the step it reads), `pool_attention` (the step's
+layout on the device and the two-source attention in plain torch: the reference), and its Triton
+kernel (`pool_attention_kernel`, launched and dispatched by `pool_attention_triton`).
+
+May import `allocator`; never `worker.step` or `worker.engine` (the loop uses attention, not the
+other way round).
+"""
