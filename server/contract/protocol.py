@@ -348,7 +348,11 @@ class StepReply(Contract):
 
 
 class RequestRef(Contract):
+    """A request, read by the session that owns it: a request's blocks and history are its
+    worker's, so another token holder who knows the worker id does not read them."""
+
     worker_id: WorkerId
+    session: Serial
     req_id: ReqId
 
 

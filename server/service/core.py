@@ -301,7 +301,7 @@ class ServiceCore:
         with self.lock:
             self._check_open()
             self._expire(self.clock())
-            worker = self.registry.worker(req.worker_id, None)
+            worker = self.registry.worker(req.worker_id, req.session)
             row = self.registry.row_of(worker, req.req_id)
             view = self.manager.view(row)
             return wire.RequestState(

@@ -62,9 +62,9 @@ def worker(core: ServiceCore, worker_id: str = "w", *, attach: bool = True) -> N
 def state_of(core: ServiceCore) -> tuple[object, ...]:
     """Everything a refused call must leave unchanged."""
     pool = core.get_pool(wire.PoolQuery(verify=True))
-    requests = sorted((w.worker_id, r, core.get_request(wire.RequestRef(worker_id=w.worker_id,
-                                                                        req_id=r)))
-                      for w in core.registry for r in w.req_ids)
+    requests = sorted((w.worker_id, r, core.get_request(wire.RequestRef(
+        worker_id=w.worker_id, session=w.session, req_id=r))) for w in core.registry
+        for r in w.req_ids)
     return (pool.free_blocks, pool.num_requests, pool.capacity_tokens, pool.history_tokens,
             pool.pending_slack_tokens, tuple(requests),
             core.manager.table.host.tobytes(), core.registry.owner.tobytes(),
