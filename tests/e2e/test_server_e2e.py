@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -241,3 +242,36 @@ def test_a_restarted_service_is_noticed_and_workers_register_again(tmp_path: Pat
                 reply.scheduled.handles[0] == reply.admitted[0]
     finally:
         svc.stop()
+
+
+def test_a_paused_service_extends_leases_instead_of_expiring_its_workers(tmp_path: Path) -> None:
+    """SIGSTOP the service for twice its lease, then SIGCONT: the time it did not run is no
+    worker's silence, so the worker steps on with its requests and blocks; a lease still ends
+    when the worker, not the service, goes silent (test_a_killed_worker_loses_its_lease...)."""
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", "300") as probe, \
+            Client(probe.ipc, worker_id="probe") as client:
+        started = time.monotonic()
+        client.register()
+        client.step(new=(["a"], [20]))
+        pool_state(probe)
+        calls_s = time.monotonic() - started
+    # The calls below take calls_s on this machine as it is now: the lease is ten times that, so
+    # only the pause can outlast it.
+    lease_s = max(2.0, 10 * calls_s)
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", f"{lease_s:.1f}") as svc, \
+            Client(svc.ipc, worker_id="paused", timeout_s=WORKER_TIMEOUT_S) as client:
+        assert svc.proc is not None
+        client.register()
+        handle = client.step(new=(["a"], [20])).admitted[0]
+        used = pool_state(svc).used_blocks
+        svc.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2 * lease_s)
+        finally:
+            svc.proc.send_signal(signal.SIGCONT)
+        reply = client.step(grants=([handle], [1]))
+        state = pool_state(svc)
+        assert np.asarray(reply.scheduled.handles).tolist() == [handle]
+        assert (state.leases_expired, [w.worker_id for w in state.workers]) == (0, ["paused"])
+        assert state.used_blocks >= used and state.num_requests == 1
+        assert "did not run for" in svc.log()

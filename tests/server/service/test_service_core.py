@@ -404,6 +404,25 @@ def test_a_call_after_the_ttl_finds_the_lease_gone_even_before_the_reaper(
     assert core.manager.num_requests == 0
 
 
+def test_a_watched_gap_extends_every_lease_and_silence_still_ends_one(
+        core: ServiceCore, clock: FakeClock) -> None:
+    """Under watch_pauses (what the reaper sets), a gap longer than the watch between two looks
+    is time the service did not run: no lease runs out for it, the workers' blocks stay. Looks
+    as often as the watch asks still see a silent worker's lease end, TTL after its last call."""
+    core.watch_pauses(TTL / 4)
+    w = worker(core)
+    w.step(new={"a": 20})
+    used = core.manager.used_blocks
+    clock.now += 10 * TTL  # one gap: the service was stopped
+    assert core.expire_leases() == 0 and core.manager.used_blocks == used
+    w.step()  # the worker carries on in its session
+    resumed = clock.now
+    while clock.now <= resumed + TTL:
+        assert core.expire_leases() == 0
+        clock.now += TTL / 8
+    assert core.expire_leases() == 1 and core.manager.used_blocks == 0
+
+
 def test_a_stale_epoch_is_reported_as_a_restart(make_core: Callable[..., ServiceCore]) -> None:
     old, new = make_core(), make_core()
     w = worker(old).client
