@@ -180,6 +180,8 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
         model = random_model(config_from_file(args.model_config), seed=args.seed, dtype=dtype,
                              device=args.device)
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
+    if stop.requested:  # Ctrl-C while the model loaded: nothing registered, nothing ran
+        raise Interrupted(RunStats())
     with _client(args, model, prompts) as client:
         if name == "oracle":
             truth, _ = generate(model, client, prompts, args, None, 0, stop)
