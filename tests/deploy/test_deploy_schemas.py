@@ -316,6 +316,9 @@ def test_the_image_carries_every_package_and_can_carry_the_worker_extra():
     lines = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
     copied = [line.split()[1] for line in lines if line.startswith("COPY ")]
     assert {p.rstrip("*") for p in packages} <= set(copied)
+    context = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in context  # only what is let back in reaches the build
+    assert {f"!{c}/" if (ROOT / c).is_dir() else f"!{c}" for c in copied} <= set(context)
     assert 'ARG KVALLOC_EXTRAS=""' in lines
     (install,) = [line for line in lines if "/wheels/" in line and line.startswith("RUN ")]
     assert '"kvalloc${KVALLOC_EXTRAS} @ file://' in install
