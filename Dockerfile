@@ -2,6 +2,7 @@
 # kvalloc: one allocator per GPU. Build from the repository root:
 #   docker build -t kvalloc:0.1.0 .
 #   docker build -t kvalloc:cpu --build-arg BASE_IMAGE=python:3.12-slim .   # no GPU
+#   docker build -t kvalloc:0.1.0-worker --build-arg KVALLOC_EXTRAS='[worker]' .  # + kvalloc worker
 # The default base is a CUDA runtime image that already ships torch (and Triton), so the image
 # adds only kvalloc and its small pure-Python dependencies on top. It is the stack the GPU tests
 # run on: torch 2.11 built for CUDA 13.0, with its Triton 3.6.
@@ -18,6 +19,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY allocator allocator
 COPY server server
+COPY worker worker
 RUN python -m pip wheel --no-deps --no-cache-dir --wheel-dir /wheels .
 
 FROM ${BASE_IMAGE}
@@ -25,8 +27,11 @@ FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN python -c "import torch" 2>/dev/null \
     || python -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch
+# KVALLOC_EXTRAS='[worker]' adds what `kvalloc worker` needs (transformers); the default image
+# serves, and runs loadgen and simulate, without it.
+ARG KVALLOC_EXTRAS=""
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python -m pip install --no-cache-dir /wheels/*.whl
+    python -m pip install --no-cache-dir "kvalloc${KVALLOC_EXTRAS} @ file://$(echo /wheels/kvalloc-*.whl)"
 # Non-root; /run/kvalloc holds the Unix socket and IPC endpoint shared with same-host workers.
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvalloc \
     && install -d -o kvalloc -g kvalloc -m 0750 /run/kvalloc

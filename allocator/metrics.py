@@ -152,6 +152,9 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
     cfg = manager.config
     total = manager.pool.num_blocks
     free = manager.free_blocks
+    # Parked blocks (cached, no request holds them) are room: the next allocation evicts them.
+    # Counted as used, an idle service with a warm cache would read a nearly full pool.
+    used = total - free - manager.pool.num_parked
     t = manager.totals()
     info = GaugeMetricFamily(
         "kvalloc_pool_info", "Static pool configuration (value is always 1).",
@@ -163,8 +166,11 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
         info,
         _gauge("kvalloc_pool_blocks", "Blocks in the pool.", total),
         _gauge("kvalloc_pool_free_blocks", "Blocks on the free list.", free),
-        _gauge("kvalloc_pool_used_blocks", "Blocks owned by live requests.", total - free),
-        _gauge("kvalloc_pool_usage_ratio", "Used blocks / pool blocks.", (total - free) / total),
+        _gauge("kvalloc_pool_used_blocks",
+               "Blocks held by live requests (parked cached blocks are not: "
+               "kvalloc_prefix_parked_blocks).", used),
+        _gauge("kvalloc_pool_usage_ratio",
+               "Used blocks / pool blocks; parked cached blocks count as room.", used / total),
         _gauge("kvalloc_tokens_per_block", "Token slots per block.", cfg.tokens_per_block),
         _gauge("kvalloc_max_blocks_per_seq", "Blocks in one block-table row.",
                manager.max_blocks_per_seq),

@@ -80,7 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == name:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    return int(importlib.import_module(COMMANDS[args.command][0]).run(args))
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args))
+    except KeyboardInterrupt:
+        # Ctrl-C where a command does not stop at a step boundary (loading, or a second Ctrl-C
+        # while a step hangs): one line, not a traceback, and the shell's status for it.
+        from allocator.tools.interrupt import INTERRUPTED
+
+        print(f"kvalloc {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -212,7 +212,11 @@ class Client:
         return reply
 
     def get_request(self, req_id: str) -> wire.RequestState:
-        return self.call("get_request", wire.RequestRef(worker_id=self.worker_id, req_id=req_id))
+        """One of this session's requests (another session's are not readable)."""
+        if self.registration is None:
+            raise RuntimeError("register() first")
+        return self.call("get_request", wire.RequestRef(
+            worker_id=self.worker_id, session=self.registration.session, req_id=req_id))
 
     def get_pool(self, *, verify: bool = False) -> wire.PoolState:
         return self.call("get_pool", wire.PoolQuery(verify=verify))

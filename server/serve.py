@@ -449,6 +449,8 @@ class LeaseReaper:
         self._thread = threading.Thread(target=self._run, name="kvalloc-leases", daemon=True)
 
     def start(self) -> None:
+        # It looks every interval: a gap of two means the whole service was paused.
+        self.core.watch_pauses(2 * self.interval)
         self._thread.start()
 
     def stop(self) -> None:

@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from allocator.config import SlackPolicy
+from allocator.tools.interrupt import INTERRUPTED, StopRequest, sigint_stops
 from server.client import Client
 from server.contract.addresses import default_client_address
 from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
@@ -52,6 +53,18 @@ from worker.model import (
     pool_for_model,
     random_model,
 )
+
+
+class DeviceUnavailable(ValueError):
+    """``--device cuda`` (or ``cuda:N``) where torch sees no such GPU."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C, taken between two steps; carries the figures of the steps run so far."""
+
+    def __init__(self, stats: RunStats) -> None:
+        super().__init__("interrupted")
+        self.stats = stats
 
 
 class PromptFileError(ValueError):
@@ -152,7 +165,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = _run(args)
+        with sigint_stops() as stop:
+            result = _run(args, stop)
+    except Interrupted as exc:
+        summary = {"interrupted": True, **exc.stats.as_dict()}
+        print(json.dumps(summary) if args.json else _human_interrupted(summary))
+        return INTERRUPTED
     except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
             ValueError) as exc:
         print(f"kvalloc worker: {exc}", file=sys.stderr)
@@ -168,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
     name, rate = parse_drafter_spec(args.drafter)
+    check_device(args.device)
     dtype = DTYPES[args.dtype]
     if args.model is not None:
         model = load_model(args.model, dtype=dtype, device=args.device)
@@ -177,31 +196,53 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         model = random_model(config_from_file(args.model_config), seed=args.seed, dtype=dtype,
                              device=args.device)
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
+    if stop.requested:  # Ctrl-C while the model loaded: nothing registered, nothing ran
+        raise Interrupted(RunStats())
     with _client(args, model, prompts) as client:
         drafter: Drafter | DeviceOracleDrafter
         if name == "oracle":
-            truth, _ = generate(model, client, prompts, args, None, 0)
+            truth, _ = generate(model, client, prompts, args, None, 0, stop)
             oracle = DeviceOracleDrafter if args.overlap else OracleDrafter
             drafter = oracle(truth, rate, vocab_size=model.config.vocab_size, seed=args.seed,
                              **({"device": client.pool.kv.device} if args.overlap else {}))
         else:
             drafter = NgramDrafter()
-        outputs, stats = generate(model, client, prompts, args, drafter, args.draft_len)
+        outputs, stats = generate(model, client, prompts, args, drafter, args.draft_len, stop)
     return {"outputs": [{"id": p.req_id, "token_ids": outputs[p.req_id]} for p in prompts],
             **stats.as_dict()}
 
 
 def generate(model: Any, client: Client, prompts: Sequence[NamedPrompt], args: argparse.Namespace,
-             drafter: Drafter | DeviceOracleDrafter | None,
-             draft_len: int) -> tuple[dict[str, list[int]], RunStats]:
+             drafter: Drafter | DeviceOracleDrafter | None, draft_len: int,
+             stop: StopRequest) -> tuple[dict[str, list[int]], RunStats]:
+    """Every prompt's output; `Interrupted` once ``stop`` is set, at the end of a step (its
+    reply taken, no call in flight), so that the client can still deregister."""
     engine = Engine(model, client, drafter, draft_len=draft_len,
                     stop_token_ids=_stop_tokens(model), overlap=args.overlap,
                     validate=args.validate)
     total = len(prompts) * args.max_new_tokens
+
+    def after_step(tokens: int) -> None:
+        bar.update(tokens)
+        if stop.requested:
+            raise Interrupted(engine.stats)
+
     with tqdm(total=total, unit="tok", file=sys.stderr, disable=args.no_progress or None,
               desc="speculative" if draft_len else "plain") as bar:
-        outputs = engine.run(prompts, args.max_new_tokens, on_progress=bar.update)
+        outputs = engine.run(prompts, args.max_new_tokens, on_progress=after_step)
     return outputs, engine.stats
+
+
+def check_device(device: str) -> None:
+    """`DeviceUnavailable` for a CUDA device torch cannot see, before anything is loaded."""
+    try:
+        where = torch.device(device)
+    except RuntimeError as exc:
+        raise DeviceUnavailable(f"--device {device}: {exc}") from None
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        seen = torch.cuda.device_count()
+        raise DeviceUnavailable(f"--device {device}: torch sees {seen} CUDA device(s) here; "
+                                f"use --device cpu")
 
 
 def _stop_tokens(model: Any) -> list[int]:
@@ -254,6 +295,11 @@ def in_process_config(args: argparse.Namespace, model: Any,
         max_batch_size=args.max_batch_size, num_blocks=args.num_blocks,
         slack_policy=args.slack_policy)
     return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens)
+
+
+def _human_interrupted(s: dict[str, Any]) -> str:
+    return (f"kvalloc worker: interrupted after {s['steps']} steps, {s['generated_tokens']} "
+            f"tokens, {s['tokens_per_s']:.1f} tokens/s; acceptance {s['acceptance_rate']:.1%}")
 
 
 def _human(result: dict[str, Any]) -> str:

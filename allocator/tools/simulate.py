@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -36,6 +37,7 @@ from allocator.capacity.step.plan import LAGS
 from allocator.config import PoolConfig, SlackPolicy
 from allocator.errors import BlockTableOverflow, InvariantViolation, OutOfBlocks
 from allocator.tools.arguments import bounded, output_file
+from allocator.tools.interrupt import INTERRUPTED, StopRequest, sigint_stops
 from allocator.tools.simulate_plot import plot
 from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 from allocator.tools.simulate_prefix import summary as sharing_summary
@@ -152,14 +154,15 @@ class SimulationSpec:
         )
 
 
-def simulate(spec: SimulationSpec) -> SimulationResult:
-    """Run every request from prefill to ``osl`` output tokens or the first row overflow."""
+def simulate(spec: SimulationSpec, stop: Callable[[], bool] = lambda: False) -> SimulationResult:
+    """Run every request from prefill to ``osl`` output tokens or the first row overflow, or
+    until ``stop()`` says so between two steps (the result is then the steps run so far)."""
     timeline = Timeline(spec)
     # Every step commits at least one token, and the last one's results come `lag` calls on.
     max_steps = spec.osl + spec.lag
     progress = _progress(max_steps, spec.progress)
     for step in range(1, max_steps + 1):
-        if not timeline.call(step):
+        if stop() or not timeline.call(step):
             break
         progress.update(1)
     progress.close()
@@ -366,14 +369,26 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:  # flags that make no pool, e.g. too few --num-blocks
         print(f"kvalloc simulate: error: {exc.errors()[0]['msg']}", file=sys.stderr)
         return 2
-    result = simulate(spec)
-    text = json.dumps(result.summary(), indent=2)
+    with sigint_stops() as stop:
+        result = simulate(spec, stop)
+    _report({**result.summary(), **_interrupted(stop)}, args)
+    if args.plot:
+        plot(result, args.plot)
+    if stop.requested:
+        return INTERRUPTED
+    return 1 if result.failed else 0
+
+
+def _interrupted(stop: StopRequest) -> dict[str, bool]:
+    """The summary's mark of a run Ctrl-C cut short: its figures cover the steps it ran."""
+    return {"interrupted": True} if stop.requested else {}
+
+
+def _report(summary: dict, args: argparse.Namespace) -> None:
+    text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-    if args.plot:
-        plot(result, args.plot)
-    return 1 if result.failed else 0
 
 
 def _run_sharing(args: argparse.Namespace) -> int:
@@ -382,13 +397,11 @@ def _run_sharing(args: argparse.Namespace) -> int:
                        tokens_per_block=args.tokens_per_block,
                        num_blocks=args.num_blocks or SharingSpec.num_blocks, seed=args.seed)
     try:
-        result = simulate_sharing(spec)
+        with sigint_stops() as stop:
+            result = simulate_sharing(spec, stop)
     except (ValidationError, OutOfBlocks) as exc:
         message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         print(f"kvalloc simulate: error: {message}", file=sys.stderr)
         return 2
-    text = json.dumps(sharing_summary(result), indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-    return 0
+    _report({**sharing_summary(result), **_interrupted(stop)}, args)
+    return INTERRUPTED if stop.requested else 0

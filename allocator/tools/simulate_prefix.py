@@ -11,6 +11,7 @@ manager as counts), so a turn reuses the system prompt and every earlier turn's 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -54,7 +55,7 @@ class SharingResult:
     evicted_blocks: int
 
 
-def simulate_sharing(spec: SharingSpec) -> SharingResult:
+def simulate_sharing(spec: SharingSpec, stop: Callable[[], bool] = lambda: False) -> SharingResult:
     manager = KVCacheManager(spec.pool_config(), prefix_caching=True)
     rng = np.random.default_rng(spec.seed)
     system = rng.integers(0, VOCAB, spec.system_len)
@@ -63,7 +64,7 @@ def simulate_sharing(spec: SharingSpec) -> SharingResult:
     running: dict[int, tuple[int, int, int]] = {}  # row -> (conversation, turn, tokens left)
     pending = np.zeros(0, dtype=np.int64)
     steps = turns_done = 0
-    while waiting or running:
+    while (waiting or running) and not stop():
         steps += 1
         done = [row for row, (_, _, left) in running.items() if left == 0]
         for row in done:

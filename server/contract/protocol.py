@@ -266,6 +266,14 @@ class StepRequest(Contract):
 
     ``step_id`` must exceed the last applied one; repeating the last one returns its reply again
     without applying anything.
+
+    Rules between columns, which JSON Schema cannot state (no keyword makes two arrays equally
+    long), each answered 422 ``invalid_body`` naming the column: ``num_accepted``,
+    ``draft_lens``, ``padded_draft_lens`` and ``num_tokens`` have one value per ``handles`` of
+    their group; ``new.prompt_lens`` one per ``new.req_ids``; ``new.first_chunks`` none or one per
+    ``new.req_ids``; ``new.prompt_token_ids`` none or ``sum(new.prompt_lens)`` ids. So are the
+    rules of the allocator's state: a handle must be a live request of the session, a result
+    accepts at most the drafts granted.
     """
 
     worker_id: WorkerId
@@ -351,7 +359,11 @@ class StepReply(Contract):
 
 
 class RequestRef(Contract):
+    """A request, read by the session that owns it: a request's blocks and history are its
+    worker's, so another token holder who knows the worker id does not read them."""
+
     worker_id: WorkerId
+    session: Serial
     req_id: ReqId
 
 

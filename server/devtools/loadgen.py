@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from allocator.tools.arguments import argument_type, bounded
+from allocator.tools.interrupt import INTERRUPTED, sigint_stops
 from allocator.tools.simulate import Acceptance
 from server.client import Client
 from server.contract.addresses import client_address, default_client_address
@@ -226,16 +228,17 @@ class Report:
 
 
 def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
-          duration_s: float | None, step_interval_s: float, progress: bool) -> Report:
-    """Run steps until ``steps`` or ``duration_s`` (None: no such bound). A refused call (or a
-    lost service) costs the worker its requests: it re-registers and starts over, as an engine
-    would after a restart."""
+          duration_s: float | None, step_interval_s: float, progress: bool,
+          stop: Callable[[], bool] = lambda: False) -> Report:
+    """Run steps until ``steps`` or ``duration_s`` (None: no such bound), or until ``stop()``
+    says so between two steps. A refused call (or a lost service) costs the worker its
+    requests: it re-registers and starts over, as an engine would after a restart."""
     report = Report(client.address, worker=worker.stats)
     start = time.perf_counter()
     deadline = start + duration_s if duration_s is not None else float("inf")
     limit = steps if steps is not None else float("inf")
     with tqdm(total=steps, unit="step", disable=not progress, file=sys.stderr) as bar:
-        while report.steps < limit and time.perf_counter() < deadline:
+        while report.steps < limit and time.perf_counter() < deadline and not stop():
             fields = worker.next_step()
             t0 = time.perf_counter()
             try:
@@ -343,12 +346,16 @@ def run(args: argparse.Namespace) -> int:
         layout = registration.layout
         worker = SimulatedWorker(workload, max_draft_len=layout.max_draft_len,
                                  max_step_tokens=layout.max_step_tokens, seed=args.seed)
-        report = drive(client, worker, steps=steps, duration_s=args.duration,
-                       step_interval_s=args.step_interval, progress=not args.no_progress)
-        with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
-            client.deregister()
-    summary = report.summary()
+        with sigint_stops() as stop:
+            report = drive(client, worker, steps=steps, duration_s=args.duration,
+                           step_interval_s=args.step_interval, progress=not args.no_progress,
+                           stop=stop)
+            with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
+                client.deregister()
+    summary = {**report.summary(), **({"interrupted": True} if stop.requested else {})}
     print(json.dumps(summary) if args.json else _human(summary))
+    if stop.requested:
+        return INTERRUPTED
     return 1 if report.errors else 0
 
 
@@ -356,7 +363,8 @@ def _human(s: dict[str, Any]) -> str:
     lat = s["latency_ms"]
     errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"
     return "\n".join([
-        f"kvalloc loadgen: {s['steps']} steps in {s['seconds']:.1f}s against {s['address']}",
+        f"kvalloc loadgen: {s['steps']} steps in {s['seconds']:.1f}s against {s['address']}"
+        f"{' (interrupted)' if s.get('interrupted') else ''}",
         f"  step call latency: p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
         f"  requests: {s.get('admitted', 0)} admitted, {s.get('finished', 0)} finished, "
         f"{s.get('requests_refused', 0)} refused, {s.get('preempted', 0)} preempted; "

@@ -129,6 +129,11 @@ class ServiceCore:
         self._observers: list[ServiceObserver] = []
         self.leases_expired = 0
         self._closed = False
+        # The clock at the last look for expired leases, and the longest gap between two looks
+        # that is not a pause of the whole service (None: gaps are not watched; see
+        # watch_pauses).
+        self._last_look = self.clock()
+        self._longest_quiet_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,7 +229,23 @@ class ServiceCore:
             self._state_changed()
             return expired
 
+    def watch_pauses(self, longest_quiet_s: float) -> None:
+        """From now on, a gap longer than ``longest_quiet_s`` between two looks for expired leases
+        means the service did not run (SIGSTOP, swapped out, a long GC pause): leases are
+        extended by it instead of all running out at once. The caller looks at least that
+        often (the lease reaper), so no gap that long comes from a service that was running."""
+        with self.lock:
+            self._last_look, self._longest_quiet_s = self.clock(), longest_quiet_s
+
+    def _discount_pause(self, now: float) -> None:
+        gap, self._last_look = now - self._last_look, now
+        if self._longest_quiet_s is not None and gap > self._longest_quiet_s:
+            self.registry.extend_leases(gap)
+            log.warning("the service did not run for %.1fs (paused); every lease is extended "
+                        "by that instead of running out", gap)
+
     def _expire(self, now: float) -> int:
+        self._discount_pause(now)
         ttl = self.config.lease_ttl_s
         expired = self.registry.expired(now, ttl)
         for worker in expired:
@@ -303,7 +324,7 @@ class ServiceCore:
         with self.lock:
             self._check_open()
             self._expire(self.clock())
-            worker = self.registry.worker(req.worker_id, None)
+            worker = self.registry.worker(req.worker_id, req.session)
             row = self.registry.row_of(worker, req.req_id)
             view = self.manager.view(row)
             return wire.RequestState(

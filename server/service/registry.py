@@ -115,6 +115,13 @@ class WorkerRegistry:
         self._earliest_seen = min(self._earliest_seen, worker.last_seen)
         return worker
 
+    def extend_leases(self, by_s: float) -> None:
+        """Every live worker counts as seen ``by_s`` later: time the service itself did not run
+        is no worker's silence."""
+        for worker in self._workers.values():
+            worker.last_seen += by_s
+        self._earliest_seen += by_s
+
     def remove(self, worker: Worker) -> np.ndarray:
         """Forget ``worker``; returns the rows of its requests (the caller frees them)."""
         del self._workers[worker.worker_id]

@@ -152,13 +152,15 @@ def _add_inspection_routes(app: FastAPI, core: ServiceCore, auth: list[Any],
     ops = OPERATIONS
 
     @app.get(ops["get_request"].path, response_model=protocol.RequestState, dependencies=auth,
-             responses=errors(404, 413, 422, 500, 503), tags=["inspection"])
+             responses=errors(404, 409, 413, 422, 500, 503), tags=["inspection"])
     async def get_request(
         req_id: Annotated[str, Path(**protocol.REQ_ID_LIMITS)],
         worker_id: Annotated[str, Query(**protocol.WORKER_ID_LIMITS)],
+        session: Annotated[int, Query(ge=0, le=protocol.INT63_MAX)],
     ) -> Response:
-        """One request's capacity, history, pending grant and blocks."""
-        return _json(core.get_request(wire.RequestRef(worker_id=worker_id, req_id=req_id)))
+        """One request of the worker's session: capacity, history, pending grant and blocks."""
+        return _json(core.get_request(wire.RequestRef(worker_id=worker_id, session=session,
+                                                      req_id=req_id)))
 
     @app.get(ops["get_pool"].path, response_model=protocol.PoolState, dependencies=auth,
              responses=errors(413, 422, 500, 503), tags=["inspection"])
@@ -280,6 +282,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        if exc.status_code == 400:
+            # FastAPI's "error parsing the body": bytes that are not text (not UTF-8) before any
+            # JSON is parsed. Still a body that does not match the schema, so its typed 422.
+            return _error(MalformedBody(f"body: not JSON ({exc.detail})", field="body"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         body = wire.ErrorBody(status=exc.status_code, code=code, field="path",
                               message=str(exc.detail))

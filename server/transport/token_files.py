@@ -6,7 +6,7 @@ With no ``KVALLOC_TOKEN`` the service makes a random token for its lifetime and 
 - beside a socket file (``ipc:///path``, ``stream:///path`` or REST's ``--uds path``):
   ``path.token``;
 - for a TCP endpoint (``http://host:port``, ``tcp://host:port``): ``<runtime dir>/<scheme>-<host>-
-  <port>.token`` in the per-user runtime directory (0700).
+  <port>.token`` in the per-user runtime directory (0700); ``localhost`` is spelled 127.0.0.1.
 
 A client given no token looks at the file for its address (`discover_token`): another local user
 can neither read the file nor connect to the 0600 sockets, so without the token they get 401 on
@@ -31,6 +31,9 @@ from server.contract.addresses import runtime_dir
 from server.contract.errors import AddressError
 
 SUFFIX = ".token"
+# One service, two spellings: a service bound on ``localhost`` listens on 127.0.0.1, and a client
+# may name either; both must find the same file. (urlsplit has lower-cased the host already.)
+_LOOPBACK_NAMES = {"localhost": "127.0.0.1", "localhost.": "127.0.0.1"}
 
 
 def token_file(address: str) -> Path:
@@ -41,7 +44,8 @@ def token_file(address: str) -> Path:
         return Path(rest + SUFFIX)
     if scheme in ("http", "tcp"):
         parts = urlsplit(address)
-        host = (parts.hostname or "").replace(":", "_")  # IPv6 colons out of the file name
+        host = _LOOPBACK_NAMES.get(parts.hostname or "", parts.hostname or "")
+        host = host.replace(":", "_")  # IPv6 colons out of the file name
         return runtime_dir() / f"{scheme}-{host}-{parts.port}{SUFFIX}"
     raise AddressError(f"address: {address!r} must start with ipc://, stream://, unix://, "
                        "http:// or tcp://")

@@ -35,11 +35,13 @@ def small_manager(**overrides: object) -> KVCacheManager:
 def assert_matches_manager(registry: CollectorRegistry, m: KVCacheManager) -> None:
     """The specification: every exported state value equals the manager's own."""
     s = scrape(registry)
-    total, free = m.pool.num_blocks, m.free_blocks
+    total, free, parked = m.pool.num_blocks, m.free_blocks, m.pool.num_parked
     assert value(s, "kvalloc_pool_blocks") == total
     assert value(s, "kvalloc_pool_free_blocks") == free
-    assert value(s, "kvalloc_pool_used_blocks") == total - free
-    assert value(s, "kvalloc_pool_usage_ratio") == pytest.approx((total - free) / total)
+    assert value(s, "kvalloc_prefix_parked_blocks") == parked
+    held = int((m.pool.refcounts > 0).sum())  # blocks some live request holds
+    assert value(s, "kvalloc_pool_used_blocks") == held == total - free - parked
+    assert value(s, "kvalloc_pool_usage_ratio") == pytest.approx(held / total)
     assert value(s, "kvalloc_live_requests") == m.num_requests
     t = m.totals()
     assert value(s, "kvalloc_capacity_tokens") == t["capacity_tokens"]
@@ -65,6 +67,22 @@ def manager() -> KVCacheManager:
 @pytest.fixture
 def registry() -> CollectorRegistry:
     return CollectorRegistry()
+
+
+def test_an_idle_pool_with_a_warm_cache_reads_empty_not_full(registry):
+    """Parked blocks are reported apart: every block cached and none held is usage 0 (the
+    pool-nearly-full alert reads this ratio), not the share of blocks off the free list."""
+    m = KVCacheManager(small_manager().config, prefix_caching=True)
+    AllocatorMetrics(registry, m)
+    for i in range(3):
+        row = m.add_request(f"r{i}", 16, prompt_tokens=[100 * i + t for t in range(16)])
+        m.mark_written([row], [16])
+        m.free(f"r{i}")
+    assert m.pool.num_parked == 12 and m.free_blocks == 4
+    s = scrape(registry)
+    assert value(s, "kvalloc_pool_usage_ratio") == 0 == value(s, "kvalloc_pool_used_blocks")
+    assert value(s, "kvalloc_prefix_parked_blocks") == 12
+    assert_matches_manager(registry, m)
 
 
 def test_scripted_steps_export_exactly_the_managers_state(manager, registry):

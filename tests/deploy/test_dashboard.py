@@ -42,3 +42,12 @@ def test_a_by_reason_panel_draws_one_series_per_reason(panel):
     for target in panel["targets"]:
         assert re.search(r"by \([^)]*\breason\b", target["expr"]), target["expr"]
         assert "{{reason}}" in target["legendFormat"], target["legendFormat"]
+
+
+def test_the_blocks_panel_parts_the_pool_into_used_parked_and_free():
+    """Parked cached blocks are neither used nor free (AllocatorMetrics counts used as what live
+    requests hold): the panel draws all three, so they add up to the pool on the screen."""
+    (panel,) = [p for p in PANELS if p["title"] == "Blocks"]
+    drawn = {re.sub(r"\{.*", "", t["expr"]) for t in panel["targets"]}
+    assert drawn == {"kvalloc_pool_used_blocks", "kvalloc_prefix_parked_blocks",
+                     "kvalloc_pool_free_blocks"}

@@ -277,3 +277,51 @@ def test_ports_and_socket_paths_agree_across_image_compose_and_kubernetes():
     assert k8s_serve.uds.startswith("/run/kvalloc/")
     assert all(a.startswith(("ipc:///run/kvalloc/", "stream:///run/kvalloc/",
                              "tcp://0.0.0.0:5555")) for a in k8s_serve.ipc)
+
+
+# ---------------------------------------------------------------- what the docs tell one to run
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), DEPLOY / "k8s" / "README.md"]
+
+
+def test_every_doc_applies_the_manifests_as_the_kustomization():
+    """``kubectl apply -f deploy/k8s/`` would apply kustomization.yaml as a resource and the
+    DaemonSet before its Namespace; only ``-k`` applies the kustomization, namespace first."""
+    commands = [line.strip(" `") for doc in DOCS for line in doc.read_text().splitlines()
+                if "kubectl apply" in line and "deploy/k8s" in line]
+    assert commands, "the docs say how to apply the manifests"
+    for command in commands:
+        assert "kubectl apply -k deploy/k8s/" in command, command
+
+
+def test_every_doc_that_starts_compose_sets_the_token_first():
+    """The compose file refuses to start with KVALLOC_TOKEN unset: a doc that says
+    ``docker compose ... up`` says to export it before."""
+    starting = [doc for doc in DOCS if "docker compose -f deploy/docker-compose.yml" in
+                doc.read_text()]
+    assert starting
+    for doc in starting:
+        text = doc.read_text()
+        export = text.find('export KVALLOC_TOKEN="$(openssl rand -hex 32)"')
+        assert 0 <= export < text.find("docker compose -f deploy/docker-compose.yml"), doc
+
+
+def test_the_image_carries_every_package_and_can_carry_the_worker_extra():
+    """The image is built from every package pyproject installs (``kvalloc worker`` included),
+    and ``KVALLOC_EXTRAS`` adds an extra pyproject declares, as the docs say."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    lines = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+    copied = [line.split()[1] for line in lines if line.startswith("COPY ")]
+    assert {p.rstrip("*") for p in packages} <= set(copied)
+    context = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in context  # only what is let back in reaches the build
+    assert {f"!{c}/" if (ROOT / c).is_dir() else f"!{c}" for c in copied} <= set(context)
+    assert 'ARG KVALLOC_EXTRAS=""' in lines
+    (install,) = [line for line in lines if "/wheels/" in line and line.startswith("RUN ")]
+    assert '"kvalloc${KVALLOC_EXTRAS} @ file://' in install
+    assert "worker" in project["project"]["optional-dependencies"]
+    assert "--build-arg KVALLOC_EXTRAS='[worker]'" in (ROOT / "docs" / "observability.md"
+                                                        ).read_text()

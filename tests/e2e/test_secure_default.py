@@ -123,6 +123,18 @@ def test_another_local_user_gets_no_v1_operation(open_dir: Path,
     assert seen["sockets"] == ["PermissionError"] * len(sockets)
 
 
+def test_localhost_and_127_0_0_1_are_one_service_to_token_discovery(
+        service: ServiceProcess) -> None:
+    """The service listens on 127.0.0.1; its owner naming it ``localhost`` (REST or a
+    ``--ipc tcp://`` endpoint spelt either way) finds the same token, not a 401."""
+    by_name = service.rest_tcp.replace("127.0.0.1", "localhost")
+    assert discover_token(by_name) == discover_token(service.rest_tcp) is not None
+    assert token_file("tcp://LOCALHOST:5555") == token_file("tcp://127.0.0.1:5555")
+    with Client(by_name, worker_id="owner") as client:
+        client.register()
+        client.deregister()
+
+
 def test_a_token_file_someone_else_could_write_is_never_adopted(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 ) -> None:

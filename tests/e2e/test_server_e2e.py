@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,10 +31,8 @@ SMALL_POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4
               "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",
               "--max-batch-size", "16", "--max-seq-len", "64", "--max-step-tokens", "128")
 WORKER_TIMEOUT_S = 120
-# A lease of 1 s ends and the service frees the worker: 1.05 s measured on a loaded 2-core
-# machine (the reaper looks about once a second), as long as a lag-2 worker process took to start
-# and run 40 calls (2 s; WORKER_TIMEOUT_S is 60 times that).
-REAP_TIMEOUT_S = 15
+# A lag-2 worker process took 2 s to start and run 40 calls on a loaded 2-core machine;
+# WORKER_TIMEOUT_S is 60 times that.
 LAG2_CALLS = 40
 SPAWN = mp.get_context("spawn")
 
@@ -110,15 +109,29 @@ def lag2_worker(addr: str, worker_id: str, seed: int) -> dict[str, int]:
     return dataclasses.asdict(done)
 
 
-def holding_worker(addr: str, ready: Any, overlap: bool) -> None:
+def holding_worker(addr: str, ready: Any, overlap: bool, probe: bool = False) -> None:
     """Admit requests, take a grant (an overlap worker: two, the second behind the first),
-    report readiness, then hang (until killed)."""
+    report readiness, then hang (until killed). As a ``probe``: report the longest time between
+    two of those calls instead, and deregister."""
     torch.set_num_threads(1)
-    client = Client(addr, worker_id="doomed")
-    client.register(overlap=overlap)
-    handles = client.step(new=(["a", "b"], [20, 12])).admitted
+    client = Client(addr, worker_id="probe" if probe else "doomed")
+    gaps, last = [], time.monotonic()
+
+    def timed(reply: Any) -> Any:
+        nonlocal last
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        return reply
+
+    timed(client.register(overlap=overlap))
+    handles = timed(client.step(new=(["a", "b"], [20, 12]))).admitted
     for _ in range(1 + overlap):
-        client.step(grants=(handles, [3, 3]))
+        timed(client.step(grants=(handles, [3, 3])))
+    if probe:
+        client.deregister()
+        ready.put(max(gaps[1:]))
+        return
     ready.put(client.get_pool().used_blocks)
     time.sleep(600)
 
@@ -193,10 +206,26 @@ def test_a_lag_2_worker_process_keeps_its_model_of_capacity(service: ServiceProc
     assert (state.num_requests, state.used_blocks, state.workers) == (0, 0, [])
 
 
+def lease_for_the_holding_worker(svc: ServiceProcess, overlap: bool) -> float:
+    """A lease that the holding worker's calls cannot outlast on this machine as it is now: ten
+    times the longest gap between two of them, measured in a worker process like it (against
+    ``svc``, whose lease is long), and 1 s at least (the reaper looks about once a second)."""
+    measured = SPAWN.Queue()
+    probe = SPAWN.Process(target=holding_worker, args=(svc.ipc, measured, overlap, True),
+                          daemon=True)
+    probe.start()
+    try:
+        return max(1.0, 10 * measured.get(timeout=WORKER_TIMEOUT_S))
+    finally:
+        probe.join(WORKER_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["lag1", "overlap"])
-def test_a_killed_worker_loses_its_lease_and_its_blocks_return(tmp_path: Path,
+def test_a_killed_worker_loses_its_lease_and_its_blocks_return(service: ServiceProcess,
+                                                              tmp_path: Path,
                                                               overlap: bool) -> None:
-    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", "1") as svc:
+    lease_s = lease_for_the_holding_worker(service, overlap)
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", f"{lease_s:.2f}") as svc:
         ready = SPAWN.Queue()
         doomed = SPAWN.Process(target=holding_worker, args=(svc.ipc, ready, overlap),
                                daemon=True)
@@ -209,7 +238,9 @@ def test_a_killed_worker_loses_its_lease_and_its_blocks_return(tmp_path: Path,
         finally:
             doomed.kill()  # SIGKILL: no deregistration, no cleanup in the worker
             doomed.join(10)
-        deadline = time.monotonic() + REAP_TIMEOUT_S
+        # The lease, the reaper's next look (1 s at most), and as long again for a busy machine
+        # ten times over (the lease itself is ten times the worker's slowest call).
+        deadline = time.monotonic() + 10 * (lease_s + 1.0)
         while (state := pool_state(svc)).num_requests and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (state.num_requests, state.used_blocks, state.leases_expired) == (0, 0, 1)
@@ -241,3 +272,36 @@ def test_a_restarted_service_is_noticed_and_workers_register_again(tmp_path: Pat
                 reply.scheduled.handles[0] == reply.admitted[0]
     finally:
         svc.stop()
+
+
+def test_a_paused_service_extends_leases_instead_of_expiring_its_workers(tmp_path: Path) -> None:
+    """SIGSTOP the service for twice its lease, then SIGCONT: the time it did not run is no
+    worker's silence, so the worker steps on with its requests and blocks; a lease still ends
+    when the worker, not the service, goes silent (test_a_killed_worker_loses_its_lease...)."""
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", "300") as probe, \
+            Client(probe.ipc, worker_id="probe") as client:
+        started = time.monotonic()
+        client.register()
+        client.step(new=(["a"], [20]))
+        pool_state(probe)
+        calls_s = time.monotonic() - started
+    # The calls below take calls_s on this machine as it is now: the lease is ten times that, so
+    # only the pause can outlast it.
+    lease_s = max(2.0, 10 * calls_s)
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--lease-ttl-s", f"{lease_s:.1f}") as svc, \
+            Client(svc.ipc, worker_id="paused", timeout_s=WORKER_TIMEOUT_S) as client:
+        assert svc.proc is not None
+        client.register()
+        handle = client.step(new=(["a"], [20])).admitted[0]
+        used = pool_state(svc).used_blocks
+        svc.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2 * lease_s)
+        finally:
+            svc.proc.send_signal(signal.SIGCONT)
+        reply = client.step(grants=([handle], [1]))
+        state = pool_state(svc)
+        assert np.asarray(reply.scheduled.handles).tolist() == [handle]
+        assert (state.leases_expired, [w.worker_id for w in state.workers]) == (0, ["paused"])
+        assert state.used_blocks >= used and state.num_requests == 1
+        assert "did not run for" in svc.log()

@@ -215,19 +215,24 @@ BAD_INPUT: list[tuple[str, str, Callable[[Table], Any], int, str]] = [
     ("step: body too large", "step",
      lambda t: step(t, finished={"handles": [t.b] * 1000}), 413, "body"),
     ("get_request: unknown request", "get_request",
-     lambda t: {"worker_id": "table", "req_id": "zz"}, 404, "req_id"),
+     lambda t: {"worker_id": "table", "session": t.session, "req_id": "zz"}, 404, "req_id"),
     ("get_request: unknown worker", "get_request",
-     lambda t: {"worker_id": "nobody", "req_id": "a"}, 404, "worker_id"),
-    ("get_request: no worker_id", "get_request", lambda t: {"req_id": "a"}, 422, "worker_id"),
+     lambda t: {"worker_id": "nobody", "session": t.session, "req_id": "a"}, 404, "worker_id"),
+    ("get_request: no worker_id", "get_request", lambda t: {"session": t.session, "req_id": "a"},
+     422, "worker_id"),
+    ("get_request: another worker's session", "get_request",
+     lambda t: {"worker_id": "table", "session": t.session ^ 1, "req_id": "a"}, 409, "session"),
+    ("get_request: no session", "get_request", lambda t: {"worker_id": "table", "req_id": "a"},
+     422, "session"),
     ("get_pool: verify not a bool", "get_pool", lambda t: {"verify": "maybe"}, 422, "verify"),
 ]
 
 
-def observable_state(svc: ServiceProcess) -> tuple[Any, ...]:
+def observable_state(svc: ServiceProcess, session: int) -> tuple[Any, ...]:
     pool = raw_rest(svc, "get_pool", {"verify": True}).json()
     assert pool["invariants"] == "ok"
-    requests = [raw_rest(svc, "get_request", {"worker_id": "table", "req_id": r}).json()
-                for r in ("a", "b")]
+    requests = [raw_rest(svc, "get_request", {"worker_id": "table", "session": session,
+                                              "req_id": r}).json() for r in ("a", "b")]
     workers = sorted((w["worker_id"], w["num_requests"], w["last_step_id"])
                      for w in pool.pop("workers"))
     return pool, workers, requests
@@ -242,11 +247,11 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     body = payload(table)
     if body is NOT_DECODABLE:
         body = b"{not json" if transport == "rest" else b"\xc1"
-    before = observable_state(service)
+    before = observable_state(service, table.session)
     got_status, error = send(service, transport, op, body)
     assert (got_status, error["status"], error["field"]) == (status, status, field), error
     assert error["code"] and error["message"].startswith(f"{field}:"), error
-    assert observable_state(service) == before
+    assert observable_state(service, table.session) == before
 
 
 def openapi(svc: ServiceProcess) -> dict[str, Any]:

@@ -4,9 +4,12 @@ the stream socket, synchronous and one step ahead (``--overlap``)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
+from sigint import interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -14,7 +17,8 @@ from transformers import PreTrainedTokenizerFast
 from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle
 
 from server.cli import main
-from server.devtools.launch import ServiceProcess
+from server.client import Client
+from server.devtools.launch import ServiceProcess, kvalloc_command
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -91,6 +95,43 @@ def test_the_validator_sees_a_service_without_slack(llama_oracle: Oracle, tmp_pa
     result = json.loads(capsys.readouterr().out)
     assert (result["table_violations"] > 0) == violations
     assert result["forwards_ahead"] > 0
+
+
+def test_ctrl_c_prints_a_partial_summary_deregisters_and_exits_130(llama_oracle: Oracle,
+                                                                   tmp_path: Path) -> None:
+    """SIGINT to a real worker mid-generation: the step in flight ends, it deregisters (nothing
+    of it left at the service, well before its lease), prints the figures so far, exits 130."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    pool = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
+            "--head-dim", "8", "--num-blocks", "4096", "--tokens-per-block",
+            str(TOKENS_PER_BLOCK), "--max-seq-len", "4096", "--max-draft-len", str(MAX_DRAFT_LEN),
+            "--max-batch-size", "8", "--max-step-tokens", "256", "--lease-ttl", "600"]
+    with ServiceProcess(tmp_path, *pool, tcp=False) as service:
+        args = worker_args(config, prompts, "--address", service.ipc, "--draft-len", "2",
+                           "--worker-id", "interrupted")
+        args[args.index("--max-new-tokens") + 1] = "3000"
+        args.remove("--no-progress")
+        r = interrupt_once_progressing([*kvalloc_command(), *args], r"[1-9]\d*/\d+",
+                                       timeout_s=120)
+        with Client(service.ipc, worker_id="observer") as client:
+            state = client.get_pool()
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["interrupted"] is True and 0 < summary["generated_tokens"] < 3000
+    assert state.workers == [] and state.used_blocks == 0 and state.num_requests == 0
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error(llama_oracle: Oracle,
+                                                        tmp_path: Path) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    r = subprocess.run([*kvalloc_command(), *worker_args(config, prompts, "--in-process",
+                                                         "--device", "cuda")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["kvalloc worker: --device cuda: torch sees 0 CUDA device(s) "
+                                     "here; use --device cpu"]
 
 
 def test_no_service_at_the_address_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,

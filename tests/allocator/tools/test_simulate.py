@@ -15,9 +15,11 @@ import sys
 
 import numpy as np
 import pytest
+from sigint import interrupt_once_progressing
 
 from allocator import SlackPolicy
 from allocator.tools.simulate import Acceptance, SimulationResult, SimulationSpec, simulate
+from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 
 D = 3
 LAGS = [1, 2]
@@ -142,6 +144,37 @@ def test_cli_writes_json_and_plot_and_exits_nonzero_on_failure(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["failed"] is True and summary["first_ima"]["step"] >= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ctrl_c_prints_the_summary_of_the_steps_run_and_exits_130(tmp_path):
+    """SIGINT to a real run mid-loop: the step in progress ends, the summary of the steps so far
+    (marked interrupted) goes to stdout and --json, exit 130, no traceback."""
+    out = tmp_path / "s.json"
+    r = interrupt_once_progressing(
+        [sys.executable, "-m", "server.cli", "simulate", "--osl", "20000", "--num-requests",
+         "64", "--json", str(out)],
+        r"[1-9]\d*/\d+", timeout_s=120)
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary == json.loads(out.read_text())
+    assert summary["interrupted"] is True and summary["steps"] > 0
+
+
+def stop_after(calls: int):
+    """A stop request that comes on its ``calls``-th question, as if Ctrl-C fell there."""
+    asked = iter(range(calls, 0, -1))
+    return lambda: next(asked, 0) == 1
+
+
+def test_a_stop_request_ends_either_workload_between_steps_with_invariants_held():
+    """The loops ask before each step: asked the 5th time, 4 steps have run; the result stands
+    (`finish` and the sharing run check the manager's invariants on the pool as it is)."""
+    crash = simulate(SimulationSpec(osl=10_000, num_requests=4), stop=stop_after(5))
+    assert crash.steps == 4 and not crash.failed
+    shared = simulate_sharing(SharingSpec(conversations=64, turns=4, system_len=64),
+                              stop=stop_after(5))
+    assert shared.steps == 4 and shared.turns < 64 * 4
 
 
 def test_cli_exits_zero_for_a_clean_run():

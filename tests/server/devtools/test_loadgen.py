@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from sigint import interrupt_once_progressing
 
 from allocator import PoolConfig
 from allocator.tools.simulate import Acceptance
@@ -197,3 +198,21 @@ def test_cli_exits_2_with_a_message_when_no_service_answers(address):
     assert f"cannot register at {address}" in r.stderr
     assert f"is kvalloc serve running at {address}?" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_ctrl_c_prints_a_partial_summary_deregisters_and_exits_130(service):
+    """SIGINT to a real loadgen mid-run: the step in flight completes, it deregisters (its blocks
+    are free at once, not after its lease), prints what it ran and exits 130, no traceback."""
+    r = interrupt_once_progressing(
+        [*kvalloc_command(), "loadgen", "--json", "--address", service.stream,
+         "--worker-id", "interrupted", "--duration", "600", "--step-interval", "0.01"],
+        r"[1-9]\d*step", timeout_s=120)
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["interrupted"] is True and summary["steps"] > 0
+    assert summary["errors"] == {} and summary["admitted"] > 0
+    with Client(service.stream, worker_id="observer") as client:
+        pool = client.get_pool()
+    assert [w.worker_id for w in pool.workers] == []
+    assert pool.used_blocks == 0 and pool.num_requests == 0

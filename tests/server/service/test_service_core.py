@@ -62,9 +62,9 @@ def worker(core: ServiceCore, worker_id: str = "w", *, attach: bool = True) -> N
 def state_of(core: ServiceCore) -> tuple[object, ...]:
     """Everything a refused call must leave unchanged."""
     pool = core.get_pool(wire.PoolQuery(verify=True))
-    requests = sorted((w.worker_id, r, core.get_request(wire.RequestRef(worker_id=w.worker_id,
-                                                                        req_id=r)))
-                      for w in core.registry for r in w.req_ids)
+    requests = sorted((w.worker_id, r, core.get_request(wire.RequestRef(
+        worker_id=w.worker_id, session=w.session, req_id=r))) for w in core.registry
+        for r in w.req_ids)
     return (pool.free_blocks, pool.num_requests, pool.capacity_tokens, pool.history_tokens,
             pool.pending_slack_tokens, tuple(requests),
             core.manager.table.host.tobytes(), core.registry.owner.tobytes(),
@@ -402,6 +402,25 @@ def test_a_call_after_the_ttl_finds_the_lease_gone_even_before_the_reaper(
     with pytest.raises(NotRegistered):
         w.step()
     assert core.manager.num_requests == 0
+
+
+def test_a_watched_gap_extends_every_lease_and_silence_still_ends_one(
+        core: ServiceCore, clock: FakeClock) -> None:
+    """Under watch_pauses (what the reaper sets), a gap longer than the watch between two looks
+    is time the service did not run: no lease runs out for it, the workers' blocks stay. Looks
+    as often as the watch asks still see a silent worker's lease end, TTL after its last call."""
+    core.watch_pauses(TTL / 4)
+    w = worker(core)
+    w.step(new={"a": 20})
+    used = core.manager.used_blocks
+    clock.now += 10 * TTL  # one gap: the service was stopped
+    assert core.expire_leases() == 0 and core.manager.used_blocks == used
+    w.step()  # the worker carries on in its session
+    resumed = clock.now
+    while clock.now <= resumed + TTL:
+        assert core.expire_leases() == 0
+        clock.now += TTL / 8
+    assert core.expire_leases() == 1 and core.manager.used_blocks == 0
 
 
 def test_a_stale_epoch_is_reported_as_a_restart(make_core: Callable[..., ServiceCore]) -> None:
