@@ -143,6 +143,7 @@ class Client:
         self._transport = transport
         self.retries = retries
         self.registration: wire.Registration | None = None
+        self.overlap = False  # the registration's: steps at lag 2, the worker commits
         self.pool: AttachedPool | None = None
         self.next_step_id = 0
 
@@ -159,6 +160,7 @@ class Client:
                                                          attached=attach, replace=replace,
                                                          overlap=overlap))
         self.registration, self.next_step_id = reg, reg.next_step_id
+        self.overlap = overlap
         self.pool = self._transport.attach(reg) if attach else None
         return reg
 

@@ -213,6 +213,10 @@ class Engine:
         if self.pool.kv.device != self.device:
             raise LayoutMismatch(f"device: the pool is on {self.pool.kv.device}, the model on "
                                  f"{self.device}; run the model where the pool is")
+        if overlap != client.overlap:
+            mode = "one step ahead" if overlap else "in step"
+            raise EngineError(f"overlap: the engine runs {mode} but the client registered with "
+                              f"overlap={client.overlap}")
         if draft_len and drafter is None:
             raise EngineError("drafter: draft_len > 0 needs a drafter")
         if overlap and drafter is not None and not isinstance(drafter, DeviceOracleDrafter):

@@ -132,3 +132,12 @@ def test_an_overlap_worker_drafts_on_the_device(llama_oracle: Oracle, connect: C
     client = connect(pool_config(llama_oracle.model), overlap=True)
     with pytest.raises(EngineError, match="drafts on the device"):
         Engine(llama_oracle.model, client, NgramDrafter(), draft_len=3, overlap=True)
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_the_engine_and_its_registration_agree_on_overlap(llama_oracle: Oracle,
+                                                          connect: Callable,
+                                                          registered: bool) -> None:
+    client = connect(pool_config(llama_oracle.model), overlap=registered)
+    with pytest.raises(EngineError, match=f"registered with overlap={registered}"):
+        Engine(llama_oracle.model, client, None, draft_len=0, overlap=not registered)
