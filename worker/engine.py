@@ -55,7 +55,7 @@ from server.contract import wire
 from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
-from worker.step.commit import worker_commit
+from worker.step.commit import WorkerCommit
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
 
@@ -138,6 +138,10 @@ class RunStats:
     device_busy_s: float = 0.0
     # Block-table entries a step addressed that held no block (the validator, when on).
     table_violations: int = 0
+    # An overlap worker's own commit: tokens it wrote, and kept tokens it refused because their
+    # block was a protected (cached) prefix block.
+    committed_tokens: int = 0
+    refused_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -241,7 +245,7 @@ class Engine:
                                self.rows, max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,
                                drafter=self.device_drafter,
-                               commit=worker_commit(self.pool, layout) if overlap else None,
+                               commit=WorkerCommit(self.pool) if overlap else None,
                                validator=self.validator)
         self.stats = RunStats()
         self._last_done: torch.cuda.Event | None = None
@@ -309,6 +313,9 @@ class Engine:
             self._read(flight, on_progress)
         if self.validator is not None:
             self.stats.table_violations = self.validator.count()
+        if self.step.committer is not None:
+            self.stats.committed_tokens = int(self.step.committer.committed)
+            self.stats.refused_tokens = int(self.step.committer.refused)
         return {r.req_id: r.output for r in requests}
 
     def _count_step(self, wall_s: float, call_s: float, *, decode_only: bool) -> None:

@@ -81,7 +81,8 @@ def test_tokens_and_pool_equal_generate_one_step_ahead(oracle: Oracle, connect: 
     assert replay is not None
     replay.check()
     stats = engine.stats
-    assert replay.kept > 0
+    assert replay.kept > 0 and stats.committed_tokens == replay.kept
+    assert stats.refused_tokens == 0
     assert stats.forwards_ahead > stats.steps // 2  # the device really ran ahead of the host
     assert stats.table_violations == 0
     assert stats.generated_tokens == sum(map(len, oracle.expected.values()))

@@ -1,55 +1,49 @@
 """`WorkerCommit`: an overlap worker's NWOR commit into the attached pool, on its own device.
 
 An overlap worker learns its accepted counts on the device a step before the service does, so it
-writes its kept tokens itself: the library's `DeferredWriteManager` over the attached pool,
-reading the worker's staging buffer in place, with device slots and device counts, so nothing
-waits for the host. The service publishes which blocks are cached prefix blocks that other
-requests read (the attachment's ``protected`` mask, kept current by its steps); the commit
-refuses every slot in them exactly as the service's own commit does.
+writes its kept tokens itself, with the library's commit kernel (`write_staged`, the one the
+service's `DeferredWriteManager` writes with): each entry keeps its first ``kept[e]`` tokens,
+every other slot becomes -1, and one launch writes every layer's K and V from the worker's
+staging buffer. Nothing here keeps host state or reads a device value back, so the same commit
+runs eagerly or inside a captured CUDA graph (where the manager's per-window host bookkeeping
+could not run). The service publishes which blocks are cached prefix blocks that other requests
+read (the attachment's ``protected`` mask, kept current by its steps); a slot in one of them is
+refused, as the service's own commit refuses it. Committed and refused tokens are counted on
+the device.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from allocator import PoolConfig
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import WindowLayout
+from allocator.nwor.commit_kernel import write_staged
 from server.client import AttachedPool
-from server.contract import wire
 
 
 class WorkerCommit:
-    def __init__(self, writes: DeferredWriteManager, staging: torch.Tensor) -> None:
-        self.writes, self.staging = writes, staging
+    def __init__(self, pool: AttachedPool) -> None:
+        layers, _, blocks, self.tokens_per_block, heads, dim = pool.kv.shape
+        self.pool_rows = pool.kv.view(layers, 2, blocks * self.tokens_per_block, heads * dim)
+        self.staged = pool.staging.view(layers, 2, pool.staging.shape[2], heads * dim)
+        self.protected = pool.protected
+        device = pool.kv.device
+        self.layer_rows = torch.zeros(layers, dtype=torch.int64, device=device)
+        self.committed = torch.zeros((), dtype=torch.int64, device=device)
+        self.refused = torch.zeros((), dtype=torch.int64, device=device)
 
-    def commit(self, num_tokens: np.ndarray, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        """Write the first ``kept[e]`` tokens of every entry (``num_tokens [R]``, packed in
-        staging) to ``slots`` (-1: skip). Every token counts as a draft of the window: an entry
-        keeps what its request goes on with, which only the device knows."""
-        writes = self.writes
-        writes.begin_window(WindowLayout.of_arrays(num_tokens, num_tokens))
-        writes.stage_from(self.staging, slots)
-        writes.commit(kept)
-
-
-def worker_commit(pool: AttachedPool, layout: wire.PoolLayout) -> WorkerCommit:
-    """The commit of a worker attached to ``pool``, shaped by the service's ``layout``."""
-    config = PoolConfig(
-        num_blocks=layout.num_blocks, tokens_per_block=layout.tokens_per_block,
-        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim, dtype=layout.dtype, device=str(pool.kv.device),
-        max_batch_size=layout.max_batch_size, max_draft_len=layout.max_draft_len,
-        # The row length the service's blocks per row allow; only the pool's shape matters here.
-        max_seq_len=max(1, layout.max_blocks_per_seq * layout.tokens_per_block
-                        - 1 - 2 * layout.max_draft_len),
-        overlap_scheduler=layout.overlap_scheduler,
-        k_scales=layout.k_scales, v_scales=layout.v_scales)
-    writes = DeferredWriteManager(KVStorage.over(config, pool.kv),
-                                  max_tokens=layout.max_step_tokens,
-                                  stage_dtype=pool.staging.dtype)
-    if pool.protected is not None:
-        writes.protect(pool.protected)
-    return WorkerCommit(writes, pool.staging)
+    def commit(self, slots: torch.Tensor, index: torch.Tensor, entry: torch.Tensor,
+               kept: torch.Tensor) -> None:
+        """Write packed token ``t`` (``index[t]``-th of entry ``entry[t]``) to ``slots[t]`` iff
+        ``index[t] < kept[entry[t]]`` and its block is not protected."""
+        keep = (index < kept[entry]) & (slots >= 0)
+        if self.protected is not None:
+            block = (slots // self.tokens_per_block).clamp(min=0)
+            refused = keep & self.protected[block]
+            self.refused += refused.sum()
+            keep &= ~refused
+        self.committed += keep.sum()
+        n = slots.numel()
+        self.layer_rows.fill_(n)
+        write_staged(self.pool_rows, self.staged,
+                     torch.where(keep, slots, -1).expand(self.layer_rows.numel(), n),
+                     self.layer_rows, n)

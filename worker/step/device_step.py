@@ -126,7 +126,7 @@ class DeviceStep:
         tokens, emitted, accepted, kept = self._verify(plan, layout, meta.ids,
                                                        logits.argmax(-1), cols)
         if self.committer is not None:
-            self.committer.commit(plan.num_tokens, meta.slots, kept)
+            self.committer.commit(meta.slots, meta.index, cols.token_entry, kept)
         out = torch.cat([tokens.flatten(), emitted, accepted])
         host = out
         if self.timed:  # the host reads it behind the step's event, never by waiting on it now

@@ -37,6 +37,7 @@ class StepMetadata(NamedTuple):
     positions: torch.Tensor  # [N]
     slots: torch.Tensor  # [N]
     ids: torch.Tensor  # [N]
+    index: torch.Tensor  # [N]: each token's place in its entry
 
 
 def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
@@ -53,7 +54,7 @@ def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Te
                         block * tokens_per_block + positions % tokens_per_block, -1)
     first = (index == 0) & (cols.decoding[e] != 0)
     ids = torch.where(first, pending[rows], cols.host_ids)
-    return StepMetadata(history, positions, slots, ids)
+    return StepMetadata(history, positions, slots, ids, index)
 
 
 def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,

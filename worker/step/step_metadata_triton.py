@@ -21,7 +21,7 @@ BLOCK = 128
 
 def _metadata(rows_ptr, offsets_ptr, starts_ptr, behind_ptr, decoding_ptr, entry_ptr,
               host_ids_ptr, lead_ptr, pending_ptr, table_ptr, history_ptr, positions_ptr,
-              slots_ptr, ids_ptr, num_tokens, table_width,
+              slots_ptr, ids_ptr, index_ptr, num_tokens, table_width,
               TOKENS_PER_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = t < num_tokens
@@ -43,6 +43,7 @@ def _metadata(rows_ptr, offsets_ptr, starts_ptr, behind_ptr, decoding_ptr, entry
     tl.store(positions_ptr + t, position, mask=live)
     tl.store(slots_ptr + t, slot, mask=live)
     tl.store(ids_ptr + t, ids, mask=live)
+    tl.store(index_ptr + t, index, mask=live)
     tl.store(history_ptr + e, history, mask=live & (index == 0))
 
 
@@ -60,11 +61,11 @@ def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tenso
                     table: torch.Tensor, tokens_per_block: int) -> StepMetadata:
     n = cols.token_entry.numel()
     history = torch.empty_like(cols.starts)
-    positions, slots, ids = (torch.empty_like(cols.host_ids) for _ in range(3))
+    positions, slots, ids, index = (torch.empty_like(cols.host_ids) for _ in range(4))
     if n:
         kernel = _metadata_jit if table.is_cuda else _interpreted()
         kernel[(triton.cdiv(n, BLOCK),)](
             cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding, cols.token_entry,
-            cols.host_ids, lead, pending, table, history, positions, slots, ids, n,
+            cols.host_ids, lead, pending, table, history, positions, slots, ids, index, n,
             table.shape[1], TOKENS_PER_BLOCK=tokens_per_block, BLOCK=BLOCK)
-    return StepMetadata(history, positions, slots, ids)
+    return StepMetadata(history, positions, slots, ids, index)
