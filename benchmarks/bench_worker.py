@@ -16,8 +16,9 @@ them). ``idle_ms``: per step, the GPU time between the end of one step's device 
 start of the next one's (CUDA events on the worker's stream): a synchronous worker leaves the
 GPU idle for its whole call, an overlap worker makes the call while the GPU runs the previous
 step. ``metadata_us``: the worker's host time per step to lay out the step (inputs, positions,
-slots, one upload). Each batch first runs untimed in process, so that the model's first steps
-at the batch's shapes count in no transport's figures.
+slots, one upload). On a GPU the overlap worker also runs with its decode steps replayed as CUDA
+graphs (``overlap+graphs``; ``graph_replays`` counts them). Each batch first runs untimed in
+process, so that the model's first steps at the batch's shapes count in no transport's figures.
 
 ``--quick``: a 2-layer model in float32 on the CPU, batches of 4 and 8 prompts of 16-64 tokens.
 """
@@ -110,8 +111,10 @@ def serve_flags(config: ServiceConfig) -> list[str]:
 
 def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: int,
             drafter: Drafter | DeviceOracleDrafter | None, draft_len: int, *,
-            overlap: bool = False) -> tuple[dict[str, list[int]], dict[str, Any]]:
-    engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap)
+            overlap: bool = False, cuda_graphs: bool = False
+            ) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap,
+                    cuda_graphs=cuda_graphs)
     outputs = engine.run(prompts, new_tokens)
     s = engine.stats
     return outputs, {
@@ -119,7 +122,7 @@ def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: 
         "busy_ms": round(1e3 * s.device_busy_s / s.steps, 3),
         "idle_share": round(s.device_idle_s / max(s.device_idle_s + s.device_busy_s, 1e-12), 4),
         "metadata_us": round(1e6 * s.metadata_s / s.steps, 1),
-        "forwards_ahead": s.forwards_ahead,
+        "forwards_ahead": s.forwards_ahead, "graph_replays": s.graph_replays,
         "tokens_per_s": round(s.tokens_per_s, 1), "steps": s.steps,
         "step_ms": round(1e3 * s.wall_s / s.steps, 3),
         "call_ms": round(1e3 * s.call_s / s.steps, 3),
@@ -156,10 +159,11 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
                         truth, model, seed), DRAFT_LEN, overlap=True)
             for transport in TRANSPORTS:
                 with service(transport, config, Path(tmp)) as target:
-                    rows += [{"batch": batch, "transport": transport, **row}
-                             for row in transport_rows(model, target, transport, prompts,
-                                                       setup["new_tokens"], seed)]
-                print(table(rows[-4:], header=not rows[:-4]), flush=True)
+                    new = [{"batch": batch, "transport": transport, **row}
+                           for row in transport_rows(model, target, transport, prompts,
+                                                     setup["new_tokens"], seed)]
+                print(table(new, header=not rows), flush=True)
+                rows += new
     return rows
 
 
@@ -184,17 +188,21 @@ def transport_rows(model: Any, target: Any, transport: str, prompts: list[NamedP
         for name, drafter in drafters.items():
             _, row = measure(model, client, prompts, new_tokens, drafter, DRAFT_LEN)
             rows.append({"mode": "sync", "drafter": name, **row})
+    graphs = [False, True] if next(model.parameters()).is_cuda else [False]
     with connect(transport, target, overlap=True) as client:
         measure(model, client, prompts[:2], 2, None, 0, overlap=True)
-        _, row = measure(model, client, prompts, new_tokens, device_oracle(truth, model, seed),
-                         DRAFT_LEN, overlap=True)
-        rows.append({"mode": "overlap", "drafter": f"oracle:{ORACLE_RATE}", **row})
+        for cuda_graphs in graphs:
+            _, row = measure(model, client, prompts, new_tokens,
+                             device_oracle(truth, model, seed), DRAFT_LEN, overlap=True,
+                             cuda_graphs=cuda_graphs)
+            rows.append({"mode": "overlap+graphs" if cuda_graphs else "overlap",
+                         "drafter": f"oracle:{ORACLE_RATE}", **row})
     return rows
 
 
 COLUMNS = ("batch", "transport", "mode", "drafter", "tokens_per_s", "step_ms", "decode_step_ms",
            "decode_call_ms", "decode_call_share", "idle_ms", "idle_share", "metadata_us",
-           "forwards_ahead", "acceptance_rate")
+           "forwards_ahead", "graph_replays", "acceptance_rate")
 
 
 def table(rows: list[dict[str, Any]], header: bool = True) -> str:

@@ -142,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run one step ahead of the host: the call for step k+1 and its launch "
                           "while the device runs step k; drafts (oracle only), verification and "
                           "the commit on the device")
+    svc.add_argument("--cuda-graphs", action="store_true",
+                     help="replay decode steps as captured CUDA graphs (a CUDA pool; decodes "
+                          "padded to --draft-len drafts through the padding grant)")
     svc.add_argument("--validate", action="store_true",
                      help="count block-table entries each step addresses that hold no block "
                           "(table_violations; off by default)")
@@ -219,7 +222,7 @@ def generate(model: Any, client: Client, prompts: Sequence[NamedPrompt], args: a
     reply taken, no call in flight), so that the client can still deregister."""
     engine = Engine(model, client, drafter, draft_len=draft_len,
                     stop_token_ids=_stop_tokens(model), overlap=args.overlap,
-                    validate=args.validate)
+                    validate=args.validate, cuda_graphs=args.cuda_graphs)
     total = len(prompts) * args.max_new_tokens
 
     def after_step(tokens: int) -> None:

@@ -56,6 +56,7 @@ from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
 from worker.step.commit import WorkerCommit
+from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
 
@@ -93,6 +94,7 @@ class Request:
     scheduled: int = 0  # tokens of `admitted` scheduled so far
     drafts: np.ndarray | None = None  # host drafts of the step being planned (decodes)
     num_drafts: int = -1  # drafts of the step being planned; -1 when it is not a decode in it
+    padded_drafts: int = 0  # drafts its step runs: num_drafts, or more through the padding grant
     unread: int = 0  # its steps that emit and whose outcome the host has not read
     chunk: int = 0  # prompt tokens scheduled in the step being planned
     done: bool = False
@@ -142,6 +144,9 @@ class RunStats:
     # block was a protected (cached) prefix block.
     committed_tokens: int = 0
     refused_tokens: int = 0
+    # Decode steps replayed as CUDA graphs, and the graphs captured for them (cuda_graphs).
+    graph_replays: int = 0
+    graphs_captured: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -200,12 +205,15 @@ class Engine:
     def __init__(self, model: PreTrainedModel, client: Client,
                  drafter: Drafter | DeviceOracleDrafter | None, *, draft_len: int,
                  stop_token_ids: Iterable[int] = (), share_prefixes: bool = False,
-                 overlap: bool = False, validate: bool = False) -> None:
+                 overlap: bool = False, validate: bool = False, cuda_graphs: bool = False,
+                 pad_drafts: bool | None = None) -> None:
         """``share_prefixes``: send prompts' token ids so that a service with prefix caching
         reuses cached prefix blocks; their prefill is skipped. ``overlap``: run one step ahead
         of the host (the client registered with ``overlap=True``; drafts, if any, from a
         `DeviceOracleDrafter`). ``validate``: count block-table entries each step addresses
-        that hold no block (``RunStats.table_violations``)."""
+        that hold no block (``RunStats.table_violations``). ``cuda_graphs``: replay decode steps
+        as captured CUDA graphs (a CUDA pool), which pads every decode of a decode-only step to
+        ``draft_len`` drafts through the padding grant; ``pad_drafts`` pads without graphs."""
         if client.registration is None or client.pool is None:
             raise EngineError("client: register() with the pool attached first")
         self.model, self.client, self.drafter = model, client, drafter
@@ -241,12 +249,16 @@ class Engine:
                                truth_width=self.device_drafter.width
                                if self.device_drafter is not None else 0)
         self.validator = TableValidator(self.device) if validate else None
+        if cuda_graphs and self.device.type != "cuda":
+            raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
+        self.pad_drafts = cuda_graphs if pad_drafts is None else pad_drafts
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
                                self.rows, max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,
                                drafter=self.device_drafter,
                                commit=WorkerCommit(self.pool) if overlap else None,
-                               validator=self.validator)
+                               validator=self.validator,
+                               graphs=DecodeGraphs() if cuda_graphs else None)
         self.stats = RunStats()
         self._last_done: torch.cuda.Event | None = None
 
@@ -316,6 +328,9 @@ class Engine:
         if self.step.committer is not None:
             self.stats.committed_tokens = int(self.step.committer.committed)
             self.stats.refused_tokens = int(self.step.committer.refused)
+        if self.step.graphs is not None:
+            self.stats.graph_replays = self.step.graphs.replayed
+            self.stats.graphs_captured = self.step.graphs.captured
         return {r.req_id: r.output for r in requests}
 
     def _count_step(self, wall_s: float, call_s: float, *, decode_only: bool) -> None:
@@ -362,7 +377,7 @@ class Engine:
                 proposed = self.drafter.propose(r.req_id, r.tokens, len(r.output), num)
                 r.drafts = np.asarray(proposed, dtype=np.int64)[:num]
                 num = r.drafts.size
-            r.num_drafts = max(num, 0)
+            r.num_drafts = r.padded_drafts = max(num, 0)
             budget -= 1 + r.num_drafts
             plan.granted.append(r)
         for r in live.values():
@@ -378,8 +393,20 @@ class Engine:
             r.chunk = min(r.admitted.size, budget)
             budget -= r.chunk
             plan.new.append(r)
+        if self.pad_drafts and not (plan.prefilling or plan.new):
+            self._pad(plan)
         self._columns(plan, results)
         return plan
+
+    def _pad(self, plan: _Plan) -> None:
+        """A decode-only step with every decode at ``draft_len`` drafts, the shape a graph
+        replays: decodes with fewer are padded through the padding grant, when the step fits."""
+        width = 1 + self.draft_len
+        if len(plan.granted) * width > self.layout.max_step_tokens:
+            return
+        plan.padded = [r for r in plan.granted if r.num_drafts < self.draft_len]
+        for r in plan.padded:
+            r.padded_drafts = self.draft_len
 
     def _columns(self, plan: _Plan, results: list[tuple[Request, int]]) -> None:
         call = plan.call
@@ -389,6 +416,9 @@ class Engine:
             call["finished"] = _handles(plan.finished)
         if plan.granted:
             call["grants"] = (_handles(plan.granted), _ints(r.num_drafts for r in plan.granted))
+        if plan.padded:
+            call["padding"] = (_handles(plan.padded),
+                               np.full(len(plan.padded), self.draft_len, dtype=np.int64))
         if plan.prefilling:
             call["prefill"] = (_handles(plan.prefilling), _ints(r.chunk for r in plan.prefilling))
         if plan.new:
@@ -458,14 +488,14 @@ class Engine:
         starts = np.asarray(sched.start_positions, dtype=np.int64)
         ids = np.zeros(int(num_tokens.sum()), dtype=np.int64)
         behind = _ints(r.unread for r in scheduled)
-        emitting, decode = [], []
+        emitting, decode, drafts = [], [], []
         for e, (r, off, n, start) in enumerate(zip(scheduled, offsets.tolist(),
                                                    num_tokens.tolist(), starts.tolist(),
                                                    strict=True)):
             if r.num_drafts >= 0:
                 # Behind an unread step the reply's start counts only settled tokens.
                 expected = r.prompt.size + len(r.output) - 1 + r.unread
-                tokens = 1 + r.num_drafts
+                tokens = 1 + r.padded_drafts
                 if r.drafts is not None:
                     ids[off + 1:off + 1 + r.drafts.size] = r.drafts
             else:
@@ -479,8 +509,10 @@ class Engine:
             if r.num_drafts >= 0 or r.decoding:
                 emitting.append(e)
                 decode.append(r.num_drafts >= 0)
+                drafts.append(max(r.num_drafts, 0))
         plan = LaunchPlan(np.asarray(sched.rows, dtype=np.int64), offsets, num_tokens, starts,
-                          behind, ids, _ints(emitting), np.array(decode, dtype=bool))
+                          behind, ids, _ints(emitting), np.array(decode, dtype=bool),
+                          _ints(drafts))
         return plan, [scheduled[e] for e in emitting]
 
     def _read(self, flight: _Flight | None,
@@ -493,9 +525,9 @@ class Engine:
         self._time(flight.launched)
         stats, generated, results = self.stats, 0, []
         plan = flight.launched.plan
-        for r, row, n, a, is_decode, width in zip(
+        for r, row, n, a, is_decode, proposed in zip(
                 flight.requests, tokens, emitted.tolist(), accepted.tolist(),
-                plan.decode.tolist(), plan.widths.tolist(), strict=True):
+                plan.decode.tolist(), plan.drafts.tolist(), strict=True):
             r.unread -= 1
             if n == 0:  # it had ended already: a wasted forward
                 continue
@@ -505,7 +537,7 @@ class Engine:
             if is_decode:
                 # Draft i proposes emitted token i: past a request's last token it proposes
                 # nothing the request needed (an overlap worker drafts before it knows the end).
-                drafts = min(width - 1, n) if r.done else width - 1
+                drafts = min(proposed, n) if r.done else proposed
                 stats.proposed_drafts += drafts
                 stats.accepted_drafts += min(a, drafts)
                 results.append((r, a))
@@ -536,6 +568,7 @@ class _Plan:
     call: dict[str, Any] = field(default_factory=dict)  # the client's step() keywords
     finished: list[Request] = field(default_factory=list)
     granted: list[Request] = field(default_factory=list)
+    padded: list[Request] = field(default_factory=list)  # granted, padded to draft_len drafts
     prefilling: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
 

@@ -122,6 +122,14 @@ def test_ctrl_c_prints_a_partial_summary_deregisters_and_exits_130(llama_oracle:
     assert state.workers == [] and state.used_blocks == 0 and state.num_requests == 0
 
 
+def test_cuda_graphs_on_a_cpu_pool_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", "--device", "cpu",
+                            "--cuda-graphs")) == 2
+    assert "cuda_graphs: the pool is on cpu; graphs need CUDA" in capsys.readouterr().err
+
+
 def test_device_cuda_without_a_gpu_is_a_one_line_error(llama_oracle: Oracle,
                                                         tmp_path: Path) -> None:
     config, prompts = write_inputs(llama_oracle, tmp_path)

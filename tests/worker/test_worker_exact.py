@@ -72,6 +72,7 @@ class PoolWatch:
 
 def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft_len: int,
                on_step: Callable[[StepRecord], None] | None = None, nwor: bool = True,
+               pad_drafts: bool = False,
                **pool: object) -> tuple[Engine, dict[str, list[int]], PoolWatch]:
     client = connect(pool_config(oracle.model, nwor=nwor, **pool))
     client.pool.kv.fill_(float("nan"))
@@ -83,7 +84,7 @@ def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft
             on_step(record)
 
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
-                    stop_token_ids=oracle.stop_tokens())
+                    stop_token_ids=oracle.stop_tokens(), pad_drafts=pad_drafts)
     outputs = engine.run(oracle.prompts, MAX_NEW_TOKENS, on_step=observe)
     return engine, outputs, watch
 
@@ -118,6 +119,17 @@ def test_tokens_equal_generate(oracle: Oracle, connect: Callable, draft_len: int
         assert stats.proposed_drafts > 0 and stats.accepted_drafts == 0
     elif kind == 0.5:
         assert 0.1 < stats.acceptance_rate < 0.7
+
+
+def test_padded_decodes_are_exact_and_the_service_commits_only_real_drafts(
+        oracle: Oracle, connect: Callable) -> None:
+    """Synchronous decode-only steps padded to D = 3 (the padding grant): the service settles
+    the padded step and writes only the accepted drafts (the pool watch checks every slot)."""
+    padded = []
+    _, outputs, watch = run_worker(
+        oracle, connect, make_drafter(oracle, "ngram"), 3, pad_drafts=True,
+        on_step=lambda record: padded.append("padding" in record.call))
+    assert outputs == oracle.expected and watch.committed > 0 and any(padded)
 
 
 def test_refused_grants_preempt_and_still_give_the_exact_tokens(oracle: Oracle,

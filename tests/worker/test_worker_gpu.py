@@ -23,6 +23,7 @@ from server.service.settings import ServiceConfig
 from worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
 from worker.engine import Engine, NamedPrompt
 from worker.model import pool_for_model, random_model
+from worker.step.device_step import LaunchPlan
 
 pytestmark = pytest.mark.gpu
 
@@ -44,24 +45,26 @@ def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
 
 def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, drafter: object,
          draft_len: int, *, overlap: bool = False, prefix_caching: bool = False,
-         **pool: object) -> tuple[dict[str, list[int]], Engine]:
+         cuda_graphs: bool = False, **pool: object) -> tuple[dict[str, list[int]], Engine]:
     core, client = _client(model, overlap=overlap, prefix_caching=prefix_caching, **pool)
     try:
         client.pool.kv.fill_(float("nan"))
         engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap,
-                        validate=True, share_prefixes=prefix_caching)
+                        validate=True, share_prefixes=prefix_caching, cuda_graphs=cuda_graphs)
         return engine.run(prompts, new_tokens), engine
     finally:
         core.close()
 
 
-@pytest.mark.parametrize(("overlap", "prefix_caching"), [(False, False), (True, False),
-                                                         (True, True)],
-                         ids=["sync", "overlap", "overlap-prefix-caching"])
-def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool,
-                                         prefix_caching: bool) -> None:
+@pytest.mark.parametrize(("overlap", "prefix_caching", "cuda_graphs"), [
+    (False, False, False), (True, False, False), (True, True, False), (False, False, True),
+    (True, False, True)],
+    ids=["sync", "overlap", "overlap-prefix-caching", "sync-graphs", "overlap-graphs"])
+def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool, prefix_caching: bool,
+                                         cuda_graphs: bool) -> None:
     """With prefix caching the prompts share a 64-token prefix: later ones skip its prefill
-    and read the blocks an earlier one committed, under the service's write protection."""
+    and read the blocks an earlier one committed, under the service's write protection. With
+    CUDA graphs, decode-only steps are padded to D = 3 and replay a captured graph."""
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          eos_token_id=None)
@@ -85,18 +88,21 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool,
     # so their shared prefix is cached by then.
     outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316,
                            batch=2 if prefix_caching else 8, dtype="float32", overlap=overlap,
-                           prefix_caching=prefix_caching)
+                           prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
     assert outputs == expected
     stats = engine.stats
     assert (stats.cached_prompt_tokens > 0) == prefix_caching
     assert stats.accepted_drafts > 0 and stats.table_violations == 0
     assert (stats.forwards_ahead > 0) == overlap
     assert stats.device_busy_s > 0
+    assert (stats.graph_replays > 0 and stats.graphs_captured > 0) == cuda_graphs
 
 
-def test_an_overlap_step_never_makes_the_host_wait(cuda_device: str) -> None:
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_an_overlap_step_never_makes_the_host_wait(cuda_device: str, cuda_graphs: bool) -> None:
     """Every launch of an overlap worker's step (inputs, forward, verification, commit) runs
-    under torch's sync debug mode set to error: a read back anywhere in it would raise."""
+    under torch's sync debug mode set to error: a read back anywhere in it would raise. With
+    CUDA graphs, every launch that replays one (a capture itself synchronises)."""
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          eos_token_id=None)
@@ -104,26 +110,30 @@ def test_an_overlap_step_never_makes_the_host_wait(cuda_device: str) -> None:
     rng = np.random.default_rng(1)
     prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist()) for i, n in
                enumerate((3, 9, 30, 70))]
-    truth = {p.req_id: rng.integers(0, 96, 12).tolist() for p in prompts}
-    core, client = _client(model, longest=90, batch=4, dtype="float32", overlap=True)
+    truth = {p.req_id: rng.integers(0, 96, 24).tolist() for p in prompts}
+    core, client = _client(model, longest=100, batch=4, dtype="float32", overlap=True)
     try:
         engine = Engine(model, client, DeviceOracleDrafter(truth, 0.5, vocab_size=96,
                                                            device=torch.device(cuda_device)),
-                        draft_len=3, overlap=True)
-        launch, launched = engine.step.launch, []
+                        draft_len=3, overlap=True, cuda_graphs=cuda_graphs)
+        launch, checked_launches = engine.step.launch, []
 
-        def checked(plan: object) -> object:
-            with no_host_sync():
-                launched.append(launch(plan))
-            return launched[-1]
+        def checked(plan: LaunchPlan) -> object:
+            graphs = engine.step.graphs
+            if graphs is None or (plan.decode_only and graphs.captured_for(plan)):
+                checked_launches.append(plan)
+                with no_host_sync():
+                    return launch(plan)
+            return launch(plan)
 
         engine.step.launch = checked  # type: ignore[method-assign]
-        outputs = engine.run(prompts, 12)
+        outputs = engine.run(prompts, 24)
     finally:
         core.close()
-    assert launched
-    assert all(len(v) == 12 for v in outputs.values())
+    assert checked_launches
+    assert all(len(v) == 24 for v in outputs.values())
     assert engine.stats.forwards_ahead > 0
+    assert (engine.stats.graph_replays > 0) == cuda_graphs
 
 
 def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(

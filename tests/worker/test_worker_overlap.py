@@ -51,7 +51,8 @@ class CommitReplay:
 
 def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len: int, *,
                 prompts: list[NamedPrompt] | None = None, share_prefixes: bool = False,
-                replay: bool = True, **service: object
+                replay: bool = True, pad_drafts: bool = False,
+                calls: list[dict] | None = None, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
     """``prompts``: other than the oracle's, whose K/V the replay knows (no replay then)."""
     replay = replay and prompts is None
@@ -66,8 +67,14 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
         device=client.pool.kv.device, seed=3)
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
                     stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
-                    share_prefixes=share_prefixes)
-    outputs = engine.run(prompts or oracle.prompts, MAX_NEW_TOKENS, on_step=watch)
+                    share_prefixes=share_prefixes, pad_drafts=pad_drafts)
+    def observe(record: StepRecord) -> None:
+        if watch is not None:
+            watch(record)
+        if calls is not None:
+            calls.append(record.call)
+
+    outputs = engine.run(prompts or oracle.prompts, MAX_NEW_TOKENS, on_step=observe)
     return engine, outputs, watch
 
 
@@ -92,6 +99,20 @@ def test_tokens_and_pool_equal_generate_one_step_ahead(oracle: Oracle, connect: 
         assert stats.proposed_drafts > 0 and stats.accepted_drafts == 0
     elif rate == 0.5:
         assert 0.1 < stats.acceptance_rate < 0.8
+
+
+def test_padded_decodes_give_the_exact_tokens_and_commit_only_real_drafts(
+        oracle: Oracle, connect: Callable) -> None:
+    """Decode-only steps padded to D = 3 through the padding grant (the shape a CUDA graph
+    replays): requests near their end run padded tokens, which are never accepted or written."""
+    calls: list[dict] = []
+    engine, outputs, replay = run_overlap(oracle, connect, 0.5, 3, pad_drafts=True, calls=calls)
+    assert outputs == oracle.expected
+    assert replay is not None
+    replay.check()
+    assert engine.stats.table_violations == 0
+    padded = [c["padding"] for c in calls if "padding" in c]
+    assert padded and all((np.asarray(lens) == 3).all() for _, lens in padded)
 
 
 def test_preemption_on_a_small_pool_still_gives_the_exact_tokens(llama_oracle: Oracle,

@@ -32,6 +32,7 @@ from worker.attention.hook import PoolStep
 from worker.attention.pool_attention import HostBounds, PagedLayout
 from worker.drafters import DeviceOracleDrafter
 from worker.step.commit import WorkerCommit
+from worker.step.decode_graphs import DecodeGraphs
 from worker.step.rows import DeviceRows
 from worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
 
@@ -49,6 +50,13 @@ class LaunchPlan:
     host_ids: np.ndarray  # [N]: prompt tokens, host drafts; 0 where the device fills in
     emitting: np.ndarray  # [E] entry indices
     decode: np.ndarray  # [E] bool: a decode (else a prompt's last chunk)
+    drafts: np.ndarray  # [E] real drafts: a padded decode runs more tokens than it drafted
+
+    @property
+    def decode_only(self) -> bool:
+        """Every entry a decode of one width: the shape a captured graph replays."""
+        return (self.decode.size == self.rows.size and bool(self.decode.all())
+                and bool((self.num_tokens == self.num_tokens[0]).all()))
 
     @property
     def widths(self) -> np.ndarray:
@@ -85,6 +93,15 @@ class Launched:
                 flat[e * self.width + e:])
 
 
+class StepOutputs(NamedTuple):
+    """What a step's device work leaves for the host and observers."""
+
+    packed: torch.Tensor  # int64 [E * W] argmax, [E] emitted, [E] accepted
+    width: int  # W
+    logits: torch.Tensor  # [K, vocab]
+    kept: torch.Tensor  # [R] tokens each entry commits
+
+
 @dataclass(frozen=True)
 class StepTensors:
     """What the step ran, on the device, for observers (tests check the pool with it)."""
@@ -102,10 +119,12 @@ class DeviceStep:
                  block_table: torch.Tensor, rows: DeviceRows, *, max_draft_len: int,
                  stop_token_ids: frozenset[int],
                  drafter: DeviceOracleDrafter | None = None, commit: WorkerCommit | None = None,
-                 validator: TableValidator | None = None) -> None:
+                 validator: TableValidator | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model, self.kv, self.staging, self.block_table = model, kv, staging, block_table
         self.rows, self.max_draft_len = rows, max_draft_len
         self.drafter, self.committer, self.validator = drafter, commit, validator
+        self.graphs = graphs
         self.device = kv.device
         self.stop = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=self.device)
         self.timed = self.device.type == "cuda"
@@ -118,23 +137,33 @@ class DeviceStep:
         if self.validator is not None:
             self.validator.check(layout.block_table, layout.rows,
                                  layout.history + layout.query_lens, layout.tokens_per_block)
+        if self.graphs is not None and plan.decode_only:
+            out = self.graphs.run(plan, layout, meta, cols, self._body)
+        else:
+            out = self._body(plan, layout, meta, cols)
+        host = out.packed
+        if self.timed:  # the host reads it behind the step's event, never by waiting on it now
+            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            host.copy_(out.packed, non_blocking=True)
+        record = StepTensors(meta.ids, meta.positions, plan.logit_rows, out.logits, meta.slots,
+                             out.kept if self.committer is not None else None)
+        return Launched(plan, host, out.width, self._event(), started, record, metadata_s)
+
+    def _body(self, plan: LaunchPlan, layout: PagedLayout, meta: StepMetadata,
+              cols: _Columns) -> StepOutputs:
+        """Forward, verification and commit: device work only, the same shapes for one plan
+        shape, so that `DecodeGraphs` can capture it."""
         with torch.inference_mode():
             logits = self.model(
                 input_ids=meta.ids[None], position_ids=meta.positions[None], use_cache=False,
                 logits_to_keep=cols.logit_rows,
                 kvalloc_step=PoolStep(self.kv, self.staging, layout)).logits[0]
-        tokens, emitted, accepted, kept = self._verify(plan, layout, meta.ids,
-                                                       logits.argmax(-1), cols)
-        if self.committer is not None:
-            self.committer.commit(meta.slots, meta.index, cols.token_entry, kept)
-        out = torch.cat([tokens.flatten(), emitted, accepted])
-        host = out
-        if self.timed:  # the host reads it behind the step's event, never by waiting on it now
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-        record = StepTensors(meta.ids, meta.positions, plan.logit_rows, logits, meta.slots,
-                             kept if self.committer is not None else None)
-        return Launched(plan, host, tokens.shape[1], self._event(), started, record, metadata_s)
+            tokens, emitted, accepted, kept = self._verify(plan, layout, meta.ids,
+                                                           logits.argmax(-1), cols)
+            if self.committer is not None:
+                self.committer.commit(meta.slots, meta.index, cols.token_entry, kept)
+            packed = torch.cat([tokens.flatten(), emitted, accepted])
+        return StepOutputs(packed, tokens.shape[1], logits, kept)
 
     def _event(self) -> torch.cuda.Event | None:
         if not self.timed:
@@ -186,7 +215,7 @@ class DeviceStep:
         logit_start = torch.cumsum(w, 0) - w
         tokens = guesses[(logit_start[:, None] + i).clamp(max=max(guesses.numel() - 1, 0))]
         draft_at = (layout.query_starts[e][:, None] + 1 + i[:-1]).clamp(max=ids.numel() - 1)
-        matches = (ids[draft_at] == tokens[:, :-1]) & (i[:-1] < w[:, None] - 1)
+        matches = (ids[draft_at] == tokens[:, :-1]) & (i[:-1] < cols.drafts[:, None])
         accepted = torch.cumprod(matches.long(), 1).sum(1)
         rows = layout.rows[e]
         alive = state.alive[rows]
@@ -210,8 +239,8 @@ class DeviceStep:
 class _Columns(NamedTuple):
     """A `LaunchPlan`'s columns on the device, from one upload (views of one tensor): per entry
     ``rows, offsets, num_tokens, starts, behind, decoding``, per token ``token_entry,
-    host_ids``, the kept logits' ``logit_rows``, per emitting entry ``emitting, widths,
-    decode``, and ``decodes`` (the entries that decode)."""
+    host_ids``, the kept logits' ``logit_rows``, per emitting entry ``emitting, widths, decode,
+    drafts``, and ``decodes`` (the entries that decode)."""
 
     rows: torch.Tensor
     offsets: torch.Tensor
@@ -225,7 +254,10 @@ class _Columns(NamedTuple):
     emitting: torch.Tensor
     widths: torch.Tensor
     decode: torch.Tensor
+    drafts: torch.Tensor
     decodes: torch.Tensor
+
+    flat: torch.Tensor  # the one tensor the others view
 
     @classmethod
     def upload(cls, plan: LaunchPlan, device: torch.device) -> _Columns:
@@ -233,12 +265,20 @@ class _Columns(NamedTuple):
         decoding[plan.emitting[plan.decode]] = 1
         parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
                  np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
-                 plan.logit_rows, plan.emitting, plan.widths, plan.decode,
+                 plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
                  plan.emitting[plan.decode]]
         flat = upload_int64(np.concatenate(parts), device)
-        ends = np.cumsum([p.size for p in parts])
-        return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends.tolist(),
-                                                                 strict=True)))
+        ends = np.cumsum([p.size for p in parts]).tolist()
+        return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends, strict=True)), flat)
+
+    def over(self, flat: torch.Tensor) -> _Columns:
+        """The same columns as views of ``flat`` (a copy of this ``flat``): laid out one after
+        the other in field order, as `upload` packs them."""
+        views, start = [], 0
+        for column in self[:-1]:
+            views.append(flat[start:start + column.numel()])
+            start += column.numel()
+        return _Columns(*views, flat)
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:

@@ -1,0 +1,80 @@
+"""`DecodeGraphs`: decode steps replayed as CUDA graphs, one per batch shape.
+
+A decode step's device work (the model's forward over the pool, greedy verification, an overlap
+worker's commit) launches hundreds of kernels; from Python that takes longer than the GPU needs
+to run them at small batches, so the GPU would wait for the host. Captured once per shape
+(entries x tokens per entry: every decode padded to the same draft count through the protocol's
+padding grant), the step replays in one launch.
+
+The graph reads static copies of the step's inputs: the uploaded columns and the metadata
+(`worker.step.step_metadata`), which run eagerly before each replay and are copied in. The first
+step of a shape runs eagerly (it also warms every kernel up for the shape) and the graph is
+captured right after, for the next one; nothing of the capture itself runs. Graphs share one
+memory pool; the least recently used beyond ``max_graphs`` is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+
+class _Bucket(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # static copies, in the order `run` loads them
+    outputs: Any
+
+
+class DecodeGraphs:
+    def __init__(self, max_graphs: int = 32) -> None:
+        self.max_graphs = max_graphs
+        self._pool = torch.cuda.graph_pool_handle()
+        self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
+        self.captured = 0
+        self.replayed = 0
+
+    def captured_for(self, plan: Any) -> bool:
+        """Whether a decode-only ``plan``'s shape has its graph (its launch replays it)."""
+        return _key(plan) in self._buckets
+
+    def run(self, plan: Any, layout: Any, meta: Any, cols: Any,
+            body: Callable[..., Any]) -> Any:
+        """``body(plan, layout, meta, cols)`` for a decode-only ``plan``: replayed when its shape
+        was captured, else run now and captured for next time."""
+        key = _key(plan)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            outputs = body(plan, layout, meta, cols)
+            self._capture(key, plan, layout, meta, cols, body)
+            return outputs
+        self._buckets.move_to_end(key)
+        for static, now in zip(bucket.inputs, (cols.flat, *meta), strict=True):
+            static.copy_(now)
+        bucket.graph.replay()
+        self.replayed += 1
+        return bucket.outputs
+
+    def _capture(self, key: tuple[int, int], plan: Any, layout: Any, meta: Any, cols: Any,
+                 body: Callable[..., Any]) -> None:
+        flat = cols.flat.clone()
+        static_cols = cols.over(flat)
+        static_meta = type(meta)(*(t.clone() for t in meta))
+        static_layout = dataclasses.replace(
+            layout, rows=static_cols.rows, query_starts=static_cols.offsets,
+            query_lens=static_cols.num_tokens, history=static_meta.history,
+            token_entry=static_cols.token_entry)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = body(plan, static_layout, static_meta, static_cols)
+        self._buckets[key] = _Bucket(graph, (flat, *static_meta), outputs)
+        self.captured += 1
+        if len(self._buckets) > self.max_graphs:
+            self._buckets.popitem(last=False)
+
+
+def _key(plan: Any) -> tuple[int, int]:
+    return plan.rows.size, int(plan.num_tokens[0])
