@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from proc_status import memory_kib
 
 from server import serve
 from server.client import Client
@@ -69,13 +70,6 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-def memory_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 @pytest.fixture
