@@ -1,9 +1,11 @@
 """`kvalloc serve`: one pool, REST and IPC transports over one service core, until stopped.
 
 With no arguments: the embedded default pool (`server.service.settings.default_pool`, CUDA when
-present, else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs
-where it listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC
-thread finishes its message, then every socket file and shared-memory segment is removed.
+present, else CPU), REST on http://127.0.0.1:8900, IPC on stream://<runtime dir>/kvalloc.stream
+(ZeroMQ only when asked for: `server.contract.addresses.default_ipc_endpoints` says why). It
+logs where it listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight,
+the IPC thread finishes its message, then every socket file and shared-memory segment is
+removed.
 Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports require that
 bearer token; without it the service generates one for its lifetime and writes it 0600 where its
 own user's clients find it (`server.transport.token_files`), so no other local user can call
@@ -109,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      metavar="ENDPOINT",
                      help="IPC endpoint: ZeroMQ's ipc:///path or tcp://127.0.0.1:port, or "
                           "stream:///path (the same messages on a plain Unix socket, the fastest "
-                          "local path); repeatable (default: ipc://<runtime dir>/kvalloc.ipc and "
-                          "stream://<runtime dir>/kvalloc.stream)")
+                          "local path); repeatable (default: stream://<runtime dir>/kvalloc.stream "
+                          "alone)")
     pool = parser.add_argument_group("pool")
     defaults = PoolConfig.model_fields
     for name, (kind, help_text) in _POOL_FLAGS.items():
