@@ -4,8 +4,9 @@ Real `kvalloc serve` processes on loopback: thousands of half-open connections a
 descriptor limit; raw connections past that limit to every endpoint the service listens on by
 default; health probes through a flood of half-open connections; a flood of unauthenticated 8 MiB
 bodies; calls beyond the in-flight bound; a body that never completes; a kept connection that
-stops before its next request's headers. Each is bounded in count and time. The connection bounds live in the HTTP protocol, so the tests of
-them run with each parser the service can use here (`PARSERS`); the others with the default."""
+stops before its next request's headers. Each is bounded in count and time. The connection
+bounds live in the HTTP protocol, so the tests of them run with each parser the service can use
+here (`PARSERS`); the others with the default."""
 
 from __future__ import annotations
 
