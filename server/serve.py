@@ -56,6 +56,7 @@ from server.contract.errors import AddressError, InsecureBinding, LimitsError
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
 from server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
+from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
 from server.transport.network import (
     ACCEPT_BACKLOG,
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         # "cuda" alone names the current device; set_device needs an index.
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
+    _warm_up(config)
     core = ServiceCore(config)
     ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
@@ -242,6 +244,15 @@ def run(args: argparse.Namespace) -> int:
             Path(args.uds).unlink(missing_ok=True)
         log.info("stopped; shared memory and socket files removed")
     return status
+
+
+def _warm_up(config: ServiceConfig) -> None:
+    """Compile the step now rather than under the lock of the first worker's calls
+    (`server.service.warmup`). A failure costs only that: the first calls compile instead."""
+    try:
+        log.info("compiled the step and its commit in %.1fs", warm_up(config))
+    except Exception:
+        log.exception("warming up failed: the first calls will compile what they need")
 
 
 class _Stopped(Exception):
