@@ -52,9 +52,10 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
-from server.contract.errors import AddressError, InsecureBinding, LimitsError
+from server.contract.errors import AddressError, InsecureBinding, LimitsError, PoolTooLarge
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
+from server.service.footprint import check_fits, describe_bytes
 from server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig, default_pool, token_from_env
 from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
@@ -191,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
     reaped = reap_dead_instances()
     if reaped:
         log.info("removed %d shared-memory segments of dead instances", reaped)
+    try:  # after reaping, which frees memory; before anything of the pool is made
+        need = check_fits(config)
+    except PoolTooLarge as exc:
+        log.error("%s", exc)
+        return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
@@ -217,10 +223,12 @@ def run(args: argparse.Namespace) -> int:
         reaper.start()
         pool = config.pool
         log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
-                 "tokens, %s, %d layers x %d KV heads x %d; lease %.0fs%s)",
+                 "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
+                 "%.0fs%s)",
                  ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
                  pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
-                 pool.num_kv_heads, pool.head_dim, config.lease_ttl_s,
+                 pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
+                 describe_bytes(need.staging), config.lease_ttl_s,
                  _token_note(config.token, token))
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=False, lifespan="off",
