@@ -329,18 +329,20 @@ class StreamListener:
         # One kernel timeout serves every bound: the first message must begin within it, any
         # message must end within it of its first byte; between messages a verified connection
         # may idle as long as it likes (each expiry of the timeout then just renews the wait).
-        # With a token, every message shows it in its first bytes before more than the usual
-        # inbox is buffered for it (`gate`); a wrong one closes the connection, and so does any
-        # refusal before a message had it.
+        # With a token, a connection's first message shows it in its first bytes before more
+        # than the usual inbox is buffered for it (`gate`), and any refusal before then closes
+        # the connection; later messages are checked by ``handle`` (a verified peer already
+        # held the token, and the hot path pays nothing twice), a refused token closing it too.
         set_timeouts(conn, HANDSHAKE_S)
         inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
         pacer = CallPacer(self.spin_s)
         verified = False  # a message came (with the token, if there is one)
-        vet = None if self.token is None else self._vet
         while not self._stop.is_set():
             try:
                 frames = inbox.next_message(wait=pacer.next_wait(), within_s=HANDSHAKE_S,
-                                            idle_ok=verified, vet=vet)
+                                            idle_ok=verified,
+                                            vet=None if verified or self.token is None
+                                            else self._vet)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")
@@ -348,7 +350,7 @@ class StreamListener:
                 return
             except (MalformedBody, Unauthorized) as exc:
                 conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(exc))]))
-                if isinstance(exc, Unauthorized) or (vet is not None and not verified):
+                if self.token is not None and not verified:
                     return
                 pacer.answered(ok=False)
                 continue
@@ -360,8 +362,18 @@ class StreamListener:
                 self._verified()
             reply = self.handle(frames)
             conn.sendall(pack(reply))
+            if reply[1] != OK and _refused_token(reply):
+                return
             pacer.answered(ok=reply[1] == OK)
 
     def _vet(self, prefix: memoryview, complete: bool) -> bool:
         assert self.token is not None
         return token_verified(prefix, complete, self.token)
+
+
+def _refused_token(reply: list[bytes]) -> bool:
+    """Whether an error reply refused the message's token."""
+    try:
+        return wire.decode(reply[2], wire.ErrorBody).code == Unauthorized.code
+    except msgspec.DecodeError:  # a handle whose error replies carry no ErrorBody
+        return False

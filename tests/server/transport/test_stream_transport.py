@@ -26,6 +26,7 @@ from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from server.transport import stream
 from server.transport.ipc import IpcServer
+from server.transport.token_files import discover_token
 
 
 def echo(frames: list[bytes]) -> list[bytes]:
@@ -370,7 +371,7 @@ def raw(svc: ServiceProcess) -> socket.socket:
     return conn
 
 
-def wrong_token_call(token: bytes) -> bytes:
+def get_pool_call(token: bytes) -> bytes:
     return stream.pack([b"\x00" * 8, token, b"get_pool", msgspec.msgpack.encode({})])
 
 
@@ -378,7 +379,20 @@ def wrong_token_call(token: bytes) -> bytes:
 def test_a_message_with_a_wrong_token_is_refused_and_its_connection_closed(
         guarded: ServiceProcess, token: bytes) -> None:
     conn = raw(guarded)
-    conn.sendall(wrong_token_call(token))
+    conn.sendall(get_pool_call(token))
+    _, status, payload = read_reply(conn)
+    assert (status, wire.decode(payload, wire.ErrorBody).code) == (ERROR, "unauthorized")
+    assert closed(conn)
+
+
+def test_a_wrong_token_after_calls_with_the_right_one_closes_the_connection_too(
+        guarded: ServiceProcess) -> None:
+    token = discover_token(guarded.stream)
+    assert token is not None
+    conn = raw(guarded)
+    conn.sendall(get_pool_call(token.encode()))
+    assert read_reply(conn)[1] == OK
+    conn.sendall(get_pool_call(b"w" * len(token)))
     _, status, payload = read_reply(conn)
     assert (status, wire.decode(payload, wire.ErrorBody).code) == (ERROR, "unauthorized")
     assert closed(conn)
@@ -391,7 +405,7 @@ def test_peers_without_the_token_cannot_hold_the_slots_workers_need(
     registers and steps at once, its connection then kept however many strangers come."""
     refused = [raw(guarded) for _ in range(SLOTS // 2)]
     for conn in refused:
-        conn.sendall(wrong_token_call(b"w" * 43))
+        conn.sendall(get_pool_call(b"w" * 43))
     silent = [raw(guarded) for _ in range(SLOTS - len(refused))]
     for conn in refused:
         read_reply(conn)
