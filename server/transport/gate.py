@@ -53,6 +53,19 @@ def token_verified(prefix: memoryview | bytes, complete: bool, token: bytes) -> 
     return True
 
 
+def sequence_of(prefix: memoryview | bytes) -> bytes:
+    """The sequence frame of the message starting with ``prefix``, to echo in a refusal of it
+    (the client matches replies by it); empty where there is none to read."""
+    try:
+        at = _array(prefix)
+        seq = None if at is None else _bin(prefix, at)
+    except MalformedBody:
+        return b""
+    if seq is None or seq[1] > MAX_SEQ_BYTES or len(prefix) < seq[0] + seq[1]:
+        return b""
+    return bytes(prefix[seq[0]:seq[0] + seq[1]])
+
+
 def _need_more(complete: bool) -> bool:
     if complete:
         raise MalformedBody("frames: expected [seq, token, op, payload]", field="frames")

@@ -25,6 +25,7 @@ buffered past the usual inbox before a message showed it; a wrong token closes t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -47,7 +48,7 @@ from server.contract.errors import (
     describe,
 )
 from server.contract.operations import ERROR, OK
-from server.transport.gate import token_verified
+from server.transport.gate import sequence_of, token_verified
 from server.transport.polling import BLOCK, CallPacer, Wait, wait_for
 
 log = logging.getLogger("kvalloc.stream")
@@ -337,20 +338,22 @@ class StreamListener:
         inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
         pacer = CallPacer(self.spin_s)
         verified = False  # a message came (with the token, if there is one)
+        refused: list[bytes] = []  # the sequence frame of a message the vet refused
+        vet = None if self.token is None else functools.partial(self._vet, refused=refused)
         while not self._stop.is_set():
             try:
                 frames = inbox.next_message(wait=pacer.next_wait(), within_s=HANDSHAKE_S,
-                                            idle_ok=verified,
-                                            vet=None if verified or self.token is None
-                                            else self._vet)
+                                            idle_ok=verified, vet=None if verified else vet)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")
                 conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(too_big))]))
                 return
             except (MalformedBody, Unauthorized) as exc:
-                conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(exc))]))
-                if self.token is not None and not verified:
+                # Echoed, so that the client takes the refusal as its call's answer.
+                seq = refused[0] if refused else b""
+                conn.sendall(pack([seq, ERROR, wire.encode_msgpack(describe(exc))]))
+                if vet is not None and not verified:
                     return
                 pacer.answered(ok=False)
                 continue
@@ -366,9 +369,13 @@ class StreamListener:
                 return
             pacer.answered(ok=reply[1] == OK)
 
-    def _vet(self, prefix: memoryview, complete: bool) -> bool:
+    def _vet(self, prefix: memoryview, complete: bool, *, refused: list[bytes]) -> bool:
         assert self.token is not None
-        return token_verified(prefix, complete, self.token)
+        try:
+            return token_verified(prefix, complete, self.token)
+        except (MalformedBody, Unauthorized):
+            refused.append(sequence_of(prefix))
+            raise
 
 
 def _refused_token(reply: list[bytes]) -> bool:

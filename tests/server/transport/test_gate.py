@@ -8,7 +8,7 @@ import pytest
 
 from server.contract.errors import MalformedBody, Unauthorized
 from server.transport import stream
-from server.transport.gate import MAX_SEQ_BYTES, token_verified
+from server.transport.gate import MAX_SEQ_BYTES, sequence_of, token_verified
 
 TOKEN = b"t" * 43  # the length of a generated token
 
@@ -51,3 +51,10 @@ def test_a_whole_message_too_short_to_hold_a_token_is_malformed() -> None:
     assert not token_verified(body, False, TOKEN)
     with pytest.raises(MalformedBody):
         token_verified(body, True, TOKEN)
+
+
+def test_a_refusal_echoes_the_sequence_number_it_can_read() -> None:
+    seq = (41).to_bytes(8, "big")
+    assert sequence_of(message(b"wrong", seq=seq)[:12]) == seq
+    assert sequence_of(message(b"wrong", seq=seq)[:8]) == b""  # not all of it yet
+    assert sequence_of(b"\x84\xa1a\x01") == b""

@@ -380,8 +380,9 @@ def test_a_message_with_a_wrong_token_is_refused_and_its_connection_closed(
         guarded: ServiceProcess, token: bytes) -> None:
     conn = raw(guarded)
     conn.sendall(get_pool_call(token))
-    _, status, payload = read_reply(conn)
+    seq, status, payload = read_reply(conn)
     assert (status, wire.decode(payload, wire.ErrorBody).code) == (ERROR, "unauthorized")
+    assert seq == b"\x00" * 8  # echoed: a client takes it as its call's answer
     assert closed(conn)
 
 
