@@ -34,8 +34,8 @@ def warm_up(config: ServiceConfig) -> float:
     began = time.perf_counter()
     core = ServiceCore(_small(config))
     try:
-        for attached in (True, False):  # replies differ: table deltas and slots for the second
-            _life(core, f"warm-up-{int(attached)}", attached)
+        for life, attached in enumerate((True, False)):  # the second's replies carry tables
+            _life(core, life, attached)
     finally:
         core.close()
     return time.perf_counter() - began
@@ -56,12 +56,15 @@ def _small(config: ServiceConfig) -> ServiceConfig:
         "kv_events_replay": None})
 
 
-def _life(core: ServiceCore, worker_id: str, attached: bool) -> None:
-    """Admit three prompts (one chunked, with token ids under prefix caching), decode with padded
-    and plain grants, accept, revert, finish, and deregister."""
+def _life(core: ServiceCore, life: int, attached: bool) -> None:
+    """Admit three prompts (one chunked, with token ids under prefix caching: each life's its
+    own, so that no prompt finds another's blocks cached), decode with padded and plain grants,
+    accept, revert, finish, and deregister."""
+    worker_id = f"warm-up-{life}"
     reg = core.register(wire.RegisterRequest(worker_id=worker_id, attached=attached))
     d = core.config.pool.max_draft_len
-    ids = (np.arange(sum(_PROMPTS)) if core.config.prefix_caching else ())
+    ids = ((np.arange(sum(_PROMPTS)) + life * sum(_PROMPTS)) if core.config.prefix_caching
+           else ())
     steps = itertools.count()
 
     def step(**columns: object) -> np.ndarray:
