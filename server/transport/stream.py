@@ -115,8 +115,9 @@ class Inbox:
         `TimeoutError`, as it always does inside a message. A peer that closes inside a message
         raises `ConnectionError`; a length over ``max_bytes`` raises `MessageTooLarge`.
         ``vet``: called with the message's first bytes (and whether they are all of it) until it
-        returns True, before the buffer grows past its usual size for the rest; what it raises
-        propagates, the rest of the message unread (`gate.token_verified` is one)."""
+        returns True, before the buffer grows past its usual size for the rest; it must decide
+        (True, or raise) once they are all of it. What it raises propagates, the rest of the
+        message unread (`gate.token_verified` is one)."""
         if self._end - self._start == 0 and not self._first_bytes(wait, idle_ok):
             return None
         began = time.monotonic()
@@ -372,10 +373,13 @@ class StreamListener:
     def _vet(self, prefix: memoryview, complete: bool, *, refused: list[bytes]) -> bool:
         assert self.token is not None
         try:
-            return token_verified(prefix, complete, self.token)
+            shown = token_verified(prefix, complete, self.token)
         except (MalformedBody, Unauthorized):
             refused.append(sequence_of(prefix))
             raise
+        if shown:  # from now on never evicted, however long the rest of the message takes
+            self._verified()
+        return shown
 
 
 def _refused_token(reply: list[bytes]) -> bool:
