@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import secrets
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,9 +157,12 @@ class Client:
         takes the worker id over from a live session (a restarted worker), freeing its requests.
         ``overlap``: steps run at lag 2 and the worker commits its own tokens (docs/protocol.md,
         "Overlap workers")."""
+        # A retry after a timeout resends the nonce: the service answers it with the session
+        # the first attempt opened, instead of refusing the id that session now holds.
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
                                                          attached=attach, replace=replace,
-                                                         overlap=overlap))
+                                                         overlap=overlap,
+                                                         nonce=secrets.randbits(63)))
         self.registration, self.next_step_id = reg, reg.next_step_id
         self.overlap = overlap
         self.pool = self._transport.attach(reg) if attach else None

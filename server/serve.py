@@ -1,9 +1,11 @@
 """`kvalloc serve`: one pool, REST and IPC transports over one service core, until stopped.
 
 With no arguments: the embedded default pool (`server.service.settings.default_pool`, CUDA when
-present, else CPU), REST on http://127.0.0.1:8900, IPC on ipc://<runtime dir>/kvalloc.ipc. It logs
-where it listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight, the IPC
-thread finishes its message, then every socket file and shared-memory segment is removed.
+present, else CPU), REST on http://127.0.0.1:8900, IPC on stream://<runtime dir>/kvalloc.stream
+(ZeroMQ only when asked for: `server.contract.addresses.default_ipc_endpoints` says why). It
+logs where it listens. SIGTERM / SIGINT stop it gracefully: REST finishes the calls in flight,
+the IPC thread finishes its message, then every socket file and shared-memory segment is
+removed.
 Secure by default: ``KVALLOC_TOKEN`` (environment only) makes both transports require that
 bearer token; without it the service generates one for its lifetime and writes it 0600 where its
 own user's clients find it (`server.transport.token_files`), so no other local user can call
@@ -51,9 +53,10 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
-from server.contract.errors import AddressError, InsecureBinding, LimitsError
+from server.contract.errors import AddressError, InsecureBinding, LimitsError, PoolTooLarge
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
+from server.service.footprint import check_fits, describe_bytes
 from server.service.settings import (
     DEFAULT_NUM_BLOCKS,
     ServiceConfig,
@@ -61,6 +64,7 @@ from server.service.settings import (
     hash_seed_from_env,
     token_from_env,
 )
+from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
 from server.transport.network import (
     ACCEPT_BACKLOG,
@@ -120,8 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      metavar="ENDPOINT",
                      help="IPC endpoint: ZeroMQ's ipc:///path or tcp://127.0.0.1:port, or "
                           "stream:///path (the same messages on a plain Unix socket, the fastest "
-                          "local path); repeatable (default: ipc://<runtime dir>/kvalloc.ipc and "
-                          "stream://<runtime dir>/kvalloc.stream)")
+                          "local path); repeatable (default: stream://<runtime dir>/kvalloc.stream "
+                          "alone)")
     pool = parser.add_argument_group("pool")
     defaults = PoolConfig.model_fields
     for name, (kind, help_text) in _POOL_FLAGS.items():
@@ -214,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
     reaped = reap_dead_instances()
     if reaped:
         log.info("removed %d shared-memory segments of dead instances", reaped)
+    try:  # after reaping, which frees memory; before anything of the pool is made
+        need = check_fits(config)
+    except PoolTooLarge as exc:
+        log.error("%s", exc)
+        return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
@@ -224,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         # "cuda" alone names the current device; set_device needs an index.
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
+    _warm_up(config)
     core = ServiceCore(config)
     ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
@@ -240,10 +250,12 @@ def run(args: argparse.Namespace) -> int:
         reaper.start()
         pool = config.pool
         log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
-                 "tokens, %s, %d layers x %d KV heads x %d; lease %.0fs%s)",
+                 "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
+                 "%.0fs%s)",
                  ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
                  pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
-                 pool.num_kv_heads, pool.head_dim, config.lease_ttl_s,
+                 pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
+                 describe_bytes(need.staging), config.lease_ttl_s,
                  _token_note(config.token, token))
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=False, lifespan="off",
@@ -267,6 +279,15 @@ def run(args: argparse.Namespace) -> int:
             Path(args.uds).unlink(missing_ok=True)
         log.info("stopped; shared memory and socket files removed")
     return status
+
+
+def _warm_up(config: ServiceConfig) -> None:
+    """Compile the step now rather than under the lock of the first worker's calls
+    (`server.service.warmup`). A failure costs only that: the first calls compile instead."""
+    try:
+        log.info("compiled the step and its commit in %.1fs", warm_up(config))
+    except Exception:
+        log.exception("warming up failed: the first calls will compile what they need")
 
 
 class _Stopped(Exception):

@@ -38,17 +38,16 @@ def runtime_dir() -> Path:
     return path
 
 
-def default_ipc() -> str:
-    return f"ipc://{runtime_dir() / 'kvalloc.ipc'}"
-
-
 def default_stream() -> str:
     return f"stream://{runtime_dir() / 'kvalloc.stream'}"
 
 
 def default_ipc_endpoints() -> list[str]:
-    """Where the service serves IPC unless told: ZeroMQ's socket and the stream socket."""
-    return [default_ipc(), default_stream()]
+    """Where the service serves IPC unless told: the stream socket alone. ZeroMQ only where it
+    is asked for (``--ipc ipc:///path``): libzmq aborts the whole process when it runs out of
+    descriptors and bounds no connections, so any process that can open its socket could kill
+    the service; the stream socket bounds its connections and is the faster local path."""
+    return [default_stream()]
 
 
 def default_client_address() -> str:

@@ -78,6 +78,12 @@ class RegisterRequest(Contract):
         default=True, description="The worker maps the pool and block table (same host); "
                                   "false: every reply carries table deltas and slot mappings.")
     replace: bool = Field(default=False, description="Take over the id from a live session.")
+    nonce: Serial | None = Field(
+        default=None, description="A random number the client draws per registration and "
+                                  "sends again when it retries it: the same request with the "
+                                  "nonce of the id's live session, before that session's first "
+                                  "step, is answered that session's registration again, "
+                                  "changing nothing.")
     overlap: bool = Field(
         default=False, description="The worker's steps run at lag 2: a step may grant a request "
                                    "whose previous step is unsettled, results come one call "

@@ -44,7 +44,9 @@ def kvalloc_command() -> list[str]:
 class ServiceProcess:
     def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None,
                  tcp: bool = True, ready_timeout_s: float = 60.0,
-                 nofile: tuple[int, int] | None = None) -> None:
+                 nofile: tuple[int, int] | None = None, default_ipc: bool = False) -> None:
+        """``default_ipc``: serve IPC where the service does unless told (under the
+        ``XDG_RUNTIME_DIR`` of ``env``) instead of on ``ipc`` and ``stream`` in ``workdir``."""
         self.workdir = Path(workdir)
         self.args = args
         self.env = {**os.environ, **(env or {})}
@@ -55,6 +57,7 @@ class ServiceProcess:
         self.log_path = self.workdir / "serve.log"
         self.ready_timeout_s = ready_timeout_s
         self.nofile = nofile  # RLIMIT_NOFILE (soft, hard) for the service, e.g. to exhaust it
+        self.default_ipc = default_ipc
         self.proc: subprocess.Popen[bytes] | None = None
         self.epoch: int | None = None
         self.started_in_s: float | None = None  # from spawn to ready, at the last start
@@ -69,8 +72,8 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         listen = ["--port", str(self.port)] if self.port is not None else ["--no-tcp"]
-        cmd = [*kvalloc_command(), "serve", "--uds", str(self.uds), "--ipc", self.ipc,
-               "--ipc", self.stream, *listen, *self.args]
+        ipc = [] if self.default_ipc else ["--ipc", self.ipc, "--ipc", self.stream]
+        cmd = [*kvalloc_command(), "serve", "--uds", str(self.uds), *ipc, *listen, *self.args]
         spawned = time.monotonic()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,

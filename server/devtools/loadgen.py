@@ -229,10 +229,12 @@ class Report:
 
 def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
           duration_s: float | None, step_interval_s: float, progress: bool,
-          stop: Callable[[], bool] = lambda: False) -> Report:
+          stop: Callable[[], bool] = lambda: False, replace: bool = False) -> Report:
     """Run steps until ``steps`` or ``duration_s`` (None: no such bound), or until ``stop()``
     says so between two steps. A refused call (or a lost service) costs the worker its
-    requests: it re-registers and starts over, as an engine would after a restart."""
+    requests: it re-registers and starts over, as an engine would after a restart; it takes its
+    id back from a live session only if told to (``replace``), so a worker whose id another
+    process took over stops instead of taking it back in turn."""
     report = Report(client.address, worker=worker.stats)
     start = time.perf_counter()
     deadline = start + duration_s if duration_s is not None else float("inf")
@@ -246,7 +248,7 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
             except (RemoteError, TransportTimeout) as exc:
                 report.errors[getattr(exc, "code", "timeout")] += 1
                 worker.reset()
-                if not _register(client, report):
+                if not _register(client, report, replace):
                     break
             except Exception as exc:  # the service is gone: connection refused, ...
                 report.errors[type(exc).__name__] += 1
@@ -265,11 +267,10 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
     return report
 
 
-def _register(client: Client, report: Report) -> bool:
+def _register(client: Client, report: Report, replace: bool) -> bool:
     """Register afresh (the service freed this worker's requests); False when it cannot."""
     try:
-        # The load generator never touches KV; it takes its own id back (replace) after an error.
-        client.register(attach=False, replace=True)
+        client.register(attach=False, replace=replace)  # the load generator never touches KV
     except Exception as exc:  # any failure here: no usable service
         report.errors[f"register: {type(exc).__name__}"] += 1
         return False
@@ -296,6 +297,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the worker's name at the service (default: <host>-<pid>)")
     parser.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=10.0,
                         help="seconds to wait for one reply")
+    parser.add_argument("--replace", action="store_true",
+                        help="take the worker id over from a live session (a previous run's), "
+                             "at start and after an error; without it, a run whose id another "
+                             "process took stops")
     stop = parser.add_argument_group(
         "how long", f"whichever comes first; --duration alone runs that long, neither runs "
                     f"{DEFAULT_STEPS} steps")
@@ -339,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
     steps = DEFAULT_STEPS if args.steps is None and args.duration is None else args.steps
     with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
         try:
-            registration = client.register(attach=False)  # the load generator never touches KV
+            # The load generator never touches KV.
+            registration = client.register(attach=False, replace=args.replace)
         except (ServiceUnreachable, RemoteError, TransportTimeout) as exc:
             print(f"kvalloc loadgen: cannot register at {address}: {exc}", file=sys.stderr)
             return 2
@@ -349,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         with sigint_stops() as stop:
             report = drive(client, worker, steps=steps, duration_s=args.duration,
                            step_interval_s=args.step_interval, progress=not args.no_progress,
-                           stop=stop)
+                           stop=stop, replace=args.replace)
             with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
                 client.deregister()
     summary = {**report.summary(), **({"interrupted": True} if stop.requested else {})}

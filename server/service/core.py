@@ -172,6 +172,10 @@ class ServiceCore:
         with self.lock:
             self._check_open()
             self._expire(self.clock())
+            again = self.registry.retried(req)
+            if again is not None:  # the first answer was lost: the same session, unchanged
+                self.registry.worker(req.worker_id, again.session).last_seen = self.clock()
+                return again
             replaced = self.registry.check_capacity(req.worker_id, req.replace)
             if replaced is not None:
                 n = self._drop(replaced)
@@ -179,11 +183,13 @@ class ServiceCore:
                             "ended, %d requests freed", req.worker_id, n)
             worker = self.registry.add(lambda session: self._new_worker(req, session))
             self._state_changed()
-            return wire.Registration(
+            registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
                 lease_ttl_s=self.config.lease_ttl_s, next_step_id=0, layout=self.layout,
                 attachment=worker.attachment,
             )
+            worker.registered = (req, registration)
+            return registration
 
     def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
         pool = self.config.pool

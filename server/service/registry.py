@@ -67,6 +67,8 @@ class Worker:
     # Its steps run at lag 2 (`server.service.inflight`) and it commits its own tokens.
     overlap: bool = False
     cache_salt: bytes = b""  # its prompts' prefix-cache namespace (`server.contract.routing`)
+    # The request that opened the session and its answer, to answer a retry of it again.
+    registered: tuple[wire.RegisterRequest, wire.Registration] | None = None
     req_ids: dict[str, int] = field(default_factory=dict)  # live request id -> row
     last_step_id: int | None = None
     last_call: StepCall | None = None
@@ -94,6 +96,16 @@ class WorkerRegistry:
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
+
+    def retried(self, req: wire.RegisterRequest) -> wire.Registration | None:
+        """The registration ``req`` already opened, if it is a retry: it carries a nonce, and
+        the id's live session was opened by this very request and has not stepped since."""
+        current = self._workers.get(req.worker_id)
+        if (req.nonce is None or current is None or current.registered is None
+                or current.last_step_id is not None):
+            return None
+        request, registration = current.registered
+        return registration if request == req else None
 
     def check_capacity(self, worker_id: str, replace: bool) -> Worker | None:
         """The worker ``register`` would replace (None: a new id); raises if it may not."""

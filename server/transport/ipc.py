@@ -64,7 +64,7 @@ class IpcServer:
             StreamListener(path, functools.partial(self.handle, transport="stream"),
                            max_frame_bytes=4 * self._limit,
                            max_connections=2 * core.config.max_workers + 8,
-                           spin_s=self._spin_s)
+                           spin_s=self._spin_s, token=self._token)
             for path in map(stream_path, self.addresses) if path is not None]
         self.endpoints: list[str] = []
 

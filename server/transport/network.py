@@ -6,8 +6,11 @@ whole process when its IPC listener cannot accept for lack of descriptors. So:
 - at start RLIMIT_NOFILE is raised to its hard limit (`raise_nofile_limit`);
 - REST may hold at most ``max_connections`` connections, chosen so that REST connections, the
   ones accepted but not yet refused, and a reserve (`FD_RESERVE`: IPC peers, shared-memory
-  segments, log files, Python's own) never reach the limit; a connection over the bound is
-  answered 503 with Retry-After and closed at once;
+  segments, log files, Python's own) never reach the limit. A connection over the bound evicts
+  the one that has waited longest for a request's headers (half-open, or idle between
+  requests); only when every connection is inside a request is it answered 503 with Retry-After
+  and closed at once. So a flood of half-open connections only ever replaces itself, and a
+  probe, whose request follows its connection at once, is answered whatever such traffic does;
 - a connection must deliver its request line and headers within ``header_timeout_s`` of opening
   (or of its previous response) and its body within ``body_timeout_s``, or it is closed: a peer
   that opens connections and never finishes a request cannot hold them.
@@ -96,7 +99,8 @@ def bounded_protocol(limits: RestLimits, parser: str = "auto") -> type[asyncio.P
         raise ValueError(f"parser: {parser!r} is not one of {parsers}")
     h11_only = parser == "h11" or "httptools" not in parsers
     base = _BoundedH11Protocol if h11_only else _bounded_httptools()
-    return type(f"Bounded{base.__name__.removeprefix('_Bounded')}", (base,), {"limits": limits})
+    return type(f"Bounded{base.__name__.removeprefix('_Bounded')}", (base,),
+                {"limits": limits, "awaiting": {}})
 
 
 _OVERLOADED = (b"HTTP/1.1 503 Service Unavailable\r\n"
@@ -115,9 +119,14 @@ class _Bounded:
     """The bounds, over either uvicorn protocol (first base after this one). The header deadline
     runs whenever the connection waits for a request's headers: from the connection's opening,
     and again from each response's end; it closes the connection only if by then no request's
-    headers arrived (`_awaiting_headers`), so a request in progress is never cut."""
+    headers arrived (`_awaiting_headers`), so a request in progress is never cut.
+
+    ``awaiting`` holds the server's connections in the order their deadlines were armed, oldest
+    first: every one that waits for headers is in it, and so may be some that since got theirs
+    (dropped when eviction meets them; they enter again at their next deadline)."""
 
     limits: RestLimits
+    awaiting: dict[_Bounded, None]  # one per server: `bounded_protocol` makes the class
     connections: set[Any]
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
@@ -128,11 +137,21 @@ class _Bounded:
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        if len(self.connections) > self.limits.max_connections:
+        if len(self.connections) > self.limits.max_connections and not self._evict_oldest():
             transport.write(overloaded_response())
             transport.close()
             return
         self._arm_header_deadline()
+
+    def _evict_oldest(self) -> bool:
+        """Close the connection that has waited longest for headers; False if none waits."""
+        while self.awaiting:
+            oldest = next(iter(self.awaiting))
+            del self.awaiting[oldest]
+            if oldest._awaiting_headers() and not oldest.transport.is_closing():
+                oldest.transport.close()
+                return True
+        return False
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -140,6 +159,7 @@ class _Bounded:
             self._arm_header_deadline()  # the next request on this connection gets its own
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.awaiting.pop(self, None)
         if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
@@ -150,6 +170,8 @@ class _Bounded:
             self._header_deadline.cancel()
         self._header_deadline = self.loop.call_later(self.limits.header_timeout_s,
                                                      self._headers_too_slow)
+        self.awaiting.pop(self, None)  # to the newest end
+        self.awaiting[self] = None
 
     def _headers_too_slow(self) -> None:
         self._header_deadline = None

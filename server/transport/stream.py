@@ -15,15 +15,17 @@ saves its own wake-up (and the sender's work to wake it) when the answer is due 
 
 Each connection has its own serving thread (a worker keeps one connection open); the core's lock
 serialises them with the other transports. Bounds: at most ``max_connections`` connections
-(more are closed at once), a first message begun within ``HANDSHAKE_S`` of connecting, every
-message complete within ``HANDSHAKE_S`` of its first byte, and no message longer than
-``max_frame_bytes`` (answered with an error, then the connection closes: the rest of it is never
-read).
+(when full, a new one evicts the oldest that has not shown the token yet, else it is closed at
+once), a first message begun within ``HANDSHAKE_S`` of connecting, every message complete within
+``HANDSHAKE_S`` of its first byte, no message longer than ``max_frame_bytes`` (answered with an
+error, then the connection closes: the rest of it is never read), and with a token, nothing
+buffered past the usual inbox before a message showed it; a wrong token closes the connection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -38,8 +40,15 @@ import msgspec
 
 from server.contract import wire
 from server.contract.addresses import claim_socket_path
-from server.contract.errors import BodyTooLarge, MalformedBody, MessageTooLarge, describe
+from server.contract.errors import (
+    BodyTooLarge,
+    MalformedBody,
+    MessageTooLarge,
+    Unauthorized,
+    describe,
+)
 from server.contract.operations import ERROR, OK
+from server.transport.gate import sequence_of, token_verified
 from server.transport.polling import BLOCK, CallPacer, Wait, wait_for
 
 log = logging.getLogger("kvalloc.stream")
@@ -94,7 +103,9 @@ class Inbox:
         self._poller: select.poll | None = None
 
     def next_message(self, *, wait: Wait = BLOCK, within_s: float | None = None,
-                     idle_ok: bool = False) -> list[bytes] | None:
+                     idle_ok: bool = False,
+                     vet: Callable[[memoryview, bool], bool] | None = None
+                     ) -> list[bytes] | None:
         """The next message's frames; None if the peer closed between messages.
 
         ``wait``: how to wait for its first bytes before blocking (`polling.wait_for`).
@@ -102,7 +113,11 @@ class Inbox:
         ``idle_ok``: a receive timeout before the first byte means only an idle peer (keep
         waiting); otherwise it raises
         `TimeoutError`, as it always does inside a message. A peer that closes inside a message
-        raises `ConnectionError`; a length over ``max_bytes`` raises `MessageTooLarge`."""
+        raises `ConnectionError`; a length over ``max_bytes`` raises `MessageTooLarge`.
+        ``vet``: called with the message's first bytes (and whether they are all of it) until it
+        returns True, before the buffer grows past its usual size for the rest; it must decide
+        (True, or raise) once they are all of it. What it raises propagates, the rest of the
+        message unread (`gate.token_verified` is one)."""
         if self._end - self._start == 0 and not self._first_bytes(wait, idle_ok):
             return None
         began = time.monotonic()
@@ -111,6 +126,8 @@ class Inbox:
         size = LENGTH.unpack_from(self._buffer, self._start)[0]
         if self.max_bytes is not None and size > self.max_bytes:
             raise MessageTooLarge(size)
+        if vet is not None:
+            self._vet(vet, size, began, within_s)
         if self._start + LENGTH.size + size > len(self._buffer):
             self._make_room(LENGTH.size + size)
         end = self._start + LENGTH.size + size
@@ -124,6 +141,16 @@ class Inbox:
             if len(self._buffer) > _INBOX_BYTES:
                 self._buffer = bytearray(_INBOX_BYTES)
         return frames
+
+    def _vet(self, vet: Callable[[memoryview, bool], bool], size: int, began: float,
+             within_s: float | None) -> None:
+        while True:
+            start = self._start + LENGTH.size
+            have = min(self._end - start, size)
+            with memoryview(self._buffer) as view:
+                if vet(view[start:start + have], have == size):
+                    return
+            self._more(began, within_s)
 
     def close(self) -> None:
         """Close the socket it reads."""
@@ -188,19 +215,26 @@ class StreamListener:
     """Serves ``handle`` on a Unix stream socket at ``path`` (created 0600)."""
 
     def __init__(self, path: Path, handle: Handle, *, max_frame_bytes: int,
-                 max_connections: int, spin_s: float = 0.0) -> None:
+                 max_connections: int, spin_s: float = 0.0, token: bytes | None = None) -> None:
         """``spin_s``: how long a connection polls for its next message without sleeping, around
-        when it is due (`CallPacer`), after answering one successfully."""
+        when it is due (`CallPacer`), after answering one successfully. ``token``: what every
+        message must carry (None: nothing); a connection that has not sent a message with it
+        yet is *unverified*."""
         self.path = path
         self.handle = handle
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
         self.spin_s = spin_s
+        self.token = token
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._stop = threading.Event()
         # Serving thread -> its connection: stop() ends a thread's wait by shutting its
         # connection's reading side.
         self._served: dict[threading.Thread, socket.socket] = {}
+        # The unverified ones among them, oldest first: a full listener evicts the oldest for a
+        # new connection, so peers without the token cannot hold the slots workers need.
+        self._unverified: dict[threading.Thread, socket.socket] = {}
+        self._evicted: set[threading.Thread] = set()  # shut down, their threads still ending
         self._lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept, name="kvalloc-stream", daemon=True)
         self._bound = False  # the socket file is ours to remove
@@ -250,13 +284,31 @@ class StreamListener:
                 self._stop.wait(_POLL_S)
                 continue
             with self._lock:
-                if len(self._served) >= self.max_connections:
+                if not self._room():
                     conn.close()
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="kvalloc-stream-conn", daemon=True)
                 self._served[thread] = conn
+                self._unverified[thread] = conn
             thread.start()
+
+    def _room(self) -> bool:
+        """Whether a new connection may be served, evicting the oldest unverified one if that
+        makes room (under ``_lock``). Evicted threads still ending count against a second bound
+        of as many again, so a flood cannot pile up threads either."""
+        if len(self._served) >= 2 * self.max_connections:
+            return False
+        if len(self._served) - len(self._evicted) < self.max_connections:
+            return True
+        if not self._unverified:
+            return False
+        oldest = next(iter(self._unverified))
+        conn = self._unverified.pop(oldest)
+        self._evicted.add(oldest)
+        with contextlib.suppress(OSError):  # its thread may be closing it right now
+            conn.shutdown(socket.SHUT_RDWR)
+        return True
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -265,34 +317,74 @@ class StreamListener:
         except OSError:
             pass  # the peer went away or stalled inside a message: drop it
         finally:
+            me = threading.current_thread()
             with self._lock:
-                del self._served[threading.current_thread()]
+                del self._served[me]
+                self._unverified.pop(me, None)
+                self._evicted.discard(me)
+
+    def _verified(self) -> None:
+        with self._lock:
+            self._unverified.pop(threading.current_thread(), None)
 
     def _converse(self, conn: socket.socket) -> None:
         # One kernel timeout serves every bound: the first message must begin within it, any
-        # message must end within it of its first byte; between messages a connection may idle
-        # as long as it likes (each expiry of the timeout then just renews the wait).
+        # message must end within it of its first byte; between messages a verified connection
+        # may idle as long as it likes (each expiry of the timeout then just renews the wait).
+        # With a token, a connection's first message shows it in its first bytes before more
+        # than the usual inbox is buffered for it (`gate`), and any refusal before then closes
+        # the connection; later messages are checked by ``handle`` (a verified peer already
+        # held the token, and the hot path pays nothing twice), a refused token closing it too.
         set_timeouts(conn, HANDSHAKE_S)
         inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
         pacer = CallPacer(self.spin_s)
-        first = True
+        verified = False  # a message came (with the token, if there is one)
+        refused: list[bytes] = []  # the sequence frame of a message the vet refused
+        vet = None if self.token is None else functools.partial(self._vet, refused=refused)
         while not self._stop.is_set():
             try:
                 frames = inbox.next_message(wait=pacer.next_wait(), within_s=HANDSHAKE_S,
-                                            idle_ok=not first)
+                                            idle_ok=verified, vet=None if verified else vet)
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")
                 conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(too_big))]))
                 return
-            except MalformedBody as exc:
-                conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(exc))]))
+            except (MalformedBody, Unauthorized) as exc:
+                # Echoed, so that the client takes the refusal as its call's answer.
+                seq = refused[0] if refused else b""
+                conn.sendall(pack([seq, ERROR, wire.encode_msgpack(describe(exc))]))
+                if vet is not None and not verified:
+                    return
                 pacer.answered(ok=False)
                 continue
             if frames is None:
                 return
             pacer.arrived()
-            first = False
+            if not verified:
+                verified = True
+                self._verified()
             reply = self.handle(frames)
             conn.sendall(pack(reply))
+            if reply[1] != OK and _refused_token(reply):
+                return
             pacer.answered(ok=reply[1] == OK)
+
+    def _vet(self, prefix: memoryview, complete: bool, *, refused: list[bytes]) -> bool:
+        assert self.token is not None
+        try:
+            shown = token_verified(prefix, complete, self.token)
+        except (MalformedBody, Unauthorized):
+            refused.append(sequence_of(prefix))
+            raise
+        if shown:  # from now on never evicted, however long the rest of the message takes
+            self._verified()
+        return shown
+
+
+def _refused_token(reply: list[bytes]) -> bool:
+    """Whether an error reply refused the message's token."""
+    try:
+        return wire.decode(reply[2], wire.ErrorBody).code == Unauthorized.code
+    except msgspec.DecodeError:  # a handle whose error replies carry no ErrorBody
+        return False

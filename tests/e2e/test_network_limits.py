@@ -1,22 +1,26 @@
 """The network cannot kill the service, or make it hold memory, without the token.
 
 Real `kvalloc serve` processes on loopback: thousands of half-open connections against a small
-descriptor limit; a flood of unauthenticated 8 MiB bodies; calls beyond the in-flight bound; a
-body that never completes; a kept connection that stops before its next request's headers. Each
-is bounded in count and time. The connection bounds live in the HTTP protocol, so the tests of
-them run with each parser the service can use here (`PARSERS`); the others with the default."""
+descriptor limit; raw connections past that limit to every endpoint the service listens on by
+default; health probes through a flood of half-open connections; a flood of unauthenticated 8 MiB
+bodies; calls beyond the in-flight bound; a body that never completes; a kept connection that
+stops before its next request's headers. Each is bounded in count and time. The connection
+bounds live in the HTTP protocol, so the tests of them run with each parser the service can use
+here (`PARSERS`); the others with the default."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from proc_status import memory_kib
 
 from server import serve
 from server.client import Client
@@ -33,6 +37,10 @@ HALF_OPEN = 2000  # twice the service's descriptor limit
 HEADER_TIMEOUT_S = 2.0
 BODY = 8 << 20
 PARSERS = [p for p in http_parsers() if p != "auto"]
+SMALL_BOUND = 8
+FLOOD = 3 * 1024  # several times the connection bound under NOFILE
+PROBES = 20
+CONNECT_S = 2.0
 
 
 def status_of(sock: socket.socket, timeout_s: float = 10.0) -> tuple[int, dict[str, str]]:
@@ -58,6 +66,13 @@ def send_head(port: int, method: str, path: str, *, length: int = 0,
     return sock
 
 
+def half_open(port: int) -> socket.socket:
+    """A connection whose request headers never end."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /readyz HTTP/1.1\r\nhost: x\r\n")
+    return sock
+
+
 def closed_by_peer(sock: socket.socket) -> bool:
     """The service closed ``sock`` (EOF after whatever it answered, or a reset)."""
     sock.settimeout(0.5)
@@ -71,13 +86,6 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return False
 
 
-def memory_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 @pytest.fixture
 def limited(tmp_path: Path) -> Iterator[ServiceProcess]:
     with ServiceProcess(tmp_path, *SMALL_POOL, "--header-timeout-s", str(HEADER_TIMEOUT_S),
@@ -88,14 +96,10 @@ def limited(tmp_path: Path) -> Iterator[ServiceProcess]:
 def test_thousands_of_half_open_connections_leave_ipc_and_rest_serving(
         limited: ServiceProcess) -> None:
     """Twice as many half-open connections as the service has descriptors: those over the
-    connection bound are answered 503 and closed, the rest are closed at the header deadline, and
-    meanwhile a new IPC worker connects and steps (ZeroMQ never meets EMFILE)."""
+    connection bound evict the oldest, the rest are closed at the header deadline, and meanwhile
+    a new IPC worker connects and steps (ZeroMQ never meets EMFILE)."""
     assert limited.port is not None
-    held = []
-    for _ in range(HALF_OPEN):
-        sock = socket.create_connection(("127.0.0.1", limited.port), timeout=5)
-        sock.sendall(b"GET /readyz HTTP/1.1\r\nhost: x\r\n")  # the headers never end
-        held.append(sock)
+    held = [half_open(limited.port) for _ in range(HALF_OPEN)]
     with Client(limited.ipc, worker_id="during-flood", timeout_s=5) as worker:
         worker.register()
         assert worker.step(new=(["a"], [4])).admitted[0] >= 0
@@ -113,23 +117,89 @@ def test_thousands_of_half_open_connections_leave_ipc_and_rest_serving(
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_connections_over_the_bound_get_503_with_retry_after(tmp_path: Path,
-                                                             parser: str) -> None:
-    bound = connection_budget(10**6, NOFILE)
-    # A header deadline far longer than opening the connections takes: none closes early.
+def test_a_connection_over_the_bound_evicts_the_oldest_one_waiting_for_headers(
+        tmp_path: Path, parser: str) -> None:
     with ServiceProcess(tmp_path, *SMALL_POOL, "--http", parser, "--header-timeout-s", "120",
-                        nofile=(NOFILE, NOFILE)) as svc:
+                        "--max-connections", str(SMALL_BOUND)) as svc:
         assert svc.port is not None
-        held = [socket.create_connection(("127.0.0.1", svc.port), timeout=5)
-                for _ in range(bound + 5)]
+        held = [half_open(svc.port) for _ in range(SMALL_BOUND)]
         try:
-            status, headers = status_of(held[-1])
-            assert status == 503 and headers["retry-after"] == "1"
-            assert closed_by_peer(held[-1])
-            assert not closed_by_peer(held[bound - 1])
+            probe = send_head(svc.port, "GET", "/healthz")
+            assert status_of(probe)[0] == 200
+            probe.close()
+            assert closed_by_peer(held[0])
+            assert not any(closed_by_peer(sock) for sock in held[1:])
         finally:
             for sock in held:
                 sock.close()
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_connection_over_a_bound_of_requests_in_progress_gets_503_with_retry_after(
+        tmp_path: Path, parser: str) -> None:
+    """Only a connection that finds every other inside a request is refused: a request in
+    progress is never cut for a new connection."""
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--http", parser, "--body-timeout-s", "120",
+                        "--max-connections", str(SMALL_BOUND)) as svc:
+        assert svc.port is not None
+        token = discover_token(svc.rest_tcp)
+        held = [send_head(svc.port, "POST", "/v1/workers", length=100, token=token)
+                for _ in range(SMALL_BOUND)]
+        try:
+            for sock in held:
+                sock.sendall(b'{"worker_id"')  # the rest never comes
+            time.sleep(0.5)  # (a refusal would come at once; none may come later either)
+            extra = socket.create_connection(("127.0.0.1", svc.port), timeout=5)
+            status, headers = status_of(extra)
+            assert status == 503 and headers["retry-after"] == "1"
+            assert closed_by_peer(extra)
+            assert not any(closed_by_peer(sock) for sock in held)
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_health_probes_are_answered_through_a_flood_of_half_open_connections(
+        tmp_path: Path) -> None:
+    """Probes on fresh connections while another client keeps opening half-open ones, several
+    times the connection bound in all, none of which the header deadline closes meanwhile:
+    every probe is answered 200, as a kubelet's must be."""
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--header-timeout-s", "120",
+                        nofile=(NOFILE, NOFILE)) as svc:
+        assert svc.port is not None
+        statuses = probes_during_a_flood(svc.port)
+        assert statuses == [200] * PROBES
+        with Client(svc.rest_tcp, worker_id="after-flood") as rest:
+            rest.register()
+
+
+def probes_during_a_flood(port: int) -> list[int]:
+    """The statuses of `PROBES` probes of /healthz made once the connection bound is full of
+    half-open connections, while more keep coming (`FLOOD` in all)."""
+    stop = threading.Event()
+    flood: list[socket.socket] = []
+
+    def open_half_open() -> None:
+        while not stop.is_set() and len(flood) < FLOOD:
+            with contextlib.suppress(OSError):  # refused, or closed while sending
+                flood.append(half_open(port))
+
+    flooder = threading.Thread(target=open_half_open)
+    flooder.start()
+    try:
+        while len(flood) < connection_budget(10**6, NOFILE) and flooder.is_alive():
+            time.sleep(0.01)
+        statuses = []
+        for _ in range(PROBES):
+            probe = send_head(port, "GET", "/healthz")
+            statuses.append(status_of(probe)[0])
+            probe.close()
+    finally:
+        stop.set()
+        flooder.join()
+        for sock in flood:
+            sock.close()
+    return statuses
 
 
 def test_an_unauthenticated_flood_of_8_mib_bodies_leaves_memory_flat(tmp_path: Path) -> None:
@@ -202,6 +272,60 @@ def test_the_header_deadline_restarts_at_each_response_of_a_kept_connection(
             sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")  # the headers never end
             time.sleep(HEADER_TIMEOUT_S + 0.5)
             assert closed_by_peer(sock)
+
+
+def test_raw_connections_past_the_descriptor_limit_to_every_default_endpoint_leave_it_alive(
+        tmp_path: Path) -> None:
+    """What any local process of the service's user can do to its default endpoints: open more
+    raw connections to each socket file in its runtime directory, and to its REST port, than the
+    service has descriptors. None of them aborts it (ZeroMQ's listener would: it is not among
+    the defaults), and a worker registers and steps on the default address afterwards."""
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--header-timeout-s", str(HEADER_TIMEOUT_S),
+                        env={"XDG_RUNTIME_DIR": str(runtime)}, default_ipc=True,
+                        nofile=(NOFILE, NOFILE)) as svc:
+        assert svc.proc is not None and svc.port is not None
+        sockets = [p for p in (runtime / "kvalloc").iterdir() if p.is_socket()]
+        assert sockets, "the service listens on no socket file by default"
+        held = [*raw_connections(("127.0.0.1", svc.port), socket.AF_INET),
+                *(c for path in sockets for c in raw_connections(str(path), socket.AF_UNIX))]
+        try:
+            time.sleep(1)  # (the listeners accept what they can meanwhile)
+            assert svc.proc.poll() is None, f"the service died:\n{svc.log()}"
+            with Client(f"stream://{runtime / 'kvalloc' / 'kvalloc.stream'}",
+                        worker_id="after-raw-flood", timeout_s=30) as worker:
+                worker.register()
+                assert worker.step(new=(["a"], [4])).admitted[0] >= 0
+        finally:
+            for sock in held:
+                sock.close()
+        assert svc.proc.poll() is None and svc.ready()
+
+
+def raw_connections(target: str | tuple[str, int], family: int) -> list[socket.socket]:
+    """More connections to ``target`` than the service has descriptors, each tried until its
+    listener's backlog takes it (or `CONNECT_S` passed: a listener that stopped accepting)."""
+    made = []
+    for _ in range(NOFILE + NOFILE // 8):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(CONNECT_S)
+        deadline = time.monotonic() + CONNECT_S
+        while True:
+            try:
+                sock.connect(target)
+            except BlockingIOError:  # a Unix socket's backlog is full: it may drain
+                if time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    continue
+            except OSError:
+                pass
+            else:
+                made.append(sock)
+                break
+            sock.close()
+            break
+    return made
 
 
 def test_the_descriptor_limit_is_raised_to_the_hard_limit_at_start(tmp_path: Path) -> None:

@@ -31,8 +31,7 @@ def test_no_arguments_mean_the_embedded_default_on_loopback(monkeypatch: pytest.
     args = parse()
     assert (args.host, args.port, args.no_tcp, args.uds, args.ipc) == (
         "127.0.0.1", DEFAULT_PORT, False, None, None)
-    assert default_ipc_endpoints() == [f"ipc://{tmp_path}/kvalloc/kvalloc.ipc",
-                                       f"stream://{tmp_path}/kvalloc/kvalloc.stream"]
+    assert default_ipc_endpoints() == [f"stream://{tmp_path}/kvalloc/kvalloc.stream"]
     monkeypatch.delenv("KVALLOC_ADDRESS", raising=False)
     assert default_client_address() == f"stream://{tmp_path}/kvalloc/kvalloc.stream"
     config = serve._config(args)

@@ -16,6 +16,7 @@ from sigint import interrupt_once_progressing
 from allocator import PoolConfig
 from allocator.tools.simulate import Acceptance
 from server.client import Client
+from server.contract import wire
 from server.contract.columns import NO_VALUES, Refused
 from server.devtools.launch import ServiceProcess, kvalloc_command
 from server.devtools.loadgen import SimulatedWorker, Workload, drive
@@ -124,12 +125,36 @@ def test_a_refused_call_is_counted_and_the_worker_starts_over(core):
     client = Client.in_process(core, worker_id="loadgen")
     client.register(attach=False)
     drive(client, worker, steps=5, duration_s=None, step_interval_s=0, progress=False)
-    # Another process took this worker id over: this session ended, its requests are gone.
-    Client.in_process(core, worker_id="loadgen").register(attach=False, replace=True)
+    # The service restarted in all but name: this session is gone, and the id is free.
+    core.deregister(wire.WorkerRef(worker_id="loadgen", session=client.registration.session))
     report = drive(client, worker, steps=20, duration_s=None, step_interval_s=0,
                    progress=False)
-    assert report.errors == {"stale_session": 1}
+    assert report.errors == {"unknown_worker": 1}
     assert len(report.latencies_s) == 19, "every other step went through"
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_worker_whose_id_was_taken_over_takes_it_back_only_when_told(core, replace):
+    """A zombie run and its successor under one id: without ``replace`` the zombie stops at its
+    first refused call and the successor keeps its session; with it, the zombie takes the id
+    back (and the successor would in turn: the fencing undone, as asked)."""
+    zombie = Client.in_process(core, worker_id="loadgen")
+    zombie.register(attach=False)
+    successor = Client.in_process(core, worker_id="loadgen")
+    successor.register(attach=False, replace=True)
+    worker = SimulatedWorker(Workload(), max_draft_len=D + 1,
+                             max_step_tokens=core.config.max_step_tokens)
+    report = drive(zombie, worker, steps=20, duration_s=None, step_interval_s=0,
+                   progress=False, replace=replace)
+    assert len(core.registry) == 1
+    live = core.registry.get("loadgen")
+    assert live is not None
+    if replace:
+        assert report.errors == {"stale_session": 1} and report.steps == 20
+        assert live.session == zombie.registration.session
+    else:
+        assert report.errors == {"stale_session": 1, "register: RemoteError": 1}
+        assert report.steps == 0 and live.session == successor.registration.session
 
 
 def test_accepted_counts_follow_the_acceptance_model():

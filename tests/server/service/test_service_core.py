@@ -558,3 +558,25 @@ def _call(w: NamedWorker, *, step_id: int | None = None, new_req_ids: list[str] 
     return StepCall.build("w", reg.session, reg.epoch,
                           w.client.next_step_id if step_id is None else step_id,
                           new_req_ids=new_req_ids or [], **columns)
+
+
+def test_a_registration_sent_again_with_its_nonce_is_answered_again_and_changes_nothing(
+        core: ServiceCore) -> None:
+    """A client that timed out on ``register`` resends the same request, nonce and all: it gets
+    the session the first attempt opened, not `worker_id_in_use` and an orphaned session. Any
+    other request for the id (another nonce, none, another body) is refused as before, and so is
+    the same one once the session has stepped."""
+    first = wire.RegisterRequest(worker_id="w", attached=False, nonce=7)
+    registration = core.register(first)
+    pool = core.get_pool(wire.PoolQuery())
+    assert core.register(first) == registration
+    assert core.get_pool(wire.PoolQuery()) == pool
+    for other in (wire.RegisterRequest(worker_id="w", attached=False, nonce=8),
+                  wire.RegisterRequest(worker_id="w", attached=False),
+                  wire.RegisterRequest(worker_id="w", attached=True, nonce=7)):
+        with pytest.raises(RemoteError, match="worker_id_in_use"):
+            Client.in_process(core).call("register", other)
+    core.step(StepCall.build("w", registration.session, registration.epoch, 0))
+    with pytest.raises(RemoteError, match="worker_id_in_use"):
+        Client.in_process(core).call("register", first)
+    assert [w.worker_id for w in core.get_pool(wire.PoolQuery()).workers] == ["w"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from proc_status import memory_kib
 from pydantic import SecretStr
 
 from allocator import PoolConfig
@@ -25,6 +26,7 @@ from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from server.transport import stream
 from server.transport.ipc import IpcServer
+from server.transport.token_files import discover_token
 
 
 def echo(frames: list[bytes]) -> list[bytes]:
@@ -344,3 +346,97 @@ def run_script(address: str, worker_id: str) -> list[object]:
 
 def test_a_real_service_answers_over_stream_as_over_zeromq(service: ServiceProcess) -> None:
     assert run_script(service.stream, "over-stream") == run_script(service.ipc, "over-zeromq")
+
+
+# ---------------------------------------------------------------- peers without the token
+
+GUARDED_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
+                "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+                "--max-batch-size", "8", "--max-seq-len", "64", "--max-step-tokens", "64",
+                "--max-workers", "1")
+SLOTS = 2 * 1 + 8  # the stream socket's connection bound at --max-workers 1
+FRAME_LIMIT = 4 * (8 << 20)  # 4 x the default --max-body-bytes
+
+
+@pytest.fixture
+def guarded(tmp_path: Path) -> Iterator[ServiceProcess]:
+    with ServiceProcess(tmp_path, *GUARDED_POOL, tcp=False) as svc:
+        yield svc
+
+
+def raw(svc: ServiceProcess) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5 * stream.HANDSHAKE_S)  # the service closes it well before
+    conn.connect(svc.stream.removeprefix("stream://"))
+    return conn
+
+
+def get_pool_call(token: bytes) -> bytes:
+    return stream.pack([b"\x00" * 8, token, b"get_pool", msgspec.msgpack.encode({})])
+
+
+@pytest.mark.parametrize("token", [b"w" * 43, b"short", b""])
+def test_a_message_with_a_wrong_token_is_refused_and_its_connection_closed(
+        guarded: ServiceProcess, token: bytes) -> None:
+    conn = raw(guarded)
+    conn.sendall(get_pool_call(token))
+    seq, status, payload = read_reply(conn)
+    assert (status, wire.decode(payload, wire.ErrorBody).code) == (ERROR, "unauthorized")
+    assert seq == b"\x00" * 8  # echoed: a client takes it as its call's answer
+    assert closed(conn)
+
+
+def test_a_wrong_token_after_calls_with_the_right_one_closes_the_connection_too(
+        guarded: ServiceProcess) -> None:
+    token = discover_token(guarded.stream)
+    assert token is not None
+    conn = raw(guarded)
+    conn.sendall(get_pool_call(token.encode()))
+    assert read_reply(conn)[1] == OK
+    conn.sendall(get_pool_call(b"w" * len(token)))
+    _, status, payload = read_reply(conn)
+    assert (status, wire.decode(payload, wire.ErrorBody).code) == (ERROR, "unauthorized")
+    assert closed(conn)
+
+
+def test_peers_without_the_token_cannot_hold_the_slots_workers_need(
+        guarded: ServiceProcess) -> None:
+    """Every slot taken, half by peers that sent a wrong token and stayed, half by silent ones:
+    the first are closed at their refusal, the silent ones make way, oldest first, and a worker
+    registers and steps at once, its connection then kept however many strangers come."""
+    refused = [raw(guarded) for _ in range(SLOTS // 2)]
+    for conn in refused:
+        conn.sendall(get_pool_call(b"w" * 43))
+    silent = [raw(guarded) for _ in range(SLOTS - len(refused))]
+    for conn in refused:
+        read_reply(conn)
+        assert closed(conn)
+    with Client(guarded.stream, worker_id="not-locked-out", timeout_s=30, retries=0) as worker:
+        worker.register(attach=False)
+        assert worker.step(new=(["a"], [4])).admitted[0] >= 0
+        assert closed(silent[0])  # the oldest made way
+        strangers = [raw(guarded) for _ in range(2 * SLOTS)]
+        assert worker.get_pool().num_requests == 1
+        assert worker.deregister().freed_requests == 1
+    for conn in [*refused, *silent, *strangers]:
+        conn.close()
+
+
+def test_a_header_announcing_a_huge_message_allocates_nothing_before_the_token(
+        guarded: ServiceProcess) -> None:
+    """Headers announcing messages of nearly the frame limit on every slot, with the first bytes
+    of their frames but no token yet: the service buffers none of it and drops each at the
+    message deadline, its peak memory unchanged."""
+    assert guarded.proc is not None
+    pid = guarded.proc.pid
+    peak_before = memory_kib(pid, "VmHWM")
+    held = [raw(guarded) for _ in range(SLOTS)]
+    for conn in held:
+        conn.sendall(stream.LENGTH.pack(FRAME_LIMIT - 1) + b"\x94\xc4\x08" + b"\x00" * 8)
+    for conn in held:  # closed at the message deadline
+        assert closed(conn)
+        conn.close()
+    growth_mib = (memory_kib(pid, "VmHWM") - peak_before) / 1024
+    assert growth_mib < 16, f"peak RSS grew {growth_mib:.0f} MiB"
+    with Client(guarded.stream, worker_id="after", retries=0) as worker:
+        assert worker.get_pool().num_requests == 0

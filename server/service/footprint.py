@@ -1,0 +1,92 @@
+"""What a service's memory takes, and whether it fits where it lives, checked before any of it
+is made.
+
+The pool (``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``), the block
+table and one staging buffer per worker (up to ``max_workers``) are made at start and at
+registration. On CPU they are POSIX shared memory: files in ``/dev/shm``, a tmpfs whose pages are
+RAM, which the service zero-fills; on CUDA they are device memory. A pool larger than what is
+free there does not fail cleanly: on CPU it fills ``/dev/shm`` and RAM, stalls every process of
+the host and is OOM-killed with its segments left behind. `check_fits` refuses it instead, naming
+the sizes, what is free and the flags that set them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from server.contract.errors import PoolTooLarge
+from server.contract.sharing import SHM_DIR
+from server.service.settings import ServiceConfig
+
+MEMINFO = Path("/proc/meminfo")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    pool: int  # bytes of K/V
+    block_table: int
+    staging: int  # of all max_workers buffers
+
+    @property
+    def total(self) -> int:
+        return self.pool + self.block_table + self.staging
+
+
+def footprint(config: ServiceConfig) -> Footprint:
+    pool = config.pool
+    staging_dtype = torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype
+    staging_itemsize = torch.empty((), dtype=staging_dtype).element_size()
+    per_worker = (pool.num_layers * 2 * config.max_step_tokens * pool.num_kv_heads
+                  * pool.head_dim * staging_itemsize)
+    return Footprint(pool=pool.bytes_per_block * pool.total_blocks,
+                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq,
+                     staging=config.max_workers * per_worker)
+
+
+def free_memory(device: torch.device) -> list[tuple[str, int]]:
+    """Where memory on ``device`` comes from, and how many bytes of it are free: the device's
+    free memory for CUDA; for CPU, /dev/shm's free space and the RAM the kernel can give."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return [(f"free on cuda:{index}", torch.cuda.mem_get_info(index)[0])]
+    shm = os.statvfs(SHM_DIR)
+    return [(f"free in {SHM_DIR}", shm.f_bavail * shm.f_frsize),
+            ("RAM available", _mem_available())]
+
+
+def _mem_available() -> int:
+    for line in MEMINFO.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{MEMINFO} states no MemAvailable")
+
+
+def check_fits(config: ServiceConfig) -> Footprint:
+    """The footprint of ``config``; `PoolTooLarge` if it is more than any of the memory free
+    where it lives."""
+    need = footprint(config)
+    short = [(what, free) for what, free in free_memory(torch.device(config.pool.device))
+             if need.total > free]
+    if short:
+        pool = config.pool
+        raise PoolTooLarge(
+            f"pool: {describe_bytes(need.pool)} of K/V (--num-blocks {pool.total_blocks} x "
+            f"{describe_bytes(pool.bytes_per_block)} a block) and "
+            f"{describe_bytes(need.staging)} of staging (--max-workers {config.max_workers} x "
+            f"--max-step-tokens {config.max_step_tokens}) on {pool.device} need "
+            f"{describe_bytes(need.total)}, more than the "
+            + " and ".join(f"{describe_bytes(free)} {what}" for what, free in short)
+            + "; lower --num-blocks (or --max-workers, --max-step-tokens)")
+    return need
+
+
+def describe_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (1.5 GiB, 64 KiB)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

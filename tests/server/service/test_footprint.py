@@ -1,0 +1,57 @@
+"""What the service's memory takes, counted before it is made: the count is what a core really
+maps in /dev/shm once every worker slot is taken, and a footprint over what is free is refused
+naming the sizes, what is free and the flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.contract import wire
+from server.contract.errors import PoolTooLarge
+from server.contract.sharing import SHM_DIR
+from server.service.core import ServiceCore
+from server.service.footprint import check_fits, describe_bytes, footprint, free_memory
+from server.service.settings import ServiceConfig
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])
+def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str) -> None:
+    config = ServiceConfig(pool=make_config(dtype=dtype, num_kv_heads=2), max_workers=3,
+                           max_step_tokens=64)
+    core = ServiceCore(config)
+    try:
+        for i in range(config.max_workers):
+            core.register(wire.RegisterRequest(worker_id=f"w{i}", attached=False))
+        mapped = sum(p.stat().st_size for p in SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
+        assert mapped == footprint(config).total
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pool_larger_than_the_free_memory_is_refused_naming_sizes_free_and_flags(
+        make_config, device: str) -> None:
+    """On CPU the least of /dev/shm's free space and the RAM available bounds it; on CUDA the
+    device's free memory."""
+    where = "free on cuda:" if device == "cuda" else "free in /dev/shm"
+    free = min(n for _, n in free_memory(torch.device(device)))
+    block = make_config().bytes_per_block
+    config = ServiceConfig(pool=make_config(device=device, num_blocks=2 * free // block),
+                           max_step_tokens=64)
+    with pytest.raises(PoolTooLarge) as info:
+        check_fits(config)
+    message = str(info.value)
+    assert f"--num-blocks {config.pool.total_blocks}" in message and where in message
+    assert describe_bytes(footprint(config).pool) in message
+    assert "--max-workers 16" in message
+    small = ServiceConfig(pool=make_config(device=device), max_step_tokens=64)
+    assert check_fits(small) == footprint(small)
+
+
+def test_sizes_read_in_the_largest_unit_that_keeps_them_whole() -> None:
+    assert [describe_bytes(n) for n in (512, 64 << 10, 3 << 29, 5 << 40)] == [
+        "512 B", "64.0 KiB", "1.5 GiB", "5.0 TiB"]
