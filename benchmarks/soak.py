@@ -211,6 +211,8 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
 
 
 def healthy(report: dict[str, Any]) -> bool:
+    """The run ended as the module's docstring says a healthy one does (RSS and descriptors
+    are figures to read, not judged here)."""
     events = report["events"]
     events_ok = events is None or (
         not events["errors"] and events["lost"] == 0 and events["anomalies"] == 0
@@ -237,11 +239,10 @@ def describe(report: dict[str, Any]) -> str:
             f"  prefix cache: {report['cached_tokens']} of {report['prompt_tokens']} prompt "
             f"tokens cached",
             f"  KV events: {events['batches']} batches (joined at batch {events['joined_at']}), "
-            f"{events['gaps']} gaps, "
-            f"{events['replayed']} replayed (+{events['caught_up']} caught up at the end), "
-            f"{events['refusals']} replay refusals, {events['lost']} lost, "
-            f"{events['anomalies']} anomalies {events['described'] or ''}"
-            f"{' errors ' + str(events['errors']) if events['errors'] else ''}",
+            f"{events['gaps']} gaps, {events['replayed']} replayed, {events['caught_up']} "
+            f"caught up at the end, {events['refusals']} replay refusals, {events['lost']} "
+            f"lost, {events['anomalies']} anomalies",
+            *(f"    {text}" for text in [*events["described"], *events["errors"]]),
             f"  cached blocks: subscriber {events['cached_blocks']}, service "
             f"{pool['cached_blocks']}"]
     return "\n".join(lines)
