@@ -39,6 +39,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.client import Client
+from server.contract.routing import hash_seed, worker_salt
 from server.contract.wire import PoolState
 from server.devtools.event_subscriber import EventCounts, KVEventSubscriber
 from server.devtools.launch import ServiceProcess, kvalloc_command
@@ -47,6 +48,7 @@ POOL = ("--device", "cpu", "--num-blocks", "4096", "--tokens-per-block", "16",
         "--max-batch-size", "256", "--max-seq-len", "4096", "--max-step-tokens", "4096",
         "--max-workers", "16", "--lease-ttl-s", "10")
 SHARED_PREFIX = 128  # tokens of each worker's system prompt: 8 blocks shared by its requests
+CHURN_ID = "soak-churn"
 CHURN_PROMPT = list(range(16))  # one block, freed before it is ever written (so never cached)
 # A scrape serves the copy of the state the service took at a change, at most every
 # `allocator.metrics.AllocatorMetrics.min_interval_s` (0.25 s); after that long without a
@@ -66,14 +68,14 @@ class Churn(threading.Thread):
     """Registers and deregisters a short-lived worker over and over until stopped."""
 
     def __init__(self, address: str, token: str) -> None:
-        super().__init__(name="soak-churn", daemon=True)
+        super().__init__(name=CHURN_ID, daemon=True)
         self.address, self.token = address, token
         self.cycles = 0
         self.errors: list[str] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        with Client(self.address, worker_id="soak-churn", token=self.token) as client:
+        with Client(self.address, worker_id=CHURN_ID, token=self.token) as client:
             while not self.stop.wait(0.05):
                 try:
                     client.register(attach=False)
@@ -88,9 +90,14 @@ class EventWatch(threading.Thread):
     """Reads the service's KV events until stopped, then catches up with the last batches. The
     subscriber lives on this thread alone (ZeroMQ sockets are not thread-safe)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, token: str) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str, token: str,
+                 worker_ids: list[str]) -> None:
         super().__init__(name="soak-events", daemon=True)
         self.endpoint, self.replay_endpoint, self.token = endpoint, replay_endpoint, token
+        # The service keys block hashes with KVALLOC_HASH_SEED, else with the token; no worker
+        # is grouped, so each caches under its own salt.
+        self.seed = hash_seed(os.environ.get("KVALLOC_HASH_SEED") or token)
+        self.salts = [worker_salt(worker_id, {}) for worker_id in worker_ids]
         self.subscriber: KVEventSubscriber | None = None
         self.caught_up = 0
         self.errors: list[str] = []
@@ -99,8 +106,9 @@ class EventWatch(threading.Thread):
 
     def run(self) -> None:
         try:
-            sub = self.subscriber = KVEventSubscriber(self.endpoint, self.replay_endpoint,
-                                                      token=self.token)
+            sub = self.subscriber = KVEventSubscriber(
+                self.endpoint, self.replay_endpoint, token=self.token, seed=self.seed,
+                salts=self.salts)
             try:
                 sub.wait_connected(HANDSHAKE_S)
                 self.connected.set()
@@ -129,16 +137,21 @@ def scrape(rest: str) -> dict[str, float]:
             for s in fam.samples if not s.labels}
 
 
+def worker_ids(workers: int) -> list[str]:
+    return [f"soak-{i}" for i in range(workers)]
+
+
 def start_workers(addresses: list[str], duration_s: float, token: str,
                   prefix_caching: bool) -> list[subprocess.Popen[str]]:
     prompts = ["--shared-prefix", str(SHARED_PREFIX)] if prefix_caching else []
     return [subprocess.Popen(
-        [*kvalloc_command(), "loadgen", "--address", address, "--worker-id", f"soak-{i}",
+        [*kvalloc_command(), "loadgen", "--address", address, "--worker-id", worker_id,
          "--duration", str(duration_s), "--steps", str(10**9), "--step-interval", "0",
          "--seed", str(i), "--no-progress", "--json", *prompts],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "KVALLOC_TOKEN": token})
-        for i, address in enumerate(addresses)]
+        for i, (address, worker_id) in enumerate(zip(addresses, worker_ids(len(addresses)),
+                                                     strict=True))]
 
 
 def run_load(svc: ServiceProcess, duration_s: float, workers: int, token: str,
@@ -179,7 +192,8 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
     with ServiceProcess(workdir, *POOL, *(cache_args if prefix_caching else ()),
                         env={"KVALLOC_TOKEN": token}) as svc:
         assert svc.proc is not None
-        watch = EventWatch(*events, token) if prefix_caching else None
+        watch = (EventWatch(*events, token, [*worker_ids(workers), CHURN_ID])
+                 if prefix_caching else None)
         if watch is not None:  # connected through both figures, so they count its sockets
             watch.start()
             watch.connected.wait()
@@ -241,7 +255,8 @@ def describe(report: dict[str, Any]) -> str:
             f"  KV events: {events['batches']} batches (joined at batch {events['joined_at']}), "
             f"{events['gaps']} gaps, {events['replayed']} replayed, {events['caught_up']} "
             f"caught up at the end, {events['refusals']} replay refusals, {events['lost']} "
-            f"lost, {events['anomalies']} anomalies",
+            f"lost, {events['anomalies']} anomalies; {events['roots_checked']} stored roots "
+            f"hash as their namespace's",
             *(f"    {text}" for text in [*events["described"], *events["errors"]]),
             f"  cached blocks: subscriber {events['cached_blocks']}, service "
             f"{pool['cached_blocks']}"]

@@ -8,6 +8,9 @@ says how replays are asked for, answered and refused). It keeps the set of cache
 and counts what it saw: batches, gaps, batches replayed, replay refusals, batches lost (neither
 received nor replayable any more) and anomalies (events that contradict the view: a removal of a
 hash it never saw stored, a hash stored twice, a parent it does not hold, a frame it cannot read).
+Given the hash seed and the namespaces' salts (`server.contract.routing`), it also checks what a
+router computing hashes relies on: every block stored from a chain's root hashes, over its token
+ids, as in one of those namespaces (`allocator.capacity.prefix_cache.block_hashes`).
 
 Invariant: ``last_seq`` is the last batch applied, and batches are applied in order, each once;
 so with no batch lost and no anomaly, ``cached`` is the publisher's cache as of batch
@@ -18,9 +21,11 @@ thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -29,7 +34,9 @@ from allocator.capacity.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    external_hash,
 )
+from allocator.capacity.prefix_cache import block_hashes
 from server.contract.errors import KVAllocServerError
 from server.contract.routing import authenticate_subscriber
 from server.service.event_publisher import (
@@ -63,6 +70,7 @@ class EventCounts:
     replayed: int = 0  # batches applied from a replay
     refusals: int = 0  # replay requests the publisher refused (asked again later)
     lost: int = 0  # batches skipped: neither received nor still held for replay
+    roots_checked: int = 0  # blocks stored from a chain's root whose hashes a namespace gives
     anomalies: int = 0
     described: list[str] = field(default_factory=list)  # the first ANOMALIES_KEPT anomalies
 
@@ -75,10 +83,15 @@ class EventCounts:
 class KVEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
                  token: str | None = None, topic: str = DEFAULT_TOPIC,
-                 replay_timeout_s: float = 10.0) -> None:
+                 replay_timeout_s: float = 10.0, seed: bytes | None = None,
+                 salts: Iterable[bytes] = ()) -> None:
         """Connect to ``endpoint`` (the PUB socket) and ``replay_endpoint`` (none: gaps are
         counted as lost); ``token``: the service token (none: a publisher without one).
-        ``replay_timeout_s`` bounds one replay, retries after refusals included."""
+        ``replay_timeout_s`` bounds one replay, retries after refusals included. ``seed`` (the
+        service's `server.contract.routing.hash_seed`) and ``salts`` (every namespace that may
+        store blocks): check the hashes of blocks stored from a root (none: no check)."""
+        self._seed = seed
+        self._salts = list(salts)
         self._context = zmq.Context()
         self._token = token
         self._topic = topic.encode()
@@ -218,6 +231,8 @@ class KVEventSubscriber:
         parent = event.parent_block_hash
         if parent is not None and parent not in self.cached:
             self.counts.anomaly(f"batch {seq}: BlockStored under parent {parent:#x}, not cached")
+        if parent is None and self._seed is not None:
+            self._check_root(seq, event)
         again = self.cached.intersection(event.block_hashes)
         if again:
             self.counts.anomaly(f"batch {seq}: BlockStored of {len(again)} hashes cached "
@@ -230,3 +245,13 @@ class KVEventSubscriber:
             self.counts.anomaly(f"batch {seq}: BlockRemoved of {len(unknown)} hashes never "
                                 "stored")
         self.cached.difference_update(event.block_hashes)
+
+    def _check_root(self, seq: int, event: BlockStored) -> None:
+        tokens = np.asarray(event.token_ids, dtype=np.int64)
+        for salt in self._salts:
+            hashes = block_hashes(tokens, event.block_size, salt=salt, seed=self._seed)
+            if [external_hash(h) for h in hashes] == event.block_hashes:
+                self.counts.roots_checked += 1
+                return
+        self.counts.anomaly(f"batch {seq}: BlockStored from the root whose hashes no known "
+                            "namespace's salt and seed give")

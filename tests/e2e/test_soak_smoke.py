@@ -1,7 +1,8 @@
 """benchmarks/soak.py runs (a few seconds here; ten minutes on demand) and judges a healthy run:
 no errors, no request left and no block leaked, descriptors back where they started; with
 prefix caching and KV events (its default) the workers' prompts hit the cache, and the events'
-subscriber ends with the service's count of cached blocks, having lost no batch."""
+subscriber ends with the service's count of cached blocks, having lost no batch, and computes
+the hashes of blocks stored from a root as the workers' namespaces give them."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def test_a_short_soak_ends_healthy_and_its_subscriber_sees_what_the_service_cach
     events, pool = report["events"], report["left_in_pool"]
     assert events["batches"] > 0 and events["errors"] == []
     assert (events["lost"], events["anomalies"]) == (0, 0)
+    # Each worker's first prompt is stored from its namespace's root, keyed with the token.
+    assert events["roots_checked"] >= report["workers"]
     # Every block still off the free stack is a cached one no request holds.
     assert events["cached_blocks"] == pool["cached_blocks"] == pool["parked_blocks"] > 0
     assert pool["used_blocks"] == pool["parked_blocks"]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from pydantic import SecretStr
@@ -20,7 +22,10 @@ from allocator.capacity.kv_events import (
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
+    external_hash,
 )
+from allocator.capacity.prefix_cache import block_hashes
+from server.contract.routing import hash_seed, worker_salt
 from server.devtools.event_subscriber import HandshakeFailed, KVEventSubscriber
 from server.service.event_publisher import END_OF_REPLAY, REPLAY_REFUSED, KVEventPublisher
 
@@ -90,7 +95,8 @@ class ScriptedPublisher:
     """A publisher on raw sockets that sends some batches live and answers replay requests
     from a script: each answer is a list of ``(seq, payload)``, or None for a refusal."""
 
-    def __init__(self, answers: list[list[int] | None]) -> None:
+    def __init__(self, answers: list[list[int] | None], batches: list[bytes]) -> None:
+        self.batches = batches
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.bind("tcp://127.0.0.1:*")
@@ -109,7 +115,7 @@ class ScriptedPublisher:
         assert self.pub.poll(WAIT_MS)  # the subscription arrived: nothing sent is dropped
         self.pub.recv()
         for seq in seqs:
-            self.pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), BATCHES[seq]])
+            self.pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), self.batches[seq]])
 
     def _answer(self) -> None:
         for answer in self.answers:
@@ -122,7 +128,7 @@ class ScriptedPublisher:
                 continue
             for seq in answer:
                 self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"),
-                                            BATCHES[seq]])
+                                            self.batches[seq]])
             self.router.send_multipart([identity, b"", END_OF_REPLAY, b""])
 
     def close(self) -> None:
@@ -131,11 +137,11 @@ class ScriptedPublisher:
 
 
 @pytest.fixture
-def scripted() -> Iterator[Callable[[list[list[int] | None]], ScriptedPublisher]]:
+def scripted() -> Iterator[Callable[..., ScriptedPublisher]]:
     made: list[ScriptedPublisher] = []
 
-    def make(answers: list[list[int] | None]) -> ScriptedPublisher:
-        made.append(ScriptedPublisher(answers))
+    def make(answers: list[list[int] | None], batches: list[bytes] = BATCHES) -> ScriptedPublisher:
+        made.append(ScriptedPublisher(answers, batches))
         return made[-1]
 
     yield make
@@ -143,9 +149,8 @@ def scripted() -> Iterator[Callable[[list[list[int] | None]], ScriptedPublisher]
         publisher.close()
 
 
-def follow(publisher: ScriptedPublisher, live: list[int],
-           replay_timeout_s: float = WAIT_MS / 1000) -> KVEventSubscriber:
-    sub = KVEventSubscriber(*publisher.endpoints(), replay_timeout_s=replay_timeout_s)
+def follow(publisher: ScriptedPublisher, live: list[int], **options: Any) -> KVEventSubscriber:
+    sub = KVEventSubscriber(*publisher.endpoints(), **options)
     try:
         publisher.send(live)
         while sub.last_seq < live[-1] and sub.receive(WAIT_MS):
@@ -189,3 +194,24 @@ def test_a_replay_nobody_answers_ends_and_counts_its_batches_lost(scripted) -> N
     assert counts.described == ["no end of the replay from batch 2 within 0.5s"]
     assert (counts.lost, counts.batches) == (1, 3)
     assert sub.cached == set()
+
+
+SEED = hash_seed(TOKEN)
+PROMPT = np.arange(2 * TPB)
+
+
+def stored_from_the_root(salt: bytes) -> bytes:
+    hashes = block_hashes(PROMPT, TPB, salt=salt, seed=SEED)
+    return payload(BlockStored([external_hash(h) for h in hashes], None, PROMPT.tolist(), TPB,
+                               None, MEDIUM))
+
+
+@pytest.mark.parametrize(("known", "checked", "anomalies"), [(["a", "b"], 1, 0), (["a"], 0, 1)])
+def test_blocks_stored_from_the_root_hash_as_in_a_known_namespace(
+        scripted, known: list[str], checked: int, anomalies: int) -> None:
+    batches = [payload(AllBlocksCleared()), stored_from_the_root(worker_salt("b", {}))]
+    sub = follow(scripted([], batches), [0, 1], seed=SEED,
+                 salts=[worker_salt(worker_id, {}) for worker_id in known])
+    assert (sub.counts.roots_checked, sub.counts.anomalies) == (checked, anomalies)
+    assert sub.cached == {external_hash(h) for h in block_hashes(
+        PROMPT, TPB, salt=worker_salt("b", {}), seed=SEED)}
