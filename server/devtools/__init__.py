@@ -1,2 +1,3 @@
-"""Tools for running and testing a service: `kvalloc loadgen` and the process launcher that tests,
-benchmarks and docs use to start a real `kvalloc serve`."""
+"""Tools for running and testing a service: `kvalloc loadgen`, the process launcher that tests,
+benchmarks and docs use to start a real `kvalloc serve`, and a KV event subscriber that follows a
+service's prefix cache as a router does (the soak's)."""
