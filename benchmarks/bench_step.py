@@ -226,7 +226,10 @@ class Setup:
                 f"--max-draft-len={DRAFT_LEN}", f"--num-layers={self.layers}",
                 f"--num-kv-heads={self.kv_heads}", f"--head-dim={self.head_dim}",
                 f"--device={self.device}", f"--max-step-tokens={config.max_step_tokens}",
-                f"--ipc-spin-s={self.ipc_spin_s}"]
+                f"--ipc-spin-s={self.ipc_spin_s}",
+                # Staging for the workers it serves, not the default's 16: the service refuses a
+                # pool and staging larger than the memory free beside this run's own pools.
+                f"--max-workers={workers}"]
 
 
 class Measurement(Protocol):
