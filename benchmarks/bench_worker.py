@@ -120,6 +120,9 @@ def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: 
     return outputs, {
         "idle_ms": round(1e3 * s.device_idle_s / s.steps, 3),
         "busy_ms": round(1e3 * s.device_busy_s / s.steps, 3),
+        # Decode-only steps' own GPU time: the prefill steps (long chunks on the reference
+        # attention) dominate busy_ms and every mean over all steps.
+        "decode_busy_ms": round(1e3 * s.decode_busy_s / max(s.decode_steps, 1), 3),
         "idle_share": round(s.device_idle_s / max(s.device_idle_s + s.device_busy_s, 1e-12), 4),
         "metadata_us": round(1e6 * s.metadata_s / s.steps, 1),
         "forwards_ahead": s.forwards_ahead, "graph_replays": s.graph_replays,

@@ -138,6 +138,7 @@ class RunStats:
     # next one's start, and inside forwards (inputs, forward, verification, commit).
     device_idle_s: float = 0.0
     device_busy_s: float = 0.0
+    decode_busy_s: float = 0.0  # of which in decode-only steps (every entry a decode)
     # Block-table entries a step addressed that held no block (the validator, when on).
     table_violations: int = 0
     # An overlap worker's own commit: tokens it wrote, and kept tokens it refused because their
@@ -551,7 +552,10 @@ class Engine:
             return
         if self._last_done is not None:
             self.stats.device_idle_s += self._last_done.elapsed_time(launched.started) / 1e3
-        self.stats.device_busy_s += launched.started.elapsed_time(launched.done) / 1e3
+        busy = launched.started.elapsed_time(launched.done) / 1e3
+        self.stats.device_busy_s += busy
+        if launched.plan.all_decodes:
+            self.stats.decode_busy_s += busy
         self._last_done = launched.done
 
 

@@ -11,7 +11,7 @@ catch a builtin (a timeout, a refused connection, a bad value), the class keeps 
   `ServiceUnreachable` (a `ConnectionError`): the call got no answer.
 - what attaching the pool, addresses, framing and starting the service can fail on:
   `AttachError`, `AddressError`, `NotASocket`, `MessageTooLarge`, `LimitsError`,
-  `InsecureBinding`, `PoolTooLarge`.
+  `InsecureBinding`, `PoolTooLarge`, and a KV event subscriber's `HandshakeFailed`.
 
 ``describe(exc)`` turns any exception into its `ErrorBody` (status, code, field): REST answers it
 as the HTTP status and a JSON body, IPC as an error frame carrying the same body, and the client
@@ -263,6 +263,11 @@ class LimitsError(KVAllocServerError, ValueError):
 
 class InsecureBinding(KVAllocServerError, ValueError):
     """Listening beyond loopback with no token configured."""
+
+
+class HandshakeFailed(KVAllocServerError, ConnectionError):
+    """A KV event socket's handshake was refused (no token, or another service's) or did not
+    complete in time: a subscriber would read nothing."""
 
 
 class PoolTooLarge(KVAllocServerError, ValueError):

@@ -37,7 +37,7 @@ from allocator.capacity.kv_events import (
     external_hash,
 )
 from allocator.capacity.prefix_cache import block_hashes
-from server.contract.errors import KVAllocServerError
+from server.contract.errors import HandshakeFailed
 from server.contract.routing import authenticate_subscriber
 from server.service.event_publisher import (
     DEFAULT_REPLAY_RATE,
@@ -53,11 +53,6 @@ ANOMALIES_KEPT = 10  # the first few are described; the rest are only counted
 # How a connection's handshake can end, as ZeroMQ's monitor reports it.
 HANDSHAKE_REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-
-class HandshakeFailed(KVAllocServerError, ConnectionError):
-    """An event socket's handshake was refused (no token, or another service's) or did not
-    complete in time: the subscriber would read nothing."""
 
 
 @dataclass

@@ -53,10 +53,14 @@ class LaunchPlan:
     drafts: np.ndarray  # [E] real drafts: a padded decode runs more tokens than it drafted
 
     @property
+    def all_decodes(self) -> bool:
+        """Every entry a decode (no prefill chunk)."""
+        return self.decode.size == self.rows.size and bool(self.decode.all())
+
+    @property
     def decode_only(self) -> bool:
         """Every entry a decode of one width: the shape a captured graph replays."""
-        return (self.decode.size == self.rows.size and bool(self.decode.all())
-                and bool((self.num_tokens == self.num_tokens[0]).all()))
+        return self.all_decodes and bool((self.num_tokens == self.num_tokens[0]).all())
 
     @property
     def widths(self) -> np.ndarray:

@@ -25,8 +25,9 @@ from allocator.capacity.kv_events import (
     external_hash,
 )
 from allocator.capacity.prefix_cache import block_hashes
+from server.contract.errors import HandshakeFailed
 from server.contract.routing import hash_seed, worker_salt
-from server.devtools.event_subscriber import HandshakeFailed, KVEventSubscriber
+from server.devtools.event_subscriber import KVEventSubscriber
 from server.service.event_publisher import END_OF_REPLAY, REPLAY_REFUSED, KVEventPublisher
 
 TOKEN = "the-service-token"
