@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedMod
 
 from allocator import PoolConfig
 from server.service.settings import ServiceConfig
-from worker.engine import NamedPrompt
+from worker.engine import NamedPrompt, RunStats
 from worker.model import kv_shape, random_model
 
 MAX_NEW_TOKENS = 10
@@ -85,3 +85,13 @@ def pool_config(model: PreTrainedModel, *, nwor: bool = True,
             "device": "cpu", "max_batch_size": 8, "max_seq_len": 96,
             "max_draft_len": MAX_DRAFT_LEN, "overlap_scheduler": True, **overrides}
     return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS, nwor=nwor)
+
+
+def assert_acceptance(stats: RunStats, rate: object) -> None:
+    """What an oracle drafter at ``rate`` (None: no drafts) must show in a run's figures."""
+    if rate == 1.0:
+        assert stats.proposed_drafts > 0 and stats.acceptance_rate == 1.0
+    elif rate == 0.0:
+        assert stats.proposed_drafts > 0 and stats.accepted_drafts == 0
+    elif rate == 0.5:
+        assert 0.1 < stats.acceptance_rate < 0.8
