@@ -56,7 +56,7 @@ from server.contract.addresses import (
 from server.contract.errors import AddressError, InsecureBinding, LimitsError, PoolTooLarge
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
-from server.service.footprint import check_fits, describe_bytes
+from server.service.footprint import Footprint, check_fits, describe_bytes
 from server.service.settings import (
     DEFAULT_NUM_BLOCKS,
     ServiceConfig,
@@ -248,15 +248,7 @@ def run(args: argparse.Namespace) -> int:
             write_token_files(token.get_secret_value(),
                               [*rest, *endpoints, *_event_endpoints(core)])
         reaper.start()
-        pool = config.pool
-        log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
-                 "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
-                 "%.0fs%s)",
-                 ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
-                 pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
-                 pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
-                 describe_bytes(need.staging), config.lease_ttl_s,
-                 _token_note(config.token, token))
+        _log_start(config, core, rest, endpoints, need, token)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.log_level, access_log=False, lifespan="off",
             timeout_graceful_shutdown=5, http=bounded_protocol(limits, args.http),
@@ -268,17 +260,35 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot listen: %s", exc)
         status = 1
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
-        ipc.stop()
-        reaper.stop()
-        core.close()
-        for sock in sockets:
-            sock.close()  # uvicorn may have closed them already; closing twice is harmless
-        if args.uds and any(s.family == socket.AF_UNIX for s in sockets):
-            Path(args.uds).unlink(missing_ok=True)
-        log.info("stopped; shared memory and socket files removed")
+        _shut_down(args, ipc, reaper, core, sockets)
     return status
+
+
+def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoints: list[str],
+               need: Footprint, token: SecretStr | None) -> None:
+    pool = config.pool
+    log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
+             "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
+             "%.0fs%s)",
+             ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
+             pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
+             pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
+             describe_bytes(need.staging), config.lease_ttl_s,
+             _token_note(config.token, token))
+
+
+def _shut_down(args: argparse.Namespace, ipc: IpcServer, reaper: LeaseReaper, core: ServiceCore,
+               sockets: list[socket.socket]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+    ipc.stop()
+    reaper.stop()
+    core.close()
+    for sock in sockets:
+        sock.close()  # uvicorn may have closed them already; closing twice is harmless
+    if args.uds and any(s.family == socket.AF_UNIX for s in sockets):
+        Path(args.uds).unlink(missing_ok=True)
+    log.info("stopped; shared memory and socket files removed")
 
 
 def _warm_up(config: ServiceConfig) -> None:
