@@ -183,22 +183,6 @@ class StepRecord:
     requests: list[Request]  # one per scheduled entry, in reply order
     tensors: StepTensors
 
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.tensors.input_ids
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.tensors.positions
-
-    @property
-    def logit_rows(self) -> np.ndarray:
-        return self.tensors.logit_rows
-
-    @property
-    def logits(self) -> torch.Tensor:
-        return self.tensors.logits
-
 
 class Engine:
     """Serves prompts with ``model`` through ``client`` (registered and attached)."""

@@ -145,16 +145,17 @@ def test_logits_equal_a_plain_full_sequence_forward(llama_oracle: Oracle,
         if len(compared) >= 40:
             return
         offsets = np.asarray(record.reply.scheduled.token_offsets).tolist()
+        step = record.tensors
         for entry, (r, off) in enumerate(zip(record.requests, offsets, strict=True)):
-            rows = np.flatnonzero((record.logit_rows >= off) &
-                                  (record.logit_rows < off + _step_tokens(record, entry)))
+            rows = np.flatnonzero((step.logit_rows >= off) &
+                                  (step.logit_rows < off + _step_tokens(record, entry)))
             if not rows.size:
                 continue
             sequence = _sequence_through_step(record, entry, r)
             with torch.inference_mode():
                 plain = oracle.reference(torch.tensor([sequence])).logits[0]
-            positions = record.positions[torch.as_tensor(record.logit_rows[rows])]
-            torch.testing.assert_close(record.logits[torch.as_tensor(rows)], plain[positions],
+            positions = step.positions[torch.as_tensor(step.logit_rows[rows])]
+            torch.testing.assert_close(step.logits[torch.as_tensor(rows)], plain[positions],
                                        atol=1e-4, rtol=1e-4)
             compared.append(r.req_id)
 
@@ -173,4 +174,4 @@ def _sequence_through_step(record: StepRecord, entry: int, r: Request) -> list[i
     sched = record.reply.scheduled
     off, n, start = (int(a[entry]) for a in (sched.token_offsets, sched.num_tokens,
                                               sched.start_positions))
-    return [*r.tokens[:start].tolist(), *record.input_ids[off:off + n].tolist()]
+    return [*r.tokens[:start].tolist(), *record.tensors.input_ids[off:off + n].tolist()]
