@@ -7,12 +7,15 @@ events beyond loopback without ``KVALLOC_TOKEN`` are refused at start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +120,23 @@ print(json.dumps({"token_read": token_read, "handshake": event}))
 """
 
 
+@contextlib.contextmanager
+def _readable_pyzmq() -> Iterator[str]:
+    """A copy of pyzmq that user nobody can import: the checkout (and its virtual environment)
+    may sit in a directory only its owner can enter."""
+    shared = Path(tempfile.mkdtemp(prefix="kvalloc-nobody-"))
+    try:
+        package = Path(zmq.__file__).parent
+        for part in (package, package.parent / "pyzmq.libs"):
+            if part.exists():
+                shutil.copytree(part, shared / part.name)
+        for path in (shared, *shared.rglob("*")):
+            path.chmod(0o755)
+        yield str(shared)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="runs a subscriber as user nobody: needs root and setpriv")
 def test_another_local_user_reads_neither_the_token_nor_an_event(tmp_path: Path) -> None:
@@ -124,10 +144,12 @@ def test_another_local_user_reads_neither_the_token_nor_an_event(tmp_path: Path)
     with ServiceProcess(tmp_path, *POOL, "--kv-events", events,
                         env={"KVALLOC_TOKEN": ""}) as service:
         assert "generated token required" in service.log()
-        r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                            sys.executable, "-c", OTHER_USER, str(token_file(events)), events,
-                            str(HANDSHAKE_MS)],
-                           capture_output=True, text=True, timeout=120, check=False, cwd="/")
+        with _readable_pyzmq() as pythonpath:
+            r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                                os.path.realpath(sys.executable), "-c", OTHER_USER,
+                                str(token_file(events)), events, str(HANDSHAKE_MS)],
+                               capture_output=True, text=True, timeout=120, check=False,
+                               cwd="/", env={**os.environ, "PYTHONPATH": pythonpath})
     assert r.returncode == 0, r.stderr
     seen = json.loads(r.stdout)
     assert not seen["token_read"]
