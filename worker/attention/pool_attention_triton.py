@@ -51,8 +51,9 @@ class LaunchConfig:
 def default_launch(head_dim: int) -> LaunchConfig:
     """The cut for a head size: the fastest of benchmarks/bench_attention.py's sweep on an H200
     for decode at batch 64 (a 128-wide head takes 32 keys a step, so its registers leave room
-    for more programs per SM)."""
-    return LaunchConfig(block_n=64 if head_dim <= 64 else 32, num_warps=4, num_stages=3)
+    for more programs per SM; three pipeline stages cost it a third more time there, two are
+    as fast as three for a 64-wide head)."""
+    return LaunchConfig(block_n=64 if head_dim <= 64 else 32, num_warps=4, num_stages=2)
 
 
 @dataclass(frozen=True)
