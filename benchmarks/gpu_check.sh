@@ -3,13 +3,14 @@
 # `make SYSTEM_TORCH=1 .venv/.installed` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
-#   sections: tests targets profile table split round_trip worker sweep commit attention (see below)
+#   sections: tests targets profile table split round_trip decode worker sweep commit attention
+#             (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets profile table split round_trip worker sweep commit attention} "
+SECTIONS=" ${*:-tests targets profile table split round_trip decode worker sweep commit attention} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -79,6 +80,10 @@ done
 # round_trip: what the host adds to a local round trip with no service behind it (ZeroMQ and a
 # stream socket).
 want round_trip && step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
+# decode: the worker's decode step alone (1B and 8B shapes, batch 64, 1.5k context, graphs)
+# against the same forward without attention, SDPA over a contiguous cache, the bytes it must
+# read and model.generate.
+want decode && step "$PYTHON" benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee -a "$OUT/bench.log"
 # worker: a real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
 want worker && step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
 # sweep: the step path, the manager with a CUDA block table and the service on a CUDA pool of

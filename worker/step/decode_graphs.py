@@ -41,6 +41,11 @@ class DecodeGraphs:
         """Whether a decode-only ``plan``'s shape has its graph (its launch replays it)."""
         return _key(plan) in self._buckets
 
+    @property
+    def latest(self) -> torch.cuda.CUDAGraph | None:
+        """The graph replayed or captured last (profilers replay it)."""
+        return next(reversed(self._buckets.values())).graph if self._buckets else None
+
     def run(self, plan: Any, layout: Any, meta: Any, cols: Any,
             body: Callable[..., Any]) -> Any:
         """``body(plan, layout, meta, cols)`` for a decode-only ``plan``: replayed when its shape

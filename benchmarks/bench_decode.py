@@ -1,0 +1,357 @@
+"""The worker's decode step on its own, next to what a decode step must cost, in one run.
+
+    python benchmarks/bench_decode.py --out benchmarks/results/bench_decode.json   # on a GPU
+    python benchmarks/bench_decode.py --quick                                      # CPU, seconds
+
+Per model shape (the ~1B Llama shape: 16 layers, hidden 2048, 32 / 8 heads x 64; the 8B shape:
+32 layers, hidden 4096, intermediate 14336, 32 / 8 heads x 128; random weights, bf16), a batch
+of 64 prompts of 1536 tokens decodes with D = 3 (every decode padded to 1 + 3 tokens, so each
+decode step has one shape), the service in process. Side by side:
+
+- ``worker``: `worker.engine.Engine` with its decode steps replayed as CUDA graphs, synchronous
+  and one step ahead (``--overlap``): the decode steps' GPU time (``decode_busy_ms``, CUDA
+  events around each step's device work) and wall time, and tokens/s over the whole run;
+- ``no_attention``: the same model's forward over the same 256 packed tokens with attention
+  left out (the query passed through: the GEMMs, norms, rotary and logits alone), one graph;
+- ``sdpa_contiguous``: that forward with torch's SDPA over a contiguous KV cache of the same
+  context instead (grouped heads, causal among the step's tokens), one graph: what the step
+  would cost with a plain cache and no paging;
+- ``copy``: a device-to-device copy's bandwidth, the ceiling; ``kv_bytes``: the pool bytes one
+  decode step must read (every layer's K and V of every entry's history and step), and
+  ``weight_bytes``;
+- ``generate``: `model.generate` (SDPA, its own cache) on the same prompts and new tokens.
+
+Targets it reports as ratios of the same run: ``decode_busy_ms <= 1.15 x (no_attention +
+kv_bytes at 70% of the copy bandwidth)``, and the bytes' floor ``(weight_bytes + kv_bytes) /
+copy``. ``--quick``: a 2-layer float32 model on the CPU, eager (no graphs there), to exercise
+the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_attention import copy_us, graph_us
+from bench_worker import connect, machine
+
+from server.service.core import ServiceCore
+from server.service.settings import ServiceConfig
+from worker.drafters import DeviceOracleDrafter
+from worker.engine import Engine, NamedPrompt, RunStats
+from worker.model import kv_shape, pool_for_model, random_model
+from worker.step.device_step import Launched, LaunchPlan
+
+SHAPES = {
+    "1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=64, max_position_embeddings=4096, eos_token_id=None),
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, max_position_embeddings=4096, eos_token_id=None),
+}
+QUICK = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    eos_token_id=None)
+FULL = {"batch": 64, "prompt_len": 1536, "new_tokens": 48, "max_step_tokens": 8192,
+        "dtype": "bfloat16", "device": "cuda"}
+SMALL = {"batch": 4, "prompt_len": 48, "new_tokens": 6, "max_step_tokens": 256,
+         "dtype": "float32", "device": "cpu"}
+DRAFT_LEN = 3
+ORACLE_RATE = 0.6
+NO_ATTENTION, CONTIGUOUS = "bench_no_attention", "bench_sdpa_contiguous"
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, *, repeats: int = 20) -> float:
+    """Milliseconds of one ``fn()``: a replayed CUDA graph's GPU time on CUDA (the median of
+    ``repeats`` replays), the median wall time of eager calls on a CPU."""
+    if device.type != "cuda":
+        fn()
+        return _wall_ms(fn, repeats)
+    return graph_us(fn, launches=1, repeats=repeats) / 1e3
+
+
+def _wall_ms(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def prompts_for(model: Any, setup: dict[str, Any], seed: int) -> list[NamedPrompt]:
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    return [NamedPrompt(f"p{i}", rng.integers(0, vocab, setup["prompt_len"]).tolist())
+            for i in range(setup["batch"])]
+
+
+def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
+                seed: int) -> list[dict[str, Any]]:
+    """The engine's decode steps, synchronous and one step ahead, graphs on where CUDA is."""
+    graphs = setup["device"] == "cuda"
+    pool = pool_for_model(model.config, longest=setup["prompt_len"] + setup["new_tokens"],
+                          num_requests=setup["batch"], draft_len=DRAFT_LEN,
+                          dtype=setup["dtype"], device=setup["device"],
+                          max_batch_size=setup["batch"])
+    # The first steps at a shape compile its kernels (Triton, cold cache): they may keep the
+    # worker silent for longer than the default lease.
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"],
+                                     lease_ttl_s=600.0))
+    # Random weights: the drafts' truth is random too, so acceptance stays near the oracle's
+    # rate times the model's own agreement; every decode runs 1 + D tokens all the same.
+    rng = np.random.default_rng(seed)
+    truth = {p.req_id: rng.integers(0, model.config.vocab_size, setup["new_tokens"]).tolist()
+             for p in prompts}
+    rows = []
+    try:
+        for overlap in (False, True):
+            with connect("in-process", core, overlap=overlap) as client:
+                for _ in ("warm-up", "measured"):  # the first run compiles for the shapes
+                    drafter = DeviceOracleDrafter(truth, ORACLE_RATE,
+                                                  vocab_size=model.config.vocab_size,
+                                                  device=model.device, seed=seed)
+                    engine = Engine(model, client, drafter, draft_len=DRAFT_LEN,
+                                    overlap=overlap, cuda_graphs=graphs, pad_drafts=True)
+                    steps = StepLog(engine)
+                    engine.run(prompts, setup["new_tokens"])
+                row = {"mode": ("overlap" if overlap else "sync") + ("+graphs" if graphs else ""),
+                       **steps.summary(), **run_figures(engine.stats)}
+                row["decode_tokens_per_s"] = round(
+                    1e3 * setup["batch"] * (1 + row["acceptance_rate"] * DRAFT_LEN)
+                    / row["decode_step_ms"], 1)
+                if graphs and overlap:
+                    row["replay_kernels"] = replay_kernels(engine)
+                rows.append(row)
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        core.close()
+    return rows
+
+
+class StepLog:
+    """Each decode-only step an engine launches: its shape, whether it replayed a graph, its
+    GPU time (CUDA events) and its host time to lay out and upload its inputs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.steps: list[tuple[tuple[int, int], bool, Launched]] = []
+        launch, graphs = engine.step.launch, engine.step.graphs
+
+        def logged(plan: LaunchPlan) -> Launched:
+            replayed = graphs.replayed if graphs is not None else 0
+            launched = launch(plan)
+            if plan.decode_only:
+                replays = graphs is not None and graphs.replayed > replayed
+                self.steps.append(((plan.rows.size, int(plan.num_tokens[0])), replays,
+                                   launched))
+            return launched
+
+        engine.step.launch = logged  # type: ignore[method-assign]
+
+    def summary(self) -> dict[str, Any]:
+        """Medians over the steady state: the decode steps that replayed a graph (all of
+        them where there are no graphs)."""
+        steady = [launched for _, replayed, launched in self.steps if replayed] or [
+            launched for _, _, launched in self.steps]
+        shapes: dict[str, int] = {}
+        for (entries, width), replayed, _ in self.steps:
+            key = f"{entries}x{width}{' replayed' if replayed else ''}"
+            shapes[key] = shapes.get(key, 0) + 1
+        gpu = [s.started.elapsed_time(s.done) for s in steady if s.done is not None]
+        return {"steady_steps": len(steady), "shapes": shapes,
+                "step_gpu_ms": round(statistics.median(gpu), 3) if gpu else None,
+                "step_metadata_us": round(1e6 * statistics.median(
+                    s.metadata_s for s in steady), 1) if steady else None}
+
+
+def replay_kernels(engine: Engine, replays: int = 5, top: int = 12) -> list[dict[str, Any]]:
+    """Where a replayed decode step's GPU time goes: the kernels of the most replayed graph,
+    from torch's profiler over a few more replays after the run (the rows' state they change
+    is the finished run's)."""
+    graph = engine.step.graphs.latest if engine.step.graphs is not None else None
+    if graph is None:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    return [{"kernel": e.key[:90], "us_per_step": round(e.device_time_total / replays, 1),
+             "calls_per_step": e.count // replays, "share": round(e.device_time_total / total, 3)}
+            for e in events[:top]]
+
+
+def run_figures(s: RunStats) -> dict[str, Any]:
+    return {"decode_busy_ms": round(1e3 * s.decode_busy_s / max(s.decode_steps, 1), 3),
+            "decode_step_ms": round(1e3 * s.decode_wall_s / max(s.decode_steps, 1), 3),
+            "decode_call_ms": round(1e3 * s.decode_call_s / max(s.decode_steps, 1), 3),
+            "decode_steps": s.decode_steps, "graph_replays": s.graph_replays,
+            "tokens_per_s": round(s.tokens_per_s, 1),
+            "acceptance_rate": round(s.acceptance_rate, 4)}
+
+
+def _no_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: Any, **kwargs: Any) -> tuple[Any, None]:
+    return query.transpose(1, 2), None
+
+
+class ContiguousCache:
+    """Per layer a ``[B, Hkv, context, D]`` K and V; the step's ``q`` new tokens a request go
+    to its last ``q`` places, and SDPA attends over all of it, causal among the new ones."""
+
+    def __init__(self, config: Any, batch: int, context: int, queries: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        layers, kv_heads, dim = kv_shape(config)
+        self.kv = torch.randn(layers, 2, batch, kv_heads, context, dim, dtype=dtype,
+                              device=device)
+        self.batch, self.queries = batch, queries
+        keys = torch.arange(context, device=device)
+        new = torch.arange(queries, device=device) + context - queries
+        self.mask = keys[None, :] <= new[:, None]
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: Any, **kwargs: Any) -> tuple[Any, None]:
+        b, q = self.batch, self.queries
+        cache = self.kv[module.layer_idx]
+
+        def per_request(x: torch.Tensor) -> torch.Tensor:  # [1, H, B*q, D] -> [B, H, q, D]
+            return x[0].unflatten(1, (b, q)).transpose(0, 1)
+
+        cache[:, :, :, -q:] = torch.stack([per_request(key), per_request(value)])
+        out = F.scaled_dot_product_attention(per_request(query), cache[0], cache[1],
+                                             attn_mask=self.mask, enable_gqa=True,
+                                             scale=kwargs.get("scaling"))
+        heads, dim = out.shape[1], out.shape[3]
+        return out.transpose(1, 2).reshape(1, b * q, heads, dim), None
+
+
+def reference_rows(model: Any, setup: dict[str, Any]) -> dict[str, Any]:
+    """The forward without attention and with SDPA over a contiguous cache, the copy
+    bandwidth and the bytes a decode step must read."""
+    batch, queries = setup["batch"], 1 + DRAFT_LEN
+    context = setup["prompt_len"] + setup["new_tokens"] // 2 + queries
+    n = batch * queries
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)
+    positions = (torch.arange(queries, device=model.device) + context - queries).repeat(batch)
+    cache = ContiguousCache(model.config, batch, context, queries, model.dtype, model.device)
+    AttentionInterface.register(NO_ATTENTION, _no_attention)
+    AttentionInterface.register(CONTIGUOUS, cache.attend)
+    figures: dict[str, Any] = {}
+    try:
+        with torch.inference_mode():
+            for name, implementation in (("no_attention_ms", NO_ATTENTION),
+                                         ("sdpa_contiguous_ms", CONTIGUOUS)):
+                model.set_attn_implementation(implementation)
+                figures[name] = round(timed_ms(lambda: model(
+                    input_ids=ids, position_ids=positions[None], use_cache=False),
+                    model.device), 3)
+    finally:
+        model.set_attn_implementation("kvalloc")
+    layers, kv_heads, dim = kv_shape(model.config)
+    item = model.dtype.itemsize
+    figures["kv_bytes"] = 2 * layers * batch * context * kv_heads * dim * item
+    figures["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    figures["copy_gbps"] = round(copy_gbps(model.device), 1)
+    del cache
+    return figures
+
+
+def copy_gbps(device: torch.device) -> float:
+    """A device-to-device copy's bandwidth, read + write (`bench_attention`'s copy)."""
+    nbytes = 1 << 30
+    if device.type != "cuda":
+        src = torch.empty(nbytes // 16, dtype=torch.uint8)
+        return 2 * src.numel() / _wall_ms(lambda: src.clone(), 5) / 1e6
+    return 2 * nbytes / copy_us(nbytes, launches=8, repeats=10) / 1e3
+
+
+def generate_row(model: Any, prompts: list[NamedPrompt], new_tokens: int) -> dict[str, Any]:
+    """`model.generate`'s tokens/s over the run, and over its decode alone: a run of
+    ``new_tokens`` less a run of one token (the prefill)."""
+    ids = torch.tensor([p.token_ids for p in prompts], device=model.device)
+    model.set_attn_implementation("sdpa")
+
+    def wall_s(tokens: int) -> float:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=tokens, min_new_tokens=tokens)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    try:
+        with torch.inference_mode():
+            wall_s(2)  # picks its kernels
+            prefill, whole = wall_s(1), wall_s(new_tokens)
+    finally:
+        model.set_attn_implementation("kvalloc")
+    decode = max(whole - prefill, 1e-9)
+    return {"tokens_per_s": round(len(prompts) * new_tokens / whole, 1),
+            "decode_tokens_per_s": round(len(prompts) * (new_tokens - 1) / decode, 1),
+            "decode_step_ms": round(1e3 * decode / (new_tokens - 1), 3),
+            "wall_s": round(whole, 3)}
+
+
+def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int) -> dict[str, Any]:
+    model = random_model(config, seed=seed, dtype=getattr(torch, setup["dtype"]),
+                         device=setup["device"])
+    prompts = prompts_for(model, setup, seed)
+    row: dict[str, Any] = {"shape": name, **reference_rows(model, setup)}
+    row["worker"] = worker_rows(model, prompts, setup, seed)
+    row["generate"] = generate_row(model, prompts, setup["new_tokens"])
+    bandwidth = row["copy_gbps"] * 1e6  # bytes per ms
+    row["bytes_floor_ms"] = round((row["weight_bytes"] + row["kv_bytes"]) / bandwidth, 3)
+    row["target_ms"] = round(1.15 * (row["no_attention_ms"]
+                                     + row["kv_bytes"] / (0.7 * bandwidth)), 3)
+    for run in row["worker"]:
+        if run["step_gpu_ms"] is not None:
+            run["vs_target"] = round(run["step_gpu_ms"] / row["target_ms"], 3)
+    print(json.dumps({k: v for k, v in row.items() if k != "worker"}), flush=True)
+    del model
+    if setup["device"] == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the rows and the machine as JSON")
+    args = parser.parse_args()
+    setup = SMALL if args.quick else FULL
+    if setup["device"] == "cuda" and not torch.cuda.is_available():
+        parser.error("the full benchmark needs CUDA; --quick runs on the CPU")
+    if args.quick:
+        torch.set_num_threads(1)
+    shapes = {"quick": QUICK} if args.quick else {s: SHAPES[s] for s in args.shapes}
+    rows = [shape_row(name, config, setup, args.seed) for name, config in shapes.items()]
+    if args.out is not None:
+        args.out.write_text(json.dumps({"machine": machine(setup["device"]), "setup": setup,
+                                        "draft_len": DRAFT_LEN, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
