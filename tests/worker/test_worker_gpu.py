@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from cuda_checks import no_host_sync
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from server.client import Client
 from server.service.core import ServiceCore
@@ -26,6 +26,15 @@ from worker.model import pool_for_model, random_model
 from worker.step.device_step import LaunchPlan
 
 pytestmark = pytest.mark.gpu
+
+SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": None}
+FAMILIES = {
+    "llama": LlamaConfig(**SMALL),
+    "qwen2": Qwen2Config(**SMALL),  # biased q/k/v projections
+    # A 32-position window: the longer prompts and their outputs slide out of it.
+    "mistral": MistralConfig(**SMALL, sliding_window=32),
+}
 
 ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -56,18 +65,17 @@ def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, dr
         core.close()
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize(("overlap", "prefix_caching", "cuda_graphs"), [
     (False, False, False), (True, False, False), (True, True, False), (False, False, True),
     (True, False, True)],
     ids=["sync", "overlap", "overlap-prefix-caching", "sync-graphs", "overlap-graphs"])
-def test_float32_on_cuda_equals_generate(cuda_device: str, overlap: bool, prefix_caching: bool,
-                                         cuda_graphs: bool) -> None:
+def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap: bool,
+                                         prefix_caching: bool, cuda_graphs: bool) -> None:
     """With prefix caching the prompts share a 64-token prefix: later ones skip its prefill
     and read the blocks an earlier one committed, under the service's write protection. With
     CUDA graphs, decode-only steps are padded to D = 3 and replay a captured graph."""
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         eos_token_id=None)
+    config = FAMILIES[family]
     model = random_model(config, seed=0, device=cuda_device)
     reference = random_model(config, seed=0, device=cuda_device)
     reference.set_attn_implementation("sdpa")
@@ -103,10 +111,7 @@ def test_an_overlap_step_never_makes_the_host_wait(cuda_device: str, cuda_graphs
     """Every launch of an overlap worker's step (inputs, forward, verification, commit) runs
     under torch's sync debug mode set to error: a read back anywhere in it would raise. With
     CUDA graphs, every launch that replays one (a capture itself synchronises)."""
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         eos_token_id=None)
-    model = random_model(config, seed=0, device=cuda_device)
+    model = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
     rng = np.random.default_rng(1)
     prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist()) for i, n in
                enumerate((3, 9, 30, 70))]

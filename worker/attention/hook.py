@@ -77,6 +77,13 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     staged_v.copy_(value[0].transpose(0, 1))
     packed_query, pool_k, pool_v = query[0].transpose(0, 1), step.kv[layer, 0], step.kv[layer, 1]
     kernel = kernel_takes(packed_query, pool_k, step.layout)
+    if not kernel and query.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The reference sizes its gathers by the capturing step's history bounds: a replay
+        # at a longer history would read past them.
+        raise KvallocAttentionError(
+            f"cuda_graphs: a captured step needs the pool-attention kernel, which does not take "
+            f"{packed_query.dtype} heads of {packed_query.shape[-1]} over a {pool_k.dtype} pool "
+            f"(or Triton is missing)")
     out = (pool_attention_triton if kernel else pool_attention)(
         packed_query, staged_k, staged_v, pool_k, pool_v, step.layout, scale=scaling,
         window=kwargs.get("sliding_window"))  # this layer's, when it slides
