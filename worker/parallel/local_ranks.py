@@ -84,6 +84,7 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str
     takes longer than ``timeout_s``."""
     if world < 1:
         raise EngineError(f"world: {world} ranks; a run needs at least 1")
+    _check_pickles(fn, args)
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvalloc-ranks-") as run_dir:
         procs = [context.Process(
@@ -97,6 +98,15 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str
             return [_read_outcome(Path(run_dir), rank).value for rank in range(world)]
         finally:
             _end(procs)
+
+
+def _check_pickles(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Here, not in ``Process.start``: that would raise with some ranks already started."""
+    try:
+        pickle.dumps((fn, args))
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise EngineError(f"fn: {fn!r} and its arguments must pickle (a module-level function "
+                          f"and plain values): {exc}") from None
 
 
 def _wait_for_all(procs: list[BaseProcess], run_dir: Path, deadline: float,

@@ -145,3 +145,9 @@ def test_the_ranks_die_with_their_parent(tmp_path: Path, trivial_run: TrivialRun
 def test_a_world_without_ranks_is_refused() -> None:
     with pytest.raises(EngineError, match=r"^world: 0 ranks; a run needs at least 1$"):
         run_local_ranks(answer, 0, "unused", "tag")
+
+
+def test_a_function_that_cannot_reach_the_ranks_is_refused() -> None:
+    """A lambda does not pickle, so no spawned rank could run it: refused before any starts."""
+    with pytest.raises(EngineError, match=r"^fn: <function .*<lambda>.* must pickle"):
+        run_local_ranks(lambda rank, world: rank, WORLD)
