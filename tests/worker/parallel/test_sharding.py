@@ -75,12 +75,20 @@ def test_the_kvalloc_attention_sees_the_ranks_heads_only(ranks: list, family: st
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_shards_config_and_layers_say_the_shards_sizes(ranks: list, family: str) -> None:
+    sizes = (TINY["num_attention_heads"] // WORLD, TINY["num_key_value_heads"] // WORLD,
+             TINY["intermediate_size"] // WORLD)
+    for shard, _ in ranks:
+        assert shard[family].sizes == [sizes] * (1 + TINY["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_pool_shard_holds_the_ranks_kv_heads(ranks: list, full: dict[str, Answers],
                                                  family: str) -> None:
     layers, kv_heads, head_dim = full[family].kv_shape
     for rank, (shard, _) in enumerate(ranks):
         start, stop = shard_kv_heads(kv_heads, rank, WORLD)
-        assert shard[family].kv_shape == (layers, kv_heads // WORLD, head_dim)
+        assert shard[family].kv_shape == (layers, kv_heads // WORLD, head_dim)  # kv_shape(config)
         torch.testing.assert_close(shard[family].pool, full[family].pool[:, :, :, start:stop])
 
 

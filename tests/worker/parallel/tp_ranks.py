@@ -73,6 +73,9 @@ class Answers:
     pool: torch.Tensor  # its K/V in the pool afterwards, [L, 2, PROMPT_LEN, Hkv, D]
     attention_calls: list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     kv_shape: tuple[int, int, int]
+    # (num_attention_heads, num_key_value_heads, intermediate_size) of its config and of the
+    # parts that read them: query and KV heads of every layer's attention, its MLP's width
+    sizes: list[tuple[int, int, int]]
 
 
 def answers(model: PreTrainedModel) -> Answers:
@@ -82,7 +85,18 @@ def answers(model: PreTrainedModel) -> Answers:
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=NEW_TOKENS)[:, PROMPT_LEN:]
     pool_logits, pool, calls = through_the_pool(model, ids[0])
-    return Answers(logits, generated, pool_logits, pool, calls, kv_shape(model.config))
+    return Answers(logits, generated, pool_logits, pool, calls, kv_shape(model.config),
+                   _sizes(model))
+
+
+def _sizes(model: PreTrainedModel) -> list[tuple[int, int, int]]:
+    config = model.config
+    found = [(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        kv_heads = attn.k_proj.out_features // attn.head_dim
+        found.append((kv_heads * attn.num_key_value_groups, kv_heads, mlp.intermediate_size))
+    return found
 
 
 def through_the_pool(model: PreTrainedModel, ids: torch.Tensor) -> tuple[
