@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig, PreTrainedModel
 
-from worker.model import SUPPORTED_FAMILIES
+from worker.model import SUPPORTED_FAMILIES, kv_shape
 from worker.parallel.split import (
     ShardingError,
     shard_kv_heads,
@@ -76,8 +76,7 @@ class _Shard:
     @classmethod
     def of(cls, config: PretrainedConfig, rank: int, world: int) -> _Shard:
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, kv_heads, head_dim = kv_shape(config)
         q_start, q_stop = shard_query_heads(heads, kv_heads, rank, world)
         kv_start, kv_stop = shard_kv_heads(kv_heads, rank, world)
         mlp = slice(*shard_range("intermediate_size", config.intermediate_size, rank, world))

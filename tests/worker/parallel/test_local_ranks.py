@@ -26,7 +26,7 @@ from worker.engine import EngineError
 from worker.parallel.local_ranks import RankFailed, run_local_ranks
 
 WORLD = 2
-# A trivial run of two ranks took 6-12 s on the loaded two-core machine; the slowest test here
+# A trivial run of two ranks took 5-11 s on the loaded two-core machine; the slowest test here
 # waits three of those and starts a parent with its own imports.
 pytestmark = pytest.mark.timeout(300)
 

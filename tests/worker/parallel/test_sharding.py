@@ -32,7 +32,7 @@ from worker.parallel.split import ShardingError, shard_kv_heads
 
 WORLD = 2
 FAMILIES = sorted(CONFIGS)
-# One run of both ranks over every family took 20-30 s on the loaded two-core machine.
+# One run of both ranks over every family took 5-15 s on the loaded two-core machine.
 RUN_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 
