@@ -71,9 +71,8 @@ class _Job:
 class _Outcome:
     """What a rank leaves in its result file."""
 
-    ok: bool
     value: Any  # fn's result, or "Type: message" of what it raised
-    child_traceback: str
+    child_traceback: str  # empty for a result
     at: float  # time.time() when written: of several failed ranks, the first is the cause
 
 
@@ -160,13 +159,14 @@ def _rank_main(job: _Job) -> None:
     _die_with_parent(job.parent_pid)
     try:
         _join_group(job)
-        _write_outcome(job, _Outcome(True, job.fn(job.rank, job.world, *job.args), "",
-                                     time.time()))
+        result = job.fn(job.rank, job.world, *job.args)
+        dist.destroy_process_group()
+        # Last: once a result is written, nothing is left that could fail the rank.
+        _write_outcome(job, _Outcome(result, "", time.time()))
     except BaseException as exc:  # KeyboardInterrupt too: whatever ends fn reaches the parent
-        _write_outcome(job, _Outcome(False, f"{type(exc).__name__}: {exc}",
-                                     traceback.format_exc(), time.time()))
+        _write_outcome(job, _Outcome(f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                                     time.time()))
         sys.exit(1)
-    dist.destroy_process_group()
 
 
 def _die_with_parent(parent_pid: int) -> None:

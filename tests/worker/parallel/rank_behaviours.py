@@ -51,3 +51,9 @@ def never_end(rank: int, world: int, pid_dir: str) -> None:
     _started(pid_dir, rank)
     while True:
         time.sleep(3600)
+
+
+def answer_unpicklable(rank: int, world: int, pid_dir: str) -> object:
+    """A result that cannot travel back to the parent."""
+    _started(pid_dir, rank)
+    return lambda: rank

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rank_behaviours import answer, die_on_rank, never_end, raise_on_rank
+from rank_behaviours import (
+    answer,
+    answer_unpicklable,
+    die_on_rank,
+    never_end,
+    raise_on_rank,
+)
 
 from worker.engine import EngineError
 from worker.parallel.local_ranks import RankFailed, run_local_ranks
@@ -151,3 +157,11 @@ def test_a_function_that_cannot_reach_the_ranks_is_refused() -> None:
     """A lambda does not pickle, so no spawned rank could run it: refused before any starts."""
     with pytest.raises(EngineError, match=r"^fn: <function .*<lambda>.* must pickle"):
         run_local_ranks(lambda rank, world: rank, WORLD)
+
+
+def test_a_result_that_cannot_come_back_is_its_ranks_error(tmp_path: Path,
+                                                           run_dir_parent: Path) -> None:
+    with pytest.raises(RankFailed, match=r"^rank [01] of 2 raised (PicklingError|"
+                                         r"AttributeError): .*lambda") as caught:
+        run_local_ranks(answer_unpicklable, WORLD, str(tmp_path))
+    assert "_write_outcome" in caught.value.child_traceback
