@@ -129,7 +129,8 @@ def _shard_mlp(mlp: nn.Module, shard: _Shard, group: ProcessGroup | None) -> Non
 
 
 def _shard_config(config: PretrainedConfig, shard: _Shard) -> None:
-    config.head_dim = shard.head_dim  # before the heads change: Qwen2 derives it from them
+    # Pinned: a config without head_dim (Qwen2) derives it from the heads, which now shrink.
+    config.head_dim = shard.head_dim
     config.num_key_value_heads = (shard.kv.stop - shard.kv.start) // shard.head_dim
     config.num_attention_heads = (shard.query.stop - shard.query.start) // shard.head_dim
     config.intermediate_size = shard.mlp.stop - shard.mlp.start

@@ -1,10 +1,11 @@
 """A tensor-parallel shard computes what the full model computes: two gloo ranks, each holding
 half of every layer's query and KV heads and MLP columns, give the full model's logits (float32
-rounding: `torch.testing.assert_close`'s float32 defaults, rtol 1.3e-6 and atol 1e-5) and its
-greedy tokens, for Llama (with and without biases on the row-split layers), Qwen2 (q/k/v
-biases) and Mistral (a sliding window). Through the kvalloc attention each rank's calls see its
-own heads only, and its pool shard ends up holding exactly its KV heads of the full model's
-pool (`shard_kv_heads`). A model the world size does not divide is refused, untouched.
+rounding: `torch.testing.assert_close`'s float32 defaults, rtol 1.3e-6 and atol 1e-5; the
+differences measured were at most 1.8e-7, on logits under 0.6) and its greedy tokens, for
+Llama (with and without biases on the row-split layers), Qwen2 (q/k/v biases) and Mistral (a
+sliding window). Through the kvalloc attention each rank's calls see its own heads only, and
+its pool shard ends up holding exactly its KV heads of the full model's pool
+(`shard_kv_heads`). A model the world size does not divide is refused, untouched.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ BATCH, PROMPT_LEN, NEW_TOKENS = 3, 13, 10
 FIRST_STEP = 7  # the kvalloc path's first step prefills this many tokens, the second the rest
 TOKENS_PER_BLOCK = 4
 RECORDING = "kvalloc-recording"
+# One call of the attention function: its layer and the shapes of query, key and value.
+AttentionCall = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 def tiny_model(family: str) -> PreTrainedModel:
@@ -71,7 +73,7 @@ class Answers:
     generated: torch.Tensor  # greedy, [BATCH, NEW_TOKENS]
     pool_logits: torch.Tensor  # the first prompt through the kvalloc path, [PROMPT_LEN, vocab]
     pool: torch.Tensor  # its K/V in the pool afterwards, [L, 2, PROMPT_LEN, Hkv, D]
-    attention_calls: list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+    attention_calls: list[AttentionCall]
     kv_shape: tuple[int, int, int]
     # (num_attention_heads, num_key_value_heads, intermediate_size) of its config and of the
     # parts that read them: query and KV heads of every layer's attention, its MLP's width
@@ -99,12 +101,12 @@ def _sizes(model: PreTrainedModel) -> list[tuple[int, int, int]]:
     return found
 
 
-def through_the_pool(model: PreTrainedModel, ids: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor, list[tuple[int, tuple[int, ...], ...]]]:
+def through_the_pool(model: PreTrainedModel,
+                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[AttentionCall]]:
     """One request in two steps through the kvalloc attention, recording what each of its calls
     sees: a prefill of `FIRST_STEP` tokens whose K/V is then committed into a pool shaped by
     the model's config, and the rest of the prompt over that history."""
-    calls: list[tuple[int, tuple[int, ...], ...]] = []
+    calls: list[AttentionCall] = []
 
     def recording(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, *args: object, **kwargs: object) -> object:
