@@ -1,8 +1,8 @@
 """`run_local_ranks` with real processes: the ranks meet in one gloo group and their results
-come back in rank order; a rank that raises, exits or is killed is named in the parent's
-`RankFailed` (with the child's traceback when it raised) and the ranks waiting on it are ended;
-so is a run past its time limit; killing the parent kills the ranks. After every run the ranks
-are gone and the run's directory is removed.
+come back in rank order, also while another run goes on; a rank that raises, exits or is
+killed is named in the parent's `RankFailed` (with the child's traceback when it raised) and
+the ranks waiting on it are ended; so is a run past its time limit; killing the parent kills
+the ranks. After every run the ranks are gone and the run's directory is removed.
 
 Every time limit here is derived from how long a trivial run took in this session.
 """
@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,19 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path,
     assert "in raise_on_rank" in error.child_traceback
     assert error.child_traceback in str(error)
     assert not any(_alive(pid) for pid in _pids(tmp_path))  # the waiting rank too
+
+
+def test_runs_at_the_same_time_never_meet(tmp_path: Path, run_dir_parent: Path) -> None:
+    """Two runs of two ranks at once: each rank's group holds its own run's ranks only."""
+    pid_dirs = [tmp_path / "first", tmp_path / "second"]
+    for pid_dir in pid_dirs:
+        pid_dir.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run_local_ranks, answer, WORLD, str(pid_dir), pid_dir.name)
+                for pid_dir in pid_dirs]
+        results = [run.result() for run in runs]
+    assert results == [[(rank, WORLD, tag, 3) for rank in range(WORLD)]
+                       for tag in ("first", "second")]
 
 
 @pytest.mark.parametrize(("how", "ending"), [("exit", "exited with code 3"),
