@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 
 def _started(pid_dir: str, rank: int) -> None:
+    """Every rank's pid is on disk before any rank goes on (to fail, say)."""
     path = Path(pid_dir) / f"rank-{rank}.pid"
     path.with_suffix(".partial").write_text(str(os.getpid()))
-    path.with_suffix(".partial").replace(path)  # whole or absent: the test polls for it
+    path.with_suffix(".partial").replace(path)  # whole or absent: a test polls for it
+    dist.barrier()
 
 
 def answer(rank: int, world: int, pid_dir: str, tag: str) -> tuple[int, int, str, int]:
