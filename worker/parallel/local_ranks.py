@@ -129,8 +129,9 @@ def _exit_code(proc: BaseProcess) -> int:
 
 
 def _failure(procs: list[BaseProcess], run_dir: Path, failed: list[int]) -> RankFailed:
-    """The failure of the rank that failed first: a rank that died without a word (it cannot
-    have been waiting on one that raised), else the one that raised first."""
+    """The failure of the rank most likely to have failed first among those that ended
+    together: one that died without a word (a crash, which its peers' errors in their
+    collectives follow), else the one that raised first. The others are named after it."""
     outcomes = {rank: _read_outcome(run_dir, rank) for rank in failed
                 if (run_dir / f"rank-{rank}").exists()}
     rank = min(failed, key=lambda r: (r in outcomes, outcomes[r].at if r in outcomes else 0))
