@@ -87,8 +87,10 @@ class PrefillConfig:
 
 
 def default_prefill(head_dim: int) -> PrefillConfig:
-    """The prefill cut for a head size (FlashAttention-style tiles: 128 query rows, 64 keys)."""
-    return PrefillConfig(block_m=128, block_n=64, num_warps=8 if head_dim > 64 else 4,
+    """The prefill cut for a head size: the fastest of benchmarks/bench_attention.py's
+    ``--prefill --sweep`` on an H200 (4 chunks of 2048 after 4096 tokens, bf16); a 128-wide
+    head takes 32 keys a step, as in decode."""
+    return PrefillConfig(block_m=128, block_n=64 if head_dim <= 64 else 32, num_warps=4,
                          num_stages=2)
 
 
