@@ -26,6 +26,7 @@ with its time and FLOP/s on the causal product's FLOPs (4 x head size per query-
 query head). With ``--sweep`` also every `PrefillConfig` in ``PREFILL_SWEEP`` at 4096 tokens of
 history and batch 4. On a machine without CUDA, ``--prefill --quick`` runs tiny shapes (2 KV
 heads, chunks of 96) with the kernel in Triton's interpreter, timed on the host: a smoke run.
+``mixed``: one step of 63 decodes (as above) and one 8192-token chunk, kernel against reference.
 """
 
 from __future__ import annotations
@@ -90,29 +91,29 @@ def graph_us(fn: Callable[[], object], *, launches: int, repeats: int) -> float:
 
 
 class PagedStep:
-    """One layer's tensors for ``entries`` entries of ``queries`` tokens at ``history``, for
-    ``dims`` (query heads, KV heads, head size)."""
+    """One layer's tensors for ``entries`` entries of ``queries`` tokens at ``history`` (each a
+    number, or one an entry), for ``dims`` (query heads, KV heads, head size)."""
 
-    def __init__(self, dims: tuple[int, int, int], *, entries: int, queries: int, history: int,
-                 device: str = "cuda") -> None:
+    def __init__(self, dims: tuple[int, int, int], *, entries: int, queries: int | list[int],
+                 history: int | list[int], device: str = "cuda") -> None:
         heads, kv_heads, dim = dims
+        lens, hist = np.broadcast_to(queries, entries), np.broadcast_to(history, entries)
         gen = torch.Generator(device=device).manual_seed(0)
-        per_row = -(-(history + queries) // TPB)
+        per_row = -(-int((hist + lens).max()) // TPB)
         num_blocks = entries * per_row + 64
         table = torch.randperm(num_blocks, device=device, generator=gen)[:entries * per_row]
         table = table.view(entries, per_row).to(torch.int32)
         self.pool_k, self.pool_v = (torch.randn(num_blocks, TPB, kv_heads, dim, device=device,
                                                 generator=gen, dtype=BF16) for _ in range(2))
-        n = entries * queries
+        n = int(lens.sum())
         self.query = torch.randn(n, heads, dim, device=device, generator=gen, dtype=BF16)
         self.staged_k, self.staged_v = (torch.randn(n, kv_heads, dim, device=device,
                                                     generator=gen, dtype=BF16) for _ in range(2))
-        lens = np.full(entries, queries)
         self.layout = PagedLayout.build(
-            table, TPB, rows=np.arange(entries), query_starts=np.arange(entries) * queries,
-            query_lens=lens, starts=np.full(entries, history), group_width=queries)
+            table, TPB, rows=np.arange(entries), query_starts=np.cumsum(lens) - lens,
+            query_lens=lens, starts=hist, group_width=min(int(lens.max()), MAX_DECODE_QUERY))
         self.out = torch.empty_like(self.query)
-        kv_bytes = 2 * (entries * history + n) * kv_heads * dim * 2
+        kv_bytes = 2 * (int(hist.sum()) + n) * kv_heads * dim * 2
         self.bytes = kv_bytes + 2 * self.query.numel() * 2  # + queries read, output written
         self.args = (self.query, self.staged_k, self.staged_v, self.pool_k, self.pool_v,
                      self.layout)
@@ -271,10 +272,25 @@ def prefill_rows(args: argparse.Namespace, repeats: int) -> list[tuple[str, Call
     cuda = torch.cuda.is_available()
     shapes, chunk = (SHAPES, CHUNK) if cuda else (QUICK_SHAPES, QUICK_CHUNK)
     histories = PREFILL_HISTORIES if cuda else QUICK_HISTORIES
-    timing = Timing("cuda" if cuda else "cpu", args.launches if cuda else 1, repeats)
-    return [("prefill", lambda s=s, b=b, h=h: prefill_row(
+    timing = Timing("cuda" if cuda else "cpu", args.launches if cuda else 1, repeats if cuda else 2)
+    rows = [("prefill", lambda s=s, b=b, h=h: prefill_row(
                 s, shapes[s], b, chunk, h, timing, args.sweep and h == histories[-1] and b > 1))
             for s in shapes for h in histories for b in PREFILL_BATCHES]
+    return rows + [("mixed", lambda s=s: mixed_row(s, timing)) for s in shapes]
+
+
+def mixed_row(shape: str, timing: Timing) -> dict:
+    """The step a serving engine meets: 63 decodes of 4 tokens at 1.5k history and one chunk of
+    8192 tokens from history 0 (on a CPU: 7 decodes at 64 and a chunk of 96)."""
+    cuda = timing.device == "cuda"
+    decodes, chunk, history = (63, 8192, HISTORY) if cuda else (7, QUICK_CHUNK, 64)
+    dims = SHAPES[shape] if cuda else QUICK_SHAPES[shape]
+    step = PagedStep(dims, entries=decodes + 1, queries=[chunk, *[QUERIES] * decodes],
+                     history=[0, *[history] * decodes], device=timing.device)
+    flops = causal_flops(dims, 1, chunk, 0) + decodes * causal_flops(dims, 1, QUERIES, history)
+    return {"shape": shape, "decodes": decodes, "chunk": chunk, "flops": flops,
+            **_timed("kernel", timing.graph(step.kernel), flops),
+            **_timed("reference", timing.eager(step.reference), flops)}
 
 
 def decode_rows(args: argparse.Namespace, repeats: int) -> list[tuple[str, Callable[[], dict]]]:
