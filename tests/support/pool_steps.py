@@ -30,7 +30,10 @@ class RandomStep:
 def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
                 tokens_per_block: int, max_history: int, max_query: int,
                 dtype: torch.dtype, device: str, fp8: bool = False,
-                lead: bool = False) -> RandomStep:
+                lead: bool = False, query_lens: list[int] | None = None,
+                histories: list[int] | None = None) -> RandomStep:
+    """``query_lens`` / ``histories``, when given, fix each entry's instead of drawing it
+    (``entries``, ``max_query`` and ``max_history`` must bound them)."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     history = rng.integers(0, max_history + 1, entries)
@@ -38,6 +41,10 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
     longest = rng.integers(entries)
     lengths[longest] = max_query  # the bound the layout keeps is reached
     lengths[(longest + 1) % entries] = 0  # an empty entry: a padded row of a batch bucket
+    if query_lens is not None:
+        lengths = np.array(query_lens)
+    if histories is not None:
+        history = np.array(histories)
     max_blocks = -(-(max_history + max_query) // tokens_per_block)
     num_blocks = entries * max_blocks + 3
     rows = rng.permutation(entries + 2)[:entries]

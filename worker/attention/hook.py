@@ -10,9 +10,9 @@ Per layer the function
 1. stages the step's K/V at ``staging[layer, 0 / 1, i]`` for token ``i``: the commit writes the
    pool from there (the service's, or an overlap worker's own), so nothing here writes the pool;
 2. attends over two sources in one softmax (`worker.attention.pool_attention`, or its Triton
-   kernel where `kernel_takes` the step: CUDA, decode and short chunks): each request's history in
-   the pool, read through its block-table row, and its own staged tokens, causal among
-   themselves, with the layer's sliding window when it has one. The step's layout
+   kernel where `kernel_takes` the step: CUDA, decodes and prefill chunks alike): each
+   request's history in the pool, read through its block-table row, and its own staged tokens,
+   causal among themselves, with the layer's sliding window when it has one. The step's layout
    (`PagedLayout`) is on the device, built once per step, so a request's history length may be
    one only the device knows yet.
 """

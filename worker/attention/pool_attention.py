@@ -21,7 +21,8 @@ attention never waits for the host, and the host needs only bounds (``max_query`
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import numpy as np
@@ -112,6 +113,8 @@ class PagedLayout:
     history: torch.Tensor
     token_entry: torch.Tensor  # int64 [N]: the entry of each packed token
     bounds: HostBounds
+    # Device columns derived from the host bounds (kernels' launch plans), uploaded once a step.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -151,6 +154,13 @@ class PagedLayout:
             np.array([i]) for i in np.flatnonzero(lens > self.bounds.group_width)]
         return tuple(EntryGroup.of(self, upload_int64(m, self.rows.device), int(lens[m].max()),
                                    int(reach[m].max())) for m in members)
+
+    def cached(self, key: Hashable, build: Callable[[], np.ndarray]) -> torch.Tensor:
+        """``build()``'s int64 values on the layout's device, uploaded on first use of ``key``
+        in this step only (a capture must see it used once before)."""
+        if key not in self._derived:
+            self._derived[key] = upload_int64(build(), self.rows.device)
+        return self._derived[key]
 
     @property
     def positions(self) -> torch.Tensor:

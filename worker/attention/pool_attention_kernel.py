@@ -1,6 +1,8 @@
 """The paged two-source attention kernel (Triton). Imported only where Triton is installed.
 
-Program ``(entry, kv_head, query_tile)`` attends the rows ``query_tile`` covers: ``QUERY_TILE``
+A decode launch's program ``(entry, kv_head, query_tile)`` (a prefill launch's
+``(tile, kv_head)``, its entry and first query read from the host's tile map, ``TILE_MAP``)
+attends the rows ``query_tile`` covers: ``QUERY_TILE``
 consecutive queries of one entry times the ``GROUP`` query heads that share ``kv_head`` (row
 ``m`` is query ``m // GROUP`` of the tile, head ``kv_head * GROUP + m % GROUP``), so each K/V
 tile is read once for the whole group: grouped-query attention without repeating KV heads. It
@@ -33,16 +35,12 @@ import triton.language as tl
 NO_SCORE = tl.constexpr(-1.0e38)
 
 
-# Reductions go through tl.reduce with these rather than tl.sum / tl.max: those are @jit library
-# functions, which Triton's interpreter can only call when TRITON_INTERPRET was set at import.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
+# Reductions go through tl.reduce with Triton's own combine functions rather than tl.sum /
+# tl.max: those are @jit library functions, which Triton's interpreter can only call when
+# TRITON_INTERPRET was set at import. The interpreter recognises these two and reduces with
+# numpy; any other combine function it calls once per element (a 128 x 64 tile: 8k calls).
+_add = tl.standard._sum_combine
+_max = tl.standard._elementwise_max
 
 
 def _online_update(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION: tl.constexpr):
@@ -110,7 +108,7 @@ def _attend_staged(q, m_i, l_i, acc, sk_ptr, sv_ptr, lo, hi, qi, window, qk_scal
 
 def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     rows_ptr, starts_ptr, lens_ptr, hist_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                    part_acc_ptr, part_ml_ptr,
+                    part_acc_ptr, part_ml_ptr, tile_map_ptr,
                     qk_scale, window, table_width,
                     q_stride_t, q_stride_h, s_stride_t, s_stride_h,
                     p_stride_b, p_stride_s, p_stride_h, table_stride, o_stride_t, o_stride_h,
@@ -118,12 +116,18 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     TOKENS_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                     WINDOWED: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                    PRECISION: tl.constexpr, SPLITS: tl.constexpr, HISTORY: tl.constexpr,
-                    STAGED: tl.constexpr, UPDATE: tl.constexpr):
-    entry = tl.program_id(0)
+                    PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILE_MAP: tl.constexpr,
+                    HISTORY: tl.constexpr, STAGED: tl.constexpr, UPDATE: tl.constexpr):
     head = tl.program_id(1)
-    split = tl.program_id(2) % SPLITS
-    first = tl.program_id(2) // SPLITS * QUERY_TILE  # the tile's first query, within the entry
+    if TILE_MAP:
+        # int64 [2, tiles]: each tile's entry, then its first query (a prefill launch, one split).
+        entry = tl.load(tile_map_ptr + tl.program_id(0))
+        first = tl.load(tile_map_ptr + tl.num_programs(0) + tl.program_id(0))
+        split = 0
+    else:
+        entry = tl.program_id(0)
+        split = tl.program_id(2) % SPLITS
+        first = tl.program_id(2) // SPLITS * QUERY_TILE  # the tile's first query, in the entry
     start = tl.load(starts_ptr + entry)
     length = tl.load(lens_ptr + entry)
     hist = tl.load(hist_ptr + entry)

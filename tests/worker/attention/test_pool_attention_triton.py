@@ -31,10 +31,12 @@ from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as ne
 from worker.attention import hook
 from worker.attention.pool_attention import PagedLayout, PoolAttentionInputError, pool_attention
 from worker.attention.pool_attention_triton import (
-    MAX_KERNEL_QUERY,
+    MAX_DECODE_QUERY,
     LaunchConfig,
+    PrefillConfig,
     kernel_takes,
     pool_attention_triton,
+    prefill_tiles,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -43,13 +45,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _both(step: RandomStep, *, window: int | None, scale: float = 0.3,
-          launch: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          launch: LaunchConfig | None = None,
+          prefill: PrefillConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel, reference) on one step; the kernel writes into a NaN-filled ``out`` so a row it
     skipped shows."""
     args = (step.query, step.staged_k, step.staged_v, step.pool_k, step.pool_v, step.layout)
     kw = {"scale": scale, "window": window, "k_scale": step.k_scale, "v_scale": step.v_scale}
     out = torch.full_like(step.query, float("nan"))
-    got = pool_attention_triton(*args, **kw, out=out, launch=launch)
+    got = pool_attention_triton(*args, **kw, out=out, launch=launch, prefill=prefill)
     assert got is out
     return got, pool_attention(*args, **kw)
 
@@ -146,7 +149,59 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
     assert out.isnan().all()
 
 
-def test_dispatch_rule_keeps_cpu_and_long_prefills_on_the_reference() -> None:
+# Long chunks (past MAX_DECODE_QUERY: the prefill launch) beside decodes of 4 and empty
+# entries, at history 0 and after a long one, crossing 4-token blocks, under windows shorter
+# than the chunk: (dtype, fp8 pool, GQA ratio, window, query lengths, histories).
+PREFILL_CPU_CASES = [
+    (torch.float32, False, 4, None, [300, 4, 4, 0, 4], [0, 30, 9, 5, 17]),
+    (torch.float32, False, 1, 37, [4, 200, 130], [3, 150, 0]),
+    (torch.float32, False, 8, 70, [65, 4, 257], [211, 40, 0]),
+    (torch.bfloat16, False, 8, None, [257, 4, 0, 4], [0, 20, 1, 45]),
+    (torch.float16, False, 2, None, [4, 190], [12, 260]),
+    (torch.bfloat16, True, 4, 50, [180, 4, 0, 65], [211, 12, 3, 0]),
+    (torch.bfloat16, True, 1, None, [4, 4, 150], [33, 0, 120]),
+]
+PREFILL_CUTS = [PrefillConfig(), PrefillConfig(block_m=32, block_n=16)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("dtype", "fp8", "group", "window", "lens", "hist"), PREFILL_CPU_CASES)
+def test_long_chunks_with_decodes_equal_the_reference(dtype: torch.dtype, fp8: bool, group: int,
+                                                      window: int | None, lens: list[int],
+                                                      hist: list[int]) -> None:
+    """Both prefill cuts: 128 x 64 tiles (the default) and 32 x 16 ones (many tiles, each
+    ending inside a block and a chunk)."""
+    step = random_step(sum(lens) + group, entries=len(lens), kv_heads=2, group=group, dim=16,
+                       tokens_per_block=4, max_history=max(hist), max_query=max(lens),
+                       dtype=dtype, device="cpu", fp8=fp8, lead=True, query_lens=lens,
+                       histories=hist)
+    for prefill in PREFILL_CUTS:
+        _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16),
+                               prefill=prefill))
+
+
+def test_prefill_tiles_cover_each_long_chunk_once_most_keys_first() -> None:
+    step = random_step(4, entries=4, kv_heads=1, group=2, dim=16, tokens_per_block=4,
+                       max_history=500, max_query=300, dtype=torch.float32, device="cpu",
+                       query_lens=[300, 4, 70, 65], histories=[0, 9, 500, 10])
+    tiles = prefill_tiles(step.layout.bounds, 32).reshape(2, -1)
+    covered = sorted((int(e), int(f) + i) for e, f in tiles.T for i in range(32))
+    want = sorted((e, q) for e, n in ((0, 300), (2, 70), (3, 65)) for q in range(0, n))
+    assert [c for c in covered if c[1] < [300, 4, 70, 65][c[0]]] == want
+    assert len(covered) == 32 * tiles.shape[1] == 32 * (10 + 3 + 3)
+    bounds = step.layout.bounds
+    keys = (bounds.reach - bounds.query_lens)[tiles[0]] + tiles[1]  # before each tile's queries
+    assert keys.tolist()[:5] == [564, 532, 500, 288, 256]
+    assert (keys[:-1] >= keys[1:]).all()
+
+
+def test_a_bad_prefill_cut_is_a_typed_error() -> None:
+    with pytest.raises(PoolAttentionInputError, match=r"^prefill: block_m and block_n") as err:
+        PrefillConfig(block_m=96)
+    assert err.value.field == "prefill"
+
+
+def test_dispatch_rule_keeps_cpu_on_the_reference() -> None:
     step = random_step(3, entries=2, kv_heads=1, group=2, dim=16, tokens_per_block=4,
                        max_history=8, max_query=3, dtype=torch.float32, device="cpu")
     assert not kernel_takes(step.query, step.pool_k, step.layout)
@@ -158,7 +213,7 @@ GPU_DTYPES = [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, 
 # Every shape meets every dtype; windows and entry lengths (decode, the longest the kernel
 # takes) rotate across them, so each compiled variant is checked without the full product.
 GPU_CASES = [(dtype, fp8, group, dim, (None, 100)[(i + i // 4) % 2],
-              (4, MAX_KERNEL_QUERY)[(i // 2 + i // 4) % 2])
+              (4, MAX_DECODE_QUERY)[(i // 2 + i // 4) % 2])
              for i, ((dtype, fp8), (group, dim)) in enumerate(
                  (d, s) for d in GPU_DTYPES for s in GPU_SHAPES)]
 
@@ -172,6 +227,56 @@ def test_kernel_equals_reference_on_gpu(dtype: torch.dtype, fp8: bool, group: in
                      max_query=max_query, dtype=dtype, fp8=fp8)
     assert kernel_takes(step.query, step.pool_k, step.layout)
     _assert_matches(*_both(step, window=window))
+
+
+# (dtype, fp8 pool, GQA ratio, head size, window, the long chunk, its history), each beside
+# decodes of 4 at random histories, and a second chunk of 300 in the 8192 one.
+BF16, FP16 = torch.bfloat16, torch.float16
+PREFILL_GPU_CASES = [
+    (BF16, False, 4, 64, None, 2048, 0), (BF16, False, 4, 128, None, 2048, 4096),
+    (BF16, False, 8, 128, 1000, 3000, 2500), (FP16, False, 1, 64, None, 2049, 700),
+    (BF16, True, 4, 128, None, 2048, 4096), (FP16, True, 8, 64, 512, 2500, 0),
+    (BF16, False, 4, 64, None, 8192, 0),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("dtype", "fp8", "group", "dim", "window", "chunk", "history"),
+                         PREFILL_GPU_CASES)
+def test_long_chunks_on_gpu_equal_the_reference(dtype: torch.dtype, fp8: bool, group: int,
+                                                dim: int, window: int | None, chunk: int,
+                                                history: int) -> None:
+    decodes = 63 if chunk == 8192 else 15
+    lens = [chunk, *[4] * decodes] + [300] * (chunk == 8192)
+    hist = [history, *range(0, 1500, 1500 // decodes)][:decodes + 1] + [90] * (chunk == 8192)
+    step = random_step(chunk + dim + group, entries=len(lens), kv_heads=4 if dim == 64 else 2,
+                       group=group, dim=dim, tokens_per_block=16, max_history=max(hist),
+                       max_query=chunk, dtype=dtype, device="cuda", fp8=fp8, lead=True,
+                       query_lens=lens, histories=hist)
+    assert kernel_takes(step.query, step.pool_k, step.layout)
+    _assert_matches(*_both(step, window=window))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_captured_mixed_step_replays_without_host_sync() -> None:
+    """A prefill chunk beside decodes, captured once its tile map is uploaded: the replay
+    equals the reference, and neither launch makes the host wait."""
+    step = random_step(21, entries=9, kv_heads=2, group=4, dim=128, tokens_per_block=16,
+                       max_history=3000, max_query=2048, dtype=torch.bfloat16, device="cuda",
+                       lead=True, query_lens=[2048, *[4] * 8], histories=[3000, *[700] * 8])
+    args = (step.query, step.staged_k, step.staged_v, step.pool_k, step.pool_v, step.layout)
+    out = torch.full_like(step.query, float("nan"))
+    pool_attention_triton(*args, out=out)  # compiled, and the tile map uploaded
+    with no_host_sync():
+        pool_attention_triton(*args, out=out)
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool_attention_triton(*args, out=out)
+    graph.replay()
+    _assert_matches(out, pool_attention(*args))
 
 
 @pytest.mark.gpu
@@ -194,9 +299,9 @@ def test_every_split_count_on_gpu(splits: int | None) -> None:
 @needs_cuda
 def test_dispatch_rule_on_gpu() -> None:
     decode = _gpu_step(4, group=4, dim=64, max_query=4, dtype=torch.bfloat16)
-    long = _gpu_step(4, group=4, dim=64, max_query=MAX_KERNEL_QUERY + 1, dtype=torch.bfloat16)
+    long = _gpu_step(4, group=4, dim=64, max_query=2048, dtype=torch.bfloat16)
     assert kernel_takes(decode.query, decode.pool_k, decode.layout)
-    assert not kernel_takes(long.query, long.pool_k, long.layout)
+    assert kernel_takes(long.query, long.pool_k, long.layout)
 
 
 @pytest.mark.gpu
