@@ -105,7 +105,9 @@ class _Tiling:
     @classmethod
     def of(cls, group: int, kv_heads: int, entries: int, max_query: int, launch: LaunchConfig,
            device: torch.device) -> _Tiling:
-        query_tile = max(1, min(max_query, _MAX_ROWS // group))
+        # Powers of two: each distinct tile is a kernel of its own to compile (seconds, mid-run,
+        # the first time a step's longest entry has a new length), and five cover 1..64.
+        query_tile = min(_pow2(max(1, max_query)), _floor_pow2(max(1, _MAX_ROWS // group)))
         tiles = -(-max_query // query_tile)
         programs = entries * kv_heads * tiles
         splits = launch.splits or _splits_to_fill(programs, device)
@@ -162,6 +164,10 @@ def pool_attention_triton(query: torch.Tensor, staged_k: torch.Tensor, staged_v:
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _check_kernel_inputs(query: torch.Tensor, kv: tuple[torch.Tensor, ...],

@@ -94,6 +94,17 @@ def test_prefill_chunks_split_into_query_tiles(window: int | None) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("window", [None, 6])
+def test_an_odd_group_and_odd_entry_lengths_equal_the_reference(window: int | None) -> None:
+    """GQA 7 (28 query heads over 4 KV heads) and entries of up to 11 tokens: a program holds a
+    power-of-two tile of queries (8: 56 rows), the last tile only partly used."""
+    step = random_step(11, entries=4, kv_heads=1, group=7, dim=16, tokens_per_block=4,
+                       max_history=20, max_query=11, dtype=torch.float32, device="cpu",
+                       lead=True)
+    _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
+
+
+@needs_interpreter
 @pytest.mark.parametrize(("dtype", "fp8", "group", "window", "splits"), [
     (torch.float32, False, 4, None, 2), (torch.float32, False, 1, 3, 4),
     (torch.bfloat16, True, 8, 9, 8)])
