@@ -27,7 +27,7 @@ import os
 import secrets
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -40,6 +40,7 @@ from server.contract import wire
 from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
 from server.contract.columns import ColumnInput, StepCall, StepResult
 from server.contract.errors import (
+    AttachError,
     MalformedBody,
     ServiceError,
     ServiceUnreachable,
@@ -48,7 +49,7 @@ from server.contract.errors import (
     remote_error,
 )
 from server.contract.operations import ERROR, OK, OPERATIONS, Operation
-from server.contract.sharing import StepFence, attach
+from server.contract.sharing import FenceGroup, StepFence, attach
 from server.transport import stream
 from server.transport.polling import Wait, poll_for
 from server.transport.token_files import discover_token
@@ -63,24 +64,53 @@ REPLY_SPIN_S = 0.002
 
 @dataclass
 class AttachedPool:
-    """The service's tensors mapped into this process; no copies."""
+    """The service's tensors mapped into this process; no copies.
+
+    A tensor-parallel service's pool has ``shards``: one `AttachedPool` per shard, in shard
+    order, each holding the KV heads ``heads`` of the model on its own device; the fields above
+    them are shard 0's, and ``fence`` is every shard's (`FenceGroup`), for a worker that drives
+    all shards from this process. A worker of one process per shard attaches its own alone
+    (`attach_shard`)."""
 
     kv: torch.Tensor
     block_table: torch.Tensor
     staging: torch.Tensor
-    fence: StepFence | None
+    fence: StepFence | FenceGroup | None
     protected: torch.Tensor | None = None  # cached prefix blocks (a prefix-caching service)
+    heads: tuple[int, int] | None = None  # a shard's KV heads [start, stop); None: all of them
+    shards: list[AttachedPool] = field(default_factory=list)
 
     @classmethod
     def attach(cls, attachment: wire.Attachment) -> AttachedPool:
+        if attachment.shards:
+            shards = [cls.attach_shard(attachment, r) for r in range(len(attachment.shards))]
+            fences = [s.fence for s in shards if isinstance(s.fence, StepFence)]
+            first = shards[0]
+            return cls(first.kv, first.block_table, first.staging,
+                       FenceGroup(fences) if fences else None, first.protected, shards=shards)
+        return cls._map(attachment)
+
+    @classmethod
+    def attach_shard(cls, attachment: wire.Attachment, shard: int) -> AttachedPool:
+        """Shard ``shard`` of a tensor-parallel pool alone, with its own fence."""
+        if not 0 <= shard < len(attachment.shards):
+            raise AttachError(f"shard: {shard} is not a shard of this pool "
+                              f"({len(attachment.shards)} shards)")
+        described = attachment.shards[shard]
+        mapped = cls._map(described)
+        mapped.heads = (described.head_start, described.head_stop)
+        return mapped
+
+    @classmethod
+    def _map(cls, handles: wire.Attachment | wire.ShardAttachment) -> AttachedPool:
         fence = None
-        if attachment.forward_done is not None and attachment.commit_done is not None:
-            fence = StepFence.open(attachment.forward_done, attachment.commit_done)
+        if handles.forward_done is not None and handles.commit_done is not None:
+            fence = StepFence.open(handles.forward_done, handles.commit_done)
         # The block table and the protection are the service's to write; workers only read them.
-        protected = (attach(attachment.protected, writable=False)
-                     if attachment.protected is not None else None)
-        return cls(attach(attachment.kv), attach(attachment.block_table, writable=False),
-                   attach(attachment.staging), fence, protected)
+        protected = (attach(handles.protected, writable=False)
+                     if handles.protected is not None else None)
+        return cls(attach(handles.kv), attach(handles.block_table, writable=False),
+                   attach(handles.staging), fence, protected)
 
     def slot_mapping(self, reply: StepResult, lead: torch.Tensor | None = None) -> torch.Tensor:
         """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
@@ -276,7 +306,11 @@ class _LocalTransport:
     def attach(self, reg: wire.Registration) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
-        return AttachedPool(*self._core.shared_tensors(reg.worker_id))
+        shards = [AttachedPool(kv, table, staging, fence, protected, heads)
+                  for kv, table, staging, fence, protected, heads
+                  in self._core.shared_shards(reg.worker_id)]
+        kv, table, staging, fence, protected = self._core.shared_tensors(reg.worker_id)
+        return AttachedPool(kv, table, staging, fence, protected, shards=shards)
 
     def close(self) -> None:
         pass

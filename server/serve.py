@@ -53,7 +53,13 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
-from server.contract.errors import AddressError, InsecureBinding, LimitsError, PoolTooLarge
+from server.contract.errors import (
+    AddressError,
+    InsecureBinding,
+    LimitsError,
+    PoolTooLarge,
+    ShardingInvalid,
+)
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
 from server.service.footprint import Footprint, check_fits, describe_bytes
@@ -64,6 +70,7 @@ from server.service.settings import (
     hash_seed_from_env,
     token_from_env,
 )
+from server.service.shards import check_devices, shard_specs
 from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
 from server.transport.network import (
@@ -136,6 +143,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           choices=_FLAG_CHOICES.get(name),
                           help=help_text if name == "device" else f"{help_text} "
                                                                   f"(default {default})")
+    shards = parser.add_argument_group("devices")
+    shards.add_argument("--devices", metavar="DEVICE[,DEVICE...]",
+                        help="one pool shard per device, in shard order, e.g. cuda:0,cuda:1 (a "
+                             "device may repeat: cpu,cpu); the first is the pool's device "
+                             "(default: --device alone)")
+    shards.add_argument("--tensor-parallel", type=_positive(int), default=1, metavar="N",
+                        help="shards the pool's KV heads are split into, one per device: "
+                             "num_kv_heads / N heads each (default 1)")
     svc = parser.add_argument_group("service")
     service = ServiceConfig.model_fields
     for name in _SERVICE_FLAGS:
@@ -201,11 +216,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _config(args)
+        shard_specs(config)
         _check_socket_directories(args)
     except ValidationError as exc:
         print(f"kvalloc serve: error: {flag_errors(exc)}", file=sys.stderr)
         return 2
-    except AddressError as exc:
+    except (AddressError, ShardingInvalid) as exc:
         print(f"kvalloc serve: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -270,11 +286,18 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
     log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
              "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
              "%.0fs%s)",
-             ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
+             ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, _where(config),
              pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
              pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
              describe_bytes(need.staging), config.lease_ttl_s,
              _token_note(config.token, token))
+
+
+def _where(config: ServiceConfig) -> str:
+    """The pool's device, or its shards' devices and degree."""
+    if config.tensor_parallel == 1:
+        return config.pool.device
+    return f"{','.join(config.devices)} tensor-parallel {config.tensor_parallel}"
 
 
 def _shut_down(args: argparse.Namespace, ipc: IpcServer, reaper: LeaseReaper, core: ServiceCore,
@@ -312,6 +335,9 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
+    devices = _devices(args)
+    if devices:
+        pool["device"] = devices[0]
     if pool.get("slack_policy", SlackPolicy.RECLAIM) != SlackPolicy.RECLAIM:
         log.warning("--slack-policy %s: overlap workers will crash or overflow their rows on "
                     "purpose (a reproduction, never for serving)", pool["slack_policy"])
@@ -319,7 +345,19 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          hash_seed=hash_seed_from_env(), cache_groups=_groups(args.cache_group),
-                         **service)
+                         devices=devices, tensor_parallel=args.tensor_parallel, **service)
+
+
+def _devices(args: argparse.Namespace) -> list[str]:
+    """``--devices`` as a list, each a device of this host (`ShardingInvalid` otherwise)."""
+    if not args.devices:
+        return []
+    devices = [d.strip() for d in args.devices.split(",")]
+    check_devices(devices)
+    if args.device is not None and torch.device(args.device) != torch.device(devices[0]):
+        raise ShardingInvalid(f"devices: --device {args.device} is not the first of --devices "
+                              f"{args.devices}")
+    return devices
 
 
 def _groups(groups: list[tuple[str, list[str]]]) -> dict[str, list[str]]:

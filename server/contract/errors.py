@@ -272,3 +272,9 @@ class HandshakeFailed(KVAllocServerError, ConnectionError):
 
 class PoolTooLarge(KVAllocServerError, ValueError):
     """The pool and the staging buffers need more memory than is free where they would live."""
+
+
+class ShardingInvalid(KVAllocServerError, ValueError):
+    """Devices and a tensor-parallel degree that do not make a service: heads that do not split
+    evenly, a device that does not exist, a device count that is not a multiple of the degree.
+    Raised before anything of the pool is made."""

@@ -91,3 +91,42 @@ class Committer:
         assert stats is not None and stats.written is not None
         return wire.CommitSummary(tokens=stats.tokens, written=stats.written,
                                   fallback=stats.fallback_reason)
+
+
+class ShardedCommitter:
+    """The service's commit on every shard of a tensor-parallel pool (`server.service.shards`):
+    one `Committer` per shard, each writing the same slots and counts from that shard's staging
+    on that shard's device. A pool of one shard is the same with one committer.
+
+    Invariant: every shard commits the same tokens; a fallback on one shard (it wrote every
+    staged token) is reported for the whole step."""
+
+    def __init__(self, committers: list[Committer]) -> None:
+        self.shards = committers
+
+    def check_invariants(self) -> None:
+        for committer in self.shards:
+            committer.check_invariants()
+
+    def add_staging(self, stagings: list[torch.Tensor]) -> None:
+        for committer, staging in zip(self.shards, stagings, strict=True):
+            committer.add_staging(staging)
+
+    def release_staging(self, stagings: list[torch.Tensor]) -> None:
+        for committer, staging in zip(self.shards, stagings, strict=True):
+            committer.release_staging(staging)
+
+    def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
+        for committer in self.shards:
+            committer.protect(blocks, protected)
+
+    def write_batch(self, stagings: list[torch.Tensor], batch: ScheduledBatch,
+                    accepted: np.ndarray, dropped: np.ndarray,
+                    slots: np.ndarray) -> wire.CommitSummary:
+        """`Committer.write_batch` on every shard, ``stagings`` in shard order."""
+        summaries = [committer.write_batch(staging, batch, accepted, dropped, slots)
+                     for committer, staging in zip(self.shards, stagings, strict=True)]
+        first = summaries[0]
+        fallback = next((s.fallback for s in summaries if s.fallback is not None), None)
+        return first if fallback == first.fallback else wire.CommitSummary(
+            tokens=first.tokens, written=first.written, fallback=fallback)

@@ -75,6 +75,13 @@ class ServiceConfig(BaseModel):
     cache_groups: dict[str, list[str]] = Field(
         default_factory=dict, description="Prefix-cache namespaces that several workers share: "
                                           "name -> worker ids; every other worker has its own.")
+    devices: list[str] = Field(
+        default_factory=list, description="One pool per device, in shard order (a device may "
+                                          "repeat); none: the pool's device alone. The first is "
+                                          "the pool's device (`server.service.shards`).")
+    tensor_parallel: int = Field(
+        default=1, gt=0, description="Shards of one pool: each device holds num_kv_heads / "
+                                     "tensor_parallel KV heads of every layer.")
 
     @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:

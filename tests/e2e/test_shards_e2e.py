@@ -1,0 +1,96 @@
+"""A real ``kvalloc serve --devices cpu,cpu --tensor-parallel 2``: a worker process maps both
+shards from the registration's handles (shared memory), stages each shard, and every shard holds
+exactly the committed tokens; a second worker process maps its one shard alone and finds the same
+table. A command line whose shards do not fit exits 2 at once, naming what does not fit, and
+leaves nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from service_harness import nwor_scenario
+
+from server.client import AttachedPool, Client
+from server.contract.sharing import SHM_DIR
+from server.devtools.launch import ServiceProcess, kvalloc_command
+
+SHARDED_POOL = ("--devices", "cpu,cpu", "--tensor-parallel", "2", "--num-blocks", "128",
+                "--tokens-per-block", "4", "--num-layers", "2", "--num-kv-heads", "4",
+                "--head-dim", "8", "--max-batch-size", "16", "--max-seq-len", "64",
+                "--max-step-tokens", "128")
+WORKER_TIMEOUT_S = 120  # a worker process starts and runs the scenario in about 2 s here
+START_TIMEOUT_S = 120  # imports and the check, on a loaded 2-core machine; nothing is compiled
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    with ServiceProcess(tmp_path_factory.mktemp("shards"), *SHARDED_POOL) as svc:
+        yield svc
+
+
+def both_shards_worker(addr: str) -> tuple[list[str], list[tuple[int, int]]]:
+    torch.set_num_threads(1)
+    with Client(addr, worker_id="both") as client:
+        client.register()
+        assert client.pool is not None
+        heads = [s.heads for s in client.pool.shards]
+        outcome = nwor_scenario(client)
+        client.deregister()
+    return outcome.mismatches, heads
+
+
+def one_shard_worker(addr: str) -> tuple[tuple[int, int] | None, list[int]]:
+    """Map shard 1 alone; admit a request and read its row from that shard's table."""
+    torch.set_num_threads(1)
+    with Client(addr, worker_id="rank1") as client:
+        reg = client.register(attach=False)
+        shard = AttachedPool.attach_shard(reg.attachment, 1)
+        reply = client.step(new=(["a"], [9]))
+        row = shard.block_table[int(reply.scheduled.rows[0])].tolist()
+        client.deregister()
+    return shard.heads, row
+
+
+def test_a_worker_process_maps_both_shards_and_each_holds_the_committed_tokens(service):
+    with SPAWN.Pool(1) as pool:
+        mismatches, heads = pool.apply_async(both_shards_worker,
+                                             (service.stream,)).get(WORKER_TIMEOUT_S)
+    assert heads == [(0, 2), (2, 4)]
+    assert mismatches == []
+
+
+def test_a_rank_maps_its_own_shard_alone(service):
+    with SPAWN.Pool(1) as pool:
+        heads, row = pool.apply_async(one_shard_worker, (service.stream,)).get(
+            WORKER_TIMEOUT_S)
+    assert heads == (2, 4)
+    assert [b for b in row if b >= 0] and row[3:] == [-1] * (len(row) - 3)  # 9 tokens, 3 blocks
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--devices", "cpu,cpu,cpu", "--tensor-parallel", "2"),
+     "devices: 3 devices are not a multiple of the tensor-parallel degree"),
+    (("--devices", "cpu,cpu", "--tensor-parallel", "2", "--num-kv-heads", "3"),
+     "num_kv_heads: 3 KV heads do not split evenly over 2 shards"),
+    (("--devices", f"cpu,cuda:{torch.cuda.device_count()}", "--tensor-parallel", "2"),
+     f"devices: device: 'cuda:{torch.cuda.device_count()}'"),
+    (("--device", "cuda:0", "--devices", "cpu,cpu", "--tensor-parallel", "2"),
+     "devices: --device cuda:0 is not the first of --devices cpu,cpu"),
+])
+def test_shards_that_do_not_fit_exit_2_naming_what(tmp_path: Path, flags, message):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    before = set(SHM_DIR.glob("*kvalloc-*"))
+    proc = subprocess.run([*kvalloc_command(), "serve", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=START_TIMEOUT_S,
+                          env={**os.environ, "XDG_RUNTIME_DIR": str(run)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert set(SHM_DIR.glob("*kvalloc-*")) <= before
