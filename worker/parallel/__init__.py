@@ -1,0 +1,10 @@
+"""One model over N tensor-parallel ranks, each a process holding its share of every layer's
+heads (and its pool shard): `split` (which heads and MLP columns a rank owns, the one place that
+rule is written; no torch), `sharding` (a loaded transformers model turned into one rank's shard,
+Megatron style, its row-split layers summed over the process group) and `local_ranks` (N local
+processes of one function in one process group: the tests' and a tensor-parallel worker's way to
+start its ranks).
+
+May import `worker.model` (the families, the error tree) and `worker.attention`; never
+`worker.engine` (the loop will use the ranks, not the other way round).
+"""

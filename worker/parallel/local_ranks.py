@@ -1,0 +1,190 @@
+"""N local processes of one function, each a rank of one torch.distributed process group: how
+the tests, and a tensor-parallel worker on one host, start their ranks.
+
+`run_local_ranks(fn, world, *args)` spawns ``world`` fresh interpreters (spawn, not fork: a
+forked torch whose threads were running can hang), joins them in a process group (gloo on CPU;
+NCCL with GPU ``rank`` for rank ``rank``) through a rendezvous file in a directory of the run's
+own, so runs in parallel never meet, and calls ``fn(rank, world, *args)`` in each. It returns
+what the ranks returned, in rank order. ``fn`` must be a module-level function; its arguments
+and results must pickle.
+
+Nothing outlives a run. A child gets SIGKILL when its parent dies (Linux's parent-death
+signal). The first rank to fail, or a run past ``timeout_s``, ends the others (a rank blocked
+in a collective with a dead peer would wait for the group's own timeout), and the failure
+surfaces as `RankFailed` naming the rank, with the child's traceback text. Results travel as
+files in the run's directory, which is removed: a multiprocessing queue would hand tensors over
+through shared memory, and a pipe fills up while the parent waits for the exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker.engine import EngineError
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class RankFailed(EngineError):
+    """A rank raised, died or ran past the run's time limit; ``child_traceback`` is the text of
+    its exception's traceback (empty when it died without one)."""
+
+    def __init__(self, message: str, *, rank: int, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.child_traceback = child_traceback
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a child needs to become rank ``rank``."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    rank: int
+    world: int
+    backend: str
+    run_dir: str
+    timeout_s: float
+    parent_pid: int
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a rank leaves in its result file."""
+
+    ok: bool
+    value: Any  # fn's result, or "Type: message" of what it raised
+    child_traceback: str
+    at: float  # time.time() when written: of several failed ranks, the first is the cause
+
+
+def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
+                    timeout_s: float = 600.0) -> list[Any]:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each in its own process,
+    all in one process group of ``backend``; `RankFailed` if any rank fails or the whole run
+    takes longer than ``timeout_s``."""
+    if world < 1:
+        raise EngineError(f"world: {world} ranks; a run needs at least 1")
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvalloc-ranks-") as run_dir:
+        procs = [context.Process(
+            target=_rank_main, name=f"kvalloc-rank-{rank}",
+            args=(_Job(fn, args, rank, world, backend, run_dir, timeout_s, os.getpid()),))
+            for rank in range(world)]
+        try:
+            for proc in procs:
+                proc.start()
+            _wait_for_all(procs, Path(run_dir), time.monotonic() + timeout_s, timeout_s)
+            return [_read_outcome(Path(run_dir), rank).value for rank in range(world)]
+        finally:
+            _end(procs)
+
+
+def _wait_for_all(procs: list[BaseProcess], run_dir: Path, deadline: float,
+                  timeout_s: float) -> None:
+    running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    while running:
+        ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = sorted(running.values())
+            raise RankFailed(f"rank {late[0]}: ranks {late} still running after {timeout_s} s",
+                             rank=late[0])
+        exited = [running.pop(sentinel) for sentinel in ready]
+        failed = [rank for rank in exited if _exit_code(procs[rank]) != 0]
+        if failed:
+            raise _failure(procs, run_dir, failed)
+
+
+def _exit_code(proc: BaseProcess) -> int:
+    proc.join()  # its sentinel is ready: it has exited, this only reaps it
+    return proc.exitcode or 0
+
+
+def _failure(procs: list[BaseProcess], run_dir: Path, failed: list[int]) -> RankFailed:
+    """The failure of the rank that failed first: a rank that died without a word (it cannot
+    have been waiting on one that raised), else the one that raised first."""
+    outcomes = {rank: _read_outcome(run_dir, rank) for rank in failed
+                if (run_dir / f"rank-{rank}").exists()}
+    rank = min(failed, key=lambda r: (r in outcomes, outcomes[r].at if r in outcomes else 0))
+    others = f" (ranks {sorted(set(failed) - {rank})} failed too)" if len(failed) > 1 else ""
+    world = len(procs)
+    if rank not in outcomes:
+        code = procs[rank].exitcode or 0
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return RankFailed(f"rank {rank} of {world} {how}{others}", rank=rank)
+    outcome = outcomes[rank]
+    return RankFailed(f"rank {rank} of {world} raised {outcome.value}{others}\n"
+                      f"its traceback:\n{outcome.child_traceback}", rank=rank,
+                      child_traceback=outcome.child_traceback)
+
+
+def _end(procs: list[BaseProcess]) -> None:
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            proc.kill()
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join()
+
+
+def _rank_main(job: _Job) -> None:
+    _die_with_parent(job.parent_pid)
+    try:
+        _join_group(job)
+        _write_outcome(job, _Outcome(True, job.fn(job.rank, job.world, *job.args), "",
+                                     time.time()))
+    except BaseException as exc:  # KeyboardInterrupt too: whatever ends fn reaches the parent
+        _write_outcome(job, _Outcome(False, f"{type(exc).__name__}: {exc}",
+                                     traceback.format_exc(), time.time()))
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _join_group(job: _Job) -> None:
+    if job.backend == "nccl":
+        torch.cuda.set_device(job.rank)
+    else:
+        # The ranks share the host's cores: torch's default of one thread per core in each
+        # would oversubscribe them world times.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world))
+    dist.init_process_group(job.backend, init_method=f"file://{job.run_dir}/rendezvous",
+                            rank=job.rank, world_size=job.world,
+                            timeout=timedelta(seconds=job.timeout_s))
+
+
+def _write_outcome(job: _Job, outcome: _Outcome) -> None:
+    """Whole or not at all: the parent may read it the moment this process exits."""
+    data = pickle.dumps(outcome)  # first: a result that does not pickle is the rank's error
+    path = Path(job.run_dir) / f"rank-{job.rank}"
+    path.with_suffix(".partial").write_bytes(data)
+    path.with_suffix(".partial").replace(path)
+
+
+def _read_outcome(run_dir: Path, rank: int) -> _Outcome:
+    return pickle.loads((run_dir / f"rank-{rank}").read_bytes())
