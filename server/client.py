@@ -26,7 +26,7 @@ import http.client
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -93,6 +93,8 @@ class AttachedPool:
     @classmethod
     def attach_shard(cls, attachment: wire.Attachment, shard: int) -> AttachedPool:
         """Shard ``shard`` of a tensor-parallel pool alone, with its own fence."""
+        if not attachment.shards:
+            raise AttachError("shard: the service has one pool, not tensor-parallel shards")
         if not 0 <= shard < len(attachment.shards):
             raise AttachError(f"shard: {shard} is not a shard of this pool "
                               f"({len(attachment.shards)} shards)")
@@ -177,16 +179,20 @@ class Client:
         self.overlap = False  # the registration's: steps at lag 2, the worker commits
         self.pool: AttachedPool | None = None
         self.next_step_id = 0
+        # Runs after the forward's fence is recorded and before the step is sent: where the
+        # ranks of a tensor-parallel worker meet.
+        self.before_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ operations
 
     def register(self, *, attach: bool = True, replace: bool = False,
-                 overlap: bool = False) -> wire.Registration:
+                 overlap: bool = False, shard: int | None = None) -> wire.Registration:
         """Open a session and, unless ``attach`` is False (another host: replies then carry table
         deltas and slot mappings), map the pool, block table and staging buffer. ``replace``
         takes the worker id over from a live session (a restarted worker), freeing its requests.
         ``overlap``: steps run at lag 2 and the worker commits its own tokens (docs/protocol.md,
-        "Overlap workers")."""
+        "Overlap workers"). ``shard``: of a tensor-parallel pool, map that shard alone (a rank
+        of a worker with one process per shard)."""
         # A retry after a timeout resends the nonce: the service answers it with the session
         # the first attempt opened, instead of refusing the id that session now holds.
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
@@ -195,7 +201,11 @@ class Client:
                                                          nonce=secrets.randbits(63)))
         self.registration, self.next_step_id = reg, reg.next_step_id
         self.overlap = overlap
-        self.pool = self._transport.attach(reg) if attach else None
+        try:
+            self.pool = self._transport.attach(reg, shard) if attach else None
+        except AttachError:  # nothing to work with: the session it opened ends with it
+            self.deregister()
+            raise
         return reg
 
     def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
@@ -241,6 +251,8 @@ class Client:
         fence = self.pool.fence if self.pool is not None else None
         if fence is not None:
             fence.worker_forward_done()
+        if self.before_step is not None:
+            self.before_step()
         reply = self.call("step", call)
         self.next_step_id = call.step_id + 1
         if fence is not None:
@@ -303,12 +315,19 @@ class _LocalTransport:
         except Exception as exc:
             raise remote_error(describe(exc)) from exc
 
-    def attach(self, reg: wire.Registration) -> AttachedPool:
+    def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
         shards = [AttachedPool(kv, table, staging, fence, protected, heads)
                   for kv, table, staging, fence, protected, heads
                   in self._core.shared_shards(reg.worker_id)]
+        if shard is not None:
+            if not shards:
+                raise AttachError("shard: the service has one pool, not tensor-parallel shards")
+            if not 0 <= shard < len(shards):
+                raise AttachError(f"shard: {shard} is not a shard of this pool "
+                                  f"({len(shards)} shards)")
+            return shards[shard]
         kv, table, staging, fence, protected = self._core.shared_tensors(reg.worker_id)
         return AttachedPool(kv, table, staging, fence, protected, shards=shards)
 
@@ -319,7 +338,9 @@ class _LocalTransport:
 class _Remote:
     """A transport to another process: the pool is mapped from the registration's handles."""
 
-    def attach(self, reg: wire.Registration) -> AttachedPool:
+    def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
+        if shard is not None:
+            return AttachedPool.attach_shard(reg.attachment, shard)
         return AttachedPool.attach(reg.attachment)
 
 
