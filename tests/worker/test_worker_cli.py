@@ -180,3 +180,28 @@ def test_a_saved_checkpoint_with_a_tokenizer_serves_text_prompts(
                  "--json", "--no-progress"]) == 0
     got = outputs(capsys.readouterr().out)
     assert got and got == {k: llama_oracle.expected[k] for k in got}
+
+
+def test_a_tensor_parallel_worker_of_two_ranks_against_a_sharded_service(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    sharded = [*SERVICE_POOL, "--devices", "cpu,cpu", "--tensor-parallel", "2"]
+    with ServiceProcess(tmp_path, *sharded, tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream,
+                                "--tensor-parallel", "2", "--overlap", "--draft-len", "2",
+                                "--drafter", "oracle:0.5")) == 0
+        with Client(service.stream, worker_id="observer") as client:
+            assert client.get_pool(verify=True).num_requests == 0
+    out = capsys.readouterr().out
+    assert outputs(out) == llama_oracle.expected
+    assert 0 < json.loads(out)["acceptance_rate"] < 1
+
+
+def test_tensor_parallel_in_process_is_a_one_line_error(llama_oracle: Oracle, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", "--tensor-parallel", "2")) == 2
+    assert capsys.readouterr().err == (
+        "kvalloc worker: --tensor-parallel 2: needs 1 or more ranks and a running kvalloc serve "
+        "of as many shards (not --in-process)\n")
