@@ -26,7 +26,7 @@ import torch
 
 from allocator.capacity.slots import slot_mapping
 from allocator.capacity.table_graphs import TableUploadGraphs
-from allocator.common.device_io import PinnedUploads
+from allocator.common.device_io import PinnedUploads, on_device
 from allocator.common.placement import TensorAllocator, plain_tensor
 from allocator.errors import BatchFull, InvalidValue, InvariantViolation
 
@@ -56,10 +56,12 @@ class BlockTable:
     def mirror(self, device: torch.device, allocate: TensorAllocator, name: str) -> torch.Tensor:
         """Another device copy of the table, on ``device``, that every sync from now on keeps
         equal to the host mirror (a tensor-parallel shard's); it starts as the host is now."""
-        tensor = allocate(name, (self.max_batch_size, self.max_blocks_per_seq), torch.int32,
-                          device)
-        tensor.copy_(torch.from_numpy(self.host))
-        self._copies.append(DeviceCopy(tensor, self._host_cells, self._upload_graphs))
+        with on_device(device):  # its graphs are captured on its own device
+            tensor = allocate(name, (self.max_batch_size, self.max_blocks_per_seq),
+                              torch.int32, device)
+            tensor.copy_(torch.from_numpy(self.host))
+            self._copies.append(DeviceCopy(tensor, self._host_cells, self._upload_graphs,
+                                           own_device=device != self.device))
         return tensor
 
     @property
@@ -162,11 +164,15 @@ class DeviceCopy:
     """One device copy of the table and how changed cells reach it: through a numpy view on
     CPU, by a graph replay (else one eager upload) on CUDA."""
 
-    def __init__(self, tensor: torch.Tensor, host_cells: np.ndarray, upload_graphs: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, host_cells: np.ndarray, upload_graphs: bool, *,
+                 own_device: bool = False) -> None:
+        """``own_device``: the copy lives on another device than the current one when it syncs
+        (a mirror on another GPU), which its writes then make current."""
         if not tensor.is_contiguous():
             raise InvalidValue("block_table: the allocator returned a non-contiguous tensor",
                                field="block_table")
         self.tensor = tensor
+        self._own_device = own_device and tensor.device.type == "cuda"
         self.graphs: TableUploadGraphs | None = None
         self._cells: np.ndarray | None = None
         if tensor.device.type == "cpu":
@@ -185,6 +191,13 @@ class DeviceCopy:
 
     def write(self, cells: np.ndarray, host_cells: np.ndarray) -> None:
         """Copy the host's ``cells`` (flat indices into ``host_cells``) into this copy."""
+        if self._own_device:
+            with on_device(self.tensor.device):
+                self._write(cells, host_cells)
+        else:
+            self._write(cells, host_cells)
+
+    def _write(self, cells: np.ndarray, host_cells: np.ndarray) -> None:
         if self._cells is not None:
             self._cells[cells] = host_cells[cells]
         elif self.graphs is None or not self.graphs.upload(cells, host_cells):

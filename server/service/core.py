@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from allocator import InvariantViolation, KVCacheManager, KVStorage, StepPlan
+from allocator.common.device_io import on_device
 from server.contract import wire
 from server.contract.columns import StepCall, StepResult
 from server.contract.errors import (
@@ -139,15 +140,17 @@ class ServiceCore:
         else:
             def named(name: str, *args: Any) -> torch.Tensor:
                 return placement(spec.name(name), *args)
-            storage = KVStorage(spec.pool, allocate=named)
+            with on_device(spec.device):
+                storage = KVStorage(spec.pool, allocate=named)
             table = self.manager.table.mirror(spec.device, placement, spec.name("block_table"))
         protected, protected_handle = None, None
         if self.config.prefix_caching:  # shared: overlap workers' own commits read it too
             protected, protected_handle = self._exporter.empty(
                 spec.name("protected"), (spec.pool.total_blocks,), torch.bool, spec.device)
-        committer = Committer(storage, max_tokens=self.config.max_step_tokens,
-                              stage_dtype=self.staging_dtype, nwor=self.config.nwor,
-                              protected=protected)
+        with on_device(spec.device):
+            committer = Committer(storage, max_tokens=self.config.max_step_tokens,
+                                  stage_dtype=self.staging_dtype, nwor=self.config.nwor,
+                                  protected=protected)
         return PoolShard(spec, storage, table, committer, placement.handles[spec.name("kv")],
                          placement.handles[spec.name("block_table")], protected_handle)
 
