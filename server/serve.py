@@ -70,7 +70,7 @@ from server.service.settings import (
     hash_seed_from_env,
     token_from_env,
 )
-from server.service.shards import check_devices, shard_specs
+from server.service.shards import check_devices, same_device, shard_specs
 from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
 from server.transport.network import (
@@ -354,7 +354,7 @@ def _devices(args: argparse.Namespace) -> list[str]:
         return []
     devices = [d.strip() for d in args.devices.split(",")]
     check_devices(devices)
-    if args.device is not None and torch.device(args.device) != torch.device(devices[0]):
+    if args.device is not None and not same_device(args.device, devices[0]):
         raise ShardingInvalid(f"devices: --device {args.device} is not the first of --devices "
                               f"{args.devices}")
     return devices

@@ -69,12 +69,24 @@ def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
     if pool.num_kv_heads % tp:
         raise ShardingInvalid(f"num_kv_heads: {pool.num_kv_heads} KV heads do not split evenly "
                               f"over {tp} shards ({flags})")
-    if torch.device(devices[0]) != torch.device(pool.device):
+    if not same_device(devices[0], pool.device):
         raise ShardingInvalid(f"devices: the first device {devices[0]!r} is not the pool's "
                               f"device {pool.device!r}")
     return [ShardSpec(r, _shard_pool(pool, device, pool.num_kv_heads // tp),
                       shard_heads(pool.num_kv_heads, r, tp))
             for r, device in enumerate(devices)]
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two device names are one device (``cuda`` alone is the current GPU)."""
+    return _indexed(a) == _indexed(b)
+
+
+def _indexed(device: str) -> torch.device:
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return where
 
 
 def _shard_pool(pool: PoolConfig, device: str, heads: int) -> PoolConfig:
