@@ -22,6 +22,7 @@ stream wait for ``commit_done`` before returning.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import secrets
@@ -41,6 +42,7 @@ from server.contract.addresses import TOKEN_ENV, default_client_address, transpo
 from server.contract.columns import ColumnInput, StepCall, StepResult
 from server.contract.errors import (
     AttachError,
+    KVAllocServerError,
     MalformedBody,
     ServiceError,
     ServiceUnreachable,
@@ -186,25 +188,30 @@ class Client:
     # ------------------------------------------------------------------ operations
 
     def register(self, *, attach: bool = True, replace: bool = False,
-                 overlap: bool = False, shard: int | None = None) -> wire.Registration:
+                 overlap: bool = False, shard: int | None = None,
+                 data_parallel_rank: int | None = None) -> wire.Registration:
         """Open a session and, unless ``attach`` is False (another host: replies then carry table
         deltas and slot mappings), map the pool, block table and staging buffer. ``replace``
         takes the worker id over from a live session (a restarted worker), freeing its requests.
         ``overlap``: steps run at lag 2 and the worker commits its own tokens (docs/protocol.md,
         "Overlap workers"). ``shard``: of a tensor-parallel pool, map that shard alone (a rank
-        of a worker with one process per shard)."""
+        of a worker with one process per shard). ``data_parallel_rank``: the worker's rank, which
+        a service allocating for another refuses."""
         # A retry after a timeout resends the nonce: the service answers it with the session
         # the first attempt opened, instead of refusing the id that session now holds.
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
                                                          attached=attach, replace=replace,
                                                          overlap=overlap,
+                                                         data_parallel_rank=data_parallel_rank,
                                                          nonce=secrets.randbits(63)))
         self.registration, self.next_step_id = reg, reg.next_step_id
         self.overlap = overlap
         try:
             self.pool = self._transport.attach(reg, shard) if attach else None
         except AttachError:  # nothing to work with: the session it opened ends with it
-            self.deregister()
+            with contextlib.suppress(KVAllocServerError):  # else its lease runs out
+                self.deregister()
+            self.registration = self.pool = None
             raise
         return reg
 

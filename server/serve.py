@@ -151,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shards.add_argument("--tensor-parallel", type=_positive(int), default=1, metavar="N",
                         help="shards the pool's KV heads are split into, one per device: "
                              "num_kv_heads / N heads each (default 1)")
+    shards.add_argument("--data-parallel-rank", type=int, metavar="K",
+                        help="the data-parallel rank this service allocates for (one service "
+                             "per rank): KV events carry it, workers of other ranks are refused")
     svc = parser.add_argument_group("service")
     service = ServiceConfig.model_fields
     for name in _SERVICE_FLAGS:
@@ -295,9 +298,11 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
 
 def _where(config: ServiceConfig) -> str:
     """The pool's device, or its shards' devices and degree."""
+    rank = ("" if config.data_parallel_rank is None
+            else f" data-parallel rank {config.data_parallel_rank}")
     if config.tensor_parallel == 1:
-        return config.pool.device
-    return f"{','.join(config.devices)} tensor-parallel {config.tensor_parallel}"
+        return config.pool.device + rank
+    return f"{','.join(config.devices)} tensor-parallel {config.tensor_parallel}{rank}"
 
 
 def _shut_down(args: argparse.Namespace, ipc: IpcServer, reaper: LeaseReaper, core: ServiceCore,
@@ -345,7 +350,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          hash_seed=hash_seed_from_env(), cache_groups=_groups(args.cache_group),
-                         devices=devices, tensor_parallel=args.tensor_parallel, **service)
+                         devices=devices, tensor_parallel=args.tensor_parallel,
+                         data_parallel_rank=args.data_parallel_rank, **service)
 
 
 def _devices(args: argparse.Namespace) -> list[str]:

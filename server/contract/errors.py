@@ -97,6 +97,12 @@ class StepNotSettled(ServiceError):
     status, code, field = 422, "unsettled_requests", "results"
 
 
+class WrongRank(ServiceError):
+    """A worker of one data-parallel rank registered with the allocator of another."""
+
+    status, code, field = 409, "wrong_rank", "data_parallel_rank"
+
+
 class LimitExceeded(ServiceError):
     """A list is longer, or a step schedules more tokens, than the service allows."""
 

@@ -89,6 +89,10 @@ class RegisterRequest(Contract):
                                    "whose previous step is unsettled, results come one call "
                                    "later, and the worker commits its own accepted tokens "
                                    "(refused by a service with prefix caching).")
+    data_parallel_rank: int | None = Field(
+        default=None, ge=0, description="The worker's data-parallel rank: a service that "
+                                        "allocates for another rank refuses it (409 "
+                                        "wrong_rank); none: any.")
 
 
 class WorkerRef(Contract):
@@ -194,6 +198,9 @@ class PoolLayout(Contract):
     tensor_parallel: int = Field(default=1, description="Shards the pool is split into by KV "
                                                         "heads (`Attachment.shards`); "
                                                         "num_kv_heads counts them all.")
+    data_parallel_rank: int | None = Field(default=None, description="The data-parallel rank "
+                                                                     "the service allocates "
+                                                                     "for, if it was given one.")
 
 
 class Registration(Contract):

@@ -41,6 +41,7 @@ from server.contract.errors import (
     StaleEpoch,
     StepIdReused,
     StepOutOfOrder,
+    WrongRank,
 )
 from server.contract.routing import SEED_BYTES, hash_seed, worker_salt
 from server.contract.sharing import FenceGroup, StepFence, TensorExporter, dtype_name
@@ -113,6 +114,7 @@ class ServiceCore:
         # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
         self.kv_events = (KVEventPublisher(config.kv_events,
                                            replay_endpoint=config.kv_events_replay,
+                                           data_parallel_rank=config.data_parallel_rank,
                                            token=config.kv_events_token)
                           if config.kv_events is not None else None)
         self.pipeline = StepPipeline(self.manager, self.commits, self.registry,
@@ -190,6 +192,7 @@ class ServiceCore:
         """Open a session for ``worker_id`` (see `WorkerRegistry` for ids held by a session)."""
         with self.lock:
             self._check_open()
+            self._check_rank(req)
             self._expire(self.clock())
             again = self.registry.retried(req)
             if again is not None:  # the first answer was lost: the same session, unchanged
@@ -209,6 +212,12 @@ class ServiceCore:
             )
             worker.registered = (req, registration)
             return registration
+
+    def _check_rank(self, req: wire.RegisterRequest) -> None:
+        rank = self.config.data_parallel_rank
+        if req.data_parallel_rank is not None and req.data_parallel_rank != (rank or 0):
+            raise WrongRank(f"data_parallel_rank: the worker is of rank {req.data_parallel_rank}, "
+                            f"this service allocates for rank {rank or 0}")
 
     def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
         stagings, shards, fences = [], [], []
@@ -448,7 +457,7 @@ def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
         overlap_scheduler=pool.overlap_scheduler,
         k_scales=list(pool.k_scales) if pool.k_scales else None,
         v_scales=list(pool.v_scales) if pool.v_scales else None,
-        tensor_parallel=config.tensor_parallel,
+        tensor_parallel=config.tensor_parallel, data_parallel_rank=config.data_parallel_rank,
     )
 
 

@@ -65,7 +65,8 @@ def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
     if len(devices) != tp:
         raise ShardingInvalid(f"devices: {len(devices)} devices at tensor-parallel {tp} make "
                               f"{len(devices) // tp} data-parallel ranks; a service serves one "
-                              f"rank, as many devices as the degree ({flags})")
+                              f"rank, as many devices as the degree: run one per rank, with "
+                              f"--data-parallel-rank ({flags})")
     if pool.num_kv_heads % tp:
         raise ShardingInvalid(f"num_kv_heads: {pool.num_kv_heads} KV heads do not split evenly "
                               f"over {tp} shards ({flags})")

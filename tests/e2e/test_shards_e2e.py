@@ -2,7 +2,8 @@
 shards from the registration's handles (shared memory), stages each shard, and every shard holds
 exactly the committed tokens; a second worker process maps its one shard alone and finds the same
 table. A command line whose shards do not fit exits 2 at once, naming what does not fit, and
-leaves nothing in /dev/shm."""
+leaves nothing in /dev/shm. The service of one data-parallel rank serves that rank's workers
+alone."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from service_harness import nwor_scenario
 
 from server.client import AttachedPool, Client
+from server.contract.errors import RemoteError
 from server.contract.sharing import SHM_DIR
 from server.devtools.launch import ServiceProcess, kvalloc_command
 
@@ -83,6 +85,8 @@ def test_a_rank_maps_its_own_shard_alone(service):
      f"devices: device: 'cuda:{torch.cuda.device_count()}'"),
     (("--device", "cuda:0", "--devices", "cpu,cpu", "--tensor-parallel", "2"),
      "devices: --device cuda:0 is not the first of --devices cpu,cpu"),
+    (("--data-parallel-rank", "-1"),
+     "--data-parallel-rank -1: Input should be greater than or equal to 0"),
 ])
 def test_shards_that_do_not_fit_exit_2_naming_what(tmp_path: Path, flags, message):
     run = tmp_path / "run"
@@ -94,3 +98,16 @@ def test_shards_that_do_not_fit_exit_2_naming_what(tmp_path: Path, flags, messag
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert set(SHM_DIR.glob("*kvalloc-*")) <= before
+
+
+def test_the_service_of_a_data_parallel_rank_serves_that_ranks_workers(tmp_path: Path) -> None:
+    service = ServiceProcess(tmp_path, *SHARDED_POOL, "--data-parallel-rank", "1", tcp=False)
+    with service as svc, Client(svc.stream, worker_id="rank0") as other, Client(
+            svc.stream, worker_id="rank1") as own:
+        with pytest.raises(RemoteError, match="409 wrong_rank: data_parallel_rank: the worker "
+                                              "is of rank 0, this service allocates for rank 1"):
+            other.register(data_parallel_rank=0)
+        reg = own.register(data_parallel_rank=1)
+        assert reg.layout.data_parallel_rank == 1 and len(reg.attachment.shards) == 2
+        own.deregister()
+    assert "tensor-parallel 2 data-parallel rank 1" in service.log()
