@@ -63,6 +63,7 @@ from server.contract.errors import (
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
 from server.service.footprint import Footprint, check_fits, describe_bytes
+from server.service.ranks import RankedService, rank_configs
 from server.service.settings import (
     DEFAULT_NUM_BLOCKS,
     ServiceConfig,
@@ -70,7 +71,7 @@ from server.service.settings import (
     hash_seed_from_env,
     token_from_env,
 )
-from server.service.shards import check_devices, same_device, shard_specs
+from server.service.shards import check_devices, same_device
 from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
 from server.transport.network import (
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _config(args)
-        shard_specs(config)
+        rank_configs(config)
         _check_socket_directories(args)
     except ValidationError as exc:
         print(f"kvalloc serve: error: {flag_errors(exc)}", file=sys.stderr)
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
     _warm_up(config)
-    core = ServiceCore(config)
+    core = ServiceCore(config) if len(rank_configs(config)) == 1 else RankedService(config)
     ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
@@ -300,7 +301,10 @@ def _where(config: ServiceConfig) -> str:
     """The pool's device, or its shards' devices and degree."""
     rank = ("" if config.data_parallel_rank is None
             else f" data-parallel rank {config.data_parallel_rank}")
-    if config.tensor_parallel == 1:
+    ranks = len(config.devices) // config.tensor_parallel
+    if ranks > 1:
+        rank = f", {ranks} data-parallel ranks"
+    if config.tensor_parallel == 1 and ranks <= 1:
         return config.pool.device + rank
     return f"{','.join(config.devices)} tensor-parallel {config.tensor_parallel}{rank}"
 
@@ -323,7 +327,8 @@ def _warm_up(config: ServiceConfig) -> None:
     """Compile the step now rather than under the lock of the first worker's calls
     (`server.service.warmup`). A failure costs only that: the first calls compile instead."""
     try:
-        log.info("compiled the step and its commit in %.1fs", warm_up(config))
+        # Compiled code is per process: one rank's shape compiles what every rank runs.
+        log.info("compiled the step and its commit in %.1fs", warm_up(rank_configs(config)[0]))
     except Exception:
         log.exception("warming up failed: the first calls will compile what they need")
 
@@ -381,12 +386,12 @@ def _with_secrets(config: ServiceConfig, token: SecretStr | None) -> ServiceConf
         "hash_seed": config.hash_seed or token})
 
 
-def _event_endpoints(core: ServiceCore) -> list[str]:
-    """The bound KV event endpoints: their token files let this user's routers find the key."""
-    events = core.kv_events
-    if events is None:
-        return []
-    return [e for e in (events.endpoint, events.replay_endpoint) if e is not None]
+def _event_endpoints(core: ServiceCore | RankedService) -> list[str]:
+    """The bound KV event endpoints (every rank's): their token files let this user's routers
+    find the key."""
+    ranks = core.ranks if isinstance(core, RankedService) else [core]
+    return [e for rank in ranks if rank.kv_events is not None
+            for e in (rank.kv_events.endpoint, rank.kv_events.replay_endpoint) if e is not None]
 
 
 def _check_socket_directories(args: argparse.Namespace) -> None:
@@ -493,18 +498,21 @@ def _describe(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
+def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str]] | None:
     """The Prometheus exposition of `allocator.metrics` and `server.service.metrics`, when
     prometheus_client exists."""
     try:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
         from allocator.metrics import AllocatorMetrics
-        from server.service.metrics import ServiceMetrics
+        from server.service.metrics import ServiceMetrics, rank_metrics
     except ImportError as exc:
         log.warning("no /metrics: %s", exc)
         return None
     registry = CollectorRegistry()
+    if isinstance(core, RankedService):
+        rank_metrics(core, registry)
+        return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
     # Scrapes read what the core publishes under its lock: they never take it themselves.
     metrics = ServiceMetrics(registry, AllocatorMetrics(registry, core.manager,
                                                         core.committer.writes))

@@ -103,6 +103,12 @@ class WrongRank(ServiceError):
     status, code, field = 409, "wrong_rank", "data_parallel_rank"
 
 
+class UnknownRank(ServiceError):
+    """A registration names no data-parallel rank of a service of several, or none at all."""
+
+    status, code, field = 422, "unknown_rank", "data_parallel_rank"
+
+
 class LimitExceeded(ServiceError):
     """A list is longer, or a step schedules more tokens, than the service allows."""
 

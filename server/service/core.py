@@ -263,6 +263,20 @@ class ServiceCore:
             self._fences[key] = StepFence.create(spec.device)
         return self._fences[key]
 
+    def holds(self, worker_id: str) -> bool:
+        """Whether a live session holds ``worker_id``."""
+        with self.lock:
+            return self.registry.get(worker_id) is not None
+
+    def drop_worker(self, worker_id: str) -> int:
+        """End ``worker_id``'s session, whichever it is, as a replacing registration does;
+        returns the requests freed."""
+        with self.lock:
+            worker = self.registry.get(worker_id)
+            freed = 0 if worker is None else self._drop(worker)
+            self._state_changed()
+            return freed
+
     def deregister(self, req: wire.WorkerRef) -> wire.Deregistered:
         with self.lock:
             self._check_open()

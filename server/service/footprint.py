@@ -42,15 +42,16 @@ def footprint(config: ServiceConfig) -> Footprint:
     staging_itemsize = torch.empty((), dtype=staging_dtype).element_size()
     per_worker = (pool.num_layers * 2 * config.max_step_tokens * pool.num_kv_heads
                   * pool.head_dim * staging_itemsize)
-    return Footprint(pool=pool.bytes_per_block * pool.total_blocks,
-                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq
-                     * len(config.devices or [pool.device]),
-                     staging=config.max_workers * per_worker)
+    devices = len(config.devices or [pool.device])
+    ranks = max(1, devices // config.tensor_parallel)  # a pool and its workers' staging each
+    return Footprint(pool=ranks * pool.bytes_per_block * pool.total_blocks,
+                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq * devices,
+                     staging=ranks * config.max_workers * per_worker)
 
 
 def on_device(config: ServiceConfig, need: Footprint) -> dict[torch.device, int]:
-    """Bytes of ``need`` on each device of ``config``: each shard holds its share of the pool and
-    of the staging, and a whole copy of the block table (`server.service.shards`)."""
+    """Bytes of ``need`` on each device of ``config``: each shard holds its share of its rank's
+    pool and staging, and a whole copy of its rank's block table (`server.service.shards`)."""
     devices = [torch.device(d) for d in config.devices or [config.pool.device]]
     per_shard = (need.pool + need.staging) // len(devices) + need.block_table // len(devices)
     return {device: devices.count(device) * per_shard for device in dict.fromkeys(devices)}

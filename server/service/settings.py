@@ -83,9 +83,10 @@ class ServiceConfig(BaseModel):
         default=1, gt=0, description="Shards of one pool: each device holds num_kv_heads / "
                                      "tensor_parallel KV heads of every layer.")
     data_parallel_rank: int | None = Field(
-        default=None, ge=0, description="The data-parallel rank this service is the allocator "
-                                        "of (one service per rank): its KV events carry it, and "
-                                        "a worker registering for another rank is refused.")
+        default=None, ge=0, description="The data-parallel rank this service allocates for, "
+                                        "when it serves one rank of several (a service of "
+                                        "several ranks numbers its own): its KV events carry "
+                                        "it, and a worker registering for another is refused.")
 
     @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:

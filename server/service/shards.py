@@ -64,9 +64,9 @@ def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
                               f"tensor-parallel degree ({flags})")
     if len(devices) != tp:
         raise ShardingInvalid(f"devices: {len(devices)} devices at tensor-parallel {tp} make "
-                              f"{len(devices) // tp} data-parallel ranks; a service serves one "
-                              f"rank, as many devices as the degree: run one per rank, with "
-                              f"--data-parallel-rank ({flags})")
+                              f"{len(devices) // tp} data-parallel ranks; a core allocates for "
+                              f"one, as many devices as the degree (`server.service.ranks` "
+                              f"holds a core per rank) ({flags})")
     if pool.num_kv_heads % tp:
         raise ShardingInvalid(f"num_kv_heads: {pool.num_kv_heads} KV heads do not split evenly "
                               f"over {tp} shards ({flags})")

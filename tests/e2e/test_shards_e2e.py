@@ -3,13 +3,15 @@ shards from the registration's handles (shared memory), stages each shard, and e
 exactly the committed tokens; a second worker process maps its one shard alone and finds the same
 table. A command line whose shards do not fit exits 2 at once, naming what does not fit, and
 leaves nothing in /dev/shm. The service of one data-parallel rank serves that rank's workers
-alone."""
+alone; a service of two ranks serves a worker process of each, each rank's shards holding
+exactly its worker's tokens, its metrics labelled by rank, and leaves nothing behind."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +113,30 @@ def test_the_service_of_a_data_parallel_rank_serves_that_ranks_workers(tmp_path:
         assert reg.layout.data_parallel_rank == 1 and len(reg.attachment.shards) == 2
         own.deregister()
     assert "tensor-parallel 2 data-parallel rank 1" in service.log()
+
+
+def rank_worker(addr: str, rank: int) -> tuple[list[str], int]:
+    """The NWOR scenario's mismatches on rank ``rank``, and that rank's epoch."""
+    torch.set_num_threads(1)
+    with Client(addr, worker_id=f"rank{rank}") as client:
+        reg = client.register(data_parallel_rank=rank)
+        outcome = nwor_scenario(client)
+        client.deregister()
+    return outcome.mismatches, reg.epoch
+
+
+def test_a_service_of_two_ranks_serves_a_worker_process_of_each(tmp_path: Path) -> None:
+    ranks = ["--devices", "cpu,cpu,cpu,cpu", *SHARDED_POOL[2:]]
+    service = ServiceProcess(tmp_path, *ranks)
+    with service as svc, SPAWN.Pool(2) as pool:
+        runs = [pool.apply_async(rank_worker, (svc.stream, rank)) for rank in (0, 1)]
+        results = [run.get(WORKER_TIMEOUT_S) for run in runs]
+        with urllib.request.urlopen(f"{svc.rest_tcp}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    assert [mismatches for mismatches, _ in results] == [[], []]
+    epochs = {epoch for _, epoch in results}
+    assert len(epochs) == 2  # each rank is an allocator of its own
+    assert 'kvalloc_requests_added_total{data_parallel_rank="1"} 4.0' in text
+    assert service.proc is not None and service.proc.returncode == 0
+    assert "tensor-parallel 2, 2 data-parallel ranks" in service.log()
+    assert [p for e in epochs for p in SHM_DIR.glob(f"kvalloc-{e:016x}*")] == []
