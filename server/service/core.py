@@ -16,7 +16,10 @@ Invariants:
 - every decode request of a worker's previous step is settled by its next step (results,
   reverts or finished), so a staged batch is committed exactly once; an overlap worker's by the
   step after (lag 2, `server.service.inflight`), and it commits its own tokens;
-- a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks.
+- a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks;
+- a tensor-parallel pool's shards (`server.service.shards`) hold the same blocks: one manager
+  allocates them, every shard's table copy is synced by the same step, and the step's commit
+  writes every shard.
 """
 
 from __future__ import annotations
