@@ -22,11 +22,13 @@ ORACLE_SEED = 3
 
 def generate(rank: int, world: int, address: str, prompts: Sequence[NamedPrompt],
              expected: Mapping[str, Sequence[int]], overlap: bool, draft_len: int,
-             rate: float) -> tuple[dict[str, list[int]], dict[str, float], tuple[int, int]]:
-    """This rank's outputs, its run's figures and the KV heads its pool shard holds."""
+             rate: float, device: str = "cpu"
+             ) -> tuple[dict[str, list[int]], dict[str, float], tuple[int, int]]:
+    """This rank's outputs, its run's figures and the KV heads its pool shard holds; the model
+    runs on ``device``, where the rank's shard of the pool is."""
     torch.set_num_threads(1)
     config = CONFIGS["llama"]
-    model = shard_model(random_model(config, seed=0), rank, world)
+    model = shard_model(random_model(config, seed=0, device=device), rank, world)
     shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None)
     shards.register(overlap=overlap)
     assert shards.pool is not None and shards.pool.heads is not None

@@ -3,8 +3,9 @@
 its own shard of the pool; rank 0 alone calls the service and hands every reply to the other.
 The tokens equal ``model.generate``'s, synchronously and one step ahead, with drafts from the
 device oracle (about half accepted), on both ranks, with no block-table entry read that holds
-no block. A worker whose ranks are not the service's shards is refused on every rank, and leaves
-no session behind."""
+no block; on a GPU both shards and both ranks share ``cuda:0`` (gloo carries the model's sums).
+A worker whose ranks are not the service's shards is refused on every rank, and leaves no
+session behind."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from shard_ranks import generate, refused
 from worker_oracle import MAX_DRAFT_LEN, TOKENS_PER_BLOCK, Oracle, assert_acceptance
 
@@ -26,7 +28,8 @@ POOL = ("--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2", "--hea
         "--num-blocks", "256", "--tokens-per-block", str(TOKENS_PER_BLOCK), "--max-seq-len",
         "96", "--max-draft-len", str(MAX_DRAFT_LEN), "--max-batch-size", "8",
         "--max-step-tokens", "48")
-SHARDED = ("--devices", "cpu,cpu", "--tensor-parallel", str(WORLD))
+DEVICES = ["cpu", pytest.param("cuda:0", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 # Two ranks importing torch and transformers and running the 8 prompts took about 40 s on the
 # loaded two-core machine; the limit is several times that.
 RUN_TIMEOUT_S = 300
@@ -34,17 +37,24 @@ pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT_S)
 pytest_plugins = ["worker_fixtures"]
 
 
-@pytest.fixture(scope="module")
-def sharded_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    with ServiceProcess(tmp_path_factory.mktemp("tp"), *POOL, *SHARDED, tcp=False) as svc:
-        yield svc
+@pytest.fixture(scope="module", params=DEVICES)
+def sharded_service(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[tuple[ServiceProcess, str]]:
+    """A service of two shards, both on the device (one GPU holds both on CUDA), and it."""
+    device = request.param
+    sharded = ("--devices", f"{device},{device}", "--tensor-parallel", str(WORLD))
+    with ServiceProcess(tmp_path_factory.mktemp("tp"), *POOL, *sharded, tcp=False) as svc:
+        yield svc, device
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_two_ranks_give_generates_tokens(llama_oracle: Oracle, sharded_service: ServiceProcess,
+def test_two_ranks_give_generates_tokens(llama_oracle: Oracle,
+                                         sharded_service: tuple[ServiceProcess, str],
                                          overlap: bool) -> None:
-    ranks = run_local_ranks(generate, WORLD, sharded_service.stream, llama_oracle.prompts,
-                            llama_oracle.expected, overlap, MAX_DRAFT_LEN, 0.5,
+    service, device = sharded_service
+    ranks = run_local_ranks(generate, WORLD, service.stream, llama_oracle.prompts,
+                            llama_oracle.expected, overlap, MAX_DRAFT_LEN, 0.5, device,
                             timeout_s=RUN_TIMEOUT_S)
     assert [heads for _, _, heads in ranks] == [(0, 1), (1, 2)]
     for outputs, stats, _ in ranks:
@@ -54,7 +64,7 @@ def test_two_ranks_give_generates_tokens(llama_oracle: Oracle, sharded_service: 
     assert_acceptance(_Stats(stats), 0.5)
     if overlap:
         assert stats["forwards_ahead"] > stats["steps"] // 2
-    with Client(sharded_service.stream, worker_id="observer") as client:
+    with Client(service.stream, worker_id="observer") as client:
         pool = client.get_pool(verify=True)
     assert pool.num_requests == 0 and pool.used_blocks == 0
 
