@@ -14,6 +14,9 @@ sends the step, and its reply (or its error) goes to every rank as the bytes the
 carries it in; then each rank's next forward waits on its own shard's commit. A refused step is
 raised on every rank as the same `RemoteError`.
 
+"Rank" here is a process's rank in the worker's process group (torch.distributed's word), each
+driving one shard; the service's data-parallel ranks are another thing (`server.service.ranks`).
+
 Invariant: every rank's engine sees the same registration and the same sequence of replies.
 """
 
