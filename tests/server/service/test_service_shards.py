@@ -152,3 +152,19 @@ def test_the_table_of_every_shard_follows_the_step(make_core, device):
     assert np.array_equal(tables[1], core.manager.table.host)
     held = sum(core.manager.view(int(row)).num_blocks for row in reply.scheduled.rows)
     assert held > 0 and (tables[1][reply.scheduled.rows] >= 0).sum() == held
+
+
+def test_every_shard_protects_the_cached_prefix_blocks(make_core, device):
+    core = sharded(make_core, device, prefix_caching=True)
+    client = Client.in_process(core, worker_id="w")
+    client.register()
+    prompt = np.arange(12)
+    client.step(new=(["a"], [12]), prompt_token_ids=prompt)
+    client.step()  # the commit writes "a"'s prompt: its full blocks become shared
+    reply = client.step(new=(["b"], [12]), prompt_token_ids=prompt)
+    assert int(reply.cached_tokens[0]) > 0
+    masks = [shard.committer.protected for shard in core.shards]
+    assert masks[0] is not None and masks[0].any()
+    assert all(torch.equal(mask.cpu(), masks[0].cpu()) for mask in masks)
+    assert client.pool is not None
+    assert [s.protected is not None for s in client.pool.shards] == [True, True]
