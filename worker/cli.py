@@ -154,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run N processes, each holding its shard of the model's heads, "
                           "against a service of N shards (kvalloc serve --devices ... "
                           "--tensor-parallel N); not with --in-process (default 1)")
+    svc.add_argument("--data-parallel-rank", type=int, default=None, metavar="K",
+                     help="the data-parallel rank this worker is: a service of several ranks "
+                          "serves it on rank K's pool (default: none, for a service of one)")
     svc.add_argument("--cuda-graphs", action="store_true",
                      help="replay decode steps as captured CUDA graphs (a CUDA pool; decodes "
                           "padded to --draft-len drafts through the padding grant)")
@@ -264,7 +267,7 @@ def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
               if rank == 0 else None)
     shards = ShardClient(rank, world, client, group=group)
-    shards.register(overlap=args.overlap)
+    shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
     try:
         return _serve(model, shards, prompts, args, StopRequest())
     finally:
@@ -327,7 +330,7 @@ def _client(args: argparse.Namespace, model: Any,
     """A registered, attached client: to ``--address``, or to a core made here."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
-            client.register(overlap=args.overlap)
+            client.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
             try:
                 yield client
             finally:

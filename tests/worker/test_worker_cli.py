@@ -205,3 +205,19 @@ def test_tensor_parallel_in_process_is_a_one_line_error(llama_oracle: Oracle, tm
     assert capsys.readouterr().err == (
         "kvalloc worker: --tensor-parallel 2: needs 1 or more ranks and a running kvalloc serve "
         "of as many shards (not --in-process)\n")
+
+
+def test_a_worker_of_each_data_parallel_rank_against_a_service_of_two(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    ranks = [*SERVICE_POOL, "--devices", "cpu,cpu", "--tensor-parallel", "1"]
+    with ServiceProcess(tmp_path, *ranks, tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream,
+                                "--draft-len", "0")) == 2
+        assert "422 unknown_rank: data_parallel_rank: None is not a rank of this service" in (
+            capsys.readouterr().err)
+        for rank in (0, 1):
+            assert main(worker_args(config, prompts, "--address", service.stream,
+                                    "--data-parallel-rank", str(rank), "--draft-len", "0",
+                                    "--worker-id", f"rank{rank}")) == 0
+            assert outputs(capsys.readouterr().out) == llama_oracle.expected
