@@ -182,11 +182,16 @@ def test_a_saved_checkpoint_with_a_tokenizer_serves_text_prompts(
     assert got and got == {k: llama_oracle.expected[k] for k in got}
 
 
+def on_two_cpus(tmp_path: Path, tensor_parallel: int) -> ServiceProcess:
+    """The test pool on devices cpu,cpu: two shards, or two data-parallel ranks of one."""
+    return ServiceProcess(tmp_path, *SERVICE_POOL, "--devices", "cpu,cpu", "--tensor-parallel",
+                          str(tensor_parallel), tcp=False)
+
+
 def test_a_tensor_parallel_worker_of_two_ranks_against_a_sharded_service(
         llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config, prompts = write_inputs(llama_oracle, tmp_path)
-    sharded = [*SERVICE_POOL, "--devices", "cpu,cpu", "--tensor-parallel", "2"]
-    with ServiceProcess(tmp_path, *sharded, tcp=False) as service:
+    with on_two_cpus(tmp_path, 2) as service:
         assert main(worker_args(config, prompts, "--address", service.stream,
                                 "--tensor-parallel", "2", "--overlap", "--draft-len", "2",
                                 "--drafter", "oracle:0.5")) == 0
@@ -210,8 +215,7 @@ def test_tensor_parallel_in_process_is_a_one_line_error(llama_oracle: Oracle, tm
 def test_a_worker_of_each_data_parallel_rank_against_a_service_of_two(
         llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config, prompts = write_inputs(llama_oracle, tmp_path)
-    ranks = [*SERVICE_POOL, "--devices", "cpu,cpu", "--tensor-parallel", "1"]
-    with ServiceProcess(tmp_path, *ranks, tcp=False) as service:
+    with on_two_cpus(tmp_path, 1) as service:
         assert main(worker_args(config, prompts, "--address", service.stream,
                                 "--draft-len", "0")) == 2
         assert "422 unknown_rank: data_parallel_rank: None is not a rank of this service" in (
