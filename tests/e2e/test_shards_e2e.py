@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from service_harness import nwor_scenario
+from test_pool_fit_e2e import owner_files_of
 
 from server.client import AttachedPool, Client
 from server.contract.errors import RemoteError
@@ -31,6 +33,7 @@ SHARDED_POOL = ("--devices", "cpu,cpu", "--tensor-parallel", "2", "--num-blocks"
 WORKER_TIMEOUT_S = 120  # a worker process starts and runs the scenario in about 2 s here
 START_TIMEOUT_S = 120  # imports and the check, on a loaded 2-core machine; nothing is compiled
 SPAWN = mp.get_context("spawn")
+METRICS_TIMEOUT_S = 30  # the state is copied at least once a second; thirty looks is room
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +96,13 @@ def test_a_rank_maps_its_own_shard_alone(service):
 def test_shards_that_do_not_fit_exit_2_naming_what(tmp_path: Path, flags, message):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    before = set(SHM_DIR.glob("*kvalloc-*"))
-    proc = subprocess.run([*kvalloc_command(), "serve", "--port", "0", *flags],
-                          capture_output=True, text=True, timeout=START_TIMEOUT_S,
-                          env={**os.environ, "XDG_RUNTIME_DIR": str(run)})
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
-    assert set(SHM_DIR.glob("*kvalloc-*")) <= before
+    with subprocess.Popen([*kvalloc_command(), "serve", "--port", "0", *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "XDG_RUNTIME_DIR": str(run)}) as proc:
+        out, err = proc.communicate(timeout=START_TIMEOUT_S)
+    assert proc.returncode == 2, out + err
+    assert message in err and "Traceback" not in err
+    assert owner_files_of(proc.pid) == []  # it made no segment: it never claimed an owner file
 
 
 def test_the_service_of_a_data_parallel_rank_serves_that_ranks_workers(tmp_path: Path) -> None:
@@ -125,18 +128,28 @@ def rank_worker(addr: str, rank: int) -> tuple[list[str], int]:
     return outcome.mismatches, reg.epoch
 
 
+def scraped(svc: ServiceProcess, line: str) -> bool:
+    """Whether ``/metrics`` shows ``line`` within `METRICS_TIMEOUT_S`: scrapes serve the state as
+    the service last copied it, after a step or on the lease reaper's look (every second)."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{svc.rest_tcp}/metrics", timeout=10) as reply:
+            if line in reply.read().decode().splitlines():
+                return True
+        time.sleep(0.1)
+    return False
+
+
 def test_a_service_of_two_ranks_serves_a_worker_process_of_each(tmp_path: Path) -> None:
     ranks = ["--devices", "cpu,cpu,cpu,cpu", *SHARDED_POOL[2:]]
     service = ServiceProcess(tmp_path, *ranks)
     with service as svc, SPAWN.Pool(2) as pool:
         runs = [pool.apply_async(rank_worker, (svc.stream, rank)) for rank in (0, 1)]
         results = [run.get(WORKER_TIMEOUT_S) for run in runs]
-        with urllib.request.urlopen(f"{svc.rest_tcp}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
+        assert scraped(svc, 'kvalloc_requests_added_total{data_parallel_rank="1"} 4.0')
     assert [mismatches for mismatches, _ in results] == [[], []]
     epochs = {epoch for _, epoch in results}
     assert len(epochs) == 2  # each rank is an allocator of its own
-    assert 'kvalloc_requests_added_total{data_parallel_rank="1"} 4.0' in text
     assert service.proc is not None and service.proc.returncode == 0
     assert "tensor-parallel 2, 2 data-parallel ranks" in service.log()
     assert [p for e in epochs for p in SHM_DIR.glob(f"kvalloc-{e:016x}*")] == []
