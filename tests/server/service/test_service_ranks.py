@@ -12,7 +12,6 @@ from service_harness import nwor_scenario
 
 from server.client import Client
 from server.contract.errors import RemoteError, ShardingInvalid
-from server.contract.sharing import SHM_DIR
 from server.service.metrics import rank_metrics
 from server.service.ranks import RankedService, offset_endpoint, rank_configs
 from server.service.settings import ServiceConfig
@@ -105,14 +104,18 @@ def test_metrics_label_every_rank(make_service):
     assert text.count("# TYPE kvalloc_live_requests ") == 1  # one family, both ranks
 
 
-def test_ranks_that_do_not_fit_are_refused_before_anything_is_made(make_config):
+def test_ranks_that_do_not_fit_are_refused_before_anything_is_made(make_config, monkeypatch):
+    made: list[object] = []
+    monkeypatch.setattr("server.service.ranks.ServiceCore", lambda *a, **k: made.append(a))
     base = {"pool": make_config(num_kv_heads=HEADS), "tensor_parallel": 2}
-    before = set(SHM_DIR.glob("kvalloc-*"))
     with pytest.raises(ShardingInvalid, match="not a multiple of the tensor-parallel degree"):
         RankedService(ServiceConfig(devices=["cpu"] * 3, **base))
     with pytest.raises(ShardingInvalid, match="data_parallel_rank: names the one rank"):
         RankedService(ServiceConfig(devices=["cpu"] * 4, data_parallel_rank=1, **base))
-    assert set(SHM_DIR.glob("kvalloc-*")) == before
+    with pytest.raises(ShardingInvalid, match="num_kv_heads: 3 KV heads do not split evenly"):
+        RankedService(ServiceConfig(devices=["cpu"] * 4, tensor_parallel=2,
+                                    pool=make_config(num_kv_heads=3)))
+    assert made == []  # no rank was made: every rank is checked first
 
 
 def test_each_rank_publishes_its_events_on_its_own_endpoints(make_config):
