@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py [--quick] [--json] [--batches 64 256 1024] [--steps N]
                                     [--device cpu|cuda] [--layers L] [--out results.json]
+                                    [--devices cpu,cpu]
 
 The workload is an overlap scheduler's steady decode: ``batch`` requests, MTP3 (D=3), each step
 settles every request's previous grant with a random accepted count (0..D) and grants the next
@@ -24,6 +25,12 @@ same machine state; each reports the median and p99 of its timed part in microse
   attached worker, so it includes the NWOR commit of the previous step; ``commit`` is that
   commit's own time inside it (a host memory copy on a CPU pool; on a CUDA pool the kernels,
   synchronised so their device time counts);
+- ``service_inproc_shards`` (with ``--devices``, beside ``service_inproc``): the same step for a
+  tensor-parallel service of one shard per device (``cpu,cpu``; ``cuda:0,cuda:0`` or
+  ``cuda:0,cuda:1`` on a GPU host), the same batch and the same model, each shard holding its
+  share of the KV heads; ``commit_shards`` is its commit on every shard. What a second device
+  should add is a table sync and a fence, never anything per layer: the target
+  ``shards_over_one`` (its step over the one-pool step) is <= 1.2;
 - ``service_inproc_overlap``: the same for a worker registered with ``overlap=True``, stepping at
   lag 2 (`OverlapWorkload`: results one call late, every running request granted behind its
   unsettled step); such a worker commits its own tokens, so the step holds no commit;
@@ -195,6 +202,7 @@ class Setup:
     head_dim: int = 64
     remote_workers: int = 1  # transports measured against one kvalloc serve
     ipc_spin_s: float = SPIN_DEFAULT_S  # kvalloc serve --ipc-spin-s
+    devices: tuple[str, ...] = ()  # service_inproc_shards: one shard per device
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(num_blocks=NUM_BLOCKS, tokens_per_block=TOKENS_PER_BLOCK,
@@ -202,10 +210,11 @@ class Setup:
                           max_batch_size=self.batch, max_seq_len=MAX_SEQ_LEN,
                           max_draft_len=DRAFT_LEN)
 
-    def service_config(self, workers: int = 1) -> ServiceConfig:
+    def service_config(self, workers: int = 1, devices: tuple[str, ...] = ()) -> ServiceConfig:
         """A pool of the model shape with room for what ``steps`` steps can grow: every
         request of the batch, plus its replacements, to its prompt and 1 + D tokens a step,
-        for each of ``workers`` workers (the transports that share one service)."""
+        for each of ``workers`` workers (the transports that share one service); with
+        ``devices``, split into one tensor-parallel shard per device."""
         steps = self.steps + self.batch // ADMIT_PER_STEP + 1  # timed, and while filling
         requests = self.batch + int(FINISH_RATE * steps) + 1
         tokens = requests * PROMPT_LEN + self.batch * (1 + DRAFT_LEN) * steps
@@ -216,7 +225,8 @@ class Setup:
                           max_batch_size=workers * (self.batch + 8), max_seq_len=MAX_SEQ_LEN,
                           max_draft_len=DRAFT_LEN)
         return ServiceConfig(pool=pool, max_step_tokens=(self.batch + 8) * (1 + DRAFT_LEN)
-                             + (ADMIT_PER_STEP + 1) * PROMPT_LEN)
+                             + (ADMIT_PER_STEP + 1) * PROMPT_LEN,
+                             devices=list(devices), tensor_parallel=max(1, len(devices)))
 
     def serve_flags(self, workers: int) -> list[str]:
         config = self.service_config(workers)
@@ -307,12 +317,16 @@ class ServiceStep:
 
 
 class InProcessService(ServiceStep):
-    """`ServiceCore.step` in this process; also times the commit inside it (``commit``)."""
+    """`ServiceCore.step` in this process; also times the commit inside it (``commit``, or
+    ``commit_shards`` for the service of one shard per device of ``setup.devices``)."""
 
-    def __init__(self, setup: Setup, *, overlap: bool = False) -> None:
-        self.core = ServiceCore(setup.service_config())
+    def __init__(self, setup: Setup, *, overlap: bool = False, sharded: bool = False) -> None:
+        if sharded and not setup.devices:
+            raise SystemExit("service_inproc_shards needs --devices")
+        self.core = ServiceCore(setup.service_config(devices=setup.devices if sharded else ()))
+        self.commit_name = "commit_shards" if sharded else "commit"
         self.commit_us: list[float] = []
-        commit = self.core.committer.write_batch
+        commit = self.core.commits.write_batch
         synchronize = torch.cuda.synchronize if self.core.device.type == "cuda" else None
 
         def timed_commit(*args: Any, **kwargs: Any) -> Any:
@@ -323,7 +337,7 @@ class InProcessService(ServiceStep):
             self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
             return out
 
-        self.core.committer.write_batch = timed_commit  # type: ignore[method-assign]
+        self.core.commits.write_batch = timed_commit  # type: ignore[method-assign]
         super().__init__(setup, Client.in_process(self.core, worker_id="bench"), overlap=overlap)
 
     def close(self) -> None:
@@ -427,6 +441,7 @@ MEASUREMENTS: dict[str, Callable[[Setup], Measurement]] = {
     "manager_cached": CachedManagerStep,
     "service_inproc": InProcessService,
     "service_inproc_overlap": lambda setup: InProcessService(setup, overlap=True),
+    "service_inproc_shards": lambda setup: InProcessService(setup, sharded=True),
     "ipc": lambda setup: RemoteService(setup, "ipc"),
     "stream": lambda setup: RemoteService(setup, "stream"),
     "rest_tcp": lambda setup: RemoteService(setup, "rest_tcp"),
@@ -468,7 +483,7 @@ def measure(setup: Setup, steps: int, names: list[str]) -> dict[str, dict[str, f
     hit_rate = None
     for m in runs.values():
         if isinstance(m, InProcessService) and m.commit_us:  # an overlap worker commits itself
-            samples["commit"] = m.commit_us
+            samples[m.commit_name] = m.commit_us
         if isinstance(m, CachedManagerStep):
             hit_rate = m.hit_rate
         m.close()
@@ -495,6 +510,8 @@ def targets(r: dict[str, float]) -> dict[str, float]:
     if "service_inproc_overlap_us" in r and "manager_us" in r:
         out["overlap_service_over_2x_manager"] = r["service_inproc_overlap_us"] / (
             2 * r["manager_us"])
+    if "service_inproc_shards_us" in r and "service_inproc_us" in r:
+        out["shards_over_one"] = r["service_inproc_shards_us"] / r["service_inproc_us"]
     for key in ("ipc_us", "stream_us", "rest_tcp_us"):
         if key in r and "service_inproc_us" in r:
             out[f"{key.removesuffix('_us')}_minus_inproc_us"] = r[key] - r["service_inproc_us"]
@@ -524,8 +541,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"batch {REPORTED_BATCH} only (and 200 steps unless --steps says)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), default=list(MEASUREMENTS),
-                   help="run these measurements only (default: all)")
+    p.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), default=None,
+                   help="run these measurements only (default: all; service_inproc_shards "
+                        "only with --devices)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--device", default="cpu",
                    help="where the block table's device copy and the service's pool live")
@@ -535,15 +553,22 @@ def main() -> None:
     p.add_argument("--ipc-spin-s", type=float, default=SPIN_DEFAULT_S,
                    help="the service's kvalloc serve --ipc-spin-s (default: the service's, "
                         f"{SPIN_DEFAULT_S}; 0: it sleeps between calls)")
+    p.add_argument("--devices", type=lambda text: tuple(text.split(",")), default=(),
+                   help="also measure service_inproc_shards: one tensor-parallel shard per "
+                        "device, e.g. cpu,cpu or cuda:0,cuda:1 (--kv-heads must split evenly)")
     p.add_argument("--out", help="also write the JSON results here")
     args = p.parse_args()
+    if args.only is None:
+        args.only = [name for name in MEASUREMENTS
+                     if args.devices or name != "service_inproc_shards"]
     torch.set_num_threads(1)
     batches = [REPORTED_BATCH] if args.quick else args.batches
     steps = args.steps or (200 if args.quick else 400)
     first_call = first_call_seconds(args.device)
     remote = max(1, sum(name in ("ipc", "stream", "rest_tcp") for name in args.only))
     per_batch = {str(b): measure(Setup(b, args.seed, args.device, steps, args.layers,
-                                       args.kv_heads, args.head_dim, remote, args.ipc_spin_s),
+                                       args.kv_heads, args.head_dim, remote, args.ipc_spin_s,
+                                       args.devices),
                                  steps, args.only)
                  for b in batches}
     results: dict[str, object] = {
@@ -556,6 +581,7 @@ def main() -> None:
         "service_pool": f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, "
                         "bfloat16",
         "service_ipc_spin_s": args.ipc_spin_s,
+        "service_shard_devices": list(args.devices),
         "steps": steps,
         "compiled_first_call_s": round(first_call, 3),
         "batches": per_batch,

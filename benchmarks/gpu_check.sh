@@ -3,14 +3,14 @@
 # `make SYSTEM_TORCH=1 .venv/.installed` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
-#   sections: tests targets profile table split round_trip decode worker sweep commit attention
-#             (see below)
+#   sections: tests targets shards profile table split round_trip decode worker sweep commit
+#             attention (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets profile table split round_trip decode worker sweep commit attention} "
+SECTIONS=" ${*:-tests targets shards profile table split round_trip decode worker sweep commit attention} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -61,6 +61,17 @@ want targets && for layers in 2 32; do
         --out "$OUT/bench_step_cuda_${layers}_layers_overlap.json" 2>&1 | tee -a "$OUT/bench.log"
 done
 # profile: where the in-process step's time goes, phase by phase, on both shapes.
+# shards: the step of a service of two tensor-parallel shards against one pool, same batch and
+# model (the second device should add <= 20%: a table sync, a fence and a commit, nothing per
+# layer); both shards on cuda:0, and on cuda:0,cuda:1 where there are two GPUs.
+want shards && for devices in cuda:0,cuda:0 $("$PYTHON" -c 'import torch; print("cuda:0,cuda:1" if torch.cuda.device_count() > 1 else "")'); do
+    step "$PYTHON" benchmarks/bench_step.py --device cuda --quick --steps 80 \
+        --layers 32 --kv-heads 8 --head-dim 128 --devices "$devices" \
+        --only service_inproc service_inproc_shards \
+        --out "$OUT/bench_step_cuda_32_layers_shards_${devices//[:,]/_}.json" 2>&1 \
+        | tee -a "$OUT/bench.log"
+done
+
 want profile && for layers in 2 32; do
     step "$PYTHON" benchmarks/profile_step.py --device cuda --layers "$layers" --kv-heads 8 \
         --head-dim 128 --steps 200 --out "$OUT/profile_step_${layers}_layers.json" 2>&1 \

@@ -22,12 +22,13 @@ stream wait for ``commit_done`` before returning.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import secrets
 import socket
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -40,6 +41,8 @@ from server.contract import wire
 from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
 from server.contract.columns import ColumnInput, StepCall, StepResult
 from server.contract.errors import (
+    AttachError,
+    KVAllocServerError,
     MalformedBody,
     ServiceError,
     ServiceUnreachable,
@@ -48,7 +51,7 @@ from server.contract.errors import (
     remote_error,
 )
 from server.contract.operations import ERROR, OK, OPERATIONS, Operation
-from server.contract.sharing import StepFence, attach
+from server.contract.sharing import FenceGroup, StepFence, attach
 from server.transport import stream
 from server.transport.polling import Wait, poll_for
 from server.transport.token_files import discover_token
@@ -63,24 +66,55 @@ REPLY_SPIN_S = 0.002
 
 @dataclass
 class AttachedPool:
-    """The service's tensors mapped into this process; no copies."""
+    """The service's tensors mapped into this process; no copies.
+
+    A tensor-parallel service's pool has ``shards``: one `AttachedPool` per shard, in shard
+    order, each holding the KV heads ``heads`` of the model on its own device; the fields above
+    them are shard 0's, and ``fence`` is every shard's (`FenceGroup`), for a worker that drives
+    all shards from this process. A worker of one process per shard attaches its own alone
+    (`attach_shard`)."""
 
     kv: torch.Tensor
     block_table: torch.Tensor
     staging: torch.Tensor
-    fence: StepFence | None
+    fence: StepFence | FenceGroup | None
     protected: torch.Tensor | None = None  # cached prefix blocks (a prefix-caching service)
+    heads: tuple[int, int] | None = None  # a shard's KV heads [start, stop); None: all of them
+    shards: list[AttachedPool] = field(default_factory=list)
 
     @classmethod
     def attach(cls, attachment: wire.Attachment) -> AttachedPool:
+        if attachment.shards:
+            shards = [cls.attach_shard(attachment, r) for r in range(len(attachment.shards))]
+            fences = [s.fence for s in shards if isinstance(s.fence, StepFence)]
+            first = shards[0]
+            return cls(first.kv, first.block_table, first.staging,
+                       FenceGroup(fences) if fences else None, first.protected, shards=shards)
+        return cls._map(attachment)
+
+    @classmethod
+    def attach_shard(cls, attachment: wire.Attachment, shard: int) -> AttachedPool:
+        """Shard ``shard`` of a tensor-parallel pool alone, with its own fence."""
+        if not attachment.shards:
+            raise AttachError("shard: the service has one pool, not tensor-parallel shards")
+        if not 0 <= shard < len(attachment.shards):
+            raise AttachError(f"shard: {shard} is not a shard of this pool "
+                              f"({len(attachment.shards)} shards)")
+        described = attachment.shards[shard]
+        mapped = cls._map(described)
+        mapped.heads = (described.head_start, described.head_stop)
+        return mapped
+
+    @classmethod
+    def _map(cls, handles: wire.Attachment | wire.ShardAttachment) -> AttachedPool:
         fence = None
-        if attachment.forward_done is not None and attachment.commit_done is not None:
-            fence = StepFence.open(attachment.forward_done, attachment.commit_done)
+        if handles.forward_done is not None and handles.commit_done is not None:
+            fence = StepFence.open(handles.forward_done, handles.commit_done)
         # The block table and the protection are the service's to write; workers only read them.
-        protected = (attach(attachment.protected, writable=False)
-                     if attachment.protected is not None else None)
-        return cls(attach(attachment.kv), attach(attachment.block_table, writable=False),
-                   attach(attachment.staging), fence, protected)
+        protected = (attach(handles.protected, writable=False)
+                     if handles.protected is not None else None)
+        return cls(attach(handles.kv), attach(handles.block_table, writable=False),
+                   attach(handles.staging), fence, protected)
 
     def slot_mapping(self, reply: StepResult, lead: torch.Tensor | None = None) -> torch.Tensor:
         """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
@@ -147,25 +181,38 @@ class Client:
         self.overlap = False  # the registration's: steps at lag 2, the worker commits
         self.pool: AttachedPool | None = None
         self.next_step_id = 0
+        # Runs after the forward's fence is recorded and before the step is sent: where the
+        # ranks of a tensor-parallel worker meet.
+        self.before_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ operations
 
     def register(self, *, attach: bool = True, replace: bool = False,
-                 overlap: bool = False) -> wire.Registration:
+                 overlap: bool = False, shard: int | None = None,
+                 data_parallel_rank: int | None = None) -> wire.Registration:
         """Open a session and, unless ``attach`` is False (another host: replies then carry table
         deltas and slot mappings), map the pool, block table and staging buffer. ``replace``
         takes the worker id over from a live session (a restarted worker), freeing its requests.
         ``overlap``: steps run at lag 2 and the worker commits its own tokens (docs/protocol.md,
-        "Overlap workers")."""
+        "Overlap workers"). ``shard``: of a tensor-parallel pool, map that shard alone (a rank
+        of a worker with one process per shard). ``data_parallel_rank``: the worker's rank, which
+        a service allocating for another refuses."""
         # A retry after a timeout resends the nonce: the service answers it with the session
         # the first attempt opened, instead of refusing the id that session now holds.
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
                                                          attached=attach, replace=replace,
                                                          overlap=overlap,
+                                                         data_parallel_rank=data_parallel_rank,
                                                          nonce=secrets.randbits(63)))
         self.registration, self.next_step_id = reg, reg.next_step_id
         self.overlap = overlap
-        self.pool = self._transport.attach(reg) if attach else None
+        try:
+            self.pool = self._transport.attach(reg, shard) if attach else None
+        except AttachError:  # nothing to work with: the session it opened ends with it
+            with contextlib.suppress(KVAllocServerError):  # else its lease runs out
+                self.deregister()
+            self.registration = self.pool = None
+            raise
         return reg
 
     def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
@@ -211,6 +258,8 @@ class Client:
         fence = self.pool.fence if self.pool is not None else None
         if fence is not None:
             fence.worker_forward_done()
+        if self.before_step is not None:
+            self.before_step()
         reply = self.call("step", call)
         self.next_step_id = call.step_id + 1
         if fence is not None:
@@ -273,10 +322,21 @@ class _LocalTransport:
         except Exception as exc:
             raise remote_error(describe(exc)) from exc
 
-    def attach(self, reg: wire.Registration) -> AttachedPool:
+    def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
-        return AttachedPool(*self._core.shared_tensors(reg.worker_id))
+        shards = [AttachedPool(kv, table, staging, fence, protected, heads)
+                  for kv, table, staging, fence, protected, heads
+                  in self._core.shared_shards(reg.worker_id)]
+        if shard is not None:
+            if not shards:
+                raise AttachError("shard: the service has one pool, not tensor-parallel shards")
+            if not 0 <= shard < len(shards):
+                raise AttachError(f"shard: {shard} is not a shard of this pool "
+                                  f"({len(shards)} shards)")
+            return shards[shard]
+        kv, table, staging, fence, protected = self._core.shared_tensors(reg.worker_id)
+        return AttachedPool(kv, table, staging, fence, protected, shards=shards)
 
     def close(self) -> None:
         pass
@@ -285,7 +345,9 @@ class _LocalTransport:
 class _Remote:
     """A transport to another process: the pool is mapped from the registration's handles."""
 
-    def attach(self, reg: wire.Registration) -> AttachedPool:
+    def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
+        if shard is not None:
+            return AttachedPool.attach_shard(reg.attachment, shard)
         return AttachedPool.attach(reg.attachment)
 
 

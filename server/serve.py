@@ -53,10 +53,17 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
-from server.contract.errors import AddressError, InsecureBinding, LimitsError, PoolTooLarge
+from server.contract.errors import (
+    AddressError,
+    InsecureBinding,
+    LimitsError,
+    PoolTooLarge,
+    ShardingInvalid,
+)
 from server.contract.sharing import reap_dead_instances
 from server.service.core import ServiceCore
 from server.service.footprint import Footprint, check_fits, describe_bytes
+from server.service.ranks import RankedService, rank_configs
 from server.service.settings import (
     DEFAULT_NUM_BLOCKS,
     ServiceConfig,
@@ -64,6 +71,7 @@ from server.service.settings import (
     hash_seed_from_env,
     token_from_env,
 )
+from server.service.shards import check_devices, same_device
 from server.service.warmup import warm_up
 from server.transport.ipc import IpcServer
 from server.transport.network import (
@@ -136,6 +144,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           choices=_FLAG_CHOICES.get(name),
                           help=help_text if name == "device" else f"{help_text} "
                                                                   f"(default {default})")
+    shards = parser.add_argument_group("devices")
+    shards.add_argument("--devices", metavar="DEVICE[,DEVICE...]",
+                        help="one pool shard per device, in shard order, e.g. cuda:0,cuda:1 (a "
+                             "device may repeat: cpu,cpu); the first is the pool's device "
+                             "(default: --device alone)")
+    shards.add_argument("--tensor-parallel", type=_positive(int), default=1, metavar="N",
+                        help="shards the pool's KV heads are split into, one per device: "
+                             "num_kv_heads / N heads each (default 1)")
+    shards.add_argument("--data-parallel-rank", type=int, metavar="K",
+                        help="the data-parallel rank this service allocates for (one service "
+                             "per rank): KV events carry it, workers of other ranks are refused")
     svc = parser.add_argument_group("service")
     service = ServiceConfig.model_fields
     for name in _SERVICE_FLAGS:
@@ -201,11 +220,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _config(args)
+        rank_configs(config)
         _check_socket_directories(args)
     except ValidationError as exc:
         print(f"kvalloc serve: error: {flag_errors(exc)}", file=sys.stderr)
         return 2
-    except AddressError as exc:
+    except (AddressError, ShardingInvalid) as exc:
         print(f"kvalloc serve: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -234,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
     _warm_up(config)
-    core = ServiceCore(config)
+    core = ServiceCore(config) if len(rank_configs(config)) == 1 else RankedService(config)
     ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
@@ -270,11 +290,23 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
     log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
              "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
              "%.0fs%s)",
-             ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, pool.device,
+             ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, _where(config),
              pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
              pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
              describe_bytes(need.staging), config.lease_ttl_s,
              _token_note(config.token, token))
+
+
+def _where(config: ServiceConfig) -> str:
+    """The pool's device, or its shards' devices and degree."""
+    rank = ("" if config.data_parallel_rank is None
+            else f" data-parallel rank {config.data_parallel_rank}")
+    ranks = len(config.devices) // config.tensor_parallel
+    if ranks > 1:
+        rank = f", {ranks} data-parallel ranks"
+    if config.tensor_parallel == 1 and ranks <= 1:
+        return config.pool.device + rank
+    return f"{','.join(config.devices)} tensor-parallel {config.tensor_parallel}{rank}"
 
 
 def _shut_down(args: argparse.Namespace, ipc: IpcServer, reaper: LeaseReaper, core: ServiceCore,
@@ -295,7 +327,8 @@ def _warm_up(config: ServiceConfig) -> None:
     """Compile the step now rather than under the lock of the first worker's calls
     (`server.service.warmup`). A failure costs only that: the first calls compile instead."""
     try:
-        log.info("compiled the step and its commit in %.1fs", warm_up(config))
+        # Compiled code is per process: one rank's shape compiles what every rank runs.
+        log.info("compiled the step and its commit in %.1fs", warm_up(rank_configs(config)[0]))
     except Exception:
         log.exception("warming up failed: the first calls will compile what they need")
 
@@ -312,6 +345,9 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 def _config(args: argparse.Namespace) -> ServiceConfig:
     pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
     service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
+    devices = _devices(args)
+    if devices:
+        pool["device"] = devices[0]
     if pool.get("slack_policy", SlackPolicy.RECLAIM) != SlackPolicy.RECLAIM:
         log.warning("--slack-policy %s: overlap workers will crash or overflow their rows on "
                     "purpose (a reproduction, never for serving)", pool["slack_policy"])
@@ -319,7 +355,20 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          hash_seed=hash_seed_from_env(), cache_groups=_groups(args.cache_group),
-                         **service)
+                         devices=devices, tensor_parallel=args.tensor_parallel,
+                         data_parallel_rank=args.data_parallel_rank, **service)
+
+
+def _devices(args: argparse.Namespace) -> list[str]:
+    """``--devices`` as a list, each a device of this host (`ShardingInvalid` otherwise)."""
+    if not args.devices:
+        return []
+    devices = [d.strip() for d in args.devices.split(",")]
+    check_devices(devices)
+    if args.device is not None and not same_device(args.device, devices[0]):
+        raise ShardingInvalid(f"devices: --device {args.device} is not the first of --devices "
+                              f"{args.devices}")
+    return devices
 
 
 def _groups(groups: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
@@ -337,12 +386,12 @@ def _with_secrets(config: ServiceConfig, token: SecretStr | None) -> ServiceConf
         "hash_seed": config.hash_seed or token})
 
 
-def _event_endpoints(core: ServiceCore) -> list[str]:
-    """The bound KV event endpoints: their token files let this user's routers find the key."""
-    events = core.kv_events
-    if events is None:
-        return []
-    return [e for e in (events.endpoint, events.replay_endpoint) if e is not None]
+def _event_endpoints(core: ServiceCore | RankedService) -> list[str]:
+    """The bound KV event endpoints (every rank's): their token files let this user's routers
+    find the key."""
+    ranks = core.ranks if isinstance(core, RankedService) else [core]
+    return [e for rank in ranks if rank.kv_events is not None
+            for e in (rank.kv_events.endpoint, rank.kv_events.replay_endpoint) if e is not None]
 
 
 def _check_socket_directories(args: argparse.Namespace) -> None:
@@ -449,18 +498,21 @@ def _describe(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-def _metrics(core: ServiceCore) -> Callable[[], tuple[bytes, str]] | None:
+def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str]] | None:
     """The Prometheus exposition of `allocator.metrics` and `server.service.metrics`, when
     prometheus_client exists."""
     try:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
         from allocator.metrics import AllocatorMetrics
-        from server.service.metrics import ServiceMetrics
+        from server.service.metrics import ServiceMetrics, rank_metrics
     except ImportError as exc:
         log.warning("no /metrics: %s", exc)
         return None
     registry = CollectorRegistry()
+    if isinstance(core, RankedService):
+        rank_metrics(core, registry)
+        return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
     # Scrapes read what the core publishes under its lock: they never take it themselves.
     metrics = ServiceMetrics(registry, AllocatorMetrics(registry, core.manager,
                                                         core.committer.writes))

@@ -13,6 +13,10 @@ probability RATE; the figures are the speculative run's.
 ``--overlap`` runs the worker one step ahead of the host (it registers with ``overlap=True``):
 drafts come from the device (``oracle:RATE`` only), and the worker commits its own tokens.
 
+``--tensor-parallel N`` runs N processes against a ``kvalloc serve --devices ...
+--tensor-parallel N``: rank r holds its shard of the model and maps shard r of the pool, and
+rank 0 alone calls the service (`worker.shard_client`); on CUDA rank r runs on ``cuda:r``.
+
 ``prompts.jsonl``: one ``{"id": ..., "token_ids": [...]}`` per line, or ``{"id": ..., "text":
 ...}`` with ``--model`` pointing at a checkpoint that has a tokenizer.
 """
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from allocator.config import SlackPolicy
@@ -53,6 +58,9 @@ from worker.model import (
     pool_for_model,
     random_model,
 )
+from worker.parallel.local_ranks import run_local_ranks
+from worker.parallel.sharding import shard_model
+from worker.shard_client import ShardClient
 
 
 class DeviceUnavailable(ValueError):
@@ -142,6 +150,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run one step ahead of the host: the call for step k+1 and its launch "
                           "while the device runs step k; drafts (oracle only), verification and "
                           "the commit on the device")
+    svc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="run N processes, each holding its shard of the model's heads, "
+                          "against a service of N shards (kvalloc serve --devices ... "
+                          "--tensor-parallel N); not with --in-process (default 1)")
+    svc.add_argument("--data-parallel-rank", type=int, default=None, metavar="K",
+                     help="the data-parallel rank this worker is: a service of several ranks "
+                          "serves it on rank K's pool (default: none, for a service of one)")
     svc.add_argument("--cuda-graphs", action="store_true",
                      help="replay decode steps as captured CUDA graphs (a CUDA pool; decodes "
                           "padded to --draft-len drafts through the padding grant)")
@@ -190,32 +205,77 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
-    name, rate = parse_drafter_spec(args.drafter)
+    parse_drafter_spec(args.drafter)
     check_device(args.device)
-    dtype = DTYPES[args.dtype]
-    if args.model is not None:
-        model = load_model(args.model, dtype=dtype, device=args.device)
-    else:
-        model = random_model(config_from_file(args.model_config), seed=args.seed, dtype=dtype,
-                             device=args.device)
+    if args.tensor_parallel != 1:
+        return _run_ranks(args)
+    model = _model(args)
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
     if stop.requested:  # Ctrl-C while the model loaded: nothing registered, nothing ran
         raise Interrupted(RunStats())
     with _client(args, model, prompts) as client:
-        drafter: Drafter | DeviceOracleDrafter
-        if name == "oracle":
-            truth, _ = generate(model, client, prompts, args, None, 0, stop)
-            oracle = DeviceOracleDrafter if args.overlap else OracleDrafter
-            drafter = oracle(truth, rate, vocab_size=model.config.vocab_size, seed=args.seed,
-                             **({"device": client.pool.kv.device} if args.overlap else {}))
-        else:
-            drafter = NgramDrafter()
-        outputs, stats = generate(model, client, prompts, args, drafter, args.draft_len, stop)
+        return _serve(model, client, prompts, args, stop)
+
+
+def _model(args: argparse.Namespace) -> Any:
+    dtype = DTYPES[args.dtype]
+    if args.model is not None:
+        return load_model(args.model, dtype=dtype, device=args.device)
+    return random_model(config_from_file(args.model_config), seed=args.seed, dtype=dtype,
+                        device=args.device)
+
+
+def _serve(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPrompt],
+           args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
+    """The prompts' outputs and the run's figures, through a registered ``client``."""
+    name, rate = parse_drafter_spec(args.drafter)
+    drafter: Drafter | DeviceOracleDrafter
+    if name == "oracle":
+        truth, _ = generate(model, client, prompts, args, None, 0, stop)
+        oracle = DeviceOracleDrafter if args.overlap else OracleDrafter
+        assert client.pool is not None
+        drafter = oracle(truth, rate, vocab_size=model.config.vocab_size, seed=args.seed,
+                         **({"device": client.pool.kv.device} if args.overlap else {}))
+    else:
+        drafter = NgramDrafter()
+    outputs, stats = generate(model, client, prompts, args, drafter, args.draft_len, stop)
     return {"outputs": [{"id": p.req_id, "token_ids": outputs[p.req_id]} for p in prompts],
             **stats.as_dict()}
 
 
-def generate(model: Any, client: Client, prompts: Sequence[NamedPrompt], args: argparse.Namespace,
+def _run_ranks(args: argparse.Namespace) -> dict[str, Any]:
+    """``--tensor-parallel N``: N local ranks of one process group; rank 0's result."""
+    if args.tensor_parallel < 1 or args.in_process:
+        raise EngineError(f"--tensor-parallel {args.tensor_parallel}: needs 1 or more ranks "
+                          f"and a running kvalloc serve of as many shards (not --in-process)")
+    on_cuda = torch.device(args.device).type == "cuda"
+    return run_local_ranks(_rank, args.tensor_parallel, vars(args),
+                           backend="nccl" if on_cuda else "gloo")[0]
+
+
+def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ``--tensor-parallel``: its model shard, its pool shard, the same prompts."""
+    args = argparse.Namespace(**options)
+    group = None
+    if torch.device(args.device).type == "cuda":
+        args.device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+        group = dist.new_group(backend="gloo")  # the replies are host bytes
+    args.no_progress = args.no_progress or rank != 0
+    model = shard_model(_model(args), rank, world)
+    prompts = read_prompts(args.prompts, _tokenizer(args.model))
+    client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
+              if rank == 0 else None)
+    shards = ShardClient(rank, world, client, group=group)
+    shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
+    try:
+        return _serve(model, shards, prompts, args, StopRequest())
+    finally:
+        shards.deregister()
+
+
+def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPrompt],
+             args: argparse.Namespace,
              drafter: Drafter | DeviceOracleDrafter | None, draft_len: int,
              stop: StopRequest) -> tuple[dict[str, list[int]], RunStats]:
     """Every prompt's output; `Interrupted` once ``stop`` is set, at the end of a step (its
@@ -270,7 +330,7 @@ def _client(args: argparse.Namespace, model: Any,
     """A registered, attached client: to ``--address``, or to a core made here."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
-            client.register(overlap=args.overlap)
+            client.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
             try:
                 yield client
             finally:

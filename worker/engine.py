@@ -252,9 +252,12 @@ class Engine:
                       staging_dtype: torch.dtype) -> None:
         want = dict(zip(("num_layers", "num_kv_heads", "head_dim"), kv_shape(model.config),
                         strict=True))
+        # A tensor-parallel pool's shard, like the model's, holds its share of the KV heads.
+        have = {"num_layers": layout.num_layers, "head_dim": layout.head_dim,
+                "num_kv_heads": layout.num_kv_heads // layout.tensor_parallel}
         for name, value in want.items():
-            if getattr(layout, name) != value:
-                raise LayoutMismatch(f"{name}: the pool has {getattr(layout, name)}, the model "
+            if have[name] != value:
+                raise LayoutMismatch(f"{name}: the pool has {have[name]}, the model "
                                      f"needs {value}")
         if model.dtype != staging_dtype:
             raise LayoutMismatch(f"dtype: the pool stages {staging_dtype}, the model runs in "

@@ -5,7 +5,7 @@ Invariants (checked by ``check_invariants`` against the counts the caller owns):
   reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing past a
   request's blocks is ever anything but -1;
 - a row is either held (acquired, not released) or on the free-row stack, exactly once;
-- after ``sync()`` the device copy equals the host mirror.
+- after ``sync()`` every device copy equals the host mirror.
 
 Only the cells changed since the last ``sync()`` travel to the device: a step touches the tail
 of a few rows (tens of cells), not whole 2049-wide rows. On CUDA they travel by replaying a
@@ -13,6 +13,10 @@ captured graph (`table_graphs`; every bucket captured when the table is made, so
 steps replay like the rest), or, past its largest bucket or where capture fails, by the eager
 path it replays. The device copy comes from a `placement.TensorAllocator`, so a service can hand
 out a table other processes map.
+
+A tensor-parallel service keeps one copy per shard's device (``mirror``): each sync sends the
+same changed cells to every copy, one upload per device and nothing per layer, so every shard
+reads the same block ids.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from allocator.capacity.slots import slot_mapping
 from allocator.capacity.table_graphs import TableUploadGraphs
-from allocator.common.device_io import PinnedUploads
+from allocator.common.device_io import PinnedUploads, on_device
 from allocator.common.placement import TensorAllocator, plain_tensor
 from allocator.errors import BatchFull, InvalidValue, InvariantViolation
 
@@ -37,9 +41,6 @@ class BlockTable:
         shape = (max_batch_size, max_blocks_per_seq)
         self.host = np.full(shape, -1, dtype=np.int32)
         self.device_table = allocate("block_table", shape, torch.int32, device)
-        if not self.device_table.is_contiguous():
-            raise InvalidValue("block_table: the allocator returned a non-contiguous tensor",
-                               field="block_table")
         self.device_table.fill_(-1)
         self._host_cells = self.host.reshape(-1)  # views: cell = row * max_blocks_per_seq + col
         # Free rows as a stack (``free_rows[:num_free_rows]``, top at the end), row 0 on top;
@@ -48,20 +49,25 @@ class BlockTable:
         self.num_free_rows = max_batch_size
         # Flat indices of the cells changed since the last sync, one array per change.
         self._changed: list[np.ndarray] = []
-        self.upload_graphs: TableUploadGraphs | None = None
-        if device.type == "cpu":
-            # A CPU "device" copy is still a separate buffer (shared with workers through shared
-            # memory); writing it through a numpy view skips torch's dispatch overhead.
-            self._device_cells = self.device_table.numpy().reshape(-1)
-        else:
-            # Changed cells and their values travel together, in one copy (`PinnedUploads`).
-            self._uploads = PinnedUploads(device)
-            if upload_graphs:
-                # Every bucket captured now, not by the first syncs (a capture synchronises the
-                # device and takes milliseconds): host and device hold -1 everywhere and no step
-                # runs yet, so the warm-ups' writes of cell 0's -1 over itself change nothing.
-                self.upload_graphs = TableUploadGraphs(self.device_table)
-                self.upload_graphs.capture_all(self._host_cells)
+        self._upload_graphs = upload_graphs
+        self._copies = [DeviceCopy(self.device_table, self._host_cells, upload_graphs)]
+        self.upload_graphs = self._copies[0].graphs
+
+    def mirror(self, device: torch.device, allocate: TensorAllocator, name: str) -> torch.Tensor:
+        """Another device copy of the table, on ``device``, that every sync from now on keeps
+        equal to the host mirror (a tensor-parallel shard's); it starts as the host is now."""
+        with on_device(device):  # its graphs are captured on its own device
+            tensor = allocate(name, (self.max_batch_size, self.max_blocks_per_seq),
+                              torch.int32, device)
+            tensor.copy_(torch.from_numpy(self.host))
+            self._copies.append(DeviceCopy(tensor, self._host_cells, self._upload_graphs,
+                                           own_device=device != self.device))
+        return tensor
+
+    @property
+    def device_tables(self) -> list[torch.Tensor]:
+        """Every device copy: the table's own first, then its mirrors in the order made."""
+        return [copy.tensor for copy in self._copies]
 
     def acquire_row(self) -> int:
         if self.num_free_rows == 0:
@@ -115,12 +121,8 @@ class BlockTable:
             return
         cells = self._changed[0] if len(self._changed) == 1 else np.concatenate(self._changed)
         self._changed.clear()
-        if self.device.type == "cpu":
-            self._device_cells[cells] = self._host_cells[cells]
-        elif self.upload_graphs is None or not self.upload_graphs.upload(cells,
-                                                                          self._host_cells):
-            index, src = self._uploads.upload(cells, self._host_cells[cells])
-            self.device_table.view(-1).index_copy_(0, index, src)
+        for copy in self._copies:
+            copy.write(cells, self._host_cells)
 
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
                      tokens_per_block: int) -> torch.Tensor:
@@ -142,8 +144,9 @@ class BlockTable:
             raise InvariantViolation("a row holds an invalid block id inside its block count")
         if (table[~owned] != -1).any():
             raise InvariantViolation("a row holds something other than -1 past its block count")
-        if synced and not np.array_equal(self.device_table.cpu().numpy(), self.host):
-            raise InvariantViolation("device block table differs from the host mirror")
+        if synced and any(not np.array_equal(copy.tensor.cpu().numpy(), self.host)
+                          for copy in self._copies):
+            raise InvariantViolation("a device block table differs from the host mirror")
 
 
     def check_held_rows(self, live: np.ndarray) -> None:
@@ -155,6 +158,51 @@ class BlockTable:
             raise InvariantViolation("a row is on the free-row stack twice")
         if not np.array_equal(held, live):
             raise InvariantViolation("held block-table rows differ from the live requests")
+
+
+class DeviceCopy:
+    """One device copy of the table and how changed cells reach it: through a numpy view on
+    CPU, by a graph replay (else one eager upload) on CUDA."""
+
+    def __init__(self, tensor: torch.Tensor, host_cells: np.ndarray, upload_graphs: bool, *,
+                 own_device: bool = False) -> None:
+        """``own_device``: the copy lives on another device than the current one when it syncs
+        (a mirror on another GPU), which its writes then make current."""
+        if not tensor.is_contiguous():
+            raise InvalidValue("block_table: the allocator returned a non-contiguous tensor",
+                               field="block_table")
+        self.tensor = tensor
+        self._own_device = own_device and tensor.device.type == "cuda"
+        self.graphs: TableUploadGraphs | None = None
+        self._cells: np.ndarray | None = None
+        if tensor.device.type == "cpu":
+            # A CPU "device" copy is still a separate buffer (shared with workers through shared
+            # memory); writing it through a numpy view skips torch's dispatch overhead.
+            self._cells = tensor.numpy().reshape(-1)
+            return
+        # Changed cells and their values travel together, in one copy (`PinnedUploads`).
+        self._uploads = PinnedUploads(tensor.device)
+        if upload_graphs:
+            # Every bucket captured now, not by the first syncs (a capture synchronises the
+            # device and takes milliseconds): the copy holds the host's cells and no step runs
+            # yet, so the warm-ups' writes of cell 0's value over itself change nothing.
+            self.graphs = TableUploadGraphs(tensor)
+            self.graphs.capture_all(host_cells)
+
+    def write(self, cells: np.ndarray, host_cells: np.ndarray) -> None:
+        """Copy the host's ``cells`` (flat indices into ``host_cells``) into this copy."""
+        if self._own_device:
+            with on_device(self.tensor.device):
+                self._write(cells, host_cells)
+        else:
+            self._write(cells, host_cells)
+
+    def _write(self, cells: np.ndarray, host_cells: np.ndarray) -> None:
+        if self._cells is not None:
+            self._cells[cells] = host_cells[cells]
+        elif self.graphs is None or not self.graphs.upload(cells, host_cells):
+            index, src = self._uploads.upload(cells, host_cells[cells])
+            self.tensor.view(-1).index_copy_(0, index, src)
 
 
 def _ragged_cells(rows: np.ndarray, starts: np.ndarray,

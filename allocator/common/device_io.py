@@ -8,6 +8,7 @@ initialisation (Triton compilation, allocator growth) never happens inside a cap
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -123,3 +124,9 @@ def capture_graph(body: Callable[[], None], *, warmup: Callable[[], None] | None
     with torch.cuda.graph(graph):
         body()
     return graph
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Makes ``device`` current for what runs inside (CUDA; nothing on CPU): the streams, graphs
+    and kernels made there belong to it, as they must for a tensor on another GPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -99,7 +99,10 @@ def _copy_rows_cpu(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.T
                    layer_rows: torch.Tensor, num_rows: int) -> None:
     """The copy case on a CPU pool, per layer through numpy views of the raw bits: torch's
     multi-index ``index_put_`` costs about 3x as much on CPU, and on a CPU pool the commit sits on
-    the service's per-step critical path. Same selection and bytes as the torch path."""
+    the service's per-step critical path. Each row moves as one element (`_whole_rows`): numpy
+    then copies a row per index instead of looping over its elements (6x faster on rows in cache,
+    about 10% on a service's step, whose rows are mostly new memory). Same selection and bytes as
+    the torch path."""
     num_slots = pool_rows.shape[2]
     bits = _BITS_VIEW[pool_rows.element_size()]
     pool_np = pool_rows.view(bits).numpy()
@@ -110,7 +113,15 @@ def _copy_rows_cpu(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.T
         row = np.flatnonzero((layer_slots >= 0) & (layer_slots < num_slots))
         slot = layer_slots[row]
         for kv in (0, 1):
-            pool_np[layer, kv][slot] = staged_np[layer, kv][row]
+            _whole_rows(pool_np[layer, kv])[slot] = _whole_rows(staged_np[layer, kv])[row]
+
+
+def _whole_rows(rows: np.ndarray) -> np.ndarray:
+    """``rows`` (2-D) as a 1-D view of one opaque element per row, where each row is contiguous;
+    else ``rows`` itself."""
+    if rows.shape[1] == 0 or rows.strides[1] != rows.dtype.itemsize:
+        return rows
+    return rows.view(np.dtype((np.void, rows.shape[1] * rows.dtype.itemsize)))[:, 0]
 
 
 def _write_triton(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,

@@ -97,6 +97,18 @@ class StepNotSettled(ServiceError):
     status, code, field = 422, "unsettled_requests", "results"
 
 
+class WrongRank(ServiceError):
+    """A worker of one data-parallel rank registered with the allocator of another."""
+
+    status, code, field = 409, "wrong_rank", "data_parallel_rank"
+
+
+class UnknownRank(ServiceError):
+    """A registration names no data-parallel rank of a service of several, or none at all."""
+
+    status, code, field = 422, "unknown_rank", "data_parallel_rank"
+
+
 class LimitExceeded(ServiceError):
     """A list is longer, or a step schedules more tokens, than the service allows."""
 
@@ -272,3 +284,9 @@ class HandshakeFailed(KVAllocServerError, ConnectionError):
 
 class PoolTooLarge(KVAllocServerError, ValueError):
     """The pool and the staging buffers need more memory than is free where they would live."""
+
+
+class ShardingInvalid(KVAllocServerError, ValueError):
+    """Devices and a tensor-parallel degree that do not make a service: heads that do not split
+    evenly, a device that does not exist, a device count that is not a multiple of the degree.
+    Raised before anything of the pool is made."""

@@ -89,6 +89,10 @@ class RegisterRequest(Contract):
                                    "whose previous step is unsettled, results come one call "
                                    "later, and the worker commits its own accepted tokens "
                                    "(refused by a service with prefix caching).")
+    data_parallel_rank: int | None = Field(
+        default=None, ge=0, description="The worker's data-parallel rank: a service that "
+                                        "allocates for another rank refuses it (409 "
+                                        "wrong_rank); none: any.")
 
 
 class WorkerRef(Contract):
@@ -134,7 +138,18 @@ class EventHandle(Contract):
     handle: str
 
 
-class Attachment(Contract):
+class PoolHandles(Contract):
+    """The handles of one pool's tensors and its fence (`Attachment` says what each holds)."""
+
+    kv: TensorHandle
+    block_table: TensorHandle
+    staging: TensorHandle
+    forward_done: EventHandle | None = None
+    commit_done: EventHandle | None = None
+    protected: TensorHandle | None = None
+
+
+class Attachment(PoolHandles):
     """What a same-host worker maps: the pool, the block table and its own staging buffer.
 
     ``kv`` is ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (K at
@@ -147,12 +162,21 @@ class Attachment(Contract):
     a worker that commits its own tokens must not write those blocks.
     """
 
-    kv: TensorHandle
-    block_table: TensorHandle
-    staging: TensorHandle
-    forward_done: EventHandle | None = None
-    commit_done: EventHandle | None = None
-    protected: TensorHandle | None = None
+    shards: list[ShardAttachment] = Field(
+        default_factory=list, description="A tensor-parallel service's shards, in shard order "
+                                          "(shard 0's tensors are the fields above); empty for "
+                                          "a service of one pool.")
+
+
+class ShardAttachment(PoolHandles):
+    """One tensor-parallel shard of the pool, as `Attachment` describes the pool: its ``kv`` and
+    ``staging`` hold KV heads ``head_start .. head_stop`` of the model (``head_stop -
+    head_start`` heads), and its ``block_table`` is a copy of the one table on the shard's
+    ``device``; its fence orders the worker's rank on that device with the service."""
+
+    device: str
+    head_start: int
+    head_stop: int
 
 
 class PoolLayout(Contract):
@@ -171,6 +195,12 @@ class PoolLayout(Contract):
     overlap_scheduler: bool
     k_scales: list[float] | None = None
     v_scales: list[float] | None = None
+    tensor_parallel: int = Field(default=1, description="Shards the pool is split into by KV "
+                                                        "heads (`Attachment.shards`); "
+                                                        "num_kv_heads counts them all.")
+    data_parallel_rank: int | None = Field(default=None, description="The data-parallel rank "
+                                                                     "the service allocates "
+                                                                     "for, if it was given one.")
 
 
 class Registration(Contract):

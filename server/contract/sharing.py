@@ -321,3 +321,31 @@ class StepFence:
 
     def worker_before_forward(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self.commit_done)
+
+
+class FenceGroup:
+    """The fences of every shard of a tensor-parallel pool, one per device, used as one
+    `StepFence`: the service's stream on each shard's device waits on that shard's forward and
+    records that shard's commit. A worker that drives every shard from one process uses it too;
+    a worker of one process per shard records and waits on its own shard's `StepFence` alone,
+    and every rank's ``worker_forward_done`` must come before the scheduling rank sends the step
+    (the service waits on the last record it finds)."""
+
+    def __init__(self, fences: list[StepFence]) -> None:
+        self.fences = fences
+
+    def service_begin(self) -> None:
+        for fence in self.fences:
+            fence.service_begin()
+
+    def service_end(self) -> None:
+        for fence in self.fences:
+            fence.service_end()
+
+    def worker_forward_done(self) -> None:
+        for fence in self.fences:
+            fence.worker_forward_done()
+
+    def worker_before_forward(self) -> None:
+        for fence in self.fences:
+            fence.worker_before_forward()

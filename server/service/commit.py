@@ -16,10 +16,12 @@ writing them.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
-from allocator.common.device_io import upload_int64
+from allocator.common.device_io import on_device, upload_int64
 from allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
 from allocator.nwor.storage import KVStorage
 from server.contract import wire
@@ -91,3 +93,51 @@ class Committer:
         assert stats is not None and stats.written is not None
         return wire.CommitSummary(tokens=stats.tokens, written=stats.written,
                                   fallback=stats.fallback_reason)
+
+
+class ShardedCommitter:
+    """The service's commit on every shard of a tensor-parallel pool (`server.service.shards`):
+    one `Committer` per shard, each writing the same slots and counts from that shard's staging
+    on that shard's device (made current for it: its graphs and kernels live there). A pool of
+    one shard is the same with one committer.
+
+    Invariant: every shard commits the same tokens; a fallback on one shard (it wrote every
+    staged token) is reported for the whole step."""
+
+    def __init__(self, committers: list[Committer]) -> None:
+        self.shards = committers
+
+    def _on(self, index: int) -> contextlib.AbstractContextManager[object]:
+        """Shard ``index``'s device made current; the first shard's is already."""
+        return contextlib.nullcontext() if index == 0 else on_device(self.shards[index].device)
+
+    def check_invariants(self) -> None:
+        for committer in self.shards:
+            committer.check_invariants()
+
+    def add_staging(self, stagings: list[torch.Tensor]) -> None:
+        for index, (committer, staging) in enumerate(zip(self.shards, stagings, strict=True)):
+            with self._on(index):
+                committer.add_staging(staging)
+
+    def release_staging(self, stagings: list[torch.Tensor]) -> None:
+        for committer, staging in zip(self.shards, stagings, strict=True):
+            committer.release_staging(staging)
+
+    def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
+        for index, committer in enumerate(self.shards):
+            with self._on(index):
+                committer.protect(blocks, protected)
+
+    def write_batch(self, stagings: list[torch.Tensor], batch: ScheduledBatch,
+                    accepted: np.ndarray, dropped: np.ndarray,
+                    slots: np.ndarray) -> wire.CommitSummary:
+        """`Committer.write_batch` on every shard, ``stagings`` in shard order."""
+        summaries = []
+        for index, (committer, staging) in enumerate(zip(self.shards, stagings, strict=True)):
+            with self._on(index):
+                summaries.append(committer.write_batch(staging, batch, accepted, dropped, slots))
+        first = summaries[0]
+        fallback = next((s.fallback for s in summaries if s.fallback is not None), None)
+        return first if fallback == first.fallback else wire.CommitSummary(
+            tokens=first.tokens, written=first.written, fallback=fallback)

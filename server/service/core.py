@@ -16,7 +16,10 @@ Invariants:
 - every decode request of a worker's previous step is settled by its next step (results,
   reverts or finished), so a staged batch is committed exactly once; an overlap worker's by the
   step after (lag 2, `server.service.inflight`), and it commits its own tokens;
-- a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks.
+- a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks;
+- a tensor-parallel pool's shards (`server.service.shards`) hold the same blocks: one manager
+  allocates them, every shard's table copy is synced by the same step, and the step's commit
+  writes every shard.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from allocator import InvariantViolation, KVCacheManager, KVStorage, StepPlan
+from allocator.common.device_io import on_device
 from server.contract import wire
 from server.contract.columns import StepCall, StepResult
 from server.contract.errors import (
@@ -40,14 +44,16 @@ from server.contract.errors import (
     StaleEpoch,
     StepIdReused,
     StepOutOfOrder,
+    WrongRank,
 )
 from server.contract.routing import SEED_BYTES, hash_seed, worker_salt
-from server.contract.sharing import StepFence, TensorExporter, dtype_name
-from server.service.commit import Committer
+from server.contract.sharing import FenceGroup, StepFence, TensorExporter, dtype_name
+from server.service.commit import Committer, ShardedCommitter
 from server.service.event_publisher import KVEventPublisher
 from server.service.pipeline import StepPipeline
 from server.service.registry import Worker, WorkerRegistry
 from server.service.settings import ServiceConfig
+from server.service.shards import PoolShard, ShardSpec, shard_specs
 
 log = logging.getLogger("kvalloc.service")
 
@@ -92,40 +98,36 @@ class ServiceCore:
         self.epoch = secrets.randbits(52) if epoch is None else epoch
         self.lock = threading.Lock()
         pool = config.pool
+        specs = shard_specs(config)  # before anything is made: what does not fit is refused
         self._exporter = TensorExporter(prefix=f"kvalloc-{self.epoch:016x}")
         placement = ExportedTensors(self._exporter)
-        self.storage = KVStorage(pool, allocate=placement)
+        self.storage = KVStorage(specs[0].pool, allocate=placement)
         self.manager = KVCacheManager(pool, allocate=placement,
                                       prefix_caching=config.prefix_caching,
                                       hash_seed=_hash_seed(config),
                                       kv_events=config.kv_events is not None,
                                       register_when_written=True)
         self.device = self.manager.device
-        self._kv_handle = placement.handles["kv"]
-        self._table_handle = placement.handles["block_table"]
         self._block_table = placement.tensors["block_table"]
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
-        self._protected_handle: wire.TensorHandle | None = None
-        protected = None
-        if config.prefix_caching:  # shared: overlap workers' own commits read it too
-            protected, self._protected_handle = self._exporter.empty(
-                "protected", (pool.total_blocks,), torch.bool, self.device)
-        self.committer = Committer(self.storage, max_tokens=config.max_step_tokens,
-                                   stage_dtype=self.staging_dtype, nwor=config.nwor,
-                                   protected=protected)
+        self.shards = [self._shard(spec, placement) for spec in specs]
+        self.committer = self.shards[0].committer
+        self.commits = ShardedCommitter([shard.committer for shard in self.shards])
         self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
         # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
         self.kv_events = (KVEventPublisher(config.kv_events,
                                            replay_endpoint=config.kv_events_replay,
+                                           data_parallel_rank=config.data_parallel_rank,
                                            token=config.kv_events_token)
                           if config.kv_events is not None else None)
-        self.pipeline = StepPipeline(self.manager, self.committer, self.registry,
+        self.pipeline = StepPipeline(self.manager, self.commits, self.registry,
                                      max_step_tokens=config.max_step_tokens,
                                      publish=None if self.kv_events is None
                                      else self.kv_events.publish)
         self.pipeline.sync_cache()
         self.layout = _layout(config, dtype_name(self.staging_dtype))
-        self._fences: dict[str, tuple[StepFence, wire.EventHandle, wire.EventHandle]] = {}
+        self._fences: dict[tuple[str, int], tuple[StepFence, wire.EventHandle,
+                                                  wire.EventHandle]] = {}
         self._observers: list[ServiceObserver] = []
         self.leases_expired = 0
         self._closed = False
@@ -134,6 +136,28 @@ class ServiceCore:
         # watch_pauses).
         self._last_look = self.clock()
         self._longest_quiet_s: float | None = None
+
+    def _shard(self, spec: ShardSpec, placement: ExportedTensors) -> PoolShard:
+        """Shard ``spec``'s pool, table copy, protection and committer (shard 0's pool and table
+        are the ones `__init__` made)."""
+        if spec.index == 0:
+            storage, table = self.storage, self._block_table
+        else:
+            def named(name: str, *args: Any) -> torch.Tensor:
+                return placement(spec.name(name), *args)
+            with on_device(spec.device):
+                storage = KVStorage(spec.pool, allocate=named)
+            table = self.manager.table.mirror(spec.device, placement, spec.name("block_table"))
+        protected, protected_handle = None, None
+        if self.config.prefix_caching:  # shared: overlap workers' own commits read it too
+            protected, protected_handle = self._exporter.empty(
+                spec.name("protected"), (spec.pool.total_blocks,), torch.bool, spec.device)
+        with on_device(spec.device):
+            committer = Committer(storage, max_tokens=self.config.max_step_tokens,
+                                  stage_dtype=self.staging_dtype, nwor=self.config.nwor,
+                                  protected=protected)
+        return PoolShard(spec, storage, table, committer, placement.handles[spec.name("kv")],
+                         placement.handles[spec.name("block_table")], protected_handle)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,6 +195,7 @@ class ServiceCore:
         """Open a session for ``worker_id`` (see `WorkerRegistry` for ids held by a session)."""
         with self.lock:
             self._check_open()
+            self._check_rank(req)
             self._expire(self.clock())
             again = self.registry.retried(req)
             if again is not None:  # the first answer was lost: the same session, unchanged
@@ -191,31 +216,69 @@ class ServiceCore:
             worker.registered = (req, registration)
             return registration
 
+    def _check_rank(self, req: wire.RegisterRequest) -> None:
+        rank = self.config.data_parallel_rank
+        if req.data_parallel_rank is not None and req.data_parallel_rank != (rank or 0):
+            raise WrongRank(f"data_parallel_rank: the worker is of rank {req.data_parallel_rank}, "
+                            f"this service allocates for rank {rank or 0}")
+
     def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
-        pool = self.config.pool
-        shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
-        staging, handle = self._exporter.empty(f"staging-{req.worker_id}", shape,
-                                               self.staging_dtype, self.device)
+        stagings, shards, fences = [], [], []
+        for shard in self.shards:
+            staging, attachment, fence = self._attach_shard(shard, req.worker_id)
+            stagings.append(staging)
+            shards.append(attachment)
+            fences += [fence] if fence is not None else []
         if not req.overlap:  # the service never commits an overlap worker's staging
-            self.committer.add_staging(staging)
-        fence, fwd, com = self._fence(req.worker_id)
-        attachment = wire.Attachment(kv=self._kv_handle, block_table=self._table_handle,
-                                     staging=handle, forward_done=fwd, commit_done=com,
-                                     protected=self._protected_handle)
-        return Worker(req.worker_id, session, req.attached, staging, attachment, fence,
-                      last_seen=self.clock(), overlap=req.overlap,
+            self.commits.add_staging(stagings)
+        first = shards[0]
+        attachment = wire.Attachment(kv=first.kv, block_table=first.block_table,
+                                     staging=first.staging, forward_done=first.forward_done,
+                                     commit_done=first.commit_done, protected=first.protected,
+                                     shards=shards if len(shards) > 1 else [])
+        return Worker(req.worker_id, session, req.attached, stagings, attachment,
+                      _one_fence(fences), last_seen=self.clock(), overlap=req.overlap,
                       cache_salt=worker_salt(req.worker_id, self.config.cache_groups))
 
-    def _fence(self, worker_id: str) -> tuple[StepFence | None, wire.EventHandle | None,
-                                              wire.EventHandle | None]:
-        """The worker id's interprocess events (CUDA pools only), made once and kept until the
-        service closes: using an imported event after its exporter destroyed it is undefined, and
-        a worker whose lease expired may still record its event once before it learns so."""
-        if self.device.type != "cuda":
+    def _attach_shard(self, shard: PoolShard, worker_id: str) -> tuple[
+            torch.Tensor, wire.ShardAttachment, StepFence | None]:
+        """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment."""
+        pool, spec = shard.spec.pool, shard.spec
+        shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
+        staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
+                                               self.staging_dtype, spec.device)
+        fence, fwd, com = self._fence(worker_id, spec)
+        return staging, wire.ShardAttachment(
+            device=pool.device, head_start=spec.heads[0], head_stop=spec.heads[1],
+            kv=shard.kv_handle, block_table=shard.table_handle, staging=handle,
+            forward_done=fwd, commit_done=com, protected=shard.protected_handle), fence
+
+    def _fence(self, worker_id: str, spec: ShardSpec) -> tuple[
+            StepFence | None, wire.EventHandle | None, wire.EventHandle | None]:
+        """The worker id's interprocess events on shard ``spec``'s device (CUDA pools only), made
+        once and kept until the service closes: using an imported event after its exporter
+        destroyed it is undefined, and a worker whose lease expired may still record its event
+        once before it learns so."""
+        if spec.device.type != "cuda":
             return None, None, None
-        if worker_id not in self._fences:
-            self._fences[worker_id] = StepFence.create(self.device)
-        return self._fences[worker_id]
+        key = (worker_id, spec.index)
+        if key not in self._fences:
+            self._fences[key] = StepFence.create(spec.device)
+        return self._fences[key]
+
+    def holds(self, worker_id: str) -> bool:
+        """Whether a live session holds ``worker_id``."""
+        with self.lock:
+            return self.registry.get(worker_id) is not None
+
+    def drop_worker(self, worker_id: str) -> int:
+        """End ``worker_id``'s session, whichever it is, as a replacing registration does;
+        returns the requests freed."""
+        with self.lock:
+            worker = self.registry.get(worker_id)
+            freed = 0 if worker is None else self._drop(worker)
+            self._state_changed()
+            return freed
 
     def deregister(self, req: wire.WorkerRef) -> wire.Deregistered:
         with self.lock:
@@ -271,8 +334,9 @@ class ServiceCore:
         rows = self.registry.remove(worker)
         if rows.size:
             self.manager.step(StepPlan(finished_rows=rows))
-        self.committer.release_staging(worker.staging)
-        self._exporter.release(f"staging-{worker.worker_id}")
+        self.commits.release_staging(worker.stagings)
+        for shard in self.shards:
+            self._exporter.release(shard.spec.name(f"staging-{worker.worker_id}"))
         return int(rows.size)
 
     def _worker(self, worker_id: str, session: int, epoch: int) -> Worker:
@@ -321,8 +385,23 @@ class ServiceCore:
         in-process worker uses instead of mapping the handles."""
         with self.lock:
             worker = self.registry.worker(worker_id, None)
-            return (self.storage.kv, self._block_table, worker.staging, worker.fence,
+            return (self.storage.kv, self._block_table, worker.stagings[0], worker.fence,
                     self.committer.protected)
+
+    def shared_shards(self, worker_id: str) -> list[tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None, torch.Tensor | None,
+            tuple[int, int]]]:
+        """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
+        the KV heads it holds; empty for a pool of one shard."""
+        with self.lock:
+            worker = self.registry.worker(worker_id, None)
+            if len(self.shards) == 1:
+                return []
+            fences = worker.fence.fences if isinstance(worker.fence, FenceGroup) else None
+            return [(shard.storage.kv, shard.table, staging,
+                     fences[shard.spec.index] if fences else None, shard.committer.protected,
+                     shard.spec.heads)
+                    for shard, staging in zip(self.shards, worker.stagings, strict=True)]
 
     # ------------------------------------------------------------------ inspection
 
@@ -369,7 +448,7 @@ class ServiceCore:
         try:
             self.manager.check_invariants()
             self.registry.check_invariants(self.manager.live_rows)
-            self.committer.check_invariants()
+            self.commits.check_invariants()
         except InvariantViolation:
             for obs in self._observers:
                 obs.invariant_violation(1)
@@ -395,4 +474,12 @@ def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
         overlap_scheduler=pool.overlap_scheduler,
         k_scales=list(pool.k_scales) if pool.k_scales else None,
         v_scales=list(pool.v_scales) if pool.v_scales else None,
+        tensor_parallel=config.tensor_parallel, data_parallel_rank=config.data_parallel_rank,
     )
+
+
+def _one_fence(fences: list[StepFence]) -> StepFence | FenceGroup | None:
+    """A worker's fence: none on CPU, the shard's own for one shard, else all of them."""
+    if not fences:
+        return None
+    return fences[0] if len(fences) == 1 else FenceGroup(fences)

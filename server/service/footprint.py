@@ -42,9 +42,19 @@ def footprint(config: ServiceConfig) -> Footprint:
     staging_itemsize = torch.empty((), dtype=staging_dtype).element_size()
     per_worker = (pool.num_layers * 2 * config.max_step_tokens * pool.num_kv_heads
                   * pool.head_dim * staging_itemsize)
-    return Footprint(pool=pool.bytes_per_block * pool.total_blocks,
-                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq,
-                     staging=config.max_workers * per_worker)
+    devices = len(config.devices or [pool.device])
+    ranks = max(1, devices // config.tensor_parallel)  # a pool and its workers' staging each
+    return Footprint(pool=ranks * pool.bytes_per_block * pool.total_blocks,
+                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq * devices,
+                     staging=ranks * config.max_workers * per_worker)
+
+
+def on_device(config: ServiceConfig, need: Footprint) -> dict[torch.device, int]:
+    """Bytes of ``need`` on each device of ``config``: each shard holds its share of its rank's
+    pool and staging, and a whole copy of its rank's block table (`server.service.shards`)."""
+    devices = [torch.device(d) for d in config.devices or [config.pool.device]]
+    per_shard = (need.pool + need.staging) // len(devices) + need.block_table // len(devices)
+    return {device: devices.count(device) * per_shard for device in dict.fromkeys(devices)}
 
 
 def free_memory(device: torch.device) -> list[tuple[str, int]]:
@@ -69,8 +79,14 @@ def check_fits(config: ServiceConfig) -> Footprint:
     """The footprint of ``config``; `PoolTooLarge` if it is more than any of the memory free
     where it lives."""
     need = footprint(config)
-    short = [(what, free) for what, free in free_memory(torch.device(config.pool.device))
-             if need.total > free]
+    for device, total in on_device(config, need).items():
+        _check_device_fits(config, need, device, total)
+    return need
+
+
+def _check_device_fits(config: ServiceConfig, need: Footprint, device: torch.device,
+                       total: int) -> None:
+    short = [(what, free) for what, free in free_memory(device) if total > free]
     if short:
         pool = config.pool
         raise PoolTooLarge(
@@ -78,10 +94,11 @@ def check_fits(config: ServiceConfig) -> Footprint:
             f"{describe_bytes(pool.bytes_per_block)} a block) and "
             f"{describe_bytes(need.staging)} of staging (--max-workers {config.max_workers} x "
             f"--max-step-tokens {config.max_step_tokens}) on {pool.device} need "
-            f"{describe_bytes(need.total)}, more than the "
+            f"{describe_bytes(need.total)}"
+            + (f", {describe_bytes(total)} of it on {device}" if total != need.total else "")
+            + ", more than the "
             + " and ".join(f"{describe_bytes(free)} {what}" for what, free in short)
             + "; lower --num-blocks (or --max-workers, --max-step-tokens)")
-    return need
 
 
 def describe_bytes(n: int) -> str:

@@ -3,16 +3,29 @@
 `allocator.metrics.AllocatorMetrics` reads the allocator's state (pool, requests, counters,
 NWOR) and counts failed invariant checks; what only the service sees is counted here: each
 per-step call's service time by transport, and worker leases that expired. `ServiceMetrics` is
-the `ServiceObserver` the core reports both to. Names follow the same rules as the allocator's
+the `ServiceObserver` the core reports both to. A service of several data-parallel ranks
+(`server.service.ranks`) serves each rank's allocator metrics with a ``data_parallel_rank``
+label (`rank_metrics`). Names follow the same rules as the allocator's
 (``kvalloc_`` prefix, base units, counters end in ``_total``), and the deploy rules and dashboard
 read them by these names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from allocator.metrics import AllocatorMetrics
+
+if TYPE_CHECKING:  # the service imports this module only where prometheus_client exists
+    from server.service.core import ServiceObserver
+    from server.service.ranks import RankedService
+
+RANK_LABEL = "data_parallel_rank"
 
 # Step latency spans an in-process call (~10 us) to REST under load (~100 ms); the decode step
 # this sits beside is 10-30 ms, so resolution is finest below a millisecond.
@@ -51,3 +64,56 @@ class ServiceMetrics:
 
     def state_changed(self) -> None:
         self.allocator.state_changed()
+
+
+class RankLabelled(Collector):
+    """The families of each rank's registry as one set, every sample labelled with its rank:
+    the ranks export the same names, which one registry cannot hold twice."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for rank, registry in enumerate(self.registries):
+            for family in registry.collect():
+                out = merged.setdefault(family.name, Metric(
+                    family.name, family.documentation, family.type, family.unit))
+                out.samples += [sample._replace(labels={**sample.labels, RANK_LABEL: str(rank)})
+                                for sample in family.samples]
+        yield from merged.values()
+
+
+class RankObserver:
+    """What rank ``k`` reports: its state and invariants to its own allocator metrics
+    (``allocator``, anything with ``state_changed`` and ``invariant_violation``), step latency
+    and expired leases to the service's (``service``)."""
+
+    def __init__(self, service: ServiceObserver, allocator: Any) -> None:
+        self.service, self.allocator = service, allocator
+
+    def observe_step(self, transport: str, seconds: float) -> None:
+        self.service.observe_step(transport, seconds)
+
+    def lease_expired(self, n: int = 1) -> None:
+        self.service.lease_expired(n)
+
+    def invariant_violation(self, n: int = 1) -> None:
+        self.allocator.invariant_violation(n)
+
+    def state_changed(self) -> None:
+        self.allocator.state_changed()
+
+
+def rank_metrics(service: RankedService, registry: CollectorRegistry) -> None:
+    """Serve ``service``'s metrics in ``registry``: the service's own once (step latency, leases),
+    each rank's allocator families labelled with its rank (`RankLabelled`)."""
+    own = [CollectorRegistry() for _ in service.ranks]
+    allocators = [AllocatorMetrics(reg, rank.manager, rank.committer.writes)
+                  for reg, rank in zip(own, service.ranks, strict=True)]
+    shared = ServiceMetrics(registry, allocators[0])
+    registry.register(RankLabelled(own))
+    for rank, allocator in zip(service.ranks, allocators, strict=True):
+        with rank.lock:  # scrapes read what each rank publishes under its lock
+            rank.add_observer(RankObserver(shared, allocator))
+            allocator.state_changed()

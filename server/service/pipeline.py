@@ -40,7 +40,7 @@ from server.contract.columns import (
 )
 from server.contract.errors import LimitExceeded
 from server.service.batch import ScheduledBatch, Settlement
-from server.service.commit import NOTHING, Committer
+from server.service.commit import NOTHING, ShardedCommitter
 from server.service.inflight import Flight, Settled
 from server.service.registry import Worker, WorkerRegistry
 from server.service.schedule import schedule
@@ -68,7 +68,8 @@ def _prompts(manager: KVCacheManager, worker: Worker, call: StepCall) -> list[Pr
 
 
 class StepPipeline:
-    def __init__(self, manager: KVCacheManager, committer: Committer, registry: WorkerRegistry,
+    def __init__(self, manager: KVCacheManager, committer: ShardedCommitter,
+                 registry: WorkerRegistry,
                  *, max_step_tokens: int,
                  publish: Callable[[list[KVCacheEvent]], None] | None = None) -> None:
         """``publish``: where the manager's KV events go after each step."""
@@ -203,7 +204,7 @@ class StepPipeline:
                         outcome: StepOutcome) -> wire.CommitSummary:
         dropped = settlement.dropped
         slots = batch.owned_slots(dropped, outcome.num_blocks)
-        summary = self.committer.write_batch(worker.staging, batch, settlement.accepted, dropped,
+        summary = self.committer.write_batch(worker.stagings, batch, settlement.accepted, dropped,
                                              slots)
         self._mark_written(batch.scheduled, dropped)
         return summary

@@ -44,7 +44,7 @@ from server.contract.errors import (
     UnknownWorker,
     WorkerIdInUse,
 )
-from server.contract.sharing import StepFence
+from server.contract.sharing import FenceGroup, StepFence
 from server.service.batch import ScheduledBatch
 from server.service.inflight import InFlight
 from server.service.settings import MAX_ROWS
@@ -60,9 +60,9 @@ class Worker:
     worker_id: str
     session: int
     attached: bool
-    staging: torch.Tensor
+    stagings: list[torch.Tensor]  # one per shard, in shard order (`server.service.shards`)
     attachment: wire.Attachment
-    fence: StepFence | None
+    fence: StepFence | FenceGroup | None
     last_seen: float  # the clock at its last call; only grows (the clock is monotonic)
     # Its steps run at lag 2 (`server.service.inflight`) and it commits its own tokens.
     overlap: bool = False

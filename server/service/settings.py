@@ -75,6 +75,18 @@ class ServiceConfig(BaseModel):
     cache_groups: dict[str, list[str]] = Field(
         default_factory=dict, description="Prefix-cache namespaces that several workers share: "
                                           "name -> worker ids; every other worker has its own.")
+    devices: list[str] = Field(
+        default_factory=list, description="One pool per device, in shard order (a device may "
+                                          "repeat); none: the pool's device alone. The first is "
+                                          "the pool's device (`server.service.shards`).")
+    tensor_parallel: int = Field(
+        default=1, gt=0, description="Shards of one pool: each device holds num_kv_heads / "
+                                     "tensor_parallel KV heads of every layer.")
+    data_parallel_rank: int | None = Field(
+        default=None, ge=0, description="The data-parallel rank this service allocates for, "
+                                        "when it serves one rank of several (a service of "
+                                        "several ranks numbers its own): its KV events carry "
+                                        "it, and a worker registering for another is refused.")
 
     @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:

@@ -104,10 +104,13 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
     Each forward stages `stage_pattern` (after ``slow_forward``, e.g. a long device sleep that
     proves the service waits for the forward). The pool is poisoned first; afterwards it must hold
     step 1's tokens, a's token and first draft, b's token and drafts, and poison everywhere else.
+    A tensor-parallel pool's forward stages every shard, and every shard must hold that.
     """
     pool = client.pool
     assert pool is not None, "register() with attach first"
-    pool.kv.fill_(POISON)
+    shards = pool.shards or [pool]
+    for shard in shards:
+        shard.kv.fill_(POISON)
 
     def forward(reply: StepResult, tag: int) -> np.ndarray:
         """Stage the step's pattern; returns its slots, read from the attached block table as
@@ -116,7 +119,8 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
         slots = pool.slot_mapping(reply).cpu().numpy()
         if slow_forward is not None:
             slow_forward()
-        stage_pattern(pool.staging, reply.scheduled.total_tokens, tag)
+        for shard in shards:
+            stage_pattern(shard.staging, reply.scheduled.total_tokens, tag)
         return slots
 
     first = client.step(new=(["a", "b", "c", "d"], [6, 3, 9, 4], [0, 0, 5, 0]))
@@ -129,4 +133,6 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
                         finished=[c])
     expected = (committed_slots(first, first_slots, 1, {})
                 | committed_slots(second, second_slots, 2, accepted, {c, d}))
-    return NworOutcome(pool_mismatches(pool.kv, expected, POISON), third.committed)
+    mismatches = [f"shard {r}: {m}" if pool.shards else m for r, shard in enumerate(shards)
+                  for m in pool_mismatches(shard.kv, expected, POISON)]
+    return NworOutcome(mismatches, third.committed)

@@ -180,3 +180,48 @@ def test_a_saved_checkpoint_with_a_tokenizer_serves_text_prompts(
                  "--json", "--no-progress"]) == 0
     got = outputs(capsys.readouterr().out)
     assert got and got == {k: llama_oracle.expected[k] for k in got}
+
+
+def on_two_cpus(tmp_path: Path, tensor_parallel: int) -> ServiceProcess:
+    """The test pool on devices cpu,cpu: two shards, or two data-parallel ranks of one."""
+    return ServiceProcess(tmp_path, *SERVICE_POOL, "--devices", "cpu,cpu", "--tensor-parallel",
+                          str(tensor_parallel), tcp=False)
+
+
+def test_a_tensor_parallel_worker_of_two_ranks_against_a_sharded_service(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with on_two_cpus(tmp_path, 2) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream,
+                                "--tensor-parallel", "2", "--overlap", "--draft-len", "2",
+                                "--drafter", "oracle:0.5")) == 0
+        with Client(service.stream, worker_id="observer") as client:
+            assert client.get_pool(verify=True).num_requests == 0
+    out = capsys.readouterr().out
+    assert outputs(out) == llama_oracle.expected
+    assert 0 < json.loads(out)["acceptance_rate"] < 1
+
+
+def test_tensor_parallel_in_process_is_a_one_line_error(llama_oracle: Oracle, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", "--tensor-parallel", "2")) == 2
+    assert capsys.readouterr().err == (
+        "kvalloc worker: --tensor-parallel 2: needs 1 or more ranks and a running kvalloc serve "
+        "of as many shards (not --in-process)\n")
+
+
+def test_a_worker_of_each_data_parallel_rank_against_a_service_of_two(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with on_two_cpus(tmp_path, 1) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream,
+                                "--draft-len", "0")) == 2
+        assert "422 unknown_rank: data_parallel_rank: None is not a rank of this service" in (
+            capsys.readouterr().err)
+        for rank in (0, 1):
+            assert main(worker_args(config, prompts, "--address", service.stream,
+                                    "--data-parallel-rank", str(rank), "--draft-len", "0",
+                                    "--worker-id", f"rank{rank}")) == 0
+            assert outputs(capsys.readouterr().out) == llama_oracle.expected

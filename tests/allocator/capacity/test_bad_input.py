@@ -135,8 +135,9 @@ def snapshot(m: KVCacheManager) -> dict:
     for owner_name, owner in (("manager", m), ("rows", m.rows), ("pool", m.pool),
                               ("table", m.table)):
         for k, v in vars(owner).items():
+            # The device copies (``_copies``) are compared as ``device`` below.
             if k in ("config", "pool", "table", "rows", "state", "device", "counters",
-                     "device_table", "_run"):
+                     "device_table", "_copies", "_run"):
                 continue
             internals[f"{owner_name}.{k}"] = plain(v)
     return {

@@ -27,6 +27,7 @@ from allocator import (
     StepPlan,
 )
 from allocator.capacity.slots import slots_reference
+from allocator.common.placement import plain_tensor
 
 on_each_device = pytest.mark.parametrize("device", [
     "cpu",
@@ -293,3 +294,24 @@ def test_manager_keeps_the_device_table_exact_through_a_scheduler_run(device):
     m.check_invariants()
     assert m.free_blocks == 48
     assert (device_rows(m.table) == -1).all()
+
+
+@on_each_device
+def test_a_mirror_starts_as_the_host_and_every_sync_keeps_it_equal(device):
+    table = make_table(device)
+    row = table.acquire_row()
+    table.append(np.array([row]), np.array([0]), np.array([2]), np.array([4, 9]))
+    table.sync()
+    mirror = table.mirror(torch.device(device), plain_tensor, "block_table-mirror")
+    assert np.array_equal(mirror.cpu().numpy(), table.host)  # made after a sync: a copy of it
+    other = table.acquire_row()
+    table.append(np.array([other, row]), np.array([0, 2]), np.array([3, 1]),
+                 np.array([1, 2, 3, 7]))
+    table.release_row(row)
+    table.sync()
+    assert len(table.device_tables) == 2
+    for copy in table.device_tables:
+        assert np.array_equal(copy.cpu().numpy(), table.host)
+    mirror[other, 0] = POISON  # a mirror the sync did not reach is caught
+    with pytest.raises(InvariantViolation, match="a device block table differs"):
+        table.check_invariants(np.array([other]), np.array([3]), 16, synced=True)

@@ -11,7 +11,14 @@ from server.contract import wire
 from server.contract.errors import PoolTooLarge
 from server.contract.sharing import SHM_DIR
 from server.service.core import ServiceCore
-from server.service.footprint import check_fits, describe_bytes, footprint, free_memory
+from server.service.footprint import (
+    check_fits,
+    describe_bytes,
+    footprint,
+    free_memory,
+    on_device,
+)
+from server.service.ranks import RankedService
 from server.service.settings import ServiceConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -30,6 +37,25 @@ def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str) -> None
         assert mapped == footprint(config).total
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("devices, tp", [(["cpu", "cpu"], 2), (["cpu"] * 4, 2)])
+def test_the_footprint_of_shards_and_ranks_is_what_their_cores_map(make_config, devices,
+                                                                    tp) -> None:
+    config = ServiceConfig(pool=make_config(num_kv_heads=2), max_workers=2, max_step_tokens=64,
+                           devices=devices, tensor_parallel=tp)
+    service = RankedService(config)
+    try:
+        for rank in range(len(service.ranks)):
+            for i in range(config.max_workers):
+                service.register(wire.RegisterRequest(worker_id=f"w{rank}-{i}", attached=False,
+                                                      data_parallel_rank=rank))
+        mapped = sum(p.stat().st_size for core in service.ranks
+                     for p in SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
+        assert mapped == footprint(config).total
+        assert sum(on_device(config, footprint(config)).values()) == mapped
+    finally:
+        service.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)

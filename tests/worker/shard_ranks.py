@@ -1,0 +1,53 @@
+"""What a rank of a tensor-parallel worker runs in the tests: the oracle's tiny Llama sharded for
+its rank (`worker.parallel.sharding`), an engine over a `ShardClient` of a real tensor-parallel
+``kvalloc serve``, the oracle's prompts. The ranks import this module by name (spawned children
+get the parent's ``sys.path``), so it holds module-level functions only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from worker_oracle import CONFIGS, MAX_NEW_TOKENS
+
+from server.client import Client
+from worker.drafters import DeviceOracleDrafter
+from worker.engine import Engine, NamedPrompt
+from worker.model import random_model
+from worker.parallel.sharding import shard_model
+from worker.shard_client import ShardClient
+
+ORACLE_SEED = 3
+
+
+def generate(rank: int, world: int, address: str, prompts: Sequence[NamedPrompt],
+             expected: Mapping[str, Sequence[int]], overlap: bool, draft_len: int,
+             rate: float, device: str = "cpu"
+             ) -> tuple[dict[str, list[int]], dict[str, float], tuple[int, int]]:
+    """This rank's outputs, its run's figures and the KV heads its pool shard holds; the model
+    runs on ``device``, where the rank's shard of the pool is."""
+    torch.set_num_threads(1)
+    config = CONFIGS["llama"]
+    model = shard_model(random_model(config, seed=0, device=device), rank, world)
+    shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None)
+    shards.register(overlap=overlap)
+    assert shards.pool is not None and shards.pool.heads is not None
+    heads = shards.pool.heads
+    drafter = DeviceOracleDrafter(expected, rate, vocab_size=config.vocab_size,
+                                  device=shards.pool.kv.device, seed=ORACLE_SEED)
+    eos = model.generation_config.eos_token_id
+    engine = Engine(model, shards, drafter, draft_len=draft_len, overlap=overlap, validate=True,
+                    stop_token_ids=[] if eos is None else [eos])
+    outputs = engine.run(list(prompts), MAX_NEW_TOKENS)
+    shards.deregister()
+    return outputs, engine.stats.as_dict(), heads
+
+
+def refused(rank: int, world: int, address: str) -> str:
+    """What registering this rank against ``address`` raises."""
+    shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None)
+    try:
+        shards.register()
+    except Exception as exc:  # the test reads which, on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return ""
