@@ -150,3 +150,12 @@ class PoolConfig(BaseModel):
         """ceil((max_seq_len + max_draft_len + 1 + slack) / tokens_per_block) (docs/design.md)."""
         tokens = self.max_seq_len + self.max_draft_len + 1 + self.max_slack
         return -(-tokens // self.tokens_per_block)
+
+
+def shard_span(size: int, shard: int, shards: int) -> tuple[int, int]:
+    """``[start, stop)`` of a dimension of ``size`` that tensor-parallel shard ``shard`` of
+    ``shards`` holds: the one split rule, for a pool's KV heads as for a model's heads and MLP
+    columns (contiguous, equal ranges). ``shards`` must divide ``size``: callers check it and
+    name their field."""
+    per_shard = size // shards
+    return shard * per_shard, (shard + 1) * per_shard

@@ -1,9 +1,9 @@
 """A service's shards: the pools of one tensor-parallel group, one per device.
 
 A model run tensor-parallel over N devices splits every layer's KV heads: shard r holds heads
-``[r * h, (r + 1) * h)`` with ``h = num_kv_heads / N`` (contiguous ranges, the rule the worker's
-model sharding splits attention by). The service allocates blocks once, for all shards: one
-manager and one block table, whose host mirror has a device copy per shard
+``[r * h, (r + 1) * h)`` with ``h = num_kv_heads / N`` (`allocator.config.shard_span`, the rule
+the worker's model sharding splits attention by). The service allocates blocks once, for all
+shards: one manager and one block table, whose host mirror has a device copy per shard
 (`BlockTable.mirror`), so the same block ids address every shard's pool. A shard has its own KV
 pool, and per worker its own staging buffer and fence (CUDA); the service's commit writes the same
 slots into every shard (`server.service.commit.ShardedCommitter`).
@@ -25,6 +25,7 @@ import torch
 from pydantic import ValidationError
 
 from allocator import KVStorage, PoolConfig
+from allocator.config import shard_span
 from server.contract import wire
 from server.contract.errors import ShardingInvalid
 from server.service.commit import Committer
@@ -44,12 +45,6 @@ class ShardSpec:
     def name(self, name: str) -> str:
         """The exported name of this shard's tensor ``name``."""
         return name if self.index == 0 else f"shard{self.index}-{name}"
-
-
-def shard_heads(num_kv_heads: int, shard: int, shards: int) -> tuple[int, int]:
-    """The KV heads shard ``shard`` of ``shards`` holds: ``[start, stop)``."""
-    per_shard = num_kv_heads // shards
-    return shard * per_shard, (shard + 1) * per_shard
 
 
 def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
@@ -74,7 +69,7 @@ def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
         raise ShardingInvalid(f"devices: the first device {devices[0]!r} is not the pool's "
                               f"device {pool.device!r}")
     return [ShardSpec(r, _shard_pool(pool, device, pool.num_kv_heads // tp),
-                      shard_heads(pool.num_kv_heads, r, tp))
+                      shard_span(pool.num_kv_heads, r, tp))
             for r, device in enumerate(devices)]
 
 

@@ -3,11 +3,12 @@
 Every split is into ``world`` contiguous ranges of equal size, rank ``r`` owning the ``r``-th:
 KV heads, the query heads that attend to them, and the MLP's intermediate columns. The service
 shards its pool by the same rule, so this module imports no torch.distributed and needs no
-process group.
+process group; the rule itself is `allocator.config.shard_span`.
 """
 
 from __future__ import annotations
 
+from allocator.config import shard_span
 from worker.model import ModelLoadError
 
 
@@ -22,8 +23,7 @@ def shard_range(field: str, size: int, rank: int, world: int) -> tuple[int, int]
     _check_divides(field, size, world)
     if not 0 <= rank < world:
         raise ShardingError(f"rank: {rank} is outside 0..{world - 1} (world {world})")
-    per_rank = size // world
-    return rank * per_rank, (rank + 1) * per_rank
+    return shard_span(size, rank, world)
 
 
 def shard_kv_heads(num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
