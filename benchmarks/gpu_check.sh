@@ -94,7 +94,11 @@ want round_trip && step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/ben
 # decode: the worker's decode step alone (1B and 8B shapes, batch 64, 1.5k context, graphs)
 # against the same forward without attention, SDPA over a contiguous cache, the bytes it must
 # read and model.generate.
-want decode && step "$PYTHON" benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee -a "$OUT/bench.log"
+# One shape a run: a run cut short still records the other.
+want decode && for shape in 1b 8b; do
+    step "$PYTHON" benchmarks/bench_decode.py --shapes "$shape" \
+        --out "$OUT/bench_decode_${shape}.json" 2>&1 | tee -a "$OUT/bench.log"
+done
 # worker: a real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
 want worker && step "$PYTHON" benchmarks/bench_worker.py --out "$OUT/bench_worker.json" 2>&1 | tee -a "$OUT/bench.log"
 # sweep: the step path, the manager with a CUDA block table and the service on a CUDA pool of
