@@ -104,6 +104,7 @@ def serve_flags(config: ServiceConfig) -> list[str]:
         "num_blocks", "tokens_per_block", "num_layers", "num_kv_heads", "head_dim", "dtype",
         "device", "max_batch_size", "max_seq_len", "max_draft_len")}
     flags["max_step_tokens"] = config.max_step_tokens
+    flags["lease_ttl_s"] = config.lease_ttl_s
     return [*(arg for name, value in flags.items()
               for arg in (f"--{name.replace('_', '-')}", str(value))),
             *(() if config.nwor else ("--no-nwor",))]
@@ -150,7 +151,10 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
         pool = pool_for_model(model.config, longest=hi + setup["new_tokens"],
                               num_requests=batch, draft_len=DRAFT_LEN, dtype=setup["dtype"],
                               device=setup["device"], max_batch_size=batch)
-        config = ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"])
+        # The first steps at a shape compile its kernels (Triton, cold cache): they may keep
+        # the worker silent for longer than the default lease.
+        config = ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"],
+                               lease_ttl_s=600.0)
         with tempfile.TemporaryDirectory() as tmp:
             # Untimed, at the measured shapes: the model's first steps at a new batch shape pick
             # and compile its kernels, which would otherwise slow the first transport's runs.
