@@ -357,7 +357,9 @@ def in_process_config(args: argparse.Namespace, model: Any,
         device=args.device, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, num_blocks=args.num_blocks,
         slack_policy=args.slack_policy)
-    return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens)
+    # The service lives and dies with this process, so a lease guards against nothing here but
+    # would expire while the first steps compile their kernels (a cold Triton cache).
+    return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens, lease_ttl_s=3600.0)
 
 
 def _human_interrupted(s: dict[str, Any]) -> str:
