@@ -229,12 +229,14 @@ class Report:
 
 def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
           duration_s: float | None, step_interval_s: float, progress: bool,
-          stop: Callable[[], bool] = lambda: False, replace: bool = False) -> Report:
+          stop: Callable[[], bool] = lambda: False, replace: bool = False,
+          data_parallel_rank: int | None = None) -> Report:
     """Run steps until ``steps`` or ``duration_s`` (None: no such bound), or until ``stop()``
     says so between two steps. A refused call (or a lost service) costs the worker its
-    requests: it re-registers and starts over, as an engine would after a restart; it takes its
-    id back from a live session only if told to (``replace``), so a worker whose id another
-    process took over stops instead of taking it back in turn."""
+    requests: it re-registers (with its ``data_parallel_rank``) and starts over, as an engine
+    would after a restart; it takes its id back from a live session only if told to
+    (``replace``), so a worker whose id another process took over stops instead of taking it
+    back in turn."""
     report = Report(client.address, worker=worker.stats)
     start = time.perf_counter()
     deadline = start + duration_s if duration_s is not None else float("inf")
@@ -248,7 +250,7 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
             except (RemoteError, TransportTimeout) as exc:
                 report.errors[getattr(exc, "code", "timeout")] += 1
                 worker.reset()
-                if not _register(client, report, replace):
+                if not _register(client, report, replace, data_parallel_rank):
                     break
             except Exception as exc:  # the service is gone: connection refused, ...
                 report.errors[type(exc).__name__] += 1
@@ -267,10 +269,11 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
     return report
 
 
-def _register(client: Client, report: Report, replace: bool) -> bool:
+def _register(client: Client, report: Report, replace: bool,
+              data_parallel_rank: int | None) -> bool:
     """Register afresh (the service freed this worker's requests); False when it cannot."""
-    try:
-        client.register(attach=False, replace=replace)  # the load generator never touches KV
+    try:  # the load generator never touches KV
+        client.register(attach=False, replace=replace, data_parallel_rank=data_parallel_rank)
     except Exception as exc:  # any failure here: no usable service
         report.errors[f"register: {type(exc).__name__}"] += 1
         return False
@@ -301,6 +304,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take the worker id over from a live session (a previous run's), "
                              "at start and after an error; without it, a run whose id another "
                              "process took stops")
+    parser.add_argument("--data-parallel-rank", type=bounded(int, 0), default=None, metavar="K",
+                        help="the data-parallel rank whose allocator the load goes to, for a "
+                             "service of several (kvalloc serve --devices of several "
+                             "tensor-parallel groups)")
     stop = parser.add_argument_group(
         "how long", f"whichever comes first; --duration alone runs that long, neither runs "
                     f"{DEFAULT_STEPS} steps")
@@ -345,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
     with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
         try:
             # The load generator never touches KV.
-            registration = client.register(attach=False, replace=args.replace)
+            registration = client.register(attach=False, replace=args.replace,
+                                           data_parallel_rank=args.data_parallel_rank)
         except (ServiceUnreachable, RemoteError, TransportTimeout) as exc:
             print(f"kvalloc loadgen: cannot register at {address}: {exc}", file=sys.stderr)
             return 2
@@ -355,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
         with sigint_stops() as stop:
             report = drive(client, worker, steps=steps, duration_s=args.duration,
                            step_interval_s=args.step_interval, progress=not args.no_progress,
-                           stop=stop, replace=args.replace)
+                           stop=stop, replace=args.replace,
+                           data_parallel_rank=args.data_parallel_rank)
             with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
                 client.deregister()
     summary = {**report.summary(), **({"interrupted": True} if stop.requested else {})}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +27,7 @@ from server.service.settings import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 D = 3
+METRICS_TIMEOUT_S = 30  # the service copies its state at least once a second
 
 
 @pytest.fixture
@@ -241,3 +244,31 @@ def test_ctrl_c_prints_a_partial_summary_deregisters_and_exits_130(service):
         pool = client.get_pool()
     assert [w.worker_id for w in pool.workers] == []
     assert pool.used_blocks == 0 and pool.num_requests == 0
+
+
+def rank_counter(svc: ServiceProcess, rank: int) -> float:
+    """``kvalloc_requests_added_total`` of data-parallel rank ``rank`` on ``/metrics``."""
+    prefix = f'kvalloc_requests_added_total{{data_parallel_rank="{rank}"}} '
+    with urllib.request.urlopen(f"{svc.rest_tcp}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return next((float(line[len(prefix):]) for line in lines if line.startswith(prefix)), 0.0)
+
+
+def test_cli_loads_the_data_parallel_rank_it_names(tmp_path: Path):
+    """Against a service of two ranks a run must name its rank (the service refuses one that
+    does not, and loadgen exits 2 saying why); a run of rank 1 admits requests on rank 1 alone."""
+    ranks = ("--devices", "cpu,cpu", "--tensor-parallel", "1", "--num-blocks", "512",
+             "--max-draft-len", "4")
+    with ServiceProcess(tmp_path, *ranks) as svc:
+        unnamed = loadgen("--address", svc.stream, "--steps", "5")
+        assert unnamed.returncode == 2 and "unknown_rank" in unnamed.stderr, unnamed.stderr
+        r = loadgen("--address", svc.stream, "--steps", "60", "--step-interval", "0",
+                    "--data-parallel-rank", "1", "--worker-id", "rank-1")
+        assert r.returncode == 0, r.stdout + r.stderr
+        admitted = json.loads(r.stdout)["admitted"]
+        assert admitted > 0
+        # Scrapes serve the state as last copied: after a step, or within a second.
+        deadline = time.monotonic() + METRICS_TIMEOUT_S
+        while rank_counter(svc, 1) < admitted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rank_counter(svc, 1) >= admitted and rank_counter(svc, 0) == 0.0
