@@ -12,6 +12,7 @@ read them by these names.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,6 @@ from prometheus_client.registry import Collector
 from allocator.metrics import AllocatorMetrics
 
 if TYPE_CHECKING:  # the service imports this module only where prometheus_client exists
-    from server.service.core import ServiceObserver
     from server.service.ranks import RankedService
 
 RANK_LABEL = "data_parallel_rank"
@@ -65,6 +65,13 @@ class ServiceMetrics:
     def state_changed(self) -> None:
         self.allocator.state_changed()
 
+    def with_allocator(self, allocator: Any) -> ServiceMetrics:
+        """The same service metrics (step latency, leases: one series for every rank), with
+        state and invariant reports going to ``allocator`` instead (a data-parallel rank's)."""
+        view = copy.copy(self)
+        view.allocator = allocator
+        return view
+
 
 class RankLabelled(Collector):
     """The families of each rank's registry as one set, every sample labelled with its rank:
@@ -84,27 +91,6 @@ class RankLabelled(Collector):
         yield from merged.values()
 
 
-class RankObserver:
-    """What rank ``k`` reports: its state and invariants to its own allocator metrics
-    (``allocator``, anything with ``state_changed`` and ``invariant_violation``), step latency
-    and expired leases to the service's (``service``)."""
-
-    def __init__(self, service: ServiceObserver, allocator: Any) -> None:
-        self.service, self.allocator = service, allocator
-
-    def observe_step(self, transport: str, seconds: float) -> None:
-        self.service.observe_step(transport, seconds)
-
-    def lease_expired(self, n: int = 1) -> None:
-        self.service.lease_expired(n)
-
-    def invariant_violation(self, n: int = 1) -> None:
-        self.allocator.invariant_violation(n)
-
-    def state_changed(self) -> None:
-        self.allocator.state_changed()
-
-
 def rank_metrics(service: RankedService, registry: CollectorRegistry) -> None:
     """Serve ``service``'s metrics in ``registry``: the service's own once (step latency, leases),
     each rank's allocator families labelled with its rank (`RankLabelled`)."""
@@ -115,5 +101,5 @@ def rank_metrics(service: RankedService, registry: CollectorRegistry) -> None:
     registry.register(RankLabelled(own))
     for rank, allocator in zip(service.ranks, allocators, strict=True):
         with rank.lock:  # scrapes read what each rank publishes under its lock
-            rank.add_observer(RankObserver(shared, allocator))
+            rank.add_observer(shared.with_allocator(allocator))
             allocator.state_changed()
