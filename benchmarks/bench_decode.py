@@ -45,7 +45,7 @@ from transformers import AttentionInterface, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_attention import copy_us, graph_us
+from bench_attention import copy_us, graph_us, host_us
 from bench_worker import connect, machine
 
 from server.service.core import ServiceCore
@@ -79,18 +79,8 @@ def timed_ms(fn: Callable[[], object], device: torch.device, *, repeats: int = 2
     """Milliseconds of one ``fn()``: a replayed CUDA graph's GPU time on CUDA (the median of
     ``repeats`` replays), the median wall time of eager calls on a CPU."""
     if device.type != "cuda":
-        fn()
-        return _wall_ms(fn, repeats)
+        return host_us(fn, repeats) / 1e3
     return graph_us(fn, launches=1, repeats=repeats) / 1e3
-
-
-def _wall_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def prompts_for(model: Any, setup: dict[str, Any], seed: int) -> list[NamedPrompt]:
@@ -279,7 +269,7 @@ def copy_gbps(device: torch.device) -> float:
     nbytes = 1 << 30
     if device.type != "cuda":
         src = torch.empty(nbytes // 16, dtype=torch.uint8)
-        return 2 * src.numel() / _wall_ms(lambda: src.clone(), 5) / 1e6
+        return 2 * src.numel() / host_us(src.clone, 5) / 1e3
     return 2 * nbytes / copy_us(nbytes, launches=8, repeats=10) / 1e3
 
 
