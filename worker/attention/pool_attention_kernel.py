@@ -17,9 +17,10 @@ query's dtype unscaled, and the layer's ``k_scale`` / ``v_scale`` multiply the s
 probabilities instead, which equals dequantising every element first.
 
 The functions are plain Python: `pool_attention_triton` wraps them with ``triton.jit`` for a
-GPU and with Triton's interpreter for CPU tensors. The helpers (the two key walks and the
-softmax update) are passed to the kernel as constexprs (``HISTORY``, ``STAGED``, ``UPDATE``)
-because a kernel can only call a helper wrapped the same way it is.
+GPU and with Triton's interpreter for CPU tensors. The helpers (the two key walks, the
+softmax update and the rows' store) are passed to the kernel as constexprs (``HISTORY``,
+``STAGED``, ``UPDATE``, ``STORE``) because a kernel can only call a helper wrapped the same way
+it is.
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
@@ -117,7 +118,8 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                     WINDOWED: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
                     PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILE_MAP: tl.constexpr,
-                    HISTORY: tl.constexpr, STAGED: tl.constexpr, UPDATE: tl.constexpr):
+                    HISTORY: tl.constexpr, STAGED: tl.constexpr, UPDATE: tl.constexpr,
+                    STORE: tl.constexpr):
     head = tl.program_id(1)
     if TILE_MAP:
         # int64 [2, tiles]: each tile's entry, then its first query (a prefill launch, one split).
@@ -178,11 +180,18 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                            window, qk_scale, s_stride_t, BLOCK_S, BLOCK_D, HEAD_DIM, WINDOWED,
                            PRECISION, UPDATE)
 
+    STORE(out_ptr + token * o_stride_t + q_head * o_stride_h + d[None, :], row_mask, live,
+          part_acc_ptr, part_ml_ptr, entry, head, m, d, m_i, l_i, acc, BLOCK_M, BLOCK_D, SPLITS)
+
+
+def _store_rows(out_at, row_mask, live, part_acc_ptr, part_ml_ptr, entry, head, m, d, m_i, l_i,
+                acc, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """A program's rows: their output at ``out_at`` (one split), or their partial softmax for
+    `_combine_splits` to merge."""
     if SPLITS == 1:
         # A live row always sees its own staged token, so its sum is positive.
         out = acc / tl.where(live, l_i, 1.0)[:, None]
-        tl.store(out_ptr + token * o_stride_t + q_head * o_stride_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(out_at, out.to(out_at.dtype.element_ty), mask=row_mask)
     else:
         part = (entry * tl.num_programs(1) + head).to(tl.int64) * tl.num_programs(2) \
             + tl.program_id(2)
@@ -222,8 +231,9 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_
 
 pool_attention_jit = triton.jit(_pool_attention)
 combine_splits_jit = triton.jit(_combine_splits)
-HELPERS_JIT = {"HISTORY": triton.jit(_attend_history), "STAGED": triton.jit(_attend_staged),
-               "UPDATE": triton.jit(_online_update)}
+_HELPERS = {"HISTORY": _attend_history, "STAGED": _attend_staged, "UPDATE": _online_update,
+            "STORE": _store_rows}
+HELPERS_JIT = {name: triton.jit(fn) for name, fn in _HELPERS.items()}
 
 
 @cache
@@ -231,6 +241,5 @@ def interpreted():
     """The kernels and their helpers in Triton's interpreter, for CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    helpers = {"HISTORY": _attend_history, "STAGED": _attend_staged, "UPDATE": _online_update}
     return (InterpretedFunction(_pool_attention), InterpretedFunction(_combine_splits),
-            {name: InterpretedFunction(fn) for name, fn in helpers.items()})
+            {name: InterpretedFunction(fn) for name, fn in _HELPERS.items()})
