@@ -6,6 +6,9 @@
 - ``make_each_manager(**overrides)``: the same, once with the numpy step and once with the
   compiled one (the test runs twice).
 - ``cuda_device``: ``"cuda"``, or skip.
+- ``zmq_context``: a ZeroMQ context of the test's own, destroyed after it. Peers of the service
+  never share ``zmq.Context.instance()`` across tests: once one test leaves that process-wide
+  context unusable, every later peer on it waits for handshakes and replies that never come.
 - ``needs_triton_interpreter`` (in ``support/triton_interpreter.py``): the mark of the tests that
   run a Triton kernel in Triton's interpreter on CPU.
 
@@ -19,11 +22,12 @@ dev-only imports (hypothesis, httpx, ...) out of this file and of modules with G
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
 from allocator import KVCacheManager, PoolConfig
 
@@ -70,6 +74,13 @@ def make_each_manager(make_config: Callable[..., PoolConfig],
         return KVCacheManager(make_config(**overrides), compiled=request.param)
 
     return factory
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture

@@ -38,13 +38,13 @@ SYSTEM = np.arange(300, 320)  # five blocks
 
 @pytest.mark.parametrize("transport", ["ipc", "rest"])
 def test_a_router_sees_what_the_service_caches_and_workers_skip_the_cached_prefill(
-        tmp_path: Path, transport: str) -> None:
+        tmp_path: Path, transport: str, zmq_context: zmq.Context) -> None:
     events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     with ServiceProcess(tmp_path, *POOL, "--kv-events", events,
                         "--kv-events-replay", replay) as service:
         token = discover_token(events)  # generated, written 0600 for this user's routers
         assert token is not None
-        sub = Subscriber(events, replay, token)
+        sub = Subscriber(zmq_context, events, replay, token)
         time.sleep(0.3)  # the subscription reaches the publisher
         address = service.ipc if transport == "ipc" else service.rest_tcp
         with Client(address, worker_id="w") as kv:
@@ -69,11 +69,12 @@ HANDSHAKE_MS = 10_000
 TOKEN = "e2e-service-token"
 
 
-def test_without_the_token_no_event_is_read_and_no_hash_computed(tmp_path: Path) -> None:
+def test_without_the_token_no_event_is_read_and_no_hash_computed(
+        tmp_path: Path, zmq_context: zmq.Context) -> None:
     events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     with ServiceProcess(tmp_path, *POOL, "--kv-events", events, "--kv-events-replay", replay,
                         env={"KVALLOC_TOKEN": TOKEN}) as service:
-        peer = zmq.Context.instance().socket(zmq.SUB)
+        peer = zmq_context.socket(zmq.SUB)
         monitor = watch(peer)
         peer.subscribe(b"")
         peer.connect(events)
@@ -82,7 +83,7 @@ def test_without_the_token_no_event_is_read_and_no_hash_computed(tmp_path: Path)
         finally:
             peer.close(linger=0)
             monitor.close(linger=0)
-        sub = Subscriber(events, replay, TOKEN)
+        sub = Subscriber(zmq_context, events, replay, TOKEN)
         with Client(service.ipc, worker_id="w", token=TOKEN) as kv:
             kv.register()
             kv.step(new=(["a"], [SYSTEM.size]), prompt_token_ids=SYSTEM)

@@ -35,8 +35,9 @@ def handshake(monitor: zmq.Socket, timeout_ms: int) -> int | None:
 class Subscriber:
     """Written from vLLM's message shape alone: no kvalloc types."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, token: str | None = None) -> None:
-        self.context = zmq.Context.instance()
+    def __init__(self, context: zmq.Context, endpoint: str, replay_endpoint: str,
+                 token: str | None = None) -> None:
+        self.context = context
         self.endpoint = endpoint
         self.token = token
         self.replay = self._socket(zmq.DEALER)

@@ -26,12 +26,12 @@ from server.service.event_publisher import (
 )
 
 
-def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap():
+def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context):
     cfg = PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, device="cpu", num_blocks=40,
                      tokens_per_block=4, max_seq_len=64, max_draft_len=2, max_batch_size=6)
     manager = KVCacheManager(cfg, prefix_caching=True, kv_events=True)
     publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint)
+    sub = Subscriber(zmq_context, publisher.endpoint, publisher.replay_endpoint)
     time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
     rng = np.random.default_rng(3)
     system = rng.integers(0, 1000, 24)
@@ -72,8 +72,9 @@ def secured_publisher(**options: object) -> KVEventPublisher:
                             token=SecretStr(TOKEN), **options)
 
 
-def connect(kind: int, endpoint: str, token: str | None) -> tuple[zmq.Socket, zmq.Socket]:
-    socket = zmq.Context.instance().socket(kind)
+def connect(context: zmq.Context, kind: int, endpoint: str,
+            token: str | None) -> tuple[zmq.Socket, zmq.Socket]:
+    socket = context.socket(kind)
     if token is not None:
         authenticate_subscriber(socket, token)
     monitor = watch(socket)
@@ -83,7 +84,7 @@ def connect(kind: int, endpoint: str, token: str | None) -> tuple[zmq.Socket, zm
     return socket, monitor
 
 
-def test_only_a_subscriber_holding_the_token_completes_a_handshake():
+def test_only_a_subscriber_holding_the_token_completes_a_handshake(zmq_context):
     publisher = secured_publisher()
     sockets = []
     try:
@@ -91,7 +92,7 @@ def test_only_a_subscriber_holding_the_token_completes_a_handshake():
         for name, token in [("holder", TOKEN), ("other token", "guessed"), ("no CURVE", None)]:
             for kind, endpoint in [(zmq.SUB, publisher.endpoint),
                                    (zmq.DEALER, publisher.replay_endpoint)]:
-                socket, monitor = connect(kind, endpoint, token)
+                socket, monitor = connect(zmq_context, kind, endpoint, token)
                 sockets += [socket, monitor]
                 outcomes[name, kind] = handshake(monitor, HANDSHAKE_MS)
         assert {k: v for k, v in outcomes.items() if k[0] == "holder"} == {
@@ -113,9 +114,9 @@ def replay(socket: zmq.Socket, *frames: bytes) -> list[bytes]:
     return socket.recv_multipart()
 
 
-def test_replay_requests_are_bounded_in_size_shape_and_rate():
+def test_replay_requests_are_bounded_in_size_shape_and_rate(zmq_context):
     publisher = secured_publisher(replay_rate=3)
-    dealer, monitor = connect(zmq.DEALER, publisher.replay_endpoint, TOKEN)
+    dealer, monitor = connect(zmq_context, zmq.DEALER, publisher.replay_endpoint, TOKEN)
     try:
         assert handshake(monitor, HANDSHAKE_MS) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         start = (0).to_bytes(8, "big")

@@ -79,10 +79,9 @@ def test_token_ids_that_do_not_cover_the_prompts_are_refused():
         core.close()
 
 
-def test_the_service_publishes_kv_events_a_router_can_read():
+def test_the_service_publishes_kv_events_a_router_can_read(zmq_context):
     core = make_core(kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*")
-    context = zmq.Context.instance()
-    replay = context.socket(zmq.DEALER)
+    replay = zmq_context.socket(zmq.DEALER)
     try:
         replay.connect(core.kv_events.replay_endpoint)
         kv = Client.in_process(core, worker_id="w")

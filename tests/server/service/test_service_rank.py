@@ -26,10 +26,10 @@ def make_core(**service: object) -> ServiceCore:
                                      **service))
 
 
-def replayed_batches(core: ServiceCore) -> list[list[object]]:
+def replayed_batches(core: ServiceCore, context: zmq.Context) -> list[list[object]]:
     """Every KV event batch the core published, as a router joining late reads them back."""
     assert core.kv_events is not None
-    replay = zmq.Context.instance().socket(zmq.DEALER)
+    replay = context.socket(zmq.DEALER)
     try:
         replay.connect(core.kv_events.replay_endpoint)
         replay.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -45,7 +45,7 @@ def replayed_batches(core: ServiceCore) -> list[list[object]]:
 
 
 @pytest.mark.parametrize("rank", [None, 3])
-def test_kv_events_carry_the_services_rank(rank):
+def test_kv_events_carry_the_services_rank(rank, zmq_context):
     core = make_core(kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
                      data_parallel_rank=rank)
     try:
@@ -54,7 +54,7 @@ def test_kv_events_carry_the_services_rank(rank):
         assert reg.layout.data_parallel_rank == rank
         kv.step(new=(["a"], [12]), prompt_token_ids=np.arange(12))
         kv.step()  # the commit writes the prompt: its blocks are stored
-        batches = replayed_batches(core)
+        batches = replayed_batches(core, zmq_context)
     finally:
         core.close()
     assert len(batches) >= 2 and any(e[0] == "BlockStored" for b in batches for e in b[1])
