@@ -172,7 +172,7 @@ def replay_kernels(engine: Engine, replays: int = 5, top: int = 12) -> list[dict
     """Where a replayed decode step's GPU time goes: the kernels of the most replayed graph,
     from torch's profiler over a few more replays after the run (the rows' state they change
     is the finished run's)."""
-    graph = engine.step.graphs.latest if engine.step.graphs is not None else None
+    graph = engine.step.graphs.most_replayed if engine.step.graphs is not None else None
     if graph is None:
         return []
     from torch.profiler import ProfilerActivity, profile

@@ -34,6 +34,7 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle()
         self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
+        self._replays: dict[tuple[int, int], int] = {}  # per shape, for profilers
         self.captured = 0
         self.replayed = 0
 
@@ -42,9 +43,11 @@ class DecodeGraphs:
         return _key(plan) in self._buckets
 
     @property
-    def latest(self) -> torch.cuda.CUDAGraph | None:
-        """The graph replayed or captured last (profilers replay it)."""
-        return next(reversed(self._buckets.values())).graph if self._buckets else None
+    def most_replayed(self) -> torch.cuda.CUDAGraph | None:
+        """The graph of the shape replayed most often, the steady state a profiler should see
+        (the last one captured is often a batch's tail, a request or two)."""
+        live = [key for key in self._replays if key in self._buckets]
+        return self._buckets[max(live, key=self._replays.__getitem__)].graph if live else None
 
     def run(self, plan: Any, layout: Any, meta: Any, cols: Any,
             body: Callable[..., Any]) -> Any:
@@ -61,6 +64,7 @@ class DecodeGraphs:
             static.copy_(now)
         bucket.graph.replay()
         self.replayed += 1
+        self._replays[key] = self._replays.get(key, 0) + 1
         return bucket.outputs
 
     def _capture(self, key: tuple[int, int], plan: Any, layout: Any, meta: Any, cols: Any,
