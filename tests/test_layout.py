@@ -41,6 +41,8 @@ FORBIDDEN = (
     ("worker.attention", "worker.step"),
     ("worker.attention", "worker.engine"),
     ("worker.step", "worker.engine"),
+    ("worker.norm", "worker.step"),
+    ("worker.norm", "worker.engine"),
 )
 
 

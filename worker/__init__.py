@@ -5,7 +5,8 @@ synchronously or one step ahead of the host (an overlap worker).
 - `engine`: the loop (planning, the calls, reading each step's outcome); `step/`: one step on the
   device (its metadata, forward, verification and an overlap worker's commit);
 - `model` (loading), `attention/` (attention straight from the pool: transformers' hook, the
-  reference and its Triton kernel), `drafters`;
+  reference and its Triton kernel), `norm/` (the model's RMSNorms in one launch each, the
+  reference beside the kernel), `drafters`;
 - `cli`: ``kvalloc worker``.
 
 May import `allocator` and `server` (it is the client's user); nothing imports it.

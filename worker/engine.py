@@ -55,6 +55,7 @@ from server.contract import wire
 from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
+from worker.norm.rms_norm import fuse_rms_norms
 from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
@@ -198,7 +199,9 @@ class Engine:
         `DeviceOracleDrafter`). ``validate``: count block-table entries each step addresses
         that hold no block (``RunStats.table_violations``). ``cuda_graphs``: replay decode steps
         as captured CUDA graphs (a CUDA pool), which pads every decode of a decode-only step to
-        ``draft_len`` drafts through the padding grant; ``pad_drafts`` pads without graphs."""
+        ``draft_len`` drafts through the padding grant; ``pad_drafts`` pads without graphs.
+        On CUDA the model's RMSNorms are switched, in place, to one launch each
+        (`worker.norm.rms_norm.fuse_rms_norms`)."""
         if client.registration is None or client.pool is None:
             raise EngineError("client: register() with the pool attached first")
         self.model, self.client, self.drafter = model, client, drafter
@@ -237,6 +240,8 @@ class Engine:
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_drafts = cuda_graphs if pad_drafts is None else pad_drafts
+        if self.device.type == "cuda":  # a launch per norm instead of eight (`worker.norm`)
+            fuse_rms_norms(model)
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
                                self.rows, max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,

@@ -22,13 +22,12 @@ installed, torch otherwise.
 
 from __future__ import annotations
 
-import importlib.util
-from functools import cache
 from typing import Literal
 
 import numpy as np
 import torch
 
+from allocator.common.triton_support import triton_available
 from allocator.errors import NworInputError, SlotDtypeError
 
 Backend = Literal["auto", "torch", "triton"]
@@ -37,11 +36,6 @@ _FP8 = torch.float8_e4m3fn
 _FP8_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _TILE_ELEMENTS = 4096  # elements one program moves per column block: ~8 KiB of bf16
-
-
-@cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["torch", "triton"]:

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import torch
 
+from allocator.common.triton_support import triton_available
 from worker.attention.pool_attention import HostBounds, PagedLayout, check_inputs, reject
 
 MAX_HEAD_DIM = 256
@@ -122,13 +122,6 @@ def _splits_to_fill(programs: int, device: torch.device) -> int:
     while splits < 8 and programs * splits < target:
         splits *= 2
     return splits
-
-
-@cache
-def triton_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 def kernel_takes(query: torch.Tensor, pool_k: torch.Tensor, layout: PagedLayout) -> bool:

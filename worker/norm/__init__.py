@@ -1,0 +1,6 @@
+"""The model's RMSNorms in one launch each: `rms_norm` (transformers' RMSNorm arithmetic in
+plain torch, the reference; its Triton launch, `rms_norm_triton`, with the kernel in
+`rms_norm_kernel`; and `fuse_rms_norms`, which points a model's RMSNorm modules at them).
+
+May import `allocator`; never `worker.step` or `worker.engine`.
+"""
