@@ -27,7 +27,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from worker.model import (
 )
 from worker.parallel.local_ranks import run_local_ranks
 from worker.parallel.sharding import shard_model
-from worker.shard_client import ShardClient
+from worker.shard_client import RunStopped, ShardClient
 
 
 class DeviceUnavailable(ValueError):
@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
     parse_drafter_spec(args.drafter)
     check_device(args.device)
     if args.tensor_parallel != 1:
-        return _run_ranks(args)
+        return _run_ranks(args, stop)
     model = _model(args)
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
     if stop.requested:  # Ctrl-C while the model loaded: nothing registered, nothing ran
@@ -243,18 +243,24 @@ def _serve(model: Any, client: Client | ShardClient, prompts: Sequence[NamedProm
             **stats.as_dict()}
 
 
-def _run_ranks(args: argparse.Namespace) -> dict[str, Any]:
+def _run_ranks(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
     """``--tensor-parallel N``: N local ranks of one process group; rank 0's result."""
     if args.tensor_parallel < 1 or args.in_process:
         raise EngineError(f"--tensor-parallel {args.tensor_parallel}: needs 1 or more ranks "
                           f"and a running kvalloc serve of as many shards (not --in-process)")
     on_cuda = torch.device(args.device).type == "cuda"
-    return run_local_ranks(_rank, args.tensor_parallel, vars(args),
-                           backend="nccl" if on_cuda else "gloo")[0]
+    result = run_local_ranks(_rank, args.tensor_parallel, vars(args),
+                             backend="nccl" if on_cuda else "gloo", stop=stop)[0]
+    if isinstance(result, RunStats):  # stopped at a step boundary, every rank deregistered
+        raise Interrupted(result)
+    return result
 
 
-def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
-    """One rank of ``--tensor-parallel``: its model shard, its pool shard, the same prompts."""
+def _rank(rank: int, world: int, options: dict[str, Any],
+          stop: Callable[[], bool]) -> dict[str, Any] | RunStats:
+    """One rank of ``--tensor-parallel``: its model shard, its pool shard, the same prompts.
+    Rank 0 reads ``stop`` before each step (the parent's Ctrl-C): then every rank ends at that
+    step and rank 0 returns the figures so far."""
     args = argparse.Namespace(**options)
     group = None
     if torch.device(args.device).type == "cuda":
@@ -266,10 +272,12 @@ def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
     client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
               if rank == 0 else None)
-    shards = ShardClient(rank, world, client, group=group)
+    shards = ShardClient(rank, world, client, group=group, stop=stop if rank == 0 else None)
     shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
     try:
         return _serve(model, shards, prompts, args, StopRequest())
+    except Interrupted as exc:
+        return exc.stats
     finally:
         shards.deregister()
 
@@ -292,7 +300,10 @@ def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPr
 
     with tqdm(total=total, unit="tok", file=sys.stderr, disable=args.no_progress or None,
               desc="speculative" if draft_len else "plain") as bar:
-        outputs = engine.run(prompts, args.max_new_tokens, on_progress=after_step)
+        try:
+            outputs = engine.run(prompts, args.max_new_tokens, on_progress=after_step)
+        except RunStopped:  # a tensor-parallel rank: rank 0 stopped every rank at one step
+            raise Interrupted(engine.stats) from None
     return outputs, engine.stats
 
 

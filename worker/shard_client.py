@@ -12,7 +12,9 @@ Per step, on every rank: the forward's fence is recorded on the rank's own devic
 group meets (the service waits on the last record it finds, so no rank may record late), rank 0
 sends the step, and its reply (or its error) goes to every rank as the bytes the stream socket
 carries it in; then each rank's next forward waits on its own shard's commit. A refused step is
-raised on every rank as the same `RemoteError`.
+raised on every rank as the same `RemoteError`. Rank 0 alone decides to stop (its ``stop``, a
+Ctrl-C, say): instead of a step it hands out a stop, and every rank raises `RunStopped` at that
+same step boundary, where each can deregister in turn.
 
 "Rank" here is a process's rank in the worker's process group (torch.distributed's word), each
 driving one shard; the service's data-parallel ranks are another thing (`server.service.ranks`).
@@ -22,6 +24,7 @@ Invariant: every rank's engine sees the same registration and the same sequence 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,18 +38,26 @@ from server.contract.errors import describe, remote_error
 from worker.engine import EngineError
 from worker.parallel.split import shard_kv_heads
 
-_REPLY, _ERROR = 0, 1  # the first byte of what rank 0 hands out
+_REPLY, _ERROR, _STOP = 0, 1, 2  # the first byte of what rank 0 hands out
+
+
+class RunStopped(EngineError):
+    """Rank 0 stopped the run before this step; every rank raises it at the same step."""
 
 
 class ShardClient:
-    """Rank ``rank`` of ``world``; rank 0 passes the `Client` that calls the service."""
+    """Rank ``rank`` of ``world``; rank 0 passes the `Client` that calls the service, and may
+    pass ``stop``, read before each step."""
 
     def __init__(self, rank: int, world: int, client: Client | None = None, *,
-                 group: ProcessGroup | None = None) -> None:
+                 group: ProcessGroup | None = None,
+                 stop: Callable[[], bool] | None = None) -> None:
         if (rank == 0) != (client is not None):
             raise EngineError("client: rank 0, and only rank 0, calls the service")
+        if stop is not None and rank != 0:
+            raise EngineError("stop: only rank 0 decides where the ranks stop")
         self.rank, self.world, self.group = rank, world, group
-        self._client = client
+        self._client, self._stop = client, stop
         self._source = dist.get_global_rank(group, 0) if group is not None else 0
         self.registration: wire.Registration | None = None
         self.pool: AttachedPool | None = None
@@ -93,8 +104,13 @@ class ShardClient:
                               f"KV heads {want[0]}..{want[1]})")
 
     def step(self, **columns: Any) -> StepResult:
-        """`Client.step` on rank 0; the same reply on every rank."""
+        """`Client.step` on rank 0; the same reply on every rank (`RunStopped` on every rank
+        instead, where rank 0's ``stop`` reads true)."""
         data, self._met = None, False
+        if self._stop is not None and self._stop():
+            self._meet()
+            self._share(bytes([_STOP]))
+            raise RunStopped("stopped by rank 0 before this step")
         if self._client is not None:
             try:
                 data = bytes([_REPLY]) + wire.encode_msgpack(
@@ -112,6 +128,8 @@ class ShardClient:
         return self._reply(self._share(data))
 
     def _reply(self, data: bytes) -> StepResult:
+        if data[0] == _STOP:
+            raise RunStopped("stopped by rank 0 before this step")
         if data[0] == _ERROR:
             raise remote_error(wire.decode(data[1:], wire.ErrorBody))
         reply = StepResult.from_wire(wire.decode(data[1:], wire.StepReplyBinary))

@@ -28,15 +28,16 @@ class Interrupted:
     seconds_to_progress: float  # from start to the first drawn progress
 
 
-def interrupt_once_progressing(command: list[str], progress: str, *,
-                               timeout_s: float) -> Interrupted:
+def interrupt_once_progressing(command: list[str], progress: str, *, timeout_s: float,
+                               whole_job: bool = False) -> Interrupted:
     """Run ``command``, SIGINT it once its terminal output matches the regex ``progress``, and
-    wait for it to exit. Each wait is bounded by ``timeout_s``."""
+    wait for it to exit. Each wait is bounded by ``timeout_s``. ``whole_job``: the signal goes
+    to the command's whole process group, children too, as a terminal's Ctrl-C does."""
     primary, secondary = pty.openpty()
     # A fresh pty is 0 columns wide, and tqdm cuts its bar to the width: give it a terminal's.
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=secondary, text=True)
+                            stderr=secondary, text=True, start_new_session=whole_job)
     os.close(secondary)
     terminal: list[bytes] = []
     drain = threading.Thread(target=_drain, args=(primary, terminal), daemon=True)
@@ -49,7 +50,10 @@ def interrupt_once_progressing(command: list[str], progress: str, *,
                                      f"{b''.join(terminal).decode(errors='replace')[-2000:]}")
             time.sleep(0.05)
         seconds = time.monotonic() - started
-        proc.send_signal(signal.SIGINT)
+        if whole_job:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         stdout, _ = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sigint import interrupt_once_progressing
+from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -18,6 +18,7 @@ from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracl
 
 from server.cli import main
 from server.client import Client
+from server.contract import wire
 from server.devtools.launch import ServiceProcess, kvalloc_command
 
 pytest_plugins = ["worker_fixtures"]
@@ -102,19 +103,50 @@ def test_ctrl_c_prints_a_partial_summary_deregisters_and_exits_130(llama_oracle:
     """SIGINT to a real worker mid-generation: the step in flight ends, it deregisters (nothing
     of it left at the service, well before its lease), prints the figures so far, exits 130."""
     config, prompts = write_inputs(llama_oracle, tmp_path)
-    pool = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
-            "--head-dim", "8", "--num-blocks", "4096", "--tokens-per-block",
-            str(TOKENS_PER_BLOCK), "--max-seq-len", "4096", "--max-draft-len", str(MAX_DRAFT_LEN),
-            "--max-batch-size", "8", "--max-step-tokens", "256", "--lease-ttl", "600"]
-    with ServiceProcess(tmp_path, *pool, tcp=False) as service:
-        args = worker_args(config, prompts, "--address", service.ipc, "--draft-len", "2",
-                           "--worker-id", "interrupted")
-        args[args.index("--max-new-tokens") + 1] = "3000"
-        args.remove("--no-progress")
-        r = interrupt_once_progressing([*kvalloc_command(), *args], r"[1-9]\d*/\d+",
-                                       timeout_s=120)
+    with ServiceProcess(tmp_path, *LONG_POOL, tcp=False) as service:
+        r = _interrupted_worker(config, prompts, service.ipc, timeout_s=120)
         with Client(service.ipc, worker_id="observer") as client:
             state = client.get_pool()
+    _assert_stopped_and_gone(r, state)
+
+
+def test_ctrl_c_stops_every_rank_of_a_tensor_parallel_worker_at_one_step(
+        llama_oracle: Oracle, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches every process of a ``--tensor-parallel 2`` worker: the ranks
+    leave it to their parent, which tells rank 0, and rank 0 stops both ranks at the same step
+    boundary. So the worker still deregisters, prints its figures and exits 130."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with ServiceProcess(tmp_path, *LONG_POOL, "--devices", "cpu,cpu", "--tensor-parallel", "2",
+                        tcp=False) as service:
+        # Two ranks of a fresh interpreter each import torch and transformers before a step.
+        r = _interrupted_worker(config, prompts, service.stream, "--tensor-parallel", "2",
+                                timeout_s=240, whole_job=True)
+        with Client(service.stream, worker_id="observer") as client:
+            state = client.get_pool()
+    _assert_stopped_and_gone(r, state)
+
+
+LONG_POOL = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
+             "--head-dim", "8", "--num-blocks", "4096", "--tokens-per-block",
+             str(TOKENS_PER_BLOCK), "--max-seq-len", "4096", "--max-draft-len",
+             str(MAX_DRAFT_LEN), "--max-batch-size", "8", "--max-step-tokens", "256",
+             "--lease-ttl", "600"]
+
+
+def _interrupted_worker(config: Path, prompts: Path, address: str, *extra: str,
+                        timeout_s: float, whole_job: bool = False) -> Interrupted:
+    """A worker of 3000 new tokens a prompt, Ctrl-C'd once its progress bar shows steps."""
+    args = worker_args(config, prompts, "--address", address, "--draft-len", "2",
+                       "--worker-id", "interrupted", *extra)
+    args[args.index("--max-new-tokens") + 1] = "3000"
+    args.remove("--no-progress")
+    return interrupt_once_progressing([*kvalloc_command(), *args], r"[1-9]\d*/\d+",
+                                      timeout_s=timeout_s, whole_job=whole_job)
+
+
+def _assert_stopped_and_gone(r: Interrupted, state: wire.PoolState) -> None:
+    """Exit 130 with the figures so far, and nothing of the worker left at the service, well
+    before its lease."""
     assert r.returncode == 130, r.stderr
     assert "Traceback" not in r.stderr
     summary = json.loads(r.stdout)

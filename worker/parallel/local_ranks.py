@@ -8,6 +8,11 @@ own, so runs in parallel never meet, and calls ``fn(rank, world, *args)`` in eac
 what the ranks returned, in rank order. ``fn`` must be a module-level function; its arguments
 and results must pickle.
 
+A run may be asked to stop (``stop``, polled while the ranks run: a first Ctrl-C's flag, say):
+then every rank's ``stop`` keyword reads true, and how the ranks agree on where they stop is
+theirs (a tensor-parallel worker's scheduling rank decides, `worker.shard_client`). Such ranks
+ignore SIGINT, which a terminal sends to every process of the job: their parent takes it.
+
 Nothing outlives a run. A child gets SIGKILL when its parent dies (Linux's parent-death
 signal). The first rank to fail, or a run past ``timeout_s``, ends the others (a rank blocked
 in a collective with a dead peer would wait for the group's own timeout), and the failure
@@ -65,6 +70,7 @@ class _Job:
     run_dir: str
     timeout_s: float
     parent_pid: int
+    stop: Any = None  # a multiprocessing Event the parent sets, when the run may be stopped
 
 
 @dataclass(frozen=True)
@@ -77,26 +83,55 @@ class _Outcome:
 
 
 def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 600.0) -> list[Any]:
+                    timeout_s: float = 600.0,
+                    stop: Callable[[], bool] | None = None) -> list[Any]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each in its own process,
     all in one process group of ``backend``; `RankFailed` if any rank fails or the whole run
-    takes longer than ``timeout_s``."""
+    takes longer than ``timeout_s``. With ``stop``, each rank is called with a ``stop``
+    keyword too: a callable that reads true once ``stop()`` has."""
     if world < 1:
         raise EngineError(f"world: {world} ranks; a run needs at least 1")
     _check_pickles(fn, args)
     context = multiprocessing.get_context("spawn")
+    stopping = _Stopping(stop, context.Event()) if stop is not None else None
     with tempfile.TemporaryDirectory(prefix="kvalloc-ranks-") as run_dir:
         procs = [context.Process(
             target=_rank_main, name=f"kvalloc-rank-{rank}",
-            args=(_Job(fn, args, rank, world, backend, run_dir, timeout_s, os.getpid()),))
+            args=(_Job(fn, args, rank, world, backend, run_dir, timeout_s, os.getpid(),
+                       stopping.event if stopping is not None else None),))
             for rank in range(world)]
         try:
             for proc in procs:
                 proc.start()
-            _wait_for_all(procs, Path(run_dir), time.monotonic() + timeout_s, timeout_s)
+            _wait_for_all(procs, Path(run_dir), time.monotonic() + timeout_s, timeout_s,
+                          stopping)
             return [_read_outcome(Path(run_dir), rank).value for rank in range(world)]
         finally:
             _end(procs)
+
+
+@dataclass(frozen=True)
+class _Stopping:
+    """The parent's side of a stoppable run: its ``asked`` flag, passed on as ``event``."""
+
+    asked: Callable[[], bool]
+    event: Any  # multiprocessing.synchronize.Event
+
+    POLL_S = 0.05  # how soon a stop reaches the ranks
+
+    def pass_on(self) -> None:
+        if not self.event.is_set() and self.asked():
+            self.event.set()
+
+
+@dataclass(frozen=True)
+class _RankStop:
+    """A rank's ``stop`` keyword."""
+
+    event: Any
+
+    def __call__(self) -> bool:
+        return bool(self.event.is_set())
 
 
 def _check_pickles(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -109,10 +144,16 @@ def _check_pickles(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 
 
 def _wait_for_all(procs: list[BaseProcess], run_dir: Path, deadline: float,
-                  timeout_s: float) -> None:
+                  timeout_s: float, stopping: _Stopping | None) -> None:
     running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     while running:
-        ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        ready = wait(list(running), timeout=left if stopping is None
+                     else min(left, stopping.POLL_S))
+        if stopping is not None:
+            stopping.pass_on()
+            if not ready and time.monotonic() < deadline:
+                continue
         if not ready:
             late = sorted(running.values())
             raise RankFailed(f"rank {late[0]}: ranks {late} still running after {timeout_s} s",
@@ -158,9 +199,12 @@ def _end(procs: list[BaseProcess]) -> None:
 
 def _rank_main(job: _Job) -> None:
     _die_with_parent(job.parent_pid)
+    if job.stop is not None:  # the parent turns Ctrl-C into the stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _join_group(job)
-        result = job.fn(job.rank, job.world, *job.args)
+        stop = {"stop": _RankStop(job.stop)} if job.stop is not None else {}
+        result = job.fn(job.rank, job.world, *job.args, **stop)
         dist.destroy_process_group()
         # Last: once a result is written, nothing is left that could fail the rank.
         _write_outcome(job, _Outcome(result, "", time.time()))

@@ -1,4 +1,5 @@
-"""What the launcher's tests have their ranks do: answer, raise, die or never end. Each writes
+"""What the launcher's tests have their ranks do: answer, raise, die, never end or wait for
+the run's stop. Each writes
 its pid to ``pid_dir`` first, so a test can tell the process is gone afterwards.
 
 The ranks import this module by name (spawned children get the parent's ``sys.path``)."""
@@ -59,3 +60,13 @@ def answer_unpicklable(rank: int, world: int, pid_dir: str) -> object:
     """A result that cannot travel back to the parent."""
     _started(pid_dir, rank)
     return lambda: rank
+
+
+def until_stopped(rank: int, world: int, pid_dir: str, *, stop: object) -> tuple[int, bool]:
+    """Wait for the run's stop, ignoring SIGINT meanwhile (a terminal's Ctrl-C reaches it
+    too); then say so, with the SIGINT handler the rank had."""
+    _started(pid_dir, rank)
+    os.kill(os.getpid(), signal.SIGINT)  # ignored: the parent takes Ctrl-C for the ranks
+    while not stop():  # type: ignore[operator]
+        time.sleep(0.01)
+    return rank, signal.getsignal(signal.SIGINT) == signal.SIG_IGN

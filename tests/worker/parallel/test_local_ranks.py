@@ -2,7 +2,8 @@
 come back in rank order, also while another run goes on; a rank that raises, exits or is
 killed is named in the parent's `RankFailed` (with the child's traceback when it raised) and
 the ranks waiting on it are ended; so is a run past its time limit; killing the parent kills
-the ranks. After every run the ranks are gone and the run's directory is removed.
+the ranks; a stoppable run passes its stop on to every rank, which leaves SIGINT to it. After
+every run the ranks are gone and the run's directory is removed.
 
 Every time limit here is derived from how long a trivial run took in this session.
 """
@@ -29,6 +30,7 @@ from rank_behaviours import (
     die_on_rank,
     never_end,
     raise_on_rank,
+    until_stopped,
 )
 
 from worker.engine import EngineError
@@ -107,6 +109,18 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path,
     assert "in raise_on_rank" in error.child_traceback
     assert error.child_traceback in str(error)
     assert not any(_alive(pid) for pid in _pids(tmp_path))  # the waiting rank too
+
+
+def test_a_stop_asked_of_the_parent_reaches_every_rank(tmp_path: Path,
+                                                       run_dir_parent: Path) -> None:
+    """The ranks wait for the stop (each SIGINTs itself first, which it ignores); the parent's
+    flag turns true once both have started."""
+    def asked() -> bool:
+        return all((tmp_path / f"rank-{rank}.pid").exists() for rank in range(WORLD))
+
+    assert run_local_ranks(until_stopped, WORLD, str(tmp_path), stop=asked) == [
+        (rank, True) for rank in range(WORLD)]
+    assert not any(_alive(pid) for pid in _pids(tmp_path))
 
 
 def test_runs_at_the_same_time_never_meet(tmp_path: Path, run_dir_parent: Path) -> None:
