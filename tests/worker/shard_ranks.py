@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from worker_oracle import CONFIGS, MAX_NEW_TOKENS
 
 from server.client import Client
@@ -22,16 +23,21 @@ ORACLE_SEED = 3
 
 def generate(rank: int, world: int, address: str, prompts: Sequence[NamedPrompt],
              expected: Mapping[str, Sequence[int]], overlap: bool, draft_len: int,
-             rate: float, device: str = "cpu"
+             rate: float, devices: Sequence[str] = ("cpu", "cpu")
              ) -> tuple[dict[str, list[int]], dict[str, float], tuple[int, int]]:
     """This rank's outputs, its run's figures and the KV heads its pool shard holds; the model
-    runs on ``device``, where the rank's shard of the pool is."""
+    runs on ``devices[rank]``, where the rank's shard of the pool is. The shard is poisoned
+    with NaN first: a read of anything not committed shows in the tokens."""
     torch.set_num_threads(1)
     config = CONFIGS["llama"]
-    model = shard_model(random_model(config, seed=0, device=device), rank, world)
-    shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None)
+    model = shard_model(random_model(config, seed=0, device=devices[rank]), rank, world)
+    # Under NCCL the replies, host bytes, go over a gloo group of their own.
+    group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+    shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None,
+                         group=group)
     shards.register(overlap=overlap)
     assert shards.pool is not None and shards.pool.heads is not None
+    shards.pool.kv.fill_(float("nan"))
     heads = shards.pool.heads
     drafter = DeviceOracleDrafter(expected, rate, vocab_size=config.vocab_size,
                                   device=shards.pool.kv.device, seed=ORACLE_SEED)

@@ -4,8 +4,8 @@ block table mirrored to every device, one step call, and the service's commit on
 What must hold: each shard's pool, after a worker staged each shard's heads, equals the one-pool
 service's pool of the same steps split by heads; every shard holds exactly the committed tokens;
 a configuration that does not fit is refused with `ShardingInvalid` before anything is made; a
-worker's staging goes with it on every shard. The device is a parameter: the same tests run on
-``cuda:0,cuda:0`` on a GPU."""
+worker's staging goes with it on every shard. The devices are a parameter: the same tests run on
+``cuda:0,cuda:0`` on a GPU, and on ``cuda:0,cuda:1`` where there are two."""
 
 from __future__ import annotations
 
@@ -21,19 +21,22 @@ from server.contract.sharing import SHM_DIR
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 
-DEVICES = ["cpu", pytest.param("cuda:0", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = [("cpu", "cpu"), pytest.param(("cuda:0", "cuda:0"), marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+    pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.gpu, pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs two GPUs")])]
 HEADS = 4
 
 
-@pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(params=DEVICES, ids=",".join)
+def device(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """The two shards' devices."""
+    return request.param
 
 
-def sharded(make_core, device: str, tp: int = 2, **service: object) -> ServiceCore:
-    return make_core(device=device, num_kv_heads=HEADS,
-                     service={"devices": [device] * tp, "tensor_parallel": tp, **service})
+def sharded(make_core, device: tuple[str, str], **service: object) -> ServiceCore:
+    return make_core(device=device[0], num_kv_heads=HEADS,
+                     service={"devices": list(device), "tensor_parallel": 2, **service})
 
 
 def test_every_shard_is_attached_with_its_heads_and_its_own_tensors(make_core, device):
@@ -89,7 +92,7 @@ def run_script(client: Client, seed: int) -> None:
 
 
 def test_the_shards_equal_the_one_pool_service_split_by_heads(make_core, device):
-    one = Client.in_process(make_core(device=device, num_kv_heads=HEADS), worker_id="w")
+    one = Client.in_process(make_core(device=device[0], num_kv_heads=HEADS), worker_id="w")
     one.register()
     run_script(one, seed=7)
     two = Client.in_process(sharded(make_core, device), worker_id="w")
@@ -127,7 +130,7 @@ def test_what_does_not_fit_is_refused_before_anything_is_made(make_config, servi
 
 
 def test_a_worker_leaves_nothing_on_any_shard(make_core, device):
-    core = sharded(make_core, device, tp=2)
+    core = sharded(make_core, device)
     before = core.manager.free_blocks
     client = Client.in_process(core, worker_id="gone")
     client.register()
@@ -135,7 +138,7 @@ def test_a_worker_leaves_nothing_on_any_shard(make_core, device):
     client.deregister()
     assert core.manager.free_blocks == before
     core.check_invariants()
-    if device == "cpu":
+    if device[0] == "cpu":
         prefix = f"kvalloc-{core.epoch:016x}-"
         names = sorted(p.name.removeprefix(prefix) for p in SHM_DIR.glob(prefix + "*"))
         assert names == ["block_table", "kv", "shard1-block_table", "shard1-kv"]
