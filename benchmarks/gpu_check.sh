@@ -34,8 +34,9 @@ tests_rc=0
 if want tests; then
     mapfile -t gpu_tests < <(grep -rl --include='*.py' "mark.gpu" tests)
     echo "GPU test modules: ${gpu_tests[*]}"
-    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 300 \
-        --junitxml="$OUT/gpu_tests.xml" "${gpu_tests[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
+    # xunit1: the XML keeps what tests record with record_property (the bf16 agreement figures).
+    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -o junit_family=xunit1 \
+        --timeout 300 --junitxml="$OUT/gpu_tests.xml" "${gpu_tests[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
     tests_rc=${PIPESTATUS[0]}
 fi
 
