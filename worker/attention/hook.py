@@ -54,6 +54,10 @@ class PoolStep:
     def num_tokens(self) -> int:
         return self.layout.num_tokens
 
+    def staged(self, layer: int, kv: int) -> torch.Tensor:
+        """``layer``'s staging rows of the step's keys (``kv`` 0) or values (1): ``[N, H, D]``."""
+        return self.staging[layer, kv, :self.num_tokens]
+
 
 def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None, *,
@@ -71,23 +75,30 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                    f"tokens, got shape {tuple(query.shape)}")
     if kwargs.get("softcap") is not None:
         raise KvallocAttentionError("softcap: attention logit soft-capping is not supported")
-    layer, n = module.layer_idx, step.num_tokens
-    staged_k, staged_v = step.staging[layer, 0, :n], step.staging[layer, 1, :n]
-    staged_k.copy_(key[0].transpose(0, 1))
-    staged_v.copy_(value[0].transpose(0, 1))
-    packed_query, pool_k, pool_v = query[0].transpose(0, 1), step.kv[layer, 0], step.kv[layer, 1]
-    kernel = kernel_takes(packed_query, pool_k, step.layout)
+    layer = module.layer_idx
+    step.staged(layer, 0).copy_(key[0].transpose(0, 1))
+    step.staged(layer, 1).copy_(value[0].transpose(0, 1))
+    out = attend_staged(step, layer, query[0].transpose(0, 1), scaling,
+                        kwargs.get("sliding_window"))  # this layer's, when it slides
+    return out.unsqueeze(0), None
+
+
+def attend_staged(step: PoolStep, layer: int, query: torch.Tensor, scale: float | None,
+                  window: int | None) -> torch.Tensor:
+    """``query [N, Hq, D]`` over ``layer``'s history in the pool and the step's K/V already in
+    its staging rows: the kernel where it takes the step, else the reference."""
+    pool_k, pool_v = step.kv[layer, 0], step.kv[layer, 1]
+    kernel = kernel_takes(query, pool_k, step.layout)
     if not kernel and query.is_cuda and torch.cuda.is_current_stream_capturing():
         # The reference sizes its gathers by the capturing step's history bounds: a replay
         # at a longer history would read past them.
         raise KvallocAttentionError(
             f"cuda_graphs: a captured step needs the pool-attention kernel, which does not take "
-            f"{packed_query.dtype} heads of {packed_query.shape[-1]} over a {pool_k.dtype} pool "
+            f"{query.dtype} heads of {query.shape[-1]} over a {pool_k.dtype} pool "
             f"(or Triton is missing)")
-    out = (pool_attention_triton if kernel else pool_attention)(
-        packed_query, staged_k, staged_v, pool_k, pool_v, step.layout, scale=scaling,
-        window=kwargs.get("sliding_window"))  # this layer's, when it slides
-    return out.unsqueeze(0), None
+    return (pool_attention_triton if kernel else pool_attention)(
+        query, step.staged(layer, 0), step.staged(layer, 1), pool_k, pool_v, step.layout,
+        scale=scale, window=window)
 
 
 def register() -> None:
