@@ -6,7 +6,8 @@ synchronously or one step ahead of the host (an overlap worker).
   device (its metadata, forward, verification and an overlap worker's commit);
 - `model` (loading), `attention/` (attention straight from the pool: transformers' hook, the
   reference and its Triton kernel), `norm/` (the model's RMSNorms in one launch each, the
-  reference beside the kernel), `drafters`;
+  reference beside the kernel), `module_forwards` (how those kernels take over transformers'
+  modules, per instance), `drafters`;
 - `cli`: ``kvalloc worker``.
 
 May import `allocator` and `server` (it is the client's user); nothing imports it.

@@ -14,7 +14,6 @@ kernel's arithmetic in torch: transformers' `apply_rotary_pos_emb`, then the sta
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 from allocator.common.triton_support import triton_available
 from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep, attend_staged
 from worker.attention.pool_attention_triton import kernel_takes as attention_kernel_takes
+from worker.module_forwards import switch_forwards
 
 # Each class's sliding window, read the way its own forward reads it.
 _WINDOWS: dict[str, Callable[[torch.nn.Module], int | None]] = {
@@ -106,12 +106,7 @@ def _pow2(n: int) -> int:
 def fuse_attention_modules(model: torch.nn.Module) -> int:
     """Point every Llama / Qwen2 / Mistral attention module of ``model`` at `fused_attention`
     (for the calls it takes); returns how many it switched. Calling it again switches none."""
-    switched = 0
-    for module in model.modules():
-        if type(module).__name__ in _WINDOWS and "forward" not in vars(module):
-            module.forward = types.MethodType(_forward, module)
-            switched += 1
-    return switched
+    return switch_forwards(model, _WINDOWS, _forward)
 
 
 def fused_attention(module: torch.nn.Module, hidden_states: torch.Tensor,

@@ -10,11 +10,10 @@ dtype or width the kernel does not take) keeps the module's own forward.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from allocator.common.triton_support import triton_available
+from worker.module_forwards import switch_forwards
 
 # The classes whose forward is exactly `rms_norm`'s arithmetic (Gemma's ``1 + weight``, for
 # one, is not).
@@ -76,12 +75,7 @@ def _pow2(n: int) -> int:
 def fuse_rms_norms(model: torch.nn.Module) -> int:
     """Point every RMSNorm of ``model`` whose class computes `rms_norm` at the kernel (for the
     calls it takes); returns how many it switched. Calling it again switches nothing more."""
-    switched = 0
-    for module in model.modules():
-        if type(module).__name__ in FUSED_CLASSES and "forward" not in vars(module):
-            module.forward = types.MethodType(_fused_forward, module)
-            switched += 1
-    return switched
+    return switch_forwards(model, FUSED_CLASSES, _fused_forward)
 
 
 def _fused_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
