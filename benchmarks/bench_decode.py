@@ -12,9 +12,10 @@ decode step has one shape), the service in process. Side by side:
   and one step ahead (``--overlap``): the decode steps' GPU time (``decode_busy_ms``, CUDA
   events around each step's device work) and wall time, and tokens/s over the whole run;
 - ``no_attention``: the same model's forward over the same 256 packed tokens with attention
-  left out (the query passed through: the GEMMs, norms, rotary and logits alone), one graph,
-  with its RMSNorms in one launch each as the worker runs them (`worker.norm`);
-  ``no_attention_stock_norms`` the same with transformers' own norms;
+  left out (a `PoolStep` that stages every layer's K/V and attends to nothing: the GEMMs,
+  norms, rotary, staging and logits alone), one graph, with the fused kernels the worker runs
+  (`worker.norm`, `worker.attention.rotary`); ``no_attention_stock`` the same with
+  transformers' own modules;
 - ``sdpa_contiguous``: that forward with torch's SDPA over a contiguous KV cache of the same
   context instead (grouped heads, causal among the step's tokens), one graph: what the step
   would cost with a plain cache and no paging;
@@ -54,6 +55,9 @@ from bench_worker import connect, machine
 
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
+from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep
+from worker.attention.pool_attention import PagedLayout
+from worker.attention.rotary import fuse_attention_modules
 from worker.drafters import DeviceOracleDrafter
 from worker.engine import Engine, NamedPrompt, RunStats
 from worker.model import kv_shape, pool_for_model, random_model
@@ -77,7 +81,7 @@ SMALL = {"batch": 4, "prompt_len": 48, "new_tokens": 6, "max_step_tokens": 256,
          "dtype": "float32", "device": "cpu"}
 DRAFT_LEN = 3
 ORACLE_RATE = 0.6
-NO_ATTENTION, CONTIGUOUS = "bench_no_attention", "bench_sdpa_contiguous"
+CONTIGUOUS = "bench_sdpa_contiguous"
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, *, repeats: int = 20) -> float:
@@ -203,9 +207,21 @@ def run_figures(s: RunStats) -> dict[str, Any]:
             "acceptance_rate": round(s.acceptance_rate, 4)}
 
 
-def _no_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, attention_mask: Any, **kwargs: Any) -> tuple[Any, None]:
-    return query.transpose(1, 2), None
+def not_attending(model: Any, num_tokens: int) -> PoolStep:
+    """A step of ``num_tokens`` over a scratch pool that stages every layer's K/V and attends to
+    nothing: the worker's forward (its fused kernels too) with attention left out."""
+    layers, kv_heads, dim = kv_shape(model.config)
+    device, tokens_per_block = model.device, 16
+    pool = torch.zeros(layers, 2, 1, tokens_per_block, kv_heads, dim, dtype=model.dtype,
+                       device=device)
+    staging = torch.empty(layers, 2, num_tokens, kv_heads, dim, dtype=model.dtype,
+                          device=device)
+    one = np.zeros(1, dtype=np.int64)
+    layout = PagedLayout.build(torch.zeros(1, 1, dtype=torch.int32, device=device),
+                               tokens_per_block, rows=one, query_starts=one,
+                               query_lens=np.array([num_tokens]), starts=one,
+                               group_width=num_tokens)
+    return PoolStep(pool, staging, layout, attend=False)
 
 
 class ContiguousCache:
@@ -247,19 +263,20 @@ def reference_rows(model: Any, setup: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)
     positions = (torch.arange(queries, device=model.device) + context - queries).repeat(batch)
     cache = ContiguousCache(model.config, batch, context, queries, model.dtype, model.device)
-    AttentionInterface.register(NO_ATTENTION, _no_attention)
     AttentionInterface.register(CONTIGUOUS, cache.attend)
+    step = not_attending(model, n)
     figures: dict[str, Any] = {}
     try:
         with torch.inference_mode():
-            for name, implementation in (("no_attention_ms", NO_ATTENTION),
-                                         ("sdpa_contiguous_ms", CONTIGUOUS)):
+            for name, implementation, extra in (
+                    ("no_attention_ms", ATTN_IMPLEMENTATION, {"kvalloc_step": step}),
+                    ("sdpa_contiguous_ms", CONTIGUOUS, {})):
                 model.set_attn_implementation(implementation)
-                figures[name] = round(timed_ms(lambda: model(
-                    input_ids=ids, position_ids=positions[None], use_cache=False),
+                figures[name] = round(timed_ms(lambda extra=extra: model(
+                    input_ids=ids, position_ids=positions[None], use_cache=False, **extra),
                     model.device), 3)
     finally:
-        model.set_attn_implementation("kvalloc")
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     layers, kv_heads, dim = kv_shape(model.config)
     item = model.dtype.itemsize
     figures["kv_bytes"] = 2 * layers * batch * context * kv_heads * dim * item
@@ -314,9 +331,10 @@ def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int) -> dict[
     # transformers' own modules first: generate, and the forward without attention as it is.
     row: dict[str, Any] = {"shape": name,
                            "generate": generate_row(model, prompts, setup["new_tokens"]),
-                           "no_attention_stock_norms_ms": reference_rows(
+                           "no_attention_stock_ms": reference_rows(
                                model, setup)["no_attention_ms"]}
     fuse_rms_norms(model)  # what the worker's engine does on CUDA: the forward it runs
+    fuse_attention_modules(model)
     row.update(reference_rows(model, setup))
     row["worker"] = worker_rows(model, prompts, setup, seed)
     bandwidth = row["copy_gbps"] * 1e6  # bytes per ms

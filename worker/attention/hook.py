@@ -43,6 +43,9 @@ class PoolStep:
     kv: torch.Tensor  # the pool, [L, 2, num_blocks, tokens_per_block, H, D]
     staging: torch.Tensor  # [L, 2, max_step_tokens, H, D]
     layout: PagedLayout
+    # False: every layer stages its K/V but attends to nothing (its output is its query), which
+    # is how benchmarks time the same forward with attention left out.
+    attend: bool = True
 
     def __post_init__(self) -> None:
         if self.layout.num_tokens > self.staging.shape[2]:
@@ -86,7 +89,10 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def attend_staged(step: PoolStep, layer: int, query: torch.Tensor, scale: float | None,
                   window: int | None) -> torch.Tensor:
     """``query [N, Hq, D]`` over ``layer``'s history in the pool and the step's K/V already in
-    its staging rows: the kernel where it takes the step, else the reference."""
+    its staging rows: the kernel where it takes the step, else the reference (``query``
+    itself for a step that does not attend)."""
+    if not step.attend:
+        return query
     pool_k, pool_v = step.kv[layer, 0], step.kv[layer, 1]
     kernel = kernel_takes(query, pool_k, step.layout)
     if not kernel and query.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -90,3 +90,18 @@ def _layout(table: torch.Tensor, *, length: int, start: int) -> PagedLayout:
     return PagedLayout.build(table, 4, rows=np.array([0]), query_starts=np.array([0]),
                              query_lens=np.array([length]), starts=np.array([start]),
                              group_width=4)
+
+
+def test_a_step_that_does_not_attend_stages_its_keys_and_returns_the_query() -> None:
+    """What benchmarks time the forward without attention with."""
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    kv = torch.full((1, 2, 2, 4, 1, 8), float("nan"))
+    staging = torch.zeros(1, 2, 8, 1, 8)
+    step = PoolStep(kv, staging, _layout(table, length=3, start=0), attend=False)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+    out, _ = kvalloc_attention(module, q, k, v, None, kvalloc_step=step)
+    assert torch.equal(out[0], q[0].transpose(0, 1))
+    assert torch.equal(staging[0, 0, :3], k[0].transpose(0, 1))
+    assert torch.equal(staging[0, 1, :3], v[0].transpose(0, 1))
