@@ -133,6 +133,7 @@ def _takes(module: torch.nn.Module, hidden_states: torch.Tensor,
     if module.config._attn_implementation != ATTN_IMPLEMENTATION:
         return False
     cos = position_embeddings[0]
+    # Shaped as one head of the projections (their dtype and device): what both rules read.
     probe = hidden_states.new_empty((1, 1, module.head_dim))
     return (hidden_states.shape[:2] == (1, step.num_tokens) and kernel_takes(probe, cos)
             and attention_kernel_takes(probe, step.kv[module.layer_idx, 0], step.layout))
