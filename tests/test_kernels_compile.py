@@ -24,6 +24,7 @@ from pool_steps import random_step
 from allocator.nwor.commit_kernel import write_staged
 from allocator.nwor.keep_mask import NEVER, mask_rejected
 from worker.attention.pool_attention_triton import LaunchConfig, pool_attention_triton
+from worker.attention.rotary import rotate_and_stage
 from worker.norm.rms_norm import rms_norm_triton
 from worker.step.step_metadata import EntryColumns, step_metadata
 
@@ -127,6 +128,18 @@ def test_the_pool_attention_kernels_compile(launches: list[Launch], dtype: torch
     pool_attention_triton(*args, **kw, window=None)
     pool_attention_triton(*args, **kw, window=24, launch=LaunchConfig(block_n=16, splits=2))
     _compiles(launches, "_pool_attention", "_combine_splits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(32, 8, 64), (32, 8, 128)])
+def test_the_rotary_and_stage_kernel_compiles(launches: list[Launch], dtype: torch.dtype,
+                                              q_heads: int, kv_heads: int, dim: int) -> None:
+    n = 5
+    query, key, value = (torch.randn(n, h, dim).to(dtype) for h in (q_heads, kv_heads, kv_heads))
+    cos, sin = torch.randn(n, dim).to(dtype), torch.randn(n, dim).to(dtype)
+    staging = torch.empty(2, n + 3, kv_heads, dim, dtype=dtype)
+    rotate_and_stage(query, key, value, cos, sin, staging[0, :n], staging[1, :n])
+    _compiles(launches, "_rotate_and_stage")
 
 
 def test_the_step_metadata_kernel_compiles(launches: list[Launch]) -> None:
