@@ -224,6 +224,7 @@ def not_attending(model: Any, num_tokens: int) -> PoolStep:
     return PoolStep(pool, staging, layout, attend=False)
 
 
+
 class ContiguousCache:
     """Per layer a ``[B, Hkv, context, D]`` K and V; the step's ``q`` new tokens a request go
     to its last ``q`` places, and SDPA attends over all of it, causal among the new ones."""
@@ -254,29 +255,45 @@ class ContiguousCache:
         return out.transpose(1, 2).reshape(1, b * q, heads, dim), None
 
 
+def step_inputs(model: Any, setup: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A decode step's packed ids and positions at mid-run context, and that context."""
+    batch, queries = setup["batch"], 1 + DRAFT_LEN
+    context = setup["prompt_len"] + setup["new_tokens"] // 2 + queries
+    ids = torch.randint(0, model.config.vocab_size, (1, batch * queries), device=model.device)
+    positions = (torch.arange(queries, device=model.device) + context - queries).repeat(batch)
+    return ids, positions, context
+
+
+def forward_ms(model: Any, ids: torch.Tensor, positions: torch.Tensor,
+               implementation: str, **extra: Any) -> float:
+    """The forward over ``ids`` with ``implementation``'s attention (`timed_ms`); ``extra``
+    goes to the model (a `PoolStep`, say)."""
+    try:
+        with torch.inference_mode():
+            model.set_attn_implementation(implementation)
+            return round(timed_ms(lambda: model(input_ids=ids, position_ids=positions[None],
+                                                use_cache=False, **extra), model.device), 3)
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def no_attention_ms(model: Any, setup: dict[str, Any]) -> float:
+    """The forward without attention, as the model's modules run it now (`not_attending`)."""
+    ids, positions, _ = step_inputs(model, setup)
+    return forward_ms(model, ids, positions, ATTN_IMPLEMENTATION,
+                      kvalloc_step=not_attending(model, ids.shape[1]))
+
+
 def reference_rows(model: Any, setup: dict[str, Any]) -> dict[str, Any]:
     """The forward without attention and with SDPA over a contiguous cache, the copy
     bandwidth and the bytes a decode step must read."""
+    ids, positions, context = step_inputs(model, setup)
     batch, queries = setup["batch"], 1 + DRAFT_LEN
-    context = setup["prompt_len"] + setup["new_tokens"] // 2 + queries
-    n = batch * queries
-    ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)
-    positions = (torch.arange(queries, device=model.device) + context - queries).repeat(batch)
     cache = ContiguousCache(model.config, batch, context, queries, model.dtype, model.device)
     AttentionInterface.register(CONTIGUOUS, cache.attend)
-    step = not_attending(model, n)
-    figures: dict[str, Any] = {}
-    try:
-        with torch.inference_mode():
-            for name, implementation, extra in (
-                    ("no_attention_ms", ATTN_IMPLEMENTATION, {"kvalloc_step": step}),
-                    ("sdpa_contiguous_ms", CONTIGUOUS, {})):
-                model.set_attn_implementation(implementation)
-                figures[name] = round(timed_ms(lambda extra=extra: model(
-                    input_ids=ids, position_ids=positions[None], use_cache=False, **extra),
-                    model.device), 3)
-    finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    figures: dict[str, Any] = {
+        "no_attention_ms": no_attention_ms(model, setup),
+        "sdpa_contiguous_ms": forward_ms(model, ids, positions, CONTIGUOUS)}
     layers, kv_heads, dim = kv_shape(model.config)
     item = model.dtype.itemsize
     figures["kv_bytes"] = 2 * layers * batch * context * kv_heads * dim * item
@@ -331,8 +348,7 @@ def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int) -> dict[
     # transformers' own modules first: generate, and the forward without attention as it is.
     row: dict[str, Any] = {"shape": name,
                            "generate": generate_row(model, prompts, setup["new_tokens"]),
-                           "no_attention_stock_ms": reference_rows(
-                               model, setup)["no_attention_ms"]}
+                           "no_attention_stock_ms": no_attention_ms(model, setup)}
     fuse_rms_norms(model)  # what the worker's engine does on CUDA: the forward it runs
     fuse_attention_modules(model)
     row.update(reference_rows(model, setup))

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from allocator.config import SlackPolicy
@@ -262,17 +261,15 @@ def _rank(rank: int, world: int, options: dict[str, Any],
     Rank 0 reads ``stop`` before each step (the parent's Ctrl-C): then every rank ends at that
     step and rank 0 returns the figures so far."""
     args = argparse.Namespace(**options)
-    group = None
     if torch.device(args.device).type == "cuda":
         args.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
-        group = dist.new_group(backend="gloo")  # the replies are host bytes
     args.no_progress = args.no_progress or rank != 0
     model = shard_model(_model(args), rank, world)
     prompts = read_prompts(args.prompts, _tokenizer(args.model))
     client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
               if rank == 0 else None)
-    shards = ShardClient(rank, world, client, group=group, stop=stop if rank == 0 else None)
+    shards = ShardClient(rank, world, client, stop=stop if rank == 0 else None)
     shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
     try:
         return _serve(model, shards, prompts, args, StopRequest())

@@ -50,15 +50,18 @@ class ShardClient:
     pass ``stop``, read before each step."""
 
     def __init__(self, rank: int, world: int, client: Client | None = None, *,
-                 group: ProcessGroup | None = None,
                  stop: Callable[[], bool] | None = None) -> None:
+        """Every rank of the process group constructs one, at the same point."""
         if (rank == 0) != (client is not None):
             raise EngineError("client: rank 0, and only rank 0, calls the service")
         if stop is not None and rank != 0:
             raise EngineError("stop: only rank 0 decides where the ranks stop")
-        self.rank, self.world, self.group = rank, world, group
+        self.rank, self.world = rank, world
         self._client, self._stop = client, stop
-        self._source = dist.get_global_rank(group, 0) if group is not None else 0
+        # The replies are host bytes: under NCCL (GPU tensors only) they need a gloo group.
+        self.group: ProcessGroup | None = (dist.new_group(backend="gloo")
+                                           if dist.get_backend() == "nccl" else None)
+        self._source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         self.registration: wire.Registration | None = None
         self.pool: AttachedPool | None = None
         self.overlap = False

@@ -39,6 +39,7 @@ from allocator.tools.arguments import argument_type, bounded
 from allocator.tools.interrupt import INTERRUPTED, sigint_stops
 from allocator.tools.simulate import Acceptance
 from server.client import Client
+from server.contract import wire
 from server.contract.addresses import client_address, default_client_address
 from server.contract.columns import StepResult
 from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
@@ -229,14 +230,16 @@ class Report:
 
 def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
           duration_s: float | None, step_interval_s: float, progress: bool,
-          stop: Callable[[], bool] = lambda: False, replace: bool = False,
-          data_parallel_rank: int | None = None) -> Report:
+          stop: Callable[[], bool] = lambda: False,
+          register: Callable[[], object] | None = None) -> Report:
     """Run steps until ``steps`` or ``duration_s`` (None: no such bound), or until ``stop()``
     says so between two steps. A refused call (or a lost service) costs the worker its
-    requests: it re-registers (with its ``data_parallel_rank``) and starts over, as an engine
-    would after a restart; it takes its id back from a live session only if told to
-    (``replace``), so a worker whose id another process took over stops instead of taking it
-    back in turn."""
+    requests: it registers again with ``register`` (by default detached, not replacing a live
+    session) and starts over, as an engine would after a restart. Unless ``register``
+    replaces, a worker whose id another process took over stops instead of taking it back."""
+    if register is None:
+        def register() -> object:
+            return client.register(attach=False)
     report = Report(client.address, worker=worker.stats)
     start = time.perf_counter()
     deadline = start + duration_s if duration_s is not None else float("inf")
@@ -250,7 +253,7 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
             except (RemoteError, TransportTimeout) as exc:
                 report.errors[getattr(exc, "code", "timeout")] += 1
                 worker.reset()
-                if not _register(client, report, replace, data_parallel_rank):
+                if not _register(register, report):
                     break
             except Exception as exc:  # the service is gone: connection refused, ...
                 report.errors[type(exc).__name__] += 1
@@ -269,11 +272,10 @@ def drive(client: Client, worker: SimulatedWorker, *, steps: int | None,
     return report
 
 
-def _register(client: Client, report: Report, replace: bool,
-              data_parallel_rank: int | None) -> bool:
+def _register(register: Callable[[], object], report: Report) -> bool:
     """Register afresh (the service freed this worker's requests); False when it cannot."""
-    try:  # the load generator never touches KV
-        client.register(attach=False, replace=replace, data_parallel_rank=data_parallel_rank)
+    try:
+        register()
     except Exception as exc:  # any failure here: no usable service
         report.errors[f"register: {type(exc).__name__}"] += 1
         return False
@@ -350,10 +352,14 @@ def run(args: argparse.Namespace) -> int:
     address = args.address or default_client_address()
     steps = DEFAULT_STEPS if args.steps is None and args.duration is None else args.steps
     with Client(address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
+
+        def register() -> wire.Registration:  # at start and after each refusal
+            return client.register(attach=False,  # the load generator never touches KV
+                                   replace=args.replace,
+                                   data_parallel_rank=args.data_parallel_rank)
+
         try:
-            # The load generator never touches KV.
-            registration = client.register(attach=False, replace=args.replace,
-                                           data_parallel_rank=args.data_parallel_rank)
+            registration = register()
         except (ServiceUnreachable, RemoteError, TransportTimeout) as exc:
             print(f"kvalloc loadgen: cannot register at {address}: {exc}", file=sys.stderr)
             return 2
@@ -363,8 +369,7 @@ def run(args: argparse.Namespace) -> int:
         with sigint_stops() as stop:
             report = drive(client, worker, steps=steps, duration_s=args.duration,
                            step_interval_s=args.step_interval, progress=not args.no_progress,
-                           stop=stop, replace=args.replace,
-                           data_parallel_rank=args.data_parallel_rank)
+                           stop=stop, register=register)
             with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
                 client.deregister()
     summary = {**report.summary(), **({"interrupted": True} if stop.requested else {})}

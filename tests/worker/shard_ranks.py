@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from worker_oracle import CONFIGS, MAX_NEW_TOKENS
 
 from server.client import Client
@@ -31,10 +30,7 @@ def generate(rank: int, world: int, address: str, prompts: Sequence[NamedPrompt]
     torch.set_num_threads(1)
     config = CONFIGS["llama"]
     model = shard_model(random_model(config, seed=0, device=devices[rank]), rank, world)
-    # Under NCCL the replies, host bytes, go over a gloo group of their own.
-    group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
-    shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None,
-                         group=group)
+    shards = ShardClient(rank, world, Client(address, worker_id="tp") if rank == 0 else None)
     shards.register(overlap=overlap)
     assert shards.pool is not None and shards.pool.heads is not None
     shards.pool.kv.fill_(float("nan"))

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from worker.engine import EngineError
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_POLL_S = 0.05  # how often the parent looks at its stop (how soon a stop reaches the ranks)
 
 
 class RankFailed(EngineError):
@@ -93,45 +94,21 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, backend: str
         raise EngineError(f"world: {world} ranks; a run needs at least 1")
     _check_pickles(fn, args)
     context = multiprocessing.get_context("spawn")
-    stopping = _Stopping(stop, context.Event()) if stop is not None else None
+    event = context.Event() if stop is not None else None  # stop(), as the ranks see it
     with tempfile.TemporaryDirectory(prefix="kvalloc-ranks-") as run_dir:
         procs = [context.Process(
             target=_rank_main, name=f"kvalloc-rank-{rank}",
             args=(_Job(fn, args, rank, world, backend, run_dir, timeout_s, os.getpid(),
-                       stopping.event if stopping is not None else None),))
+                       event),))
             for rank in range(world)]
         try:
             for proc in procs:
                 proc.start()
             _wait_for_all(procs, Path(run_dir), time.monotonic() + timeout_s, timeout_s,
-                          stopping)
+                          stop, event)
             return [_read_outcome(Path(run_dir), rank).value for rank in range(world)]
         finally:
             _end(procs)
-
-
-@dataclass(frozen=True)
-class _Stopping:
-    """The parent's side of a stoppable run: its ``asked`` flag, passed on as ``event``."""
-
-    asked: Callable[[], bool]
-    event: Any  # multiprocessing.synchronize.Event
-
-    POLL_S = 0.05  # how soon a stop reaches the ranks
-
-    def pass_on(self) -> None:
-        if not self.event.is_set() and self.asked():
-            self.event.set()
-
-
-@dataclass(frozen=True)
-class _RankStop:
-    """A rank's ``stop`` keyword."""
-
-    event: Any
-
-    def __call__(self) -> bool:
-        return bool(self.event.is_set())
 
 
 def _check_pickles(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -143,17 +120,15 @@ def _check_pickles(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
                           f"and plain values): {exc}") from None
 
 
-def _wait_for_all(procs: list[BaseProcess], run_dir: Path, deadline: float,
-                  timeout_s: float, stopping: _Stopping | None) -> None:
+def _wait_for_all(procs: list[BaseProcess], run_dir: Path, deadline: float, timeout_s: float,
+                  stop: Callable[[], bool] | None, event: Any) -> None:
     running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     while running:
-        left = max(0.0, deadline - time.monotonic())
-        ready = wait(list(running), timeout=left if stopping is None
-                     else min(left, stopping.POLL_S))
-        if stopping is not None:
-            stopping.pass_on()
-            if not ready and time.monotonic() < deadline:
-                continue
+        ready = wait(list(running), timeout=min(max(0.0, deadline - time.monotonic()), _POLL_S))
+        if stop is not None and not event.is_set() and stop():
+            event.set()
+        if not ready and time.monotonic() < deadline:
+            continue
         if not ready:
             late = sorted(running.values())
             raise RankFailed(f"rank {late[0]}: ranks {late} still running after {timeout_s} s",
@@ -203,7 +178,7 @@ def _rank_main(job: _Job) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _join_group(job)
-        stop = {"stop": _RankStop(job.stop)} if job.stop is not None else {}
+        stop = {"stop": job.stop.is_set} if job.stop is not None else {}
         result = job.fn(job.rank, job.world, *job.args, **stop)
         dist.destroy_process_group()
         # Last: once a result is written, nothing is left that could fail the rank.

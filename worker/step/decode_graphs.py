@@ -34,13 +34,17 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle()
         self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
-        self._replays: dict[tuple[int, int], int] = {}  # per shape, for profilers
+        self._replays: dict[tuple[int, int], int] = {}  # per shape
         self.captured = 0
-        self.replayed = 0
 
     def captured_for(self, plan: Any) -> bool:
         """Whether a decode-only ``plan``'s shape has its graph (its launch replays it)."""
         return _key(plan) in self._buckets
+
+    @property
+    def replayed(self) -> int:
+        """Replays so far, of every shape."""
+        return sum(self._replays.values())
 
     @property
     def most_replayed(self) -> torch.cuda.CUDAGraph | None:
@@ -63,7 +67,6 @@ class DecodeGraphs:
         for static, now in zip(bucket.inputs, (cols.flat, *meta), strict=True):
             static.copy_(now)
         bucket.graph.replay()
-        self.replayed += 1
         self._replays[key] = self._replays.get(key, 0) + 1
         return bucket.outputs
 

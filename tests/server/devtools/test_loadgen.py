@@ -148,7 +148,8 @@ def test_a_worker_whose_id_was_taken_over_takes_it_back_only_when_told(core, rep
     worker = SimulatedWorker(Workload(), max_draft_len=D + 1,
                              max_step_tokens=core.config.max_step_tokens)
     report = drive(zombie, worker, steps=20, duration_s=None, step_interval_s=0,
-                   progress=False, replace=replace)
+                   progress=False, register=lambda: zombie.register(attach=False,
+                                                                    replace=replace))
     assert len(core.registry) == 1
     live = core.registry.get("loadgen")
     assert live is not None
