@@ -125,7 +125,7 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                                                   vocab_size=model.config.vocab_size,
                                                   device=model.device, seed=seed)
                     engine = Engine(model, client, drafter, draft_len=DRAFT_LEN,
-                                    overlap=overlap, cuda_graphs=graphs, pad_drafts=True)
+                                    overlap=overlap, cuda_graphs=graphs, pad_decodes=True)
                     steps = StepLog(engine)
                     engine.run(prompts, setup["new_tokens"])
                 row = {"mode": ("overlap" if overlap else "sync") + ("+graphs" if graphs else ""),
@@ -143,8 +143,9 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
 
 
 class StepLog:
-    """Each decode-only step an engine launches: its shape, whether it replayed a graph, its
-    GPU time (CUDA events) and its host time to lay out and upload its inputs."""
+    """Each decode-only step an engine launches: its shape as it ran (grown to its batch
+    bucket), whether it replayed a graph, its GPU time (CUDA events) and its host time to lay
+    out and upload its inputs."""
 
     def __init__(self, engine: Engine) -> None:
         self.steps: list[tuple[tuple[int, int], bool, Launched]] = []
@@ -155,7 +156,7 @@ class StepLog:
             launched = launch(plan)
             if plan.decode_only:
                 replays = graphs is not None and graphs.replayed > replayed
-                self.steps.append(((plan.rows.size, int(plan.num_tokens[0])), replays,
+                self.steps.append(((launched.ran, int(plan.num_tokens[0])), replays,
                                    launched))
             return launched
 

@@ -150,6 +150,8 @@ class RunStats:
     # Decode steps replayed as CUDA graphs, and the graphs captured for them (cuda_graphs).
     graph_replays: int = 0
     graphs_captured: int = 0
+    # Entries decode steps ran past the planned ones, to reach their batch bucket (pad_decodes).
+    padded_entries: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -193,14 +195,15 @@ class Engine:
                  drafter: Drafter | DeviceOracleDrafter | None, *, draft_len: int,
                  stop_token_ids: Iterable[int] = (), share_prefixes: bool = False,
                  overlap: bool = False, validate: bool = False, cuda_graphs: bool = False,
-                 pad_drafts: bool | None = None) -> None:
+                 pad_decodes: bool | None = None) -> None:
         """``share_prefixes``: send prompts' token ids so that a service with prefix caching
         reuses cached prefix blocks; their prefill is skipped. ``overlap``: run one step ahead
         of the host (the client registered with ``overlap=True``; drafts, if any, from a
         `DeviceOracleDrafter`). ``validate``: count block-table entries each step addresses
         that hold no block (``RunStats.table_violations``). ``cuda_graphs``: replay decode steps
         as captured CUDA graphs (a CUDA pool), which pads every decode of a decode-only step to
-        ``draft_len`` drafts through the padding grant; ``pad_drafts`` pads without graphs.
+        ``draft_len`` drafts through the padding grant and grows its batch to a bucket
+        (`worker.step.batch_buckets`); ``pad_decodes`` pads so without graphs.
         On CUDA the model's RMSNorms are switched, in place, to one launch each
         (`worker.norm.rms_norm.fuse_rms_norms`), and its attention modules to one launch for
         the rotary embedding and the staging (`worker.attention.rotary`)."""
@@ -241,7 +244,7 @@ class Engine:
         self.validator = TableValidator(self.device) if validate else None
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
-        self.pad_drafts = cuda_graphs if pad_drafts is None else pad_drafts
+        self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
         if self.device.type == "cuda":  # a launch per norm and per rotary, not a dozen
             fuse_rms_norms(model)
             fuse_attention_modules(model)
@@ -251,7 +254,8 @@ class Engine:
                                drafter=self.device_drafter,
                                commit=WorkerCommit(self.pool) if overlap else None,
                                validator=self.validator,
-                               graphs=DecodeGraphs() if cuda_graphs else None)
+                               graphs=DecodeGraphs() if cuda_graphs else None,
+                               pad_batches=self.pad_decodes)
         self.stats = RunStats()
         self._last_done: torch.cuda.Event | None = None
 
@@ -389,7 +393,7 @@ class Engine:
             r.chunk = min(r.admitted.size, budget)
             budget -= r.chunk
             plan.new.append(r)
-        if self.pad_drafts and not (plan.prefilling or plan.new):
+        if self.pad_decodes and not (plan.prefilling or plan.new):
             self._pad(plan)
         self._columns(plan, results)
         return plan
@@ -469,6 +473,7 @@ class Engine:
         launched = self.step.launch(plan)
         self.stats.forward_s += time.perf_counter() - launching
         self.stats.metadata_s += launched.metadata_s
+        self.stats.padded_entries += launched.ran - plan.emitting.size
         self.stats.forwards_ahead += ahead and bool(self.overlap)
         for r in emitting:
             r.unread += 1

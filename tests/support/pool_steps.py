@@ -1,6 +1,7 @@
 """Random steps in the pool's terms for the pool attention's tests: ragged histories and
 query lengths (empty entries too), blocks in random order, rows whose history runs past their
-blocks (-1 table entries read as invisible), device-only leads, and NaN everywhere a correct
+blocks (-1 table entries read as invisible), device-only leads, an entry on the spare row past
+the table (a batch bucket's padded entry: no history), and NaN everywhere a correct
 kernel never reads: pool slots outside every history, staging rows past the step's tokens."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
     lengths = rng.integers(0, max_query + 1, entries)
     longest = rng.integers(entries)
     lengths[longest] = max_query  # the bound the layout keeps is reached
-    lengths[(longest + 1) % entries] = 0  # an empty entry: a padded row of a batch bucket
+    lengths[(longest + 1) % entries] = 0  # an empty entry
     if query_lens is not None:
         lengths = np.array(query_lens)
     if histories is not None:
@@ -49,11 +50,16 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
     num_blocks = entries * max_blocks + 3
     rows = rng.permutation(entries + 2)[:entries]
     table = torch.full((entries + 2, max_blocks), -1, dtype=torch.int32)
+    if histories is None and entries > 2:
+        padded = (longest + 2) % entries
+        rows[padded], history[padded] = table.shape[0], 0
     free = iter(rng.permutation(num_blocks).tolist())
     pool_dtype = torch.float8_e4m3fn if fp8 else dtype
     pool = torch.full((2, num_blocks, tokens_per_block, kv_heads, dim), float("nan"),
                       dtype=pool_dtype)
     for row, hist, n in zip(rows, history, lengths, strict=True):
+        if row == table.shape[0]:
+            continue
         # One row in five holds blocks for only part of its history.
         owned = -(-(hist + n) // tokens_per_block)
         if rng.random() < 0.2:

@@ -72,7 +72,7 @@ class PoolWatch:
 
 def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft_len: int,
                on_step: Callable[[StepRecord], None] | None = None, nwor: bool = True,
-               pad_drafts: bool = False,
+               pad_decodes: bool = False,
                **pool: object) -> tuple[Engine, dict[str, list[int]], PoolWatch]:
     client = connect(pool_config(oracle.model, nwor=nwor, **pool))
     client.pool.kv.fill_(float("nan"))
@@ -84,7 +84,7 @@ def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft
             on_step(record)
 
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
-                    stop_token_ids=oracle.stop_tokens(), pad_drafts=pad_drafts)
+                    stop_token_ids=oracle.stop_tokens(), pad_decodes=pad_decodes)
     outputs = engine.run(oracle.prompts, MAX_NEW_TOKENS, on_step=observe)
     return engine, outputs, watch
 
@@ -118,13 +118,15 @@ def test_tokens_equal_generate(oracle: Oracle, connect: Callable, draft_len: int
 
 def test_padded_decodes_are_exact_and_the_service_commits_only_real_drafts(
         oracle: Oracle, connect: Callable) -> None:
-    """Synchronous decode-only steps padded to D = 3 (the padding grant): the service settles
-    the padded step and writes only the accepted drafts (the pool watch checks every slot)."""
+    """Synchronous decode-only steps padded to D = 3 (the padding grant) and grown to their
+    batch bucket: the service settles the padded step and writes only the accepted drafts (the
+    pool watch checks every slot); the grown entries emit and write nothing."""
     padded = []
-    _, outputs, watch = run_worker(
-        oracle, connect, make_drafter(oracle, "ngram"), 3, pad_drafts=True,
+    engine, outputs, watch = run_worker(
+        oracle, connect, make_drafter(oracle, "ngram"), 3, pad_decodes=True,
         on_step=lambda record: padded.append("padding" in record.call))
     assert outputs == oracle.expected and watch.committed > 0 and any(padded)
+    assert engine.stats.padded_entries > 0
 
 
 def test_refused_grants_preempt_and_still_give_the_exact_tokens(oracle: Oracle,

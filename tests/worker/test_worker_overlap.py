@@ -51,11 +51,12 @@ class CommitReplay:
 
 def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len: int, *,
                 prompts: list[NamedPrompt] | None = None, share_prefixes: bool = False,
-                replay: bool = True, pad_drafts: bool = False,
+                replay: bool = True, pad_decodes: bool = False,
                 calls: list[dict] | None = None, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
-    """``prompts``: other than the oracle's, whose K/V the replay knows (no replay then)."""
-    replay = replay and prompts is None
+    """``prompts``: the oracle's by default; the replay knows only their K/V (none for
+    others)."""
+    replay = replay and all(p.req_id in oracle.kv for p in prompts or ())
     config = pool_config(oracle.model)
     pool = config.pool.model_copy(update=service)
     config = config.model_copy(update={"pool": pool, "prefix_caching": share_prefixes})
@@ -67,7 +68,7 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
         device=client.pool.kv.device, seed=3)
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
                     stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
-                    share_prefixes=share_prefixes, pad_drafts=pad_drafts)
+                    share_prefixes=share_prefixes, pad_decodes=pad_decodes)
     def observe(record: StepRecord) -> None:
         if watch is not None:
             watch(record)
@@ -98,16 +99,30 @@ def test_tokens_and_pool_equal_generate_one_step_ahead(oracle: Oracle, connect: 
 
 def test_padded_decodes_give_the_exact_tokens_and_commit_only_real_drafts(
         oracle: Oracle, connect: Callable) -> None:
-    """Decode-only steps padded to D = 3 through the padding grant (the shape a CUDA graph
-    replays): requests near their end run padded tokens, which are never accepted or written."""
+    """Decode-only steps padded to D = 3 through the padding grant and grown to their batch
+    bucket (the shapes CUDA graphs replay): requests near their end run padded tokens, which
+    are never accepted or written, and the grown entries emit and write nothing."""
     calls: list[dict] = []
-    engine, outputs, replay = run_overlap(oracle, connect, 0.5, 3, pad_drafts=True, calls=calls)
+    engine, outputs, replay = run_overlap(oracle, connect, 0.5, 3, pad_decodes=True, calls=calls)
     assert outputs == oracle.expected
     assert replay is not None
     replay.check()
     assert engine.stats.table_violations == 0
     padded = [c["padding"] for c in calls if "padding" in c]
     assert padded and all((np.asarray(lens) == 3).all() for _, lens in padded)
+
+
+def test_a_batch_grown_to_its_bucket_gives_the_exact_tokens(oracle: Oracle,
+                                                            connect: Callable) -> None:
+    """Three requests decode as a batch of four, the bucket a captured graph serves: the grown
+    entry, on the spare row, emits nothing and writes nothing."""
+    prompts = oracle.prompts[:3]
+    engine, outputs, replay = run_overlap(oracle, connect, 0.5, 3, prompts=prompts,
+                                          pad_decodes=True)
+    assert outputs == {p.req_id: oracle.expected[p.req_id] for p in prompts}
+    assert replay is not None
+    replay.check()
+    assert engine.stats.table_violations == 0 and engine.stats.padded_entries > 0
 
 
 def test_preemption_on_a_small_pool_still_gives_the_exact_tokens(llama_oracle: Oracle,

@@ -3,7 +3,8 @@
 One step packs every scheduled request's tokens back to back (an *entry* each). Entry ``r``
 owns the packed tokens ``query_starts[r] .. + query_lens[r]`` at positions ``history[r] ..``;
 its history (the positions below ``history[r]``) lives in the pool, read through block-table row
-``rows[r]``, and its own tokens of this step live in staging. Each query attends over both
+``rows[r]`` (or none: a padded entry on the spare row past the table, `worker.step.rows`, has
+no history), and its own tokens of this step live in staging. Each query attends over both
 sources in one softmax, causal among the step's tokens, and a sliding-window layer sees only the
 last ``window`` positions (key ``j`` is visible to the query at position ``p`` iff
 ``p - window < j <= p``, as transformers' masks have it).
@@ -66,7 +67,10 @@ class EntryGroup:
         query_index = torch.where(query_valid, starts[:, None] + i[None, :], 0)
         in_history = j[None, :] < hist[:, None]
         staged = ~in_history & (j[None, :] < (hist + lens)[:, None])
-        rows = layout.rows[entries][:, None].expand(-1, max_keys)
+        # A padded entry's spare row lies past the table; it has no history, so whatever row
+        # stands in for it is never read.
+        rows = layout.rows[entries].clamp(max=layout.block_table.shape[0] - 1)
+        rows = rows[:, None].expand(-1, max_keys)
         table_slot = slot_mapping(layout.block_table, rows.reshape(-1),
                                   j.expand(entries.numel(), -1).reshape(-1),
                                   layout.tokens_per_block).view(entries.numel(), max_keys)

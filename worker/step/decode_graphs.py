@@ -1,10 +1,11 @@
-"""`DecodeGraphs`: decode steps replayed as CUDA graphs, one per batch shape.
+"""`DecodeGraphs`: decode steps replayed as CUDA graphs, one per step shape.
 
 A decode step's device work (the model's forward over the pool, greedy verification, an overlap
 worker's commit) launches hundreds of kernels; from Python that takes longer than the GPU needs
 to run them at small batches, so the GPU would wait for the host. Captured once per shape
 (entries x tokens per entry: every decode padded to the same draft count through the protocol's
-padding grant), the step replays in one launch.
+padding grant, the batch grown to its bucket by `DeviceStep`, `worker.step.batch_buckets`), the
+step replays in one launch.
 
 The graph reads static copies of the step's inputs: the uploaded columns and the metadata
 (`worker.step.step_metadata`), which run eagerly before each replay and are copied in. The first

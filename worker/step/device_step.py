@@ -10,6 +10,10 @@ the model's next token; the emitted tokens stop at the request's limit or a stop
 step's outcome (`Launched`) is copied to pinned host memory behind an event, and the host reads
 it when it needs it: at once in a synchronous worker, one step later in an overlap worker.
 
+A decode-only step may run as more entries than the host planned: grown to its batch bucket
+(`worker.step.batch_buckets`) by padded entries on the rows' spare row, so that a captured graph
+serves it. The outcome and the record are the planned entries' alone.
+
 An overlap worker also commits on the device (`worker.step.commit`), right after verification and
 before the next forward reads history. Its window counts every token of an entry as a draft: an
 entry keeps ``1 + accepted`` tokens (a decode) or its whole chunk (a prefill) while its request
@@ -28,9 +32,11 @@ import torch
 
 from allocator.capacity.table_validator import TableValidator
 from allocator.common.device_io import upload_int64
+from allocator.errors import InvariantViolation
 from worker.attention.hook import PoolStep
 from worker.attention.pool_attention import HostBounds, PagedLayout
 from worker.drafters import DeviceOracleDrafter
+from worker.step.batch_buckets import batch_bucket
 from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.rows import DeviceRows
@@ -67,6 +73,25 @@ class LaunchPlan:
         """Logits each emitting entry keeps: every token of a decode, a chunk's last."""
         return np.where(self.decode, self.num_tokens[self.emitting], 1)
 
+    def padded(self, entries: int, row: int) -> LaunchPlan:
+        """This decode-only plan grown to ``entries`` entries by decodes of its width from
+        position 0 on ``row`` (the spare row), after its own: they emit and keep nothing."""
+        extra = entries - self.rows.size
+        if extra <= 0:
+            return self
+        if not self.decode_only:
+            raise InvariantViolation("padded: only a decode-only step grows to a bucket")
+        width, end = int(self.num_tokens[0]), int(self.num_tokens.sum())
+        zeros = np.zeros(extra, dtype=np.int64)
+        return LaunchPlan(
+            np.concatenate([self.rows, np.full(extra, row)]),
+            np.concatenate([self.offsets, end + width * np.arange(extra)]),
+            np.concatenate([self.num_tokens, np.full(extra, width)]),
+            np.concatenate([self.starts, zeros]), np.concatenate([self.behind, zeros]),
+            np.concatenate([self.host_ids, np.zeros(extra * width, dtype=np.int64)]),
+            np.arange(entries), np.ones(entries, dtype=bool),
+            np.concatenate([self.drafts, zeros]))
+
     @property
     def logit_rows(self) -> np.ndarray:
         """Packed index of every kept logit, in order."""
@@ -76,11 +101,14 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class Launched:
-    """A step on its way: the host reads ``outcome()`` once ``done`` has passed."""
+    """A step on its way: the host reads ``outcome()`` once ``done`` has passed. ``plan`` is
+    the step as the host planned it; the device ran ``ran`` emitting entries, the padded ones
+    last."""
 
     plan: LaunchPlan
-    host: torch.Tensor  # int64, pinned on CUDA: [E * W] argmax, [E] emitted, [E] accepted
+    host: torch.Tensor  # int64, pinned on CUDA: [P * W] argmax, [P] emitted, [P] accepted
     width: int  # W
+    ran: int  # P >= E
     done: torch.cuda.Event | None
     started: torch.cuda.Event | None  # the forward's first and last work, for idle time
     record: StepTensors
@@ -91,10 +119,9 @@ class Launched:
         :emitted[e]]``; waits for the device."""
         if self.done is not None:
             self.done.synchronize()
-        e = self.plan.emitting.size
+        e, p, w = self.plan.emitting.size, self.ran, self.width
         flat = self.host.numpy()
-        return (flat[:e * self.width].reshape(e, self.width), flat[e * self.width:][:e],
-                flat[e * self.width + e:])
+        return (flat[:p * w].reshape(p, w)[:e], flat[p * w:][:e], flat[p * w + p:][:e])
 
 
 class StepOutputs(NamedTuple):
@@ -124,11 +151,14 @@ class DeviceStep:
                  stop_token_ids: frozenset[int],
                  drafter: DeviceOracleDrafter | None = None, commit: WorkerCommit | None = None,
                  validator: TableValidator | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, pad_batches: bool = False) -> None:
+        """``pad_batches``: run a decode-only step as its batch bucket
+        (`worker.step.batch_buckets`), the shapes ``graphs`` capture; on with graphs."""
         self.model, self.kv, self.staging, self.block_table = model, kv, staging, block_table
         self.rows, self.max_draft_len = rows, max_draft_len
         self.drafter, self.committer, self.validator = drafter, commit, validator
         self.graphs = graphs
+        self.pad_batches = pad_batches or graphs is not None
         self.device = kv.device
         self.stop = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=self.device)
         self.timed = self.device.type == "cuda"
@@ -136,22 +166,40 @@ class DeviceStep:
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
         building = time.perf_counter()
-        layout, meta, cols = self._inputs(plan)
+        run = self._grown(plan)
+        layout, meta, cols = self._inputs(run)
         metadata_s = time.perf_counter() - building
-        if self.validator is not None:
-            self.validator.check(layout.block_table, layout.rows,
-                                 layout.history + layout.query_lens, layout.tokens_per_block)
-        if self.graphs is not None and plan.decode_only:
-            out = self.graphs.run(plan, layout, meta, cols, self._body)
+        r = plan.rows.size
+        if self.validator is not None:  # the padded entries address nothing
+            self.validator.check(layout.block_table, layout.rows[:r],
+                                 (layout.history + layout.query_lens)[:r],
+                                 layout.tokens_per_block)
+        if self.graphs is not None and run.decode_only:
+            out = self.graphs.run(run, layout, meta, cols, self._body)
         else:
-            out = self._body(plan, layout, meta, cols)
+            out = self._body(run, layout, meta, cols)
         host = out.packed
         if self.timed:  # the host reads it behind the step's event, never by waiting on it now
             host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             host.copy_(out.packed, non_blocking=True)
-        record = StepTensors(meta.ids, meta.positions, plan.logit_rows, out.logits, meta.slots,
-                             out.kept if self.committer is not None else None)
-        return Launched(plan, host, out.width, self._event(), started, record, metadata_s)
+        n, k = int(plan.num_tokens.sum()), int(plan.widths.sum())
+        record = StepTensors(meta.ids[:n], meta.positions[:n], plan.logit_rows, out.logits[:k],
+                             meta.slots[:n],
+                             out.kept[:r] if self.committer is not None else None)
+        return Launched(plan, host, out.width, run.emitting.size, self._event(), started, record,
+                        metadata_s)
+
+    def replays(self, plan: LaunchPlan) -> bool:
+        """Whether launching ``plan`` now replays a captured graph (no capture, no eager run)."""
+        return (self.graphs is not None and plan.decode_only
+                and self.graphs.captured_for(self._grown(plan)))
+
+    def _grown(self, plan: LaunchPlan) -> LaunchPlan:
+        """``plan`` as the device runs it: a decode-only step grown to its batch bucket."""
+        if not (self.pad_batches and plan.decode_only):
+            return plan
+        most = self.staging.shape[2] // int(plan.num_tokens[0])
+        return plan.padded(batch_bucket(plan.rows.size, most), self.rows.spare)
 
     def _body(self, plan: LaunchPlan, layout: PagedLayout, meta: StepMetadata,
               cols: _Columns) -> StepOutputs:

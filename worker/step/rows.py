@@ -12,9 +12,13 @@ The host writes a row only when a request is admitted to it (`admit`), as device
 the current stream: they land after every step already launched, so a row freed and taken again
 in one call never sees the old request's in-flight updates after the new request's.
 
+One row past the block table's, ``spare``, is never admitted and so never alive: the padded
+entries of a decode step grown to a captured batch size (`worker.step.batch_buckets`) run on it,
+emit nothing and keep nothing, and the step's metadata gives their tokens no slot.
+
 Invariants: ``0 <= generated <= limit`` for a live row; ``lead`` is what the row's last emitting
 step accepted (0 after a prompt's last chunk), and counts only where the host says the request
-is behind a step it has not read.
+is behind a step it has not read; the spare row is not alive.
 """
 
 from __future__ import annotations
@@ -28,15 +32,19 @@ from allocator.errors import InvariantViolation
 
 class DeviceRows:
     def __init__(self, num_rows: int, device: torch.device, *, truth_width: int = 0) -> None:
-        """``truth_width``: tokens per row a device drafter may draft from (0: none)."""
+        """``num_rows``: the block table's; ``truth_width``: tokens per row a device drafter may
+        draft from (0: none)."""
         self.device = device
+        self.spare = num_rows
+        num_rows += 1
         zeros = {"dtype": torch.int64, "device": device}
         self.pending = torch.zeros(num_rows, **zeros)
         self.lead = torch.zeros(num_rows, **zeros)
         self.generated = torch.zeros(num_rows, **zeros)
         self.limit = torch.zeros(num_rows, **zeros)
         self.alive = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        self.truth = torch.full((num_rows, max(truth_width, 1)), -1, **zeros)
+        # Zeros, not a marker: the spare row's drafts are fed to the model too.
+        self.truth = torch.zeros((num_rows, max(truth_width, 1)), **zeros)
 
     def admit(self, rows: np.ndarray, generated: np.ndarray, limit: np.ndarray,
               truth: np.ndarray | None = None) -> None:
@@ -44,6 +52,10 @@ class DeviceRows:
         ``truth`` ``[len(rows), truth_width]``: what a device drafter drafts for each."""
         if rows.size == 0:
             return
+        outside = rows[(rows < 0) | (rows >= self.spare)]
+        if outside.size:
+            raise InvariantViolation(f"rows: admitted to row {int(outside[0])}, outside the "
+                                     f"table's 0..{self.spare - 1}")
         at = upload_int64(rows, self.device)
         self.generated[at] = upload_int64(generated, self.device)
         self.limit[at] = upload_int64(limit, self.device)
@@ -59,3 +71,5 @@ class DeviceRows:
         alive = self.alive
         if bool(((self.generated < 0) | (self.generated > self.limit))[alive].any()):
             raise InvariantViolation("rows: a live row emitted more than its limit")
+        if bool(alive[self.spare]):
+            raise InvariantViolation("rows: the spare row is alive")

@@ -3,7 +3,8 @@
 From the reply's columns (uploaded once) and the rows' device state, without reading anything
 back: each entry's ``history`` (its start, plus its lead when it is behind a step the host has
 not read), each packed token's ``position`` and pool ``slot`` (from the shared block table; -1
-past the row's blocks), and the ``ids`` the forward reads (the host's, except a decode's first
+past the row's blocks, and for an entry on the spare row one past the table's, a padded one:
+`worker.step.rows`), and the ``ids`` the forward reads (the host's, except a decode's first
 token: its request's pending token, which only the device knows on an overlap worker).
 
 `metadata_reference` states it in torch (any device: a few dozen tiny operations);
@@ -48,8 +49,8 @@ def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Te
     positions = history[e] + index
     rows = cols.rows[e]
     col = positions // tokens_per_block
-    in_row = col < table.shape[1]
-    block = table[rows, torch.where(in_row, col, 0)].long()
+    in_row = (col < table.shape[1]) & (rows < table.shape[0])
+    block = table[torch.where(in_row, rows, 0), torch.where(in_row, col, 0)].long()
     slots = torch.where(in_row & (block >= 0),
                         block * tokens_per_block + positions % tokens_per_block, -1)
     first = (index == 0) & (cols.decoding[e] != 0)

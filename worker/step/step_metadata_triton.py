@@ -21,7 +21,7 @@ BLOCK = 128
 
 def _metadata(rows_ptr, offsets_ptr, starts_ptr, behind_ptr, decoding_ptr, entry_ptr,
               host_ids_ptr, lead_ptr, pending_ptr, table_ptr, history_ptr, positions_ptr,
-              slots_ptr, ids_ptr, index_ptr, num_tokens, table_width,
+              slots_ptr, ids_ptr, index_ptr, num_tokens, table_rows, table_width,
               TOKENS_PER_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = t < num_tokens
@@ -32,7 +32,7 @@ def _metadata(rows_ptr, offsets_ptr, starts_ptr, behind_ptr, decoding_ptr, entry
     index = t - tl.load(offsets_ptr + e, mask=live, other=0)
     position = history + index
     col = position // TOKENS_PER_BLOCK
-    in_row = col < table_width
+    in_row = (col < table_width) & (row < table_rows)
     block = tl.load(table_ptr + row * table_width + col, mask=live & in_row,
                     other=-1).to(tl.int64)
     slot = tl.where(in_row & (block >= 0),
@@ -67,5 +67,5 @@ def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tenso
         kernel[(triton.cdiv(n, BLOCK),)](
             cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding, cols.token_entry,
             cols.host_ids, lead, pending, table, history, positions, slots, ids, index, n,
-            table.shape[1], TOKENS_PER_BLOCK=tokens_per_block, BLOCK=BLOCK)
+            table.shape[0], table.shape[1], TOKENS_PER_BLOCK=tokens_per_block, BLOCK=BLOCK)
     return StepMetadata(history, positions, slots, ids, index)

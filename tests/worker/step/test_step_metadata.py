@@ -15,7 +15,7 @@ TOKENS_PER_BLOCK = 4
 
 def _layout(rng: np.random.Generator, device: str) -> tuple:
     """Random entries over a table whose rows hold a few blocks (-1 past them), some entries
-    behind an unread step, some reaching past their row's blocks."""
+    behind an unread step, some reaching past their row's blocks, some on the spare row."""
     rows_in_table, width = 8, 6
     table = torch.full((rows_in_table, width), -1, dtype=torch.int32)
     for row in range(rows_in_table):
@@ -23,13 +23,15 @@ def _layout(rng: np.random.Generator, device: str) -> tuple:
         table[row, :held] = torch.from_numpy(rng.permutation(64)[:held].astype(np.int32))
     r = int(rng.integers(1, rows_in_table + 1))
     rows = rng.permutation(rows_in_table)[:r]
+    rows = np.concatenate([rows, np.full(int(rng.integers(0, 3)), rows_in_table)])
+    r = rows.size
     num_tokens = rng.integers(1, 9, r)
     offsets = np.cumsum(num_tokens) - num_tokens
     cols = EntryColumns(*(torch.as_tensor(a, dtype=torch.int64, device=device) for a in (
         rows, offsets, rng.integers(0, 20, r), rng.integers(0, 2, r), rng.integers(0, 2, r),
         np.repeat(np.arange(r), num_tokens), rng.integers(0, 1000, int(num_tokens.sum())))))
-    lead = torch.as_tensor(rng.integers(0, 4, rows_in_table), device=device)
-    pending = torch.as_tensor(rng.integers(1000, 2000, rows_in_table), device=device)
+    lead = torch.as_tensor(rng.integers(0, 4, rows_in_table + 1), device=device)
+    pending = torch.as_tensor(rng.integers(1000, 2000, rows_in_table + 1), device=device)
     return cols, lead, pending, table.to(device)
 
 
@@ -37,13 +39,16 @@ def test_the_reference_on_a_worked_example() -> None:
     table = torch.tensor([[5, 9, -1], [2, -1, -1]], dtype=torch.int32)
     # Entry 0: a decode of row 0 behind an unread step (lead 2), 3 tokens from start 3.
     # Entry 1: a prefill chunk of row 1, 2 tokens from start 3 (its second block: none).
+    # Entry 2: a padded decode on the spare row 2, past the table: no slots.
     cols = EntryColumns(*(torch.tensor(a) for a in (
-        [0, 1], [0, 3], [3, 3], [1, 0], [1, 0], [0, 0, 0, 1, 1], [0, 70, 71, 80, 81])))
-    meta = metadata_reference(cols, torch.tensor([2, 7]), torch.tensor([42, 43]), table, 4)
-    assert meta.history.tolist() == [5, 3]
-    assert meta.positions.tolist() == [5, 6, 7, 3, 4]
-    assert meta.slots.tolist() == [37, 38, 39, 11, -1]
-    assert meta.ids.tolist() == [42, 70, 71, 80, 81]
+        [0, 1, 2], [0, 3, 5], [3, 3, 0], [1, 0, 0], [1, 0, 1], [0, 0, 0, 1, 1, 2, 2],
+        [0, 70, 71, 80, 81, 0, 0])))
+    meta = metadata_reference(cols, torch.tensor([2, 7, 0]), torch.tensor([42, 43, 44]),
+                              table, 4)
+    assert meta.history.tolist() == [5, 3, 0]
+    assert meta.positions.tolist() == [5, 6, 7, 3, 4, 0, 1]
+    assert meta.slots.tolist() == [37, 38, 39, 11, -1, -1, -1]
+    assert meta.ids.tolist() == [42, 70, 71, 80, 81, 44, 0]
 
 
 @needs_triton_interpreter
