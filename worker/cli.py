@@ -158,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "serves it on rank K's pool (default: none, for a service of one)")
     svc.add_argument("--cuda-graphs", action="store_true",
                      help="replay decode steps as captured CUDA graphs (a CUDA pool; decodes "
-                          "padded to --draft-len drafts through the padding grant)")
+                          "padded to --draft-len drafts through the padding grant, batches "
+                          "grown to 1, 2, 4, 8 or a multiple of 8)")
     svc.add_argument("--validate", action="store_true",
                      help="count block-table entries each step addresses that hold no block "
                           "(table_violations; off by default)")
