@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from allocator.capacity.table_validator import TableValidator
-from allocator.common.device_io import upload_int64
+from allocator.common.device_io import PinnedUploads
 from allocator.errors import InvariantViolation
 from worker.attention.hook import PoolStep
 from worker.attention.pool_attention import HostBounds, PagedLayout
@@ -162,6 +162,10 @@ class DeviceStep:
         self.device = kv.device
         self.stop = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=self.device)
         self.timed = self.device.type == "cuda"
+        # Two, taken in turn: the host fills one while the device may still copy from the other
+        # (an overlap worker's previous step), so filling never waits for the device.
+        self._uploads = (PinnedUploads(self.device), PinnedUploads(self.device))
+        self._launches = 0
 
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
@@ -227,7 +231,8 @@ class DeviceStep:
     def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, StepMetadata, _Columns]:
         """The step's layout, metadata (input ids, positions, slots) and columns, from one
         upload and one launch (`worker.step.step_metadata`)."""
-        cols = _Columns.upload(plan, self.device)
+        self._launches += 1
+        cols = _Columns.upload(plan, self._uploads[self._launches % 2])
         meta = step_metadata(
             EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
                          cols.token_entry, cols.host_ids),
@@ -312,14 +317,15 @@ class _Columns(NamedTuple):
     flat: torch.Tensor  # the one tensor the others view
 
     @classmethod
-    def upload(cls, plan: LaunchPlan, device: torch.device) -> _Columns:
+    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
+        """The columns through ``uploads``: valid until its next upload, in stream order."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
         decoding[plan.emitting[plan.decode]] = 1
         parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
                  np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
                  plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
                  plan.emitting[plan.decode]]
-        flat = upload_int64(np.concatenate(parts), device)
+        (flat,) = uploads.upload(np.concatenate(parts).astype(np.int64, copy=False))
         ends = np.cumsum([p.size for p in parts]).tolist()
         return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends, strict=True)), flat)
 
