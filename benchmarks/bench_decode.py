@@ -25,6 +25,10 @@ decode step has one shape), the service in process. Side by side:
 - ``generate``: `model.generate` (SDPA, its own cache, transformers' own modules) on the same
   prompts and new tokens.
 
+Each worker row also has the replayed launches' host time (``step_launch_us``: inputs, replay
+and the outcome's copy; ``step_metadata_us`` of it for the inputs) and, with
+``--host-profile``, the functions it goes to.
+
 Targets it reports as ratios of the same run: the replayed steps' median GPU time
 ``step_gpu_ms <= 1.15 x (no_attention + kv_bytes at 70% of the copy bandwidth)`` (``vs_target``),
 and the bytes' floor ``(weight_bytes + kv_bytes) /
@@ -35,7 +39,9 @@ the code.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -100,8 +106,9 @@ def prompts_for(model: Any, setup: dict[str, Any], seed: int) -> list[NamedPromp
 
 
 def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
-                seed: int) -> list[dict[str, Any]]:
-    """The engine's decode steps, synchronous and one step ahead, graphs on where CUDA is."""
+                seed: int, *, host_profile: bool = False) -> list[dict[str, Any]]:
+    """The engine's decode steps, synchronous and one step ahead, graphs on where CUDA is;
+    ``host_profile``: the warm-up run's launches profiled on the host, the measured run not."""
     graphs = setup["device"] == "cuda"
     pool = pool_for_model(model.config, longest=setup["prompt_len"] + setup["new_tokens"],
                           num_requests=setup["batch"], draft_len=DRAFT_LEN,
@@ -120,16 +127,22 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
     try:
         for overlap in (False, True):
             with connect("in-process", core, overlap=overlap) as client:
-                for _ in ("warm-up", "measured"):  # the first run compiles for the shapes
+                functions = []
+                for run in ("warm-up", "measured"):  # the first run compiles for the shapes
                     drafter = DeviceOracleDrafter(truth, ORACLE_RATE,
                                                   vocab_size=model.config.vocab_size,
                                                   device=model.device, seed=seed)
                     engine = Engine(model, client, drafter, draft_len=DRAFT_LEN,
                                     overlap=overlap, cuda_graphs=graphs, pad_decodes=True)
-                    steps = StepLog(engine)
+                    profiled = host_profile and run == "warm-up"
+                    steps = StepLog(engine, cProfile.Profile() if profiled else None)
                     engine.run(prompts, setup["new_tokens"])
+                    if profiled:
+                        functions = steps.summary().get("launch_host_functions", [])
                 row = {"mode": ("overlap" if overlap else "sync") + ("+graphs" if graphs else ""),
                        **steps.summary(), **run_figures(engine.stats)}
+                if host_profile:
+                    row["launch_host_functions"] = functions
                 row["decode_tokens_per_s"] = round(
                     1e3 * setup["batch"] * (1 + row["acceptance_rate"] * DRAFT_LEN)
                     / row["decode_step_ms"], 1)
@@ -144,20 +157,31 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
 
 class StepLog:
     """Each decode-only step an engine launches: its shape as it ran (grown to its batch
-    bucket), whether it replayed a graph, its GPU time (CUDA events) and its host time to lay
-    out and upload its inputs."""
+    bucket), whether it replayed a graph, its GPU time (CUDA events), its host time to lay out
+    and upload its inputs, and the host time of the whole launch. ``profiler``: where the
+    steady launches' host time goes (the replayed ones; every decode step's without graphs),
+    function by function (cProfile, which slows what it times: its figures rank, the
+    unprofiled ones measure)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.steps: list[tuple[tuple[int, int], bool, Launched]] = []
+    def __init__(self, engine: Engine, profiler: cProfile.Profile | None = None) -> None:
+        self.steps: list[tuple[tuple[int, int], bool, Launched, float]] = []
+        self.profiler, self.profiled = profiler, 0
         launch, graphs = engine.step.launch, engine.step.graphs
 
         def logged(plan: LaunchPlan) -> Launched:
-            replayed = graphs.replayed if graphs is not None else 0
+            replays = plan.decode_only and engine.step.replays(plan)
+            profiled = profiler is not None and plan.decode_only and (graphs is None or replays)
+            if profiled:
+                profiler.enable()
+                self.profiled += 1
+            started = time.perf_counter()
             launched = launch(plan)
+            host_s = time.perf_counter() - started
+            if profiled:
+                profiler.disable()
             if plan.decode_only:
-                replays = graphs is not None and graphs.replayed > replayed
                 self.steps.append(((launched.ran, int(plan.num_tokens[0])), replays,
-                                   launched))
+                                   launched, host_s))
             return launched
 
         engine.step.launch = logged  # type: ignore[method-assign]
@@ -165,17 +189,33 @@ class StepLog:
     def summary(self) -> dict[str, Any]:
         """Medians over the steady state: the decode steps that replayed a graph (all of
         them where there are no graphs)."""
-        steady = [launched for _, replayed, launched in self.steps if replayed] or [
-            launched for _, _, launched in self.steps]
+        steady = [(launched, host_s) for _, replayed, launched, host_s in self.steps
+                  if replayed] or [(launched, host_s) for _, _, launched, host_s in self.steps]
         shapes: dict[str, int] = {}
-        for (entries, width), replayed, _ in self.steps:
+        for (entries, width), replayed, _, _ in self.steps:
             key = f"{entries}x{width}{' replayed' if replayed else ''}"
             shapes[key] = shapes.get(key, 0) + 1
-        gpu = [s.started.elapsed_time(s.done) for s in steady if s.done is not None]
-        return {"steady_steps": len(steady), "shapes": shapes,
-                "step_gpu_ms": round(statistics.median(gpu), 3) if gpu else None,
-                "step_metadata_us": round(1e6 * statistics.median(
-                    s.metadata_s for s in steady), 1) if steady else None}
+        gpu = [s.started.elapsed_time(s.done) for s, _ in steady if s.done is not None]
+        summary = {"steady_steps": len(steady), "shapes": shapes,
+                   "step_gpu_ms": round(statistics.median(gpu), 3) if gpu else None,
+                   "step_metadata_us": round(1e6 * statistics.median(
+                       s.metadata_s for s, _ in steady), 1) if steady else None,
+                   "step_launch_us": round(1e6 * statistics.median(
+                       host_s for _, host_s in steady), 1) if steady else None}
+        if self.profiler is not None and self.profiled:
+            summary["launch_host_functions"] = host_functions(self.profiler, self.profiled)
+        return summary
+
+
+def host_functions(profiler: cProfile.Profile, steps: int, top: int = 15
+                   ) -> list[dict[str, Any]]:
+    """The functions a profiled launch spent its host time in, most first (their own time)."""
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line}:{name}",
+             "self_us_per_step": round(1e6 * own / steps, 1),
+             "total_us_per_step": round(1e6 * total / steps, 1), "calls_per_step": calls // steps}
+            for (file, line, name), (_, calls, own, total, _) in rows]
 
 
 def replay_kernels(engine: Engine, replays: int = 5, top: int = 12) -> list[dict[str, Any]]:
@@ -342,7 +382,8 @@ def generate_row(model: Any, prompts: list[NamedPrompt], new_tokens: int) -> dic
             "wall_s": round(whole, 3)}
 
 
-def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int) -> dict[str, Any]:
+def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int, *,
+              host_profile: bool = False) -> dict[str, Any]:
     model = random_model(config, seed=seed, dtype=getattr(torch, setup["dtype"]),
                          device=setup["device"])
     prompts = prompts_for(model, setup, seed)
@@ -353,7 +394,7 @@ def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int) -> dict[
     fuse_rms_norms(model)  # what the worker's engine does on CUDA: the forward it runs
     fuse_attention_modules(model)
     row.update(reference_rows(model, setup))
-    row["worker"] = worker_rows(model, prompts, setup, seed)
+    row["worker"] = worker_rows(model, prompts, setup, seed, host_profile=host_profile)
     bandwidth = row["copy_gbps"] * 1e6  # bytes per ms
     row["bytes_floor_ms"] = round((row["weight_bytes"] + row["kv_bytes"]) / bandwidth, 3)
     row["target_ms"] = round(1.15 * (row["no_attention_ms"]
@@ -374,6 +415,9 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the rows and the machine as JSON")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="where the launches' host time goes, function by function (from "
+                             "each warm-up run; the measured runs stay unprofiled)")
     args = parser.parse_args()
     setup = SMALL if args.quick else FULL
     if setup["device"] == "cuda" and not torch.cuda.is_available():
@@ -381,7 +425,8 @@ def main() -> int:
     if args.quick:
         torch.set_num_threads(1)
     shapes = {"quick": QUICK} if args.quick else {s: SHAPES[s] for s in args.shapes}
-    rows = [shape_row(name, config, setup, args.seed) for name, config in shapes.items()]
+    rows = [shape_row(name, config, setup, args.seed, host_profile=args.host_profile)
+            for name, config in shapes.items()]
     if args.out is not None:
         args.out.write_text(json.dumps({"machine": machine(setup["device"]), "setup": setup,
                                         "draft_len": DRAFT_LEN, "rows": rows}, indent=1) + "\n")

@@ -94,10 +94,10 @@ done
 want round_trip && step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
 # decode: the worker's decode step alone (1B and 8B shapes, batch 64, 1.5k context, graphs)
 # against the same forward without attention, SDPA over a contiguous cache, the bytes it must
-# read and model.generate.
+# read and model.generate; where the launches' host time goes (profiled in the warm-up runs).
 # One shape a run: a run cut short still records the other.
 want decode && for shape in 1b 8b; do
-    step "$PYTHON" benchmarks/bench_decode.py --shapes "$shape" \
+    step "$PYTHON" benchmarks/bench_decode.py --shapes "$shape" --host-profile \
         --out "$OUT/bench_decode_${shape}.json" 2>&1 | tee -a "$OUT/bench.log"
 done
 # worker: a real model's decode loop with its KV in the pool (a ~1B shape, bf16, random weights).
