@@ -135,6 +135,7 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                     engine = Engine(model, client, drafter, draft_len=DRAFT_LEN,
                                     overlap=overlap, cuda_graphs=graphs, pad_decodes=True)
                     profiled = host_profile and run == "warm-up"
+                    engine.warm_up()  # every graph captured before the first step
                     steps = StepLog(engine, cProfile.Profile() if profiled else None)
                     engine.run(prompts, setup["new_tokens"])
                     if profiled:
@@ -244,6 +245,7 @@ def run_figures(s: RunStats) -> dict[str, Any]:
             "decode_step_ms": round(1e3 * s.decode_wall_s / max(s.decode_steps, 1), 3),
             "decode_call_ms": round(1e3 * s.decode_call_s / max(s.decode_steps, 1), 3),
             "decode_steps": s.decode_steps, "graph_replays": s.graph_replays,
+            "warm_up_shapes": s.warm_up_shapes, "warm_up_s": round(s.warm_up_s, 2),
             "tokens_per_s": round(s.tokens_per_s, 1),
             "acceptance_rate": round(s.acceptance_rate, 4)}
 

@@ -116,6 +116,8 @@ def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: 
             ) -> tuple[dict[str, list[int]], dict[str, Any]]:
     engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap,
                     cuda_graphs=cuda_graphs)
+    if client.pool is not None and client.pool.kv.is_cuda:  # as the worker's CLI does
+        engine.warm_up()
     outputs = engine.run(prompts, new_tokens)
     s = engine.stats
     return outputs, {

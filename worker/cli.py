@@ -289,6 +289,8 @@ def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPr
     engine = Engine(model, client, drafter, draft_len=draft_len,
                     stop_token_ids=_stop_tokens(model), overlap=args.overlap,
                     validate=args.validate, cuda_graphs=args.cuda_graphs)
+    if next(model.parameters()).is_cuda:  # compile and capture first: no stall while serving
+        engine.warm_up()
     total = len(prompts) * args.max_new_tokens
 
     def after_step(tokens: int) -> None:

@@ -57,6 +57,7 @@ from worker.attention.rotary import fuse_attention_modules
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.model import kv_shape
 from worker.norm.rms_norm import fuse_rms_norms
+from worker.step.batch_buckets import batch_bucket
 from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
@@ -152,6 +153,9 @@ class RunStats:
     graphs_captured: int = 0
     # Entries decode steps ran past the planned ones, to reach their batch bucket (pad_decodes).
     padded_entries: int = 0
+    # Before serving (`Engine.warm_up`): the shapes run, and how long that took.
+    warm_up_shapes: int = 0
+    warm_up_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -276,6 +280,31 @@ class Engine:
                                  f"{model.dtype}")
         if layout.dtype == "fp8_e4m3":
             raise LayoutMismatch("dtype: fp8 pools are not supported by the worker")
+
+    # ------------------------------------------------------------------ before serving
+
+    def warm_up(self) -> int:
+        """Run once every shape this engine's decode steps take, and its widest prefill chunk,
+        on the rows' spare row: nothing of the pool is read, nothing emitted or kept, no request
+        is touched. It compiles every kernel those shapes use and, with ``cuda_graphs``,
+        captures each decode shape's graph, so that serving never stalls on either. After each
+        shape an empty call keeps the lease: a cold compile may take seconds, though one shape
+        must compile within the lease. Call it outside `run`; returns the shapes run."""
+        widths = [1 + self.draft_len] if self.pad_decodes else range(1, 2 + self.draft_len)
+        capacity = min(self.layout.max_step_tokens, self.pool.staging.shape[2])
+        spare = self.rows.spare
+        plans = [LaunchPlan.on_spare_row(np.array([capacity]), spare, decode=False)]
+        for width in widths:
+            most = min(self.layout.max_batch_size, capacity // width)
+            plans += [LaunchPlan.on_spare_row(np.full(entries, width), spare, decode=True)
+                      for entries in sorted({batch_bucket(b, most) for b in range(1, most + 1)})]
+        started = time.perf_counter()
+        for plan in plans:
+            self.step.launch(plan).outcome()
+            self.client.step()
+        self.stats.warm_up_shapes += len(plans)
+        self.stats.warm_up_s += time.perf_counter() - started
+        return len(plans)
 
     # ------------------------------------------------------------------ the loop
 

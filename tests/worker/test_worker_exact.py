@@ -18,8 +18,11 @@ import pytest
 import torch
 from worker_oracle import MAX_NEW_TOKENS, Oracle, assert_acceptance, pool_config
 
+from server.client import Client
+from server.service.core import ServiceCore
 from worker.drafters import Drafter, NgramDrafter, OracleDrafter
 from worker.engine import Engine, Request, StepRecord
+from worker.step.device_step import Launched, LaunchPlan
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -72,7 +75,7 @@ class PoolWatch:
 
 def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft_len: int,
                on_step: Callable[[StepRecord], None] | None = None, nwor: bool = True,
-               pad_decodes: bool = False,
+               pad_decodes: bool = False, warm_up: bool = False,
                **pool: object) -> tuple[Engine, dict[str, list[int]], PoolWatch]:
     client = connect(pool_config(oracle.model, nwor=nwor, **pool))
     client.pool.kv.fill_(float("nan"))
@@ -85,6 +88,8 @@ def run_worker(oracle: Oracle, connect: Callable, drafter: Drafter | None, draft
 
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
                     stop_token_ids=oracle.stop_tokens(), pad_decodes=pad_decodes)
+    if warm_up:
+        engine.warm_up()
     outputs = engine.run(oracle.prompts, MAX_NEW_TOKENS, on_step=observe)
     return engine, outputs, watch
 
@@ -127,6 +132,42 @@ def test_padded_decodes_are_exact_and_the_service_commits_only_real_drafts(
         on_step=lambda record: padded.append("padding" in record.call))
     assert outputs == oracle.expected and watch.committed > 0 and any(padded)
     assert engine.stats.padded_entries > 0
+
+
+@pytest.mark.parametrize("pad_decodes", [False, True], ids=["eager", "padded"])
+def test_a_warm_up_before_serving_changes_nothing(oracle: Oracle, connect: Callable,
+                                                  pad_decodes: bool) -> None:
+    """Every decode shape and the widest chunk run on the spare row first: the pool (NaN until
+    committed, the watch checks every slot) and the tokens are a cold engine's."""
+    engine, outputs, watch = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3,
+                                        pad_decodes=pad_decodes, warm_up=True)
+    assert outputs == oracle.expected and watch.committed > 0
+    assert engine.stats.generated_tokens == sum(map(len, oracle.expected.values()))
+
+
+def test_a_warm_up_longer_than_the_lease_keeps_it(oracle: Oracle) -> None:
+    """Each shape of the warm-up takes 0.6 of the lease on the service's clock (a cold
+    compile): the empty call after each keeps the session, so the run that follows is served."""
+    now = [0.0]
+    config = pool_config(oracle.model).model_copy(update={"lease_ttl_s": 10.0})
+    core = ServiceCore(config, clock=lambda: now[0])
+    try:
+        client = Client.in_process(core, worker_id="warming")
+        client.register()
+        engine = Engine(oracle.model, client, None, draft_len=0, pad_decodes=True,
+                        stop_token_ids=oracle.stop_tokens())
+        launch = engine.step.launch
+
+        def compiling(plan: LaunchPlan) -> Launched:
+            now[0] += 6.0
+            return launch(plan)
+
+        engine.step.launch = compiling  # type: ignore[method-assign]
+        assert engine.warm_up() * 6.0 > 10.0
+        assert engine.run(oracle.prompts, MAX_NEW_TOKENS) == oracle.expected
+        assert client.get_pool().leases_expired == 0
+    finally:
+        core.close()
 
 
 def test_refused_grants_preempt_and_still_give_the_exact_tokens(oracle: Oracle,

@@ -83,15 +83,8 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     shared = rng.integers(0, 96, 64).tolist() if prefix_caching else []
     prompts = [NamedPrompt(str(i), shared + rng.integers(0, 96, n).tolist())
                for i, n in enumerate((1, 5, 17, 40, 130, 236))]
-    expected = {}
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p.token_ids], device=cuda_device)
-            out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=16)
-            expected[p.req_id] = out[0, ids.shape[1]:].tolist()
-    drafter = (DeviceOracleDrafter(expected, 0.5, vocab_size=96, device=torch.device("cuda"))
-               if overlap else OracleDrafter(expected, 0.5, vocab_size=96))
+    expected = _generated(reference, prompts, 16)
+    drafter = _drafter(expected, overlap)
     # Two rows with prefix caching: the later prompts are admitted once earlier ones finished,
     # so their shared prefix is cached by then.
     outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316,
@@ -106,6 +99,53 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     assert (stats.graph_replays > 0 and stats.graphs_captured > 0) == cuda_graphs
     # Six requests decode as a batch of eight, then fewer: the grown entries are exact too.
     assert (stats.padded_entries > 0) == cuda_graphs
+
+
+def _generated(reference: torch.nn.Module, prompts: list[NamedPrompt],
+               new_tokens: int) -> dict[str, list[int]]:
+    expected = {}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p.token_ids], device=reference.device)
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=new_tokens)
+            expected[p.req_id] = out[0, ids.shape[1]:].tolist()
+    return expected
+
+
+def _drafter(expected: dict[str, list[int]], overlap: bool) -> object:
+    return (DeviceOracleDrafter(expected, 0.5, vocab_size=96, device=torch.device("cuda"))
+            if overlap else OracleDrafter(expected, 0.5, vocab_size=96))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_after_a_warm_up_every_decode_step_replays_a_captured_graph(cuda_device: str,
+                                                                    overlap: bool) -> None:
+    """The warm-up captures every batch bucket's graph on the spare row; the run after it
+    captures none, and its tokens are generate's (the pool poisoned with NaN first)."""
+    config = FAMILIES["llama"]
+    model = random_model(config, seed=0, device=cuda_device)
+    reference = random_model(config, seed=0, device=cuda_device)
+    reference.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(2)
+    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((3, 9, 30, 70, 120))]
+    expected = _generated(reference, prompts, 16)
+    core, client = _client(model, longest=140, batch=8, dtype="float32", overlap=overlap)
+    try:
+        client.pool.kv.fill_(float("nan"))
+        engine = Engine(model, client, _drafter(expected, overlap), draft_len=3,
+                        overlap=overlap, validate=True, cuda_graphs=True)
+        engine.warm_up()
+        graphs = engine.step.graphs
+        assert graphs is not None
+        captured = graphs.captured
+        assert captured == 4  # batches of 1, 2, 4 and 8
+        assert engine.run(prompts, 16) == expected
+    finally:
+        core.close()
+    assert graphs.captured == captured and graphs.replayed > 0
+    assert engine.stats.padded_entries > 0 and engine.stats.table_violations == 0
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])

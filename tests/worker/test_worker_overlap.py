@@ -51,7 +51,7 @@ class CommitReplay:
 
 def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len: int, *,
                 prompts: list[NamedPrompt] | None = None, share_prefixes: bool = False,
-                replay: bool = True, pad_decodes: bool = False,
+                replay: bool = True, pad_decodes: bool = False, warm_up: bool = False,
                 calls: list[dict] | None = None, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
     """``prompts``: the oracle's by default; the replay knows only their K/V (none for
@@ -69,6 +69,11 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
                     stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
                     share_prefixes=share_prefixes, pad_decodes=pad_decodes)
+    if warm_up:
+        free = client.get_pool().free_blocks
+        assert engine.warm_up() > 1
+        assert client.get_pool().free_blocks == free
+        engine.rows.check_invariants()
     def observe(record: StepRecord) -> None:
         if watch is not None:
             watch(record)
@@ -110,6 +115,19 @@ def test_padded_decodes_give_the_exact_tokens_and_commit_only_real_drafts(
     assert engine.stats.table_violations == 0
     padded = [c["padding"] for c in calls if "padding" in c]
     assert padded and all((np.asarray(lens) == 3).all() for _, lens in padded)
+
+
+def test_a_warm_up_before_serving_writes_nothing_and_changes_no_token(
+        oracle: Oracle, connect: Callable) -> None:
+    """Every decode shape and the widest chunk run on the spare row first, committing on the
+    device as an overlap worker does: the pool stays what the replay of the real steps says
+    (NaN wherever nothing was committed), the tokens are a cold engine's, no block moved."""
+    engine, outputs, replay = run_overlap(oracle, connect, 0.5, 3, pad_decodes=True,
+                                          warm_up=True)
+    assert outputs == oracle.expected
+    assert replay is not None
+    replay.check()
+    assert engine.stats.table_violations == 0
 
 
 def test_a_batch_grown_to_its_bucket_gives_the_exact_tokens(oracle: Oracle,

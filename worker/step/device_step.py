@@ -73,24 +73,36 @@ class LaunchPlan:
         """Logits each emitting entry keeps: every token of a decode, a chunk's last."""
         return np.where(self.decode, self.num_tokens[self.emitting], 1)
 
+    @classmethod
+    def on_spare_row(cls, num_tokens: np.ndarray, row: int, *, decode: bool) -> LaunchPlan:
+        """Entries of ``num_tokens`` each from position 0 on ``row`` (the spare row), every one
+        emitting: decodes, or prompts' last chunks. Nothing of the pool is read and nothing is
+        emitted or kept: a shape run before serving, or the padding of a batch bucket."""
+        entries, zeros = num_tokens.size, np.zeros(num_tokens.size, dtype=np.int64)
+        return cls(np.full(entries, row), np.cumsum(num_tokens) - num_tokens, num_tokens,
+                   zeros, zeros, np.zeros(int(num_tokens.sum()), dtype=np.int64),
+                   np.arange(entries), np.full(entries, decode), zeros)
+
+    def then(self, other: LaunchPlan) -> LaunchPlan:
+        """This plan's entries, then ``other``'s, packed after them."""
+        tokens, entries = int(self.num_tokens.sum()), self.rows.size
+        return LaunchPlan(*(np.concatenate(parts) for parts in (
+            (self.rows, other.rows), (self.offsets, other.offsets + tokens),
+            (self.num_tokens, other.num_tokens), (self.starts, other.starts),
+            (self.behind, other.behind), (self.host_ids, other.host_ids),
+            (self.emitting, other.emitting + entries), (self.decode, other.decode),
+            (self.drafts, other.drafts))))
+
     def padded(self, entries: int, row: int) -> LaunchPlan:
-        """This decode-only plan grown to ``entries`` entries by decodes of its width from
-        position 0 on ``row`` (the spare row), after its own: they emit and keep nothing."""
+        """This decode-only plan grown to ``entries`` entries by decodes of its width on ``row``
+        (`on_spare_row`), after its own."""
         extra = entries - self.rows.size
         if extra <= 0:
             return self
         if not self.decode_only:
             raise InvariantViolation("padded: only a decode-only step grows to a bucket")
-        width, end = int(self.num_tokens[0]), int(self.num_tokens.sum())
-        zeros = np.zeros(extra, dtype=np.int64)
-        return LaunchPlan(
-            np.concatenate([self.rows, np.full(extra, row)]),
-            np.concatenate([self.offsets, end + width * np.arange(extra)]),
-            np.concatenate([self.num_tokens, np.full(extra, width)]),
-            np.concatenate([self.starts, zeros]), np.concatenate([self.behind, zeros]),
-            np.concatenate([self.host_ids, np.zeros(extra * width, dtype=np.int64)]),
-            np.arange(entries), np.ones(entries, dtype=bool),
-            np.concatenate([self.drafts, zeros]))
+        return self.then(LaunchPlan.on_spare_row(np.full(extra, self.num_tokens[0]), row,
+                                                 decode=True))
 
     @property
     def logit_rows(self) -> np.ndarray:
@@ -173,8 +185,9 @@ class DeviceStep:
         run = self._grown(plan)
         layout, meta, cols = self._inputs(run)
         metadata_s = time.perf_counter() - building
-        r = plan.rows.size
-        if self.validator is not None:  # the padded entries address nothing
+        # Entries on the spare row, always the last ones, address nothing.
+        if self.validator is not None:
+            r = int((run.rows != self.rows.spare).sum())
             self.validator.check(layout.block_table, layout.rows[:r],
                                  (layout.history + layout.query_lens)[:r],
                                  layout.tokens_per_block)
@@ -189,7 +202,7 @@ class DeviceStep:
         n, k = int(plan.num_tokens.sum()), int(plan.widths.sum())
         record = StepTensors(meta.ids[:n], meta.positions[:n], plan.logit_rows, out.logits[:k],
                              meta.slots[:n],
-                             out.kept[:r] if self.committer is not None else None)
+                             out.kept[:plan.rows.size] if self.committer is not None else None)
         return Launched(plan, host, out.width, run.emitting.size, self._event(), started, record,
                         metadata_s)
 
