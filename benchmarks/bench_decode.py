@@ -14,7 +14,7 @@ decode step has one shape), the service in process. Side by side:
 - ``no_attention``: the same model's forward over the same 256 packed tokens with attention
   left out (a `PoolStep` that stages every layer's K/V and attends to nothing: the GEMMs,
   norms, rotary, staging and logits alone), one graph, with the fused kernels the worker runs
-  (`worker.norm`, `worker.attention.rotary`); ``no_attention_stock`` the same with
+  (`worker.fusion`: norms, rotary and staging, gated MLPs); ``no_attention_stock`` the same with
   transformers' own modules;
 - ``sdpa_contiguous``: that forward with torch's SDPA over a contiguous KV cache of the same
   context instead (grouped heads, causal among the step's tokens), one graph: what the step
@@ -63,11 +63,10 @@ from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep
 from worker.attention.pool_attention import PagedLayout
-from worker.attention.rotary import fuse_attention_modules
 from worker.drafters import DeviceOracleDrafter
 from worker.engine import Engine, NamedPrompt, RunStats
+from worker.fusion import fuse_model
 from worker.model import kv_shape, pool_for_model, random_model
-from worker.norm.rms_norm import fuse_rms_norms
 from worker.step.device_step import Launched, LaunchPlan
 
 SHAPES = {
@@ -393,8 +392,7 @@ def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int, *,
     row: dict[str, Any] = {"shape": name,
                            "generate": generate_row(model, prompts, setup["new_tokens"]),
                            "no_attention_stock_ms": no_attention_ms(model, setup)}
-    fuse_rms_norms(model)  # what the worker's engine does on CUDA: the forward it runs
-    fuse_attention_modules(model)
+    fuse_model(model)  # what the worker's engine does on CUDA: the forward it runs
     row.update(reference_rows(model, setup))
     row["worker"] = worker_rows(model, prompts, setup, seed, host_profile=host_profile)
     bandwidth = row["copy_gbps"] * 1e6  # bytes per ms

@@ -25,6 +25,7 @@ from allocator.nwor.commit_kernel import write_staged
 from allocator.nwor.keep_mask import NEVER, mask_rejected
 from worker.attention.pool_attention_triton import LaunchConfig, pool_attention_triton
 from worker.attention.rotary import rotate_and_stage
+from worker.mlp.gated_mlp import silu_and_mul_triton
 from worker.norm.rms_norm import rms_norm_triton
 from worker.step.step_metadata import EntryColumns, step_metadata
 
@@ -110,6 +111,12 @@ def _compiles(launches: list[Launch], *names: str) -> None:
 def test_the_rms_norm_kernel_compiles(launches: list[Launch], dtype: torch.dtype) -> None:
     rms_norm_triton(torch.randn(3, 2048).to(dtype), torch.ones(2048, dtype=dtype), 1e-6)
     _compiles(launches, "_rms_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_silu_and_mul_kernel_compiles(launches: list[Launch], dtype: torch.dtype) -> None:
+    silu_and_mul_triton(torch.randn(3, 2 * 1500).to(dtype))
+    _compiles(launches, "_silu_and_mul")
 
 
 @pytest.mark.parametrize(("dtype", "fp8"), [(torch.bfloat16, False), (torch.float16, False),

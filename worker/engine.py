@@ -53,10 +53,9 @@ from allocator.capacity.table_validator import TableValidator
 from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepResult
-from worker.attention.rotary import fuse_attention_modules
 from worker.drafters import DeviceOracleDrafter, Drafter
+from worker.fusion import fuse_model
 from worker.model import kv_shape
-from worker.norm.rms_norm import fuse_rms_norms
 from worker.step.batch_buckets import batch_bucket
 from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
@@ -208,9 +207,8 @@ class Engine:
         as captured CUDA graphs (a CUDA pool), which pads every decode of a decode-only step to
         ``draft_len`` drafts through the padding grant and grows its batch to a bucket
         (`worker.step.batch_buckets`); ``pad_decodes`` pads so without graphs.
-        On CUDA the model's RMSNorms are switched, in place, to one launch each
-        (`worker.norm.rms_norm.fuse_rms_norms`), and its attention modules to one launch for
-        the rotary embedding and the staging (`worker.attention.rotary`)."""
+        On CUDA the model's modules are switched, in place, to the worker's fused forwards
+        (`worker.fusion.fuse_model`: norms, rotary and staging, gated MLPs)."""
         if client.registration is None or client.pool is None:
             raise EngineError("client: register() with the pool attached first")
         self.model, self.client, self.drafter = model, client, drafter
@@ -249,9 +247,8 @@ class Engine:
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
-        if self.device.type == "cuda":  # a launch per norm and per rotary, not a dozen
-            fuse_rms_norms(model)
-            fuse_attention_modules(model)
+        if self.device.type == "cuda":  # a launch where transformers runs a dozen
+            fuse_model(model)
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
                                self.rows, max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,

@@ -1,10 +1,11 @@
 """What GPU tests check beyond values: `no_host_sync`, that a block of CUDA work never makes
-the host wait for the device, and `counted_captures`, which CUDA graphs were captured when."""
+the host wait for the device, `counted_captures`, which CUDA graphs were captured when, and
+`replayed`, what a module computes replayed from a captured graph."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -21,6 +22,20 @@ def no_host_sync() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def replayed(fn: Callable[[torch.Tensor], torch.Tensor], static: torch.Tensor,
+             fresh: torch.Tensor) -> torch.Tensor:
+    """``fn(static)`` captured in a CUDA graph (after one eager call, which compiles what it
+    launches), then replayed with ``fresh`` copied into ``static``: the replay's output."""
+    fn(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 def counted_captures(monkeypatch: pytest.MonkeyPatch) -> list[object]:

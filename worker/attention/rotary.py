@@ -5,10 +5,12 @@ layer (for each: two multiplies, a negation, a concatenation and an add), and th
 copies K and V into staging: a dozen launches a layer over a few hundred tokens each.
 `rotate_and_stage` does it in one launch: it rotates the query into a tensor of its own and
 writes the rotated key and the value straight into the layer's staging rows.
-`fuse_attention_modules(model)` points those attention modules at a forward that projects, calls
-it, attends (`worker.attention.hook.attend_staged`) and projects out, for the steps it takes (a
-`PoolStep` passed, CUDA, the kernels' dtypes and widths); every other call keeps the module's
-own forward, the reference it is tested against. `rotate_and_stage_reference` states the
+`fuse_attention_modules(model)` merges each of those attention modules' q/k/v projections into
+one (`worker.module_forwards.merge_linears`: one GEMM where transformers runs three, the weights
+held once) and points the module at a forward that projects, calls it, attends
+(`worker.attention.hook.attend_staged`) and projects out, for the steps it takes (a `PoolStep`
+passed, CUDA, the kernels' dtypes and widths); every other call keeps the module's own forward,
+the reference it is tested against. `rotate_and_stage_reference` states the
 kernel's arithmetic in torch: transformers' `apply_rotary_pos_emb`, then the staging copies.
 """
 
@@ -18,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from allocator.common.triton_support import triton_available
 from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep, attend_staged
 from worker.attention.pool_attention_triton import kernel_takes as attention_kernel_takes
-from worker.module_forwards import switch_forwards
+from worker.module_forwards import merge_linears, switch_forwards
 
 # Each class's sliding window, read the way its own forward reads it.
 _WINDOWS: dict[str, Callable[[torch.nn.Module], int | None]] = {
@@ -104,26 +107,34 @@ def _pow2(n: int) -> int:
 
 
 def fuse_attention_modules(model: torch.nn.Module) -> int:
-    """Point every Llama / Qwen2 / Mistral attention module of ``model`` at `fused_attention`
-    (for the calls it takes); returns how many it switched. Calling it again switches none."""
-    return switch_forwards(model, _WINDOWS, _forward)
+    """Merge the q/k/v projections of every Llama / Qwen2 / Mistral attention module of
+    ``model`` and point it at `fused_attention` (for the calls it takes); returns how many it
+    switched. Calling it again switches none."""
+    return switch_forwards(model, _WINDOWS, _forward, prepare=_merge_projections)
 
 
 def fused_attention(module: torch.nn.Module, hidden_states: torch.Tensor,
                     position_embeddings: tuple[torch.Tensor, torch.Tensor],
                     step: PoolStep) -> torch.Tensor:
-    """The attention module's output for one packed step (``hidden_states [1, N, hidden]``):
-    its projections, one rotary-and-stage launch, the pool attention and ``o_proj``."""
+    """The output of an attention module `fuse_attention_modules` switched, for one packed step
+    (``hidden_states [1, N, hidden]``): its merged projection, one rotary-and-stage launch, the
+    pool attention and ``o_proj``."""
     n, dim, layer = step.num_tokens, module.head_dim, module.layer_idx
-    query = module.q_proj(hidden_states)[0].view(n, -1, dim)
-    key = module.k_proj(hidden_states)[0].view(n, -1, dim)
-    value = module.v_proj(hidden_states)[0].view(n, -1, dim)
+    qkv = F.linear(hidden_states[0], module.qkv_weight, module.qkv_bias)
+    query_width, kv_width = module.q_proj.weight.shape[0], module.k_proj.weight.shape[0]
+    query = qkv[:, :query_width].view(n, -1, dim)
+    key = qkv[:, query_width:query_width + kv_width].view(n, -1, dim)
+    value = qkv[:, query_width + kv_width:].view(n, -1, dim)
     cos, sin = position_embeddings
     rotated = rotate_and_stage(query, key, value, cos[0], sin[0], step.staged(layer, 0),
                                step.staged(layer, 1))
     out = attend_staged(step, layer, rotated, module.scaling,
                         _WINDOWS[type(module).__name__](module))
     return module.o_proj(out.reshape(1, n, -1))
+
+
+def _merge_projections(module: torch.nn.Module) -> bool:
+    return merge_linears(module, ("q_proj", "k_proj", "v_proj"), "qkv")
 
 
 def _takes(module: torch.nn.Module, hidden_states: torch.Tensor,

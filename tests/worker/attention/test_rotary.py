@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fused_forwards import DTYPES, SMALL
 from pool_steps import random_step
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -27,9 +28,6 @@ from worker.attention.rotary import (
 )
 from worker.model import random_model
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2}
 FAMILIES = {"llama": LlamaConfig(**SMALL), "qwen2": Qwen2Config(**SMALL),
             "mistral": MistralConfig(**SMALL, sliding_window=8)}
 # How far a case may differ, relative to the values rotated (a sum may cancel): float32 by one
@@ -123,6 +121,7 @@ def _module_step(model: torch.nn.Module, dtype: torch.dtype, seed: int
 def test_a_fused_attention_module_gives_its_own_forwards_output_and_staging(
         family: str, dtype: torch.dtype) -> None:
     model = random_model(FAMILIES[family], seed=11, dtype=dtype)
+    assert fuse_attention_modules(model) == 2  # the merged q/k/v projection, the reference kept
     module, step, hidden, embeddings = _module_step(model, dtype, seed=11)
     with torch.inference_mode():
         want, _ = type(module).forward(module, hidden, embeddings, None, kvalloc_step=step)
@@ -162,6 +161,7 @@ def test_a_switched_model_keeps_its_own_forward_where_the_kernels_do_not_run(
 def test_the_compiled_fused_module_matches_its_own_forward_on_gpu(
         cuda_device: str, family: str, dtype: torch.dtype) -> None:
     model = random_model(FAMILIES[family], seed=5, dtype=dtype)
+    assert fuse_attention_modules(model) == 2
     module, step, hidden, embeddings = _module_step(model, dtype, seed=5)
     module.to(cuda_device)
     moved = PoolStep(step.kv.to(cuda_device), step.staging.to(cuda_device),

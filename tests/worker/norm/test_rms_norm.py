@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_checks import replayed
+from float_steps import steps_apart
+from fused_forwards import DTYPES, SMALL
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
@@ -24,10 +27,6 @@ from worker.norm.rms_norm import (
     rms_norm_triton,
 )
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2}
-
 
 def _norm(cls: type, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -35,14 +34,6 @@ def _norm(cls: type, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.nn
     with torch.no_grad():
         module.weight.copy_(torch.randn(hidden) * 2)
     return module
-
-
-def _steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many representable values of their dtype lie between a and b, elementwise (of one
-    sign, floats order as their bits do; a sign flip reads as a huge distance)."""
-    assert a.dtype == b.dtype
-    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-    return (a.view(ints[a.dtype]).to(torch.int64) - b.view(ints[b.dtype]).to(torch.int64)).abs()
 
 
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm])
@@ -66,7 +57,7 @@ def test_the_kernel_in_the_interpreter_matches_the_reference(hidden: int,
     # float32: the sum's order over up to 2048 squares and rsqrt; float16: those, through two
     # roundings; bfloat16: the interpreter's truncating cast too, twice.
     allowed = {torch.float32: 32, torch.float16: 2, torch.bfloat16: 3}[dtype]
-    assert int(_steps_apart(got, want).max()) <= allowed
+    assert int(steps_apart(got, want).max()) <= allowed
 
 
 def test_rows_of_any_stride_and_none_at_all() -> None:
@@ -146,7 +137,7 @@ def test_the_compiled_kernel_matches_the_reference_on_gpu(cuda_device: str, hidd
     assert kernel_takes(x, module.weight)
     want = module(x)
     got = rms_norm_triton(x, module.weight, module.variance_epsilon)
-    apart = _steps_apart(got, want)
+    apart = steps_apart(got, want)
     # Rounded to nearest as torch does: only the sum's order and rsqrt's last bit differ, which
     # now and then moves a normalised element one step; the product with the weight can turn
     # that into two steps of its own binade.
@@ -159,14 +150,8 @@ def test_the_compiled_kernel_matches_the_reference_on_gpu(cuda_device: str, hidd
 def test_a_fused_norm_replays_in_a_cuda_graph(cuda_device: str) -> None:
     module = _norm(LlamaRMSNorm, 2048, torch.bfloat16).to(cuda_device)
     fuse_rms_norms(module)
-    static = torch.randn(64, 2048, device=cuda_device).to(torch.bfloat16)
-    module(static)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = module(static)
-    fresh = torch.randn(64, 2048, device=cuda_device).to(torch.bfloat16)
-    static.copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
+    static, fresh = (torch.randn(64, 2048, device=cuda_device).to(torch.bfloat16)
+                     for _ in range(2))
+    out = replayed(module, static, fresh)
     assert torch.equal(out, rms_norm_triton(fresh, module.weight, module.variance_epsilon))
-    assert int(_steps_apart(out, type(module).forward(module, fresh)).max()) <= 1
+    assert int(steps_apart(out, type(module).forward(module, fresh)).max()) <= 1

@@ -1,0 +1,164 @@
+"""A gated MLP in two GEMMs and one launch: the reference is transformers' own arithmetic, the
+kernel (Triton's interpreter on CPU, compiled on a GPU) equals it to ``exp``'s last bits, the
+merged projection holds the weights once and changes no value, and a model's switch touches only
+the MLPs it computes and only the calls it takes.
+
+The interpreter rounds a float32 to bfloat16 by truncation where a GPU rounds to nearest, so on
+CPU bfloat16 agrees to a step or two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_checks import replayed
+from float_steps import steps_apart
+from fused_forwards import DTYPES, SMALL
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.mistral.modeling_mistral import MistralMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+from worker.mlp.gated_mlp import (
+    GatedMlpError,
+    fuse_gated_mlps,
+    fused_mlp,
+    kernel_takes,
+    silu_and_mul,
+    silu_and_mul_triton,
+)
+from worker.model import random_model
+from worker.module_forwards import merge_linears
+
+CONFIGS = {"llama": (LlamaMLP, LlamaConfig), "qwen2": (Qwen2MLP, Qwen2Config),
+           "mistral": (MistralMLP, MistralConfig)}
+
+
+def _mlp(family: str, dtype: torch.dtype, **config: object) -> torch.nn.Module:
+    cls, config_cls = CONFIGS[family]
+    torch.manual_seed(0)
+    return cls(config_cls(**{**SMALL, **config})).to(dtype).eval()
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_reference_is_each_familys_own_mlp_bit_for_bit(family: str,
+                                                           dtype: torch.dtype) -> None:
+    module = _mlp(family, dtype)
+    x = torch.randn(3, 5, 64).to(dtype)
+    gate_up = torch.cat([module.gate_proj(x), module.up_proj(x)], dim=-1)
+    assert torch.equal(module.down_proj(silu_and_mul(gate_up)), module(x))
+
+
+@pytest.mark.parametrize("width", [1, 100, 1024, 3000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernel_in_the_interpreter_matches_the_reference(width: int,
+                                                            dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(1, 7, 2 * width, generator=torch.Generator().manual_seed(width))
+               * 4).to(dtype)
+    want, got = silu_and_mul(gate_up), silu_and_mul_triton(gate_up)
+    assert got.shape == want.shape == (1, 7, width) and got.dtype == dtype
+    # float32: exp's last bits; float16: those, through two roundings; bfloat16: the
+    # interpreter's truncating cast too, twice.
+    allowed = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 3}[dtype]
+    assert int(steps_apart(got, want).max()) <= allowed
+
+
+def test_rows_of_any_stride_and_none_at_all() -> None:
+    wide = torch.randn(6, 2 * 64 + 10)
+    strided = wide[:, 10:]  # rows that do not start where a contiguous tensor's would
+    assert torch.allclose(silu_and_mul_triton(strided), silu_and_mul(strided), rtol=1e-6,
+                          atol=1e-6)
+    assert silu_and_mul_triton(torch.empty(0, 3, 8)).shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize(("gate_up", "message"), [
+    (torch.ones(2, 7), "gate_up: 7 columns do not split"),
+    (torch.ones(2, 8, dtype=torch.float64), "dtype: the kernel takes"),
+    (torch.ones(2, 8, dtype=torch.int32), "dtype: the kernel takes"),
+])
+def test_input_the_kernel_does_not_take_is_refused_by_name(gate_up: torch.Tensor,
+                                                           message: str) -> None:
+    with pytest.raises(GatedMlpError, match=message):
+        silu_and_mul_triton(gate_up)
+
+
+def test_only_cuda_inputs_of_a_kernel_dtype_go_to_the_kernel() -> None:
+    assert not kernel_takes(torch.ones(2, 64))  # CPU: the module's own forward
+    assert not kernel_takes(torch.ones(2, 64, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_merged_projections_hold_the_weights_once_and_change_no_value(bias: bool) -> None:
+    module = _mlp("llama", torch.float32, mlp_bias=bias)
+    x = torch.randn(4, 64)
+    before, state = module(x), {k: v.clone() for k, v in module.state_dict().items()}
+    assert merge_linears(module, ("gate_proj", "up_proj"), "gate_up")
+    merged = module.gate_up_weight
+    assert module.gate_proj.weight.data_ptr() == merged.data_ptr()
+    assert module.up_proj.weight.data_ptr() == merged[128:].data_ptr()
+    assert (module.gate_up_bias is not None) == bias
+    assert torch.equal(module(x), before)
+    after = module.state_dict()
+    assert after.keys() == state.keys()  # the merged buffers are not persistent
+    assert all(torch.equal(after[k], v) for k, v in state.items())
+    with torch.no_grad():
+        assert torch.allclose(fused_mlp(module, x), before, rtol=1e-5, atol=1e-6)
+
+
+def test_projections_that_cannot_merge_are_left_as_they_are() -> None:
+    module = _mlp("llama", torch.float32)
+    module.up_proj.bias = torch.nn.Parameter(torch.zeros(128))  # a bias on one only
+    weight = module.gate_proj.weight
+    assert not merge_linears(module, ("gate_proj", "up_proj"), "gate_up")
+    assert module.gate_proj.weight is weight and not hasattr(module, "gate_up_weight")
+    assert not merge_linears(module, ("gate_proj", "act_fn"), "gate_up")
+
+
+@pytest.mark.parametrize("config", [LlamaConfig(**SMALL), Qwen2Config(**SMALL),
+                                    MistralConfig(**SMALL)], ids=lambda c: c.model_type)
+def test_a_model_switches_every_mlp_once_and_keeps_its_output_on_cpu(config: object) -> None:
+    model = random_model(config, seed=0)
+    plain = random_model(config, seed=0)
+    plain.set_attn_implementation("sdpa")
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 96, (1, 12))
+    assert fuse_gated_mlps(model) == 2
+    assert fuse_gated_mlps(model) == 0
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_an_mlp_of_another_activation_is_left_alone() -> None:
+    model = torch.nn.Sequential(_mlp("llama", torch.float32, hidden_act="gelu"),
+                                _mlp("llama", torch.float32))
+    assert fuse_gated_mlps(model) == 1
+    assert "forward" not in vars(model[0]) and "forward" in vars(model[1])
+    assert not hasattr(model[0], "gate_up_weight")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [128, 8192, 14336])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_compiled_kernel_matches_the_reference_on_gpu(cuda_device: str, width: int,
+                                                         dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(256, 2 * width, device=cuda_device) * 4).to(dtype)
+    want, got = silu_and_mul(gate_up), silu_and_mul_triton(gate_up)
+    apart = steps_apart(got, want)
+    # exp's last bits may move the rounded activation a step, and the product with it.
+    assert int(apart.max()) <= (8 if dtype == torch.float32 else 2)
+    if dtype != torch.float32:
+        assert float((apart > 0).float().mean()) < 0.01
+
+
+@pytest.mark.gpu
+def test_a_fused_mlp_replays_in_a_cuda_graph_and_matches_its_own_forward(
+        cuda_device: str) -> None:
+    module = _mlp("llama", torch.bfloat16, hidden_size=2048, intermediate_size=8192)
+    module = module.to(cuda_device)
+    assert fuse_gated_mlps(module) == 1
+    static, fresh = (torch.randn(256, 2048, device=cuda_device).to(torch.bfloat16)
+                     for _ in range(2))
+    out = replayed(module, static, fresh)
+    # One GEMM for gate and up may sum in another order than two: a bfloat16 step or two.
+    torch.testing.assert_close(out, type(module).forward(module, fresh), rtol=2 ** -6,
+                               atol=2 ** -6)
