@@ -58,7 +58,7 @@ from worker.fusion import fuse_model
 from worker.model import kv_shape
 from worker.step.batch_buckets import batch_bucket
 from worker.step.commit import WorkerCommit
-from worker.step.decode_graphs import DecodeGraphs
+from worker.step.decode_graphs import DEFAULT_MAX_GRAPHS, DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
 
@@ -255,7 +255,10 @@ class Engine:
                                drafter=self.device_drafter,
                                commit=WorkerCommit(self.pool) if overlap else None,
                                validator=self.validator,
-                               graphs=DecodeGraphs() if cuda_graphs else None,
+                               # Room for every shape: none evicted by another while serving.
+                               graphs=DecodeGraphs(max(DEFAULT_MAX_GRAPHS,
+                                                       len(self._decode_shapes())))
+                               if cuda_graphs else None,
                                pad_batches=self.pad_decodes)
         self.stats = RunStats()
         self._last_done: torch.cuda.Event | None = None
@@ -287,14 +290,10 @@ class Engine:
         captures each decode shape's graph, so that serving never stalls on either. After each
         shape an empty call keeps the lease: a cold compile may take seconds, though one shape
         must compile within the lease. Call it outside `run`; returns the shapes run."""
-        widths = [1 + self.draft_len] if self.pad_decodes else range(1, 2 + self.draft_len)
-        capacity = min(self.layout.max_step_tokens, self.pool.staging.shape[2])
         spare = self.rows.spare
-        plans = [LaunchPlan.on_spare_row(np.array([capacity]), spare, decode=False)]
-        for width in widths:
-            most = min(self.layout.max_batch_size, capacity // width)
-            plans += [LaunchPlan.on_spare_row(np.full(entries, width), spare, decode=True)
-                      for entries in sorted({batch_bucket(b, most) for b in range(1, most + 1)})]
+        plans = [LaunchPlan.on_spare_row(np.array([self._step_capacity]), spare, decode=False)]
+        plans += [LaunchPlan.on_spare_row(np.full(entries, width), spare, decode=True)
+                  for entries, width in self._decode_shapes()]
         started = time.perf_counter()
         for plan in plans:
             self.step.launch(plan).outcome()
@@ -302,6 +301,22 @@ class Engine:
         self.stats.warm_up_shapes += len(plans)
         self.stats.warm_up_s += time.perf_counter() - started
         return len(plans)
+
+    @property
+    def _step_capacity(self) -> int:
+        """The most tokens a step packs."""
+        return min(self.layout.max_step_tokens, self.pool.staging.shape[2])
+
+    def _decode_shapes(self) -> list[tuple[int, int]]:
+        """``(entries, tokens each)`` of every shape a decode-only step runs as: each batch
+        bucket at each width its decodes may have (one, padded to ``draft_len`` drafts)."""
+        widths = [1 + self.draft_len] if self.pad_decodes else range(1, 2 + self.draft_len)
+        shapes = []
+        for width in widths:
+            most = min(self.layout.max_batch_size, self._step_capacity // width)
+            shapes += [(entries, width)
+                       for entries in sorted({batch_bucket(b, most) for b in range(1, most + 1)})]
+        return shapes
 
     # ------------------------------------------------------------------ the loop
 

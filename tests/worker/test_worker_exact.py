@@ -138,9 +138,11 @@ def test_padded_decodes_are_exact_and_the_service_commits_only_real_drafts(
 def test_a_warm_up_before_serving_changes_nothing(oracle: Oracle, connect: Callable,
                                                   pad_decodes: bool) -> None:
     """Every decode shape and the widest chunk run on the spare row first: the pool (NaN until
-    committed, the watch checks every slot) and the tokens are a cold engine's."""
+    committed, the watch checks every slot) and the tokens are a cold engine's. Eight rows make
+    the buckets 1, 2, 4 and 8: at one width when padded, at each of 1 + 0..3 drafts if not."""
     engine, outputs, watch = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3,
                                         pad_decodes=pad_decodes, warm_up=True)
+    assert engine.stats.warm_up_shapes == 1 + 4 * (1 if pad_decodes else 4)
     assert outputs == oracle.expected and watch.committed > 0
     assert engine.stats.generated_tokens == sum(map(len, oracle.expected.values()))
 

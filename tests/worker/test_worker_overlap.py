@@ -71,7 +71,7 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
                     share_prefixes=share_prefixes, pad_decodes=pad_decodes)
     if warm_up:
         free = client.get_pool().free_blocks
-        assert engine.warm_up() > 1
+        assert engine.warm_up() == 1 + 4 * (1 if pad_decodes else 1 + draft_len)
         assert client.get_pool().free_blocks == free
         engine.rows.check_invariants()
     def observe(record: StepRecord) -> None:

@@ -30,8 +30,11 @@ class _Bucket(NamedTuple):
     outputs: Any
 
 
+DEFAULT_MAX_GRAPHS = 32
+
+
 class DecodeGraphs:
-    def __init__(self, max_graphs: int = 32) -> None:
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
         self.max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle()
         self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
