@@ -56,9 +56,8 @@ from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.fusion import fuse_model
 from worker.model import kv_shape
-from worker.step.batch_buckets import batch_bucket
 from worker.step.commit import WorkerCommit
-from worker.step.decode_graphs import DEFAULT_MAX_GRAPHS, DecodeGraphs
+from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
 
@@ -255,11 +254,10 @@ class Engine:
                                drafter=self.device_drafter,
                                commit=WorkerCommit(self.pool) if overlap else None,
                                validator=self.validator,
-                               # Room for every shape: none evicted by another while serving.
-                               graphs=DecodeGraphs(max(DEFAULT_MAX_GRAPHS,
-                                                       len(self._decode_shapes())))
-                               if cuda_graphs else None,
+                               graphs=DecodeGraphs() if cuda_graphs else None,
                                pad_batches=self.pad_decodes)
+        if self.step.graphs is not None:  # none evicted by another while serving
+            self.step.graphs.make_room(len(self._decode_shapes()))
         self.stats = RunStats()
         self._last_done: torch.cuda.Event | None = None
 
@@ -308,15 +306,10 @@ class Engine:
         return min(self.layout.max_step_tokens, self.pool.staging.shape[2])
 
     def _decode_shapes(self) -> list[tuple[int, int]]:
-        """``(entries, tokens each)`` of every shape a decode-only step runs as: each batch
-        bucket at each width its decodes may have (one, padded to ``draft_len`` drafts)."""
+        """The decode shapes the warm-up runs (`DeviceStep.decode_shapes`), at each width the
+        decodes may have (one when padded to ``draft_len`` drafts)."""
         widths = [1 + self.draft_len] if self.pad_decodes else range(1, 2 + self.draft_len)
-        shapes = []
-        for width in widths:
-            most = min(self.layout.max_batch_size, self._step_capacity // width)
-            shapes += [(entries, width)
-                       for entries in sorted({batch_bucket(b, most) for b in range(1, most + 1)})]
-        return shapes
+        return self.step.decode_shapes(widths)
 
     # ------------------------------------------------------------------ the loop
 

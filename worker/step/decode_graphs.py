@@ -30,16 +30,17 @@ class _Bucket(NamedTuple):
     outputs: Any
 
 
-DEFAULT_MAX_GRAPHS = 32
-
-
 class DecodeGraphs:
-    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+    def __init__(self, max_graphs: int = 32) -> None:
         self.max_graphs = max_graphs
         self._pool = torch.cuda.graph_pool_handle()
         self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
         self._replays: dict[tuple[int, int], int] = {}  # per shape
         self.captured = 0
+
+    def make_room(self, graphs: int) -> None:
+        """Hold at least ``graphs`` graphs before dropping any."""
+        self.max_graphs = max(self.max_graphs, graphs)
 
     def captured_for(self, plan: Any) -> bool:
         """Whether a decode-only ``plan``'s shape has its graph (its launch replays it)."""

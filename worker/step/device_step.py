@@ -24,6 +24,7 @@ pool receives exactly what a synchronous service would have committed.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -211,12 +212,30 @@ class DeviceStep:
         return (self.graphs is not None and plan.decode_only
                 and self.graphs.captured_for(self._grown(plan)))
 
+    def decode_shapes(self, widths: Iterable[int]) -> list[tuple[int, int]]:
+        """``(entries, tokens each)``: each batch bucket at each of ``widths``. With
+        ``pad_batches`` these are every shape a decode-only step runs as; without, they stand
+        for the other batch sizes, which compile the same kernels (Triton specialises an
+        integer only on being 1 or a multiple of 16)."""
+        return [(entries, width) for width in widths
+                for entries in sorted({batch_bucket(b, self._most_entries(width))
+                                       for b in range(1, self._most_entries(width) + 1)})]
+
     def _grown(self, plan: LaunchPlan) -> LaunchPlan:
         """``plan`` as the device runs it: a decode-only step grown to its batch bucket."""
-        if not (self.pad_batches and plan.decode_only):
+        if not plan.decode_only:
             return plan
-        most = self.staging.shape[2] // int(plan.num_tokens[0])
-        return plan.padded(batch_bucket(plan.rows.size, most), self.rows.spare)
+        entries = self._entries_run(plan.rows.size, int(plan.num_tokens[0]))
+        return plan.padded(entries, self.rows.spare)
+
+    def _entries_run(self, entries: int, width: int) -> int:
+        """The entries a decode-only step of ``entries`` runs as."""
+        return batch_bucket(entries, self._most_entries(width)) if self.pad_batches else entries
+
+    def _most_entries(self, width: int) -> int:
+        """The most entries of ``width`` tokens a decode step runs: no more than the block
+        table has rows, their tokens all in staging."""
+        return min(self.rows.spare, self.staging.shape[2] // width)
 
     def _body(self, plan: LaunchPlan, layout: PagedLayout, meta: StepMetadata,
               cols: _Columns) -> StepOutputs:
