@@ -23,6 +23,7 @@ pool receives exactly what a synchronous service would have committed.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ from worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
 @dataclass(frozen=True)
 class LaunchPlan:
     """A step as the host knows it: per entry of the reply (``[R]``) and per emitting entry
-    (``[E]``: decodes, and prefill chunks that end their prompt, in entry order)."""
+    (``[E]``: decodes, and prefill chunks that end their prompt, in entry order). Its derived
+    columns are computed once (a launch reads each several times)."""
 
     rows: np.ndarray
     offsets: np.ndarray
@@ -59,17 +61,17 @@ class LaunchPlan:
     decode: np.ndarray  # [E] bool: a decode (else a prompt's last chunk)
     drafts: np.ndarray  # [E] real drafts: a padded decode runs more tokens than it drafted
 
-    @property
+    @functools.cached_property
     def all_decodes(self) -> bool:
         """Every entry a decode (no prefill chunk)."""
         return self.decode.size == self.rows.size and bool(self.decode.all())
 
-    @property
+    @functools.cached_property
     def decode_only(self) -> bool:
         """Every entry a decode of one width: the shape a captured graph replays."""
         return self.all_decodes and bool((self.num_tokens == self.num_tokens[0]).all())
 
-    @property
+    @functools.cached_property
     def widths(self) -> np.ndarray:
         """Logits each emitting entry keeps: every token of a decode, a chunk's last."""
         return np.where(self.decode, self.num_tokens[self.emitting], 1)
@@ -105,7 +107,7 @@ class LaunchPlan:
         return self.then(LaunchPlan.on_spare_row(np.full(extra, self.num_tokens[0]), row,
                                                  decode=True))
 
-    @property
+    @functools.cached_property
     def logit_rows(self) -> np.ndarray:
         """Packed index of every kept logit, in order."""
         ends = self.offsets[self.emitting] + self.num_tokens[self.emitting]
