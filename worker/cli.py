@@ -289,8 +289,6 @@ def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPr
     engine = Engine(model, client, drafter, draft_len=draft_len,
                     stop_token_ids=_stop_tokens(model), overlap=args.overlap,
                     validate=args.validate, cuda_graphs=args.cuda_graphs)
-    if next(model.parameters()).is_cuda:  # compile and capture first: no stall while serving
-        engine.warm_up()
     total = len(prompts) * args.max_new_tokens
 
     def after_step(tokens: int) -> None:
@@ -301,6 +299,8 @@ def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPr
     with tqdm(total=total, unit="tok", file=sys.stderr, disable=args.no_progress or None,
               desc="speculative" if draft_len else "plain") as bar:
         try:
+            if next(model.parameters()).is_cuda:  # compile and capture first, not mid-run
+                engine.warm_up()
             outputs = engine.run(prompts, args.max_new_tokens, on_progress=after_step)
         except RunStopped:  # a tensor-parallel rank: rank 0 stopped every rank at one step
             raise Interrupted(engine.stats) from None
