@@ -222,14 +222,14 @@ def replay_kernels(engine: Engine, replays: int = 5, top: int = 12) -> list[dict
     """Where a replayed decode step's GPU time goes: the kernels of the most replayed graph,
     from torch's profiler over a few more replays after the run (the rows' state they change
     is the finished run's)."""
-    graph = engine.step.graphs.most_replayed if engine.step.graphs is not None else None
-    if graph is None:
+    replay = engine.step.graphs.most_replayed if engine.step.graphs is not None else None
+    if replay is None:
         return []
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graph.replay()
+            replay()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)

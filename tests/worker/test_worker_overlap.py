@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from triton_interpreter import needs_triton_interpreter
 from worker_oracle import MAX_NEW_TOKENS, Oracle, assert_acceptance, pool_config
 
 from worker.drafters import DeviceOracleDrafter, NgramDrafter
@@ -52,6 +53,7 @@ class CommitReplay:
 def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len: int, *,
                 prompts: list[NamedPrompt] | None = None, share_prefixes: bool = False,
                 replay: bool = True, pad_decodes: bool = False, warm_up: bool = False,
+                graphs: Callable[[Engine], object] | None = None,
                 calls: list[dict] | None = None, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
     """``prompts``: the oracle's by default; the replay knows only their K/V (none for
@@ -69,6 +71,8 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
     engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
                     stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
                     share_prefixes=share_prefixes, pad_decodes=pad_decodes)
+    if graphs is not None:
+        graphs(engine)
     if warm_up:
         free = client.get_pool().free_blocks
         assert engine.warm_up() == 1 + 4 * (1 if pad_decodes else 1 + draft_len)
@@ -128,6 +132,27 @@ def test_a_warm_up_before_serving_writes_nothing_and_changes_no_token(
     assert replay is not None
     replay.check()
     assert engine.stats.table_violations == 0
+
+
+@needs_triton_interpreter
+def test_decode_steps_replayed_from_the_warm_ups_captures_are_exact(
+        llama_oracle: Oracle, connect: Callable, rerun_graphs: Callable) -> None:
+    """The warm-up captures every decode shape on the spare row; each decode step of the run
+    replays one, its own inputs loaded into the capture's static copies, with the capture's
+    plan: the tokens are generate's, the pool exactly what was committed, nothing captured
+    anew, and every draft judged as the same run without graphs judges it."""
+    engine, outputs, replay = run_overlap(llama_oracle, connect, 0.5, 3, pad_decodes=True,
+                                          warm_up=True, graphs=rerun_graphs)
+    assert outputs == llama_oracle.expected
+    assert replay is not None
+    replay.check()
+    graphs = engine.step.graphs
+    assert graphs is not None and graphs.captured == 4 and graphs.replayed > 0
+    assert engine.stats.padded_entries > 0 and engine.stats.table_violations == 0
+    eager, _, _ = run_overlap(llama_oracle, connect, 0.5, 3, pad_decodes=True, warm_up=True,
+                              replay=False)
+    assert (engine.stats.proposed_drafts, engine.stats.accepted_drafts) == (
+        eager.stats.proposed_drafts, eager.stats.accepted_drafts)
 
 
 def test_a_batch_grown_to_its_bucket_gives_the_exact_tokens(oracle: Oracle,

@@ -10,9 +10,12 @@ import pytest
 import torch
 from worker_oracle import CONFIGS, Oracle, make_oracle
 
+import worker.attention.hook as hook
 from server.client import Client
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
+from worker.engine import Engine
+from worker.step.decode_graphs import DecodeGraphs
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +52,18 @@ def connect() -> Iterator[Callable[[ServiceConfig], Client]]:
     yield factory
     for core in cores:
         core.close()
+
+
+@pytest.fixture
+def rerun_graphs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Engine], DecodeGraphs]:
+    """Decode graphs on a CPU, installed on an engine that pads its decodes: each replay runs
+    the captured body again with the capture's plan and its static inputs (reloaded with the
+    step's), and the pool attention runs its kernel (Triton's interpreter), the one a GPU
+    captures. What a replay computes, where a CPU test can check it."""
+    monkeypatch.setattr(hook, "kernel_takes", lambda query, pool_k, layout: True)
+
+    def install(engine: Engine) -> DecodeGraphs:
+        engine.step.graphs = DecodeGraphs(capture=lambda body: body)
+        return engine.step.graphs
+
+    return install

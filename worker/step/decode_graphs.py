@@ -12,6 +12,12 @@ The graph reads static copies of the step's inputs: the uploaded columns and the
 step of a shape runs eagerly (it also warms every kernel up for the shape) and the graph is
 captured right after, for the next one; nothing of the capture itself runs. Graphs share one
 memory pool; the least recently used beyond ``max_graphs`` is dropped.
+
+A replay runs what the capture recorded, host values and all: whatever the body read from the
+host at capture (the plan's sizes, the kernels' launch choices) holds for every step replayed.
+`capture_cuda_graph` is the capture. A `Capture` whose replay simply calls the body again (the
+tests' on CPU) keeps the capture's plan and static inputs too, so a body that reads something
+of the plan that differs between two steps of one shape gives wrong tokens there as well.
 """
 
 from __future__ import annotations
@@ -23,17 +29,39 @@ from typing import Any, NamedTuple
 
 import torch
 
+# ``capture(body)`` -> ``replay``: each ``replay()`` does ``body``'s work again and returns its
+# outputs; capturing does none of it.
+Capture = Callable[[Callable[[], Any]], Callable[[], Any]]
+
+
+def capture_cuda_graph() -> Capture:
+    """Captures into CUDA graphs that share one memory pool."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(body: Callable[[], Any]) -> Callable[[], Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = body()
+
+        def replay() -> Any:
+            graph.replay()
+            return outputs
+
+        return replay
+
+    return capture
+
 
 class _Bucket(NamedTuple):
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], Any]
     inputs: tuple[torch.Tensor, ...]  # static copies, in the order `run` loads them
-    outputs: Any
 
 
 class DecodeGraphs:
-    def __init__(self, max_graphs: int = 32) -> None:
+    def __init__(self, max_graphs: int = 32, *, capture: Capture | None = None) -> None:
+        """``capture``: `capture_cuda_graph()` by default."""
         self.max_graphs = max_graphs
-        self._pool = torch.cuda.graph_pool_handle()
+        self._capture_body = capture or capture_cuda_graph()
         self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
         self._replays: dict[tuple[int, int], int] = {}  # per shape
         self.captured = 0
@@ -52,11 +80,11 @@ class DecodeGraphs:
         return sum(self._replays.values())
 
     @property
-    def most_replayed(self) -> torch.cuda.CUDAGraph | None:
-        """The graph of the shape replayed most often, the steady state a profiler should see
+    def most_replayed(self) -> Callable[[], Any] | None:
+        """The replay of the shape replayed most often, the steady state a profiler should see
         (the last one captured is often a batch's tail, a request or two)."""
         live = [key for key in self._replays if key in self._buckets]
-        return self._buckets[max(live, key=self._replays.__getitem__)].graph if live else None
+        return self._buckets[max(live, key=self._replays.__getitem__)].replay if live else None
 
     def run(self, plan: Any, layout: Any, meta: Any, cols: Any,
             body: Callable[..., Any]) -> Any:
@@ -71,9 +99,9 @@ class DecodeGraphs:
         self._buckets.move_to_end(key)
         for static, now in zip(bucket.inputs, (cols.flat, *meta), strict=True):
             static.copy_(now)
-        bucket.graph.replay()
+        outputs = bucket.replay()
         self._replays[key] = self._replays.get(key, 0) + 1
-        return bucket.outputs
+        return outputs
 
     def _capture(self, key: tuple[int, int], plan: Any, layout: Any, meta: Any, cols: Any,
                  body: Callable[..., Any]) -> None:
@@ -84,10 +112,8 @@ class DecodeGraphs:
             layout, rows=static_cols.rows, query_starts=static_cols.offsets,
             query_lens=static_cols.num_tokens, history=static_meta.history,
             token_entry=static_cols.token_entry)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = body(plan, static_layout, static_meta, static_cols)
-        self._buckets[key] = _Bucket(graph, (flat, *static_meta), outputs)
+        replay = self._capture_body(lambda: body(plan, static_layout, static_meta, static_cols))
+        self._buckets[key] = _Bucket(replay, (flat, *static_meta))
         self.captured += 1
         if len(self._buckets) > self.max_graphs:
             self._buckets.popitem(last=False)
