@@ -54,6 +54,7 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
                 prompts: list[NamedPrompt] | None = None, share_prefixes: bool = False,
                 replay: bool = True, pad_decodes: bool = False, warm_up: bool = False,
                 graphs: Callable[[Engine], object] | None = None,
+                model: torch.nn.Module | None = None,
                 calls: list[dict] | None = None, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
     """``prompts``: the oracle's by default; the replay knows only their K/V (none for
@@ -68,7 +69,7 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
     drafter = None if rate is None else DeviceOracleDrafter(
         oracle.expected, rate, vocab_size=oracle.model.config.vocab_size,
         device=client.pool.kv.device, seed=3)
-    engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
+    engine = Engine(model or oracle.model, client, drafter, draft_len=draft_len,
                     stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
                     share_prefixes=share_prefixes, pad_decodes=pad_decodes)
     if graphs is not None:
@@ -153,6 +154,25 @@ def test_decode_steps_replayed_from_the_warm_ups_captures_are_exact(
                               replay=False)
     assert (engine.stats.proposed_drafts, engine.stats.accepted_drafts) == (
         eager.stats.proposed_drafts, eager.stats.accepted_drafts)
+
+
+@needs_triton_interpreter
+# A wasted forward (a request that ended in the step before, one step ahead) reads its unkept
+# positions, NaN in the poisoned pool: the interpreter's reductions warn of it.
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_the_fused_forward_replayed_from_graphs_gives_the_exact_tokens(
+        oracle: Oracle, connect: Callable, rerun_graphs: Callable,
+        fused_on_cpu: Callable) -> None:
+    """The forward a CUDA worker runs, every fused kernel in the interpreter, its decode steps
+    replayed from the warm-up's captures: generate's tokens and an exact pool, in all three
+    families (Qwen2's biased q/k/v through the merged projection, Mistral's window)."""
+    engine, outputs, replay = run_overlap(oracle, connect, 0.5, 3, pad_decodes=True,
+                                          warm_up=True, graphs=rerun_graphs,
+                                          model=fused_on_cpu(oracle.model))
+    assert outputs == oracle.expected
+    assert replay is not None
+    replay.check()
+    assert engine.step.graphs is not None and engine.step.graphs.replayed > 0
 
 
 def test_a_batch_grown_to_its_bucket_gives_the_exact_tokens(oracle: Oracle,

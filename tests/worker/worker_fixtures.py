@@ -4,6 +4,7 @@ from the suite's own."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -11,10 +12,14 @@ import torch
 from worker_oracle import CONFIGS, Oracle, make_oracle
 
 import worker.attention.hook as hook
+import worker.attention.rotary as rotary
+import worker.mlp.gated_mlp as gated_mlp
+import worker.norm.rms_norm as rms_norm
 from server.client import Client
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from worker.engine import Engine
+from worker.fusion import fuse_model
 from worker.step.decode_graphs import DecodeGraphs
 
 
@@ -67,3 +72,21 @@ def rerun_graphs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Engine], DecodeGr
         return engine.step.graphs
 
     return install
+
+
+@pytest.fixture
+def fused_on_cpu(rerun_graphs: Callable, monkeypatch: pytest.MonkeyPatch
+                 ) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    """A copy of a model switched to the worker's fused forwards, whose kernels all run on a
+    CPU (Triton's interpreter): the forward a CUDA worker runs, norms, merged projections,
+    rotary and staging, SiLU-and-multiply and the pool attention alike."""
+    for module in (rms_norm, rotary, gated_mlp):
+        monkeypatch.setattr(module, "kernel_takes", lambda *args: True)
+    monkeypatch.setattr(rotary, "attention_kernel_takes", lambda *args: True)
+
+    def fused(model: torch.nn.Module) -> torch.nn.Module:
+        twin = copy.deepcopy(model)
+        fuse_model(twin)
+        return twin
+
+    return fused
