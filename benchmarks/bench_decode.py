@@ -8,9 +8,10 @@ Per model shape (the ~1B Llama shape: 16 layers, hidden 2048, 32 / 8 heads x 64;
 of 64 prompts of 1536 tokens decodes with D = 3 (every decode padded to 1 + 3 tokens, so each
 decode step has one shape), the service in process. Side by side:
 
-- ``worker``: `worker.engine.Engine` with its decode steps replayed as CUDA graphs, synchronous
-  and one step ahead (``--overlap``): the decode steps' GPU time (``decode_busy_ms``, CUDA
-  events around each step's device work) and wall time, and tokens/s over the whole run;
+- ``worker``: `worker.engine.Engine` with its decode steps replayed as CUDA graphs (each batch
+  bucket's captured by `Engine.warm_up` before the run), synchronous and one step ahead
+  (``--overlap``): the decode steps' GPU time (``decode_busy_ms``, CUDA events around each
+  step's device work) and wall time, and tokens/s over the whole run;
 - ``no_attention``: the same model's forward over the same 256 packed tokens with attention
   left out (a `PoolStep` that stages every layer's K/V and attends to nothing: the GEMMs,
   norms, rotary, staging and logits alone), one graph, with the fused kernels the worker runs
