@@ -289,7 +289,7 @@ class Engine:
         shape an empty call keeps the lease: a cold compile may take seconds, though one shape
         must compile within the lease. Call it outside `run`; returns the shapes run."""
         spare = self.rows.spare
-        plans = [LaunchPlan.on_spare_row(np.array([self._step_capacity]), spare, decode=False)]
+        plans = [LaunchPlan.on_spare_row(np.array([self.step.capacity]), spare, decode=False)]
         plans += [LaunchPlan.on_spare_row(np.full(entries, width), spare, decode=True)
                   for entries, width in self._decode_shapes()]
         started = time.perf_counter()
@@ -299,11 +299,6 @@ class Engine:
         self.stats.warm_up_shapes += len(plans)
         self.stats.warm_up_s += time.perf_counter() - started
         return len(plans)
-
-    @property
-    def _step_capacity(self) -> int:
-        """The most tokens a step packs."""
-        return min(self.layout.max_step_tokens, self.pool.staging.shape[2])
 
     def _decode_shapes(self) -> list[tuple[int, int]]:
         """The decode shapes the warm-up runs (`DeviceStep.decode_shapes`), at each width the

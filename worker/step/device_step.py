@@ -209,6 +209,11 @@ class DeviceStep:
         return Launched(plan, host, out.width, run.emitting.size, self._event(), started, record,
                         metadata_s)
 
+    @property
+    def capacity(self) -> int:
+        """The most tokens a step packs: the staging buffer's rows."""
+        return self.staging.shape[2]
+
     def replays(self, plan: LaunchPlan) -> bool:
         """Whether launching ``plan`` now replays a captured graph (no capture, no eager run)."""
         return (self.graphs is not None and plan.decode_only
@@ -237,7 +242,7 @@ class DeviceStep:
     def _most_entries(self, width: int) -> int:
         """The most entries of ``width`` tokens a decode step runs: no more than the block
         table has rows, their tokens all in staging."""
-        return min(self.rows.spare, self.staging.shape[2] // width)
+        return min(self.rows.spare, self.capacity // width)
 
     def _body(self, plan: LaunchPlan, layout: PagedLayout, meta: StepMetadata,
               cols: _Columns) -> StepOutputs:
@@ -354,11 +359,12 @@ class _Columns(NamedTuple):
     def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
         """The columns through ``uploads``: valid until its next upload, in stream order."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
-        decoding[plan.emitting[plan.decode]] = 1
+        decodes = plan.emitting[plan.decode]
+        decoding[decodes] = 1
         parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
                  np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
                  plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
-                 plan.emitting[plan.decode]]
+                 decodes]
         (flat,) = uploads.upload(np.concatenate(parts).astype(np.int64, copy=False))
         ends = np.cumsum([p.size for p in parts]).tolist()
         return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends, strict=True)), flat)
