@@ -12,7 +12,7 @@ import pytest
 import torch
 from cuda_checks import replayed
 from float_steps import steps_apart
-from fused_forwards import DTYPES, SMALL
+from fused_forwards import DTYPES, FAMILIES, SMALL, twin_models
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.mistral.modeling_mistral import MistralMLP
@@ -26,7 +26,6 @@ from worker.mlp.gated_mlp import (
     silu_and_mul,
     silu_and_mul_triton,
 )
-from worker.model import random_model
 from worker.module_forwards import merge_linears
 
 CONFIGS = {"llama": (LlamaMLP, LlamaConfig), "qwen2": (Qwen2MLP, Qwen2Config),
@@ -114,13 +113,9 @@ def test_projections_that_cannot_merge_are_left_as_they_are() -> None:
     assert not merge_linears(module, ("gate_proj", "act_fn"), "gate_up")
 
 
-@pytest.mark.parametrize("config", [LlamaConfig(**SMALL), Qwen2Config(**SMALL),
-                                    MistralConfig(**SMALL)], ids=lambda c: c.model_type)
+@pytest.mark.parametrize("config", FAMILIES, ids=lambda c: c.model_type)
 def test_a_model_switches_every_mlp_once_and_keeps_its_output_on_cpu(config: object) -> None:
-    model = random_model(config, seed=0)
-    plain = random_model(config, seed=0)
-    plain.set_attn_implementation("sdpa")
-    model.set_attn_implementation("sdpa")
+    model, plain = twin_models(config)
     ids = torch.randint(0, 96, (1, 12))
     assert fuse_gated_mlps(model) == 2
     assert fuse_gated_mlps(model) == 0

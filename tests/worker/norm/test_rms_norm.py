@@ -12,13 +12,11 @@ import pytest
 import torch
 from cuda_checks import replayed
 from float_steps import steps_apart
-from fused_forwards import DTYPES, SMALL
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from fused_forwards import DTYPES, FAMILIES, twin_models
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from worker.model import random_model
 from worker.norm.rms_norm import (
     RmsNormError,
     fuse_rms_norms,
@@ -97,13 +95,9 @@ def test_the_kernel_takes_only_cuda_rows_of_a_supported_width_and_dtype() -> Non
     assert not kernel_takes(torch.ones(2, 64, dtype=torch.float64), torch.ones(64))
 
 
-@pytest.mark.parametrize("config", [LlamaConfig(**SMALL), Qwen2Config(**SMALL),
-                                    MistralConfig(**SMALL)], ids=lambda c: c.model_type)
+@pytest.mark.parametrize("config", FAMILIES, ids=lambda c: c.model_type)
 def test_a_model_switches_every_norm_once_and_keeps_its_output_on_cpu(config: object) -> None:
-    model = random_model(config, seed=0)
-    plain = random_model(config, seed=0)
-    plain.set_attn_implementation("sdpa")
-    model.set_attn_implementation("sdpa")
+    model, plain = twin_models(config)
     ids = torch.randint(0, 96, (1, 12))
     # Two norms a layer and the final one.
     assert fuse_rms_norms(model) == 2 * 2 + 1
