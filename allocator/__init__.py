@@ -39,11 +39,14 @@ from allocator.nwor.acceptance import (
     ScvAcceptor,
     ScvMode,
     ScvStats,
+    accept,
     acceptance_mask,
     scv_mode_from_env,
 )
 from allocator.nwor.commit_kernel import write_staged
 from allocator.nwor.deferred_writes import DeferredWriteManager
+from allocator.nwor.fence import CLOSED, FenceWords, WriterFence
+from allocator.nwor.packed_commit import PackedCommit, commit_packed
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.two_source_attention import (
     merge_attention,
@@ -54,6 +57,7 @@ from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
 
 __all__ = [
     "ADMITTED",
+    "CLOSED",
     "REFUSED_BATCH_FULL",
     "REFUSED_OUT_OF_BLOCKS",
     "SCV_MODE_ENV",
@@ -65,6 +69,7 @@ __all__ = [
     "DeferredWriteManager",
     "DraftLenExceeded",
     "DuplicateRequest",
+    "FenceWords",
     "GrantPending",
     "InvalidScvMode",
     "InvalidValue",
@@ -77,6 +82,7 @@ __all__ = [
     "NworInputError",
     "NworMetrics",
     "OutOfBlocks",
+    "PackedCommit",
     "PoolConfig",
     "PrefillIncomplete",
     "RequestView",
@@ -93,7 +99,10 @@ __all__ = [
     "WindowLayout",
     "WindowStateError",
     "WindowStats",
+    "WriterFence",
+    "accept",
     "acceptance_mask",
+    "commit_packed",
     "merge_attention",
     "paged_attention",
     "plain_tensor",

@@ -36,6 +36,7 @@ import msgspec
 import torch
 import zmq
 
+from allocator import WriterFence
 from allocator.capacity.slots import slot_mapping as table_slot_mapping
 from server.contract import wire
 from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
@@ -81,40 +82,50 @@ class AttachedPool:
     protected: torch.Tensor | None = None  # cached prefix blocks (a prefix-caching service)
     heads: tuple[int, int] | None = None  # a shard's KV heads [start, stop); None: all of them
     shards: list[AttachedPool] = field(default_factory=list)
+    # What every write of this worker's own commit checks on the device (`WriterFence`).
+    writer_fence: WriterFence | None = None
 
     @classmethod
-    def attach(cls, attachment: wire.Attachment) -> AttachedPool:
+    def attach(cls, attachment: wire.Attachment, session: int) -> AttachedPool:
+        """The pool of the registration ``attachment`` came in, whose session is ``session``."""
         if attachment.shards:
-            shards = [cls.attach_shard(attachment, r) for r in range(len(attachment.shards))]
+            shards = [cls.attach_shard(attachment, r, session)
+                      for r in range(len(attachment.shards))]
             fences = [s.fence for s in shards if isinstance(s.fence, StepFence)]
             first = shards[0]
             return cls(first.kv, first.block_table, first.staging,
-                       FenceGroup(fences) if fences else None, first.protected, shards=shards)
-        return cls._map(attachment)
+                       FenceGroup(fences) if fences else None, first.protected, shards=shards,
+                       writer_fence=first.writer_fence)
+        return cls._map(attachment, session)
 
     @classmethod
-    def attach_shard(cls, attachment: wire.Attachment, shard: int) -> AttachedPool:
-        """Shard ``shard`` of a tensor-parallel pool alone, with its own fence."""
+    def attach_shard(cls, attachment: wire.Attachment, shard: int,
+                     session: int) -> AttachedPool:
+        """Shard ``shard`` of a tensor-parallel pool alone, with its own fences."""
         if not attachment.shards:
             raise AttachError("shard: the service has one pool, not tensor-parallel shards")
         if not 0 <= shard < len(attachment.shards):
             raise AttachError(f"shard: {shard} is not a shard of this pool "
                               f"({len(attachment.shards)} shards)")
         described = attachment.shards[shard]
-        mapped = cls._map(described)
+        mapped = cls._map(described, session)
         mapped.heads = (described.head_start, described.head_stop)
         return mapped
 
     @classmethod
-    def _map(cls, handles: wire.Attachment | wire.ShardAttachment) -> AttachedPool:
+    def _map(cls, handles: wire.Attachment | wire.ShardAttachment,
+             session: int) -> AttachedPool:
         fence = None
         if handles.forward_done is not None and handles.commit_done is not None:
             fence = StepFence.open(handles.forward_done, handles.commit_done)
-        # The block table and the protection are the service's to write; workers only read them.
+        # The block table, the protection and the fence word are the service's to write;
+        # workers only read them.
         protected = (attach(handles.protected, writable=False)
                      if handles.protected is not None else None)
+        writer_fence = (WriterFence.of(attach(handles.writer_fence, writable=False), session)
+                        if handles.writer_fence is not None else None)
         return cls(attach(handles.kv), attach(handles.block_table, writable=False),
-                   attach(handles.staging), fence, protected)
+                   attach(handles.staging), fence, protected, writer_fence=writer_fence)
 
     def slot_mapping(self, reply: StepResult, lead: torch.Tensor | None = None) -> torch.Tensor:
         """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
@@ -347,8 +358,8 @@ class _Remote:
 
     def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
         if shard is not None:
-            return AttachedPool.attach_shard(reg.attachment, shard)
-        return AttachedPool.attach(reg.attachment)
+            return AttachedPool.attach_shard(reg.attachment, shard, reg.session)
+        return AttachedPool.attach(reg.attachment, reg.session)
 
 
 class _KeptConnection:

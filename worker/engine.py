@@ -49,14 +49,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from allocator import PackedCommit
 from allocator.capacity.table_validator import TableValidator
-from server.client import Client
+from server.client import AttachedPool, Client
 from server.contract import wire
 from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
 from worker.fusion import fuse_model
 from worker.model import kv_shape
-from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
@@ -252,7 +252,7 @@ class Engine:
                                self.rows, max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,
                                drafter=self.device_drafter,
-                               commit=WorkerCommit(self.pool) if overlap else None,
+                               commit=_own_commit(self.pool) if overlap else None,
                                validator=self.validator,
                                graphs=DecodeGraphs() if cuda_graphs else None,
                                pad_batches=self.pad_decodes)
@@ -356,7 +356,7 @@ class Engine:
             self.stats.table_violations = self.validator.count()
         if self.step.committer is not None:
             self.stats.committed_tokens = int(self.step.committer.committed)
-            self.stats.refused_tokens = int(self.step.committer.refused)
+            self.stats.refused_tokens = self.step.committer.refused
         if self.step.graphs is not None:
             self.stats.graph_replays = self.step.graphs.replayed
             self.stats.graphs_captured = self.step.graphs.captured
@@ -612,3 +612,11 @@ def _handles(requests: list[Request]) -> np.ndarray:
 
 def _ints(values: Iterable[int]) -> np.ndarray:
     return np.fromiter(values, dtype=np.int64)
+
+
+def _own_commit(pool: AttachedPool) -> PackedCommit:
+    """An overlap worker's own commit into ``pool``: the library's, fenced by its session."""
+    layers, _, blocks, tokens_per_block, heads, dim = pool.kv.shape
+    return PackedCommit(pool.kv.view(layers, 2, blocks * tokens_per_block, heads * dim),
+                        pool.staging.view(layers, 2, pool.staging.shape[2], heads * dim),
+                        tokens_per_block, protected=pool.protected, fence=pool.writer_fence)

@@ -94,7 +94,7 @@ class ShardClient:
         self._check_shards(reg)
         self.registration, self.overlap = reg, overlap
         self.pool = (self._client.pool if self._client is not None
-                     else AttachedPool.attach_shard(reg.attachment, self.rank))
+                     else AttachedPool.attach_shard(reg.attachment, self.rank, reg.session))
         return reg
 
     def _check_shards(self, reg: wire.Registration | None) -> None:

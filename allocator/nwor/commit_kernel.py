@@ -12,6 +12,10 @@ Contract (both backends give identical bytes):
   ``inv_scales[l, kv] = 1 / scale`` (value = stored * scale). Saturating, as fp8 KV-cache writers
   do, so an outlier becomes +-448 instead of NaN. Other pools copy the staged bits unchanged.
 
+``fence`` (a `fence.WriterFence`): the write happens only if the writer's fence word still holds
+the number the writer expects, read on the device by the write itself (the Triton kernel's every
+program, the torch path's keep mask); on a CPU pool it is read just before each layer's copy.
+
 ``backend``: ``triton`` is one fused launch over all layers with no host synchronisation (so it
 can be captured in a CUDA graph); on a CPU tensor it runs in Triton's interpreter, which is how CPU
 tests compare it with the ``torch`` path bit for bit. ``torch`` is the plain reference path (it
@@ -29,6 +33,7 @@ import torch
 
 from allocator.common.triton_support import triton_available
 from allocator.errors import NworInputError, SlotDtypeError
+from allocator.nwor.fence import WriterFence
 
 Backend = Literal["auto", "torch", "triton"]
 FP8_MAX = 448.0
@@ -58,27 +63,32 @@ def quantise_fp8(values: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
 def write_staged(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
                  layer_rows: torch.Tensor, num_rows: int,
-                 inv_scales: torch.Tensor | None = None, *, backend: Backend = "auto") -> None:
+                 inv_scales: torch.Tensor | None = None, *, backend: Backend = "auto",
+                 fence: WriterFence | None = None) -> None:
     """Write the staged rows selected by the contract above into the pool, in place."""
     _check(pool_rows, staged, slots, layer_rows, num_rows, inv_scales)
+    if fence is not None:
+        fence.check(pool_rows.device)
     if num_rows == 0 or pool_rows.shape[0] == 0:
         return
     if resolve_backend(backend, pool_rows.device) == "triton":
-        _write_triton(pool_rows, staged, slots, layer_rows, num_rows, inv_scales)
+        _write_triton(pool_rows, staged, slots, layer_rows, num_rows, inv_scales, fence)
     else:
-        _write_torch(pool_rows, staged, slots, layer_rows, num_rows, inv_scales)
+        _write_torch(pool_rows, staged, slots, layer_rows, num_rows, inv_scales, fence)
 
 
 def _write_torch(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
                  layer_rows: torch.Tensor, num_rows: int,
-                 inv_scales: torch.Tensor | None) -> None:
+                 inv_scales: torch.Tensor | None, fence: WriterFence | None) -> None:
     num_slots = pool_rows.shape[2]
     if inv_scales is None and pool_rows.device.type == "cpu":
-        _copy_rows_cpu(pool_rows, staged, slots, layer_rows, num_rows)
+        _copy_rows_cpu(pool_rows, staged, slots, layer_rows, num_rows, fence)
         return
     window = slots[:, :num_rows]
     t = torch.arange(num_rows, device=slots.device)
     keep = (window >= 0) & (window < num_slots) & (t[None, :] < layer_rows[:, None])
+    if fence is not None:
+        keep &= fence.word == fence.expected
     layer, row = keep.nonzero(as_tuple=True)
     slot = window[layer, row]
     pool_bits = pool_rows.view(_BITS_VIEW[pool_rows.element_size()])
@@ -90,7 +100,7 @@ def _write_torch(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Ten
 
 
 def _copy_rows_cpu(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
-                   layer_rows: torch.Tensor, num_rows: int) -> None:
+                   layer_rows: torch.Tensor, num_rows: int, fence: WriterFence | None) -> None:
     """The copy case on a CPU pool, per layer through numpy views of the raw bits: torch's
     multi-index ``index_put_`` costs about 3x as much on CPU, and on a CPU pool the commit sits on
     the service's per-step critical path. Each row moves as one element (`_whole_rows`): numpy
@@ -103,6 +113,8 @@ def _copy_rows_cpu(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.T
     staged_np = staged.view(bits).numpy()
     window = slots[:, :num_rows].numpy()
     for layer, staged_rows in enumerate(layer_rows.tolist()):
+        if fence is not None and fence.word.numpy()[0] != fence.expected.numpy()[0]:
+            return  # read again before each layer: a stalled writer stops at the next layer
         layer_slots = window[layer, : max(0, min(num_rows, staged_rows))]
         row = np.flatnonzero((layer_slots >= 0) & (layer_slots < num_slots))
         slot = layer_slots[row]
@@ -120,7 +132,7 @@ def _whole_rows(rows: np.ndarray) -> np.ndarray:
 
 def _write_triton(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
                   layer_rows: torch.Tensor, num_rows: int,
-                  inv_scales: torch.Tensor | None) -> None:
+                  inv_scales: torch.Tensor | None, fence: WriterFence | None) -> None:
     from allocator.nwor import commit_triton as ct
 
     kernel = ct.commit_rows_jit if pool_rows.is_cuda else ct.interpreted("commit_rows")
@@ -137,8 +149,10 @@ def _write_triton(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Te
     kernel[grid](
         pool_rows.view(_BITS_VIEW[pool_rows.element_size()]), staged_arg, slots, layer_rows,
         layer_rows if inv_scales is None else inv_scales,  # a valid pointer, never read for copies
+        layer_rows if fence is None else fence.word,  # valid pointers, read only when FENCED
+        layer_rows if fence is None else fence.expected,
         num_rows, num_slots, staged.shape[2], slots.stride(0),
-        ROW=row, BLOCK_T=block_t, BLOCK_D=block_d, SRC=src_kind.value,
+        ROW=row, BLOCK_T=block_t, BLOCK_D=block_d, SRC=src_kind.value, FENCED=fence is not None,
     )
 
 

@@ -7,6 +7,9 @@ Both run in one launch each, with no host synchronisation.
 `_commit_rows`: one launch writes every layer's K and V: program ``(tile, layer, kv)`` copies
 ``BLOCK_T`` staged rows of one layer's K or V plane to their pool slots, skipping rows past the
 layer's staged count and rows whose slot is outside ``[0, num_slots)`` (-1: rejected or padded).
+A fenced launch (``FENCED``) first reads its writer's fence word and writes nothing once the word
+no longer holds the writer's number: a volatile load, so a word closed by another process after
+the launch was queued is seen.
 
 fp8 e4m3 quantisation is done with integer operations (round to nearest even, saturating at
 +-448) instead of a float cast, because the Triton interpreter's float casts are not exact: this
@@ -31,14 +34,18 @@ SRC_FLOAT_TO_FP8 = tl.constexpr(2)
 
 
 def _commit_rows(pool_ptr, staged_ptr, slots_ptr, layer_rows_ptr, inv_scale_ptr,
+                 fence_word_ptr, fence_expected_ptr,
                  num_rows, num_slots, stage_capacity, slot_stride,
                  ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SRC: tl.constexpr):
+                 SRC: tl.constexpr, FENCED: tl.constexpr):
     tile = tl.program_id(0)
     layer = tl.program_id(1)
     kv = tl.program_id(2)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     limit = tl.minimum(tl.load(layer_rows_ptr + layer), num_rows)
+    if FENCED:  # the writer's session ended: this program writes nothing (`fence.py`)
+        word = tl.load(fence_word_ptr, volatile=True)
+        limit = tl.where(word == tl.load(fence_expected_ptr), limit, 0)
     live = rows < limit
     slot = tl.load(slots_ptr + layer * slot_stride + rows, mask=live, other=-1)
     live = live & (slot >= 0) & (slot < num_slots)

@@ -67,6 +67,7 @@ from allocator.nwor.deferred.input_checks import StagingSpec
 from allocator.nwor.deferred.pool_writes import PoolWrites
 from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.deferred.staging import StagingBuffers
+from allocator.nwor.fence import WriterFence
 from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
@@ -175,13 +176,18 @@ class DeferredWriteManager:
         """Tokens staged so far in ``layer`` during the open window (0 between windows)."""
         return self._staging.rows[layer]
 
-    def begin_window(self, layout: WindowLayout) -> None:
-        """Open the window of one step's ``layout`` (lifecycle: the module's docstring)."""
+    def begin_window(self, layout: WindowLayout, fence: WriterFence | None = None) -> None:
+        """Open the window of one step's ``layout`` (lifecycle: the module's docstring); every
+        write of the window, its fallback too, is fenced by ``fence`` (`fence.WriterFence`:
+        nothing is written once the writer's session has ended)."""
         if self._layout is not None:
             raise WindowStateError("window: begin_window while a window is open; commit or "
                                    "cancel it first")
         self.spec.check_layout(layout)
+        if fence is not None:
+            fence.check(self.device)
         self._layout = layout
+        self._writes.fence = fence
 
     def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
@@ -299,16 +305,22 @@ class DeferredWriteManager:
                                     lambda: writes.mask_and_write(rows, record=True),
                                     lambda: writes.warm_up_mask_and_write(rows))
 
-    def capture_host_write_graphs(self, staging: torch.Tensor) -> bool:
+    def capture_host_write_graphs(self, staging: torch.Tensor,
+                                  fence: WriterFence | None = None) -> bool:
         """Capture now the graph of every row bucket that a commit staged from ``staging`` with
         host slots replays (under the current ``protect`` guard), kept until
         ``drop_host_write_graphs``: a capture synchronises the device and takes milliseconds,
         which the first commits from ``staging`` then do not pay. ``staging`` as ``stage_from``
         takes it; between windows only. False where those commits run no graph (a CPU pool, the
-        torch write) or a capture failed (logged once; they write eagerly from then on)."""
+        torch write) or a capture failed (logged once; they write eagerly from then on). The
+        graphs read ``fence``, the one the windows staged from ``staging`` will be opened with."""
         if self._layout is not None:
             raise WindowStateError("window: capture graphs between windows, not inside one")
-        return self._writes.capture_host_writes(self.spec.checked_staging(staging, 1))
+        self._writes.fence = fence
+        try:
+            return self._writes.capture_host_writes(self.spec.checked_staging(staging, 1))
+        finally:
+            self._writes.fence = None
 
     def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
         """Forget the graphs that commit from ``staging``, before its memory is released (it
@@ -362,3 +374,4 @@ class DeferredWriteManager:
         self._keep.mark_stale()
         self._staging.reset()
         self._layout = None
+        self._writes.fence = None

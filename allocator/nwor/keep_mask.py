@@ -9,7 +9,8 @@ Per-window buffers (the manager's, filled when the window opens):
 - ``limits``: int64 ``[R + 1]``, per request the most it may accept (its draft count, ``NEVER``
   for a padded request), then the window's token count.
 
-A token is kept iff its draft index < its request's accepted count. If any count lies outside
+A token is kept iff its draft index < its request's accepted count (`window_maths.keep_rule`,
+which the Triton kernel states inline). If any count lies outside
 ``[0, limit]`` every token of the window is kept instead: the fallback writes everything, never a
 clamped guess. ``counters = (window[3], total[3], per_position[P + 1])``, when given, receive
 (committed tokens or 0 when the counts were invalid, 1 if they were, the window's tokens if they
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from allocator.nwor.commit_kernel import Backend, resolve_backend
+from allocator.nwor.window_maths import keep_rule
 
 NEVER = 1 << 62  # a draft index no count reaches, and a limit no count exceeds
 _BLOCK_T = 256  # tokens per program
@@ -66,7 +68,7 @@ def _mask_rejected_torch(tokens: torch.Tensor, accepted: torch.Tensor, limits: t
         return
     request, draft_index, bucket = tokens[:num_rows].unbind(1)
     invalid = ((accepted < 0) | (accepted > limits[:-1])).any()
-    keep = draft_index < torch.where(invalid, NEVER, accepted)[request]
+    keep = keep_rule(draft_index, request, torch.where(invalid, NEVER, accepted))
     out[:, :num_rows] = torch.where(keep, slots[:, :num_rows], -1)
     if counters is None:
         return
@@ -85,5 +87,5 @@ def _mask_rejected_numpy(tokens: torch.Tensor, accepted: torch.Tensor, limits: t
     the service's per-step path, and torch's per-op dispatch costs more than the work."""
     t, acc = tokens[:num_rows].numpy(), accepted.numpy()
     invalid = ((acc < 0) | (acc > limits[:-1].numpy())).any()
-    keep = t[:, 1] < (NEVER if invalid else acc[t[:, 0]])
+    keep = keep_rule(t[:, 1], t[:, 0], np.full_like(acc, NEVER) if invalid else acc)
     out[:, :num_rows].numpy()[:] = np.where(keep, slots[:, :num_rows].numpy(), -1)

@@ -15,13 +15,25 @@ per-call cost outweighs the work. Tests compare the two.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
+import torch
 
 from allocator.common.jit import jit, numba
 
 # What `keep` returns: (bad, kept_slots, per_position, committed, written).
 Kept = tuple[int, np.ndarray, np.ndarray, int, int]
 INT64_MAX = int(np.iinfo(np.int64).max)
+Indexable = TypeVar("Indexable", np.ndarray, torch.Tensor)
+
+
+def keep_rule(index: Indexable, entry: Indexable, bound: Indexable) -> Indexable:
+    """NWOR's keep rule, the one every commit applies (numpy or torch alike): token ``t`` is
+    kept iff ``index[t] < bound[entry[t]]``. A window states it with draft indices and accepted
+    counts, an overlap worker's step with indices in the entry and kept counts
+    (`packed_commit`)."""
+    return index < bound[entry]
 
 
 def window_total_reference(num_tokens: np.ndarray, num_draft: np.ndarray) -> int:
@@ -69,7 +81,7 @@ def keep_reference(num_tokens: np.ndarray, num_draft: np.ndarray, accepted: np.n
     if slots.size == 0:
         return -1, np.zeros(0, np.int64), per_position, committed, 0
     table = token_table_reference(num_tokens, num_draft, positions)
-    kept = table[:, 1] < accepted[table[:, 0]]
+    kept = keep_rule(table[:, 1], table[:, 0], accepted)
     kept_slots = np.where(kept, slots, -1)
     return -1, kept_slots, per_position, committed, int(np.count_nonzero(kept_slots >= 0))
 

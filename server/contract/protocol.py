@@ -147,6 +147,7 @@ class PoolHandles(Contract):
     forward_done: EventHandle | None = None
     commit_done: EventHandle | None = None
     protected: TensorHandle | None = None
+    writer_fence: TensorHandle | None = None
 
 
 class Attachment(PoolHandles):
@@ -159,7 +160,11 @@ class Attachment(PoolHandles):
     On CUDA the worker records ``forward_done`` after its forward and waits on ``commit_done``
     before its next forward; on CPU both are absent. ``protected`` (a service with prefix
     caching) is bool ``[num_blocks]``, True for a cached prefix block that other requests read:
-    a worker that commits its own tokens must not write those blocks.
+    a worker that commits its own tokens must not write those blocks. ``writer_fence`` is int64
+    ``[1]``, the session's fence word: it holds the registration's ``session`` while the session
+    is open and -1 from the moment it ends (before its blocks are freed); a worker that commits
+    its own tokens passes it to every write, which reads it on the device and writes nothing
+    once it has changed.
     """
 
     shards: list[ShardAttachment] = Field(

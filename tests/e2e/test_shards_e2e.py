@@ -58,7 +58,7 @@ def one_shard_worker(addr: str) -> tuple[tuple[int, int] | None, list[int]]:
     torch.set_num_threads(1)
     with Client(addr, worker_id="rank1") as client:
         reg = client.register(attach=False)
-        shard = AttachedPool.attach_shard(reg.attachment, 1)
+        shard = AttachedPool.attach_shard(reg.attachment, 1, reg.session)
         reply = client.step(new=(["a"], [9]))
         row = shard.block_table[int(reply.scheduled.rows[0])].tolist()
         client.deregister()

@@ -14,11 +14,14 @@ A decode-only step may run as more entries than the host planned: grown to its b
 (`worker.step.batch_buckets`) by padded entries on the rows' spare row, so that a captured graph
 serves it. The outcome and the record are the planned entries' alone.
 
-An overlap worker also commits on the device (`worker.step.commit`), right after verification and
-before the next forward reads history. Its window counts every token of an entry as a draft: an
-entry keeps ``1 + accepted`` tokens (a decode) or its whole chunk (a prefill) while its request
-goes on, and nothing once the request ended, in this step or before (a wasted forward), so the
-pool receives exactly what a synchronous service would have committed.
+Verification accepts through the library's rule (`allocator.nwor.acceptance.accept`), the one the
+service's verify uses. An overlap worker also commits on the device, with the library's one
+commit (`PackedCommit`, the service's too), right after verification and before the next forward
+reads history, fenced by its session (nothing lands once the session ended). Each token's index
+is its place in its entry, and an entry keeps ``1 + accepted`` tokens (a decode) or its whole
+chunk (a prefill) while its request goes on, and nothing once the request ended, in this step or
+before (a wasted forward), so the pool receives exactly what a synchronous service would have
+committed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from allocator import PackedCommit, accept
 from allocator.capacity.table_validator import TableValidator
 from allocator.common.device_io import PinnedUploads
 from allocator.errors import InvariantViolation
@@ -39,7 +43,6 @@ from worker.attention.hook import PoolStep
 from worker.attention.pool_attention import HostBounds, PagedLayout
 from worker.drafters import DeviceOracleDrafter
 from worker.step.batch_buckets import batch_bucket
-from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.rows import DeviceRows
 from worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
@@ -164,7 +167,7 @@ class DeviceStep:
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, staging: torch.Tensor,
                  block_table: torch.Tensor, rows: DeviceRows, *, max_draft_len: int,
                  stop_token_ids: frozenset[int],
-                 drafter: DeviceOracleDrafter | None = None, commit: WorkerCommit | None = None,
+                 drafter: DeviceOracleDrafter | None = None, commit: PackedCommit | None = None,
                  validator: TableValidator | None = None,
                  graphs: DecodeGraphs | None = None, pad_batches: bool = False) -> None:
         """``pad_batches``: run a decode-only step as its batch bucket
@@ -256,7 +259,8 @@ class DeviceStep:
             tokens, emitted, accepted, kept = self._verify(plan, layout, meta.ids,
                                                            logits.argmax(-1), cols)
             if self.committer is not None:
-                self.committer.commit(meta.slots, meta.index, cols.token_entry, kept)
+                self.committer.commit(meta.slots, meta.index, cols.token_entry, kept,
+                                      layout.query_lens)
             packed = torch.cat([tokens.flatten(), emitted, accepted])
         return StepOutputs(packed, tokens.shape[1], logits, kept)
 
@@ -311,8 +315,7 @@ class DeviceStep:
         logit_start = torch.cumsum(w, 0) - w
         tokens = guesses[(logit_start[:, None] + i).clamp(max=max(guesses.numel() - 1, 0))]
         draft_at = (layout.query_starts[e][:, None] + 1 + i[:-1]).clamp(max=ids.numel() - 1)
-        matches = (ids[draft_at] == tokens[:, :-1]) & (i[:-1] < cols.drafts[:, None])
-        accepted = torch.cumprod(matches.long(), 1).sum(1)
+        accepted = accept(ids[draft_at], tokens, cols.drafts)[1]  # the library's one rule
         rows = layout.rows[e]
         alive = state.alive[rows]
         emitted = torch.minimum(accepted + 1, state.limit[rows] - state.generated[rows])

@@ -31,7 +31,9 @@ from allocator.nwor.deferred.fp8_scales import Fp8Scales
 from allocator.nwor.deferred.graphs import CommitGraphs
 from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.deferred.staging import StagingBuffers
+from allocator.nwor.fence import WriterFence
 from allocator.nwor.host_write_graphs import HostWriteGraphs
+from allocator.nwor.packed_commit import commit_packed
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import WindowLayout, WindowStats
 from allocator.nwor.window_maths import Kept
@@ -54,6 +56,7 @@ class PoolWrites:
         self.protection = protection
         self.counters = counters
         self.graphs = graphs
+        self.fence: WriterFence | None = None  # the open window's writer's (`fence.py`)
 
     def write_or_fall_back(self, layout: WindowLayout,
                            write: Callable[[], WindowStats]) -> WindowStats:
@@ -80,7 +83,8 @@ class PoolWrites:
             self.write_host_slots(None if committed == total else kept_slots)
         elif committed == total:
             write_staged(self.storage.rows(), staging.source, staging.slots, staging.layer_rows,
-                         total, self.scales.inv, backend=self.backend)
+                         total, self.scales.inv, backend=self.backend,
+                         fence=self.fence)
         else:
             self.keep.upload(layout)
             self.keep.load_counts(accepted)
@@ -97,7 +101,9 @@ class PoolWrites:
         if total == 0 or not self.staging.any_staged():
             return _EMPTY
         self.keep.load_counts(accepted)
-        graph = self.graphs.commit_graph(total) if self.staging.own_buffer else None
+        # The commit graphs are captured unfenced: a fenced window runs eagerly.
+        graph = (self.graphs.commit_graph(total)
+                 if self.staging.own_buffer and self.fence is None else None)
         if graph is None:
             self.mask_and_write(total, record=True)
             return self.counters.device_window(total, "device")
@@ -117,7 +123,7 @@ class PoolWrites:
         def write() -> WindowStats:
             nonlocal counts
             graph = (self.graphs.verify_graph(layout.total_tokens, draft_ids, sampled_ids)
-                     if self.staging.own_buffer else None)
+                     if self.staging.own_buffer and self.fence is None else None)
             if graph is None:
                 counts = accept(draft_ids, sampled_ids, num_draft)[1]
                 return self.write_device_counted(layout, counts)
@@ -134,11 +140,14 @@ class PoolWrites:
         """Keep mask -> rejected slots set to -1 -> fused write (-> device counters, if
         ``record``) over the first ``rows`` staged rows. Device operations on static buffers
         only: what the commit and verify graphs capture."""
-        self.keep.mask(self.staging.slots, rows, self.counters.on_device if record else None,
-                       backend=self.backend)
+        keep = self.keep
+        if record:  # what a failure past this point takes back (`uncount_device_window`)
+            self.counters.on_device[0].zero_()
         self.counters.counted_on_device = record
-        write_staged(self.storage.rows(), self.staging.source, self.keep.masked_slots,
-                     self.staging.layer_rows, rows, self.scales.inv, backend=self.backend)
+        commit_packed(self.storage.rows(), self.staging.source, self.staging.slots,
+                      self.staging.layer_rows, rows, keep.tokens, keep.accepted, keep.requests,
+                      keep.masked_slots, counters=self.counters.on_device if record else None,
+                      inv_scales=self.scales.inv, fence=self.fence, backend=self.backend)
 
     def warm_up_mask_and_write(self, rows: int) -> None:
         """A graph's warm-up: `mask_and_write`'s kernels (compiled here, never inside a
@@ -159,18 +168,25 @@ class PoolWrites:
         if graphs is None or not graphs.replay(
                 staging.source, staging.host_slots,
                 staging.host_slots if kept_slots is None else kept_slots,
-                variant=self.protection.variant):
+                variant=self._variant()):
             staging.upload_host_slots(kept_slots)
             write_staged(self.storage.rows(), staging.source,
                          staging.shared_row(int(kept_slots is not None)), staging.all_rows,
-                         staging.host_slots.size, self.scales.inv, backend=self.backend)
+                         staging.host_slots.size, self.scales.inv, backend=self.backend,
+                         fence=self.fence)
 
     def write_uploaded_slots(self, staged: torch.Tensor, kept: torch.Tensor, rows: int) -> None:
         """What a host-slot write's graph runs once the slot rows are on the device: the eager
         path's guard (`BlockProtection.guard_host_rows`) and fused write, over ``rows`` rows."""
         self.protection.guard_host_rows(staged, kept)
         write_staged(self.storage.rows(), self.staging.source, self.staging.every_layer(kept),
-                     self.staging.all_rows, rows, self.scales.inv, backend=self.backend)
+                     self.staging.all_rows, rows, self.scales.inv, backend=self.backend,
+                         fence=self.fence)
+
+    def _variant(self) -> tuple[int | None, int | None]:
+        """What a host-slot write's graph bakes in besides its buffer: the protection mask's
+        address and the writer's fence word's."""
+        return self.protection.variant, None if self.fence is None else self.fence.word.data_ptr()
 
     def _host_write_graphs(self) -> HostWriteGraphs | None:
         return self.graphs.host_writes(self.write_uploaded_slots)
@@ -182,7 +198,7 @@ class PoolWrites:
         if graphs is None:
             return False
         with self.staging.reading(source):  # what the captured write reads
-            return graphs.capture(source, self.protection.variant)
+            return graphs.capture(source, self._variant())
 
     def write_all_staged(self, reason: str, exc: BaseException | None = None) -> WindowStats:
         """The fallback: every staged token, with the reference torch write (what an engine
@@ -198,6 +214,6 @@ class PoolWrites:
             slots, layer_rows = staging.shared_row(0), staging.all_rows
             written = int(np.count_nonzero(staging.host_slots >= 0))
         write_staged(self.storage.rows(), staging.source, slots, layer_rows, rows,
-                     self.scales.inv, backend="torch")
+                     self.scales.inv, backend="torch", fence=self.fence)
         self.counters.count_fallback(reason)
         return WindowStats(rows, 0, 0, rows, "fallback", reason, written)

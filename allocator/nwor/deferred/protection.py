@@ -35,14 +35,27 @@ class BlockProtection:
 
     def guard(self, slots: torch.Tensor, *, count: bool) -> None:
         """Set ``slots`` that land in a protected block to -1 (in place, on the device)."""
-        if self.blocks is None or slots.numel() == 0:
+        refused = self._refused_in(slots)
+        if refused is None:
             return
-        blocks = torch.div(slots, self.tokens_per_block, rounding_mode="floor").clamp_(
-            0, self.blocks.numel() - 1)
-        refused = (slots >= 0) & self.blocks[blocks]
         if count:
             self._refused += refused.sum()
         slots.masked_fill_(refused, -1)
+
+    def count(self, slots: torch.Tensor) -> None:
+        """Count the tokens of ``slots`` that land in a protected block, changing nothing: a
+        caller that guards them later, uncounted (`packed_commit`)."""
+        refused = self._refused_in(slots)
+        if refused is not None:
+            self._refused += refused.sum()
+
+    def _refused_in(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Where ``slots`` land in a protected block (None: no guard, or no slot)."""
+        if self.blocks is None or slots.numel() == 0:
+            return None
+        blocks = torch.div(slots, self.tokens_per_block, rounding_mode="floor").clamp_(
+            0, self.blocks.numel() - 1)
+        return (slots >= 0) & self.blocks[blocks]
 
     def guard_host_rows(self, staged: torch.Tensor, kept: torch.Tensor | None) -> None:
         """Guard a host-slot window's uploaded rows: ``staged``, and ``kept`` (the same slots

@@ -18,6 +18,7 @@ from nwor_scenarios import (
 from triton_interpreter import needs_triton_interpreter
 
 import allocator.nwor.deferred.pool_writes as pool_writes
+import allocator.nwor.packed_commit as packed_commit
 from allocator.errors import (
     AcceptedExceedsDrafts,
     InvalidValue,
@@ -224,7 +225,8 @@ def test_a_failing_write_falls_back_and_loses_nothing(monkeypatch):
         raise RuntimeError("kernel launch failed")
 
     flaky.failed = False
-    monkeypatch.setattr(pool_writes, "write_staged", flaky)
+    for module in (pool_writes, packed_commit):  # the writes every path ends in
+        monkeypatch.setattr(module, "write_staged", flaky)
     mgr.begin_window(WindowLayout.decode([2]))
     k, v = _tokens(3)
     mgr.stage_layer(0, k, v, torch.arange(3, dtype=torch.int64))
@@ -390,7 +392,8 @@ def test_a_write_failing_after_the_device_counted_the_window_keeps_metrics_consi
         return real(*args, backend=backend, **kw)
 
     failing.failed = False
-    monkeypatch.setattr(pool_writes, "write_staged", failing)
+    for module in (pool_writes, packed_commit):  # the writes every path ends in
+        monkeypatch.setattr(module, "write_staged", failing)
     mgr.begin_window(WindowLayout.decode([3, 3]))
     k, v = _tokens(8)
     mgr.stage_layer(0, k, v, torch.arange(8, dtype=torch.int64))
