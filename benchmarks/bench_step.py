@@ -326,7 +326,7 @@ class InProcessService(ServiceStep):
         self.core = ServiceCore(setup.service_config(devices=setup.devices if sharded else ()))
         self.commit_name = "commit_shards" if sharded else "commit"
         self.commit_us: list[float] = []
-        commit = self.core.commits.write_batch
+        commit = self.core.pool.commits.write_batch
         synchronize = torch.cuda.synchronize if self.core.device.type == "cuda" else None
 
         def timed_commit(*args: Any, **kwargs: Any) -> Any:
@@ -337,7 +337,7 @@ class InProcessService(ServiceStep):
             self.commit_us.append((time.perf_counter_ns() - t0) / 1e3)
             return out
 
-        self.core.commits.write_batch = timed_commit  # type: ignore[method-assign]
+        self.core.pool.commits.write_batch = timed_commit  # type: ignore[method-assign]
         super().__init__(setup, Client.in_process(self.core, worker_id="bench"), overlap=overlap)
 
     def close(self) -> None:

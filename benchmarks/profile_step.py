@@ -70,7 +70,7 @@ def profile(setup: bench_step.Setup, steps: int) -> dict[str, float]:
     service = bench_step.InProcessService(setup)
     core = service.core
     times = PhaseTimes()
-    step_pipeline, writes = core.pipeline, core.committer.writes
+    step_pipeline, writes = core.pipeline, core.pool.committer.writes
     for owner, attr, phase in (
             (core, "step", "step"),
             (step_pipeline.registry, "rows_of_handles", "handles"),

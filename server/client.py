@@ -27,7 +27,7 @@ import http.client
 import os
 import secrets
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -38,6 +38,7 @@ import zmq
 
 from allocator import WriterFence
 from allocator.capacity.slots import slot_mapping as table_slot_mapping
+from allocator.config import PoolConfig
 from server.contract import wire
 from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
 from server.contract.columns import ColumnInput, StepCall, StepResult
@@ -315,6 +316,26 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def in_process_client(pool: PoolConfig, *, max_step_tokens: int,
+                      worker_id: str | None = None) -> Iterator[Client]:
+    """A client of a service core made in this process for ``pool``, not yet registered; the
+    core closes (its shared memory unlinked) when the block ends. What a worker that embeds the
+    service uses instead of ``kvalloc serve``."""
+    # Imported here: a client of a service in another process never loads the service.
+    from server.service.core import ServiceCore
+    from server.service.settings import ServiceConfig
+
+    # The service lives and dies with this process, so a lease guards against nothing here but
+    # would expire while the first steps compile their kernels (a cold Triton cache).
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=max_step_tokens,
+                                     lease_ttl_s=3600.0))
+    try:
+        yield Client.in_process(core, worker_id=worker_id)
+    finally:
+        core.close()
 
 
 class _LocalTransport:

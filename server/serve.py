@@ -515,7 +515,7 @@ def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str
         return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
     # Scrapes read what the core publishes under its lock: they never take it themselves.
     metrics = ServiceMetrics(registry, AllocatorMetrics(registry, core.manager,
-                                                        core.committer.writes))
+                                                        core.pool.committer.writes))
     with core.lock:
         core.add_observer(metrics)
         metrics.state_changed()

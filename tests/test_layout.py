@@ -5,6 +5,8 @@
   `server` or `worker`.
 - In `server`: `contract` imports neither `service` nor `transport`, and `service` never imports
   `transport`. Only the edges (`client`, `serve`, `cli`, `devtools`) see every layer.
+- `worker` uses the service through `server.client` alone, an in-process one included; it never
+  imports `server.service`.
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
 
 Imports are read with `ast`, relative ones resolved, and those inside functions count too: a
@@ -38,6 +40,7 @@ FORBIDDEN = (
     ("server.service", "server.devtools"),
     ("server.transport", "server.devtools"),
     ("server", "worker"),
+    ("worker", "server.service"),
     ("worker.attention", "worker.step"),
     ("worker.attention", "worker.engine"),
     ("worker.step", "worker.engine"),

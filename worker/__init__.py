@@ -12,6 +12,8 @@ synchronously or one step ahead of the host (an overlap worker).
   `fusion` (the one switch to all of them), `drafters`;
 - `cli`: ``kvalloc worker``.
 
-May import `allocator` and `server` (it is the client's user); nothing imports it.
+May import `allocator` and `server`'s client and contract (it is the client's user; its
+``--in-process`` service comes from `server.client.in_process_client`), never `server.service`;
+nothing imports it.
 Needs the optional dependencies: ``pip install 'kvalloc[worker]'``.
 """

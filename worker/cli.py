@@ -34,12 +34,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from allocator.config import SlackPolicy
+from allocator.config import PoolConfig, SlackPolicy
 from allocator.tools.interrupt import INTERRUPTED, StopRequest, sigint_stops
-from server.client import Client
+from server.client import Client, in_process_client
 from server.contract.addresses import default_client_address
 from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
-from server.service.settings import ServiceConfig
 from worker.drafters import (
     DeviceOracleDrafter,
     Drafter,
@@ -338,7 +337,7 @@ def _tokenizer(model: str | None) -> Any:
 @contextlib.contextmanager
 def _client(args: argparse.Namespace, model: Any,
             prompts: Sequence[NamedPrompt]) -> Iterator[Client]:
-    """A registered, attached client: to ``--address``, or to a core made here."""
+    """A registered, attached client: to ``--address``, or to a service made in this process."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
             client.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
@@ -348,29 +347,22 @@ def _client(args: argparse.Namespace, model: Any,
                 with contextlib.suppress(Exception):  # a lost service frees it by lease
                     client.deregister()
         return
-    from server.service.core import ServiceCore
-
-    core = ServiceCore(in_process_config(args, model, prompts))
-    try:
-        client = Client.in_process(core, worker_id=args.worker_id or "worker")
+    with in_process_client(in_process_pool(args, model, prompts),
+                           max_step_tokens=args.max_step_tokens,
+                           worker_id=args.worker_id or "worker") as client:
         client.register(overlap=args.overlap)
         yield client
-    finally:
-        core.close()
 
 
-def in_process_config(args: argparse.Namespace, model: Any,
-                      prompts: Sequence[NamedPrompt]) -> ServiceConfig:
+def in_process_pool(args: argparse.Namespace, model: Any,
+                    prompts: Sequence[NamedPrompt]) -> PoolConfig:
     """A pool shaped like ``model``'s KV, long enough for the longest prompt's output."""
-    pool = pool_for_model(
+    return pool_for_model(
         model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,
         num_requests=len(prompts), draft_len=args.draft_len, dtype=args.dtype,
         device=args.device, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, num_blocks=args.num_blocks,
         slack_policy=args.slack_policy)
-    # The service lives and dies with this process, so a lease guards against nothing here but
-    # would expire while the first steps compile their kernels (a cold Triton cache).
-    return ServiceConfig(pool=pool, max_step_tokens=args.max_step_tokens, lease_ttl_s=3600.0)
 
 
 def _human_interrupted(s: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """`ScheduledBatch`: the tokens of one step's forward, from the reply that schedules them to the
-call that commits them.
+call that commits them, and `schedule`, which lays them out.
 
 The worker stages token ``i`` of its step at ``staging[layer, 0 or 1, i]``. The batch lists the
 scheduled requests in token order (granted decodes, then prefill chunks, then new requests); each
@@ -12,6 +12,14 @@ commits nothing, and no token is written past the blocks its request still owns 
 settlement, so even NWOR's write-everything fallback never touches a block another request may
 have been given in the same call.
 
+`schedule` lays the batch out from the manager's `StepOutcome` and the call's columns: the
+reply's `Scheduled` columns and how many of its entries are decodes. A granted decode runs 1 +
+its drafts, a prefill chunk its granted tokens, a new request ``min(prompt_tokens, prompt_len -
+start)`` from its start (after its cached prompt tokens); where those tokens live in the pool is
+the manager's to say (`KVCacheManager.token_slots` of the runs). `schedule_compiled` is
+`schedule_reference` as one numba loop: the per-step cost is a few dozen tiny array operations
+otherwise.
+
 Each compiled loop here has a numpy reference (``*_reference``) that states what it computes;
 tests compare the two.
 """
@@ -19,7 +27,7 @@ tests compare the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -153,3 +161,75 @@ def _settle_rows_loop(rows, num_decodes, result_rows, num_accepted,  # type: ign
 
 # A handful of scatters and gathers over the block table's rows a step otherwise.
 settle_rows = jit(_settle_rows_loop) if numba is not None else settle_rows_reference
+
+
+def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,
+                       drafts: np.ndarray, grant_starts: np.ndarray,
+                       prefill_handles: np.ndarray, prefill_rows: np.ndarray,
+                       prefill_granted: np.ndarray, prefill_tokens: np.ndarray,
+                       prefill_starts: np.ndarray, new_handles: np.ndarray,
+                       admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
+                       prompt_lens: np.ndarray, new_starts: np.ndarray) -> tuple[Scheduled, int]:
+    new = admitted_rows >= 0
+    decode_drafts = drafts[granted]
+    new_tokens = np.minimum(prompt_tokens, prompt_lens - new_starts)
+    num_tokens = np.concatenate([1 + decode_drafts, prefill_tokens[prefill_granted],
+                                 new_tokens[new]])
+    offsets = np.cumsum(num_tokens) - num_tokens
+    rows = np.concatenate([grant_rows[granted], prefill_rows[prefill_granted],
+                           admitted_rows[new]])
+    starts = np.concatenate([grant_starts[granted], prefill_starts[prefill_granted],
+                             new_starts[new]])
+    scheduled = Scheduled(
+        handles=np.concatenate([grant_handles[granted], prefill_handles[prefill_granted],
+                                new_handles[new]]),
+        rows=rows, token_offsets=offsets, num_tokens=num_tokens,
+        num_drafts=np.concatenate([decode_drafts,
+                                   np.zeros(rows.size - decode_drafts.size, dtype=np.int64)]),
+        start_positions=starts)
+    return scheduled, int(decode_drafts.size)
+
+
+def _schedule_loop(grant_handles, grant_rows, granted, drafts, grant_starts, prefill_handles,
+                   prefill_rows, prefill_granted, prefill_tokens, prefill_starts, new_handles,
+                   admitted_rows, prompt_tokens, prompt_lens, new_starts):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    num_decodes = granted.sum()
+    entries = num_decodes + prefill_granted.sum() + (admitted_rows >= 0).sum()
+    # One block of columns instead of six arrays: each returned array costs a conversion.
+    per_entry = np.zeros((6, entries), np.int64)  # `Scheduled`'s fields, in its order
+    handles, rows, offsets, num_tokens, num_drafts, starts = per_entry
+    e = 0
+    for i in range(granted.size):
+        if granted[i]:
+            handles[e], rows[e] = grant_handles[i], grant_rows[i]
+            num_tokens[e], num_drafts[e], starts[e] = 1 + drafts[i], drafts[i], grant_starts[i]
+            e += 1
+    for i in range(prefill_granted.size):
+        if prefill_granted[i]:
+            handles[e], rows[e] = prefill_handles[i], prefill_rows[i]
+            num_tokens[e], starts[e] = prefill_tokens[i], prefill_starts[i]
+            e += 1
+    for i in range(admitted_rows.size):
+        if admitted_rows[i] >= 0:
+            handles[e], rows[e], starts[e] = new_handles[i], admitted_rows[i], new_starts[i]
+            num_tokens[e] = min(prompt_tokens[i], prompt_lens[i] - new_starts[i])
+            e += 1
+    t = 0
+    for e in range(entries):
+        offsets[e] = t
+        t += num_tokens[e]
+    return per_entry, num_decodes
+
+
+if numba is not None:
+    _compiled_schedule = jit(_schedule_loop)
+
+
+def schedule_compiled(*args: Any) -> tuple[Scheduled, int]:
+    """`schedule_reference` as one compiled loop (same arguments, same result)."""
+    per_entry, num_decodes = _compiled_schedule(*args)
+    return Scheduled(*per_entry), int(num_decodes)
+
+
+schedule = schedule_compiled if numba is not None else schedule_reference

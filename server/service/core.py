@@ -1,10 +1,11 @@
 """`ServiceCore`: the one writer behind both transports.
 
-It owns the pool (`KVStorage`), the host-side `KVCacheManager`, the `WorkerRegistry` and the
-`StepPipeline`, and dispatches every operation under one lock: sessions and the epoch are checked
-first, then a worker's step ids (idempotent retries), then the operation runs. REST and IPC
-decode a request into a `server.contract.wire` struct (a `StepCall` for the step), call one method
-here and encode what it returns; they hold no logic.
+It owns the pool as the workers share it (`server.service.shared_pool.SharedPool`: the storage,
+the shards, the committers, each worker's staging and fences), the host-side `KVCacheManager`,
+the `WorkerRegistry` and the `StepPipeline`, and dispatches every operation under one lock:
+sessions and the epoch are checked first, then a worker's step ids (idempotent retries), then
+the operation runs. REST and IPC decode a request into a `server.contract.wire` struct (a
+`StepCall` for the step), call one method here and encode what it returns; they hold no logic.
 
 Invariants:
 - single writer: every method runs under ``self.lock``, so steps apply atomically and in
@@ -25,17 +26,15 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-import torch
-
-from allocator import InvariantViolation, KVCacheManager, KVStorage, StepPlan
-from allocator.common.device_io import on_device
+from allocator import InvariantViolation, KVCacheManager, StepPlan, TensorAllocator
 from server.contract import wire
 from server.contract.columns import StepCall, StepResult
 from server.contract.errors import (
@@ -47,13 +46,12 @@ from server.contract.errors import (
     WrongRank,
 )
 from server.contract.routing import SEED_BYTES, hash_seed, worker_salt
-from server.contract.sharing import FenceGroup, StepFence, TensorExporter, dtype_name
-from server.service.commit import Committer, ShardedCommitter
+from server.contract.sharing import dtype_name
 from server.service.event_publisher import KVEventPublisher
 from server.service.pipeline import StepPipeline
 from server.service.registry import Worker, WorkerRegistry
 from server.service.settings import ServiceConfig
-from server.service.shards import PoolShard, ShardSpec, shard_specs
+from server.service.shared_pool import ShardTensors, SharedPool, SharedTensors
 
 log = logging.getLogger("kvalloc.service")
 
@@ -72,21 +70,44 @@ class ServiceObserver(Protocol):
         second), so an observer can copy the state it reports without taking the lock later."""
 
 
-class ExportedTensors:
-    """The placement hook the pool and the block table are built with: every tensor is made
-    where same-host workers can map it (shared memory on CPU, CUDA IPC on GPU), and kept with
-    its handle: the handle for the workers' attachments, the tensor for in-process workers."""
+class _Observers(list[ServiceObserver]):
+    """Every observer, told as one."""
 
-    def __init__(self, exporter: TensorExporter) -> None:
-        self.exporter = exporter
-        self.handles: dict[str, wire.TensorHandle] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
+    def observe_step(self, transport: str, seconds: float) -> None:
+        for obs in self:
+            obs.observe_step(transport, seconds)
 
-    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        tensor, self.handles[name] = self.exporter.empty(name, shape, dtype, device)
-        self.tensors[name] = tensor
-        return tensor
+    def lease_expired(self, n: int = 1) -> None:
+        for obs in self:
+            obs.lease_expired(n)
+
+    def invariant_violation(self, n: int = 1) -> None:
+        for obs in self:
+            obs.invariant_violation(n)
+
+    def state_changed(self) -> None:
+        for obs in self:
+            obs.state_changed()
+
+
+class _PauseWatch:
+    """The gaps between two looks for expired leases that are pauses of the whole service (see
+    `ServiceCore.watch_pauses`)."""
+
+    def __init__(self, now: float) -> None:
+        self.last_look = now
+        # The longest gap that is not a pause; None: gaps are not watched.
+        self.longest_quiet_s: float | None = None
+
+    def watch(self, now: float, longest_quiet_s: float) -> None:
+        self.last_look, self.longest_quiet_s = now, longest_quiet_s
+
+    def paused(self, now: float) -> float:
+        """How long the service was paused before this look at ``now`` (0.0: it was not)."""
+        gap, self.last_look = now - self.last_look, now
+        if self.longest_quiet_s is not None and gap > self.longest_quiet_s:
+            return gap
+        return 0.0
 
 
 class ServiceCore:
@@ -97,67 +118,26 @@ class ServiceCore:
         # 52 bits: exact in every JSON reader, doubles included (jq, JavaScript).
         self.epoch = secrets.randbits(52) if epoch is None else epoch
         self.lock = threading.Lock()
-        pool = config.pool
-        specs = shard_specs(config)  # before anything is made: what does not fit is refused
-        self._exporter = TensorExporter(prefix=f"kvalloc-{self.epoch:016x}")
-        placement = ExportedTensors(self._exporter)
-        self.storage = KVStorage(specs[0].pool, allocate=placement)
-        self.manager = KVCacheManager(pool, allocate=placement,
-                                      prefix_caching=config.prefix_caching,
-                                      hash_seed=_hash_seed(config),
-                                      kv_events=config.kv_events is not None,
-                                      register_when_written=True)
+        self.pool = SharedPool(config, self.epoch, functools.partial(_manager, config))
+        self.manager = self.pool.manager
         self.device = self.manager.device
-        self._block_table = placement.tensors["block_table"]
-        self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
-        self.shards = [self._shard(spec, placement) for spec in specs]
-        self.committer = self.shards[0].committer
-        self.commits = ShardedCommitter([shard.committer for shard in self.shards])
-        self.registry = WorkerRegistry(pool.max_batch_size, config.max_workers)
+        self.registry = WorkerRegistry(config.pool.max_batch_size, config.max_workers)
         # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
         self.kv_events = (KVEventPublisher(config.kv_events,
                                            replay_endpoint=config.kv_events_replay,
                                            data_parallel_rank=config.data_parallel_rank,
                                            token=config.kv_events_token)
                           if config.kv_events is not None else None)
-        self.pipeline = StepPipeline(self.manager, self.commits, self.registry,
+        self.pipeline = StepPipeline(self.manager, self.pool.commits, self.registry,
                                      max_step_tokens=config.max_step_tokens,
                                      publish=None if self.kv_events is None
                                      else self.kv_events.publish)
         self.pipeline.sync_cache()
-        self.layout = _layout(config, dtype_name(self.staging_dtype))
-        self._fences: dict[tuple[str, int], tuple[StepFence, wire.EventHandle,
-                                                  wire.EventHandle]] = {}
-        self._observers: list[ServiceObserver] = []
+        self.layout = _layout(config, dtype_name(self.pool.staging_dtype))
+        self._observers = _Observers()
         self.leases_expired = 0
         self._closed = False
-        # The clock at the last look for expired leases, and the longest gap between two looks
-        # that is not a pause of the whole service (None: gaps are not watched; see
-        # watch_pauses).
-        self._last_look = self.clock()
-        self._longest_quiet_s: float | None = None
-
-    def _shard(self, spec: ShardSpec, placement: ExportedTensors) -> PoolShard:
-        """Shard ``spec``'s pool, table copy, protection and committer (shard 0's pool and table
-        are the ones `__init__` made)."""
-        if spec.index == 0:
-            storage, table = self.storage, self._block_table
-        else:
-            def named(name: str, *args: Any) -> torch.Tensor:
-                return placement(spec.name(name), *args)
-            with on_device(spec.device):
-                storage = KVStorage(spec.pool, allocate=named)
-            table = self.manager.table.mirror(spec.device, placement, spec.name("block_table"))
-        protected, protected_handle = None, None
-        if self.config.prefix_caching:  # shared: overlap workers' own commits read it too
-            protected, protected_handle = self._exporter.empty(
-                spec.name("protected"), (spec.pool.total_blocks,), torch.bool, spec.device)
-        with on_device(spec.device):
-            committer = Committer(storage, max_tokens=self.config.max_step_tokens,
-                                  stage_dtype=self.staging_dtype, nwor=self.config.nwor,
-                                  protected=protected)
-        return PoolShard(spec, storage, table, committer, placement.handles[spec.name("kv")],
-                         placement.handles[spec.name("block_table")], protected_handle)
+        self._pauses = _PauseWatch(self.clock())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -166,8 +146,7 @@ class ServiceCore:
 
     def observe_step(self, transport: str, seconds: float) -> None:
         """Transports report each per-step call's service time here."""
-        for obs in self._observers:
-            obs.observe_step(transport, seconds)
+        self._observers.observe_step(transport, seconds)
 
     @property
     def ready(self) -> bool:
@@ -177,13 +156,9 @@ class ServiceCore:
         """Stop answering and unlink every shared-memory segment. Idempotent."""
         with self.lock:
             self._closed = True
-            self._exporter.close()
+            self.pool.close()
             if self.kv_events is not None:
                 self.kv_events.close()
-
-    def _state_changed(self) -> None:
-        for obs in self._observers:
-            obs.state_changed()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -195,7 +170,7 @@ class ServiceCore:
         """Open a session for ``worker_id`` (see `WorkerRegistry` for ids held by a session)."""
         with self.lock:
             self._check_open()
-            self._check_rank(req)
+            _check_rank(self.config, req)
             self._expire(self.clock())
             again = self.registry.retried(req)
             if again is not None:  # the first answer was lost: the same session, unchanged
@@ -206,8 +181,12 @@ class ServiceCore:
                 n = self._drop(replaced)
                 log.warning("worker %r registered again with replace: its previous session "
                             "ended, %d requests freed", req.worker_id, n)
-            worker = self.registry.add(lambda session: self._new_worker(req, session))
-            self._state_changed()
+            stagings, attachment, fence = self.pool.attach(req.worker_id, overlap=req.overlap)
+            worker = self.registry.add(lambda session: Worker(
+                req.worker_id, session, req.attached, stagings, attachment, fence,
+                last_seen=self.clock(), overlap=req.overlap,
+                cache_salt=worker_salt(req.worker_id, self.config.cache_groups)))
+            self._observers.state_changed()
             registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
                 lease_ttl_s=self.config.lease_ttl_s, next_step_id=0, layout=self.layout,
@@ -215,56 +194,6 @@ class ServiceCore:
             )
             worker.registered = (req, registration)
             return registration
-
-    def _check_rank(self, req: wire.RegisterRequest) -> None:
-        rank = self.config.data_parallel_rank
-        if req.data_parallel_rank is not None and req.data_parallel_rank != (rank or 0):
-            raise WrongRank(f"data_parallel_rank: the worker is of rank {req.data_parallel_rank}, "
-                            f"this service allocates for rank {rank or 0}")
-
-    def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
-        stagings, shards, fences = [], [], []
-        for shard in self.shards:
-            staging, attachment, fence = self._attach_shard(shard, req.worker_id)
-            stagings.append(staging)
-            shards.append(attachment)
-            fences += [fence] if fence is not None else []
-        if not req.overlap:  # the service never commits an overlap worker's staging
-            self.commits.add_staging(stagings)
-        first = shards[0]
-        attachment = wire.Attachment(kv=first.kv, block_table=first.block_table,
-                                     staging=first.staging, forward_done=first.forward_done,
-                                     commit_done=first.commit_done, protected=first.protected,
-                                     shards=shards if len(shards) > 1 else [])
-        return Worker(req.worker_id, session, req.attached, stagings, attachment,
-                      _one_fence(fences), last_seen=self.clock(), overlap=req.overlap,
-                      cache_salt=worker_salt(req.worker_id, self.config.cache_groups))
-
-    def _attach_shard(self, shard: PoolShard, worker_id: str) -> tuple[
-            torch.Tensor, wire.ShardAttachment, StepFence | None]:
-        """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment."""
-        pool, spec = shard.spec.pool, shard.spec
-        shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
-        staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
-                                               self.staging_dtype, spec.device)
-        fence, fwd, com = self._fence(worker_id, spec)
-        return staging, wire.ShardAttachment(
-            device=pool.device, head_start=spec.heads[0], head_stop=spec.heads[1],
-            kv=shard.kv_handle, block_table=shard.table_handle, staging=handle,
-            forward_done=fwd, commit_done=com, protected=shard.protected_handle), fence
-
-    def _fence(self, worker_id: str, spec: ShardSpec) -> tuple[
-            StepFence | None, wire.EventHandle | None, wire.EventHandle | None]:
-        """The worker id's interprocess events on shard ``spec``'s device (CUDA pools only), made
-        once and kept until the service closes: using an imported event after its exporter
-        destroyed it is undefined, and a worker whose lease expired may still record its event
-        once before it learns so."""
-        if spec.device.type != "cuda":
-            return None, None, None
-        key = (worker_id, spec.index)
-        if key not in self._fences:
-            self._fences[key] = StepFence.create(spec.device)
-        return self._fences[key]
 
     def holds(self, worker_id: str) -> bool:
         """Whether a live session holds ``worker_id``."""
@@ -277,7 +206,7 @@ class ServiceCore:
         with self.lock:
             worker = self.registry.get(worker_id)
             freed = 0 if worker is None else self._drop(worker)
-            self._state_changed()
+            self._observers.state_changed()
             return freed
 
     def deregister(self, req: wire.WorkerRef) -> wire.Deregistered:
@@ -286,7 +215,7 @@ class ServiceCore:
             self._expire(self.clock())
             worker = self.registry.worker(req.worker_id, req.session)
             freed = self._drop(worker)
-            self._state_changed()
+            self._observers.state_changed()
             return wire.Deregistered(worker_id=req.worker_id, freed_requests=freed)
 
     def expire_leases(self) -> int:
@@ -295,7 +224,7 @@ class ServiceCore:
             if self._closed:
                 return 0
             expired = self._expire(self.clock())
-            self._state_changed()
+            self._observers.state_changed()
             return expired
 
     def watch_pauses(self, longest_quiet_s: float) -> None:
@@ -304,17 +233,14 @@ class ServiceCore:
         extended by it instead of all running out at once. The caller looks at least that
         often (the lease reaper), so no gap that long comes from a service that was running."""
         with self.lock:
-            self._last_look, self._longest_quiet_s = self.clock(), longest_quiet_s
-
-    def _discount_pause(self, now: float) -> None:
-        gap, self._last_look = now - self._last_look, now
-        if self._longest_quiet_s is not None and gap > self._longest_quiet_s:
-            self.registry.extend_leases(gap)
-            log.warning("the service did not run for %.1fs (paused); every lease is extended "
-                        "by that instead of running out", gap)
+            self._pauses.watch(self.clock(), longest_quiet_s)
 
     def _expire(self, now: float) -> int:
-        self._discount_pause(now)
+        paused = self._pauses.paused(now)
+        if paused:
+            self.registry.extend_leases(paused)
+            log.warning("the service did not run for %.1fs (paused); every lease is extended "
+                        "by that instead of running out", paused)
         ttl = self.config.lease_ttl_s
         expired = self.registry.expired(now, ttl)
         for worker in expired:
@@ -325,8 +251,7 @@ class ServiceCore:
                         self.manager.free_blocks - free_before)
         if expired:
             self.leases_expired += len(expired)
-            for obs in self._observers:
-                obs.lease_expired(len(expired))
+            self._observers.lease_expired(len(expired))
         return len(expired)
 
     def _drop(self, worker: Worker) -> int:
@@ -334,25 +259,19 @@ class ServiceCore:
         rows = self.registry.remove(worker)
         if rows.size:
             self.manager.step(StepPlan(finished_rows=rows))
-        self.commits.release_staging(worker.stagings)
-        for shard in self.shards:
-            self._exporter.release(shard.spec.name(f"staging-{worker.worker_id}"))
+        self.pool.release(worker)
         return int(rows.size)
-
-    def _worker(self, worker_id: str, session: int, epoch: int) -> Worker:
-        """The live worker, checking the epoch first: a restart is reported as such."""
-        if epoch != self.epoch:
-            raise StaleEpoch(f"epoch: {epoch} is stale, the service restarted (epoch now "
-                             f"{self.epoch}); register again")
-        self._expire(self.clock())
-        return self.registry.worker(worker_id, session)
 
     # ------------------------------------------------------------------ the per-step call
 
     def step(self, call: StepCall) -> StepResult:
         with self.lock:
             self._check_open()
-            worker = self._worker(call.worker_id, call.session, call.epoch)
+            if call.epoch != self.epoch:  # checked first: a restart is reported as such
+                raise StaleEpoch(f"epoch: {call.epoch} is stale, the service restarted (epoch "
+                                 f"now {self.epoch}); register again")
+            self._expire(self.clock())
+            worker = self.registry.worker(call.worker_id, call.session)
             worker.last_seen = self.clock()
             last = worker.last_step_id
             if last is not None and call.step_id <= last:
@@ -364,44 +283,25 @@ class ServiceCore:
                                        f"a retry must resend the same step")
                 assert worker.last_result is not None
                 return worker.last_result
-            self._check_limits(call)
+            _check_limits(self.config, call)
             result = self.pipeline.execute(worker, call, self.epoch)
             worker.last_step_id, worker.last_call, worker.last_result = (call.step_id, call,
                                                                          result)
-            self._state_changed()
+            self._observers.state_changed()
             return result
 
-    def _check_limits(self, call: StepCall) -> None:
-        cap = self.config.pool.max_batch_size
-        for name, n in call.entries().items():
-            if n > cap:
-                raise LimitExceeded(f"{name}: {n} entries, more than max_batch_size={cap}",
-                                    field=name)
-
-    def shared_tensors(self, worker_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      StepFence | None, torch.Tensor | None]:
+    def shared_tensors(self, worker_id: str) -> SharedTensors:
         """The pool, the block table, ``worker_id``'s staging buffer and fence, and the
         protection of cached blocks (prefix caching), as this process holds them: what an
         in-process worker uses instead of mapping the handles."""
         with self.lock:
-            worker = self.registry.worker(worker_id, None)
-            return (self.storage.kv, self._block_table, worker.stagings[0], worker.fence,
-                    self.committer.protected)
+            return self.pool.shared_tensors(self.registry.worker(worker_id, None))
 
-    def shared_shards(self, worker_id: str) -> list[tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None, torch.Tensor | None,
-            tuple[int, int]]]:
+    def shared_shards(self, worker_id: str) -> list[ShardTensors]:
         """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
         the KV heads it holds; empty for a pool of one shard."""
         with self.lock:
-            worker = self.registry.worker(worker_id, None)
-            if len(self.shards) == 1:
-                return []
-            fences = worker.fence.fences if isinstance(worker.fence, FenceGroup) else None
-            return [(shard.storage.kv, shard.table, staging,
-                     fences[shard.spec.index] if fences else None, shard.committer.protected,
-                     shard.spec.heads)
-                    for shard, staging in zip(self.shards, worker.stagings, strict=True)]
+            return self.pool.shared_shards(self.registry.worker(worker_id, None))
 
     # ------------------------------------------------------------------ inspection
 
@@ -448,11 +348,32 @@ class ServiceCore:
         try:
             self.manager.check_invariants()
             self.registry.check_invariants(self.manager.live_rows)
-            self.commits.check_invariants()
+            self.pool.commits.check_invariants()
         except InvariantViolation:
-            for obs in self._observers:
-                obs.invariant_violation(1)
+            self._observers.invariant_violation(1)
             raise
+
+
+def _check_rank(config: ServiceConfig, req: wire.RegisterRequest) -> None:
+    rank = config.data_parallel_rank
+    if req.data_parallel_rank is not None and req.data_parallel_rank != (rank or 0):
+        raise WrongRank(f"data_parallel_rank: the worker is of rank {req.data_parallel_rank}, "
+                        f"this service allocates for rank {rank or 0}")
+
+
+def _check_limits(config: ServiceConfig, call: StepCall) -> None:
+    cap = config.pool.max_batch_size
+    for name, n in call.entries().items():
+        if n > cap:
+            raise LimitExceeded(f"{name}: {n} entries, more than max_batch_size={cap}",
+                                field=name)
+
+
+def _manager(config: ServiceConfig, placement: TensorAllocator) -> KVCacheManager:
+    """The host-side manager, its block table made where the pool places it."""
+    return KVCacheManager(config.pool, allocate=placement, prefix_caching=config.prefix_caching,
+                          hash_seed=_hash_seed(config), kv_events=config.kv_events is not None,
+                          register_when_written=True)
 
 
 def _hash_seed(config: ServiceConfig) -> bytes:
@@ -476,10 +397,3 @@ def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
         v_scales=list(pool.v_scales) if pool.v_scales else None,
         tensor_parallel=config.tensor_parallel, data_parallel_rank=config.data_parallel_rank,
     )
-
-
-def _one_fence(fences: list[StepFence]) -> StepFence | FenceGroup | None:
-    """A worker's fence: none on CPU, the shard's own for one shard, else all of them."""
-    if not fences:
-        return None
-    return fences[0] if len(fences) == 1 else FenceGroup(fences)

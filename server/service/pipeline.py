@@ -8,7 +8,7 @@ Order inside one call (all checks come first; from the manager's step on nothing
    worker) and returns one `allocator.StepOutcome`: what it granted, admitted and changed in the
    block table;
 3. the registry frees finished requests and hands out handles for admitted ones;
-4. this step's batch is laid out (`server.service.schedule`), its tokens' slots read from the
+4. this step's batch is laid out (`server.service.batch.schedule`), its tokens' slots read from the
    manager's table (`KVCacheManager.token_slots`);
 5. the previous batch is committed from the worker's staging buffer: exactly its accepted
    tokens, into blocks their requests still own; with prefix caching, the manager learns which
@@ -39,11 +39,10 @@ from server.contract.columns import (
     TableChanges,
 )
 from server.contract.errors import LimitExceeded
-from server.service.batch import ScheduledBatch, Settlement
+from server.service.batch import ScheduledBatch, Settlement, schedule
 from server.service.commit import NOTHING, ShardedCommitter
 from server.service.inflight import Flight, Settled
 from server.service.registry import Worker, WorkerRegistry
-from server.service.schedule import schedule
 
 # The call's lists of handles, in the order `StepPipeline.execute` passes them to the registry.
 _HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "grants.handles",

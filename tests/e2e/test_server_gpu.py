@@ -98,7 +98,8 @@ def test_an_in_process_worker_on_a_cuda_pool_commits_exactly_the_accepted_tokens
     try:
         client = Client.in_process(core, worker_id="embedded")
         client.register()
-        assert client.pool is not None and client.pool.kv.data_ptr() == core.storage.kv.data_ptr()
+        assert client.pool is not None
+        assert client.pool.kv.data_ptr() == core.pool.storage.kv.data_ptr()
         outcome = nwor_scenario(client, slow_forward)
         torch.cuda.synchronize()
         assert outcome.mismatches == [] and outcome.commit.written == 5

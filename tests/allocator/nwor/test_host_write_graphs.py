@@ -373,7 +373,7 @@ def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_wi
         lease_ttl_s=30.0), clock=lambda: now[0])
     made = len(captures)  # the block table's, with the core
     buckets = len(row_buckets(256, 256))
-    writes = core.committer.writes
+    writes = core.pool.committer.writes
     try:
         first = Client.in_process(core, worker_id="first")
         first.register()

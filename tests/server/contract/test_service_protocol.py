@@ -259,7 +259,7 @@ from numba.core.registry import CPUDispatcher
 import allocator.capacity.step.compiled, allocator.nwor.window_maths
 import server.contract.columns
 import server.service.batch, server.service.pipeline
-import server.service.registry, server.service.schedule
+import server.service.registry
 from allocator import PoolConfig
 from server.contract import wire
 from server.client import Client
@@ -305,8 +305,7 @@ core.check_invariants()
 print(json.dumps({f"{module.__name__}.{name}": len(loop.signatures)
                   for module in (allocator.capacity.step.compiled, allocator.nwor.window_maths,
                                  server.service.batch, server.contract.columns,
-                                 server.service.pipeline, server.service.registry,
-                                 server.service.schedule)
+                                 server.service.pipeline, server.service.registry)
                   for name, loop in vars(module).items()
                   if isinstance(loop, CPUDispatcher) and loop.signatures}))
 '''
@@ -322,7 +321,7 @@ def test_each_compiled_loop_of_the_step_compiles_once_however_the_call_was_built
     compiled = json.loads(out.splitlines()[-1])
     for loop in ("server.service.batch.settle_rows", "server.service.batch.mask_unowned_slots",
                  "server.service.pipeline.token_demand", "server.service.registry.live_rows",
-                 "server.service.registry.take_rows", "server.service.schedule._compiled_loop",
+                 "server.service.registry.take_rows", "server.service.batch._compiled_schedule",
                  "server.contract.columns.first_outside", "allocator.capacity.step.compiled._step"):
         assert loop in compiled, loop  # each ran
     assert {loop: n for loop, n in compiled.items() if n != 1} == {}

@@ -1,6 +1,6 @@
-"""`server.service.schedule`: the compiled layout of a step's forward equals the numpy reference on
-random outcomes, and the reference states the rules (token order, offsets, positions); the slots
-of the runs it lays out follow the table (`allocator.capacity.slots`)."""
+"""`server.service.batch.schedule`: the compiled layout of a step's forward equals the numpy
+reference on random outcomes, and the reference states the rules (token order, offsets,
+positions); the slots of the runs it lays out follow the table (`allocator.capacity.slots`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from allocator.capacity.slots import run_slots_reference
 from server.contract.columns import Scheduled
-from server.service import schedule as sched
+from server.service import batch as sched
 
 pytestmark = pytest.mark.skipif(sched.numba is None, reason="numba is not installed")
 

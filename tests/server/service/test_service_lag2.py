@@ -234,5 +234,5 @@ def test_prefix_caching_shares_its_protection_with_an_overlap_worker(
     protected = w.client.pool.protected
     assert protected is not None and protected.dtype == torch.bool
     assert protected.shape == (core.config.pool.total_blocks,) and not protected.any()
-    core.committer.protect(np.array([3, 5]), np.array([True, True]))
+    core.pool.committer.protect(np.array([3, 5]), np.array([True, True]))
     assert protected.nonzero().flatten().tolist() == [3, 5]

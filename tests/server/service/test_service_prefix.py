@@ -55,13 +55,13 @@ def test_a_prompt_reuses_a_written_prefix_and_is_scheduled_past_it():
         row_a, row_c = first.scheduled.rows[0], s.rows[0]
         shared = blocks_of(core, row_a, 4)
         assert blocks_of(core, row_c, 4) == shared
-        kv_pool = core.storage.kv  # [L, 2, blocks, tpb, H, D]
+        kv_pool = core.pool.storage.kv  # [L, 2, blocks, tpb, H, D]
         before = kv_pool[:, :, shared].clone()
         assert (before[..., 0] == 1).all()  # "a"'s prefill, written by the commit
         stage_pattern(staging, 3, tag=3)
         kv.step(grants=(third.admitted, [2]))  # commits "c"'s 3 prefill tokens
         assert torch.equal(kv_pool[:, :, shared], before)
-        assert core.committer.writes.metrics().protected_refusals == 0
+        assert core.pool.committer.writes.metrics().protected_refusals == 0
         assert core.manager.counters.prefix_hit_tokens == 16
     finally:
         core.close()
@@ -127,10 +127,10 @@ def test_an_evicted_block_is_writable_by_its_next_owner_in_the_next_commit():
         assert core.manager.counters.evicted_blocks == 3
         stage_pattern(two.pool.staging, 60, tag=2)
         two.step()
-        assert core.committer.writes.metrics().protected_refusals == 0
+        assert core.pool.committer.writes.metrics().protected_refusals == 0
         row = int(big.scheduled.rows[0])
         blocks = core.manager.table.host[row, :15].tolist()
-        assert (core.storage.kv[:, :, blocks][..., 0] == 2).all()
+        assert (core.pool.storage.kv[:, :, blocks][..., 0] == 2).all()
     finally:
         core.close()
 

@@ -166,7 +166,7 @@ def test_every_shard_protects_the_cached_prefix_blocks(make_core, device):
     client.step()  # the commit writes "a"'s prompt: its full blocks become shared
     reply = client.step(new=(["b"], [12]), prompt_token_ids=prompt)
     assert int(reply.cached_tokens[0]) > 0
-    masks = [shard.committer.protected for shard in core.shards]
+    masks = [shard.committer.protected for shard in core.pool.shards]
     assert masks[0] is not None and masks[0].any()
     assert all(torch.equal(mask.cpu(), masks[0].cpu()) for mask in masks)
     assert client.pool is not None

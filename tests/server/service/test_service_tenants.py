@@ -66,7 +66,7 @@ def test_k_v_staged_by_another_namespace_never_reaches_a_worker():
         assert reply.cached_tokens.tolist() == [HIT]
         row = int(reply.scheduled.rows[0])
         blocks = core.manager.table.host[row, : HIT // TPB].tolist()
-        assert (core.storage.kv[:, :, blocks][..., 0] == 1).all()
+        assert (core.pool.storage.kv[:, :, blocks][..., 0] == 1).all()
     finally:
         core.close()
 

@@ -1,0 +1,178 @@
+"""`SharedPool`: the service's pool as the workers share it.
+
+Every tensor a worker maps is made here, exported where same-host workers can map it (shared
+memory on CPU, CUDA IPC on GPU): each shard's KV pool (`server.service.shards`), its copy of the
+block table and its protection of cached blocks; per worker, a staging buffer and (CUDA) a step
+fence on every shard. It holds the committers that write the staging into the pools, and closes
+the exporter, which unlinks everything, when the service closes. `ServiceCore` decides who is
+registered; this decides what a registration maps.
+
+Invariants:
+- a worker's staging buffers are exported from its registration until its session ends, under
+  names made of its id (a successor of the same id reuses them only after the release);
+- a worker's fences outlive its session (see `_fence`);
+- only a worker that does not commit its own tokens has its staging committed by the service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from allocator import KVCacheManager, KVStorage, TensorAllocator
+from allocator.common.device_io import on_device
+from server.contract import wire
+from server.contract.sharing import FenceGroup, StepFence, TensorExporter
+from server.service.commit import Committer, ShardedCommitter
+from server.service.registry import Worker
+from server.service.settings import ServiceConfig
+from server.service.shards import PoolShard, ShardSpec, shard_specs
+
+# What an in-process worker uses instead of mapping the handles: the pool, the block table, its
+# staging buffer and fence, and the protection of cached blocks (prefix caching).
+SharedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None,
+                      torch.Tensor | None]
+# The same of one shard of a tensor-parallel pool, with the model's KV heads it holds.
+ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None,
+                     torch.Tensor | None, tuple[int, int]]
+
+
+class ExportedTensors:
+    """The placement hook the pool and the block table are built with: every tensor is made
+    where same-host workers can map it (shared memory on CPU, CUDA IPC on GPU), and kept with
+    its handle: the handle for the workers' attachments, the tensor for in-process workers."""
+
+    def __init__(self, exporter: TensorExporter) -> None:
+        self.exporter = exporter
+        self.handles: dict[str, wire.TensorHandle] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        tensor, self.handles[name] = self.exporter.empty(name, shape, dtype, device)
+        self.tensors[name] = tensor
+        return tensor
+
+
+class SharedPool:
+    def __init__(self, config: ServiceConfig, epoch: int,
+                 manager: Callable[[TensorAllocator], KVCacheManager]) -> None:
+        """``manager`` makes the host-side manager on the placement it is given: its block table
+        is exported with the pool, and every other shard's table copy mirrors it."""
+        self.config = config
+        specs = shard_specs(config)  # before anything is made: what does not fit is refused
+        self._exporter = TensorExporter(prefix=f"kvalloc-{epoch:016x}")
+        placement = ExportedTensors(self._exporter)
+        self.storage = KVStorage(specs[0].pool, allocate=placement)
+        self.manager = manager(placement)
+        self._block_table = placement.tensors["block_table"]
+        pool = config.pool
+        self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
+        self.shards = [self._shard(spec, placement) for spec in specs]
+        self.committer = self.shards[0].committer
+        self.commits = ShardedCommitter([shard.committer for shard in self.shards])
+        self._fences: dict[tuple[str, int], tuple[StepFence, wire.EventHandle,
+                                                  wire.EventHandle]] = {}
+
+    def _shard(self, spec: ShardSpec, placement: ExportedTensors) -> PoolShard:
+        """Shard ``spec``'s pool, table copy, protection and committer (shard 0's pool and table
+        are the ones `__init__` made)."""
+        if spec.index == 0:
+            storage, table = self.storage, self._block_table
+        else:
+            def named(name: str, *args: Any) -> torch.Tensor:
+                return placement(spec.name(name), *args)
+            with on_device(spec.device):
+                storage = KVStorage(spec.pool, allocate=named)
+            table = self.manager.table.mirror(spec.device, placement, spec.name("block_table"))
+        protected, protected_handle = None, None
+        if self.config.prefix_caching:  # shared: overlap workers' own commits read it too
+            protected, protected_handle = self._exporter.empty(
+                spec.name("protected"), (spec.pool.total_blocks,), torch.bool, spec.device)
+        with on_device(spec.device):
+            committer = Committer(storage, max_tokens=self.config.max_step_tokens,
+                                  stage_dtype=self.staging_dtype, nwor=self.config.nwor,
+                                  protected=protected)
+        return PoolShard(spec, storage, table, committer, placement.handles[spec.name("kv")],
+                         placement.handles[spec.name("block_table")], protected_handle)
+
+    def attach(self, worker_id: str, *, overlap: bool) -> tuple[
+            list[torch.Tensor], wire.Attachment, StepFence | FenceGroup | None]:
+        """``worker_id``'s staging buffers (one per shard), what it maps, and its fence. An
+        overlap worker commits its own staging, so the service's commit never reads it."""
+        stagings, shards, fences = [], [], []
+        for shard in self.shards:
+            staging, attachment, fence = self._attach_shard(shard, worker_id)
+            stagings.append(staging)
+            shards.append(attachment)
+            fences += [fence] if fence is not None else []
+        if not overlap:
+            self.commits.add_staging(stagings)
+        first = shards[0]
+        attachment = wire.Attachment(kv=first.kv, block_table=first.block_table,
+                                     staging=first.staging, forward_done=first.forward_done,
+                                     commit_done=first.commit_done, protected=first.protected,
+                                     shards=shards if len(shards) > 1 else [])
+        return stagings, attachment, _one_fence(fences)
+
+    def _attach_shard(self, shard: PoolShard, worker_id: str) -> tuple[
+            torch.Tensor, wire.ShardAttachment, StepFence | None]:
+        """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment."""
+        pool, spec = shard.spec.pool, shard.spec
+        shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
+        staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
+                                               self.staging_dtype, spec.device)
+        fence, fwd, com = self._fence(worker_id, spec)
+        return staging, wire.ShardAttachment(
+            device=pool.device, head_start=spec.heads[0], head_stop=spec.heads[1],
+            kv=shard.kv_handle, block_table=shard.table_handle, staging=handle,
+            forward_done=fwd, commit_done=com, protected=shard.protected_handle), fence
+
+    def _fence(self, worker_id: str, spec: ShardSpec) -> tuple[
+            StepFence | None, wire.EventHandle | None, wire.EventHandle | None]:
+        """The worker id's interprocess events on shard ``spec``'s device (CUDA pools only), made
+        once and kept until the service closes: using an imported event after its exporter
+        destroyed it is undefined, and a worker whose lease expired may still record its event
+        once before it learns so."""
+        if spec.device.type != "cuda":
+            return None, None, None
+        key = (worker_id, spec.index)
+        if key not in self._fences:
+            self._fences[key] = StepFence.create(spec.device)
+        return self._fences[key]
+
+    def release(self, worker: Worker) -> None:
+        """``worker``'s staging buffers, on every shard: no longer committed, no longer
+        exported."""
+        self.commits.release_staging(worker.stagings)
+        for shard in self.shards:
+            self._exporter.release(shard.spec.name(f"staging-{worker.worker_id}"))
+
+    def shared_tensors(self, worker: Worker) -> SharedTensors:
+        """Shard 0's tensors and ``worker``'s, as this process holds them."""
+        return (self.storage.kv, self._block_table, worker.stagings[0], worker.fence,
+                self.committer.protected)
+
+    def shared_shards(self, worker: Worker) -> list[ShardTensors]:
+        """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
+        the KV heads it holds; empty for a pool of one shard."""
+        if len(self.shards) == 1:
+            return []
+        fences = worker.fence.fences if isinstance(worker.fence, FenceGroup) else None
+        return [(shard.storage.kv, shard.table, staging,
+                 fences[shard.spec.index] if fences else None, shard.committer.protected,
+                 shard.spec.heads)
+                for shard, staging in zip(self.shards, worker.stagings, strict=True)]
+
+    def close(self) -> None:
+        """Unlink every exported tensor."""
+        self._exporter.close()
+
+
+def _one_fence(fences: list[StepFence]) -> StepFence | FenceGroup | None:
+    """A worker's fence: none on CPU, the shard's own for one shard, else all of them."""
+    if not fences:
+        return None
+    return fences[0] if len(fences) == 1 else FenceGroup(fences)
