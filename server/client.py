@@ -119,14 +119,16 @@ class AttachedPool:
         fence = None
         if handles.forward_done is not None and handles.commit_done is not None:
             fence = StepFence.open(handles.forward_done, handles.commit_done)
+        kv = attach(handles.kv)
         # The block table, the protection and the fence word are the service's to write;
         # workers only read them.
+        table = attach(handles.block_table, writable=False)
+        staging = attach(handles.staging)
         protected = (attach(handles.protected, writable=False)
                      if handles.protected is not None else None)
         writer_fence = (WriterFence.of(attach(handles.writer_fence, writable=False), session)
                         if handles.writer_fence is not None else None)
-        return cls(attach(handles.kv), attach(handles.block_table, writable=False),
-                   attach(handles.staging), fence, protected, writer_fence=writer_fence)
+        return cls(kv, table, staging, fence, protected, writer_fence=writer_fence)
 
     def slot_mapping(self, reply: StepResult, lead: torch.Tensor | None = None) -> torch.Tensor:
         """int64 slot of every token of ``reply``'s step, computed on the pool's device from the
@@ -357,8 +359,9 @@ class _LocalTransport:
     def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
-        shards = [AttachedPool(kv, table, staging, fence, protected, heads)
-                  for kv, table, staging, fence, protected, heads
+        shards = [AttachedPool(kv, table, staging, fence, protected, heads,
+                               writer_fence=WriterFence.of(word, reg.session))
+                  for kv, table, staging, fence, word, protected, heads
                   in self._core.shared_shards(reg.worker_id)]
         if shard is not None:
             if not shards:
@@ -367,8 +370,9 @@ class _LocalTransport:
                 raise AttachError(f"shard: {shard} is not a shard of this pool "
                                   f"({len(shards)} shards)")
             return shards[shard]
-        kv, table, staging, fence, protected = self._core.shared_tensors(reg.worker_id)
-        return AttachedPool(kv, table, staging, fence, protected, shards=shards)
+        kv, table, staging, fence, word, protected = self._core.shared_tensors(reg.worker_id)
+        return AttachedPool(kv, table, staging, fence, protected, shards=shards,
+                            writer_fence=WriterFence.of(word, reg.session))
 
     def close(self) -> None:
         pass

@@ -21,6 +21,7 @@ import contextlib
 import numpy as np
 import torch
 
+from allocator import WriterFence
 from allocator.common.device_io import on_device, upload_int64
 from allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
 from allocator.nwor.storage import KVStorage
@@ -54,10 +55,11 @@ class Committer:
         """The NWOR window manager's own state (`DeferredWriteManager.check_invariants`)."""
         self.writes.check_invariants()
 
-    def add_staging(self, staging: torch.Tensor) -> None:
-        """Capture the graphs that commit from a worker's new ``staging`` buffer now, at
-        registration, so that its first commits replay like the rest instead of capturing."""
-        self.writes.capture_host_write_graphs(staging)
+    def add_staging(self, staging: torch.Tensor, fence: WriterFence) -> None:
+        """Capture the graphs that commit from a worker's new ``staging`` buffer, fenced by its
+        session's ``fence``, now, at registration, so that its first commits replay like the
+        rest instead of capturing."""
+        self.writes.capture_host_write_graphs(staging, fence)
 
     def release_staging(self, staging: torch.Tensor) -> None:
         """Forget the graphs of ``staging``, a buffer about to be released."""
@@ -69,9 +71,11 @@ class Committer:
             self._protected[upload_int64(blocks, self.device)] = torch.from_numpy(
                 protected).to(self.device)
 
-    def write_batch(self, staging: torch.Tensor, batch: ScheduledBatch, accepted: np.ndarray,
-                    dropped: np.ndarray, slots: np.ndarray) -> wire.CommitSummary:
-        """Write ``batch``'s committed tokens from ``staging`` (``[L, 2, T, H, D]``).
+    def write_batch(self, staging: torch.Tensor, fence: WriterFence, batch: ScheduledBatch,
+                    accepted: np.ndarray, dropped: np.ndarray,
+                    slots: np.ndarray) -> wire.CommitSummary:
+        """Write ``batch``'s committed tokens from ``staging`` (``[L, 2, T, H, D]``), fenced by
+        its worker's session (`allocator.WriterFence`).
 
         ``accepted`` and ``dropped`` are per batch request; ``slots`` per token (-1: skip).
         """
@@ -80,7 +84,7 @@ class Committer:
         scheduled = batch.scheduled
         drafts = np.where(dropped, scheduled.num_tokens, scheduled.num_drafts)
         writes = self.writes
-        writes.begin_window(WindowLayout.of_arrays(scheduled.num_tokens, drafts))
+        writes.begin_window(WindowLayout.of_arrays(scheduled.num_tokens, drafts), fence)
         writes.stage_from(staging, slots)  # host slots: the keep mask is applied on the host
         if not self.nwor:
             accepted = scheduled.num_drafts
@@ -115,10 +119,11 @@ class ShardedCommitter:
         for committer in self.shards:
             committer.check_invariants()
 
-    def add_staging(self, stagings: list[torch.Tensor]) -> None:
-        for index, (committer, staging) in enumerate(zip(self.shards, stagings, strict=True)):
+    def add_staging(self, stagings: list[torch.Tensor], fences: list[WriterFence]) -> None:
+        for index, (committer, staging, fence) in enumerate(
+                zip(self.shards, stagings, fences, strict=True)):
             with self._on(index):
-                committer.add_staging(staging)
+                committer.add_staging(staging, fence)
 
     def release_staging(self, stagings: list[torch.Tensor]) -> None:
         for committer, staging in zip(self.shards, stagings, strict=True):
@@ -129,14 +134,16 @@ class ShardedCommitter:
             with self._on(index):
                 committer.protect(blocks, protected)
 
-    def write_batch(self, stagings: list[torch.Tensor], batch: ScheduledBatch,
-                    accepted: np.ndarray, dropped: np.ndarray,
+    def write_batch(self, stagings: list[torch.Tensor], fences: list[WriterFence],
+                    batch: ScheduledBatch, accepted: np.ndarray, dropped: np.ndarray,
                     slots: np.ndarray) -> wire.CommitSummary:
-        """`Committer.write_batch` on every shard, ``stagings`` in shard order."""
+        """`Committer.write_batch` on every shard, ``stagings`` and ``fences`` in shard order."""
         summaries = []
-        for index, (committer, staging) in enumerate(zip(self.shards, stagings, strict=True)):
+        for index, (committer, staging, fence) in enumerate(
+                zip(self.shards, stagings, fences, strict=True)):
             with self._on(index):
-                summaries.append(committer.write_batch(staging, batch, accepted, dropped, slots))
+                summaries.append(committer.write_batch(staging, fence, batch, accepted, dropped,
+                                                       slots))
         first = summaries[0]
         fallback = next((s.fallback for s in summaries if s.fallback is not None), None)
         return first if fallback == first.fallback else wire.CommitSummary(

@@ -181,11 +181,7 @@ class ServiceCore:
                 n = self._drop(replaced)
                 log.warning("worker %r registered again with replace: its previous session "
                             "ended, %d requests freed", req.worker_id, n)
-            stagings, attachment, fence = self.pool.attach(req.worker_id, overlap=req.overlap)
-            worker = self.registry.add(lambda session: Worker(
-                req.worker_id, session, req.attached, stagings, attachment, fence,
-                last_seen=self.clock(), overlap=req.overlap,
-                cache_salt=worker_salt(req.worker_id, self.config.cache_groups)))
+            worker = self.registry.add(lambda session: self._new_worker(req, session))
             self._observers.state_changed()
             registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
@@ -194,6 +190,14 @@ class ServiceCore:
             )
             worker.registered = (req, registration)
             return registration
+
+    def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
+        share = self.pool.attach(req.worker_id, session, overlap=req.overlap)
+        return Worker(req.worker_id, session, req.attached, stagings=share.stagings,
+                      writers=share.writers, fence_slot=share.fence_slot,
+                      attachment=share.attachment, fence=share.fence, last_seen=self.clock(),
+                      overlap=req.overlap,
+                      cache_salt=worker_salt(req.worker_id, self.config.cache_groups))
 
     def holds(self, worker_id: str) -> bool:
         """Whether a live session holds ``worker_id``."""
@@ -257,6 +261,7 @@ class ServiceCore:
     def _drop(self, worker: Worker) -> int:
         """End ``worker``'s session: its requests and their blocks go back, its staging too."""
         rows = self.registry.remove(worker)
+        self.pool.end_writes(worker)  # before its blocks can go to anyone else
         if rows.size:
             self.manager.step(StepPlan(finished_rows=rows))
         self.pool.release(worker)
@@ -348,7 +353,7 @@ class ServiceCore:
         try:
             self.manager.check_invariants()
             self.registry.check_invariants(self.manager.live_rows)
-            self.pool.commits.check_invariants()
+            self.pool.check_invariants()
         except InvariantViolation:
             self._observers.invariant_violation(1)
             raise

@@ -30,10 +30,11 @@ class Footprint:
     pool: int  # bytes of K/V
     block_table: int
     staging: int  # of all max_workers buffers
+    fence_words: int = 0  # one int64 a worker slot, on every device
 
     @property
     def total(self) -> int:
-        return self.pool + self.block_table + self.staging
+        return self.pool + self.block_table + self.staging + self.fence_words
 
 
 def footprint(config: ServiceConfig) -> Footprint:
@@ -46,14 +47,17 @@ def footprint(config: ServiceConfig) -> Footprint:
     ranks = max(1, devices // config.tensor_parallel)  # a pool and its workers' staging each
     return Footprint(pool=ranks * pool.bytes_per_block * pool.total_blocks,
                      block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq * devices,
-                     staging=ranks * config.max_workers * per_worker)
+                     staging=ranks * config.max_workers * per_worker,
+                     fence_words=8 * config.max_workers * devices)
 
 
 def on_device(config: ServiceConfig, need: Footprint) -> dict[torch.device, int]:
     """Bytes of ``need`` on each device of ``config``: each shard holds its share of its rank's
-    pool and staging, and a whole copy of its rank's block table (`server.service.shards`)."""
+    pool and staging, and a whole copy of its rank's block table and fence words
+    (`server.service.shards`)."""
     devices = [torch.device(d) for d in config.devices or [config.pool.device]]
-    per_shard = (need.pool + need.staging) // len(devices) + need.block_table // len(devices)
+    per_shard = ((need.pool + need.staging) // len(devices)
+                 + (need.block_table + need.fence_words) // len(devices))
     return {device: devices.count(device) * per_shard for device in dict.fromkeys(devices)}
 
 

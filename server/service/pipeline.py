@@ -203,8 +203,8 @@ class StepPipeline:
                         outcome: StepOutcome) -> wire.CommitSummary:
         dropped = settlement.dropped
         slots = batch.owned_slots(dropped, outcome.num_blocks)
-        summary = self.committer.write_batch(worker.stagings, batch, settlement.accepted, dropped,
-                                             slots)
+        summary = self.committer.write_batch(worker.stagings, worker.writers, batch,
+                                             settlement.accepted, dropped, slots)
         self._mark_written(batch.scheduled, dropped)
         return summary
 

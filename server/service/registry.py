@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from allocator import InvariantViolation
+from allocator import InvariantViolation, WriterFence
 from allocator.common.jit import jit, numba
 from server.contract import wire
 from server.contract.columns import NO_VALUES, StepCall, StepResult
@@ -61,6 +61,10 @@ class Worker:
     session: int
     attached: bool
     stagings: list[torch.Tensor]  # one per shard, in shard order (`server.service.shards`)
+    # Its session's fence word on every shard (`SharedPool.end_writes` closes them), and the
+    # slot they hold in the shards' tables of words.
+    writers: list[WriterFence]
+    fence_slot: int
     attachment: wire.Attachment
     fence: StepFence | FenceGroup | None
     last_seen: float  # the clock at its last call; only grows (the clock is monotonic)

@@ -10,18 +10,21 @@ registered; this decides what a registration maps.
 Invariants:
 - a worker's staging buffers are exported from its registration until its session ends, under
   names made of its id (a successor of the same id reuses them only after the release);
-- a worker's fences outlive its session (see `_fence`);
+- a worker's step fences outlive its session (see `_fence`); its fence words (one per shard,
+  the same slot in each shard's `FenceWords`) are open exactly while its session is, and are
+  closed (`end_writes`) before its blocks are freed;
 - only a worker that does not commit its own tokens has its staging committed by the service.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgspec
 import torch
 
-from allocator import KVCacheManager, KVStorage, TensorAllocator
+from allocator import FenceWords, KVCacheManager, KVStorage, TensorAllocator, WriterFence
 from allocator.common.device_io import on_device
 from server.contract import wire
 from server.contract.sharing import FenceGroup, StepFence, TensorExporter
@@ -31,12 +34,24 @@ from server.service.settings import ServiceConfig
 from server.service.shards import PoolShard, ShardSpec, shard_specs
 
 # What an in-process worker uses instead of mapping the handles: the pool, the block table, its
-# staging buffer and fence, and the protection of cached blocks (prefix caching).
-SharedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None,
+# staging buffer, step fence and fence word, and the protection of cached blocks (prefix caching).
+SharedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None, torch.Tensor,
                       torch.Tensor | None]
 # The same of one shard of a tensor-parallel pool, with the model's KV heads it holds.
-ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None,
+ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None, torch.Tensor,
                      torch.Tensor | None, tuple[int, int]]
+
+
+class WorkerShare(NamedTuple):
+    """What a registration maps and what the service keeps of it: the worker's staging buffers
+    and fence words' views (one per shard), its attachment, its step fence, and the slot its
+    words hold."""
+
+    stagings: list[torch.Tensor]
+    writers: list[WriterFence]
+    attachment: wire.Attachment
+    fence: StepFence | FenceGroup | None
+    fence_slot: int
 
 
 class ExportedTensors:
@@ -71,6 +86,9 @@ class SharedPool:
         pool = config.pool
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
         self.shards = [self._shard(spec, placement) for spec in specs]
+        self.words = [FenceWords(config.max_workers, spec.device, placement,
+                                 spec.name("fence_words")) for spec in specs]
+        self._word_handles = [placement.handles[spec.name("fence_words")] for spec in specs]
         self.committer = self.shards[0].committer
         self.commits = ShardedCommitter([shard.committer for shard in self.shards])
         self._fences: dict[tuple[str, int], tuple[StepFence, wire.EventHandle,
@@ -98,28 +116,33 @@ class SharedPool:
         return PoolShard(spec, storage, table, committer, placement.handles[spec.name("kv")],
                          placement.handles[spec.name("block_table")], protected_handle)
 
-    def attach(self, worker_id: str, *, overlap: bool) -> tuple[
-            list[torch.Tensor], wire.Attachment, StepFence | FenceGroup | None]:
-        """``worker_id``'s staging buffers (one per shard), what it maps, and its fence. An
-        overlap worker commits its own staging, so the service's commit never reads it."""
+    def attach(self, worker_id: str, session: int, *, overlap: bool) -> WorkerShare:
+        """``worker_id``'s staging buffers (one per shard), its fence words opened for
+        ``session``, what it maps, and its step fence. An overlap worker commits its own
+        staging, so the service's commit never reads it."""
+        slots = [words.open(session) for words in self.words]
+        assert len(set(slots)) == 1, "every shard's table of words moves in lockstep"
         stagings, shards, fences = [], [], []
         for shard in self.shards:
-            staging, attachment, fence = self._attach_shard(shard, worker_id)
+            staging, attachment, fence = self._attach_shard(shard, worker_id, slots[0])
             stagings.append(staging)
             shards.append(attachment)
             fences += [fence] if fence is not None else []
+        writers = [words.fence(slots[0]) for words in self.words]
         if not overlap:
-            self.commits.add_staging(stagings)
+            self.commits.add_staging(stagings, writers)
         first = shards[0]
         attachment = wire.Attachment(kv=first.kv, block_table=first.block_table,
                                      staging=first.staging, forward_done=first.forward_done,
                                      commit_done=first.commit_done, protected=first.protected,
+                                     writer_fence=first.writer_fence,
                                      shards=shards if len(shards) > 1 else [])
-        return stagings, attachment, _one_fence(fences)
+        return WorkerShare(stagings, writers, attachment, _one_fence(fences), slots[0])
 
-    def _attach_shard(self, shard: PoolShard, worker_id: str) -> tuple[
+    def _attach_shard(self, shard: PoolShard, worker_id: str, fence_slot: int) -> tuple[
             torch.Tensor, wire.ShardAttachment, StepFence | None]:
-        """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment."""
+        """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment
+        (with the view of its fence word, ``fence_slot``)."""
         pool, spec = shard.spec.pool, shard.spec
         shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
         staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
@@ -128,7 +151,8 @@ class SharedPool:
         return staging, wire.ShardAttachment(
             device=pool.device, head_start=spec.heads[0], head_stop=spec.heads[1],
             kv=shard.kv_handle, block_table=shard.table_handle, staging=handle,
-            forward_done=fwd, commit_done=com, protected=shard.protected_handle), fence
+            forward_done=fwd, commit_done=com, protected=shard.protected_handle,
+            writer_fence=_element(self._word_handles[spec.index], fence_slot)), fence
 
     def _fence(self, worker_id: str, spec: ShardSpec) -> tuple[
             StepFence | None, wire.EventHandle | None, wire.EventHandle | None]:
@@ -143,6 +167,18 @@ class SharedPool:
             self._fences[key] = StepFence.create(spec.device)
         return self._fences[key]
 
+    def end_writes(self, worker: Worker) -> None:
+        """Close ``worker``'s fence words on every shard: from now on nothing its session
+        launched writes the pool (`allocator.nwor.fence`). Before its blocks are freed."""
+        for words in self.words:
+            words.close(worker.fence_slot)
+
+    def check_invariants(self) -> None:
+        """The committers' state, and every shard's fence words (read back)."""
+        self.commits.check_invariants()
+        for words in self.words:
+            words.check_invariants()
+
     def release(self, worker: Worker) -> None:
         """``worker``'s staging buffers, on every shard: no longer committed, no longer
         exported."""
@@ -153,7 +189,7 @@ class SharedPool:
     def shared_tensors(self, worker: Worker) -> SharedTensors:
         """Shard 0's tensors and ``worker``'s, as this process holds them."""
         return (self.storage.kv, self._block_table, worker.stagings[0], worker.fence,
-                self.committer.protected)
+                worker.writers[0].word, self.committer.protected)
 
     def shared_shards(self, worker: Worker) -> list[ShardTensors]:
         """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
@@ -162,9 +198,10 @@ class SharedPool:
             return []
         fences = worker.fence.fences if isinstance(worker.fence, FenceGroup) else None
         return [(shard.storage.kv, shard.table, staging,
-                 fences[shard.spec.index] if fences else None, shard.committer.protected,
-                 shard.spec.heads)
-                for shard, staging in zip(self.shards, worker.stagings, strict=True)]
+                 fences[shard.spec.index] if fences else None, writer.word,
+                 shard.committer.protected, shard.spec.heads)
+                for shard, staging, writer in zip(self.shards, worker.stagings, worker.writers,
+                                                  strict=True)]
 
     def close(self) -> None:
         """Unlink every exported tensor."""
@@ -176,3 +213,9 @@ def _one_fence(fences: list[StepFence]) -> StepFence | FenceGroup | None:
     if not fences:
         return None
     return fences[0] if len(fences) == 1 else FenceGroup(fences)
+
+
+def _element(handle: wire.TensorHandle, index: int) -> wire.TensorHandle:
+    """The handle of element ``index`` of the one-dimensional tensor ``handle`` describes."""
+    return msgspec.structs.replace(handle, shape=[1], stride=[1],
+                                   storage_offset=handle.storage_offset + index)

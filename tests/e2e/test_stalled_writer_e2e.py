@@ -3,7 +3,8 @@ fence word was closed before its blocks went to another worker, and every commit
 device before it writes. Real processes: a `kvalloc serve`, a `kvalloc worker --overlap` (which
 commits its own tokens) stopped with SIGSTOP, and a synchronous victim (this test's own client,
 another process than the service) that takes the freed blocks and has the service commit 5.0 into
-every slot of them."""
+every slot of them. The same holds for a synchronous worker stopped between staging its forward
+and the call that would have the service commit it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from server.client import Client
+from server.contract.errors import NotRegistered
 from server.devtools.launch import ServiceProcess, kvalloc_command
 
 TPB, BLOCKS, ROWS, SEQ = 4, 256, 8, 128
@@ -112,7 +114,7 @@ def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path:
                 assert slots.size > 0.9 * BLOCKS * TPB
                 assert (_victim_values(victim, slots) == VICTIM_VALUE).all()
                 os.kill(worker.pid, signal.SIGCONT)
-                out, err = worker.communicate(timeout=120)
+                _, err = worker.communicate(timeout=120)
                 values = _victim_values(victim, slots)
                 assert (values == VICTIM_VALUE).all(), (
                     f"{int((values != VICTIM_VALUE).any(axis=(0, 1, 3)).sum())} of the victim's "
@@ -126,3 +128,27 @@ def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path:
     assert worker.returncode not in (0, None)
     assert "unknown_worker" in err or "stale_session" in err, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(300)
+def test_a_synchronous_worker_stopped_before_its_call_gets_nothing_committed(
+        tmp_path: Path) -> None:
+    """This client stages a whole forward of 9.0 and then makes no call for longer than its
+    lease; a victim takes the freed blocks; the call that would have committed the forward is
+    refused, and the victim's slots keep their 5.0."""
+    with ServiceProcess(tmp_path, *POOL, tcp=False) as svc, \
+            Client(svc.stream, worker_id="observer") as observer, \
+            Client(svc.stream, worker_id="stalled", retries=0) as stalled:
+        stalled.register()
+        reply = stalled.step(new=([f"s{i}" for i in range(ROWS)], [SEQ - 2 * TPB] * ROWS,
+                                  [8] * ROWS))
+        stalled.pool.staging[:, :, :reply.scheduled.total_tokens] = 9.0  # type: ignore[union-attr]
+        _poll("the stalled worker's lease never ended",
+              lambda: _steps_of(observer, "stalled") == -1, 30.0)
+        with Client(svc.stream, worker_id="victim") as victim:
+            victim.register()
+            slots = _victim_fills_the_pool(victim)
+            with pytest.raises(NotRegistered, match="unknown_worker"):
+                stalled.step()
+            assert (_victim_values(victim, slots) == VICTIM_VALUE).all()
+            assert victim.get_pool(verify=True).invariants == "ok"

@@ -484,7 +484,8 @@ def test_shared_memory_is_private_to_the_user_and_removed_on_close(
     core = make_core()
     worker(core)
     segments = sorted(SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
-    assert [p.name.split("-", 2)[2] for p in segments] == ["block_table", "kv", "staging-w"]
+    assert [p.name.split("-", 2)[2] for p in segments] == ["block_table", "fence_words", "kv",
+                                                           "staging-w"]
     for path in segments:
         info = path.stat()
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()

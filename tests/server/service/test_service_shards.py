@@ -141,7 +141,8 @@ def test_a_worker_leaves_nothing_on_any_shard(make_core, device):
     if device[0] == "cpu":
         prefix = f"kvalloc-{core.epoch:016x}-"
         names = sorted(p.name.removeprefix(prefix) for p in SHM_DIR.glob(prefix + "*"))
-        assert names == ["block_table", "kv", "shard1-block_table", "shard1-kv"]
+        assert names == ["block_table", "fence_words", "kv", "shard1-block_table",
+                         "shard1-fence_words", "shard1-kv"]
 
 
 def test_the_table_of_every_shard_follows_the_step(make_core, device):
