@@ -43,7 +43,7 @@ from server.service.batch import ScheduledBatch, Settlement
 from server.service.commit import NOTHING, ShardedCommitter
 from server.service.inflight import Flight, Settled
 from server.service.registry import Worker, WorkerRegistry
-from server.service.schedule import schedule
+from server.service.schedule import ForwardRequests, schedule
 
 # The call's lists of handles, in the order `StepPipeline.execute` passes them to the registry.
 _HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "grants.handles",
@@ -111,11 +111,14 @@ class StepPipeline:
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
         cached = outcome.cached_tokens
-        scheduled, num_decodes = schedule(
-            call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
-            call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
-            outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
-            call.prompt_lens, cached)
+        scheduled, num_decodes = schedule(ForwardRequests(
+            grant_handles=call.grant_handles, grant_rows=grant_rows, granted=outcome.granted,
+            drafts=drafts, grant_starts=outcome.grant_starts,
+            prefill_handles=call.prefill_handles, prefill_rows=prefill_rows,
+            prefill_granted=outcome.prefill_granted, prefill_tokens=call.prefill_tokens,
+            prefill_starts=outcome.prefill_starts,
+            new_handles=admitted, admitted_rows=outcome.admitted_rows,
+            prompt_tokens=prompt_tokens, prompt_lens=call.prompt_lens, new_starts=cached))
         committed, slots = self._advance(worker, settled, scheduled, num_decodes, outcome,
                                          call.step_id)
         if worker.fence is not None:
