@@ -101,7 +101,8 @@ class Demand(NamedTuple):
 
 class Served(NamedTuple):
     """`reference.Served` without ``admitted``, ``first_tokens`` and ``hit_counts``: a new request
-    is admitted where its refusal is 0, and `_admit` works out the rest from the plan and hits."""
+    is admitted where its refusal is 0, and `move._admit` works out the rest from the plan and
+    hits."""
 
     item_ok: np.ndarray  # per row that grows (top-ups, grants, prefill chunks): a view of scratch
     granted: np.ndarray
@@ -117,8 +118,8 @@ class Scratch(NamedTuple):
     ``is_new_grant``, ``wanted_draft``, ``target_capacity`` (`Demand`), ``item_ok`` (`Served`;
     top-ups, grants and prefill chunks name distinct rows, so they fit), ``seen`` (`validate`),
     ``rewritten`` (freed or admitted rows) and ``old_blocks`` (`move_blocks`). Per block:
-    ``claimed`` (`serve_hits_in_order`) and ``evicted`` (`take`). ``seen`` and ``claimed`` are
-    all False on entry and on return."""
+    ``claimed`` (`serve_hits_in_order`) and ``evicted`` (`block_moves.take`). ``seen`` and
+    ``claimed`` are all False on entry and on return."""
 
     item_rows: np.ndarray
     is_new_grant: np.ndarray

@@ -2,9 +2,9 @@
 changes, in the reference's order (so the same error for the same bad plan).
 
 List by list in plan order, every row live and listed once and every count at least its least
-value (`codes.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then first chunks within their
-prompts, results and reverts of one step apart, and no request in two lists that exclude each
-other.
+value (`codes.NAMES_ROWS`, ``LEAST_VALUE``); then the upper bounds; then every first chunk within
+its prompt, a row both reverted and settled only with a step behind its grant, and no request in
+two lists that exclude each other.
 
 Invariants: ``seen`` is all False on entry and on return; the first failed check writes
 ``error`` and ends the phase.
