@@ -1,12 +1,12 @@
 """This step's forward, laid out: which requests run, and where their tokens sit in the step.
 
-Input: the manager's `StepOutcome` and the call's columns. Output: the `Scheduled` columns of the
-reply and how many of its entries are decodes. Order: granted decodes (in grant order), then
-granted prefill chunks, then admitted new requests, each running ``min(prompt_tokens, prompt_len
-- start)`` tokens from its start (after its cached prompt tokens). Request ``i`` owns tokens
-``token_offsets[i] ..`` at positions ``start_positions[i] ..``, its last ``num_drafts[i]`` are
-drafts. Where those tokens live in the pool is the manager's to say
-(`KVCacheManager.token_slots` of the runs).
+Input: the manager's `StepOutcome` and the call's columns, named in one `ForwardRequests`.
+Output: the `Scheduled` columns of the reply and how many of its entries are decodes. Order:
+granted decodes (in grant order), then granted prefill chunks, then admitted new requests, each
+running ``min(prompt_tokens, prompt_len - start)`` tokens from its start (after its cached prompt
+tokens). Request ``i`` owns tokens ``token_offsets[i] ..`` at positions ``start_positions[i] ..``,
+its last ``num_drafts[i]`` are drafts. Where those tokens live in the pool is the manager's to
+say (`KVCacheManager.token_slots` of the runs).
 
 `schedule_reference` is the specification in numpy; `schedule_compiled` the same as one numba
 loop (the per-step cost is a few dozen tiny array operations otherwise). Tests compare the two.
