@@ -27,7 +27,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import ValidationError
@@ -41,6 +41,7 @@ from allocator.tools.interrupt import INTERRUPTED, StopRequest, sigint_stops
 from allocator.tools.simulate_plot import plot
 from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 from allocator.tools.simulate_prefix import summary as sharing_summary
+from allocator.tools.simulate_result import Failure, SimulationResult
 
 # The production case: a 128k prompt that ends 8 tokens before a 256-token block boundary, so
 # the first MTP3 steps' writes straddle it.
@@ -79,45 +80,6 @@ class Acceptance:
             return rng.integers(0, draft_len + 1, size=n)
         hits = rng.random((n, draft_len)) < self.value
         return np.cumprod(hits, axis=1).sum(axis=1).astype(np.int64)
-
-
-@dataclass
-class Failure:
-    step: int
-    request: int
-    reach: int
-    capacity: int
-    allocated_tokens: int
-    history: int
-
-
-@dataclass
-class SimulationResult:
-    policy: str
-    lag: int
-    steps: int
-    requests_finished: int
-    requests_total: int
-    output_tokens: int
-    grants_refused: int
-    grants_behind: int  # grants that found the request's previous step unsettled (lag 2)
-    max_capacity_minus_history: int
-    first_ima: Failure | None = None
-    first_reach_past_capacity: Failure | None = None
-    first_row_overflow: Failure | None = None
-    max_blocks_per_seq: int = 0
-    tokens_per_block: int = 0
-    trace: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> bool:
-        return self.first_ima is not None or self.first_row_overflow is not None
-
-    def summary(self) -> dict:
-        out = asdict(self)
-        out.pop("trace")
-        out["failed"] = self.failed
-        return out
 
 
 @dataclass

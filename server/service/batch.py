@@ -27,7 +27,7 @@ tests compare the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -163,26 +163,43 @@ def _settle_rows_loop(rows, num_decodes, result_rows, num_accepted,  # type: ign
 settle_rows = jit(_settle_rows_loop) if numba is not None else settle_rows_reference
 
 
-def schedule_reference(grant_handles: np.ndarray, grant_rows: np.ndarray, granted: np.ndarray,
-                       drafts: np.ndarray, grant_starts: np.ndarray,
-                       prefill_handles: np.ndarray, prefill_rows: np.ndarray,
-                       prefill_granted: np.ndarray, prefill_tokens: np.ndarray,
-                       prefill_starts: np.ndarray, new_handles: np.ndarray,
-                       admitted_rows: np.ndarray, prompt_tokens: np.ndarray,
-                       prompt_lens: np.ndarray, new_starts: np.ndarray) -> tuple[Scheduled, int]:
-    new = admitted_rows >= 0
-    decode_drafts = drafts[granted]
-    new_tokens = np.minimum(prompt_tokens, prompt_lens - new_starts)
-    num_tokens = np.concatenate([1 + decode_drafts, prefill_tokens[prefill_granted],
+class ForwardRequests(NamedTuple):
+    """The requests this step's forward may run, in its three groups, and what the manager
+    granted each: one entry per grant, per prefill chunk and per new request of the call, all
+    int64 but the ``granted`` marks (bool). The compiled loop takes the fields in this order."""
+
+    grant_handles: np.ndarray
+    grant_rows: np.ndarray
+    granted: np.ndarray
+    drafts: np.ndarray
+    grant_starts: np.ndarray
+    prefill_handles: np.ndarray
+    prefill_rows: np.ndarray
+    prefill_granted: np.ndarray
+    prefill_tokens: np.ndarray
+    prefill_starts: np.ndarray
+    new_handles: np.ndarray
+    admitted_rows: np.ndarray  # -1: refused
+    prompt_tokens: np.ndarray  # the most a new request runs: its first chunk, or its prompt
+    prompt_lens: np.ndarray
+    new_starts: np.ndarray  # its cached prompt tokens
+
+
+def schedule_reference(requests: ForwardRequests) -> tuple[Scheduled, int]:
+    r = requests
+    new = r.admitted_rows >= 0
+    decode_drafts = r.drafts[r.granted]
+    new_tokens = np.minimum(r.prompt_tokens, r.prompt_lens - r.new_starts)
+    num_tokens = np.concatenate([1 + decode_drafts, r.prefill_tokens[r.prefill_granted],
                                  new_tokens[new]])
     offsets = np.cumsum(num_tokens) - num_tokens
-    rows = np.concatenate([grant_rows[granted], prefill_rows[prefill_granted],
-                           admitted_rows[new]])
-    starts = np.concatenate([grant_starts[granted], prefill_starts[prefill_granted],
-                             new_starts[new]])
+    rows = np.concatenate([r.grant_rows[r.granted], r.prefill_rows[r.prefill_granted],
+                           r.admitted_rows[new]])
+    starts = np.concatenate([r.grant_starts[r.granted], r.prefill_starts[r.prefill_granted],
+                             r.new_starts[new]])
     scheduled = Scheduled(
-        handles=np.concatenate([grant_handles[granted], prefill_handles[prefill_granted],
-                                new_handles[new]]),
+        handles=np.concatenate([r.grant_handles[r.granted],
+                                r.prefill_handles[r.prefill_granted], r.new_handles[new]]),
         rows=rows, token_offsets=offsets, num_tokens=num_tokens,
         num_drafts=np.concatenate([decode_drafts,
                                    np.zeros(rows.size - decode_drafts.size, dtype=np.int64)]),
@@ -226,9 +243,10 @@ if numba is not None:
     _compiled_schedule = jit(_schedule_loop)
 
 
-def schedule_compiled(*args: Any) -> tuple[Scheduled, int]:
-    """`schedule_reference` as one compiled loop (same arguments, same result)."""
-    per_entry, num_decodes = _compiled_schedule(*args)
+def schedule_compiled(requests: ForwardRequests) -> tuple[Scheduled, int]:
+    """`schedule_reference` as one compiled loop (same argument, same result). numba takes no
+    record: the loop gets the arrays one by one, in the record's order."""
+    per_entry, num_decodes = _compiled_schedule(*requests)
     return Scheduled(*per_entry), int(num_decodes)
 
 

@@ -39,7 +39,7 @@ from server.contract.columns import (
     TableChanges,
 )
 from server.contract.errors import LimitExceeded
-from server.service.batch import ScheduledBatch, Settlement, schedule
+from server.service.batch import ForwardRequests, ScheduledBatch, Settlement, schedule
 from server.service.commit import NOTHING, ShardedCommitter
 from server.service.inflight import Flight, Settled
 from server.service.registry import Worker, WorkerRegistry
@@ -110,11 +110,14 @@ class StepPipeline:
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
         cached = outcome.cached_tokens
-        scheduled, num_decodes = schedule(
-            call.grant_handles, grant_rows, outcome.granted, drafts, outcome.grant_starts,
-            call.prefill_handles, prefill_rows, outcome.prefill_granted, call.prefill_tokens,
-            outcome.prefill_starts, admitted, outcome.admitted_rows, prompt_tokens,
-            call.prompt_lens, cached)
+        scheduled, num_decodes = schedule(ForwardRequests(
+            grant_handles=call.grant_handles, grant_rows=grant_rows, granted=outcome.granted,
+            drafts=drafts, grant_starts=outcome.grant_starts,
+            prefill_handles=call.prefill_handles, prefill_rows=prefill_rows,
+            prefill_granted=outcome.prefill_granted, prefill_tokens=call.prefill_tokens,
+            prefill_starts=outcome.prefill_starts,
+            new_handles=admitted, admitted_rows=outcome.admitted_rows,
+            prompt_tokens=prompt_tokens, prompt_lens=call.prompt_lens, new_starts=cached))
         committed, slots = self._advance(worker, settled, scheduled, num_decodes, outcome,
                                          call.step_id)
         if worker.fence is not None:

@@ -256,7 +256,7 @@ _STEPS_EVERY_WAY = '''
 import json
 import numpy as np
 from numba.core.registry import CPUDispatcher
-import allocator.capacity.step.compiled, allocator.nwor.window_maths
+import allocator.capacity.step.compiled.driver, allocator.nwor.window_maths
 import server.contract.columns
 import server.service.batch, server.service.pipeline
 import server.service.registry
@@ -303,7 +303,8 @@ for i, way in enumerate(("ipc", "rest", "in-process")):
 kv.step(results=(handles, [0, 1, 1]), finished=handles)
 core.check_invariants()
 print(json.dumps({f"{module.__name__}.{name}": len(loop.signatures)
-                  for module in (allocator.capacity.step.compiled, allocator.nwor.window_maths,
+                  for module in (allocator.capacity.step.compiled.driver,
+                                 allocator.nwor.window_maths,
                                  server.service.batch, server.contract.columns,
                                  server.service.pipeline, server.service.registry)
                   for name, loop in vars(module).items()
@@ -322,6 +323,7 @@ def test_each_compiled_loop_of_the_step_compiles_once_however_the_call_was_built
     for loop in ("server.service.batch.settle_rows", "server.service.batch.mask_unowned_slots",
                  "server.service.pipeline.token_demand", "server.service.registry.live_rows",
                  "server.service.registry.take_rows", "server.service.batch._compiled_schedule",
-                 "server.contract.columns.first_outside", "allocator.capacity.step.compiled._step"):
+                 "server.contract.columns.first_outside",
+                 "allocator.capacity.step.compiled.driver._step"):
         assert loop in compiled, loop  # each ran
     assert {loop: n for loop, n in compiled.items() if n != 1} == {}

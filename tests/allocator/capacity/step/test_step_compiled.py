@@ -25,9 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan
-from allocator.capacity.step import compiled as step_compiled
 from allocator.capacity.step import plan as step_plan
-from allocator.capacity.step.compiled import available
+from allocator.capacity.step.compiled import available, driver
 
 pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
 
@@ -282,7 +281,7 @@ def test_compiled_is_the_default_when_numba_imports(make_config):
 
 
 def test_without_numba_the_default_is_the_numpy_step(make_config, monkeypatch):
-    monkeypatch.setattr(step_compiled, "numba", None)
+    monkeypatch.setattr(driver, "numba", None)
     m = KVCacheManager(make_config())
     assert m.compiled is False
     assert m.step(StepPlan(prompt_lens=[5])).admitted_rows.tolist() == [0]
@@ -335,4 +334,4 @@ def test_a_checked_plan_runs_the_step_a_coerced_plan_runs(make_config):
             assert all(np.array_equal(getattr(a, f.name), getattr(b, f.name))
                        for f in dataclasses.fields(a))
         assert state_of(coerced) == state_of(checked)
-    assert len(step_compiled._step.signatures) == 1  # every plan had the one type
+    assert len(driver._step.signatures) == 1  # every plan had the one type

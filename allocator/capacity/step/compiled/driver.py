@@ -1,0 +1,171 @@
+"""The compiled step's driver: `_step` runs the phases in `reference_step`'s order, and
+`CompiledStep` runs it over one manager's `CapacityState`.
+
+`_step` calls the phase modules' functions, named as the reference's phases, with the same
+arguments (the state and the step's scratch arrays as `tuples`' named tuples): ``validate``,
+``settle_step``, ``plan_grants``, ``plan_prefill``, ``serve_blocks``, then, when nothing can
+fail any more, ``replace_state`` and ``move_blocks``. It is the one function compiled on its
+own: every phase is inlined into it, so the step is one native routine with one signature.
+
+Invariants: a phase that writes ``error`` ends the step with empty outputs, before the row state,
+the pool or the table changed; `CompiledStep` copies the stack tops back, and marks the table's
+changed cells, only after a step that ran to its end.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from operator import attrgetter
+
+import numpy as np
+
+from allocator.capacity.state import COUNTER_NAMES, POLICY_CODES, CapacityState, RowState
+from allocator.capacity.step import codes
+from allocator.capacity.step.compiled.demand import plan_grants, plan_prefill
+from allocator.capacity.step.compiled.inlining import inlined
+from allocator.capacity.step.compiled.move import move_blocks
+from allocator.capacity.step.compiled.replace import replace_state
+from allocator.capacity.step.compiled.serve import serve_blocks
+from allocator.capacity.step.compiled.settle import settle_step
+from allocator.capacity.step.compiled.tuples import (
+    COUNT_ADDED,
+    COUNT_EVICTED,
+    COUNT_FREED,
+    COUNT_NOT_ADDED,
+    NUM_EVICTED,
+    NUM_FREE,
+    NUM_FREE_ROWS,
+    HitArrays,
+    Limits,
+    Plan,
+    Pool,
+    Rows,
+    Scratch,
+    Settled,
+    State,
+    Table,
+)
+from allocator.capacity.step.compiled.validate import validate
+from allocator.capacity.step.plan import PlanArrays, StepOutcome
+from allocator.capacity.step.reference import NO_HITS, Hits, StepRun
+from allocator.common.jit import jit, numba
+
+
+def available() -> bool:
+    """Whether numba imports here (the manager's default then is the compiled step)."""
+    return numba is not None
+
+
+def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settled: tuple,
+          scratch: tuple, error: np.ndarray, deltas: np.ndarray) -> tuple:
+    """One step: `reference_step`. The arguments come as plain tuples (numba types a named
+    tuple argument on a slow path, a microsecond a call) of the fields of `Plan`, `State` (its
+    ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled` and
+    `Scratch`. Returns `move_blocks`' outcome, or empty arrays when ``error`` stops the step;
+    ``deltas``: the counter deltas."""
+    plan, hits = Plan(*plan), HitArrays(*hits)
+    settled, scratch = Settled(*settled), Scratch(*scratch)
+    limits, rows, pool, table, tops = state
+    state = State(Limits(*limits), Rows(*rows), Pool(*pool), Table(*table), tops)
+    validate(plan, state, scratch.seen, error)
+    if error[0]:
+        return _no_outcome()
+    settle_step(plan, state, settled, error)
+    if error[0]:
+        return _no_outcome()
+    demand = plan_grants(plan, lag, state, settled, scratch, error)
+    if error[0]:
+        return _no_outcome()
+    plan_prefill(plan, state, settled, demand, error)
+    if error[0]:
+        return _no_outcome()
+    served = serve_blocks(plan, strict, state, settled, demand, hits, scratch, error)
+    if error[0]:
+        return _no_outcome()
+    replace_state(plan, lag, state, settled, demand, served, deltas)
+    outcome = move_blocks(plan, state, served, hits, scratch)
+    deltas[COUNT_EVICTED] = tops[NUM_EVICTED]
+    admitted = served.refusals.size - np.count_nonzero(served.refusals)
+    deltas[COUNT_ADDED] = admitted
+    deltas[COUNT_NOT_ADDED] = served.refusals.size - admitted
+    deltas[COUNT_FREED] = plan.finished_rows.size
+    return outcome
+
+
+@inlined
+def _no_outcome() -> tuple:
+    """`move_blocks`' outcome, empty."""
+    nothing = np.empty(0, dtype=np.int64)
+    no = np.empty(0, dtype=np.bool_)
+    return (no, no, nothing, np.empty(0, dtype=np.int8), nothing, nothing, nothing, nothing,
+            nothing, np.empty(0, dtype=np.int32), nothing, nothing)
+
+
+if numba is not None:
+    # The one function compiled on its own, and cached on disk: every other is inlined into it.
+    _step = jit(_step)
+
+_plan_lists = len(Plan._fields)
+_row_arrays = attrgetter(*Rows._fields)
+_pool_arrays = attrgetter(*Pool._fields)
+_table_arrays = attrgetter(*Table._fields)
+
+
+class CompiledStep:
+    """The compiled step over one manager's `CapacityState`, with its scratch arrays."""
+
+    def __init__(self, state: CapacityState) -> None:
+        if numba is None:
+            raise ImportError("the compiled step needs numba (pip install numba)")
+        limits = state.limits
+        n = limits.max_batch_size
+        self.limits = tuple(Limits(**{**asdict(limits), "overlap": bool(limits.overlap),
+                                      "policy": POLICY_CODES[limits.policy]}))
+
+        def counts(size: int = n) -> np.ndarray:
+            return np.zeros(size, dtype=np.int64)
+
+        def marks(size: int = n) -> np.ndarray:
+            return np.zeros(size, dtype=bool)
+
+        # `_step` takes them as plain tuples.
+        like = RowState.empty(1)
+        self.settled = tuple(np.zeros(n, dtype=getattr(like, name).dtype)
+                             for name in Settled._fields)
+        blocks = state.pool.num_blocks
+        self.scratch = Scratch(item_rows=counts(), is_new_grant=marks(), wanted_draft=counts(),
+                               target_capacity=counts(), item_ok=marks(), seen=marks(),
+                               claimed=marks(blocks), rewritten=marks(), old_blocks=counts(),
+                               evicted=counts(blocks))
+        self.scratch_arrays = tuple(self.scratch)
+        self.tops = np.zeros(3, dtype=np.int64)
+        self.no_hits = counts()
+
+    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
+        rows, pool, table = state.rows, state.pool, state.table
+        error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
+        deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
+        self.tops[NUM_FREE] = pool.num_free
+        self.tops[NUM_FREE_ROWS] = table.num_free_rows
+        num_new = plan.prompt_lens.size
+        hit_counts = hits.counts if hits.counts.size == num_new else self.no_hits[:num_new]
+        step_state = (self.limits, _row_arrays(rows), _pool_arrays(pool), _table_arrays(table),
+                      self.tops)
+        (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
+         changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
+            plan[:_plan_lists], plan.strict_grants, plan.lag, step_state, (hit_counts, hits.blocks),
+            self.settled, self.scratch_arrays, error, deltas)
+        if error[0]:
+            return StepRun(error)
+        pool.num_free = int(self.tops[NUM_FREE])
+        table.num_free_rows = int(self.tops[NUM_FREE_ROWS])
+        table.mark_cells(changed_cells)
+        table.sync()
+        outcome = StepOutcome(
+            granted=granted, prefill_granted=chunk_ok, admitted_rows=admitted_rows,
+            new_refusals=refusals, grant_starts=grant_starts, prefill_starts=chunk_starts,
+            changed_rows=changed_rows, changed_from=changed_from,
+            changed_num_blocks=changed_blocks, changed_block_ids=changed_ids,
+            num_blocks=rows.num_blocks.copy(), cached_tokens=cached_tokens,
+        )
+        return StepRun(error, outcome, deltas,
+                          self.scratch.evicted[: self.tops[NUM_EVICTED]].copy())
