@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C where a command does not stop at a step boundary (loading, or a second Ctrl-C
         # while a step hangs): one line, not a traceback, and the shell's status for it.
-        from allocator.tools.interrupt import INTERRUPTED
+        from allocator.commands.interrupt import INTERRUPTED
 
         print(f"kvalloc {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED

@@ -38,8 +38,8 @@ import uvicorn
 from pydantic import SecretStr, ValidationError
 
 from allocator import PoolConfig
+from allocator.commands.arguments import argument_type
 from allocator.config import KVDType, SlackPolicy
-from allocator.tools.arguments import argument_type
 from server.cli import flag_errors
 from server.contract.addresses import (
     DEFAULT_HOST,

@@ -34,10 +34,11 @@ from pydantic import ValidationError
 
 from allocator.capacity.manager import KVCacheManager, StepPlan
 from allocator.capacity.step.plan import LAGS
+from allocator.commands.arguments import bounded, output_file
+from allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
+from allocator.commands.simulated_acceptance import Acceptance
 from allocator.config import PoolConfig, SlackPolicy
 from allocator.errors import BlockTableOverflow, InvariantViolation, OutOfBlocks
-from allocator.tools.arguments import bounded, output_file
-from allocator.tools.interrupt import INTERRUPTED, StopRequest, sigint_stops
 from allocator.tools.simulate_plot import plot
 from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 from allocator.tools.simulate_prefix import summary as sharing_summary
@@ -46,40 +47,6 @@ from allocator.tools.simulate_result import Failure, SimulationResult
 # The production case: a 128k prompt that ends 8 tokens before a 256-token block boundary, so
 # the first MTP3 steps' writes straddle it.
 DEFAULT_ISL = 128 * 1024 - 8
-
-
-@dataclass
-class Acceptance:
-    """Per-step accepted-draft sampler: ``geometric:P`` (each position accepted with probability
-    P until the first rejection), ``fixed:K``, or ``uniform`` (0..D equally likely)."""
-
-    kind: str
-    value: float = 0.0
-
-    @classmethod
-    def parse(cls, spec: str) -> Acceptance:
-        kind, _, arg = spec.partition(":")
-        if kind == "uniform" and not arg:
-            return cls("uniform")
-        try:
-            value = float(arg)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"--acceptance: {spec!r} is not geometric:P, fixed:K or uniform") from None
-        if kind == "geometric" and 0.0 <= value <= 1.0:
-            return cls(kind, value)
-        if kind == "fixed" and value >= 0 and value == int(value):
-            return cls(kind, value)
-        raise argparse.ArgumentTypeError(
-            f"--acceptance: {spec!r} is not geometric:P (0<=P<=1), fixed:K (K>=0) or uniform")
-
-    def sample(self, rng: np.random.Generator, draft_len: int, n: int) -> np.ndarray:
-        if self.kind == "fixed":
-            return np.full(n, min(int(self.value), draft_len), dtype=np.int64)
-        if self.kind == "uniform":
-            return rng.integers(0, draft_len + 1, size=n)
-        hits = rng.random((n, draft_len)) < self.value
-        return np.cumprod(hits, axis=1).sum(axis=1).astype(np.int64)
 
 
 @dataclass

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from allocator.tools.arguments import argument_type, bounded
-from allocator.tools.interrupt import INTERRUPTED, sigint_stops
-from allocator.tools.simulate import Acceptance
+from allocator.commands.arguments import argument_type, bounded
+from allocator.commands.interrupt import INTERRUPTED, sigint_stops
+from allocator.commands.simulated_acceptance import Acceptance
 from server.client import Client
 from server.contract import wire
 from server.contract.addresses import client_address, default_client_address

@@ -18,7 +18,8 @@ import pytest
 from sigint import interrupt_once_progressing
 
 from allocator import SlackPolicy
-from allocator.tools.simulate import Acceptance, SimulationResult, SimulationSpec, simulate
+from allocator.commands.simulated_acceptance import Acceptance
+from allocator.tools.simulate import SimulationResult, SimulationSpec, simulate
 from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 
 D = 3

@@ -16,7 +16,7 @@ import pytest
 from sigint import interrupt_once_progressing
 
 from allocator import PoolConfig
-from allocator.tools.simulate import Acceptance
+from allocator.commands.simulated_acceptance import Acceptance
 from server.client import Client
 from server.contract import wire
 from server.contract.columns import NO_VALUES, Refused
