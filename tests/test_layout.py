@@ -9,6 +9,9 @@
   `transport`. Only the edges (`client`, `serve`, `cli`, `devtools`) see every layer.
 - `worker` uses the service through `server.client` alone, an in-process one included; it never
   imports `server.service`.
+- Outside `allocator`, the library is used through its face, `allocator/__init__.py`: no module
+  of `server` or `worker` imports one of the allocator's own modules, except the rooms every
+  room shares (`FACE_EXCEPTIONS`, each with its reason).
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
 
 Imports are read with `ast`, relative ones resolved, and those inside functions count too: a
@@ -60,6 +63,16 @@ FORBIDDEN = (
 )
 
 
+# Allocator rooms that server and worker may import past the face, and why.
+FACE_EXCEPTIONS = {
+    # Runtime plumbing, not the allocator's state: the numba switch, whether Triton is
+    # installed, pinned uploads and device placement, which every room's hot path uses alike.
+    "allocator.common": "shared runtime plumbing",
+    # What every `kvalloc` command shares: argument parsers, Ctrl-C at a step boundary.
+    "allocator.commands": "shared command-line plumbing",
+}
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -104,6 +117,41 @@ def crossings(modules: list[Path]) -> list[str]:
                         and not _under(importer, target)):
                     found.append(f"{importer} -> {imported}")
     return found
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def past_the_face(modules: list[Path]) -> list[str]:
+    """``importer -> imported`` for every import of an allocator module from outside it that the
+    face and `FACE_EXCEPTIONS` do not allow."""
+    return [f"{_module_name(path)} -> {imported}" for path in modules
+            if not _under(_module_name(path), "allocator")
+            for imported in sorted(_imports(path))
+            if _under(imported, "allocator") and imported != "allocator" and _is_module(imported)
+            and not any(_under(imported, room) for room in FACE_EXCEPTIONS)]
+
+
+def test_server_and_worker_use_the_allocator_through_its_face() -> None:
+    assert past_the_face(_modules()) == []
+
+
+def test_the_face_check_sees_a_reach_past_the_face(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted import of an allocator module from the worker is flagged; the same names from
+    the face, or from a shared room, are not."""
+    for module in ("allocator/nwor/fence.py", "allocator/common/jit.py", "allocator/__init__.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text("")
+    fake = tmp_path / "worker" / "planted.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from allocator.nwor.fence import WriterFence\n"
+                    "from allocator import WriterFence\n"
+                    "from allocator.common.jit import jit\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert past_the_face([fake]) == ["worker.planted -> allocator.nwor.fence"]
 
 
 def test_no_import_crosses_a_boundary_of_the_layout() -> None:

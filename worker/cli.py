@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from allocator import PoolConfig, SlackPolicy
 from allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
-from allocator.config import PoolConfig, SlackPolicy
 from server.client import Client, in_process_client
 from server.contract.addresses import default_client_address
 from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout

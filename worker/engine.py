@@ -49,8 +49,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from allocator import PackedCommit
-from allocator.capacity.table_validator import TableValidator
+from allocator import PackedCommit, TableValidator
 from server.client import AttachedPool, Client
 from server.contract import wire
 from server.contract.columns import StepResult

@@ -30,9 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from allocator.capacity.slots import slot_mapping
+from allocator import NworInputError, slot_mapping
 from allocator.common.device_io import upload_int64
-from allocator.errors import NworInputError
 
 
 class PoolAttentionInputError(NworInputError):

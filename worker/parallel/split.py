@@ -8,7 +8,7 @@ process group; the rule itself is `allocator.config.shard_span`.
 
 from __future__ import annotations
 
-from allocator.config import shard_span
+from allocator import shard_span
 from worker.model import ModelLoadError
 
 

@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from allocator.nwor.commit_kernel import resolve_backend
+from allocator import resolve_backend
 
 
 class EntryColumns(NamedTuple):
