@@ -5,6 +5,9 @@
   `server` or `worker`.
 - In `server`: `contract` imports neither `service` nor `transport`, and `service` never imports
   `transport`. Only the edges (`client`, `serve`, `cli`, `devtools`) see every layer.
+- In `worker`: the loop (`engine`) is imported by none of `attention`, `norm`, `step`;
+  `attention` and `norm` never import `step`; `kernels` imports none of the rooms that launch
+  its kernels.
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
 
 Imports are read with `ast`, relative ones resolved, and those inside functions count too: a
@@ -43,6 +46,12 @@ FORBIDDEN = (
     ("worker.step", "worker.engine"),
     ("worker.norm", "worker.step"),
     ("worker.norm", "worker.engine"),
+    # The kernels are launched by the rooms, never the other way round.
+    ("worker.kernels", "worker.attention"),
+    ("worker.kernels", "worker.engine"),
+    ("worker.kernels", "worker.mlp"),
+    ("worker.kernels", "worker.norm"),
+    ("worker.kernels", "worker.step"),
 )
 
 

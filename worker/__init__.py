@@ -5,11 +5,12 @@ synchronously or one step ahead of the host (an overlap worker).
 - `engine`: the loop (planning, the calls, reading each step's outcome); `step/`: one step on the
   device (its metadata, forward, verification and an overlap worker's commit);
 - `model` (loading), `attention/` (attention straight from the pool: transformers' hook, the
-  reference and its Triton kernel, the attention module's forward with rotary and staging in
+  reference and its Triton launches, the attention module's forward with rotary and staging in
   one launch), `norm/` (the model's RMSNorms in one launch each, the reference beside the
-  kernel), `mlp/` (gated MLPs in two GEMMs and one launch), `module_forwards` (how those
-  kernels take over transformers' modules, per instance, and projections merge into one GEMM),
-  `fusion` (the one switch to all of them), `drafters`;
+  launch), `mlp/` (gated MLPs in two GEMMs and one launch), `kernels/` (the Triton kernels of
+  all of them and of the step's metadata, and what their launches share), `module_forwards`
+  (how those kernels take over transformers' modules, per instance, and projections merge into
+  one GEMM), `fusion` (the one switch to all of them), `drafters`;
 - `cli`: ``kvalloc worker``.
 
 May import `allocator` and `server` (it is the client's user); nothing imports it.

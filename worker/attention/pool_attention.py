@@ -15,8 +15,9 @@ accepted, which the host has not read yet. Nothing here reads a device value bac
 attention never waits for the host, and the host needs only bounds (``max_query``,
 ``max_keys`` per group) that it knows without the device.
 
-`pool_attention` is the plain torch form (any device, the reference); the Triton kernel beside it
-(`worker.attention.pool_attention_triton`) reads the same layout and is tested against it.
+`pool_attention` is the plain torch form (any device, the reference); its Triton launches
+(`worker.attention.pool_attention_triton`, the kernel in `worker.kernels.pool_attention`) read
+the same layout and are tested against it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ past the row's blocks, and for an entry on the spare row one past the table's, a
 token: its request's pending token, which only the device knows on an overlap worker).
 
 `metadata_reference` states it in torch (any device: a few dozen tiny operations);
-`worker.step.step_metadata_triton` is the same as one kernel launch, which is what keeps a step's
-host time to a few microseconds on a GPU. Tests compare the two in Triton's interpreter.
+`metadata_triton` is the same as one launch of `worker.kernels.step_metadata`, which is what
+keeps a step's host time to a few microseconds on a GPU. Tests compare the two in Triton's
+interpreter.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from allocator.nwor.commit_kernel import resolve_backend
+from worker.kernels.helpers import kernel_for
 
 
 class EntryColumns(NamedTuple):
@@ -65,6 +67,22 @@ def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
     interpreter on CPU tensors (``triton``)."""
     if resolve_backend(backend, table.device) == "torch":
         return metadata_reference(cols, lead, pending, table, tokens_per_block)
-    from worker.step.step_metadata_triton import metadata_triton
-
     return metadata_triton(cols, lead, pending, table, tokens_per_block)
+
+
+def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
+                    table: torch.Tensor, tokens_per_block: int) -> StepMetadata:
+    """`metadata_reference` in one launch (Triton's interpreter for CPU tensors)."""
+    from worker.kernels import step_metadata as kernels
+
+    n = cols.token_entry.numel()
+    history = torch.empty_like(cols.starts)
+    positions, slots, ids, index = (torch.empty_like(cols.host_ids) for _ in range(4))
+    if n:
+        kernel = kernel_for(kernels.metadata_jit, table)
+        kernel[(-(-n // kernels.BLOCK),)](
+            cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding, cols.token_entry,
+            cols.host_ids, lead, pending, table, history, positions, slots, ids, index, n,
+            table.shape[0], table.shape[1], TOKENS_PER_BLOCK=tokens_per_block,
+            BLOCK=kernels.BLOCK)
+    return StepMetadata(history, positions, slots, ids, index)
