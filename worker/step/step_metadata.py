@@ -2,10 +2,11 @@
 
 From the reply's columns (uploaded once) and the rows' device state, without reading anything
 back: each entry's ``history`` (its start, plus its lead when it is behind a step the host has
-not read), each packed token's ``position`` and pool ``slot`` (from the shared block table; -1
-past the row's blocks, and for an entry on the spare row one past the table's, a padded one:
-`worker.step.rows`), and the ``ids`` the forward reads (the host's, except a decode's first
-token: its request's pending token, which only the device knows on an overlap worker).
+not read), each packed token's ``position`` and pool ``slot`` (from the shared block table by
+the slot rule, `allocator.capacity.slots.padded_slot_mapping`: -1 past the row's blocks, and for
+an entry on the spare row one past the table's, a padded one: `worker.step.rows`), and the
+``ids`` the forward reads (the host's, except a decode's first token: its request's pending
+token, which only the device knows on an overlap worker).
 
 `metadata_reference` states it in torch (any device: a few dozen tiny operations);
 `metadata_triton` is the same as one launch of `worker.kernels.step_metadata`, which is what
@@ -19,6 +20,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from allocator.capacity.slots import padded_slot_mapping
 from allocator.nwor.commit_kernel import resolve_backend
 from worker.kernels.helpers import kernel_for
 
@@ -50,11 +52,7 @@ def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Te
     index = torch.arange(e.numel(), device=e.device) - cols.offsets[e]
     positions = history[e] + index
     rows = cols.rows[e]
-    col = positions // tokens_per_block
-    in_row = (col < table.shape[1]) & (rows < table.shape[0])
-    block = table[torch.where(in_row, rows, 0), torch.where(in_row, col, 0)].long()
-    slots = torch.where(in_row & (block >= 0),
-                        block * tokens_per_block + positions % tokens_per_block, -1)
+    slots = padded_slot_mapping(table, rows, positions, tokens_per_block)
     first = (index == 0) & (cols.decoding[e] != 0)
     ids = torch.where(first, pending[rows], cols.host_ids)
     return StepMetadata(history, positions, slots, ids, index)
