@@ -54,24 +54,13 @@ from server.client import Client
 from server.contract import wire
 from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
+from worker.errors import EngineError, LayoutMismatch, PoolTooSmall
 from worker.fusion import fuse_model
 from worker.model import kv_shape
 from worker.step.commit import WorkerCommit
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
-
-
-class EngineError(RuntimeError):
-    """The service and the worker disagree, or the work cannot proceed."""
-
-
-class LayoutMismatch(EngineError):
-    """The service's pool does not fit the model (layers, heads, head size or dtype)."""
-
-
-class PoolTooSmall(EngineError):
-    """A prompt cannot be admitted even with nothing else running."""
 
 
 @dataclass(frozen=True)

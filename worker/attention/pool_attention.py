@@ -33,13 +33,7 @@ import torch.nn.functional as F
 
 from allocator.capacity.slots import slot_mapping
 from allocator.common.device_io import upload_int64
-from allocator.errors import NworInputError
-
-
-class PoolAttentionInputError(NworInputError):
-    """Tensors the pool attention cannot take: shapes that disagree with the layout or each
-    other, a pool dtype the queries cannot use, an fp8 pool without its scales, a window below
-    one position. Raised before anything runs; ``field`` names the argument."""
+from worker.errors import PoolAttentionInputError
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep, attend_staged
 from worker.attention.pool_attention_triton import kernel_takes as attention_kernel_takes
+from worker.errors import RotaryError
 from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
 from worker.module_forwards import merge_linears, switch_forwards
 
@@ -34,10 +35,6 @@ _WINDOWS: dict[str, Callable[[torch.nn.Module], int | None]] = {
     "MistralAttention": lambda module: getattr(module.config, "sliding_window", None),
 }
 MAX_HEAD_DIM = 256
-
-
-class RotaryError(ValueError):
-    """Input the rotary-and-stage kernel does not take."""
 
 
 def rotate_and_stage_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

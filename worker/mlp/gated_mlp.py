@@ -15,15 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.errors import GatedMlpError
 from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take
 from worker.module_forwards import merge_linears, switch_forwards
 
 FUSED_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
 BLOCK = 1024  # columns a program writes
-
-
-class GatedMlpError(ValueError):
-    """Input the SiLU-and-multiply kernel does not take."""
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.errors import RmsNormError
 from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
 from worker.module_forwards import switch_forwards
 
@@ -19,10 +20,6 @@ from worker.module_forwards import switch_forwards
 # one, is not).
 FUSED_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 MAX_HIDDEN = 16384
-
-
-class RmsNormError(ValueError):
-    """Input the RMSNorm kernel does not take."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,12 +12,8 @@ import torch
 from fused_forwards import DTYPES
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from worker.attention.rotary import (
-    RotaryError,
-    kernel_takes,
-    rotate_and_stage,
-    rotate_and_stage_reference,
-)
+from worker.attention.rotary import kernel_takes, rotate_and_stage, rotate_and_stage_reference
+from worker.errors import RotaryError
 
 # How far a case may differ, relative to the values rotated (a sum may cancel): float32 by one
 # product's rounding (contraction into a fused multiply-add), the half types by the
