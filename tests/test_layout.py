@@ -5,7 +5,8 @@
   `server` or `worker`.
 - In `server`: `contract` imports neither `service` nor `transport`, and `service` never imports
   `transport`. Only the edges (`client`, `serve`, `cli`, `devtools`) see every layer.
-- In `worker`: the loop (`engine`) is imported by none of `attention`, `norm`, `step`;
+- In `worker`: the loop (`engine`, `step_plans`, `launch_plans`, `requests`, `run_stats`) is
+  imported by none of `attention`, `norm`, `step`, `kernels`;
   `attention` and `norm` never import `step`; `kernels` imports none of the rooms that launch
   its kernels.
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
@@ -53,6 +54,10 @@ FORBIDDEN = (
     ("worker.kernels", "worker.norm"),
     ("worker.kernels", "worker.step"),
 )
+# The loop's other modules are as much the loop's as `worker.engine` is.
+FORBIDDEN += tuple(
+    (room, loop) for room in ("worker.attention", "worker.step", "worker.norm", "worker.kernels")
+    for loop in ("worker.step_plans", "worker.launch_plans", "worker.requests", "worker.run_stats"))
 
 
 def _module_name(path: Path) -> str:

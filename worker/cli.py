@@ -47,7 +47,7 @@ from worker.drafters import (
     OracleDrafter,
     parse_drafter_spec,
 )
-from worker.engine import Engine, NamedPrompt, RunStats
+from worker.engine import Engine
 from worker.errors import (
     DeviceUnavailable,
     DrafterSpecError,
@@ -60,6 +60,8 @@ from worker.errors import (
 from worker.model import DTYPES, config_from_file, load_model, pool_for_model, random_model
 from worker.parallel.local_ranks import run_local_ranks
 from worker.parallel.sharding import shard_model
+from worker.requests import NamedPrompt
+from worker.run_stats import RunStats
 from worker.shard_client import ShardClient
 
 

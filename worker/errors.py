@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from allocator.errors import NworInputError
 
 if TYPE_CHECKING:
-    from worker.engine import RunStats
+    from worker.run_stats import RunStats
 
 
 class WorkerError(Exception):

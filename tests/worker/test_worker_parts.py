@@ -14,7 +14,7 @@ from worker_oracle import CONFIGS, Oracle, pool_config
 
 from worker.cli import read_prompts
 from worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
-from worker.engine import Engine, NamedPrompt
+from worker.engine import Engine
 from worker.errors import (
     DrafterSpecError,
     EngineError,
@@ -24,6 +24,7 @@ from worker.errors import (
     PromptFileError,
 )
 from worker.model import config_from_file, load_model, random_model
+from worker.requests import NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 
