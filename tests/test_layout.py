@@ -12,6 +12,10 @@
 - Outside `allocator`, the library is used through its face, `allocator/__init__.py`: no module
   of `server` or `worker` imports one of the allocator's own modules, except the rooms every
   room shares (`FACE_EXCEPTIONS`, each with its reason).
+- In `worker`: the loop (`engine`, `step_plans`, `launch_plans`, `requests`, `run_stats`) is
+  imported by none of `attention`, `norm`, `step`, `kernels`;
+  `attention` and `norm` never import `step`; `kernels` imports none of the rooms that launch
+  its kernels.
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
 
 Imports are read with `ast`, relative ones resolved, and those inside functions count too: a
@@ -60,7 +64,17 @@ FORBIDDEN = (
     ("worker.step", "worker.engine"),
     ("worker.norm", "worker.step"),
     ("worker.norm", "worker.engine"),
+    # The kernels are launched by the rooms, never the other way round.
+    ("worker.kernels", "worker.attention"),
+    ("worker.kernels", "worker.engine"),
+    ("worker.kernels", "worker.mlp"),
+    ("worker.kernels", "worker.norm"),
+    ("worker.kernels", "worker.step"),
 )
+# The loop's other modules are as much the loop's as `worker.engine` is.
+FORBIDDEN += tuple(
+    (room, loop) for room in ("worker.attention", "worker.step", "worker.norm", "worker.kernels")
+    for loop in ("worker.step_plans", "worker.launch_plans", "worker.requests", "worker.run_stats"))
 
 
 # Allocator rooms that server and worker may import past the face, and why.
