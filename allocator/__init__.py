@@ -12,7 +12,7 @@ from allocator.capacity.kv_events import (
 )
 from allocator.capacity.manager import KVCacheManager
 from allocator.capacity.prefix_cache import Prompt, block_hashes
-from allocator.capacity.slots import slot_mapping
+from allocator.capacity.slots import padded_slot_mapping, slot_mapping
 from allocator.capacity.step.plan import (
     ADMITTED,
     REFUSED_BATCH_FULL,
@@ -131,6 +131,7 @@ __all__ = [
     "compiled_type",
     "external_hash",
     "merge_attention",
+    "padded_slot_mapping",
     "paged_attention",
     "plain_tensor",
     "resolve_backend",

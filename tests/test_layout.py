@@ -16,6 +16,8 @@
   imported by none of `attention`, `norm`, `step`, `kernels`;
   `attention` and `norm` never import `step`; `kernels` imports none of the rooms that launch
   its kernels.
+- No modules import each other round a circle (imports for annotations alone excepted: they
+  never run).
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
 
 Imports are read with `ast`, relative ones resolved, and those inside functions count too: a
@@ -92,12 +94,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every project module ``path`` imports, as absolute dotted names."""
+def _typing_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under an ``if TYPE_CHECKING:``: imports that never run."""
+    return {id(inner) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+            for stmt in node.body for inner in ast.walk(stmt)}
+
+
+def _imports(path: Path, *, typing: bool = True) -> set[str]:
+    """Every project module ``path`` imports, as absolute dotted names (``typing``: those only
+    annotations need too)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set() if typing else _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -146,6 +161,56 @@ def past_the_face(modules: list[Path]) -> list[str]:
             for imported in sorted(_imports(path))
             if _under(imported, "allocator") and imported != "allocator" and _is_module(imported)
             and not any(_under(imported, room) for room in FACE_EXCEPTIONS)]
+
+
+def import_circles(modules: list[Path]) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (strongly connected, run-time
+    imports only, lazy ones included), each sorted."""
+    names = {_module_name(p): p for p in modules}
+    edges = {n: sorted(i for i in _imports(p, typing=False) if i in names and i != n)
+             for n, p in names.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(names):
+        if v not in order:
+            visit(v)
+    return circles
+
+
+def test_no_modules_import_each_other_round_a_circle() -> None:
+    assert import_circles(_modules()) == []
+
+
+def test_the_circle_check_sees_a_lazy_circle(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two planted modules, one importing the other lazily, the other at the top: a circle; a
+    third that one of them imports only for annotations is not part of it."""
+    room = tmp_path / "worker"
+    room.mkdir()
+    (room / "a.py").write_text("from typing import TYPE_CHECKING\nfrom worker import b\n"
+                               "if TYPE_CHECKING:\n    from worker import c\n")
+    (room / "b.py").write_text("def f():\n    from worker import a\n")
+    (room / "c.py").write_text("from worker import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_circles(sorted(room.glob("*.py"))) == [["worker.a", "worker.b"]]
 
 
 def test_server_and_worker_use_the_allocator_through_its_face() -> None:
