@@ -79,7 +79,8 @@ class DeferredWriteManager:
     ``max_tokens`` bounds a window's scheduled tokens, ``max_requests`` its requests (default: the
     pool's ``max_batch_size``). Staging holds ``[num_layers, 2, max_tokens, H * D]`` in
     ``stage_dtype`` (the pool dtype; for fp8 pools the model's dtype, bf16 by default, quantised
-    with each layer's scales on commit).
+    with each layer's scales on commit). What it was built for, resolved, is ``spec``
+    (`StagingSpec`: ``spec.device``, ``spec.num_layers``, ``spec.stage_dtype``, ...).
     """
 
     # All of the manager's state: what it was built for, the open window, and the parts that
@@ -113,32 +114,6 @@ class DeferredWriteManager:
         self._graphs = CommitGraphs(spec.max_tokens, dev, self.backend)
         self._writes = PoolWrites(storage, self.backend, self._staging, self._keep, self._scales,
                                   self._protection, self._counters, self._graphs)
-
-    # ---- what it was built for ----------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        return self.spec.device
-
-    @property
-    def num_layers(self) -> int:
-        return self.spec.num_layers
-
-    @property
-    def head_shape(self) -> tuple[int, int]:
-        return self.spec.head_shape
-
-    @property
-    def max_tokens(self) -> int:
-        return self.spec.max_tokens
-
-    @property
-    def max_requests(self) -> int:
-        return self.spec.max_requests
-
-    @property
-    def stage_dtype(self) -> torch.dtype:
-        return self.spec.stage_dtype
 
     # Read by tests: the parts' state they check a pool or a graph against.
 
@@ -185,7 +160,7 @@ class DeferredWriteManager:
                                    "cancel it first")
         self.spec.check_layout(layout)
         if fence is not None:
-            fence.check(self.device)
+            fence.check(self.spec.device)
         self._layout = layout
         self._writes.fence = fence
 
@@ -299,7 +274,7 @@ class DeferredWriteManager:
         rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
         self.spec.check_capture_requests(max_requests)
         static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
-                                  device=self.device)
+                                  device=self.spec.device)
         writes = self._writes
         self._graphs.capture_verify(rows, static, self._keep.accepted[:max_requests],
                                     lambda: writes.mask_and_write(rows, record=True),

@@ -119,7 +119,7 @@ def _cpu_manager() -> tuple[DeferredWriteManager, torch.Tensor]:
     mgr = DeferredWriteManager(storage, max_tokens=TOKENS)
     cfg = storage.config
     staging = torch.zeros((cfg.num_layers, 2, TOKENS, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=mgr.stage_dtype)
+                          dtype=mgr.spec.stage_dtype)
     return mgr, staging
 
 
@@ -180,7 +180,7 @@ def _twins(protected: bool = False) -> tuple[list[KVStorage], DeferredWriteManag
     def staging() -> torch.Tensor:
         """A buffer of finite values: a write from any of its rows would show in the pool."""
         return torch.randn((cfg.num_layers, 2, TOKENS, cfg.num_kv_heads, cfg.head_dim),
-                           device="cuda").to(graphed.stage_dtype)
+                           device="cuda").to(graphed.spec.stage_dtype)
 
     return storages, eager, graphed, staging
 

@@ -57,7 +57,7 @@ def test_random_windows_commit_exactly_the_accepted_tokens_on_gpu(dtype):
     assert mgr.backend == "triton"
     rng = np.random.default_rng(21)
     for i in range(16):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         want = expected_after(storage.kv, window, window.keep(), mgr._inv)
         mgr.begin_window(window.layout)
         stage(mgr, window)
@@ -85,10 +85,10 @@ def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(d
     mgr = DeferredWriteManager(storage, max_tokens=48)
     rng = np.random.default_rng(31)
     heads, dim = storage.config.num_kv_heads, storage.config.head_dim
-    staging = torch.zeros((storage.config.num_layers, 2, 48, heads, dim), dtype=mgr.stage_dtype,
-                          device="cuda")
+    staging = torch.zeros((storage.config.num_layers, 2, 48, heads, dim),
+                          dtype=mgr.spec.stage_dtype, device="cuda")
     for i in range(8):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         window.staged_layers = list(range(storage.config.num_layers))
         want = expected_after(storage.kv, window, window.keep(), mgr._inv)
         n = window.layout.total_tokens
@@ -124,11 +124,11 @@ def test_a_host_slot_commit_replays_a_graph_that_writes_what_the_eager_path_writ
         graphed.protect(blocks.cuda())
     rng = np.random.default_rng(5)
     stagings = [torch.zeros((cfg.num_layers, 2, 200, cfg.num_kv_heads, cfg.head_dim),
-                            dtype=graphed.stage_dtype, device="cuda") for _ in range(2)]
+                            dtype=graphed.spec.stage_dtype, device="cuda") for _ in range(2)]
     sizes = set()
     for i in range(24):
-        window = random_window(rng, storages[0], max_tokens=200, stage_dtype=graphed.stage_dtype,
-                               max_requests=64)
+        window = random_window(rng, storages[0], max_tokens=200,
+                               stage_dtype=graphed.spec.stage_dtype, max_requests=64)
         n = window.layout.total_tokens
         sizes.add(graphed_rows := min(200, max(64, 1 << max(0, n - 1).bit_length())))
         staging = stagings[i % 2]
