@@ -32,11 +32,12 @@ Invariants:
 
 The device commit (counts -> per-token keep mask -> rejected slots set to -1 -> one fused write
 over every layer -> device-side metrics) uses only static buffers and device operations, so it
-runs without host synchronisation and can be captured in a CUDA graph (``capture_commit_graph``,
-``capture_verify_graph``, which also captures the acceptance mask). A commit staged with host
+runs without host synchronisation and can be captured in a CUDA graph, between windows, through
+``graphs`` (`deferred.capture.GraphCapture`): ``graphs.capture_commit``, and
+``graphs.capture_verify``, which also captures the acceptance mask. A commit staged with host
 slots replays a graph per staging buffer and row bucket (`host_write_graphs`): captured by the
 first commit that needs it, or for every bucket ahead of the first window by
-``capture_host_write_graphs(staging)``.
+``graphs.capture_host_writes(staging)``.
 
 Accepted counts given as a list are validated on the host: more accepted than drafts raises
 `AcceptedExceedsDrafts`, never a clamp. A tensor is never read back (that would synchronise): it
@@ -57,8 +58,9 @@ import torch
 
 from allocator.common.device_io import PinnedUploads
 from allocator.errors import InvariantViolation, NworInputError, StagingOverflow, WindowStateError
-from allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
+from allocator.nwor.acceptance import accept, validate_inputs
 from allocator.nwor.commit_kernel import Backend, resolve_backend
+from allocator.nwor.deferred.capture import GraphCapture
 from allocator.nwor.deferred.counters import WindowCounters
 from allocator.nwor.deferred.device_keep import DeviceKeep
 from allocator.nwor.deferred.fp8_scales import Fp8Scales
@@ -68,7 +70,6 @@ from allocator.nwor.deferred.pool_writes import PoolWrites
 from allocator.nwor.deferred.protection import BlockProtection
 from allocator.nwor.deferred.staging import StagingBuffers
 from allocator.nwor.fence import WriterFence
-from allocator.nwor.host_write_graphs import HostWriteGraphs
 from allocator.nwor.storage import KVStorage
 from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
 
@@ -94,8 +95,8 @@ class DeferredWriteManager:
     _staging: StagingBuffers
     _keep: DeviceKeep
     _counters: WindowCounters
-    _graphs: CommitGraphs
     _writes: PoolWrites
+    graphs: GraphCapture  # the CUDA graphs its commits replay, captured ahead of the windows
 
     def __init__(self, storage: KVStorage, *, max_tokens: int, max_requests: int | None = None,
                  stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
@@ -111,9 +112,11 @@ class DeferredWriteManager:
         self._staging = StagingBuffers(spec, self._protection, uploads)
         self._keep = DeviceKeep(spec, uploads)
         self._counters = WindowCounters(spec.positions, dev)
-        self._graphs = CommitGraphs(spec.max_tokens, dev, self.backend)
+        captured = CommitGraphs(spec.max_tokens, dev, self.backend)
         self._writes = PoolWrites(storage, self.backend, self._staging, self._keep, self._scales,
-                                  self._protection, self._counters, self._graphs)
+                                  self._protection, self._counters, captured)
+        self.graphs = GraphCapture(spec, captured, self._writes, self._keep,
+                                   window_open=lambda: self._layout is not None)
 
     # Read by tests: the parts' state they check a pool or a graph against.
 
@@ -126,11 +129,6 @@ class DeferredWriteManager:
     def _protected(self) -> torch.Tensor | None:
         """The mask of protected blocks (None: no guard)."""
         return self._protection.blocks
-
-    @property
-    def _host_graphs(self) -> HostWriteGraphs | None:
-        """The graphs of host-slot commits, once made."""
-        return self._graphs.host
 
     # ---- window lifecycle ---------------------------------------------------------------------
 
@@ -256,52 +254,6 @@ class DeferredWriteManager:
             raise NworInputError("reason: a non-empty string", field="reason")
         self._close(self._writes.write_all_staged(reason))
 
-    # ---- CUDA graphs --------------------------------------------------------------------------
-
-    def capture_commit_graph(self, max_window_tokens: int) -> None:
-        """Capture the device commit (keep mask + fused write + metrics) for windows of up to
-        ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
-        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
-        writes = self._writes
-        self._graphs.capture_commit(rows, lambda: writes.mask_and_write(rows, record=True),
-                                    lambda: writes.warm_up_mask_and_write(rows))
-
-    def capture_verify_graph(self, max_window_tokens: int, *, max_requests: int, width: int,
-                             flat_drafts: bool = False) -> None:
-        """Capture acceptance + commit for windows of up to ``max_window_tokens`` tokens and
-        ``max_requests`` requests, with ``sampled_ids`` up to ``width`` columns and drafts flat
-        or padded; ``verify_and_commit`` then replays it."""
-        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
-        self.spec.check_capture_requests(max_requests)
-        static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
-                                  device=self.spec.device)
-        writes = self._writes
-        self._graphs.capture_verify(rows, static, self._keep.accepted[:max_requests],
-                                    lambda: writes.mask_and_write(rows, record=True),
-                                    lambda: writes.warm_up_mask_and_write(rows))
-
-    def capture_host_write_graphs(self, staging: torch.Tensor,
-                                  fence: WriterFence | None = None) -> bool:
-        """Capture now the graph of every row bucket that a commit staged from ``staging`` with
-        host slots replays (under the current ``protect`` guard), kept until
-        ``drop_host_write_graphs``: a capture synchronises the device and takes milliseconds,
-        which the first commits from ``staging`` then do not pay. ``staging`` as ``stage_from``
-        takes it; between windows only. False where those commits run no graph (a CPU pool, the
-        torch write) or a capture failed (logged once; they write eagerly from then on). The
-        graphs read ``fence``, the one the windows staged from ``staging`` will be opened with."""
-        if self._layout is not None:
-            raise WindowStateError("window: capture graphs between windows, not inside one")
-        self._writes.fence = fence
-        try:
-            return self._writes.capture_host_writes(self.spec.checked_staging(staging, 1))
-        finally:
-            self._writes.fence = None
-
-    def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
-        """Forget the graphs that commit from ``staging``, before its memory is released (it
-        may come back as another buffer); how many went."""
-        return self._graphs.drop_host_writes(self.spec.checked_staging(staging, 1))
-
     # ---- metrics and invariants ---------------------------------------------------------------
 
     def metrics(self) -> NworMetrics:
@@ -326,7 +278,7 @@ class DeferredWriteManager:
         self._keep.check_invariants(window_open=layout is not None)
         self._counters.check_invariants()
         self._protection.check_invariants()
-        self._graphs.check_invariants(self.spec.max_requests)
+        self.graphs.captured.check_invariants(self.spec.max_requests)
         self._scales.check_invariants(self.spec.num_layers)
 
     # ---- internals ----------------------------------------------------------------------------

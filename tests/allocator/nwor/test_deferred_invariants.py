@@ -151,7 +151,7 @@ def _plant(mgr: DeferredWriteManager, part: str) -> None:
         mgr._protection.blocks = torch.zeros(3, dtype=torch.bool)
     elif part == "graphs":
         acceptance = StaticAcceptance(flat=True, batch=2, width=4, device=mgr.spec.device)
-        mgr._graphs.commit.append(CapturedCommit(8, None, acceptance))  # type: ignore[arg-type]
+        mgr.graphs.captured.commit.append(CapturedCommit(8, None, acceptance))  # type: ignore[arg-type]
     elif part == "fp8 scales":
         assert mgr._inv is not None
         mgr._inv[1, 0] = 3.0
@@ -190,7 +190,7 @@ def test_a_commit_graph_captured_after_a_window_from_a_callers_buffer_reads_its_
     mgr.begin_window(first.layout)
     mgr.stage_from(_staging(mgr, first), first.slots)
     mgr.commit(first.accepted)
-    mgr.capture_commit_graph(TOKENS)
+    mgr.graphs.capture_commit(TOKENS)
     for _ in range(4):
         window = random_window(rng, storage, max_tokens=TOKENS, stage_dtype=mgr.spec.stage_dtype)
         want = expected_after(storage.kv, window, window.keep(), None)

@@ -265,7 +265,7 @@ def test_window_calls_out_of_order_are_typed_errors():
     with pytest.raises(WindowStateError):
         mgr.begin_window(WindowLayout.decode([1]))
     with pytest.raises(NworInputError) as err:
-        mgr.capture_commit_graph(8)
+        mgr.graphs.capture_commit(8)
     assert err.value.field == "device"  # graphs need CUDA; checked before the window
 
 

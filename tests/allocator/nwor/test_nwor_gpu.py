@@ -106,7 +106,8 @@ def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(d
         assert torch.equal(bits(storage.kv), bits(want))
     assert mgr.metrics().fallbacks == {}
     if known_on == "host":
-        assert mgr._host_graphs is not None and mgr._host_graphs.captured == 1
+        host = mgr.graphs.captured.host
+        assert host is not None and host.captured == 1
 
 
 @pytest.mark.parametrize("protected", [False, True])
@@ -140,8 +141,9 @@ def test_a_host_slot_commit_replays_a_graph_that_writes_what_the_eager_path_writ
             mgr.commit(np.array(window.accepted))
         assert torch.equal(bits(storages[0].kv), bits(storages[1].kv)), (i, n, graphed_rows)
         assert eager.last_window == graphed.last_window
-    assert eager._host_graphs is None
-    assert graphed._host_graphs is not None and graphed._host_graphs.captured >= len(sizes) > 1
+    assert eager.graphs.captured.host is None
+    host = graphed.graphs.captured.host
+    assert host is not None and host.captured >= len(sizes) > 1
     assert eager.metrics() == graphed.metrics()
     if protected:
         assert graphed.metrics().protected_refusals > 0
@@ -156,7 +158,7 @@ def _twin_managers():
 
 def test_commit_graph_replay_equals_eager_and_never_syncs():
     (s_eager, s_graph), eager, graphed = _twin_managers()
-    graphed.capture_commit_graph(48)
+    graphed.graphs.capture_commit(48)
     rng = np.random.default_rng(22)
     for _ in range(12):
         window = random_window(rng, s_eager, max_tokens=48, stage_dtype=torch.bfloat16)
@@ -195,7 +197,7 @@ def _verify_inputs(rng: np.random.Generator, layout: WindowLayout, accepted: lis
 @pytest.mark.parametrize("flat", [False, True])
 def test_verify_graph_captures_acceptance_and_commit_in_one_replay(flat):
     (s_eager, s_graph), eager, graphed = _twin_managers()
-    graphed.capture_verify_graph(48, max_requests=8, width=6, flat_drafts=flat)
+    graphed.graphs.capture_verify(48, max_requests=8, width=6, flat_drafts=flat)
     rng = np.random.default_rng(23)
     for _ in range(10):
         window = random_window(rng, s_eager, max_tokens=48, stage_dtype=torch.bfloat16)
