@@ -118,18 +118,6 @@ class DeferredWriteManager:
         self.graphs = GraphCapture(spec, captured, self._writes, self._keep,
                                    window_open=lambda: self._layout is not None)
 
-    # Read by tests: the parts' state they check a pool or a graph against.
-
-    @property
-    def _inv(self) -> torch.Tensor | None:
-        """The reciprocal fp8 scales the commit quantises with (None: it copies)."""
-        return self._scales.inv
-
-    @property
-    def _protected(self) -> torch.Tensor | None:
-        """The mask of protected blocks (None: no guard)."""
-        return self._protection.blocks
-
     # ---- window lifecycle ---------------------------------------------------------------------
 
     @property

@@ -153,8 +153,8 @@ def _plant(mgr: DeferredWriteManager, part: str) -> None:
         acceptance = StaticAcceptance(flat=True, batch=2, width=4, device=mgr.spec.device)
         mgr.graphs.captured.commit.append(CapturedCommit(8, None, acceptance))  # type: ignore[arg-type]
     elif part == "fp8 scales":
-        assert mgr._inv is not None
-        mgr._inv[1, 0] = 3.0
+        assert mgr._scales.inv is not None
+        mgr._scales.inv[1, 0] = 3.0
     else:
         raise AssertionError(part)
 

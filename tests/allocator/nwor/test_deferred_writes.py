@@ -52,7 +52,7 @@ def test_random_windows_commit_exactly_the_accepted_tokens(dtype, backend):
     rng = np.random.default_rng(11)
     for _ in range(12 if backend == "torch" else 4):
         window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
-        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
         mgr.begin_window(window.layout)
         stage(mgr, window)
         mgr.commit(window.accepted)

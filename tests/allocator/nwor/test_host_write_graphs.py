@@ -244,7 +244,8 @@ def test_capturing_ahead_covers_every_bucket_writes_nothing_and_the_commits_then
     assert graphs is not None and not graphs.failed
     buckets = row_buckets(TOKENS, TOKENS)
     assert len(captures) == graphs.captured == len(buckets) == 3
-    variant = None if graphed._protected is None else graphed._protected.data_ptr()
+    blocks = graphed._protection.blocks
+    variant = None if blocks is None else blocks.data_ptr()
     assert all(graphs.holds(_source(staging), rows, variant) for rows in buckets)
     assert graphed.graphs.capture_host_writes(staging)  # again: nothing new to capture
     assert len(captures) == 3

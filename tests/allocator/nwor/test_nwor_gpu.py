@@ -58,7 +58,7 @@ def test_random_windows_commit_exactly_the_accepted_tokens_on_gpu(dtype):
     rng = np.random.default_rng(21)
     for i in range(16):
         window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
-        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
         mgr.begin_window(window.layout)
         stage(mgr, window)
         if i % 2:
@@ -90,7 +90,7 @@ def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(d
     for i in range(8):
         window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         window.staged_layers = list(range(storage.config.num_layers))
-        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
         n = window.layout.total_tokens
         staging[:, 0, :n] = window.keys
         staging[:, 1, :n] = window.values
