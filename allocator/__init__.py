@@ -2,7 +2,17 @@
 
 from allocator.capacity.block_pool import BlockPool
 from allocator.capacity.block_table import BlockTable
+from allocator.capacity.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    external_hash,
+)
 from allocator.capacity.manager import KVCacheManager
+from allocator.capacity.prefix_cache import Prompt, block_hashes
+from allocator.capacity.slots import padded_slot_mapping, slot_mapping
 from allocator.capacity.step.plan import (
     ADMITTED,
     REFUSED_BATCH_FULL,
@@ -10,9 +20,12 @@ from allocator.capacity.step.plan import (
     RequestView,
     StepOutcome,
     StepPlan,
+    checked_plan,
+    compiled_type,
 )
+from allocator.capacity.table_validator import TableValidator
 from allocator.common.placement import TensorAllocator, plain_tensor
-from allocator.config import PoolConfig, SlackPolicy
+from allocator.config import KVDType, PoolConfig, SlackPolicy, shard_span
 from allocator.errors import (
     AcceptedExceedsDrafts,
     BatchFull,
@@ -34,6 +47,7 @@ from allocator.errors import (
     UnknownRequest,
     WindowStateError,
 )
+from allocator.metrics import AllocatorMetrics
 from allocator.nwor.acceptance import (
     SCV_MODE_ENV,
     ScvAcceptor,
@@ -43,7 +57,7 @@ from allocator.nwor.acceptance import (
     acceptance_mask,
     scv_mode_from_env,
 )
-from allocator.nwor.commit_kernel import write_staged
+from allocator.nwor.commit_kernel import resolve_backend, write_staged
 from allocator.nwor.deferred_writes import DeferredWriteManager
 from allocator.nwor.fence import CLOSED, FenceWords, WriterFence
 from allocator.nwor.packed_commit import PackedCommit, commit_packed
@@ -62,8 +76,12 @@ __all__ = [
     "REFUSED_OUT_OF_BLOCKS",
     "SCV_MODE_ENV",
     "AcceptedExceedsDrafts",
+    "AllBlocksCleared",
+    "AllocatorMetrics",
     "BatchFull",
     "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
     "BlockTable",
     "BlockTableOverflow",
     "DeferredWriteManager",
@@ -75,7 +93,10 @@ __all__ = [
     "InvalidValue",
     "InvariantViolation",
     "KVAllocError",
+    "KVCacheEvent",
     "KVCacheManager",
+    "KVDType",
+    "KVEventBatch",
     "KVStorage",
     "NoPendingGrant",
     "NworError",
@@ -85,6 +106,7 @@ __all__ = [
     "PackedCommit",
     "PoolConfig",
     "PrefillIncomplete",
+    "Prompt",
     "RequestView",
     "ScvAcceptor",
     "ScvMode",
@@ -94,6 +116,7 @@ __all__ = [
     "StagingOverflow",
     "StepOutcome",
     "StepPlan",
+    "TableValidator",
     "TensorAllocator",
     "UnknownRequest",
     "WindowLayout",
@@ -102,11 +125,19 @@ __all__ = [
     "WriterFence",
     "accept",
     "acceptance_mask",
+    "block_hashes",
+    "checked_plan",
     "commit_packed",
+    "compiled_type",
+    "external_hash",
     "merge_attention",
+    "padded_slot_mapping",
     "paged_attention",
     "plain_tensor",
+    "resolve_backend",
     "scv_mode_from_env",
+    "shard_span",
+    "slot_mapping",
     "two_source_attention",
     "write_staged",
 ]

@@ -69,9 +69,11 @@ from server.service.settings import ServiceConfig
 from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep
 from worker.attention.pool_attention import PagedLayout
 from worker.drafters import DeviceOracleDrafter
-from worker.engine import Engine, NamedPrompt, RunStats
+from worker.engine import Engine
 from worker.fusion import fuse_model
 from worker.model import kv_shape, pool_for_model, random_model
+from worker.requests import NamedPrompt
+from worker.run_stats import RunStats
 from worker.step.device_step import Launched, LaunchPlan
 
 SHAPES = {

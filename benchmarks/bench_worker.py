@@ -48,8 +48,9 @@ from server.devtools.launch import ServiceProcess
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from worker.drafters import DeviceOracleDrafter, Drafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine, NamedPrompt
+from worker.engine import Engine
 from worker.model import pool_for_model, random_model
+from worker.requests import NamedPrompt
 
 FULL = {
     "model": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,

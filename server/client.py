@@ -36,9 +36,8 @@ import msgspec
 import torch
 import zmq
 
-from allocator import WriterFence
-from allocator.capacity.slots import slot_mapping as table_slot_mapping
-from allocator.config import PoolConfig
+from allocator import PoolConfig, WriterFence
+from allocator import slot_mapping as table_slot_mapping
 from server.contract import wire
 from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
 from server.contract.columns import ColumnInput, StepCall, StepResult

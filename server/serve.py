@@ -37,9 +37,8 @@ import torch
 import uvicorn
 from pydantic import SecretStr, ValidationError
 
-from allocator import PoolConfig
+from allocator import KVDType, PoolConfig, SlackPolicy
 from allocator.commands.arguments import argument_type
-from allocator.config import KVDType, SlackPolicy
 from server.cli import flag_errors
 from server.contract.addresses import (
     DEFAULT_HOST,
@@ -504,7 +503,7 @@ def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str
     try:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-        from allocator.metrics import AllocatorMetrics
+        from allocator import AllocatorMetrics
         from server.service.metrics import ServiceMetrics, rank_metrics
     except ImportError as exc:
         log.warning("no /metrics: %s", exc)

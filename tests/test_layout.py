@@ -9,6 +9,15 @@
   `transport`. Only the edges (`client`, `serve`, `cli`, `devtools`) see every layer.
 - `worker` uses the service through `server.client` alone, an in-process one included; it never
   imports `server.service`.
+- Outside `allocator`, the library is used through its face, `allocator/__init__.py`: no module
+  of `server` or `worker` imports one of the allocator's own modules, except the rooms every
+  room shares (`FACE_EXCEPTIONS`, each with its reason).
+- In `worker`: the loop (`engine`, `step_plans`, `launch_plans`, `requests`, `run_stats`) is
+  imported by none of `attention`, `norm`, `step`, `kernels`;
+  `attention` and `norm` never import `step`; `kernels` imports none of the rooms that launch
+  its kernels.
+- No modules import each other round a circle (imports for annotations alone excepted: they
+  never run).
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
 - Every class of the product is at most 300 lines with at most 20 methods (every `def` directly
   in its body, properties included), and every function or method at most 80 lines: past that a
@@ -65,7 +74,27 @@ FORBIDDEN = (
     ("worker.step", "worker.engine"),
     ("worker.norm", "worker.step"),
     ("worker.norm", "worker.engine"),
+    # The kernels are launched by the rooms, never the other way round.
+    ("worker.kernels", "worker.attention"),
+    ("worker.kernels", "worker.engine"),
+    ("worker.kernels", "worker.mlp"),
+    ("worker.kernels", "worker.norm"),
+    ("worker.kernels", "worker.step"),
 )
+# The loop's other modules are as much the loop's as `worker.engine` is.
+FORBIDDEN += tuple(
+    (room, loop) for room in ("worker.attention", "worker.step", "worker.norm", "worker.kernels")
+    for loop in ("worker.step_plans", "worker.launch_plans", "worker.requests", "worker.run_stats"))
+
+
+# Allocator rooms that server and worker may import past the face, and why.
+FACE_EXCEPTIONS = {
+    # Runtime plumbing, not the allocator's state: the numba switch, whether Triton is
+    # installed, pinned uploads and device placement, which every room's hot path uses alike.
+    "allocator.common": "shared runtime plumbing",
+    # What every `kvalloc` command shares: argument parsers, Ctrl-C at a step boundary.
+    "allocator.commands": "shared command-line plumbing",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -73,12 +102,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every project module ``path`` imports, as absolute dotted names."""
+def _typing_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under an ``if TYPE_CHECKING:``: imports that never run."""
+    return {id(inner) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+            for stmt in node.body for inner in ast.walk(stmt)}
+
+
+def _imports(path: Path, *, typing: bool = True) -> set[str]:
+    """Every project module ``path`` imports, as absolute dotted names (``typing``: those only
+    annotations need too)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set() if typing else _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -112,6 +154,91 @@ def crossings(modules: list[Path]) -> list[str]:
                         and not _under(importer, target)):
                     found.append(f"{importer} -> {imported}")
     return found
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def past_the_face(modules: list[Path]) -> list[str]:
+    """``importer -> imported`` for every import of an allocator module from outside it that the
+    face and `FACE_EXCEPTIONS` do not allow."""
+    return [f"{_module_name(path)} -> {imported}" for path in modules
+            if not _under(_module_name(path), "allocator")
+            for imported in sorted(_imports(path))
+            if _under(imported, "allocator") and imported != "allocator" and _is_module(imported)
+            and not any(_under(imported, room) for room in FACE_EXCEPTIONS)]
+
+
+def import_circles(modules: list[Path]) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (strongly connected, run-time
+    imports only, lazy ones included), each sorted."""
+    names = {_module_name(p): p for p in modules}
+    edges = {n: sorted(i for i in _imports(p, typing=False) if i in names and i != n)
+             for n, p in names.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(names):
+        if v not in order:
+            visit(v)
+    return circles
+
+
+def test_no_modules_import_each_other_round_a_circle() -> None:
+    assert import_circles(_modules()) == []
+
+
+def test_the_circle_check_sees_a_lazy_circle(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two planted modules, one importing the other lazily, the other at the top: a circle; a
+    third that one of them imports only for annotations is not part of it."""
+    room = tmp_path / "worker"
+    room.mkdir()
+    (room / "a.py").write_text("from typing import TYPE_CHECKING\nfrom worker import b\n"
+                               "if TYPE_CHECKING:\n    from worker import c\n")
+    (room / "b.py").write_text("def f():\n    from worker import a\n")
+    (room / "c.py").write_text("from worker import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_circles(sorted(room.glob("*.py"))) == [["worker.a", "worker.b"]]
+
+
+def test_server_and_worker_use_the_allocator_through_its_face() -> None:
+    assert past_the_face(_modules()) == []
+
+
+def test_the_face_check_sees_a_reach_past_the_face(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted import of an allocator module from the worker is flagged; the same names from
+    the face, or from a shared room, are not."""
+    for module in ("allocator/nwor/fence.py", "allocator/common/jit.py", "allocator/__init__.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text("")
+    fake = tmp_path / "worker" / "planted.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from allocator.nwor.fence import WriterFence\n"
+                    "from allocator import WriterFence\n"
+                    "from allocator.common.jit import jit\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert past_the_face([fake]) == ["worker.planted -> allocator.nwor.fence"]
 
 
 def test_no_import_crosses_a_boundary_of_the_layout() -> None:

@@ -2,14 +2,18 @@
 batching, its KV in the kvalloc pool and one service call per step (`worker.engine`), either
 synchronously or one step ahead of the host (an overlap worker).
 
-- `engine`: the loop (planning, the calls, reading each step's outcome); `step/`: one step on the
-  device (its metadata, forward, verification and an overlap worker's commit);
+- `engine`: the loop (the calls, admission, launching each step and reading its outcome), with
+  `step_plans` (each call's plan), `launch_plans` (each reply checked into the device step's
+  plan), `requests` (a request's progress) and `run_stats` (a run's figures and device time);
+  `step/`: one step on the device (its metadata, forward, verification and an overlap worker's
+  commit); `errors`: the worker's one error tree;
 - `model` (loading), `attention/` (attention straight from the pool: transformers' hook, the
-  reference and its Triton kernel, the attention module's forward with rotary and staging in
+  reference and its Triton launches, the attention module's forward with rotary and staging in
   one launch), `norm/` (the model's RMSNorms in one launch each, the reference beside the
-  kernel), `mlp/` (gated MLPs in two GEMMs and one launch), `module_forwards` (how those
-  kernels take over transformers' modules, per instance, and projections merge into one GEMM),
-  `fusion` (the one switch to all of them), `drafters`;
+  launch), `mlp/` (gated MLPs in two GEMMs and one launch), `kernels/` (the Triton kernels of
+  all of them and of the step's metadata, and what their launches share), `module_forwards`
+  (how those kernels take over transformers' modules, per instance, and projections merge into
+  one GEMM), `fusion` (the one switch to all of them), `drafters`;
 - `cli`: ``kvalloc worker``.
 
 May import `allocator` and `server`'s client and contract (it is the client's user; its

@@ -34,47 +34,34 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from allocator import PoolConfig, SlackPolicy
 from allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
-from allocator.config import PoolConfig, SlackPolicy
 from server.client import Client, in_process_client
 from server.contract.addresses import default_client_address
 from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 from worker.drafters import (
     DeviceOracleDrafter,
     Drafter,
-    DrafterSpecError,
     NgramDrafter,
     OracleDrafter,
     parse_drafter_spec,
 )
-from worker.engine import Engine, EngineError, NamedPrompt, RunStats
-from worker.model import (
-    DTYPES,
+from worker.engine import Engine
+from worker.errors import (
+    DeviceUnavailable,
+    DrafterSpecError,
+    EngineError,
+    Interrupted,
     ModelLoadError,
-    config_from_file,
-    load_model,
-    pool_for_model,
-    random_model,
+    PromptFileError,
+    RunStopped,
 )
+from worker.model import DTYPES, config_from_file, load_model, pool_for_model, random_model
 from worker.parallel.local_ranks import run_local_ranks
 from worker.parallel.sharding import shard_model
-from worker.shard_client import RunStopped, ShardClient
-
-
-class DeviceUnavailable(ValueError):
-    """``--device cuda`` (or ``cuda:N``) where torch sees no such GPU."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C, taken between two steps; carries the figures of the steps run so far."""
-
-    def __init__(self, stats: RunStats) -> None:
-        super().__init__("interrupted")
-        self.stats = stats
-
-
-class PromptFileError(ValueError):
-    """A prompts file line that is not ``{"id": ..., "token_ids": [...]}`` (or ``"text"``)."""
+from worker.requests import NamedPrompt
+from worker.run_stats import RunStats
+from worker.shard_client import ShardClient
 
 
 def read_prompts(path: str | Path, tokenizer: Any = None) -> list[NamedPrompt]:

@@ -22,6 +22,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from worker.errors import DrafterSpecError
+
 
 class Drafter(Protocol):
     def propose(self, req_id: str, context: np.ndarray, num_generated: int,
@@ -29,10 +31,6 @@ class Drafter(Protocol):
         """Up to ``num`` tokens to follow ``context`` (the prompt and the ``num_generated``
         tokens generated so far, the last of which is not yet in the KV)."""
         ...
-
-
-class DrafterSpecError(ValueError):
-    """A drafter specification that names no drafter, or an out-of-range rate."""
 
 
 class NgramDrafter:

@@ -15,8 +15,10 @@ How the loop maps onto the step protocol (a pool with ``overlap_scheduler=True``
   ``new``      (id, prompt length, first chunk) for waiting prompts, while the batch has rows and
                the step has tokens.
   Everything is sized so the step fits ``max_step_tokens``: decodes first, then prefill chunks,
-  then new prompts, as a chunked-prefill scheduler that never starves running requests does.
-- The reply schedules tokens in packed order; `DeviceStep` runs them as one sequence (batch 1)
+  then new prompts, as a chunked-prefill scheduler that never starves running requests does
+  (`worker.step_plans`).
+- The reply schedules tokens in packed order, checked against the plan into the device step's
+  `LaunchPlan` (`worker.launch_plans`); `DeviceStep` runs them as one sequence (batch 1)
   and the kvalloc attention stages each layer's K/V at ``staging[layer, :, token_offset + i]``,
   reading history through the attached block table. Verification is greedy and on the device:
   a request accepts the longest prefix of its drafts that matches the model's own argmax, plus
@@ -38,145 +40,31 @@ request is finished.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from allocator import PackedCommit
-from allocator.capacity.table_validator import TableValidator
+from allocator import PackedCommit, TableValidator
 from server.client import AttachedPool, Client
 from server.contract import wire
 from server.contract.columns import StepResult
 from worker.drafters import DeviceOracleDrafter, Drafter
+from worker.errors import EngineError, LayoutMismatch, PoolTooSmall
 from worker.fusion import fuse_model
+from worker.launch_plans import launch_plan
 from worker.model import kv_shape
+from worker.requests import NamedPrompt, Request, int64s, new_request
+from worker.run_stats import DeviceClock, RunStats
 from worker.step.decode_graphs import DecodeGraphs
 from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from worker.step.rows import DeviceRows
-
-
-class EngineError(RuntimeError):
-    """The service and the worker disagree, or the work cannot proceed."""
-
-
-class LayoutMismatch(EngineError):
-    """The service's pool does not fit the model (layers, heads, head size or dtype)."""
-
-
-class PoolTooSmall(EngineError):
-    """A prompt cannot be admitted even with nothing else running."""
-
-
-@dataclass(frozen=True)
-class NamedPrompt:
-    """A request's id and its prompt's token ids: what the engine is asked to generate from."""
-
-    req_id: str
-    token_ids: Sequence[int]
-
-
-@dataclass
-class Request:
-    """One prompt's progress; the engine's only per-request object."""
-
-    req_id: str
-    prompt: np.ndarray
-    max_new_tokens: int
-    output: list[int] = field(default_factory=list)
-    handle: int = -1  # the service's handle while admitted
-    admitted: np.ndarray | None = None  # the prompt it was (re)admitted with
-    scheduled: int = 0  # tokens of `admitted` scheduled so far
-    drafts: np.ndarray | None = None  # host drafts of the step being planned (decodes)
-    num_drafts: int = -1  # drafts of the step being planned; -1 when it is not a decode in it
-    padded_drafts: int = 0  # drafts its step runs: num_drafts, or more through the padding grant
-    unread: int = 0  # its steps that emit and whose outcome the host has not read
-    chunk: int = 0  # prompt tokens scheduled in the step being planned
-    done: bool = False
-    preempted: bool = False
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return np.concatenate([self.prompt, np.asarray(self.output, dtype=np.int64)])
-
-    @property
-    def decoding(self) -> bool:
-        return self.admitted is not None and self.scheduled == self.admitted.size
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - len(self.output)
-
-
-@dataclass
-class RunStats:
-    steps: int = 0
-    wall_s: float = 0.0
-    call_s: float = 0.0  # inside the service call
-    forward_s: float = 0.0  # launching each step's device work (on a CPU: running it)
-    metadata_s: float = 0.0  # of which laying out the step's inputs, positions and slots
-    generated_tokens: int = 0
-    proposed_drafts: int = 0
-    accepted_drafts: int = 0
-    preemptions: int = 0
-    refused_new: int = 0
-    # Prompt tokens found in the service's cached prefix blocks: prefill the forward skipped.
-    cached_prompt_tokens: int = 0
-    # Steps that only decode (no prefill chunk, no new prompt): the steady state of serving.
-    decode_steps: int = 0
-    decode_wall_s: float = 0.0
-    decode_call_s: float = 0.0
-    # Forwards launched before the host had read the previous step's outcome: the device ran
-    # ahead of the host (overlap only).
-    forwards_ahead: int = 0
-    # CUDA only, from events on the worker's stream: time between one forward's end and the
-    # next one's start, and inside forwards (inputs, forward, verification, commit).
-    device_idle_s: float = 0.0
-    device_busy_s: float = 0.0
-    decode_busy_s: float = 0.0  # of which in decode-only steps (every entry a decode)
-    # Block-table entries a step addressed that held no block (the validator, when on).
-    table_violations: int = 0
-    # An overlap worker's own commit: tokens it wrote, and kept tokens it refused because their
-    # block was a protected (cached) prefix block.
-    committed_tokens: int = 0
-    refused_tokens: int = 0
-    # Decode steps replayed as CUDA graphs, and the graphs captured for them (cuda_graphs).
-    graph_replays: int = 0
-    graphs_captured: int = 0
-    # Entries decode steps ran past the planned ones, to reach their batch bucket (pad_decodes).
-    padded_entries: int = 0
-    # Before serving (`Engine.warm_up`): the shapes run, and how long that took.
-    warm_up_shapes: int = 0
-    warm_up_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
-
-    @property
-    def call_share(self) -> float:
-        """The share of step wall time spent in the service call."""
-        return self.call_s / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def decode_call_share(self) -> float:
-        """The call's share of the wall time of decode-only steps."""
-        return self.decode_call_s / self.decode_wall_s if self.decode_wall_s else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {**dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s,
-                "acceptance_rate": self.acceptance_rate, "call_share": self.call_share,
-                "decode_call_share": self.decode_call_share}
+from worker.step_plans import StepPlan, StepPlanner
 
 
 @dataclass(frozen=True)
@@ -232,7 +120,6 @@ class Engine:
             raise EngineError(f"draft_len: {draft_len} is outside the pool's 0.."
                               f"{layout.max_draft_len} (max_draft_len)")
         self.draft_len, self.overlap = draft_len, overlap
-        self.share_prefixes = share_prefixes
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         # A decode near the end of a row still needs room for 1 + D tokens and D of slack, and
         # an overlap worker's wasted step past a request's end another 1 + D.
@@ -258,8 +145,11 @@ class Engine:
                                pad_batches=self.pad_decodes)
         if self.step.graphs is not None:  # none evicted by another while serving
             self.step.graphs.make_room(len(self._decode_shapes()))
+        self.planner = StepPlanner(layout, draft_len,
+                                   drafter if self.device_drafter is None else None,
+                                   self.pad_decodes, share_prefixes)
         self.stats = RunStats()
-        self._last_done: torch.cuda.Event | None = None
+        self.clock = DeviceClock(self.stats)
 
     @staticmethod
     def _check_layout(model: PreTrainedModel, layout: wire.PoolLayout,
@@ -316,7 +206,8 @@ class Engine:
         of new tokens as the host reads it."""
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens: {max_new_tokens} must be >= 1")
-        requests = [self._request(p, max_new_tokens) for p in prompts]
+        requests = [new_request(p, max_new_tokens, vocab_size=self.model.config.vocab_size,
+                                max_seq_len=self.max_seq_len) for p in prompts]
         if len({r.req_id for r in requests}) != len(requests):
             raise EngineError("req_id: prompt ids must be unique")
         waiting: deque[Request] = deque(requests)
@@ -328,7 +219,7 @@ class Engine:
             results: list[tuple[Request, int]] = []
             while len(flights) >= lag:
                 results += self._read(flights.popleft(), on_progress)
-            plan = self._plan(waiting, live, results)
+            plan = self.planner.plan(waiting, live, results)
             called = time.perf_counter()
             reply = self.client.step(**plan.call)
             call_s = time.perf_counter() - called
@@ -348,8 +239,8 @@ class Engine:
                     raise PoolTooSmall(f"prompt {waiting[0].req_id!r} ({waiting[0].tokens.size} "
                                        f"tokens) was refused with nothing else running: the "
                                        f"pool is too small for it")
-            self._count_step(time.perf_counter() - step_started, call_s,
-                             decode_only=not (plan.prefilling or plan.new))
+            self.stats.count_step(time.perf_counter() - step_started, call_s,
+                                  decode_only=not (plan.prefilling or plan.new))
         for flight in flights:  # forwards past every request's end: nothing to emit
             self._read(flight, on_progress)
         if self.validator is not None:
@@ -362,101 +253,7 @@ class Engine:
             self.stats.graphs_captured = self.step.graphs.captured
         return {r.req_id: r.output for r in requests}
 
-    def _count_step(self, wall_s: float, call_s: float, *, decode_only: bool) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.wall_s += wall_s
-        stats.call_s += call_s
-        if decode_only:
-            stats.decode_steps += 1
-            stats.decode_wall_s += wall_s
-            stats.decode_call_s += call_s
-
-    def _request(self, prompt: NamedPrompt, max_new_tokens: int) -> Request:
-        ids = np.asarray(prompt.token_ids, dtype=np.int64)
-        if ids.ndim != 1 or ids.size == 0:
-            raise EngineError(f"token_ids: prompt {prompt.req_id!r} needs at least one token")
-        vocab = self.model.config.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise EngineError(f"token_ids: prompt {prompt.req_id!r} has a token outside the "
-                              f"vocabulary [0, {vocab})")
-        # The last generated token is never fed to the model, hence the - 1.
-        longest = ids.size + max_new_tokens - 1
-        if longest > self.max_seq_len:
-            raise EngineError(f"max_new_tokens: prompt {prompt.req_id!r} would reach {longest} "
-                              f"tokens, more than the pool's max_seq_len {self.max_seq_len}")
-        return Request(prompt.req_id, ids, max_new_tokens)
-
-    def _plan(self, waiting: deque[Request], live: dict[int, Request],
-              results: list[tuple[Request, int]]) -> _Plan:
-        """The step's call: settle what the host has read, then fill ``max_step_tokens`` with
-        decodes, prefill chunks and new prompts, in that order."""
-        plan = _Plan()
-        plan.finished = [r for r in live.values() if r.done or r.preempted]
-        results = [(r, a) for r, a in results if not (r.done or r.preempted or r.handle < 0)]
-        budget = self.layout.max_step_tokens
-        for r in live.values():
-            r.drafts, r.num_drafts = None, -1
-            # An unread step emits at least one token: the request may end in it.
-            ahead = r.remaining - r.unread
-            if r.done or r.preempted or budget < 1 or not r.decoding or ahead < 1:
-                continue
-            num = min(self.draft_len, ahead - 1, budget - 1)
-            if num > 0 and self.drafter is not None and self.device_drafter is None:
-                proposed = self.drafter.propose(r.req_id, r.tokens, len(r.output), num)
-                r.drafts = np.asarray(proposed, dtype=np.int64)[:num]
-                num = r.drafts.size
-            r.num_drafts = r.padded_drafts = max(num, 0)
-            budget -= 1 + r.num_drafts
-            plan.granted.append(r)
-        for r in live.values():
-            if r.done or r.preempted or r.decoding or budget < 1:
-                continue
-            r.chunk = min(r.admitted.size - r.scheduled, budget)
-            budget -= r.chunk
-            plan.prefilling.append(r)
-        rows_free = self.layout.max_batch_size - (len(live) - len(plan.finished))
-        while waiting and budget > 0 and len(plan.new) < rows_free:
-            r = waiting.popleft()
-            r.admitted, r.scheduled = r.tokens, 0
-            r.chunk = min(r.admitted.size, budget)
-            budget -= r.chunk
-            plan.new.append(r)
-        if self.pad_decodes and not (plan.prefilling or plan.new):
-            self._pad(plan)
-        self._columns(plan, results)
-        return plan
-
-    def _pad(self, plan: _Plan) -> None:
-        """A decode-only step with every decode at ``draft_len`` drafts, the shape a graph
-        replays: decodes with fewer are padded through the padding grant, when the step fits."""
-        width = 1 + self.draft_len
-        if len(plan.granted) * width > self.layout.max_step_tokens:
-            return
-        plan.padded = [r for r in plan.granted if r.num_drafts < self.draft_len]
-        for r in plan.padded:
-            r.padded_drafts = self.draft_len
-
-    def _columns(self, plan: _Plan, results: list[tuple[Request, int]]) -> None:
-        call = plan.call
-        if results:
-            call["results"] = (_handles([r for r, _ in results]), _ints(a for _, a in results))
-        if plan.finished:
-            call["finished"] = _handles(plan.finished)
-        if plan.granted:
-            call["grants"] = (_handles(plan.granted), _ints(r.num_drafts for r in plan.granted))
-        if plan.padded:
-            call["padding"] = (_handles(plan.padded),
-                               np.full(len(plan.padded), self.draft_len, dtype=np.int64))
-        if plan.prefilling:
-            call["prefill"] = (_handles(plan.prefilling), _ints(r.chunk for r in plan.prefilling))
-        if plan.new:
-            call["new"] = ([r.req_id for r in plan.new], _ints(r.admitted.size for r in plan.new),
-                           _ints(r.chunk for r in plan.new))
-            if self.share_prefixes:
-                call["prompt_token_ids"] = np.concatenate([r.admitted for r in plan.new])
-
-    def _admit(self, reply: StepResult, plan: _Plan, waiting: deque[Request],
+    def _admit(self, reply: StepResult, plan: StepPlan, waiting: deque[Request],
                live: dict[int, Request]) -> None:
         """Take the reply's handles for admitted prompts; preempt refused grants and chunks."""
         admitted = []
@@ -487,17 +284,17 @@ class Engine:
             return
         row_of = dict(zip(np.asarray(reply.scheduled.handles).tolist(),
                           np.asarray(reply.scheduled.rows).tolist(), strict=True))
-        rows = _ints(row_of[r.handle] for r in admitted)
+        rows = int64s(row_of[r.handle] for r in admitted)
         truth = (self.device_drafter.truth_rows([r.req_id for r in admitted])
                  if self.device_drafter is not None else None)
-        self.rows.admit(rows, _ints(len(r.output) for r in admitted),
-                        _ints(r.max_new_tokens for r in admitted), truth)
+        self.rows.admit(rows, int64s(len(r.output) for r in admitted),
+                        int64s(r.max_new_tokens for r in admitted), truth)
 
     def _launch(self, call: dict[str, Any], reply: StepResult, scheduled: list[Request],
                 ahead: bool, on_step: Callable[[StepRecord], None] | None) -> _Flight:
         """Check the reply against what the worker planned and launch the step's forward;
         ``ahead``: an earlier step's outcome is still unread."""
-        plan, emitting = self._launch_plan(reply, scheduled)
+        plan, emitting = launch_plan(reply, scheduled)
         launching = time.perf_counter()
         launched = self.step.launch(plan)
         self.stats.forward_s += time.perf_counter() - launching
@@ -510,41 +307,6 @@ class Engine:
             on_step(StepRecord(call, reply, scheduled, launched.record))
         return _Flight(launched, emitting)
 
-    def _launch_plan(self, reply: StepResult, scheduled: list[Request]
-                     ) -> tuple[LaunchPlan, list[Request]]:
-        sched = reply.scheduled
-        offsets = np.asarray(sched.token_offsets, dtype=np.int64)
-        num_tokens = np.asarray(sched.num_tokens, dtype=np.int64)
-        starts = np.asarray(sched.start_positions, dtype=np.int64)
-        ids = np.zeros(int(num_tokens.sum()), dtype=np.int64)
-        behind = _ints(r.unread for r in scheduled)
-        emitting, decode, drafts = [], [], []
-        for e, (r, off, n, start) in enumerate(zip(scheduled, offsets.tolist(),
-                                                   num_tokens.tolist(), starts.tolist(),
-                                                   strict=True)):
-            if r.num_drafts >= 0:
-                # Behind an unread step the reply's start counts only settled tokens.
-                expected = r.prompt.size + len(r.output) - 1 + r.unread
-                tokens = 1 + r.padded_drafts
-                if r.drafts is not None:
-                    ids[off + 1:off + 1 + r.drafts.size] = r.drafts
-            else:
-                chunk = r.admitted[r.scheduled:r.scheduled + n]
-                expected, tokens = r.scheduled, chunk.size
-                ids[off:off + chunk.size] = chunk
-                r.scheduled += chunk.size
-            if start != expected or tokens != n:
-                raise EngineError(f"scheduled: request {r.req_id!r} got {n} tokens at position "
-                                  f"{start}; the worker expected {tokens} at {expected}")
-            if r.num_drafts >= 0 or r.decoding:
-                emitting.append(e)
-                decode.append(r.num_drafts >= 0)
-                drafts.append(max(r.num_drafts, 0))
-        plan = LaunchPlan(np.asarray(sched.rows, dtype=np.int64), offsets, num_tokens, starts,
-                          behind, ids, _ints(emitting), np.array(decode, dtype=bool),
-                          _ints(drafts))
-        return plan, [scheduled[e] for e in emitting]
-
     def _read(self, flight: _Flight | None,
               on_progress: Callable[[int], None] | None) -> list[tuple[Request, int]]:
         """Apply a launched step's outcome to its requests; returns the results it settles:
@@ -552,7 +314,7 @@ class Engine:
         if flight is None:
             return []
         tokens, emitted, accepted = flight.launched.outcome()
-        self._time(flight.launched)
+        self.clock.add(flight.launched)
         stats, generated, results = self.stats, 0, []
         plan = flight.launched.plan
         for r, row, n, a, is_decode, proposed in zip(
@@ -576,42 +338,12 @@ class Engine:
             on_progress(generated)
         return results
 
-    def _time(self, launched: Launched) -> None:
-        if launched.started is None or launched.done is None:
-            return
-        if self._last_done is not None:
-            self.stats.device_idle_s += self._last_done.elapsed_time(launched.started) / 1e3
-        busy = launched.started.elapsed_time(launched.done) / 1e3
-        self.stats.device_busy_s += busy
-        if launched.plan.all_decodes:
-            self.stats.decode_busy_s += busy
-        self._last_done = launched.done
-
-
 @dataclass(frozen=True)
 class _Flight:
     """A launched step and the request of each of its emitting entries."""
 
     launched: Launched
     requests: list[Request]
-
-
-@dataclass
-class _Plan:
-    call: dict[str, Any] = field(default_factory=dict)  # the client's step() keywords
-    finished: list[Request] = field(default_factory=list)
-    granted: list[Request] = field(default_factory=list)
-    padded: list[Request] = field(default_factory=list)  # granted, padded to draft_len drafts
-    prefilling: list[Request] = field(default_factory=list)
-    new: list[Request] = field(default_factory=list)
-
-
-def _handles(requests: list[Request]) -> np.ndarray:
-    return np.fromiter((r.handle for r in requests), dtype=np.int64, count=len(requests))
-
-
-def _ints(values: Iterable[int]) -> np.ndarray:
-    return np.fromiter(values, dtype=np.int64)
 
 
 def _own_commit(pool: AttachedPool) -> PackedCommit:

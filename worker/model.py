@@ -16,16 +16,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from allocator import PoolConfig
 from worker.attention.hook import ATTN_IMPLEMENTATION, register
+from worker.errors import ModelLoadError
 
 # Decoder-only families whose attention is plain (optionally grouped-query) softmax attention
 # over rotary positions, which is what the pool path implements.
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """The model cannot be served: missing, unreadable, or of an unsupported family."""
 
 
 def config_from_file(path: str | Path) -> PretrainedConfig:

@@ -35,14 +35,10 @@ from server.client import AttachedPool, Client
 from server.contract import wire
 from server.contract.columns import StepResult
 from server.contract.errors import describe, remote_error
-from worker.engine import EngineError
+from worker.errors import EngineError, RunStopped
 from worker.parallel.split import shard_kv_heads
 
 _REPLY, _ERROR, _STOP = 0, 1, 2  # the first byte of what rank 0 hands out
-
-
-class RunStopped(EngineError):
-    """Rank 0 stopped the run before this step; every rank raises it at the same step."""
 
 
 class ShardClient:

@@ -10,7 +10,9 @@ One rule, three implementations, tested against each other:
   step schedules its tokens: one table read per block instead of one per token
   (`run_slots_reference` states it through the specification);
 - `slot_mapping`: in torch, on the table's device: a worker that mapped the service's shared
-  table calls it directly, with no round trip to the service.
+  table calls it directly, with no round trip to the service; `padded_slot_mapping` is the same
+  where a row may lie past the table (a worker's spare row, which pads a batch and holds no
+  block: every slot -1).
 """
 
 from __future__ import annotations
@@ -85,3 +87,12 @@ def slot_mapping(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tenso
     slot = block * tokens_per_block + safe_pos % tokens_per_block
     keep = valid & in_row & (block >= 0)
     return torch.where(keep, slot, torch.full_like(slot, -1))
+
+
+def padded_slot_mapping(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                        tokens_per_block: int) -> torch.Tensor:
+    """`slot_mapping`, with -1 for a row at or past ``table.shape[0]``: a row no table holds,
+    such as the spare row a worker pads its batches with, has no blocks."""
+    in_table = rows < table.shape[0]
+    slots = slot_mapping(table, torch.where(in_table, rows, 0), positions, tokens_per_block)
+    return torch.where(in_table, slots, -1)

@@ -1,5 +1,11 @@
 """Draft-token acceptance (`acceptance_mask`) and the SCV execution modes (`ScvAcceptor`).
 
+`accept` is the product's one acceptance rule: the service's `verify_and_commit` and the
+reference worker's greedy verification (`worker.step.device_step`) both call it, on the device,
+graph-capturable. `acceptance_mask` is the same rule with its inputs checked first, and
+`ScvAcceptor` runs it in one of the SCV modes below, for an engine that verifies through the
+library outside a captured step of its own.
+
 A request's draft token j is accepted iff drafts 0..j all equal the target model's sampled token at
 the same position: the mask is true up to the first mismatch (a cumulative product over each
 request's segment) and the count is the mask's length. Everything is vectorised over the batch,

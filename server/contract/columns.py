@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from pydantic import BaseModel
 
-from allocator.capacity.step.plan import compiled_type
+from allocator import compiled_type
 from allocator.common.jit import jit, numba
 from server.contract import protocol, wire
 from server.contract.errors import MalformedBody

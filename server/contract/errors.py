@@ -20,8 +20,8 @@ turns it back into the same `RemoteError` for either (`remote_error`).
 
 from __future__ import annotations
 
-import allocator.errors as ae
-from allocator.errors import KVAllocError
+import allocator as ae
+from allocator import KVAllocError
 from server.contract import wire
 
 

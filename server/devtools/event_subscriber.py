@@ -29,14 +29,14 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from allocator.capacity.kv_events import (
+from allocator import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    block_hashes,
     external_hash,
 )
-from allocator.capacity.prefix_cache import block_hashes
 from server.contract.errors import HandshakeFailed
 from server.contract.routing import authenticate_subscriber
 from server.service.event_publisher import (

@@ -21,10 +21,8 @@ import contextlib
 import numpy as np
 import torch
 
-from allocator import WriterFence
+from allocator import DeferredWriteManager, KVStorage, WindowLayout, WriterFence
 from allocator.common.device_io import on_device, upload_int64
-from allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
-from allocator.nwor.storage import KVStorage
 from server.contract import wire
 from server.service.batch import ScheduledBatch
 

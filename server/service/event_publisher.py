@@ -31,7 +31,7 @@ import zmq
 from pydantic import SecretStr
 from zmq.auth.thread import ThreadAuthenticator
 
-from allocator.capacity.kv_events import KVCacheEvent, KVEventBatch
+from allocator import KVCacheEvent, KVEventBatch
 from server.contract.routing import curve_keys
 
 DEFAULT_TOPIC = "kv-events"

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from allocator.metrics import AllocatorMetrics
+from allocator import AllocatorMetrics
 
 if TYPE_CHECKING:  # the service imports this module only where prometheus_client exists
     from server.service.ranks import RankedService

@@ -24,10 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from allocator import KVCacheManager, StepOutcome
-from allocator.capacity.kv_events import KVCacheEvent
-from allocator.capacity.prefix_cache import Prompt
-from allocator.capacity.step.plan import checked_plan
+from allocator import KVCacheEvent, KVCacheManager, Prompt, StepOutcome, checked_plan
 from allocator.common.jit import jit, numba
 from server.contract import protocol, wire
 from server.contract.columns import (

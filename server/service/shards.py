@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
-from allocator import KVStorage, PoolConfig
-from allocator.config import shard_span
+from allocator import KVStorage, PoolConfig, shard_span
 from server.contract import wire
 from server.contract.errors import ShardingInvalid
 from server.service.commit import Committer

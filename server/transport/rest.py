@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from allocator.errors import KVAllocError
+from allocator import KVAllocError
 from server.contract import protocol, wire
 from server.contract.errors import (
     BodyTooLarge,

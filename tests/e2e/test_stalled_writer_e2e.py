@@ -17,16 +17,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from server.client import Client
 from server.contract.errors import NotRegistered
 from server.devtools.launch import ServiceProcess, kvalloc_command
 
 TPB, BLOCKS, ROWS, SEQ = 4, 256, 8, 128
-POOL = ("--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
+POOL = ("--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
         "--head-dim", "8", "--num-blocks", str(BLOCKS), "--tokens-per-block", str(TPB),
         "--max-seq-len", str(SEQ), "--max-draft-len", "3", "--max-batch-size", str(ROWS),
         "--max-step-tokens", "64", "--lease-ttl-s", "2")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 128}
@@ -44,13 +47,14 @@ def _poll(what: str, done, timeout_s: float, every_s: float = 0.1):  # type: ign
     raise TimeoutError(f"{what} after {timeout_s}s")
 
 
-def _start_overlap_worker(tmp_path: Path, address: str) -> subprocess.Popen[str]:
+def _start_overlap_worker(tmp_path: Path, address: str, device: str) -> subprocess.Popen[str]:
     config, prompts = tmp_path / "cfg.json", tmp_path / "prompts.jsonl"
     config.write_text(json.dumps(MODEL))
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "token_ids": [1 + i, 7, 9, 2 + i]})
                                + "\n" for i in range(ROWS)))
     args = ["worker", "--model-config", str(config), "--prompts", str(prompts),
-            "--address", address, "--worker-id", "stalled", "--overlap", "--draft-len", "3",
+            "--address", address, "--device", device, "--worker-id", "stalled", "--overlap",
+            "--draft-len", "3",
             "--drafter", "oracle:0.7", "--max-new-tokens", str(SEQ - 8), "--tokens-per-block",
             str(TPB), "--max-batch-size", str(ROWS), "--max-step-tokens", "64", "--json",
             "--no-progress"]
@@ -92,14 +96,17 @@ def _victim_fills_the_pool(victim: Client) -> np.ndarray:
 def _victim_values(victim: Client, slots: np.ndarray) -> np.ndarray:
     kv = victim.pool.kv  # type: ignore[union-attr]
     layers, _, blocks, tpb = kv.shape[:4]
-    return kv.reshape(layers, 2, blocks * tpb, -1)[:, :, slots].numpy()
+    return kv.reshape(layers, 2, blocks * tpb, -1)[:, :, torch.from_numpy(slots).to(
+        kv.device)].cpu().numpy()
 
 
 @pytest.mark.timeout(600)
-def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path: Path) -> None:
-    with ServiceProcess(tmp_path, *POOL, tcp=False) as svc, \
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path: Path,
+                                                                       device: str) -> None:
+    with ServiceProcess(tmp_path, "--device", device, *POOL, tcp=False) as svc, \
             Client(svc.stream, worker_id="observer") as observer:
-        worker = _start_overlap_worker(tmp_path, svc.stream)
+        worker = _start_overlap_worker(tmp_path, svc.stream, device)
         try:
             _poll("the overlap worker made no 10 steps",
                   lambda: _steps_of(observer, "stalled") >= 10 or worker.poll() is not None,
@@ -131,12 +138,13 @@ def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_synchronous_worker_stopped_before_its_call_gets_nothing_committed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, device: str) -> None:
     """This client stages a whole forward of 9.0 and then makes no call for longer than its
     lease; a victim takes the freed blocks; the call that would have committed the forward is
     refused, and the victim's slots keep their 5.0."""
-    with ServiceProcess(tmp_path, *POOL, tcp=False) as svc, \
+    with ServiceProcess(tmp_path, "--device", device, *POOL, tcp=False) as svc, \
             Client(svc.stream, worker_id="observer") as observer, \
             Client(svc.stream, worker_id="stalled", retries=0) as stalled:
         stalled.register()

@@ -1,6 +1,6 @@
 """What the fused forwards' tests share: the float dtypes every kernel takes, the tiny model
-shape their modules and models are built at, the families a model switch is checked on, and a
-model with a plain twin to compare it with."""
+shape their modules and models are built at, the families a model switch is checked on, a
+model with a plain twin to compare it with, and an RMSNorm module of random weights."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def twin_models(config: PretrainedConfig) -> tuple[Any, Any]:
     for model in models:
         model.set_attn_implementation("sdpa")
     return models
+
+
+def rms_norm_module(cls: type, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """An RMSNorm of class ``cls`` over ``hidden`` features, its weight random (from ``seed``,
+    which also seeds what the test draws next)."""
+    torch.manual_seed(seed)
+    module = cls(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(hidden) * 2)
+    return module

@@ -12,9 +12,10 @@ from worker_oracle import CONFIGS, MAX_NEW_TOKENS
 
 from server.client import Client
 from worker.drafters import DeviceOracleDrafter
-from worker.engine import Engine, NamedPrompt
+from worker.engine import Engine
 from worker.model import random_model
 from worker.parallel.sharding import shard_model
+from worker.requests import NamedPrompt
 from worker.shard_client import ShardClient
 
 ORACLE_SEED = 3

@@ -21,7 +21,7 @@ from worker_oracle import MAX_DRAFT_LEN, TOKENS_PER_BLOCK, Oracle, assert_accept
 
 from server.client import Client
 from server.devtools.launch import ServiceProcess
-from worker.engine import EngineError
+from worker.errors import EngineError
 from worker.parallel.local_ranks import run_local_ranks
 from worker.shard_client import ShardClient
 

@@ -21,7 +21,8 @@ from worker_oracle import MAX_NEW_TOKENS, Oracle, assert_acceptance, pool_config
 from server.client import Client
 from server.service.core import ServiceCore
 from worker.drafters import Drafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine, Request, StepRecord
+from worker.engine import Engine, StepRecord
+from worker.requests import Request
 from worker.step.device_step import Launched, LaunchPlan
 
 pytest_plugins = ["worker_fixtures"]

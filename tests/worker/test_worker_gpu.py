@@ -21,8 +21,9 @@ from server.client import Client
 from server.service.core import ServiceCore
 from server.service.settings import ServiceConfig
 from worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine, NamedPrompt
+from worker.engine import Engine
 from worker.model import pool_for_model, random_model
+from worker.requests import NamedPrompt
 from worker.step.device_step import LaunchPlan
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,9 @@ from triton_interpreter import needs_triton_interpreter
 from worker_oracle import MAX_NEW_TOKENS, Oracle, assert_acceptance, pool_config
 
 from worker.drafters import DeviceOracleDrafter, NgramDrafter
-from worker.engine import Engine, EngineError, NamedPrompt, StepRecord
+from worker.engine import Engine, StepRecord
+from worker.errors import EngineError
+from worker.requests import NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 

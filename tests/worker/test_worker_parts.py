@@ -12,11 +12,19 @@ import pytest
 import torch
 from worker_oracle import CONFIGS, Oracle, pool_config
 
-from worker.attention.hook import KvallocAttentionError
-from worker.cli import PromptFileError, read_prompts
-from worker.drafters import DrafterSpecError, NgramDrafter, OracleDrafter, parse_drafter_spec
-from worker.engine import Engine, EngineError, LayoutMismatch, NamedPrompt
-from worker.model import ModelLoadError, config_from_file, load_model, random_model
+from worker.cli import read_prompts
+from worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
+from worker.engine import Engine
+from worker.errors import (
+    DrafterSpecError,
+    EngineError,
+    KvallocAttentionError,
+    LayoutMismatch,
+    ModelLoadError,
+    PromptFileError,
+)
+from worker.model import config_from_file, load_model, random_model
+from worker.requests import NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 

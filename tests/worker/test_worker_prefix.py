@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
 
-from worker.engine import Engine, NamedPrompt
+from worker.engine import Engine
+from worker.requests import NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 

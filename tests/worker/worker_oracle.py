@@ -17,8 +17,9 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedMod
 
 from allocator import PoolConfig
 from server.service.settings import ServiceConfig
-from worker.engine import NamedPrompt, RunStats
 from worker.model import kv_shape, random_model
+from worker.requests import NamedPrompt
+from worker.run_stats import RunStats
 
 MAX_NEW_TOKENS = 10
 PROMPT_LENS = (1, 3, 6, 13, 17, 26, 41, 70)

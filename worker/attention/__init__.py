@@ -1,10 +1,10 @@
 """Attention straight from the kvalloc pool: `hook` (transformers' ``AttentionInterface``
 function the model calls in every layer, and the step it reads), `pool_attention` (the step's
 layout on the device and the two-source attention in plain torch: the reference), its Triton
-kernel (`pool_attention_kernel`, launched and dispatched by `pool_attention_triton`), and
-`rotary` (the attention module's forward with the rotary embedding and the staging in one
-launch, `rotary_kernel`; transformers' own forward is its reference).
+launches and dispatch rule (`pool_attention_triton`), and `rotary` (the attention module's
+forward with the rotary embedding and the staging in one launch; transformers' own forward is
+its reference). The kernels themselves live in `worker.kernels`.
 
-May import `allocator`; never `worker.step` or `worker.engine` (the loop uses attention, not the
-other way round).
+May import `allocator` and `worker.kernels`; never `worker.step` or `worker.engine` (the loop
+uses attention, not the other way round).
 """

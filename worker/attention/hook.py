@@ -27,13 +27,9 @@ from transformers import AttentionInterface
 
 from worker.attention.pool_attention import PagedLayout, pool_attention
 from worker.attention.pool_attention_triton import kernel_takes, pool_attention_triton
+from worker.errors import KvallocAttentionError
 
 ATTN_IMPLEMENTATION = "kvalloc"
-
-
-class KvallocAttentionError(ValueError):
-    """Input the pool attention cannot serve: no step layout, a step larger than the staging
-    buffer, or a feature it does not implement (soft-capping)."""
 
 
 @dataclass(frozen=True)

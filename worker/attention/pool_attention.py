@@ -15,8 +15,9 @@ accepted, which the host has not read yet. Nothing here reads a device value bac
 attention never waits for the host, and the host needs only bounds (``max_query``,
 ``max_keys`` per group) that it knows without the device.
 
-`pool_attention` is the plain torch form (any device, the reference); the Triton kernel beside it
-(`worker.attention.pool_attention_triton`) reads the same layout and is tested against it.
+`pool_attention` is the plain torch form (any device, the reference); its Triton launches
+(`worker.attention.pool_attention_triton`, the kernel in `worker.kernels.pool_attention`) read
+the same layout and are tested against it.
 """
 
 from __future__ import annotations
@@ -30,15 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from allocator.capacity.slots import slot_mapping
+from allocator import slot_mapping
 from allocator.common.device_io import upload_int64
-from allocator.errors import NworInputError
-
-
-class PoolAttentionInputError(NworInputError):
-    """Tensors the pool attention cannot take: shapes that disagree with the layout or each
-    other, a pool dtype the queries cannot use, an fp8 pool without its scales, a window below
-    one position. Raised before anything runs; ``field`` names the argument."""
+from worker.errors import PoolAttentionInputError
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from allocator.common.triton_support import triton_available
 from worker.attention.pool_attention import HostBounds, PagedLayout, check_inputs, reject
+from worker.kernels.helpers import KERNEL_DTYPES, floor_pow2, kernel_for, kernel_may_take, pow2
 
 MAX_HEAD_DIM = 256
 # Entries of at most this many tokens (decode, drafts, short chunks) take the decode launch;
 # longer prefill chunks take the prefill launch of their own.
 MAX_DECODE_QUERY = 64
 _MAX_ROWS = 64  # query rows (queries x grouped heads) one program holds
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -107,11 +106,11 @@ class _Tiling:
            device: torch.device) -> _Tiling:
         # Powers of two: each distinct tile is a kernel of its own to compile (seconds, mid-run,
         # the first time a step's longest entry has a new length), and five cover 1..64.
-        query_tile = min(_pow2(max(1, max_query)), _floor_pow2(max(1, _MAX_ROWS // group)))
+        query_tile = min(pow2(max(1, max_query)), floor_pow2(max(1, _MAX_ROWS // group)))
         tiles = -(-max_query // query_tile)
         programs = entries * kv_heads * tiles
         splits = launch.splits or _splits_to_fill(programs, device)
-        return cls(group, query_tile, tiles, splits, max(16, _pow2(query_tile * group)))
+        return cls(group, query_tile, tiles, splits, max(16, pow2(query_tile * group)))
 
 
 def _splits_to_fill(programs: int, device: torch.device) -> int:
@@ -126,8 +125,7 @@ def _splits_to_fill(programs: int, device: torch.device) -> int:
 
 def kernel_takes(query: torch.Tensor, pool_k: torch.Tensor, layout: PagedLayout) -> bool:
     """Whether the step's attention goes to the kernel rather than the reference."""
-    return (query.is_cuda and triton_available() and query.shape[-1] <= MAX_HEAD_DIM
-            and query.dtype in _KERNEL_DTYPES
+    return (kernel_may_take(query) and query.shape[-1] <= MAX_HEAD_DIM
             and (pool_k.dtype == query.dtype or pool_k.dtype == torch.float8_e4m3fn))
 
 
@@ -155,14 +153,6 @@ def pool_attention_triton(query: torch.Tensor, staged_k: torch.Tensor, staged_v:
     return out
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _floor_pow2(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
 def _check_kernel_inputs(query: torch.Tensor, kv: tuple[torch.Tensor, ...],
                          out: torch.Tensor | None, table: torch.Tensor) -> None:
     if table.dtype != torch.int32 or table.stride(-1) != 1 or table.device != query.device:
@@ -173,7 +163,7 @@ def _check_kernel_inputs(query: torch.Tensor, kv: tuple[torch.Tensor, ...],
         if tensor.stride(-1) != 1 or tensor.device != query.device:
             reject(name, f"expected a contiguous last dimension on {query.device}, got stride "
                          f"{tensor.stride(-1)} on {tensor.device}")
-    if query.dtype not in _KERNEL_DTYPES or query.shape[-1] > MAX_HEAD_DIM:
+    if query.dtype not in KERNEL_DTYPES or query.shape[-1] > MAX_HEAD_DIM:
         reject("query", f"the kernel takes bf16 / fp16 / fp32 heads of at most {MAX_HEAD_DIM}, "
                         f"got {query.dtype} x {query.shape[-1]}")
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype
@@ -216,12 +206,11 @@ class _Call:
     def of(cls, query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
            pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, out: torch.Tensor,
            scale: float, window: int | None, scales: tuple[torch.Tensor | None, ...]) -> _Call:
-        from worker.attention import pool_attention_kernel as kernels
+        from worker.kernels import pool_attention as kernels
 
-        if query.is_cuda:
-            chosen = (kernels.pool_attention_jit, kernels.combine_splits_jit, kernels.HELPERS_JIT)
-        else:
-            chosen = kernels.interpreted()
+        chosen = (kernel_for(kernels.pool_attention_jit, query),
+                  kernel_for(kernels.combine_splits_jit, query),
+                  {name: kernel_for(jitted, query) for name, jitted in kernels.HELPERS_JIT.items()})
         fp8 = pool_k.dtype == torch.float8_e4m3fn
         if fp8:
             pool_k, pool_v = pool_k.view(torch.uint8), pool_v.view(torch.uint8)
@@ -235,7 +224,7 @@ class _Call:
                    out.stride(1))
         constexprs = dict(
             GROUP=query.shape[1] // pool_k.shape[2], HEAD_DIM=dim,
-            TOKENS_PER_BLOCK=layout.tokens_per_block, BLOCK_D=max(16, _pow2(dim)),
+            TOKENS_PER_BLOCK=layout.tokens_per_block, BLOCK_D=max(16, pow2(dim)),
             WINDOWED=window is not None, FP8=fp8,
             # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
             DOT_F32=not query.is_cuda and query.dtype == torch.bfloat16,
@@ -264,7 +253,7 @@ class _Call:
             *self.before_lens, lens, *self.after_lens, part_acc, part_ml, self.layout.rows,
             *self.scalars, **self.constexprs, QUERY_TILE=tiling.query_tile,
             BLOCK_M=tiling.block_m, BLOCK_N=launch.block_n,
-            BLOCK_S=min(launch.block_n, max(16, _pow2(tiling.query_tile))),
+            BLOCK_S=min(launch.block_n, max(16, pow2(tiling.query_tile))),
             SPLITS=tiling.splits, TILE_MAP=False, num_warps=launch.num_warps,
             num_stages=launch.num_stages)
         if not one:
@@ -285,7 +274,7 @@ class _Call:
         self.kernels[0][(tile_map.shape[0] // 2, self.kv_heads, 1)](
             *self.before_lens, self.layout.query_lens, *self.after_lens, self.out, self.out,
             tile_map, *self.scalars, **self.constexprs, QUERY_TILE=query_tile,
-            BLOCK_M=max(16, _pow2(query_tile * group)), BLOCK_N=config.block_n,
+            BLOCK_M=max(16, pow2(query_tile * group)), BLOCK_N=config.block_n,
             BLOCK_S=config.block_n, SPLITS=1, TILE_MAP=True, num_warps=config.num_warps,
             num_stages=config.num_stages)
 

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from allocator.common.triton_support import triton_available
 from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep, attend_staged
 from worker.attention.pool_attention_triton import kernel_takes as attention_kernel_takes
+from worker.errors import RotaryError
+from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
 from worker.module_forwards import merge_linears, switch_forwards
 
 # Each class's sliding window, read the way its own forward reads it.
@@ -33,12 +34,7 @@ _WINDOWS: dict[str, Callable[[torch.nn.Module], int | None]] = {
     "Qwen2Attention": lambda module: module.sliding_window,
     "MistralAttention": lambda module: getattr(module.config, "sliding_window", None),
 }
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
-
-
-class RotaryError(ValueError):
-    """Input the rotary-and-stage kernel does not take."""
 
 
 def rotate_and_stage_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -60,8 +56,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def kernel_takes(query: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether ``query``'s rotation goes to the kernel."""
     dim = query.shape[-1]
-    return (query.is_cuda and triton_available() and query.dtype in _KERNEL_DTYPES
-            and cos.dtype == query.dtype and dim % 2 == 0 and dim <= MAX_HEAD_DIM
+    return (kernel_may_take(query) and cos.dtype == query.dtype and dim % 2 == 0
+            and dim <= MAX_HEAD_DIM
             and cos.shape[-1] == dim)
 
 
@@ -77,7 +73,7 @@ def rotate_and_stage(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if cos.shape != (n, dim) or sin.shape != cos.shape:
         raise RotaryError(f"cos: {tuple(cos.shape)} and sin {tuple(sin.shape)} must be "
                           f"[{n}, {dim}]")
-    if dim % 2 or dim > MAX_HEAD_DIM or query.dtype not in _KERNEL_DTYPES:
+    if dim % 2 or dim > MAX_HEAD_DIM or query.dtype not in KERNEL_DTYPES:
         raise RotaryError(f"query: the kernel takes even head sizes up to {MAX_HEAD_DIM} in "
                           f"float32 / bfloat16 / float16, got {dim} in {query.dtype}")
     if staged_k.shape != key.shape or staged_v.shape != key.shape:
@@ -85,25 +81,20 @@ def rotate_and_stage(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                           f"{tuple(key.shape)}")
     if any(t.stride(-1) != 1 for t in (query, key, value, cos, sin, staged_k, staged_v)):
         raise RotaryError("stride: every tensor's last dimension must be contiguous")
-    from worker.attention import rotary_kernel as kernels
+    from worker.kernels import rotate_and_stage as kernels
 
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if n == 0:
         return out
-    kernel, rotated = ((kernels.rotate_and_stage_jit, kernels.ROTATED_JIT) if query.is_cuda
-                       else kernels.interpreted())
-    block_d = max(16, 1 << (dim - 1).bit_length())
+    kernel = kernel_for(kernels.rotate_and_stage_jit, query)
+    rotated = kernel_for(kernels.ROTATED_JIT, query)
     kernel[(n,)](query, key, value, cos, sin, out, staged_k, staged_v,
                  query.stride(0), query.stride(1), key.stride(0), key.stride(1),
                  value.stride(0), value.stride(1), cos.stride(0), out.stride(0), out.stride(1),
                  staged_k.stride(0), staged_k.stride(1), staged_v.stride(0), staged_v.stride(1),
-                 q_heads, kv_heads, HEAD_DIM=dim, BLOCK_HQ=_pow2(q_heads),
-                 BLOCK_HKV=_pow2(kv_heads), BLOCK_D=block_d, ROTATED=rotated)
+                 q_heads, kv_heads, HEAD_DIM=dim, BLOCK_HQ=pow2(q_heads),
+                 BLOCK_HKV=pow2(kv_heads), BLOCK_D=max(16, pow2(dim)), ROTATED=rotated)
     return out
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def fuse_attention_modules(model: torch.nn.Module) -> int:

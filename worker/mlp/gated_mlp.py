@@ -5,9 +5,9 @@ transformers' Llama / Qwen2 / Mistral MLP runs ``down_proj(act_fn(gate_proj(x)) 
 three GEMMs and two elementwise kernels a layer. `fuse_gated_mlps` merges ``gate_proj`` and
 ``up_proj`` into one projection (`worker.module_forwards.merge_linears`: one GEMM, and no second
 copy of the weights) and points the module at a forward that applies SiLU and the product in one
-launch of `silu_and_mul_kernel` on the merged output, for CUDA tensors it takes; everything else
-(CPU tensors, another activation, a dtype the kernel does not take) keeps the module's own
-forward.
+launch of `worker.kernels.silu_and_mul` on the merged output, for CUDA tensors it takes;
+everything else (CPU tensors, another activation, a dtype the kernel does not take) keeps the
+module's own forward.
 """
 
 from __future__ import annotations
@@ -15,16 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from allocator.common.triton_support import triton_available
+from worker.errors import GatedMlpError
+from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take
 from worker.module_forwards import merge_linears, switch_forwards
 
 FUSED_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
 BLOCK = 1024  # columns a program writes
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class GatedMlpError(ValueError):
-    """Input the SiLU-and-multiply kernel does not take."""
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -36,7 +32,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def kernel_takes(x: torch.Tensor) -> bool:
     """Whether a switched MLP's input ``x`` goes to `fused_mlp`."""
-    return x.is_cuda and triton_available() and x.dtype in _KERNEL_DTYPES
+    return kernel_may_take(x)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
@@ -44,10 +40,10 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[-1] % 2:
         raise GatedMlpError(f"gate_up: {gate_up.shape[-1]} columns do not split into a gate "
                             f"and an up half")
-    if gate_up.dtype not in _KERNEL_DTYPES:
+    if gate_up.dtype not in KERNEL_DTYPES:
         raise GatedMlpError(f"dtype: the kernel takes float32, bfloat16 and float16, got "
                             f"{gate_up.dtype}")
-    from worker.mlp import silu_and_mul_kernel as kernels
+    from worker.kernels import silu_and_mul as kernels
 
     width = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * width)
@@ -55,7 +51,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
     if rows.numel():
-        kernel = kernels.silu_and_mul_jit if gate_up.is_cuda else kernels.interpreted()
+        kernel = kernel_for(kernels.silu_and_mul_jit, gate_up)
         kernel[(rows.shape[0], -(-width // BLOCK))](rows, out, rows.stride(0), out.stride(0),
                                                      width, BLOCK=BLOCK)
     return out.view(*gate_up.shape[:-1], width)

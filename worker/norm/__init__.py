@@ -1,6 +1,7 @@
 """The model's RMSNorms in one launch each: `rms_norm` (transformers' RMSNorm arithmetic in
 plain torch, the reference; its Triton launch, `rms_norm_triton`, with the kernel in
-`rms_norm_kernel`; and `fuse_rms_norms`, which points a model's RMSNorm modules at them).
+`worker.kernels.rms_norm`; and `fuse_rms_norms`, which points a model's RMSNorm modules at
+them).
 
-May import `allocator`; never `worker.step` or `worker.engine`.
+May import `allocator` and `worker.kernels`; never `worker.step` or `worker.engine`.
 """

@@ -4,7 +4,7 @@ transformers' Llama / Qwen2 / Mistral RMSNorm runs about eight kernels a call (a
 square, mean, add, rsqrt, two multiplies, a cast back), two calls a layer. Inside a captured
 decode step each is a launch of a few microseconds over a few hundred tokens: on a ~1B shape
 they add up to a large share of the forward without attention. `fuse_rms_norms` points those
-modules at one launch of `rms_norm_kernel` for CUDA tensors; everything else (CPU tensors, a
+modules at one launch of `worker.kernels.rms_norm` for CUDA tensors; everything else (CPU tensors, a
 dtype or width the kernel does not take) keeps the module's own forward.
 """
 
@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from allocator.common.triton_support import triton_available
+from worker.errors import RmsNormError
+from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
 from worker.module_forwards import switch_forwards
 
 # The classes whose forward is exactly `rms_norm`'s arithmetic (Gemma's ``1 + weight``, for
 # one, is not).
 FUSED_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 MAX_HIDDEN = 16384
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class RmsNormError(ValueError):
-    """Input the RMSNorm kernel does not take."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,8 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x``'s norm goes to the kernel rather than the module's own forward."""
-    return (x.is_cuda and triton_available() and x.dtype in _KERNEL_DTYPES
-            and weight.dtype in _KERNEL_DTYPES and weight.dim() == 1
+    return (kernel_may_take(x) and weight.dtype in KERNEL_DTYPES and weight.dim() == 1
             and x.shape[-1] == weight.shape[0] <= MAX_HIDDEN)
 
 
@@ -46,12 +41,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise RmsNormError(f"weight: a norm over {x.shape[-1]} features needs a weight of that "
                            f"length, got shape {tuple(weight.shape)}")
-    if x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES:
+    if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
         raise RmsNormError(f"dtype: the kernel takes float32, bfloat16 and float16, got "
                            f"{x.dtype} rows and a {weight.dtype} weight")
     if x.device != weight.device:
         raise RmsNormError(f"device: rows on {x.device}, weight on {weight.device}")
-    from worker.norm import rms_norm_kernel as kernels
+    from worker.kernels import rms_norm as kernels
 
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
@@ -60,16 +55,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
     if rows.shape[0]:
-        block = _pow2(hidden)
-        kernel = kernels.rms_norm_jit if x.is_cuda else kernels.interpreted()
+        block = pow2(hidden)
+        kernel = kernel_for(kernels.rms_norm_jit, x)
         kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0),
                                  1.0 / hidden, float(eps), HIDDEN=hidden, BLOCK=block,
                                  num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out.view(*x.shape[:-1], hidden)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:

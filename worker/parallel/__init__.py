@@ -5,7 +5,6 @@ one rank's shard, Megatron style, its row-split layers summed over the process g
 `local_ranks` (N local processes of one function in one process group: the tests' and a
 tensor-parallel worker's way to start its ranks).
 
-May import `worker.model` (the families, `ModelLoadError`) and `EngineError` from
-`worker.engine`; nothing else of the worker (the loop, `worker.step`, the attention): a model is
-sharded and its ranks started without them.
+May import `worker.model` (the families) and `worker.errors`; nothing else of the worker (the
+loop, `worker.step`, the attention): a model is sharded and its ranks started without them.
 """

@@ -43,20 +43,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker.engine import EngineError
+from worker.errors import EngineError, RankFailed
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _POLL_S = 0.05  # how often the parent looks at its stop (how soon a stop reaches the ranks)
-
-
-class RankFailed(EngineError):
-    """A rank raised, died or ran past the run's time limit; ``child_traceback`` is the text of
-    its exception's traceback (empty when it died without one)."""
-
-    def __init__(self, message: str, *, rank: int, child_traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.child_traceback = child_traceback
 
 
 @dataclass(frozen=True)

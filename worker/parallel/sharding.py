@@ -28,13 +28,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig, PreTrainedModel
 
+from worker.errors import ShardingError
 from worker.model import SUPPORTED_FAMILIES, kv_shape
-from worker.parallel.split import (
-    ShardingError,
-    shard_kv_heads,
-    shard_query_heads,
-    shard_range,
-)
+from worker.parallel.split import shard_kv_heads, shard_query_heads, shard_range
 
 
 class RowParallelLinear(nn.Linear):

@@ -8,14 +8,8 @@ process group; the rule itself is `allocator.config.shard_span`.
 
 from __future__ import annotations
 
-from allocator.config import shard_span
-from worker.model import ModelLoadError
-
-
-class ShardingError(ModelLoadError):
-    """The model cannot be split over the ranks asked for: a world size that does not divide a
-    head count or the MLP width, a rank outside the world, or a process group of another
-    shape. Raised before anything is changed."""
+from allocator import shard_span
+from worker.errors import ShardingError
 
 
 def shard_range(field: str, size: int, rank: int, world: int) -> tuple[int, int]:

@@ -35,10 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from allocator import PackedCommit, accept
-from allocator.capacity.table_validator import TableValidator
+from allocator import InvariantViolation, PackedCommit, TableValidator, accept
 from allocator.common.device_io import PinnedUploads
-from allocator.errors import InvariantViolation
 from worker.attention.hook import PoolStep
 from worker.attention.pool_attention import HostBounds, PagedLayout
 from worker.drafters import DeviceOracleDrafter

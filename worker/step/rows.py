@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from allocator import InvariantViolation
 from allocator.common.device_io import upload_int64
-from allocator.errors import InvariantViolation
 
 
 class DeviceRows:

@@ -2,14 +2,16 @@
 
 From the reply's columns (uploaded once) and the rows' device state, without reading anything
 back: each entry's ``history`` (its start, plus its lead when it is behind a step the host has
-not read), each packed token's ``position`` and pool ``slot`` (from the shared block table; -1
-past the row's blocks, and for an entry on the spare row one past the table's, a padded one:
-`worker.step.rows`), and the ``ids`` the forward reads (the host's, except a decode's first
-token: its request's pending token, which only the device knows on an overlap worker).
+not read), each packed token's ``position`` and pool ``slot`` (from the shared block table by
+the slot rule, `allocator.capacity.slots.padded_slot_mapping`: -1 past the row's blocks, and for
+an entry on the spare row one past the table's, a padded one: `worker.step.rows`), and the
+``ids`` the forward reads (the host's, except a decode's first token: its request's pending
+token, which only the device knows on an overlap worker).
 
 `metadata_reference` states it in torch (any device: a few dozen tiny operations);
-`worker.step.step_metadata_triton` is the same as one kernel launch, which is what keeps a step's
-host time to a few microseconds on a GPU. Tests compare the two in Triton's interpreter.
+`metadata_triton` is the same as one launch of `worker.kernels.step_metadata`, which is what
+keeps a step's host time to a few microseconds on a GPU. Tests compare the two in Triton's
+interpreter.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from allocator.nwor.commit_kernel import resolve_backend
+from allocator import padded_slot_mapping, resolve_backend
+from worker.kernels.helpers import kernel_for
 
 
 class EntryColumns(NamedTuple):
@@ -48,11 +51,7 @@ def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Te
     index = torch.arange(e.numel(), device=e.device) - cols.offsets[e]
     positions = history[e] + index
     rows = cols.rows[e]
-    col = positions // tokens_per_block
-    in_row = (col < table.shape[1]) & (rows < table.shape[0])
-    block = table[torch.where(in_row, rows, 0), torch.where(in_row, col, 0)].long()
-    slots = torch.where(in_row & (block >= 0),
-                        block * tokens_per_block + positions % tokens_per_block, -1)
+    slots = padded_slot_mapping(table, rows, positions, tokens_per_block)
     first = (index == 0) & (cols.decoding[e] != 0)
     ids = torch.where(first, pending[rows], cols.host_ids)
     return StepMetadata(history, positions, slots, ids, index)
@@ -65,6 +64,22 @@ def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
     interpreter on CPU tensors (``triton``)."""
     if resolve_backend(backend, table.device) == "torch":
         return metadata_reference(cols, lead, pending, table, tokens_per_block)
-    from worker.step.step_metadata_triton import metadata_triton
-
     return metadata_triton(cols, lead, pending, table, tokens_per_block)
+
+
+def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
+                    table: torch.Tensor, tokens_per_block: int) -> StepMetadata:
+    """`metadata_reference` in one launch (Triton's interpreter for CPU tensors)."""
+    from worker.kernels import step_metadata as kernels
+
+    n = cols.token_entry.numel()
+    history = torch.empty_like(cols.starts)
+    positions, slots, ids, index = (torch.empty_like(cols.host_ids) for _ in range(4))
+    if n:
+        kernel = kernel_for(kernels.metadata_jit, table)
+        kernel[(-(-n // kernels.BLOCK),)](
+            cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding, cols.token_entry,
+            cols.host_ids, lead, pending, table, history, positions, slots, ids, index, n,
+            table.shape[0], table.shape[1], TOKENS_PER_BLOCK=tokens_per_block,
+            BLOCK=kernels.BLOCK)
+    return StepMetadata(history, positions, slots, ids, index)

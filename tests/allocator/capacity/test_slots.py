@@ -7,7 +7,7 @@ Rules (docs/design.md "Words": block table and slot):
   that holds -1 (past the row's blocks);
 - the compiled run form gives, run after run, the slots of consecutive positions, exactly what
   the numpy reference gives for those positions one by one; torch gives the same on the table's
-  device.
+  device; a row past the table (a worker's spare row) holds no block, so its slots are -1.
 """
 
 from __future__ import annotations
@@ -92,3 +92,19 @@ def test_torch_on_the_device_equals_the_reference(device: str) -> None:
         assert got.dtype == torch.int64
         np.testing.assert_array_equal(got.cpu().numpy(),
                                       slots.slots_reference(table, rows, positions, tpb))
+
+
+def test_a_row_past_the_table_has_no_slots_in_torch() -> None:
+    """`padded_slot_mapping` is the reference over the table with rows of -1 past its own."""
+    rng = np.random.default_rng(12)
+    for tpb in (1, 3, 16):
+        table = rng.integers(-1, 200, size=(8, 6)).astype(np.int32)
+        rows = rng.integers(0, 10, size=500)  # rows 8 and 9: past the table
+        positions = rng.integers(-5, 6 * tpb + 10, size=500)
+        got = slots.padded_slot_mapping(torch.from_numpy(table), torch.from_numpy(rows),
+                                        torch.from_numpy(positions), tpb)
+        padded = np.concatenate([table, np.full((2, 6), -1, np.int32)])
+        assert got.dtype == torch.int64
+        np.testing.assert_array_equal(got.numpy(),
+                                      slots.slots_reference(padded, rows, positions, tpb))
+        assert (got.numpy()[rows >= 8] == -1).all()

@@ -1,6 +1,7 @@
 """Writer fences: a write whose writer's session has ended writes nothing, read by the write itself
-(every backend: the CPU copy, the torch path, the Triton kernel in the interpreter), and the
-owner's table of words hands out, closes and checks its slots."""
+(every backend: the CPU copy, the torch path, the Triton kernel in the interpreter and on a GPU,
+and a captured CUDA graph whose word is closed after the capture), and the owner's table of
+words hands out, closes and checks its slots."""
 
 from __future__ import annotations
 
@@ -25,48 +26,83 @@ from allocator.common.placement import plain_tensor
 LAYERS, SLOTS, ROWS, ROW = 2, 32, 8, 16
 
 
-def _write(backend: str, dtype: torch.dtype, fence: WriterFence | None) -> torch.Tensor:
-    """The pool (NaN-filled, or fp8 0x7F) after one write of ``ROWS`` staged rows."""
+def _inputs(dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
+    """A pool (NaN-filled, or fp8 0x7F), ``ROWS`` staged rows, their slots and row counts."""
     fp8 = dtype == torch.float8_e4m3fn
-    pool = torch.empty(LAYERS, 2, SLOTS, ROW, dtype=dtype)
+    pool = torch.empty(LAYERS, 2, SLOTS, ROW, dtype=dtype, device=device)
     pool.view(torch.uint8).fill_(0x7F) if fp8 else pool.fill_(float("nan"))
     staged = torch.randn(LAYERS, 2, ROWS, ROW, generator=torch.Generator().manual_seed(0)).to(
-        torch.bfloat16 if fp8 else dtype)
-    slots = torch.arange(ROWS, dtype=torch.int64).expand(LAYERS, ROWS).contiguous() * 3
-    inv = torch.ones(LAYERS, 2) if fp8 else None
-    write_staged(pool, staged, slots, torch.full((LAYERS,), ROWS), ROWS, inv, backend=backend,
-                 fence=fence)
+        device=device, dtype=torch.bfloat16 if fp8 else dtype)
+    slots = torch.arange(ROWS, dtype=torch.int64, device=device).expand(LAYERS, ROWS) * 3
+    return pool, staged, slots.contiguous(), torch.full((LAYERS,), ROWS, device=device)
+
+
+def _write(backend: str, dtype: torch.dtype, fence: WriterFence | None,
+           device: str = "cpu") -> torch.Tensor:
+    """The pool after one write of ``ROWS`` staged rows."""
+    pool, staged, slots, layer_rows = _inputs(dtype, device)
+    inv = torch.ones(LAYERS, 2, device=device) if dtype == torch.float8_e4m3fn else None
+    write_staged(pool, staged, slots, layer_rows, ROWS, inv, backend=backend, fence=fence)
     return pool
 
 
-def _words(slots: int = 4) -> FenceWords:
-    return FenceWords(slots, torch.device("cpu"), plain_tensor)
+def _words(slots: int = 4, device: str = "cpu") -> FenceWords:
+    return FenceWords(slots, torch.device(device), plain_tensor)
 
 
-BACKENDS = [pytest.param("torch", torch.float32, id="cpu-copy"),
-            pytest.param("torch", torch.float8_e4m3fn, id="torch-fp8"),
-            pytest.param("triton", torch.float32, id="triton-interpreter",
-                         marks=needs_triton_interpreter)]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+BACKENDS = [pytest.param("torch", torch.float32, "cpu", id="cpu-copy"),
+            pytest.param("torch", torch.float8_e4m3fn, "cpu", id="torch-fp8"),
+            pytest.param("triton", torch.float32, "cpu", id="triton-interpreter",
+                         marks=needs_triton_interpreter),
+            pytest.param("triton", torch.bfloat16, "cuda", id="triton-gpu", marks=GPU),
+            pytest.param("triton", torch.float8_e4m3fn, "cuda", id="triton-gpu-fp8", marks=GPU),
+            pytest.param("torch", torch.bfloat16, "cuda", id="torch-gpu", marks=GPU)]
 
 
-@pytest.mark.parametrize(("backend", "dtype"), BACKENDS)
-def test_an_open_fence_writes_and_a_closed_one_writes_nothing(backend: str,
-                                                              dtype: torch.dtype) -> None:
-    words = _words()
+@pytest.mark.parametrize(("backend", "dtype", "device"), BACKENDS)
+def test_an_open_fence_writes_and_a_closed_one_writes_nothing(backend: str, dtype: torch.dtype,
+                                                              device: str) -> None:
+    words = _words(device=device)
     slot = words.open(session=12345)
     fence = words.fence(slot)
-    unfenced = _write(backend, dtype, None)
-    assert torch.equal(_write(backend, dtype, fence).view(torch.uint8),
-                       unfenced.view(torch.uint8))
+    unfenced = _write(backend, dtype, None, device).view(torch.uint8)
+    assert torch.equal(_write(backend, dtype, fence, device).view(torch.uint8), unfenced)
     words.close(slot)
-    untouched = _write(backend, dtype, fence).view(torch.uint8)
-    assert torch.equal(untouched, _write(backend, dtype, _never_open()).view(torch.uint8))
-    assert not torch.equal(untouched, unfenced.view(torch.uint8))
+    untouched = _write(backend, dtype, fence, device).view(torch.uint8)
+    assert torch.equal(untouched, _write(backend, dtype, _never_open(device), device).view(
+        torch.uint8))
+    assert not torch.equal(untouched, unfenced)
 
 
-def _never_open() -> WriterFence:
+def _never_open(device: str = "cpu") -> WriterFence:
     """A fence whose word never held its session: nothing it guards is written."""
-    return WriterFence.of(torch.full((1,), CLOSED, dtype=torch.int64), 7)
+    return WriterFence.of(torch.full((1,), CLOSED, dtype=torch.int64, device=device), 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_write_reads_the_word_at_each_replay() -> None:
+    """A CUDA graph captured while the word was open writes nothing once it is closed: the
+    word is read when the kernel runs, not baked in at capture (an overlap worker's steps are
+    graph replays)."""
+    words = _words(device="cuda")
+    fence = words.fence(words.open(session=3))
+    pool, staged, slots, layer_rows = _inputs(torch.bfloat16, "cuda")
+    write_staged(pool, staged, slots, layer_rows, ROWS, backend="triton", fence=fence)  # compile
+    pool.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_staged(pool, staged, slots, layer_rows, ROWS, backend="triton", fence=fence)
+    pool.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not pool.isnan().all()  # open: the replay writes
+    pool.fill_(float("nan"))
+    words.close(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert pool.isnan().all()
 
 
 def test_a_new_session_in_the_same_slot_does_not_reopen_an_old_fence() -> None:

@@ -33,8 +33,8 @@ from rank_behaviours import (
     until_stopped,
 )
 
-from worker.engine import EngineError
-from worker.parallel.local_ranks import RankFailed, run_local_ranks
+from worker.errors import EngineError, RankFailed
+from worker.parallel.local_ranks import run_local_ranks
 
 WORLD = 2
 # A trivial run of two ranks took 5-11 s on the loaded two-core machine, two at once 11-29 s;

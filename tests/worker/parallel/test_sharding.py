@@ -26,10 +26,11 @@ from tp_ranks import (
 )
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from worker.model import ModelLoadError, random_model
+from worker.errors import ModelLoadError, ShardingError
+from worker.model import random_model
 from worker.parallel.local_ranks import run_local_ranks
 from worker.parallel.sharding import shard_model
-from worker.parallel.split import ShardingError, shard_kv_heads
+from worker.parallel.split import shard_kv_heads
 
 WORLD = 2
 FAMILIES = sorted(CONFIGS)

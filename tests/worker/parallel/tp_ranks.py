@@ -24,9 +24,9 @@ from transformers import (
 
 from worker.attention.hook import PoolStep, kvalloc_attention
 from worker.attention.pool_attention import PagedLayout
+from worker.errors import ShardingError
 from worker.model import kv_shape, random_model
 from worker.parallel.sharding import shard_model
-from worker.parallel.split import ShardingError
 
 TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,

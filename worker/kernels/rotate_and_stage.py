@@ -1,4 +1,6 @@
-"""The rotary-and-stage kernel (Triton). Imported only where Triton is installed.
+"""The rotary-and-stage kernel (Triton). Imported only where Triton is installed; its reference
+is `worker.attention.rotary.rotate_and_stage_reference`, its launch
+`worker.attention.rotary.rotate_and_stage`.
 
 Program ``token`` loads the token's query heads, key heads and value heads, each row beside its
 rotated partner (column ``d`` pairs with ``d + D/2`` in the first half, ``d - D/2`` in the
@@ -9,13 +11,12 @@ each rounded to the tensor's dtype, then their sum.
 
 The functions are plain Python: `rotate_and_stage_jit` (and its helper, `ROTATED_JIT`, passed
 as the constexpr ``ROTATED``: a kernel can only call a helper wrapped the same way it is) are
-them compiled for a GPU, `interpreted()` them in Triton's interpreter for CPU tensors.
+them compiled for a GPU; for CPU tensors the launch runs them in Triton's interpreter
+(`worker.kernels.helpers.kernel_for`).
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
 """
-
-from functools import cache
 
 import triton
 import triton.language as tl
@@ -63,11 +64,3 @@ def _rotate_and_stage(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_pt
 
 rotate_and_stage_jit = triton.jit(_rotate_and_stage)
 ROTATED_JIT = triton.jit(_rotated)
-
-
-@cache
-def interpreted():
-    """The kernel and its helper in Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_rotate_and_stage), InterpretedFunction(_rotated)

@@ -1,5 +1,7 @@
 """A step's metadata: the Triton kernel equals its torch reference (in Triton's interpreter on
-CPU, compiled on a GPU), and the reference says what it should on a worked example."""
+CPU, compiled on a GPU), the reference says what it should on a worked example, and the
+kernel's slots are the allocator's slot rule (`allocator.capacity.slots.slots_reference`), a
+row past the table holding no block."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 from triton_interpreter import needs_triton_interpreter
 
+from allocator.capacity.slots import slots_reference
 from worker.step.step_metadata import EntryColumns, metadata_reference, step_metadata
 
 TOKENS_PER_BLOCK = 4
@@ -59,6 +62,26 @@ def test_the_kernel_is_the_reference_in_the_interpreter(seed: int) -> None:
     got = step_metadata(cols, lead, pending, table, TOKENS_PER_BLOCK, backend="triton")
     for name, a, b in zip(want._fields, want, got, strict=True):
         assert torch.equal(a, b), name
+
+
+@needs_triton_interpreter
+def test_the_kernels_slots_are_the_slot_rule_in_the_interpreter() -> None:
+    """Over random tables with -1 past each row's blocks, entries reaching past them and entries
+    on the spare row: the slot rule's numpy specification, over the table with a row of -1 for
+    the spare one (which the cases do draw, as they draw -1 slots on the table's own rows)."""
+    rng = np.random.default_rng(100)
+    spare_rows = unwritable = 0
+    for _ in range(8):
+        cols, lead, pending, table = _layout(rng, "cpu")
+        got = step_metadata(cols, lead, pending, table, TOKENS_PER_BLOCK, backend="triton")
+        spare = np.full((1, table.shape[1]), -1, dtype=np.int32)
+        rows = cols.rows[cols.token_entry].numpy()
+        want = slots_reference(np.concatenate([table.numpy(), spare]), rows,
+                               got.positions.numpy(), TOKENS_PER_BLOCK)
+        np.testing.assert_array_equal(got.slots.numpy(), want)
+        spare_rows += int((rows == table.shape[0]).sum())
+        unwritable += int(((want == -1) & (rows < table.shape[0])).sum())
+    assert spare_rows and unwritable
 
 
 @pytest.mark.gpu

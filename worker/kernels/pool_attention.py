@@ -1,4 +1,6 @@
-"""The paged two-source attention kernel (Triton). Imported only where Triton is installed.
+"""The paged two-source attention kernel (Triton). Imported only where Triton is installed; its
+reference is `worker.attention.pool_attention.pool_attention`, its launches
+`worker.attention.pool_attention_triton`.
 
 A decode launch's program ``(entry, kv_head, query_tile)`` (a prefill launch's
 ``(tile, kv_head)``, its entry and first query read from the host's tile map, ``TILE_MAP``)
@@ -16,8 +18,9 @@ type, and the interpreter cannot make an fp8 one). A tile's keys and values are 
 query's dtype unscaled, and the layer's ``k_scale`` / ``v_scale`` multiply the scores and the
 probabilities instead, which equals dequantising every element first.
 
-The functions are plain Python: `pool_attention_triton` wraps them with ``triton.jit`` for a
-GPU and with Triton's interpreter for CPU tensors. The helpers (the two key walks, the
+The functions are plain Python, wrapped here with ``triton.jit`` for a GPU; for CPU tensors
+`worker.attention.pool_attention_triton` runs them in Triton's interpreter
+(`worker.kernels.helpers.kernel_for`). The helpers (the two key walks, the
 softmax update and the rows' store) are passed to the kernel as constexprs (``HISTORY``,
 ``STAGED``, ``UPDATE``, ``STORE``) because a kernel can only call a helper wrapped the same way
 it is.
@@ -25,8 +28,6 @@ it is.
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
 """
-
-from functools import cache
 
 import triton
 import triton.language as tl
@@ -234,12 +235,3 @@ combine_splits_jit = triton.jit(_combine_splits)
 _HELPERS = {"HISTORY": _attend_history, "STAGED": _attend_staged, "UPDATE": _online_update,
             "STORE": _store_rows}
 HELPERS_JIT = {name: triton.jit(fn) for name, fn in _HELPERS.items()}
-
-
-@cache
-def interpreted():
-    """The kernels and their helpers in Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return (InterpretedFunction(_pool_attention), InterpretedFunction(_combine_splits),
-            {name: InterpretedFunction(fn) for name, fn in _HELPERS.items()})

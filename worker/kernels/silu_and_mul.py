@@ -1,18 +1,17 @@
-"""The SiLU-and-multiply kernel (Triton). Imported only where Triton is installed.
+"""The SiLU-and-multiply kernel (Triton). Imported only where Triton is installed; its reference
+is `worker.mlp.gated_mlp.silu_and_mul`, its launch `worker.mlp.gated_mlp.silu_and_mul_triton`.
 
 Program ``(row, block)`` reads ``BLOCK`` columns of one token's merged gate/up projection (the
 gate half, then the up half of the same row) and writes ``silu(gate) * up``. It rounds where
 transformers' two kernels round: the activation to the input's dtype, then the product, so the
 two differ only by ``exp``'s last bits.
 
-The function is plain Python: `silu_and_mul_jit` is it compiled for a GPU and `interpreted()`
-it in Triton's interpreter for CPU tensors.
+The function is plain Python: `silu_and_mul_jit` is it compiled for a GPU; for CPU tensors
+the launch runs it in Triton's interpreter (`worker.kernels.helpers.kernel_for`).
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
 """
-
-from functools import cache
 
 import triton
 import triton.language as tl
@@ -30,11 +29,3 @@ def _silu_and_mul(gate_up_ptr, out_ptr, in_stride, out_stride, width, BLOCK: tl.
 
 
 silu_and_mul_jit = triton.jit(_silu_and_mul)
-
-
-@cache
-def interpreted():
-    """The kernel in Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_silu_and_mul)

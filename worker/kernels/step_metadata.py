@@ -1,22 +1,23 @@
-"""`metadata_triton`: `worker.step.step_metadata.metadata_reference` as one Triton launch.
+"""The step-metadata kernel (Triton). Imported only where Triton is installed; its reference is
+`worker.step.step_metadata.metadata_reference`, its launch
+`worker.step.step_metadata.metadata_triton`.
 
 Program ``p`` handles packed tokens ``p * BLOCK ..``: it finds each token's entry, the entry's
 history (its first token's program also stores it), the token's position, its slot through the
-entry's block-table row, and its input id. Imported only when the Triton backend is used.
+entry's block-table row (the slot rule of `allocator.capacity.slots`, with -1 for a row past the
+table: a padded entry's spare row), and its input id.
+
+The function is plain Python: `metadata_jit` is it compiled for a GPU; for CPU tensors the
+launch runs it in Triton's interpreter (`worker.kernels.helpers.kernel_for`).
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
 """
 
-from functools import cache
-
-import torch
 import triton
 import triton.language as tl
 
-from worker.step.step_metadata import EntryColumns, StepMetadata
-
-BLOCK = 128
+BLOCK = 128  # packed tokens a program handles
 
 
 def _metadata(rows_ptr, offsets_ptr, starts_ptr, behind_ptr, decoding_ptr, entry_ptr,
@@ -47,25 +48,4 @@ def _metadata(rows_ptr, offsets_ptr, starts_ptr, behind_ptr, decoding_ptr, entry
     tl.store(history_ptr + e, history, mask=live & (index == 0))
 
 
-_metadata_jit = triton.jit(_metadata)
-
-
-@cache
-def _interpreted():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_metadata)
-
-
-def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
-                    table: torch.Tensor, tokens_per_block: int) -> StepMetadata:
-    n = cols.token_entry.numel()
-    history = torch.empty_like(cols.starts)
-    positions, slots, ids, index = (torch.empty_like(cols.host_ids) for _ in range(4))
-    if n:
-        kernel = _metadata_jit if table.is_cuda else _interpreted()
-        kernel[(triton.cdiv(n, BLOCK),)](
-            cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding, cols.token_entry,
-            cols.host_ids, lead, pending, table, history, positions, slots, ids, index, n,
-            table.shape[0], table.shape[1], TOKENS_PER_BLOCK=tokens_per_block, BLOCK=BLOCK)
-    return StepMetadata(history, positions, slots, ids, index)
+metadata_jit = triton.jit(_metadata)

@@ -1,20 +1,19 @@
-"""The RMSNorm kernel (Triton). Imported only where Triton is installed.
+"""The RMSNorm kernel (Triton). Imported only where Triton is installed; its reference is
+`worker.norm.rms_norm.rms_norm`, its launch `worker.norm.rms_norm.rms_norm_triton`.
 
 Program ``row`` normalises one token's hidden vector in one pass: it loads the row once, sums
 its squares in float32, rounds the normalised row to the input's dtype and multiplies it by the
 weight, the same order of roundings as transformers' RMSNorm, so the two differ only by the
 order of the sum and by ``rsqrt``'s last bit.
 
-The function is plain Python: `rms_norm_jit` is it compiled for a GPU and `interpreted()` it in
-Triton's interpreter for CPU tensors. The sum goes through ``tl.reduce`` with `_add` rather than
-``tl.sum``: that is a library function, which the interpreter can only call when
-``TRITON_INTERPRET`` was set at import.
+The function is plain Python: `rms_norm_jit` is it compiled for a GPU; for CPU tensors the
+launch runs it in Triton's interpreter (`worker.kernels.helpers.kernel_for`). The sum goes
+through ``tl.reduce`` with `_add` rather than ``tl.sum``: that is a library function, which the
+interpreter can only call when ``TRITON_INTERPRET`` was set at import.
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
 """
-
-from functools import cache
 
 import triton
 import triton.language as tl
@@ -39,11 +38,3 @@ def _rms_norm(x_ptr, weight_ptr, out_ptr, x_stride, out_stride, inv_hidden, eps,
 
 
 rms_norm_jit = triton.jit(_rms_norm)
-
-
-@cache
-def interpreted():
-    """The kernel in Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_rms_norm)
