@@ -17,6 +17,7 @@ ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY kvalloc kvalloc
 COPY allocator allocator
 COPY server server
 COPY worker worker

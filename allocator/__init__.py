@@ -1,8 +1,8 @@
 """kvalloc's library: paged KV pool, block tables, overlap-slack capacity accounting, NWOR."""
 
-from allocator.capacity.block_pool import BlockPool
-from allocator.capacity.block_table import BlockTable
-from allocator.capacity.kv_events import (
+from kvalloc.allocator.capacity.block_pool import BlockPool
+from kvalloc.allocator.capacity.block_table import BlockTable
+from kvalloc.allocator.capacity.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -10,10 +10,10 @@ from allocator.capacity.kv_events import (
     KVEventBatch,
     external_hash,
 )
-from allocator.capacity.manager import KVCacheManager
-from allocator.capacity.prefix_cache import Prompt, block_hashes
-from allocator.capacity.slots import padded_slot_mapping, slot_mapping
-from allocator.capacity.step.plan import (
+from kvalloc.allocator.capacity.manager import KVCacheManager
+from kvalloc.allocator.capacity.prefix_cache import Prompt, block_hashes
+from kvalloc.allocator.capacity.slots import padded_slot_mapping, slot_mapping
+from kvalloc.allocator.capacity.step.plan import (
     ADMITTED,
     REFUSED_BATCH_FULL,
     REFUSED_OUT_OF_BLOCKS,
@@ -23,10 +23,10 @@ from allocator.capacity.step.plan import (
     checked_plan,
     compiled_type,
 )
-from allocator.capacity.table_validator import TableValidator
-from allocator.common.placement import TensorAllocator, plain_tensor
-from allocator.config import KVDType, PoolConfig, SlackPolicy, shard_span
-from allocator.errors import (
+from kvalloc.allocator.capacity.table_validator import TableValidator
+from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
+from kvalloc.allocator.config import KVDType, PoolConfig, SlackPolicy, shard_span
+from kvalloc.allocator.errors import (
     AcceptedExceedsDrafts,
     BatchFull,
     BlockTableOverflow,
@@ -47,8 +47,8 @@ from allocator.errors import (
     UnknownRequest,
     WindowStateError,
 )
-from allocator.metrics import AllocatorMetrics
-from allocator.nwor.acceptance import (
+from kvalloc.allocator.metrics import AllocatorMetrics
+from kvalloc.allocator.nwor.acceptance import (
     SCV_MODE_ENV,
     ScvAcceptor,
     ScvMode,
@@ -57,17 +57,17 @@ from allocator.nwor.acceptance import (
     acceptance_mask,
     scv_mode_from_env,
 )
-from allocator.nwor.commit_kernel import resolve_backend, write_staged
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.fence import CLOSED, FenceWords, WriterFence
-from allocator.nwor.packed_commit import PackedCommit, commit_packed
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.two_source_attention import (
+from kvalloc.allocator.nwor.commit_kernel import resolve_backend, write_staged
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.fence import CLOSED, FenceWords, WriterFence
+from kvalloc.allocator.nwor.packed_commit import PackedCommit, commit_packed
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.two_source_attention import (
     merge_attention,
     paged_attention,
     two_source_attention,
 )
-from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
+from kvalloc.allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
 
 __all__ = [
     "ADMITTED",

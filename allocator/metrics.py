@@ -35,11 +35,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from kvalloc.allocator.capacity.manager import KVCacheManager
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from allocator.capacity.manager import KVCacheManager
 
 # ManagerCounters field -> help text. Every field is exported as kvalloc_<field>_total; a field
 # added to ManagerCounters later is exported too, with a generic help text until listed here.

@@ -48,9 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_commit import call_us  # one eager call from an idle device (the reference syncs)
-
-from worker.attention.pool_attention import PagedLayout, pool_attention
-from worker.attention.pool_attention_triton import (
+from kvalloc.worker.attention.pool_attention import PagedLayout, pool_attention
+from kvalloc.worker.attention.pool_attention_triton import (
     MAX_DECODE_QUERY,
     LaunchConfig,
     PrefillConfig,

@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
-
-from server.client import Client
-from server.contract.columns import StepCall, StepResult
-from server.service.core import ServiceCore
-from server.transport.ipc import IpcServer
+from kvalloc.server.client import Client
+from kvalloc.server.contract.columns import StepCall, StepResult
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.transport.ipc import IpcServer
 
 
 class TimedCore(ServiceCore):

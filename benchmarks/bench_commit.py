@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator.config import PoolConfig
-from allocator.nwor.acceptance import ScvAcceptor, ScvMode, time_cuda_ms
-from allocator.nwor.commit_kernel import write_staged
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import WindowLayout
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.nwor.acceptance import ScvAcceptor, ScvMode, time_cuda_ms
+from kvalloc.allocator.nwor.commit_kernel import write_staged
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.window import WindowLayout
 
 HEADS, DIM, TPB = 8, 128, 16
 ROW = HEADS * DIM

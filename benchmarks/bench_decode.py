@@ -63,18 +63,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_attention import copy_us, graph_us, host_us
 from bench_worker import connect, machine
-
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep
-from worker.attention.pool_attention import PagedLayout
-from worker.drafters import DeviceOracleDrafter
-from worker.engine import Engine
-from worker.fusion import fuse_model
-from worker.model import kv_shape, pool_for_model, random_model
-from worker.requests import NamedPrompt
-from worker.run_stats import RunStats
-from worker.step.device_step import Launched, LaunchPlan
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep
+from kvalloc.worker.attention.pool_attention import PagedLayout
+from kvalloc.worker.drafters import DeviceOracleDrafter
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.fusion import fuse_model
+from kvalloc.worker.model import kv_shape, pool_for_model, random_model
+from kvalloc.worker.requests import NamedPrompt
+from kvalloc.worker.run_stats import RunStats
+from kvalloc.worker.step.device_step import Launched, LaunchPlan
 
 SHAPES = {
     "1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,

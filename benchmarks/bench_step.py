@@ -74,12 +74,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from allocator import KVCacheManager, PoolConfig, StepOutcome, StepPlan
-from server.client import Client
-from server.contract.columns import StepCall, StepResult
-from server.devtools.launch import ServiceProcess
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
+from kvalloc.allocator import KVCacheManager, PoolConfig, StepOutcome, StepPlan
+from kvalloc.server.client import Client
+from kvalloc.server.contract.columns import StepCall, StepResult
+from kvalloc.server.devtools.launch import ServiceProcess
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 
 SPIN_DEFAULT_S = ServiceConfig.model_fields["ipc_spin_s"].default
 

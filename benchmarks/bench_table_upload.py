@@ -26,8 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
-
-from allocator import BlockTable
+from kvalloc.allocator import BlockTable
 
 
 def median_sync_us(tables: dict[str, BlockTable], cells: int, steps: int,

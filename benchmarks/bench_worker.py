@@ -42,15 +42,15 @@ from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from allocator import PoolConfig
-from server.client import Client
-from server.devtools.launch import ServiceProcess
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from worker.drafters import DeviceOracleDrafter, Drafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine
-from worker.model import pool_for_model, random_model
-from worker.requests import NamedPrompt
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.client import Client
+from kvalloc.server.devtools.launch import ServiceProcess
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.worker.drafters import DeviceOracleDrafter, Drafter, NgramDrafter, OracleDrafter
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.model import pool_for_model, random_model
+from kvalloc.worker.requests import NamedPrompt
 
 FULL = {
     "model": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,

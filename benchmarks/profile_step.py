@@ -32,10 +32,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
-
-from allocator.nwor.deferred import pool_writes
-from allocator.nwor.host_write_graphs import HostWriteGraphs
-from server.service import batch, pipeline
+from kvalloc.allocator.nwor.deferred import pool_writes
+from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs
+from kvalloc.server.service import batch, pipeline
 
 
 class PhaseTimes:

@@ -36,13 +36,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvalloc.server.client import Client
+from kvalloc.server.contract.routing import hash_seed, worker_salt
+from kvalloc.server.contract.wire import PoolState
+from kvalloc.server.devtools.event_subscriber import EventCounts, KVEventSubscriber
+from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 from prometheus_client.parser import text_string_to_metric_families
-
-from server.client import Client
-from server.contract.routing import hash_seed, worker_salt
-from server.contract.wire import PoolState
-from server.devtools.event_subscriber import EventCounts, KVEventSubscriber
-from server.devtools.launch import ServiceProcess, kvalloc_command
 
 POOL = ("--device", "cpu", "--num-blocks", "4096", "--tokens-per-block", "16",
         "--max-batch-size", "256", "--max-seq-len", "4096", "--max-step-tokens", "4096",

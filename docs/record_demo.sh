@@ -18,7 +18,7 @@ REST_PORT=$(free_port)
 PROM_PORT=$(free_port)
 IPC="ipc://$TMP/kvalloc.ipc"
 
-"$PY" -m server.cli serve --port "$REST_PORT" --ipc "$IPC" --num-blocks 2048 --max-draft-len 4 \
+"$PY" -m kvalloc.server.cli serve --port "$REST_PORT" --ipc "$IPC" --num-blocks 2048 --max-draft-len 4 \
     >"$TMP/serve.log" 2>&1 &
 PIDS+=($!)
 cat >"$TMP/prometheus.yml" <<YAML
@@ -34,11 +34,11 @@ PIDS+=($!)
 until curl -sf "http://127.0.0.1:$REST_PORT/readyz" >/dev/null; do sleep 0.5; done
 
 SECONDS_TOTAL=$((MINUTES * 60))
-"$PY" -m server.cli loadgen --address "$IPC" --worker-id demo-ipc --no-progress \
+"$PY" -m kvalloc.server.cli loadgen --address "$IPC" --worker-id demo-ipc --no-progress \
     --duration "$SECONDS_TOTAL" --arrival-rate 0.5 --max-live 40 \
     --output-len 64:512 --seed 1 &
 PIDS+=($!)
-"$PY" -m server.cli loadgen --address "http://127.0.0.1:$REST_PORT" --worker-id demo-rest \
+"$PY" -m kvalloc.server.cli loadgen --address "http://127.0.0.1:$REST_PORT" --worker-id demo-rest \
     --no-progress --duration "$SECONDS_TOTAL" \
     --step-interval 0.05 --arrival-rate 0.2 --acceptance geometric:0.5 --seed 2 &
 PIDS+=($!)

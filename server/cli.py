@@ -21,10 +21,12 @@ DESCRIPTION = ("KV-cache block allocator for LLM inference with speculative deco
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("allocator.tools.simulate", "overlap-scheduler model: finds IMA and row overflow"),
-    "serve": ("server.serve", "run the allocator service (REST + IPC) until stopped"),
-    "loadgen": ("server.devtools.loadgen", "simulated inference worker driving a running service"),
-    "worker": ("worker.cli", "a transformers model decoding speculatively, KV in the pool"),
+    "simulate": ("kvalloc.allocator.tools.simulate",
+                 "overlap-scheduler model: finds IMA and row overflow"),
+    "serve": ("kvalloc.server.serve", "run the allocator service (REST + IPC) until stopped"),
+    "loadgen": ("kvalloc.server.devtools.loadgen",
+                "simulated inference worker driving a running service"),
+    "worker": ("kvalloc.worker.cli", "a transformers model decoding speculatively, KV in the pool"),
 }
 
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C where a command does not stop at a step boundary (loading, or a second Ctrl-C
         # while a step hangs): one line, not a traceback, and the shell's status for it.
-        from allocator.commands.interrupt import INTERRUPTED
+        from kvalloc.allocator.commands.interrupt import INTERRUPTED
 
         print(f"kvalloc {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED

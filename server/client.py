@@ -35,13 +35,12 @@ from urllib.parse import quote, urlencode, urlsplit
 import msgspec
 import torch
 import zmq
-
-from allocator import PoolConfig, WriterFence
-from allocator import slot_mapping as table_slot_mapping
-from server.contract import wire
-from server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
-from server.contract.columns import ColumnInput, StepCall, StepResult
-from server.contract.errors import (
+from kvalloc.allocator import PoolConfig, WriterFence
+from kvalloc.allocator import slot_mapping as table_slot_mapping
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
+from kvalloc.server.contract.columns import ColumnInput, StepCall, StepResult
+from kvalloc.server.contract.errors import (
     AttachError,
     KVAllocServerError,
     MalformedBody,
@@ -51,11 +50,11 @@ from server.contract.errors import (
     describe,
     remote_error,
 )
-from server.contract.operations import ERROR, OK, OPERATIONS, Operation
-from server.contract.sharing import FenceGroup, StepFence, attach
-from server.transport import stream
-from server.transport.polling import Wait, poll_for
-from server.transport.token_files import discover_token
+from kvalloc.server.contract.operations import ERROR, OK, OPERATIONS, Operation
+from kvalloc.server.contract.sharing import FenceGroup, StepFence, attach
+from kvalloc.server.transport import stream
+from kvalloc.server.transport.polling import Wait, poll_for
+from kvalloc.server.transport.token_files import discover_token
 
 # How long a call waits for a connection before the service counts as absent. The reply timeout
 # is separate: a service may take longer to answer than to accept.
@@ -326,8 +325,8 @@ def in_process_client(pool: PoolConfig, *, max_step_tokens: int,
     core closes (its shared memory unlinked) when the block ends. What a worker that embeds the
     service uses instead of ``kvalloc serve``."""
     # Imported here: a client of a service in another process never loads the service.
-    from server.service.core import ServiceCore
-    from server.service.settings import ServiceConfig
+    from kvalloc.server.service.core import ServiceCore
+    from kvalloc.server.service.settings import ServiceConfig
 
     # The service lives and dies with this process, so a lease guards against nothing here but
     # would expire while the first steps compile their kernels (a cold Triton cache).

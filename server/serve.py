@@ -35,12 +35,10 @@ from typing import get_args
 
 import torch
 import uvicorn
-from pydantic import SecretStr, ValidationError
-
-from allocator import KVDType, PoolConfig, SlackPolicy
-from allocator.commands.arguments import argument_type
-from server.cli import flag_errors
-from server.contract.addresses import (
+from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy
+from kvalloc.allocator.commands.arguments import argument_type
+from kvalloc.server.cli import flag_errors
+from kvalloc.server.contract.addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     claim_socket_path,
@@ -52,28 +50,28 @@ from server.contract.addresses import (
     server_endpoint,
     socket_file,
 )
-from server.contract.errors import (
+from kvalloc.server.contract.errors import (
     AddressError,
     InsecureBinding,
     LimitsError,
     PoolTooLarge,
     ShardingInvalid,
 )
-from server.contract.sharing import reap_dead_instances
-from server.service.core import ServiceCore
-from server.service.footprint import Footprint, check_fits, describe_bytes
-from server.service.ranks import RankedService, rank_configs
-from server.service.settings import (
+from kvalloc.server.contract.sharing import reap_dead_instances
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.footprint import Footprint, check_fits, describe_bytes
+from kvalloc.server.service.ranks import RankedService, rank_configs
+from kvalloc.server.service.settings import (
     DEFAULT_NUM_BLOCKS,
     ServiceConfig,
     default_pool,
     hash_seed_from_env,
     token_from_env,
 )
-from server.service.shards import check_devices, same_device
-from server.service.warmup import warm_up
-from server.transport.ipc import IpcServer
-from server.transport.network import (
+from kvalloc.server.service.shards import check_devices, same_device
+from kvalloc.server.service.warmup import warm_up
+from kvalloc.server.transport.ipc import IpcServer
+from kvalloc.server.transport.network import (
     ACCEPT_BACKLOG,
     DEFAULT_LIMITS,
     RestLimits,
@@ -82,8 +80,9 @@ from server.transport.network import (
     http_parsers,
     raise_nofile_limit,
 )
-from server.transport.rest import create_app
-from server.transport.token_files import previous_token, write_token_files
+from kvalloc.server.transport.rest import create_app
+from kvalloc.server.transport.token_files import previous_token, write_token_files
+from pydantic import SecretStr, ValidationError
 
 log = logging.getLogger("kvalloc.serve")
 
@@ -501,10 +500,9 @@ def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str
     """The Prometheus exposition of `allocator.metrics` and `server.service.metrics`, when
     prometheus_client exists."""
     try:
+        from kvalloc.allocator import AllocatorMetrics
+        from kvalloc.server.service.metrics import ServiceMetrics, rank_metrics
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-        from allocator import AllocatorMetrics
-        from server.service.metrics import ServiceMetrics, rank_metrics
     except ImportError as exc:
         log.warning("no /metrics: %s", exc)
         return None

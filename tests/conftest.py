@@ -28,8 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-
-from allocator import KVCacheManager, PoolConfig
+from kvalloc.allocator import KVCacheManager, PoolConfig
 
 # Helpers every folder of tests shares (harnesses, fixtures' building blocks) live in support/.
 sys.path.insert(0, str(Path(__file__).parent / "support"))

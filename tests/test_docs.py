@@ -36,9 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from server.contract.addresses import DEFAULT_PORT
-from server.devtools.launch import free_port
+from kvalloc.server.contract.addresses import DEFAULT_PORT
+from kvalloc.server.devtools.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -62,3 +63,35 @@ def test_the_triton_interpreter_tests_skip_with_a_reason_only_below_the_oldest_c
         assert triton_interpreter.triton_interpreter_gap() is None, version
     monkeypatch.setattr(metadata, "version", installed(None))
     assert triton_interpreter.triton_interpreter_gap() == "triton is not installed"
+
+
+def test_the_distribution_lists_every_package_of_its_rooms():
+    """pyproject names each package the build installs (a package-dir mapping finds none by
+    itself): every folder with an ``__init__.py`` under a room, under the one name."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {"kvalloc"} | {
+        ".".join(("kvalloc", *init.parent.relative_to(ROOT).parts))
+        for room in ("allocator", "server", "worker")
+        for init in (ROOT / room).rglob("__init__.py")}
+    assert set(setuptools["packages"]) == on_disk
+    assert setuptools["package-dir"] == {"kvalloc": "kvalloc", "kvalloc.allocator": "allocator",
+                                         "kvalloc.server": "server", "kvalloc.worker": "worker"}
+
+
+def test_an_engine_with_its_own_server_package_imports_the_client(tmp_path):
+    """Run where an engine author's project has a ``server/`` package of its own: kvalloc's
+    client imports under its one name, the author's ``server`` stays theirs, and the
+    distribution installs no generic top-level name."""
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "__init__.py").write_text("OWN = True\n")
+    script = ("import importlib.util, server\n"
+              "from kvalloc.server.client import Client\n"
+              "assert server.OWN and Client.__module__ == 'kvalloc.server.client'\n"
+              "print([n for n in ('allocator', 'worker')\n"
+              "       if importlib.util.find_spec(n) is not None])\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

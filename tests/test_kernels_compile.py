@@ -19,15 +19,14 @@ from typing import Any
 import pytest
 import torch
 from kernel_probes import calls_a_plain_function
+from kvalloc.allocator.nwor.commit_kernel import write_staged
+from kvalloc.allocator.nwor.keep_mask import NEVER, mask_rejected
+from kvalloc.worker.attention.pool_attention_triton import LaunchConfig, pool_attention_triton
+from kvalloc.worker.attention.rotary import rotate_and_stage
+from kvalloc.worker.mlp.gated_mlp import silu_and_mul_triton
+from kvalloc.worker.norm.rms_norm import rms_norm_triton
+from kvalloc.worker.step.step_metadata import EntryColumns, step_metadata
 from pool_steps import random_step
-
-from allocator.nwor.commit_kernel import write_staged
-from allocator.nwor.keep_mask import NEVER, mask_rejected
-from worker.attention.pool_attention_triton import LaunchConfig, pool_attention_triton
-from worker.attention.rotary import rotate_and_stage
-from worker.mlp.gated_mlp import silu_and_mul_triton
-from worker.norm.rms_norm import rms_norm_triton
-from worker.step.step_metadata import EntryColumns, step_metadata
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402

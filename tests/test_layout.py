@@ -42,6 +42,7 @@ PACKAGES = ("allocator", "server", "worker")
 MAX_CLASS_LINES = 300
 MAX_CLASS_METHODS = 20
 MAX_FUNCTION_LINES = 80
+DISTRIBUTION = "kvalloc"  # the one importable name the rooms install under
 
 # (importer prefix, imported prefix): a module under the first may not import one under the second,
 # unless it is itself under the second (a room's modules import each other).
@@ -132,7 +133,23 @@ def _imports(path: Path, *, typing: bool = True) -> set[str]:
             found.add(module)
             # `from pkg import mod` imports pkg.mod when mod is a module
             found.update(f"{module}.{alias.name}" for alias in node.names)
-    return {m for m in found if m.split(".")[0] in PACKAGES}
+    # The rooms install under the one name (`kvalloc.allocator` is the folder `allocator/`).
+    rooms = {m.removeprefix(f"{DISTRIBUTION}.") for m in found}
+    return {m for m in rooms if m.split(".")[0] in PACKAGES}
+
+
+def old_names(paths: list[Path]) -> list[str]:
+    """``module -> imported`` for every import of a room by its folder's bare name, which no
+    installed distribution provides (the rooms install as ``kvalloc.<room>``)."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                     and not node.level else [])
+            found += [f"{path.relative_to(ROOT)} -> {name}" for name in names
+                      if name.split(".")[0] in PACKAGES]
+    return found
 
 
 def _under(module: str, prefix: str) -> bool:
@@ -213,10 +230,11 @@ def test_the_circle_check_sees_a_lazy_circle(tmp_path: Path,
     third that one of them imports only for annotations is not part of it."""
     room = tmp_path / "worker"
     room.mkdir()
-    (room / "a.py").write_text("from typing import TYPE_CHECKING\nfrom worker import b\n"
-                               "if TYPE_CHECKING:\n    from worker import c\n")
-    (room / "b.py").write_text("def f():\n    from worker import a\n")
-    (room / "c.py").write_text("from worker import a\n")
+    (room / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                               "from kvalloc.worker import b\n"
+                               "if TYPE_CHECKING:\n    from kvalloc.worker import c\n")
+    (room / "b.py").write_text("def f():\n    from kvalloc.worker import a\n")
+    (room / "c.py").write_text("from kvalloc.worker import a\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert import_circles(sorted(room.glob("*.py"))) == [["worker.a", "worker.b"]]
 
@@ -234,11 +252,20 @@ def test_the_face_check_sees_a_reach_past_the_face(tmp_path: Path,
         (tmp_path / module).write_text("")
     fake = tmp_path / "worker" / "planted.py"
     fake.parent.mkdir(parents=True)
-    fake.write_text("from allocator.nwor.fence import WriterFence\n"
-                    "from allocator import WriterFence\n"
-                    "from allocator.common.jit import jit\n")
+    fake.write_text("from kvalloc.allocator.nwor.fence import WriterFence\n"
+                    "from kvalloc.allocator import WriterFence\n"
+                    "from kvalloc.allocator.common.jit import jit\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert past_the_face([fake]) == ["worker.planted -> allocator.nwor.fence"]
+
+
+def test_every_import_names_a_room_by_the_one_importable_name() -> None:
+    """The product, its tests and benchmarks import ``kvalloc.allocator``, never ``allocator``: a
+    bare name would only resolve from the repository's root, and would load a second copy of a
+    module beside the installed one."""
+    paths = sorted(p for p in ROOT.rglob("*.py")
+                   if not {".venv", "build", ".git"} & set(p.relative_to(ROOT).parts))
+    assert old_names(paths) == []
 
 
 def test_no_import_crosses_a_boundary_of_the_layout() -> None:
@@ -263,7 +290,7 @@ def test_only_the_simulators_own_modules_import_it(tmp_path: Path,
     for room in ("server/devtools", "allocator/tools"):
         fake = tmp_path / room / "planted.py"
         fake.parent.mkdir(parents=True)
-        fake.write_text("from allocator.tools.simulate import simulate\n")
+        fake.write_text("from kvalloc.allocator.tools.simulate import simulate\n")
         planted.append(fake)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert crossings(planted) == [

@@ -32,22 +32,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
-
-from allocator import PoolConfig, SlackPolicy
-from allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
-from server.client import Client, in_process_client
-from server.contract.addresses import default_client_address
-from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
-from worker.drafters import (
+from kvalloc.allocator import PoolConfig, SlackPolicy
+from kvalloc.allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
+from kvalloc.server.client import Client, in_process_client
+from kvalloc.server.contract.addresses import default_client_address
+from kvalloc.server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
+from kvalloc.worker.drafters import (
     DeviceOracleDrafter,
     Drafter,
     NgramDrafter,
     OracleDrafter,
     parse_drafter_spec,
 )
-from worker.engine import Engine
-from worker.errors import (
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.errors import (
     DeviceUnavailable,
     DrafterSpecError,
     EngineError,
@@ -56,12 +54,13 @@ from worker.errors import (
     PromptFileError,
     RunStopped,
 )
-from worker.model import DTYPES, config_from_file, load_model, pool_for_model, random_model
-from worker.parallel.local_ranks import run_local_ranks
-from worker.parallel.sharding import shard_model
-from worker.requests import NamedPrompt
-from worker.run_stats import RunStats
-from worker.shard_client import ShardClient
+from kvalloc.worker.model import DTYPES, config_from_file, load_model, pool_for_model, random_model
+from kvalloc.worker.parallel.local_ranks import run_local_ranks
+from kvalloc.worker.parallel.sharding import shard_model
+from kvalloc.worker.requests import NamedPrompt
+from kvalloc.worker.run_stats import RunStats
+from kvalloc.worker.shard_client import ShardClient
+from tqdm import tqdm
 
 
 def read_prompts(path: str | Path, tokenizer: Any = None) -> list[NamedPrompt]:

@@ -21,8 +21,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
-from worker.errors import DrafterSpecError
+from kvalloc.worker.errors import DrafterSpecError
 
 
 class Drafter(Protocol):

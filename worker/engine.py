@@ -48,23 +48,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvalloc.allocator import PackedCommit, TableValidator
+from kvalloc.server.client import AttachedPool, Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepResult
+from kvalloc.worker.drafters import DeviceOracleDrafter, Drafter
+from kvalloc.worker.errors import EngineError, LayoutMismatch, PoolTooSmall
+from kvalloc.worker.fusion import fuse_model
+from kvalloc.worker.launch_plans import launch_plan
+from kvalloc.worker.model import kv_shape
+from kvalloc.worker.requests import NamedPrompt, Request, int64s, new_request
+from kvalloc.worker.run_stats import DeviceClock, RunStats
+from kvalloc.worker.step.decode_graphs import DecodeGraphs
+from kvalloc.worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
+from kvalloc.worker.step.rows import DeviceRows
+from kvalloc.worker.step_plans import StepPlan, StepPlanner
 from transformers import PreTrainedModel
-
-from allocator import PackedCommit, TableValidator
-from server.client import AttachedPool, Client
-from server.contract import wire
-from server.contract.columns import StepResult
-from worker.drafters import DeviceOracleDrafter, Drafter
-from worker.errors import EngineError, LayoutMismatch, PoolTooSmall
-from worker.fusion import fuse_model
-from worker.launch_plans import launch_plan
-from worker.model import kv_shape
-from worker.requests import NamedPrompt, Request, int64s, new_request
-from worker.run_stats import DeviceClock, RunStats
-from worker.step.decode_graphs import DecodeGraphs
-from worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
-from worker.step.rows import DeviceRows
-from worker.step_plans import StepPlan, StepPlanner
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from allocator import NworInputError
+from kvalloc.allocator import NworInputError
 
 if TYPE_CHECKING:
-    from worker.run_stats import RunStats
+    from kvalloc.worker.run_stats import RunStats
 
 
 class WorkerError(Exception):

@@ -10,10 +10,9 @@ takes; the model is changed in place, and a second call changes nothing.
 from __future__ import annotations
 
 import torch
-
-from worker.attention.rotary import fuse_attention_modules
-from worker.mlp.gated_mlp import fuse_gated_mlps
-from worker.norm.rms_norm import fuse_rms_norms
+from kvalloc.worker.attention.rotary import fuse_attention_modules
+from kvalloc.worker.mlp.gated_mlp import fuse_gated_mlps
+from kvalloc.worker.norm.rms_norm import fuse_rms_norms
 
 
 def fuse_model(model: torch.nn.Module) -> dict[str, int]:

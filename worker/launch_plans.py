@@ -7,11 +7,10 @@ overlap worker's) a decode's start counts only the tokens the service has settle
 from __future__ import annotations
 
 import numpy as np
-
-from server.contract.columns import StepResult
-from worker.errors import EngineError
-from worker.requests import Request, int64s
-from worker.step.device_step import LaunchPlan
+from kvalloc.server.contract.columns import StepResult
+from kvalloc.worker.errors import EngineError
+from kvalloc.worker.requests import Request, int64s
+from kvalloc.worker.step.device_step import LaunchPlan
 
 
 def launch_plan(reply: StepResult, scheduled: list[Request]) -> tuple[LaunchPlan, list[Request]]:

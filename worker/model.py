@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import torch
+from kvalloc.allocator import PoolConfig
+from kvalloc.worker.attention.hook import ATTN_IMPLEMENTATION, register
+from kvalloc.worker.errors import ModelLoadError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-
-from allocator import PoolConfig
-from worker.attention.hook import ATTN_IMPLEMENTATION, register
-from worker.errors import ModelLoadError
 
 # Decoder-only families whose attention is plain (optionally grouped-query) softmax attention
 # over rotary positions, which is what the pool path implements.

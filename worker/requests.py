@@ -9,8 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from worker.errors import EngineError
+from kvalloc.worker.errors import EngineError
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-    from worker.step.device_step import Launched
+    from kvalloc.worker.step.device_step import Launched
 
 
 @dataclass

@@ -29,14 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from kvalloc.server.client import AttachedPool, Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepResult
+from kvalloc.server.contract.errors import describe, remote_error
+from kvalloc.worker.errors import EngineError, RunStopped
+from kvalloc.worker.parallel.split import shard_kv_heads
 from torch.distributed import ProcessGroup
-
-from server.client import AttachedPool, Client
-from server.contract import wire
-from server.contract.columns import StepResult
-from server.contract.errors import describe, remote_error
-from worker.errors import EngineError, RunStopped
-from worker.parallel.split import shard_kv_heads
 
 _REPLY, _ERROR, _STOP = 0, 1, 2  # the first byte of what rank 0 hands out
 

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from server.contract import wire
-from worker.drafters import Drafter
-from worker.requests import Request, handles, int64s
+from kvalloc.server.contract import wire
+from kvalloc.worker.drafters import Drafter
+from kvalloc.worker.requests import Request, handles, int64s
 
 
 @dataclass

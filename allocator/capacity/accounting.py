@@ -17,9 +17,8 @@ its own (`lag2_slack`), and settling the behind step gives back exactly its reje
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.state import POLICY_CODES
-from allocator.config import SlackPolicy
+from kvalloc.allocator.capacity.state import POLICY_CODES
+from kvalloc.allocator.config import SlackPolicy
 
 _NO_SLACK = POLICY_CODES[SlackPolicy.NONE]
 _UNRECLAIMED = POLICY_CODES[SlackPolicy.UNRECLAIMED]

@@ -20,8 +20,7 @@ the block-boundary churn of grant/rewind under speculative decoding stays in war
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.errors import InvalidValue, InvariantViolation, OutOfBlocks
+from kvalloc.allocator.errors import InvalidValue, InvariantViolation, OutOfBlocks
 
 
 class BlockPool:

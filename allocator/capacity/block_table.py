@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator.capacity.slots import slot_mapping
-from allocator.capacity.table_graphs import TableUploadGraphs
-from allocator.common.device_io import PinnedUploads, on_device
-from allocator.common.placement import TensorAllocator, plain_tensor
-from allocator.errors import BatchFull, InvalidValue, InvariantViolation
+from kvalloc.allocator.capacity.slots import slot_mapping
+from kvalloc.allocator.capacity.table_graphs import TableUploadGraphs
+from kvalloc.allocator.common.device_io import PinnedUploads, on_device
+from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
+from kvalloc.allocator.errors import BatchFull, InvalidValue, InvariantViolation
 
 
 class BlockTable:

@@ -40,25 +40,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from numpy.typing import ArrayLike
-
-from allocator.capacity.accounting import blocks_for, lag2_slack
-from allocator.capacity.block_pool import BlockPool
-from allocator.capacity.block_table import BlockTable
-from allocator.capacity.kv_events import KVCacheEvent
-from allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
-from allocator.capacity.requests import RequestApi, RequestIds
-from allocator.capacity.slots import run_slots
-from allocator.capacity.state import (
+from kvalloc.allocator.capacity.accounting import blocks_for, lag2_slack
+from kvalloc.allocator.capacity.block_pool import BlockPool
+from kvalloc.allocator.capacity.block_table import BlockTable
+from kvalloc.allocator.capacity.kv_events import KVCacheEvent
+from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
+from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
+from kvalloc.allocator.capacity.slots import run_slots
+from kvalloc.allocator.capacity.state import (
     POLICY_CODES,
     CapacityState,
     ManagerCounters,
     RowState,
     StepLimits,
 )
-from allocator.capacity.step import compiled as step_compiled
-from allocator.capacity.step.codes import ROW_OVERFLOW, raise_step_error
-from allocator.capacity.step.plan import (
+from kvalloc.allocator.capacity.step import compiled as step_compiled
+from kvalloc.allocator.capacity.step.codes import ROW_OVERFLOW, raise_step_error
+from kvalloc.allocator.capacity.step.plan import (
     PlanArrays,
     RequestView,
     StepOutcome,
@@ -66,10 +64,11 @@ from allocator.capacity.step.plan import (
     coerce,
     prompt_token_arrays,
 )
-from allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
-from allocator.common.placement import TensorAllocator, plain_tensor
-from allocator.config import PoolConfig, SlackPolicy
-from allocator.errors import InvariantViolation, UnknownRequest
+from kvalloc.allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
+from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
+from kvalloc.allocator.config import PoolConfig, SlackPolicy
+from kvalloc.allocator.errors import InvariantViolation, UnknownRequest
+from numpy.typing import ArrayLike
 
 
 class KVCacheManager(RequestApi):

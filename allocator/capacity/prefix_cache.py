@@ -40,19 +40,18 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from allocator.capacity.block_pool import BlockPool
-from allocator.capacity.kv_events import (
+from kvalloc.allocator.capacity.block_pool import BlockPool
+from kvalloc.allocator.capacity.kv_events import (
     MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
 )
-from allocator.capacity.kv_events import external_hash as external
-from allocator.capacity.state import RowState
-from allocator.capacity.step.reference import Hits
-from allocator.errors import InvalidValue, InvariantViolation
+from kvalloc.allocator.capacity.kv_events import external_hash as external
+from kvalloc.allocator.capacity.state import RowState
+from kvalloc.allocator.capacity.step.reference import Hits
+from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
 HASH_BYTES = 16
 MAX_SEED_BYTES = hashlib.blake2b.MAX_KEY_SIZE

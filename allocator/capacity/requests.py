@@ -14,17 +14,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.typing import ArrayLike
-
-from allocator.capacity.state import ManagerCounters, RowState
-from allocator.capacity.step.plan import (
+from kvalloc.allocator.capacity.state import ManagerCounters, RowState
+from kvalloc.allocator.capacity.step.plan import (
     REFUSED_BATCH_FULL,
     RequestView,
     StepOutcome,
     StepPlan,
 )
-from allocator.config import PoolConfig
-from allocator.errors import (
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.errors import (
     BatchFull,
     DuplicateRequest,
     InvalidValue,
@@ -32,6 +30,7 @@ from allocator.errors import (
     OutOfBlocks,
     UnknownRequest,
 )
+from numpy.typing import ArrayLike
 
 ReqId = Hashable
 

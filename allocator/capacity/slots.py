@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba
 
 
 def slots_reference(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,

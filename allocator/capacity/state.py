@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import numpy as np
-
-from allocator.capacity.block_pool import BlockPool
-from allocator.capacity.block_table import BlockTable
-from allocator.config import PoolConfig, SlackPolicy
+from kvalloc.allocator.capacity.block_pool import BlockPool
+from kvalloc.allocator.capacity.block_table import BlockTable
+from kvalloc.allocator.config import PoolConfig, SlackPolicy
 
 # SlackPolicy as the integer the compiled step takes.
 POLICY_CODES: dict[SlackPolicy, int] = {

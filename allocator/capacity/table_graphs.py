@@ -30,9 +30,8 @@ from functools import partial
 
 import numpy as np
 import torch
-
-from allocator.common.pinned_graphs import PinnedGraphs, bucket, bucket_sizes
-from allocator.errors import InvalidValue
+from kvalloc.allocator.common.pinned_graphs import PinnedGraphs, bucket, bucket_sizes
+from kvalloc.allocator.errors import InvalidValue
 
 log = logging.getLogger(__name__)
 

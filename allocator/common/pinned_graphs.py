@@ -26,8 +26,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 import torch
-
-from allocator.common.device_io import PinnedBuffer, capture_graph
+from kvalloc.allocator.common.device_io import PinnedBuffer, capture_graph
 
 Fill = Callable[[np.ndarray], None]  # writes a graph's input into the buffer's bytes
 G = TypeVar("G")

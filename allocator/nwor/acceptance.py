@@ -41,9 +41,8 @@ from enum import Enum
 
 import numpy as np
 import torch
-
-from allocator.common.device_io import capture_graph, upload_int64
-from allocator.errors import InvalidScvMode, NworInputError
+from kvalloc.allocator.common.device_io import capture_graph, upload_int64
+from kvalloc.allocator.errors import InvalidScvMode, NworInputError
 
 SCV_MODE_ENV = "KVALLOC_SCV_MODE"
 

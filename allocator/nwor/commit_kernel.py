@@ -30,10 +30,9 @@ from typing import Literal
 
 import numpy as np
 import torch
-
-from allocator.common.triton_support import triton_available
-from allocator.errors import NworInputError, SlotDtypeError
-from allocator.nwor.fence import WriterFence
+from kvalloc.allocator.common.triton_support import triton_available
+from kvalloc.allocator.errors import NworInputError, SlotDtypeError
+from kvalloc.allocator.nwor.fence import WriterFence
 
 Backend = Literal["auto", "torch", "triton"]
 FP8_MAX = 448.0
@@ -133,7 +132,7 @@ def _whole_rows(rows: np.ndarray) -> np.ndarray:
 def _write_triton(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
                   layer_rows: torch.Tensor, num_rows: int,
                   inv_scales: torch.Tensor | None, fence: WriterFence | None) -> None:
-    from allocator.nwor import commit_triton as ct
+    from kvalloc.allocator.nwor import commit_triton as ct
 
     kernel = ct.commit_rows_jit if pool_rows.is_cuda else ct.interpreted("commit_rows")
     num_layers, _, num_slots, row = pool_rows.shape

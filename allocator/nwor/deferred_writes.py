@@ -55,23 +55,27 @@ from typing import Literal
 
 import numpy as np
 import torch
-
-from allocator.common.device_io import PinnedUploads
-from allocator.errors import InvariantViolation, NworInputError, StagingOverflow, WindowStateError
-from allocator.nwor.acceptance import accept, validate_inputs
-from allocator.nwor.commit_kernel import Backend, resolve_backend
-from allocator.nwor.deferred.capture import GraphCapture
-from allocator.nwor.deferred.counters import WindowCounters
-from allocator.nwor.deferred.device_keep import DeviceKeep
-from allocator.nwor.deferred.fp8_scales import Fp8Scales
-from allocator.nwor.deferred.graphs import CommitGraphs
-from allocator.nwor.deferred.input_checks import StagingSpec
-from allocator.nwor.deferred.pool_writes import PoolWrites
-from allocator.nwor.deferred.protection import BlockProtection
-from allocator.nwor.deferred.staging import StagingBuffers
-from allocator.nwor.fence import WriterFence
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
+from kvalloc.allocator.common.device_io import PinnedUploads
+from kvalloc.allocator.errors import (
+    InvariantViolation,
+    NworInputError,
+    StagingOverflow,
+    WindowStateError,
+)
+from kvalloc.allocator.nwor.acceptance import accept, validate_inputs
+from kvalloc.allocator.nwor.commit_kernel import Backend, resolve_backend
+from kvalloc.allocator.nwor.deferred.capture import GraphCapture
+from kvalloc.allocator.nwor.deferred.counters import WindowCounters
+from kvalloc.allocator.nwor.deferred.device_keep import DeviceKeep
+from kvalloc.allocator.nwor.deferred.fp8_scales import Fp8Scales
+from kvalloc.allocator.nwor.deferred.graphs import CommitGraphs
+from kvalloc.allocator.nwor.deferred.input_checks import StagingSpec
+from kvalloc.allocator.nwor.deferred.pool_writes import PoolWrites
+from kvalloc.allocator.nwor.deferred.protection import BlockProtection
+from kvalloc.allocator.nwor.deferred.staging import StagingBuffers
+from kvalloc.allocator.nwor.fence import WriterFence
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
 
 
 class DeferredWriteManager:

@@ -24,8 +24,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-
-from allocator.errors import InvariantViolation, NworInputError
+from kvalloc.allocator.errors import InvariantViolation, NworInputError
 
 CLOSED = -1  # no session number is negative
 

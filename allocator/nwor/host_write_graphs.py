@@ -28,8 +28,7 @@ from functools import partial
 
 import numpy as np
 import torch
-
-from allocator.common.pinned_graphs import PinnedGraphs, bucket, bucket_sizes
+from kvalloc.allocator.common.pinned_graphs import PinnedGraphs, bucket, bucket_sizes
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator.nwor.commit_kernel import Backend, resolve_backend
-from allocator.nwor.window_maths import keep_rule
+from kvalloc.allocator.nwor.commit_kernel import Backend, resolve_backend
+from kvalloc.allocator.nwor.window_maths import keep_rule
 
 NEVER = 1 << 62  # a draft index no count reaches, and a limit no count exceeds
 _BLOCK_T = 256  # tokens per program
@@ -45,7 +44,7 @@ def mask_rejected(tokens: torch.Tensor, accepted: torch.Tensor, limits: torch.Te
     if resolve_backend(backend, slots.device) == "torch":
         _mask_rejected_torch(tokens, accepted, limits, slots, num_rows, out, counters)
         return
-    from allocator.nwor import commit_triton as ct
+    from kvalloc.allocator.nwor import commit_triton as ct
 
     kernel = ct.mask_rejected_jit if slots.is_cuda else ct.interpreted("mask_rejected")
     window, total, hist = counters if counters is not None else (accepted,) * 3

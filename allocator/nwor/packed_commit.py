@@ -23,12 +23,11 @@ protected and its writer's fence is open.
 from __future__ import annotations
 
 import torch
-
-from allocator.nwor.commit_kernel import Backend, write_staged
-from allocator.nwor.deferred.counters import DeviceCounters
-from allocator.nwor.deferred.protection import BlockProtection
-from allocator.nwor.fence import WriterFence
-from allocator.nwor.keep_mask import mask_rejected
+from kvalloc.allocator.nwor.commit_kernel import Backend, write_staged
+from kvalloc.allocator.nwor.deferred.counters import DeviceCounters
+from kvalloc.allocator.nwor.deferred.protection import BlockProtection
+from kvalloc.allocator.nwor.fence import WriterFence
+from kvalloc.allocator.nwor.keep_mask import mask_rejected
 
 
 def commit_packed(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,

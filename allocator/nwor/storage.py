@@ -22,10 +22,9 @@ fp8 pools store ``float8_e4m3fn`` with per-layer K and V dequantisation scales
 from __future__ import annotations
 
 import torch
-
-from allocator.common.placement import TensorAllocator, plain_tensor
-from allocator.config import PoolConfig
-from allocator.errors import NworInputError
+from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.errors import NworInputError
 
 
 class KVStorage:

@@ -18,8 +18,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-from allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.storage import KVStorage
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from dataclasses import FrozenInstanceError, dataclass, field
 
 import numpy as np
-
-from allocator.errors import NworInputError
-from allocator.nwor.window_maths import INT64_MAX, window_total
+from kvalloc.allocator.errors import NworInputError
+from kvalloc.allocator.nwor.window_maths import INT64_MAX, window_total
 
 # Validated counts: read-only int64 (num_tokens, num_draft) and the window's total.
 _Valid = tuple[np.ndarray, np.ndarray, int]

@@ -19,8 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-
-from allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba
 
 # What `keep` returns: (bad, kept_slots, per_position, committed, written).
 Kept = tuple[int, np.ndarray, np.ndarray, int, int]

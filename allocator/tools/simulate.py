@@ -30,19 +30,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from kvalloc.allocator.capacity.manager import KVCacheManager, StepPlan
+from kvalloc.allocator.capacity.step.plan import LAGS
+from kvalloc.allocator.commands.arguments import bounded, output_file
+from kvalloc.allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
+from kvalloc.allocator.commands.simulated_acceptance import Acceptance
+from kvalloc.allocator.config import PoolConfig, SlackPolicy
+from kvalloc.allocator.errors import BlockTableOverflow, InvariantViolation, OutOfBlocks
+from kvalloc.allocator.tools.simulate_plot import plot
+from kvalloc.allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
+from kvalloc.allocator.tools.simulate_prefix import summary as sharing_summary
+from kvalloc.allocator.tools.simulate_result import Failure, SimulationResult
 from pydantic import ValidationError
-
-from allocator.capacity.manager import KVCacheManager, StepPlan
-from allocator.capacity.step.plan import LAGS
-from allocator.commands.arguments import bounded, output_file
-from allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
-from allocator.commands.simulated_acceptance import Acceptance
-from allocator.config import PoolConfig, SlackPolicy
-from allocator.errors import BlockTableOverflow, InvariantViolation, OutOfBlocks
-from allocator.tools.simulate_plot import plot
-from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
-from allocator.tools.simulate_prefix import summary as sharing_summary
-from allocator.tools.simulate_result import Failure, SimulationResult
 
 # The production case: a 128k prompt that ends 8 tokens before a 256-token block boundary, so
 # the first MTP3 steps' writes straddle it.

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvalloc.allocator.tools.simulate_result import Failure, SimulationResult
     from matplotlib.figure import Figure
-
-    from allocator.tools.simulate_result import Failure, SimulationResult
 
 CAPACITY, REACH, ALLOCATED, HISTORY, LIMIT = "#4C72B0", "#DD8452", "#55A868", "#333333", "#8C8C8C"
 FAILURE_COLOR = {"IMA": "#C44E52", "row overflow": "#8172B3"}

@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
-from allocator.capacity.manager import KVCacheManager
-from allocator.capacity.step.plan import StepPlan
-from allocator.config import PoolConfig
-from allocator.errors import OutOfBlocks
+from kvalloc.allocator.capacity.manager import KVCacheManager
+from kvalloc.allocator.capacity.step.plan import StepPlan
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.errors import OutOfBlocks
 
 VOCAB = 32000
 

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from server.contract.errors import AddressError, NotASocket
+from kvalloc.server.contract.errors import AddressError, NotASocket
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8900

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import numpy as np
+from kvalloc.allocator import compiled_type
+from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.server.contract import protocol, wire
+from kvalloc.server.contract.errors import MalformedBody
 from pydantic import BaseModel
-
-from allocator import compiled_type
-from allocator.common.jit import jit, numba
-from server.contract import protocol, wire
-from server.contract.errors import MalformedBody
 
 INT64 = np.dtype("<i8")
 # A call's every column is one array type, int64, contiguous and writable, so that each compiled

@@ -20,9 +20,9 @@ turns it back into the same `RemoteError` for either (`remote_error`).
 
 from __future__ import annotations
 
-import allocator as ae
-from allocator import KVAllocError
-from server.contract import wire
+import kvalloc.allocator as ae
+from kvalloc.allocator import KVAllocError
+from kvalloc.server.contract import wire
 
 
 class KVAllocServerError(Exception):

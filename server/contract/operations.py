@@ -16,9 +16,8 @@ from string import Formatter
 from typing import Any
 
 import msgspec
-
-from server.contract import wire
-from server.contract.columns import StepCall, StepResult
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall, StepResult
 
 # IPC reply status frames.
 OK, ERROR = b"ok", b"error"

@@ -34,10 +34,9 @@ import weakref
 from pathlib import Path
 
 import torch
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import AttachError
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-from server.contract import wire
-from server.contract.errors import AttachError
 
 SHM_DIR = Path("/dev/shm")
 OWNER_SUFFIX = ".owner"

@@ -28,10 +28,9 @@ import typing
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
+from kvalloc.server.contract import protocol
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
-
-from server.contract import protocol
 
 S = TypeVar("S", bound=msgspec.Struct)
 

@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from allocator import (
+from kvalloc.allocator import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -37,14 +35,15 @@ from allocator import (
     block_hashes,
     external_hash,
 )
-from server.contract.errors import HandshakeFailed
-from server.contract.routing import authenticate_subscriber
-from server.service.event_publisher import (
+from kvalloc.server.contract.errors import HandshakeFailed
+from kvalloc.server.contract.routing import authenticate_subscriber
+from kvalloc.server.service.event_publisher import (
     DEFAULT_REPLAY_RATE,
     DEFAULT_TOPIC,
     END_OF_REPLAY,
     REPLAY_REFUSED,
 )
+from zmq.utils.monitor import recv_monitor_message
 
 SEQ_BYTES = 8
 ANOMALIES_KEPT = 10  # the first few are described; the rest are only counted

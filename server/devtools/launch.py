@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.contract.sharing import SHM_DIR
+from kvalloc.server.contract.sharing import SHM_DIR
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ def free_port() -> int:
 def kvalloc_command() -> list[str]:
     """The installed console script next to this interpreter, else the module."""
     script = shutil.which("kvalloc", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "server.cli"]
+    return [script] if script else [sys.executable, "-m", "kvalloc.server.cli"]
 
 
 class ServiceProcess:

@@ -33,16 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from kvalloc.allocator.commands.arguments import argument_type, bounded
+from kvalloc.allocator.commands.interrupt import INTERRUPTED, sigint_stops
+from kvalloc.allocator.commands.simulated_acceptance import Acceptance
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.addresses import client_address, default_client_address
+from kvalloc.server.contract.columns import StepResult
+from kvalloc.server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 from tqdm import tqdm
-
-from allocator.commands.arguments import argument_type, bounded
-from allocator.commands.interrupt import INTERRUPTED, sigint_stops
-from allocator.commands.simulated_acceptance import Acceptance
-from server.client import Client
-from server.contract import wire
-from server.contract.addresses import client_address, default_client_address
-from server.contract.columns import StepResult
-from server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
 
 DEFAULT_STEPS = 1000  # when neither --steps nor --duration is given
 

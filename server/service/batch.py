@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from allocator.common.jit import jit, numba
-from server.contract.columns import Scheduled
-from server.contract.errors import StepNotSettled
+from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.server.contract.columns import Scheduled
+from kvalloc.server.contract.errors import StepNotSettled
 
 
 class Settlement(NamedTuple):

@@ -20,11 +20,10 @@ import contextlib
 
 import numpy as np
 import torch
-
-from allocator import DeferredWriteManager, KVStorage, WindowLayout, WriterFence
-from allocator.common.device_io import on_device, upload_int64
-from server.contract import wire
-from server.service.batch import ScheduledBatch
+from kvalloc.allocator import DeferredWriteManager, KVStorage, WindowLayout, WriterFence
+from kvalloc.allocator.common.device_io import on_device, upload_int64
+from kvalloc.server.contract import wire
+from kvalloc.server.service.batch import ScheduledBatch
 
 NOTHING = wire.CommitSummary(tokens=0, written=0)
 

@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from allocator import InvariantViolation, KVCacheManager, StepPlan, TensorAllocator
-from server.contract import wire
-from server.contract.columns import StepCall, StepResult
-from server.contract.errors import (
+from kvalloc.allocator import InvariantViolation, KVCacheManager, StepPlan, TensorAllocator
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall, StepResult
+from kvalloc.server.contract.errors import (
     LimitExceeded,
     NotReady,
     StaleEpoch,
@@ -45,13 +45,13 @@ from server.contract.errors import (
     StepOutOfOrder,
     WrongRank,
 )
-from server.contract.routing import SEED_BYTES, hash_seed, worker_salt
-from server.contract.sharing import dtype_name
-from server.service.event_publisher import KVEventPublisher
-from server.service.pipeline import StepPipeline
-from server.service.registry import Worker, WorkerRegistry
-from server.service.settings import ServiceConfig
-from server.service.shared_pool import ShardTensors, SharedPool, SharedTensors
+from kvalloc.server.contract.routing import SEED_BYTES, hash_seed, worker_salt
+from kvalloc.server.contract.sharing import dtype_name
+from kvalloc.server.service.event_publisher import KVEventPublisher
+from kvalloc.server.service.pipeline import StepPipeline
+from kvalloc.server.service.registry import Worker, WorkerRegistry
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.server.service.shared_pool import ShardTensors, SharedPool, SharedTensors
 
 log = logging.getLogger("kvalloc.service")
 

@@ -28,11 +28,10 @@ from collections.abc import Callable
 
 import msgspec
 import zmq
+from kvalloc.allocator import KVCacheEvent, KVEventBatch
+from kvalloc.server.contract.routing import curve_keys
 from pydantic import SecretStr
 from zmq.auth.thread import ThreadAuthenticator
-
-from allocator import KVCacheEvent, KVEventBatch
-from server.contract.routing import curve_keys
 
 DEFAULT_TOPIC = "kv-events"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)

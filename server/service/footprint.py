@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from server.contract.errors import PoolTooLarge
-from server.contract.sharing import SHM_DIR
-from server.service.settings import ServiceConfig
+from kvalloc.server.contract.errors import PoolTooLarge
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.service.settings import ServiceConfig
 
 MEMINFO = Path("/proc/meminfo")
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
-
-from allocator.common.jit import jit, numba
-from server.contract.columns import NO_VALUES, Scheduled
-from server.contract.errors import StepNotSettled
+from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.server.contract.columns import NO_VALUES, Scheduled
+from kvalloc.server.contract.errors import StepNotSettled
 
 
 @dataclass(frozen=True)

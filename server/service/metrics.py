@@ -16,14 +16,13 @@ import copy
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvalloc.allocator import AllocatorMetrics
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from allocator import AllocatorMetrics
-
 if TYPE_CHECKING:  # the service imports this module only where prometheus_client exists
-    from server.service.ranks import RankedService
+    from kvalloc.server.service.ranks import RankedService
 
 RANK_LABEL = "data_parallel_rank"
 

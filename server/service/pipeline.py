@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
-from allocator import KVCacheEvent, KVCacheManager, Prompt, StepOutcome, checked_plan
-from allocator.common.jit import jit, numba
-from server.contract import protocol, wire
-from server.contract.columns import (
+from kvalloc.allocator import KVCacheEvent, KVCacheManager, Prompt, StepOutcome, checked_plan
+from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.server.contract import protocol, wire
+from kvalloc.server.contract.columns import (
     NO_VALUES,
     Refused,
     Scheduled,
@@ -35,11 +34,11 @@ from server.contract.columns import (
     StepResult,
     TableChanges,
 )
-from server.contract.errors import LimitExceeded
-from server.service.batch import ForwardRequests, ScheduledBatch, Settlement, schedule
-from server.service.commit import NOTHING, ShardedCommitter
-from server.service.inflight import Flight, Settled
-from server.service.registry import Worker, WorkerRegistry
+from kvalloc.server.contract.errors import LimitExceeded
+from kvalloc.server.service.batch import ForwardRequests, ScheduledBatch, Settlement, schedule
+from kvalloc.server.service.commit import NOTHING, ShardedCommitter
+from kvalloc.server.service.inflight import Flight, Settled
+from kvalloc.server.service.registry import Worker, WorkerRegistry
 
 # The call's lists of handles, in the order `StepPipeline.execute` passes them to the registry.
 _HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "grants.handles",

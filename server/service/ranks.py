@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from server.contract import wire
-from server.contract.errors import ShardingInvalid, UnknownRank, WorkerIdInUse
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from server.service.shards import check_devices, shard_specs
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import ShardingInvalid, UnknownRank, WorkerIdInUse
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.server.service.shards import check_devices, shard_specs
 
 _TCP_PORT = re.compile(r"^(tcp://.*:)(\d+)$")
 

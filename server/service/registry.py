@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from allocator import InvariantViolation, WriterFence
-from allocator.common.jit import jit, numba
-from server.contract import wire
-from server.contract.columns import NO_VALUES, StepCall, StepResult
-from server.contract.errors import (
+from kvalloc.allocator import InvariantViolation, WriterFence
+from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import NO_VALUES, StepCall, StepResult
+from kvalloc.server.contract.errors import (
     DuplicateRequestId,
     RequestNotFound,
     StaleSession,
@@ -44,10 +43,10 @@ from server.contract.errors import (
     UnknownWorker,
     WorkerIdInUse,
 )
-from server.contract.sharing import FenceGroup, StepFence
-from server.service.batch import ScheduledBatch
-from server.service.inflight import InFlight
-from server.service.settings import MAX_ROWS
+from kvalloc.server.contract.sharing import FenceGroup, StepFence
+from kvalloc.server.service.batch import ScheduledBatch
+from kvalloc.server.service.inflight import InFlight
+from kvalloc.server.service.settings import MAX_ROWS
 
 log = logging.getLogger("kvalloc.service")
 

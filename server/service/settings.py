@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.contract.addresses import TOKEN_ENV
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
-
-from allocator import PoolConfig
-from server.contract.addresses import TOKEN_ENV
 
 HASH_SEED_ENV = "KVALLOC_HASH_SEED"
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvalloc.allocator import KVStorage, PoolConfig, shard_span
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import ShardingInvalid
+from kvalloc.server.service.commit import Committer
+from kvalloc.server.service.settings import ServiceConfig, default_pool
 from pydantic import ValidationError
-
-from allocator import KVStorage, PoolConfig, shard_span
-from server.contract import wire
-from server.contract.errors import ShardingInvalid
-from server.service.commit import Committer
-from server.service.settings import ServiceConfig, default_pool
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,14 @@ from typing import Any, NamedTuple
 
 import msgspec
 import torch
-
-from allocator import FenceWords, KVCacheManager, KVStorage, TensorAllocator, WriterFence
-from allocator.common.device_io import on_device
-from server.contract import wire
-from server.contract.sharing import FenceGroup, StepFence, TensorExporter
-from server.service.commit import Committer, ShardedCommitter
-from server.service.registry import Worker
-from server.service.settings import ServiceConfig
-from server.service.shards import PoolShard, ShardSpec, shard_specs
+from kvalloc.allocator import FenceWords, KVCacheManager, KVStorage, TensorAllocator, WriterFence
+from kvalloc.allocator.common.device_io import on_device
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.sharing import FenceGroup, StepFence, TensorExporter
+from kvalloc.server.service.commit import Committer, ShardedCommitter
+from kvalloc.server.service.registry import Worker
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.server.service.shards import PoolShard, ShardSpec, shard_specs
 
 # What an in-process worker uses instead of mapping the handles: the pool, the block table, its
 # staging buffer, step fence and fence word, and the protection of cached blocks (prefix caching).

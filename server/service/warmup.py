@@ -17,11 +17,10 @@ import itertools
 import time
 
 import numpy as np
-
-from server.contract import wire
-from server.contract.columns import StepCall
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 
 WARM_UP_EVENTS = "inproc://kvalloc-warm-up"  # its KV events go nowhere
 _ROWS = 4  # requests the throwaway pool holds

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hmac
 
-from server.contract.errors import MalformedBody, Unauthorized
+from kvalloc.server.contract.errors import MalformedBody, Unauthorized
 
 MAX_SEQ_BYTES = 64  # clients send 8; anything longer is not a client's message
 FRAMES = 4  # [seq, token, op, payload]

@@ -26,21 +26,20 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from pydantic import SecretStr
-
-from server.contract import wire
-from server.contract.addresses import claim_socket_path, stream_path
-from server.contract.errors import (
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.addresses import claim_socket_path, stream_path
+from kvalloc.server.contract.errors import (
     BodyTooLarge,
     MalformedBody,
     Unauthorized,
     UnknownOperation,
     describe,
 )
-from server.contract.operations import ERROR, OK, OPERATIONS
-from server.service.core import ServiceCore
-from server.transport.polling import CallPacer, Wait, wait_for
-from server.transport.stream import StreamListener
+from kvalloc.server.contract.operations import ERROR, OK, OPERATIONS
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.transport.polling import CallPacer, Wait, wait_for
+from kvalloc.server.transport.stream import StreamListener
+from pydantic import SecretStr
 
 log = logging.getLogger("kvalloc.ipc")
 

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import h11
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import LimitsError, Overloaded, describe
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from server.contract import wire
-from server.contract.errors import LimitsError, Overloaded, describe
 
 # Descriptors kept out of REST's reach for ZeroMQ's peers and listeners, shared-memory segments,
 # socket files, logs and the interpreter's own files.

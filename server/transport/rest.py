@@ -28,13 +28,9 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import SecretStr
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from allocator import KVAllocError
-from server.contract import protocol, wire
-from server.contract.errors import (
+from kvalloc.allocator import KVAllocError
+from kvalloc.server.contract import protocol, wire
+from kvalloc.server.contract.errors import (
     BodyTooLarge,
     MalformedBody,
     NotReady,
@@ -42,9 +38,12 @@ from server.contract.errors import (
     describe,
     field_path,
 )
-from server.contract.operations import OPERATIONS
-from server.service.core import ServiceCore
-from server.transport.network import DEFAULT_LIMITS, OVERLOADED_RETRY_AFTER_S, RestLimits
+from kvalloc.server.contract.operations import OPERATIONS
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.transport.network import DEFAULT_LIMITS, OVERLOADED_RETRY_AFTER_S, RestLimits
+from pydantic import SecretStr
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("kvalloc.rest")
 

@@ -37,19 +37,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-
-from server.contract import wire
-from server.contract.addresses import claim_socket_path
-from server.contract.errors import (
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.addresses import claim_socket_path
+from kvalloc.server.contract.errors import (
     BodyTooLarge,
     MalformedBody,
     MessageTooLarge,
     Unauthorized,
     describe,
 )
-from server.contract.operations import ERROR, OK
-from server.transport.gate import sequence_of, token_verified
-from server.transport.polling import BLOCK, CallPacer, Wait, wait_for
+from kvalloc.server.contract.operations import ERROR, OK
+from kvalloc.server.transport.gate import sequence_of, token_verified
+from kvalloc.server.transport.polling import BLOCK, CallPacer, Wait, wait_for
 
 log = logging.getLogger("kvalloc.stream")
 

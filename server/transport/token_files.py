@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from server.contract.addresses import runtime_dir
-from server.contract.errors import AddressError
+from kvalloc.server.contract.addresses import runtime_dir
+from kvalloc.server.contract.errors import AddressError
 
 SUFFIX = ".token"
 # One service, two spellings: a service bound on ``localhost`` listens on 127.0.0.1, and a client

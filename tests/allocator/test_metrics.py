@@ -13,14 +13,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvalloc.allocator import BlockTableOverflow, KVCacheManager, OutOfBlocks, PoolConfig, StepPlan
+from kvalloc.allocator.metrics import AllocatorMetrics
+from kvalloc.allocator.nwor.acceptance import ScvAcceptor
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
+from kvalloc.allocator.nwor.storage import KVStorage
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_scrape import assert_names_follow_prometheus_rules, scrape, value
-
-from allocator import BlockTableOverflow, KVCacheManager, OutOfBlocks, PoolConfig, StepPlan
-from allocator.metrics import AllocatorMetrics
-from allocator.nwor.acceptance import ScvAcceptor
-from allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
-from allocator.nwor.storage import KVStorage
 
 D = 3
 

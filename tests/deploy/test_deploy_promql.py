@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kvalloc.allocator import KVCacheManager, KVStorage, PoolConfig
+from kvalloc.allocator.metrics import AllocatorMetrics
+from kvalloc.allocator.nwor.acceptance import ScvAcceptor
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.server.service.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry
-
-from allocator import KVCacheManager, KVStorage, PoolConfig
-from allocator.metrics import AllocatorMetrics
-from allocator.nwor.acceptance import ScvAcceptor
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from server.service.metrics import ServiceMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"

@@ -14,9 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from kvalloc.server.cli import COMMANDS
 from referencing import Registry, Resource
-
-from server.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -307,15 +306,15 @@ def test_every_doc_that_starts_compose_sets_the_token_first():
 
 
 def test_the_image_carries_every_package_and_can_carry_the_worker_extra():
-    """The image is built from every package pyproject installs (``kvalloc worker`` included),
+    """The image is built from every folder pyproject installs (``kvalloc worker`` included),
     and ``KVALLOC_EXTRAS`` adds an extra pyproject declares, as the docs say."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    folders = set(project["tool"]["setuptools"]["package-dir"].values())
     lines = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
     copied = [line.split()[1] for line in lines if line.startswith("COPY ")]
-    assert {p.rstrip("*") for p in packages} <= set(copied)
+    assert folders <= set(copied)
     context = (ROOT / ".dockerignore").read_text().splitlines()
     assert "*" in context  # only what is let back in reaches the build
     assert {f"!{c}/" if (ROOT / c).is_dir() else f"!{c}" for c in copied} <= set(context)

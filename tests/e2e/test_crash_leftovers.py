@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from server.client import Client
-from server.contract.addresses import claim_socket_path
-from server.contract.errors import NotASocket
-from server.contract.sharing import OWNER_SUFFIX, SHM_DIR, TensorExporter, reap_dead_instances
-from server.devtools.launch import ServiceProcess
+from kvalloc.server.client import Client
+from kvalloc.server.contract.addresses import claim_socket_path
+from kvalloc.server.contract.errors import NotASocket
+from kvalloc.server.contract.sharing import (
+    OWNER_SUFFIX,
+    SHM_DIR,
+    TensorExporter,
+    reap_dead_instances,
+)
+from kvalloc.server.devtools.launch import ServiceProcess
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
               "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",

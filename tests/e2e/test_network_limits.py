@@ -20,14 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from kvalloc.server import serve
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import LimitsError
+from kvalloc.server.devtools.launch import ServiceProcess
+from kvalloc.server.transport.network import connection_budget, http_parsers
+from kvalloc.server.transport.token_files import discover_token
 from proc_status import memory_kib
-
-from server import serve
-from server.client import Client
-from server.contract.errors import LimitsError
-from server.devtools.launch import ServiceProcess
-from server.transport.network import connection_budget, http_parsers
-from server.transport.token_files import discover_token
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
               "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",

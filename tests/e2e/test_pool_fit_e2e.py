@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from server.contract.sharing import SHM_DIR
-from server.devtools.launch import kvalloc_command
-from server.service.footprint import free_memory
-from server.service.settings import default_pool
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.devtools.launch import kvalloc_command
+from kvalloc.server.service.footprint import free_memory
+from kvalloc.server.service.settings import default_pool
 
 ADDRESS_SPACE = 16 << 30  # far above what a service of the default shape maps, far below a TiB
 START_TIMEOUT_S = 120  # imports and the check, on a loaded 2-core machine; nothing is compiled

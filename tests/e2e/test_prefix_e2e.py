@@ -22,13 +22,12 @@ import numpy as np
 import pytest
 import zmq
 from kv_event_subscriber import HANDSHAKE_FAILURES, Subscriber, handshake, watch
-
-from allocator.capacity.kv_events import external_hash
-from allocator.capacity.prefix_cache import block_hashes
-from server.client import Client
-from server.contract.routing import hash_seed, worker_salt
-from server.devtools.launch import ServiceProcess, free_port, kvalloc_command
-from server.transport.token_files import discover_token, token_file
+from kvalloc.allocator.capacity.kv_events import external_hash
+from kvalloc.allocator.capacity.prefix_cache import block_hashes
+from kvalloc.server.client import Client
+from kvalloc.server.contract.routing import hash_seed, worker_salt
+from kvalloc.server.devtools.launch import ServiceProcess, free_port, kvalloc_command
+from kvalloc.server.transport.token_files import discover_token, token_file
 
 POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
         "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",

@@ -19,11 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from kvalloc.server.devtools.launch import ServiceProcess, free_port, kvalloc_command
+from kvalloc.server.transport.token_files import discover_token
 from prometheus_client.parser import text_string_to_metric_families
 from test_deploy_promql import alert_rules, dashboard_exprs, metric_names
-
-from server.devtools.launch import ServiceProcess, free_port, kvalloc_command
-from server.transport.token_files import discover_token
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")

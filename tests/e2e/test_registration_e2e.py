@@ -11,8 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from server.client import Client
-from server.devtools.launch import ServiceProcess
+from kvalloc.server.client import Client
+from kvalloc.server.devtools.launch import ServiceProcess
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
               "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",

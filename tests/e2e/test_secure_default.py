@@ -21,14 +21,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvalloc.server import serve
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import InsecureBinding
+from kvalloc.server.contract.operations import OPERATIONS
+from kvalloc.server.devtools.launch import ServiceProcess, free_port
+from kvalloc.server.transport.token_files import discover_token, token_file
 from pydantic import SecretStr
-
-from server import serve
-from server.client import Client
-from server.contract.errors import InsecureBinding
-from server.contract.operations import OPERATIONS
-from server.devtools.launch import ServiceProcess, free_port
-from server.transport.token_files import discover_token, token_file
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
               "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",

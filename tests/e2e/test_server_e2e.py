@@ -16,16 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.contract.errors import ServiceRestarted
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.devtools.launch import ServiceProcess
 from lag2_worker import Lag2Worker
 from named_worker import NamedWorker
 from service_harness import nwor_scenario
-
-from server.client import Client
-from server.contract import wire
-from server.contract.columns import StepCall
-from server.contract.errors import ServiceRestarted
-from server.contract.sharing import SHM_DIR
-from server.devtools.launch import ServiceProcess
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
               "--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8",

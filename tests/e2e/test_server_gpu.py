@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvalloc.server.client import Client
+from kvalloc.server.devtools.launch import ServiceProcess
 from service_harness import nwor_scenario
-
-from server.client import Client
-from server.devtools.launch import ServiceProcess
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -88,9 +87,9 @@ def test_a_cuda_pool_is_shared_without_shared_memory_files(service: ServiceProce
 def test_an_in_process_worker_on_a_cuda_pool_commits_exactly_the_accepted_tokens() -> None:
     """An engine that embeds the core uses its tensors directly (a process cannot open its own
     CUDA IPC handles), with the same result as a worker process."""
-    from allocator import PoolConfig
-    from server.service.core import ServiceCore
-    from server.service.settings import ServiceConfig
+    from kvalloc.allocator import PoolConfig
+    from kvalloc.server.service.core import ServiceCore
+    from kvalloc.server.service.settings import ServiceConfig
 
     core = ServiceCore(ServiceConfig(pool=PoolConfig(
         device="cuda", num_blocks=256, tokens_per_block=16, num_layers=4, num_kv_heads=8,

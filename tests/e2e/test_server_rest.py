@@ -18,13 +18,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-
-from server.client import Client
-from server.contract import protocol, wire
-from server.contract.errors import RemoteError
-from server.contract.operations import OK, OPERATIONS
-from server.devtools.launch import ServiceProcess, free_port
-from server.transport.token_files import discover_token
+from kvalloc.server.client import Client
+from kvalloc.server.contract import protocol, wire
+from kvalloc.server.contract.errors import RemoteError
+from kvalloc.server.contract.operations import OK, OPERATIONS
+from kvalloc.server.devtools.launch import ServiceProcess, free_port
+from kvalloc.server.transport.token_files import discover_token
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4", "--num-layers",
               "2", "--num-kv-heads", "1", "--head-dim", "8", "--max-batch-size", "8",

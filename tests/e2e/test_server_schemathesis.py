@@ -13,11 +13,10 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from kvalloc.server.client import Client
+from kvalloc.server.contract.operations import OPERATIONS
+from kvalloc.server.devtools.launch import ServiceProcess
 from schemathesis.config import SchemathesisConfig
-
-from server.client import Client
-from server.contract.operations import OPERATIONS
-from server.devtools.launch import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4", "--num-layers",

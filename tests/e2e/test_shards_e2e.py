@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvalloc.server.client import AttachedPool, Client
+from kvalloc.server.contract.errors import RemoteError
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 from service_harness import nwor_scenario
 from test_pool_fit_e2e import owner_files_of
-
-from server.client import AttachedPool, Client
-from server.contract.errors import RemoteError
-from server.contract.sharing import SHM_DIR
-from server.devtools.launch import ServiceProcess, kvalloc_command
 
 SHARDED_POOL = ("--devices", "cpu,cpu", "--tensor-parallel", "2", "--num-blocks", "128",
                 "--tokens-per-block", "4", "--num-layers", "2", "--num-kv-heads", "4",

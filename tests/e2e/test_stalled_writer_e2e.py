@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from server.client import Client
-from server.contract.errors import NotRegistered
-from server.devtools.launch import ServiceProcess, kvalloc_command
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import NotRegistered
+from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 
 TPB, BLOCKS, ROWS, SEQ = 4, 256, 8, 128
 POOL = ("--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",

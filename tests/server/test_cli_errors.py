@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from server import cli
-from server.client import Client
-from server.contract.errors import ServiceUnreachable, TokenRejected
-from server.devtools.launch import ServiceProcess, kvalloc_command
+from kvalloc.server import cli
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import ServiceUnreachable, TokenRejected
+from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 
 
 def fails_with(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

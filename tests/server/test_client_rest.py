@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from server.client import Client
-from server.contract import wire
-from server.contract.columns import StepCall
-from server.contract.errors import ServiceUnreachable, TokenRejected, TransportTimeout
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.contract.errors import ServiceUnreachable, TokenRejected, TransportTimeout
 
 Script = Callable[[socket.socket, int], None]  # (accepted connection, its number)
 

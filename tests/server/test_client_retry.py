@@ -12,11 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-
-from server.client import Client
-from server.contract import wire
-from server.contract.errors import TransportTimeout
-from server.contract.operations import OK
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import TransportTimeout
+from kvalloc.server.contract.operations import OK
 
 REPLY = wire.PoolState  # any reply type will do; get_pool's is the simplest to build
 

@@ -15,14 +15,13 @@ import msgspec
 import pytest
 import torch
 import zmq
-
-from server.client import Client
-from server.contract import wire
-from server.contract.errors import AttachError
-from server.contract.operations import OK
-from server.contract.sharing import SHM_DIR, TensorExporter, attach
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import AttachError
+from kvalloc.server.contract.operations import OK
+from kvalloc.server.contract.sharing import SHM_DIR, TensorExporter, attach
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 
 PREFIX = "kvalloc-00000000000000bb"
 ROGUE = SHM_DIR / f"{PREFIX}-rogue"

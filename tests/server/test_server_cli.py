@@ -11,11 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from allocator import PoolConfig
-from server import serve
-from server.contract.addresses import DEFAULT_PORT, default_client_address, default_ipc_endpoints
-from server.devtools.launch import ServiceProcess, free_port, kvalloc_command
+from kvalloc.allocator import PoolConfig
+from kvalloc.server import serve
+from kvalloc.server.contract.addresses import (
+    DEFAULT_PORT,
+    default_client_address,
+    default_ipc_endpoints,
+)
+from kvalloc.server.devtools.launch import ServiceProcess, free_port, kvalloc_command
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import kvalloc.allocator.common.pinned_graphs as pinned_graphs
 import pytest
 import torch
-
-import allocator.common.pinned_graphs as pinned_graphs
 
 
 @contextlib.contextmanager

@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from kvalloc.worker.model import random_model
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
-
-from worker.model import random_model
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

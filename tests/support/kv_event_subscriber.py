@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import msgspec
 import zmq
+from kvalloc.server.contract.routing import authenticate_subscriber
 from zmq.utils.monitor import recv_monitor_message
-
-from server.contract.routing import authenticate_subscriber
 
 # Which failure ZeroMQ reports for a refused handshake depends on where it stopped.
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from server.client import Client
-from server.contract.columns import StepResult
+from kvalloc.server.client import Client
+from kvalloc.server.contract.columns import StepResult
 
 
 @dataclass

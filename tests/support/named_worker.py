@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from server.client import Client
-from server.contract.columns import StepResult
+from kvalloc.server.client import Client
+from kvalloc.server.contract.columns import StepResult
 
 UNKNOWN_HANDLE = (1 << 40) | 1  # generation 2**20, row 1: never handed out in a test
 
@@ -71,7 +71,7 @@ class NamedWorker:
                 ) -> list[tuple[str, str, str]]:
         """(name, kind, reason) per refusal; ``call_names`` lists the names the call sent per
         kind (``{"grant": [...], "prefill": [...], "new": [...]}``)."""
-        from server.contract.protocol import REFUSAL_REASONS, REFUSED_KINDS
+        from kvalloc.server.contract.protocol import REFUSAL_REASONS, REFUSED_KINDS
 
         r = reply.refused
         return [(call_names[REFUSED_KINDS[k]][i], REFUSED_KINDS[k], REFUSAL_REASONS[why])

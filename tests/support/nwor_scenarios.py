@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from allocator.config import PoolConfig
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import WindowLayout
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.window import WindowLayout
 
 # NaN bit patterns: finite staged values (and their saturating fp8 quantisation) never equal them.
 POISON_BITS = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float8_e4m3fn: 0x7F}

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from worker.attention.pool_attention import PagedLayout
+from kvalloc.worker.attention.pool_attention import PagedLayout
 
 LEAD_BOUND = 3
 

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from server.client import Client
-from server.contract import wire
-from server.contract.columns import StepResult
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepResult
 
 
 def stage_pattern(staging: torch.Tensor, num_tokens: int, tag: int) -> None:

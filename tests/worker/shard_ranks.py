@@ -8,15 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from kvalloc.server.client import Client
+from kvalloc.worker.drafters import DeviceOracleDrafter
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.model import random_model
+from kvalloc.worker.parallel.sharding import shard_model
+from kvalloc.worker.requests import NamedPrompt
+from kvalloc.worker.shard_client import ShardClient
 from worker_oracle import CONFIGS, MAX_NEW_TOKENS
-
-from server.client import Client
-from worker.drafters import DeviceOracleDrafter
-from worker.engine import Engine
-from worker.model import random_model
-from worker.parallel.sharding import shard_model
-from worker.requests import NamedPrompt
-from worker.shard_client import ShardClient
 
 ORACLE_SEED = 3
 

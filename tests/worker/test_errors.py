@@ -8,9 +8,8 @@ import inspect
 from pathlib import Path
 
 import pytest
-
-from allocator.errors import NworInputError
-from worker import errors
+from kvalloc.allocator.errors import NworInputError
+from kvalloc.worker import errors
 
 WORKER = Path(errors.__file__).parent
 CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass)

@@ -9,10 +9,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from worker.errors import EngineError
-from worker.launch_plans import launch_plan
-from worker.requests import Request
+from kvalloc.worker.errors import EngineError
+from kvalloc.worker.launch_plans import launch_plan
+from kvalloc.worker.requests import Request
 
 
 def _reply(rows: list[int], offsets: list[int], num_tokens: list[int],

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvalloc.server.client import Client
+from kvalloc.server.devtools.launch import ServiceProcess
+from kvalloc.worker.errors import EngineError
+from kvalloc.worker.parallel.local_ranks import run_local_ranks
+from kvalloc.worker.shard_client import ShardClient
 from shard_ranks import generate, refused
 from worker_oracle import MAX_DRAFT_LEN, TOKENS_PER_BLOCK, Oracle, assert_acceptance
-
-from server.client import Client
-from server.devtools.launch import ServiceProcess
-from worker.errors import EngineError
-from worker.parallel.local_ranks import run_local_ranks
-from worker.shard_client import ShardClient
 
 WORLD = 2
 POOL = ("--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",

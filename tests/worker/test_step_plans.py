@@ -9,9 +9,8 @@ from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
-
-from worker.requests import Request
-from worker.step_plans import StepPlanner
+from kvalloc.worker.requests import Request
+from kvalloc.worker.step_plans import StepPlanner
 
 
 class _Proposes:

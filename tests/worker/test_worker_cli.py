@@ -9,17 +9,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kvalloc.server.cli import main
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle
-
-from server.cli import main
-from server.client import Client
-from server.contract import wire
-from server.devtools.launch import ServiceProcess, kvalloc_command
 
 pytest_plugins = ["worker_fixtures"]
 

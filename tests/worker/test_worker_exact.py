@@ -16,14 +16,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from kvalloc.server.client import Client
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.worker.drafters import Drafter, NgramDrafter, OracleDrafter
+from kvalloc.worker.engine import Engine, StepRecord
+from kvalloc.worker.requests import Request
+from kvalloc.worker.step.device_step import Launched, LaunchPlan
 from worker_oracle import MAX_NEW_TOKENS, Oracle, assert_acceptance, pool_config
-
-from server.client import Client
-from server.service.core import ServiceCore
-from worker.drafters import Drafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine, StepRecord
-from worker.requests import Request
-from worker.step.device_step import Launched, LaunchPlan
 
 pytest_plugins = ["worker_fixtures"]
 

@@ -15,16 +15,15 @@ import numpy as np
 import pytest
 import torch
 from cuda_checks import no_host_sync
+from kvalloc.server.client import Client
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.model import pool_for_model, random_model
+from kvalloc.worker.requests import NamedPrompt
+from kvalloc.worker.step.device_step import LaunchPlan
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-from server.client import Client
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
-from worker.engine import Engine
-from worker.model import pool_for_model, random_model
-from worker.requests import NamedPrompt
-from worker.step.device_step import LaunchPlan
 
 pytestmark = pytest.mark.gpu
 

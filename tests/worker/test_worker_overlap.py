@@ -15,13 +15,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from kvalloc.worker.drafters import DeviceOracleDrafter, NgramDrafter
+from kvalloc.worker.engine import Engine, StepRecord
+from kvalloc.worker.errors import EngineError
+from kvalloc.worker.requests import NamedPrompt
 from triton_interpreter import needs_triton_interpreter
 from worker_oracle import MAX_NEW_TOKENS, Oracle, assert_acceptance, pool_config
-
-from worker.drafters import DeviceOracleDrafter, NgramDrafter
-from worker.engine import Engine, StepRecord
-from worker.errors import EngineError
-from worker.requests import NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 

@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from worker_oracle import CONFIGS, Oracle, pool_config
-
-from worker.cli import read_prompts
-from worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
-from worker.engine import Engine
-from worker.errors import (
+from kvalloc.worker.cli import read_prompts
+from kvalloc.worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.errors import (
     DrafterSpecError,
     EngineError,
     KvallocAttentionError,
@@ -23,8 +21,9 @@ from worker.errors import (
     ModelLoadError,
     PromptFileError,
 )
-from worker.model import config_from_file, load_model, random_model
-from worker.requests import NamedPrompt
+from kvalloc.worker.model import config_from_file, load_model, random_model
+from kvalloc.worker.requests import NamedPrompt
+from worker_oracle import CONFIGS, Oracle, pool_config
 
 pytest_plugins = ["worker_fixtures"]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.requests import NamedPrompt
 from worker_oracle import MAX_NEW_TOKENS, Oracle, pool_config
-
-from worker.engine import Engine
-from worker.requests import NamedPrompt
 
 pytest_plugins = ["worker_fixtures"]
 

@@ -7,20 +7,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 
+import kvalloc.worker.attention.hook as hook
+import kvalloc.worker.attention.rotary as rotary
+import kvalloc.worker.mlp.gated_mlp as gated_mlp
+import kvalloc.worker.norm.rms_norm as rms_norm
 import pytest
 import torch
+from kvalloc.server.client import Client
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.worker.engine import Engine
+from kvalloc.worker.fusion import fuse_model
+from kvalloc.worker.step.decode_graphs import DecodeGraphs
 from worker_oracle import CONFIGS, Oracle, make_oracle
-
-import worker.attention.hook as hook
-import worker.attention.rotary as rotary
-import worker.mlp.gated_mlp as gated_mlp
-import worker.norm.rms_norm as rms_norm
-from server.client import Client
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from worker.engine import Engine
-from worker.fusion import fuse_model
-from worker.step.decode_graphs import DecodeGraphs
 
 
 @pytest.fixture(scope="session")

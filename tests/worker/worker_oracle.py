@@ -13,13 +13,12 @@ from functools import cache
 
 import numpy as np
 import torch
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.worker.model import kv_shape, random_model
+from kvalloc.worker.requests import NamedPrompt
+from kvalloc.worker.run_stats import RunStats
 from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
-
-from allocator import PoolConfig
-from server.service.settings import ServiceConfig
-from worker.model import kv_shape, random_model
-from worker.requests import NamedPrompt
-from worker.run_stats import RunStats
 
 MAX_NEW_TOKENS = 10
 PROMPT_LENS = (1, 3, 6, 13, 17, 26, 41, 70)

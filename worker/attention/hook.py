@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from kvalloc.worker.attention.pool_attention import PagedLayout, pool_attention
+from kvalloc.worker.attention.pool_attention_triton import kernel_takes, pool_attention_triton
+from kvalloc.worker.errors import KvallocAttentionError
 from transformers import AttentionInterface
-
-from worker.attention.pool_attention import PagedLayout, pool_attention
-from worker.attention.pool_attention_triton import kernel_takes, pool_attention_triton
-from worker.errors import KvallocAttentionError
 
 ATTN_IMPLEMENTATION = "kvalloc"
 

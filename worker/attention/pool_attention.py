@@ -30,10 +30,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from allocator import slot_mapping
-from allocator.common.device_io import upload_int64
-from worker.errors import PoolAttentionInputError
+from kvalloc.allocator import slot_mapping
+from kvalloc.allocator.common.device_io import upload_int64
+from kvalloc.worker.errors import PoolAttentionInputError
 
 
 @dataclass(frozen=True)

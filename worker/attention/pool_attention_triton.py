@@ -31,9 +31,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from worker.attention.pool_attention import HostBounds, PagedLayout, check_inputs, reject
-from worker.kernels.helpers import KERNEL_DTYPES, floor_pow2, kernel_for, kernel_may_take, pow2
+from kvalloc.worker.attention.pool_attention import HostBounds, PagedLayout, check_inputs, reject
+from kvalloc.worker.kernels.helpers import (
+    KERNEL_DTYPES,
+    floor_pow2,
+    kernel_for,
+    kernel_may_take,
+    pow2,
+)
 
 MAX_HEAD_DIM = 256
 # Entries of at most this many tokens (decode, drafts, short chunks) take the decode launch;
@@ -206,7 +211,7 @@ class _Call:
     def of(cls, query: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
            pool_k: torch.Tensor, pool_v: torch.Tensor, layout: PagedLayout, out: torch.Tensor,
            scale: float, window: int | None, scales: tuple[torch.Tensor | None, ...]) -> _Call:
-        from worker.kernels import pool_attention as kernels
+        from kvalloc.worker.kernels import pool_attention as kernels
 
         chosen = (kernel_for(kernels.pool_attention_jit, query),
                   kernel_for(kernels.combine_splits_jit, query),

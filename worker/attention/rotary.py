@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep, attend_staged
-from worker.attention.pool_attention_triton import kernel_takes as attention_kernel_takes
-from worker.errors import RotaryError
-from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
-from worker.module_forwards import merge_linears, switch_forwards
+from kvalloc.worker.attention.hook import ATTN_IMPLEMENTATION, PoolStep, attend_staged
+from kvalloc.worker.attention.pool_attention_triton import kernel_takes as attention_kernel_takes
+from kvalloc.worker.errors import RotaryError
+from kvalloc.worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
+from kvalloc.worker.module_forwards import merge_linears, switch_forwards
 
 # Each class's sliding window, read the way its own forward reads it.
 _WINDOWS: dict[str, Callable[[torch.nn.Module], int | None]] = {
@@ -81,7 +80,7 @@ def rotate_and_stage(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                           f"{tuple(key.shape)}")
     if any(t.stride(-1) != 1 for t in (query, key, value, cos, sin, staged_k, staged_v)):
         raise RotaryError("stride: every tensor's last dimension must be contiguous")
-    from worker.kernels import rotate_and_stage as kernels
+    from kvalloc.worker.kernels import rotate_and_stage as kernels
 
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if n == 0:

@@ -13,8 +13,7 @@ from functools import cache
 from typing import Any
 
 import torch
-
-from allocator.common.triton_support import triton_available
+from kvalloc.allocator.common.triton_support import triton_available
 
 # The dtypes every kernel of the worker computes in (each rounds where transformers rounds).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

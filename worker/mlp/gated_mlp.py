@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from worker.errors import GatedMlpError
-from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take
-from worker.module_forwards import merge_linears, switch_forwards
+from kvalloc.worker.errors import GatedMlpError
+from kvalloc.worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take
+from kvalloc.worker.module_forwards import merge_linears, switch_forwards
 
 FUSED_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
 BLOCK = 1024  # columns a program writes
@@ -43,7 +42,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype not in KERNEL_DTYPES:
         raise GatedMlpError(f"dtype: the kernel takes float32, bfloat16 and float16, got "
                             f"{gate_up.dtype}")
-    from worker.kernels import silu_and_mul as kernels
+    from kvalloc.worker.kernels import silu_and_mul as kernels
 
     width = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * width)

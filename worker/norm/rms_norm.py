@@ -11,10 +11,9 @@ dtype or width the kernel does not take) keeps the module's own forward.
 from __future__ import annotations
 
 import torch
-
-from worker.errors import RmsNormError
-from worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
-from worker.module_forwards import switch_forwards
+from kvalloc.worker.errors import RmsNormError
+from kvalloc.worker.kernels.helpers import KERNEL_DTYPES, kernel_for, kernel_may_take, pow2
+from kvalloc.worker.module_forwards import switch_forwards
 
 # The classes whose forward is exactly `rms_norm`'s arithmetic (Gemma's ``1 + weight``, for
 # one, is not).
@@ -46,7 +45,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
                            f"{x.dtype} rows and a {weight.dtype} weight")
     if x.device != weight.device:
         raise RmsNormError(f"device: rows on {x.device}, weight on {weight.device}")
-    from worker.kernels import rms_norm as kernels
+    from kvalloc.worker.kernels import rms_norm as kernels
 
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)

@@ -42,8 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from worker.errors import EngineError, RankFailed
+from kvalloc.worker.errors import EngineError, RankFailed
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _POLL_S = 0.05  # how often the parent looks at its stop (how soon a stop reaches the ranks)

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from kvalloc.worker.errors import ShardingError
+from kvalloc.worker.model import SUPPORTED_FAMILIES, kv_shape
+from kvalloc.worker.parallel.split import shard_kv_heads, shard_query_heads, shard_range
 from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig, PreTrainedModel
-
-from worker.errors import ShardingError
-from worker.model import SUPPORTED_FAMILIES, kv_shape
-from worker.parallel.split import shard_kv_heads, shard_query_heads, shard_range
 
 
 class RowParallelLinear(nn.Linear):

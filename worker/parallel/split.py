@@ -8,8 +8,8 @@ process group; the rule itself is `allocator.config.shard_span`.
 
 from __future__ import annotations
 
-from allocator import shard_span
-from worker.errors import ShardingError
+from kvalloc.allocator import shard_span
+from kvalloc.worker.errors import ShardingError
 
 
 def shard_range(field: str, size: int, rank: int, world: int) -> tuple[int, int]:

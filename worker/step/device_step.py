@@ -34,16 +34,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
-from allocator import InvariantViolation, PackedCommit, TableValidator, accept
-from allocator.common.device_io import PinnedUploads
-from worker.attention.hook import PoolStep
-from worker.attention.pool_attention import HostBounds, PagedLayout
-from worker.drafters import DeviceOracleDrafter
-from worker.step.batch_buckets import batch_bucket
-from worker.step.decode_graphs import DecodeGraphs
-from worker.step.rows import DeviceRows
-from worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
+from kvalloc.allocator import InvariantViolation, PackedCommit, TableValidator, accept
+from kvalloc.allocator.common.device_io import PinnedUploads
+from kvalloc.worker.attention.hook import PoolStep
+from kvalloc.worker.attention.pool_attention import HostBounds, PagedLayout
+from kvalloc.worker.drafters import DeviceOracleDrafter
+from kvalloc.worker.step.batch_buckets import batch_bucket
+from kvalloc.worker.step.decode_graphs import DecodeGraphs
+from kvalloc.worker.step.rows import DeviceRows
+from kvalloc.worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator import InvariantViolation
-from allocator.common.device_io import upload_int64
+from kvalloc.allocator import InvariantViolation
+from kvalloc.allocator.common.device_io import upload_int64
 
 
 class DeviceRows:

@@ -19,9 +19,8 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 import torch
-
-from allocator import padded_slot_mapping, resolve_backend
-from worker.kernels.helpers import kernel_for
+from kvalloc.allocator import padded_slot_mapping, resolve_backend
+from kvalloc.worker.kernels.helpers import kernel_for
 
 
 class EntryColumns(NamedTuple):
@@ -70,7 +69,7 @@ def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
 def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
                     table: torch.Tensor, tokens_per_block: int) -> StepMetadata:
     """`metadata_reference` in one launch (Triton's interpreter for CPU tensors)."""
-    from worker.kernels import step_metadata as kernels
+    from kvalloc.worker.kernels import step_metadata as kernels
 
     n = cols.token_entry.numel()
     history = torch.empty_like(cols.starts)

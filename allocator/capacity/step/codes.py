@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
-
-from allocator.capacity.step.plan import FIELDS, PlanArrays
-from allocator.errors import (
+from kvalloc.allocator.capacity.step.plan import FIELDS, PlanArrays
+from kvalloc.allocator.errors import (
     AcceptedExceedsDrafts,
     BlockTableOverflow,
     DraftLenExceeded,

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+from kvalloc.allocator.errors import InvalidValue
 from numpy.typing import ArrayLike
-
-from allocator.errors import InvalidValue
 
 # StepOutcome.new_refusals: why a new request was not admitted.
 ADMITTED = 0

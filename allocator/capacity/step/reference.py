@@ -32,8 +32,7 @@ from dataclasses import dataclass, fields
 from typing import NoReturn
 
 import numpy as np
-
-from allocator.capacity.accounting import (
+from kvalloc.allocator.capacity.accounting import (
     blocks_for,
     lag2_slack,
     released_behind,
@@ -41,8 +40,8 @@ from allocator.capacity.accounting import (
     settle_behind,
     slack_for,
 )
-from allocator.capacity.block_pool import BlockPool
-from allocator.capacity.state import (
+from kvalloc.allocator.capacity.block_pool import BlockPool
+from kvalloc.allocator.capacity.state import (
     COUNTER_INDEX,
     COUNTER_NAMES,
     POLICY_CODES,
@@ -50,14 +49,14 @@ from allocator.capacity.state import (
     RowState,
     StepLimits,
 )
-from allocator.capacity.step import codes
-from allocator.capacity.step.plan import (
+from kvalloc.allocator.capacity.step import codes
+from kvalloc.allocator.capacity.step.plan import (
     REFUSED_BATCH_FULL,
     REFUSED_OUT_OF_BLOCKS,
     PlanArrays,
     StepOutcome,
 )
-from allocator.config import SlackPolicy
+from kvalloc.allocator.config import SlackPolicy
 
 
 @dataclass

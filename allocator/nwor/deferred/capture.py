@@ -19,14 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from allocator.errors import WindowStateError
-from allocator.nwor.acceptance import StaticAcceptance
-from allocator.nwor.deferred.device_keep import DeviceKeep
-from allocator.nwor.deferred.graphs import CommitGraphs
-from allocator.nwor.deferred.input_checks import StagingSpec
-from allocator.nwor.deferred.pool_writes import PoolWrites
-from allocator.nwor.fence import WriterFence
+from kvalloc.allocator.errors import WindowStateError
+from kvalloc.allocator.nwor.acceptance import StaticAcceptance
+from kvalloc.allocator.nwor.deferred.device_keep import DeviceKeep
+from kvalloc.allocator.nwor.deferred.graphs import CommitGraphs
+from kvalloc.allocator.nwor.deferred.input_checks import StagingSpec
+from kvalloc.allocator.nwor.deferred.pool_writes import PoolWrites
+from kvalloc.allocator.nwor.fence import WriterFence
 
 
 class GraphCapture:

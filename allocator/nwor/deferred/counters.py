@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator.errors import InvariantViolation
-from allocator.nwor.window import NworMetrics, WindowStats
+from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.allocator.nwor.window import NworMetrics, WindowStats
 
 INVALID_COUNTS = "accepted_out_of_range"
 DEVICE_PATHS = ("device", "graph")  # the paths of windows counted on the device

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator.common.device_io import PinnedUploads
-from allocator.errors import InvariantViolation
-from allocator.nwor.commit_kernel import Backend
-from allocator.nwor.deferred.counters import DeviceCounters
-from allocator.nwor.deferred.input_checks import StagingSpec
-from allocator.nwor.keep_mask import NEVER, mask_rejected
-from allocator.nwor.window import WindowLayout
-from allocator.nwor.window_maths import token_table
+from kvalloc.allocator.common.device_io import PinnedUploads
+from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.allocator.nwor.commit_kernel import Backend
+from kvalloc.allocator.nwor.deferred.counters import DeviceCounters
+from kvalloc.allocator.nwor.deferred.input_checks import StagingSpec
+from kvalloc.allocator.nwor.keep_mask import NEVER, mask_rejected
+from kvalloc.allocator.nwor.window import WindowLayout
+from kvalloc.allocator.nwor.window_maths import token_table
 
 
 class DeviceKeep:

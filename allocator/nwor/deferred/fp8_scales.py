@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-from allocator.errors import InvariantViolation, NworInputError
-from allocator.nwor.storage import KVStorage
+from kvalloc.allocator.errors import InvariantViolation, NworInputError
+from kvalloc.allocator.nwor.storage import KVStorage
 
 FP8_STAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Scale = float | torch.Tensor | None  # a dequantisation scale; None: the pool's own

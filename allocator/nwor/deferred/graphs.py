@@ -24,12 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from allocator.common.device_io import capture_graph
-from allocator.errors import InvariantViolation
-from allocator.nwor.acceptance import StaticAcceptance
-from allocator.nwor.commit_kernel import Backend
-from allocator.nwor.host_write_graphs import HostWriteGraphs, Write
+from kvalloc.allocator.common.device_io import capture_graph
+from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.allocator.nwor.acceptance import StaticAcceptance
+from kvalloc.allocator.nwor.commit_kernel import Backend
+from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs, Write
 
 
 @dataclass

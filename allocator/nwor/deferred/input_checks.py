@@ -9,19 +9,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from allocator.errors import (
+from kvalloc.allocator.errors import (
     AcceptedExceedsDrafts,
     InvalidValue,
     NworInputError,
     SlotDtypeError,
     WindowStateError,
 )
-from allocator.nwor.acceptance import is_integer_tensor
-from allocator.nwor.deferred.fp8_scales import stage_dtype_for
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import WindowLayout
-from allocator.nwor.window_maths import Kept, keep
+from kvalloc.allocator.nwor.acceptance import is_integer_tensor
+from kvalloc.allocator.nwor.deferred.fp8_scales import stage_dtype_for
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.window import WindowLayout
+from kvalloc.allocator.nwor.window_maths import Kept, keep
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)  # `keep`'s slots for a window whose slots are on device
 

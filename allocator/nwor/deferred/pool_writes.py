@@ -22,21 +22,20 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-
-from allocator.nwor.acceptance import accept
-from allocator.nwor.commit_kernel import Backend, write_staged
-from allocator.nwor.deferred.counters import WindowCounters
-from allocator.nwor.deferred.device_keep import DeviceKeep
-from allocator.nwor.deferred.fp8_scales import Fp8Scales
-from allocator.nwor.deferred.graphs import CommitGraphs
-from allocator.nwor.deferred.protection import BlockProtection
-from allocator.nwor.deferred.staging import StagingBuffers
-from allocator.nwor.fence import WriterFence
-from allocator.nwor.host_write_graphs import HostWriteGraphs
-from allocator.nwor.packed_commit import commit_packed
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import WindowLayout, WindowStats
-from allocator.nwor.window_maths import Kept
+from kvalloc.allocator.nwor.acceptance import accept
+from kvalloc.allocator.nwor.commit_kernel import Backend, write_staged
+from kvalloc.allocator.nwor.deferred.counters import WindowCounters
+from kvalloc.allocator.nwor.deferred.device_keep import DeviceKeep
+from kvalloc.allocator.nwor.deferred.fp8_scales import Fp8Scales
+from kvalloc.allocator.nwor.deferred.graphs import CommitGraphs
+from kvalloc.allocator.nwor.deferred.protection import BlockProtection
+from kvalloc.allocator.nwor.deferred.staging import StagingBuffers
+from kvalloc.allocator.nwor.fence import WriterFence
+from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs
+from kvalloc.allocator.nwor.packed_commit import commit_packed
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.window import WindowLayout, WindowStats
+from kvalloc.allocator.nwor.window_maths import Kept
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,7 @@ Invariant: the mask is None (no guard) or bool ``[total_blocks]`` on the pool's 
 from __future__ import annotations
 
 import torch
-
-from allocator.errors import InvariantViolation, NworInputError
+from kvalloc.allocator.errors import InvariantViolation, NworInputError
 
 
 class BlockProtection:

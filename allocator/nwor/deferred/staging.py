@@ -27,11 +27,10 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-
-from allocator.common.device_io import PinnedUploads
-from allocator.errors import InvariantViolation
-from allocator.nwor.deferred.input_checks import StagingSpec
-from allocator.nwor.deferred.protection import BlockProtection
+from kvalloc.allocator.common.device_io import PinnedUploads
+from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.allocator.nwor.deferred.input_checks import StagingSpec
+from kvalloc.allocator.nwor.deferred.protection import BlockProtection
 
 
 class StagingBuffers:

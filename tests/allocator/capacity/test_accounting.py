@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from allocator.capacity.accounting import slack_for
-from allocator.capacity.state import POLICY_CODES
-from allocator.capacity.step import compiled
-from allocator.capacity.step.compiled import rules
-from allocator.config import SlackPolicy
+from kvalloc.allocator.capacity.accounting import slack_for
+from kvalloc.allocator.capacity.state import POLICY_CODES
+from kvalloc.allocator.capacity.step import compiled
+from kvalloc.allocator.capacity.step.compiled import rules
+from kvalloc.allocator.config import SlackPolicy
 
 
 def test_the_slack_is_the_drafts_or_the_lead_when_that_is_larger() -> None:

@@ -22,8 +22,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-
-from allocator import (
+from kvalloc.allocator import (
     REFUSED_OUT_OF_BLOCKS,
     AcceptedExceedsDrafts,
     BatchFull,

@@ -22,8 +22,7 @@ import time
 
 import numpy as np
 import pytest
-
-from allocator import BlockPool, InvalidValue, InvariantViolation, OutOfBlocks
+from kvalloc.allocator import BlockPool, InvalidValue, InvariantViolation, OutOfBlocks
 
 
 def owned(pool: BlockPool) -> np.ndarray:

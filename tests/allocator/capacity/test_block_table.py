@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from allocator import (
+from kvalloc.allocator import (
     BatchFull,
     BlockTable,
     InvalidValue,
@@ -26,8 +25,8 @@ from allocator import (
     PoolConfig,
     StepPlan,
 )
-from allocator.capacity.slots import slots_reference
-from allocator.common.placement import plain_tensor
+from kvalloc.allocator.capacity.slots import slots_reference
+from kvalloc.allocator.common.placement import plain_tensor
 
 on_each_device = pytest.mark.parametrize("device", [
     "cpu",

@@ -28,9 +28,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from allocator import BlockTableOverflow, GrantPending, KVCacheManager, PoolConfig, StepPlan
-from allocator.capacity.step.compiled import available
+from kvalloc.allocator import BlockTableOverflow, GrantPending, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator.capacity.step.compiled import available
 
 TPB = 4
 MAX_DRAFT = 3

@@ -36,8 +36,7 @@ import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from allocator import (
+from kvalloc.allocator import (
     BlockTableOverflow,
     KVCacheManager,
     OutOfBlocks,

@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-
-from allocator import KVCacheManager, StepPlan, UnknownRequest
+from kvalloc.allocator import KVCacheManager, StepPlan, UnknownRequest
 
 
 def _running(make_manager: Callable[..., KVCacheManager]) -> KVCacheManager:

@@ -21,11 +21,10 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
-from allocator.capacity.kv_events import BlockRemoved, external_hash
-from allocator.capacity.prefix_cache import block_hashes
-from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
+from kvalloc.allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator.capacity.kv_events import BlockRemoved, external_hash
+from kvalloc.allocator.capacity.prefix_cache import block_hashes
+from kvalloc.allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 
 TPB = 4
 
@@ -368,8 +367,8 @@ def test_the_shared_prefix_workload_reuses_most_prompt_tokens_and_evicts_when_sh
 
 def test_kvalloc_simulate_reports_the_hit_rate_of_the_shared_prefix_workload():
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "simulate", "--shared-prefix", "256", "--osl", "8",
-         "--tokens-per-block", "16", "--conversations", "4", "--no-progress"],
+        [sys.executable, "-m", "kvalloc.server.cli", "simulate", "--shared-prefix", "256",
+         "--osl", "8", "--tokens-per-block", "16", "--conversations", "4", "--no-progress"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)

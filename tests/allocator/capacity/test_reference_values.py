@@ -13,9 +13,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from allocator import BlockTableOverflow, KVCacheManager, SlackPolicy, StepPlan
-from allocator.capacity.accounting import settle
+from kvalloc.allocator import BlockTableOverflow, KVCacheManager, SlackPolicy, StepPlan
+from kvalloc.allocator.capacity.accounting import settle
 
 TPB = 16
 MAX_D = 3

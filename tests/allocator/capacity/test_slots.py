@@ -17,9 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from allocator.capacity import slots
-from allocator.common.jit import numba
+from kvalloc.allocator.capacity import slots
+from kvalloc.allocator.common.jit import numba
 
 TPB = 4
 # row 0: blocks 7, 2; row 1: block 5; row 2: none.

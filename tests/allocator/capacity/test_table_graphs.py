@@ -27,10 +27,15 @@ import numpy as np
 import pytest
 import torch
 from cuda_checks import counted_captures, failing_captures, no_host_sync
-
-from allocator import BlockTable, InvalidValue
-from allocator.capacity.table_graphs import MAX_ROWS, MIN_ROWS, TableUploadGraphs, pack, rows_for
-from allocator.common.pinned_graphs import bucket_sizes
+from kvalloc.allocator import BlockTable, InvalidValue
+from kvalloc.allocator.capacity.table_graphs import (
+    MAX_ROWS,
+    MIN_ROWS,
+    TableUploadGraphs,
+    pack,
+    rows_for,
+)
+from kvalloc.allocator.common.pinned_graphs import bucket_sizes
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -221,7 +226,7 @@ def test_capturing_every_bucket_ahead_writes_nothing_into_a_full_table(
 def test_a_failed_capture_falls_back_to_the_eager_path_for_good(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     attempts = failing_captures(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="allocator.capacity.table_graphs"):
+    with caplog.at_level(logging.WARNING, logger="kvalloc.allocator.capacity.table_graphs"):
         table = BlockTable(BATCH, WIDTH, torch.device("cuda"))
         # The first bucket's capture, when the table was made, failed; none was tried after it,
         # and its real warm-up wrote nothing.

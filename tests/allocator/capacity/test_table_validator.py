@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from allocator.capacity.table_validator import TableValidator
+from kvalloc.allocator.capacity.table_validator import TableValidator
 
 
 def test_counts_holes_and_positions_past_the_row() -> None:

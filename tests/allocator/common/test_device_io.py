@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from allocator.common.device_io import PinnedUploads
+from kvalloc.allocator.common.device_io import PinnedUploads
 
 on_each_device = pytest.mark.parametrize("device", [
     "cpu",

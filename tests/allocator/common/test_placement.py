@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from allocator import BlockTable, KVCacheManager, KVStorage, StepPlan, plain_tensor
+from kvalloc.allocator import BlockTable, KVCacheManager, KVStorage, StepPlan, plain_tensor
 
 
 class Recording:

@@ -11,9 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from allocator.errors import InvalidScvMode, NworInputError
-from allocator.nwor.acceptance import (
+from kvalloc.allocator.errors import InvalidScvMode, NworInputError
+from kvalloc.allocator.nwor.acceptance import (
     SCV_MODE_ENV,
     ScvAcceptor,
     ScvMode,

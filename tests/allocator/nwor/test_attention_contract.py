@@ -9,19 +9,18 @@ import math
 import numpy as np
 import pytest
 import torch
-from nwor_scenarios import POISON_BITS, bits, poisoned_storage
-
-from allocator.capacity.block_table import BlockTable
-from allocator.config import PoolConfig
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.two_source_attention import (
+from kvalloc.allocator.capacity.block_table import BlockTable
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.two_source_attention import (
     attend,
     merge_attention,
     paged_attention,
     two_source_attention,
 )
-from allocator.nwor.window import WindowLayout
+from kvalloc.allocator.nwor.window import WindowLayout
+from nwor_scenarios import POISON_BITS, bits, poisoned_storage
 
 BF16_TOL = {"atol": 2e-2, "rtol": 1.6e-2}
 

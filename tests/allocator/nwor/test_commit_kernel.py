@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvalloc.allocator.errors import NworInputError, SlotDtypeError
+from kvalloc.allocator.nwor.commit_kernel import quantise_fp8, resolve_backend, write_staged
 from triton_interpreter import needs_triton_interpreter
-
-from allocator.errors import NworInputError, SlotDtypeError
-from allocator.nwor.commit_kernel import quantise_fp8, resolve_backend, write_staged
 
 FP8 = torch.float8_e4m3fn
 BITS = {1: torch.uint8, 2: torch.int16}

@@ -12,13 +12,12 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from kvalloc.allocator.errors import AcceptedExceedsDrafts, InvariantViolation, NworInputError
+from kvalloc.allocator.nwor.acceptance import StaticAcceptance
+from kvalloc.allocator.nwor.deferred.graphs import CapturedCommit
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.window import WindowLayout, WindowStats
 from nwor_scenarios import bits, expected_after, poisoned_storage, pool_config, random_window, stage
-
-from allocator.errors import AcceptedExceedsDrafts, InvariantViolation, NworInputError
-from allocator.nwor.acceptance import StaticAcceptance
-from allocator.nwor.deferred.graphs import CapturedCommit
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.window import WindowLayout, WindowStats
 
 TOKENS = 48
 

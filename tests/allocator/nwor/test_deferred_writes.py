@@ -3,9 +3,21 @@ slot keeps its poison, bad input changes nothing, and any failure falls back wit
 
 from __future__ import annotations
 
+import kvalloc.allocator.nwor.deferred.pool_writes as pool_writes
+import kvalloc.allocator.nwor.packed_commit as packed_commit
 import numpy as np
 import pytest
 import torch
+from kvalloc.allocator.errors import (
+    AcceptedExceedsDrafts,
+    InvalidValue,
+    NworInputError,
+    SlotDtypeError,
+    StagingOverflow,
+    WindowStateError,
+)
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.window import WindowLayout, WindowStats
 from nwor_scenarios import (
     POISON_BITS,
     bits,
@@ -16,19 +28,6 @@ from nwor_scenarios import (
     stage,
 )
 from triton_interpreter import needs_triton_interpreter
-
-import allocator.nwor.deferred.pool_writes as pool_writes
-import allocator.nwor.packed_commit as packed_commit
-from allocator.errors import (
-    AcceptedExceedsDrafts,
-    InvalidValue,
-    NworInputError,
-    SlotDtypeError,
-    StagingOverflow,
-    WindowStateError,
-)
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.window import WindowLayout, WindowStats
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_interpreter)]
 

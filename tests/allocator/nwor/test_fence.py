@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpreter import needs_triton_interpreter
-
-from allocator import (
+from kvalloc.allocator import (
     CLOSED,
     DeferredWriteManager,
     FenceWords,
@@ -21,7 +19,8 @@ from allocator import (
     WriterFence,
     write_staged,
 )
-from allocator.common.placement import plain_tensor
+from kvalloc.allocator.common.placement import plain_tensor
+from triton_interpreter import needs_triton_interpreter
 
 LAYERS, SLOTS, ROWS, ROW = 2, 32, 8, 16
 

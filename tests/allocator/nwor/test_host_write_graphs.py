@@ -30,14 +30,13 @@ import numpy as np
 import pytest
 import torch
 from cuda_checks import counted_captures, failing_captures, no_host_sync
+from kvalloc.allocator.common.pinned_graphs import GraphStore, bucket_sizes
+from kvalloc.allocator.errors import NworInputError, WindowStateError
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.host_write_graphs import MIN_ROWS, row_buckets, rows_for
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.window import WindowLayout
 from nwor_scenarios import Window, bits, expected_after, poisoned_storage, pool_config
-
-from allocator.common.pinned_graphs import GraphStore, bucket_sizes
-from allocator.errors import NworInputError, WindowStateError
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.host_write_graphs import MIN_ROWS, row_buckets, rows_for
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.window import WindowLayout
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -305,7 +304,7 @@ def test_a_capture_that_fails_ahead_turns_graphs_off_once_and_commits_write_eage
     storages, eager, graphed, make_staging = _twins()
     staging = make_staging()
     before = bits(storages[1].kv).clone()
-    with caplog.at_level(logging.WARNING, logger="allocator.nwor.host_write_graphs"):
+    with caplog.at_level(logging.WARNING, logger="kvalloc.allocator.nwor.host_write_graphs"):
         assert graphed.graphs.capture_host_writes(staging) is False
         assert graphed.graphs.capture_host_writes(make_staging()) is False  # no new attempt
         torch.cuda.synchronize()
@@ -360,12 +359,11 @@ def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_wi
     commit exactly the accepted tokens; its graphs go when it deregisters or its lease expires.
     On CPU the same calls run and capture nothing."""
     captures = counted_captures(monkeypatch)
+    from kvalloc.allocator import PoolConfig
+    from kvalloc.server.client import Client
+    from kvalloc.server.service.core import ServiceCore
+    from kvalloc.server.service.settings import ServiceConfig
     from service_harness import nwor_scenario
-
-    from allocator import PoolConfig
-    from server.client import Client
-    from server.service.core import ServiceCore
-    from server.service.settings import ServiceConfig
 
     now = [1000.0]
     core = ServiceCore(ServiceConfig(pool=PoolConfig(

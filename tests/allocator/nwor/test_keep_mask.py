@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvalloc.allocator.nwor.keep_mask import NEVER, mask_rejected
 from triton_interpreter import needs_triton_interpreter
-
-from allocator.nwor.keep_mask import NEVER, mask_rejected
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

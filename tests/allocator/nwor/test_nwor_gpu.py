@@ -7,17 +7,16 @@ from __future__ import annotations
 import contextlib
 import random
 
+import kvalloc.allocator.nwor.acceptance as acceptance
 import numpy as np
 import pytest
 import torch
 from cuda_checks import no_host_sync
+from kvalloc.allocator.nwor.acceptance import ScvAcceptor, ScvMode, acceptance_mask
+from kvalloc.allocator.nwor.commit_kernel import write_staged
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.window import WindowLayout
 from nwor_scenarios import bits, expected_after, poisoned_storage, pool_config, random_window, stage
-
-import allocator.nwor.acceptance as acceptance
-from allocator.nwor.acceptance import ScvAcceptor, ScvMode, acceptance_mask
-from allocator.nwor.commit_kernel import write_staged
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.window import WindowLayout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

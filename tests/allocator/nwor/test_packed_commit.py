@@ -10,9 +10,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvalloc.allocator import (
+    DeferredWriteManager,
+    KVStorage,
+    PackedCommit,
+    PoolConfig,
+    WindowLayout,
+)
 from triton_interpreter import needs_triton_interpreter
-
-from allocator import DeferredWriteManager, KVStorage, PackedCommit, PoolConfig, WindowLayout
 
 LAYERS, HEADS, DIM, TPB, BLOCKS = 2, 2, 4, 4, 24
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvalloc.allocator import KVCacheManager, StepPlan
+from kvalloc.allocator.capacity.slots import slots_reference
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.window import WindowLayout
 from nwor_scenarios import bits, poisoned_storage, pool_config
-
-from allocator import KVCacheManager, StepPlan
-from allocator.capacity.slots import slots_reference
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.window import WindowLayout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

@@ -4,26 +4,25 @@ counts, and a manager that commits through either gives the same pool, stats and
 
 from __future__ import annotations
 
+import kvalloc.allocator.nwor.deferred.device_keep as device_keep
+import kvalloc.allocator.nwor.deferred.input_checks as input_checks
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nwor_scenarios import bits, poisoned_storage, pool_config, random_window
-
-import allocator.nwor.deferred.device_keep as device_keep
-import allocator.nwor.deferred.input_checks as input_checks
-from allocator.common.jit import numba
-from allocator.errors import NworInputError
-from allocator.nwor import window_maths
-from allocator.nwor.deferred_writes import DeferredWriteManager
-from allocator.nwor.window import WindowLayout
-from allocator.nwor.window_maths import (
+from kvalloc.allocator.common.jit import numba
+from kvalloc.allocator.errors import NworInputError
+from kvalloc.allocator.nwor import window_maths
+from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
+from kvalloc.allocator.nwor.window import WindowLayout
+from kvalloc.allocator.nwor.window_maths import (
     INT64_MAX,
     keep_reference,
     token_table_reference,
     window_total_reference,
 )
+from nwor_scenarios import bits, poisoned_storage, pool_config, random_window
 
 compiled = pytest.mark.skipif(numba is None, reason="numba is not installed")
 

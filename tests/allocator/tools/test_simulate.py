@@ -15,12 +15,11 @@ import sys
 
 import numpy as np
 import pytest
+from kvalloc.allocator import SlackPolicy
+from kvalloc.allocator.commands.simulated_acceptance import Acceptance
+from kvalloc.allocator.tools.simulate import SimulationResult, SimulationSpec, simulate
+from kvalloc.allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 from sigint import interrupt_once_progressing
-
-from allocator import SlackPolicy
-from allocator.commands.simulated_acceptance import Acceptance
-from allocator.tools.simulate import SimulationResult, SimulationSpec, simulate
-from allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 
 D = 3
 LAGS = [1, 2]
@@ -137,7 +136,7 @@ def test_tight_pool_refuses_grants_instead_of_overcommitting(lag):
 def test_cli_writes_json_and_plot_and_exits_nonzero_on_failure(tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "simulate", "--policy", "none", "--osl", "64",
+        [sys.executable, "-m", "kvalloc.server.cli", "simulate", "--policy", "none", "--osl", "64",
          "--json", str(out), "--plot", str(png), "--no-progress"],
         capture_output=True, text=True, timeout=120,
     )
@@ -152,7 +151,7 @@ def test_ctrl_c_prints_the_summary_of_the_steps_run_and_exits_130(tmp_path):
     (marked interrupted) goes to stdout and --json, exit 130, no traceback."""
     out = tmp_path / "s.json"
     r = interrupt_once_progressing(
-        [sys.executable, "-m", "server.cli", "simulate", "--osl", "20000", "--num-requests",
+        [sys.executable, "-m", "kvalloc.server.cli", "simulate", "--osl", "20000", "--num-requests",
          "64", "--json", str(out)],
         r"[1-9]\d*/\d+", timeout_s=120)
     assert r.returncode == 130, r.stderr
@@ -180,7 +179,7 @@ def test_a_stop_request_ends_either_workload_between_steps_with_invariants_held(
 
 def test_cli_exits_zero_for_a_clean_run():
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "simulate", "--osl", "64", "--no-progress"],
+        [sys.executable, "-m", "kvalloc.server.cli", "simulate", "--osl", "64", "--no-progress"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -198,7 +197,7 @@ def test_cli_exits_zero_for_a_clean_run():
 ])
 def test_cli_reproduces_each_policy_outcome_at_each_lag(lag, policy, status, failure, step):
     argv = ["--policy", policy, "--no-progress"] + ([] if lag == 2 else ["--lag", "1"])
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "simulate", *argv],
+    proc = subprocess.run([sys.executable, "-m", "kvalloc.server.cli", "simulate", *argv],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == status, proc.stderr
     summary = json.loads(proc.stdout)
@@ -217,7 +216,7 @@ def test_cli_reproduces_each_policy_outcome_at_each_lag(lag, policy, status, fai
     (["--no-overlap", "--lag", "2"], "--no-overlap --lag 2"),
 ])
 def test_cli_rejects_bad_arguments_naming_them(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "simulate", *argv],
+    proc = subprocess.run([sys.executable, "-m", "kvalloc.server.cli", "simulate", *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert message in proc.stderr
@@ -231,8 +230,7 @@ CLEAN = "clean: the write reach stays within granted capacity"
     (SlackPolicy.RECLAIM, 2, CLEAN), (SlackPolicy.NONE, 1, CLEAN)])
 def test_the_plot_names_the_outcome_and_keeps_its_legends_off_the_data(policy, lag, verdict):
     import matplotlib.pyplot as plt
-
-    from allocator.tools.simulate_plot import figure
+    from kvalloc.allocator.tools.simulate_plot import figure
 
     result = run(policy, lag=lag)
     fig = figure(result)

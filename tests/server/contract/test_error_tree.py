@@ -9,21 +9,20 @@ import importlib
 import inspect
 import pkgutil
 
+import kvalloc.server as server
 import pytest
-
-import server
-from server.contract import errors
+from kvalloc.server.contract import errors
 
 # Private exceptions that carry control flow, not errors: a signal turned into an unwinding.
-CONTROL_FLOW = {"server.serve._Stopped"}
+CONTROL_FLOW = {"kvalloc.server.serve._Stopped"}
 
 
 def _server_exceptions() -> list[type[BaseException]]:
     found = set()
-    for info in pkgutil.walk_packages(server.__path__, "server."):
+    for info in pkgutil.walk_packages(server.__path__, "kvalloc.server."):
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if (issubclass(cls, BaseException) and cls.__module__.startswith("server.")
+            if (issubclass(cls, BaseException) and cls.__module__.startswith("kvalloc.server.")
                     and f"{cls.__module__}.{cls.__qualname__}" not in CONTROL_FLOW):
                 found.add(cls)
     return sorted(found, key=lambda c: (c.__module__, c.__qualname__))

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvalloc.allocator.common.jit import numba
+from kvalloc.server.contract import columns, protocol, wire
+from kvalloc.server.contract.columns import Refused, Scheduled, StepCall, StepResult, TableChanges
+from kvalloc.server.contract.errors import MalformedBody, field_path
+from kvalloc.server.contract.operations import OPERATIONS
 from pydantic import BaseModel, ValidationError
-
-from allocator.common.jit import numba
-from server.contract import columns, protocol, wire
-from server.contract.columns import Refused, Scheduled, StepCall, StepResult, TableChanges
-from server.contract.errors import MalformedBody, field_path
-from server.contract.operations import OPERATIONS
 
 MODELS = [m for m in vars(protocol).values() if isinstance(m, type)
           and issubclass(m, protocol.Contract) and m is not protocol.Contract]
@@ -256,16 +255,16 @@ _STEPS_EVERY_WAY = '''
 import json
 import numpy as np
 from numba.core.registry import CPUDispatcher
-import allocator.capacity.step.compiled.driver, allocator.nwor.window_maths
-import server.contract.columns
-import server.service.batch, server.service.pipeline
-import server.service.registry
-from allocator import PoolConfig
-from server.contract import wire
-from server.client import Client
-from server.contract.columns import StepCall
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
+import kvalloc.allocator.capacity.step.compiled.driver, kvalloc.allocator.nwor.window_maths
+import kvalloc.server.contract.columns
+import kvalloc.server.service.batch, kvalloc.server.service.pipeline
+import kvalloc.server.service.registry
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.contract import wire
+from kvalloc.server.client import Client
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 
 pool = PoolConfig(num_blocks=64, tokens_per_block=4, num_layers=2, num_kv_heads=2, head_dim=8,
                   max_batch_size=8, max_seq_len=64, max_draft_len=3)
@@ -303,10 +302,11 @@ for i, way in enumerate(("ipc", "rest", "in-process")):
 kv.step(results=(handles, [0, 1, 1]), finished=handles)
 core.check_invariants()
 print(json.dumps({f"{module.__name__}.{name}": len(loop.signatures)
-                  for module in (allocator.capacity.step.compiled.driver,
-                                 allocator.nwor.window_maths,
-                                 server.service.batch, server.contract.columns,
-                                 server.service.pipeline, server.service.registry)
+                  for module in (kvalloc.allocator.capacity.step.compiled.driver,
+                                 kvalloc.allocator.nwor.window_maths,
+                                 kvalloc.server.service.batch, kvalloc.server.contract.columns,
+                                 kvalloc.server.service.pipeline,
+                                 kvalloc.server.service.registry)
                   for name, loop in vars(module).items()
                   if isinstance(loop, CPUDispatcher) and loop.signatures}))
 '''
@@ -325,5 +325,6 @@ def test_each_compiled_loop_of_the_step_compiles_once_however_the_call_was_built
                  "server.service.registry.take_rows", "server.service.batch._compiled_schedule",
                  "server.contract.columns.first_outside",
                  "allocator.capacity.step.compiled.driver._step"):
+        loop = f"kvalloc.{loop}"
         assert loop in compiled, loop  # each ran
     assert {loop: n for loop, n in compiled.items() if n != 1} == {}

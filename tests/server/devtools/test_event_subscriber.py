@@ -13,9 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from pydantic import SecretStr
-
-from allocator.capacity.kv_events import (
+from kvalloc.allocator.capacity.kv_events import (
     MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
@@ -24,11 +22,12 @@ from allocator.capacity.kv_events import (
     KVEventBatch,
     external_hash,
 )
-from allocator.capacity.prefix_cache import block_hashes
-from server.contract.errors import HandshakeFailed
-from server.contract.routing import hash_seed, worker_salt
-from server.devtools.event_subscriber import KVEventSubscriber
-from server.service.event_publisher import END_OF_REPLAY, REPLAY_REFUSED, KVEventPublisher
+from kvalloc.allocator.capacity.prefix_cache import block_hashes
+from kvalloc.server.contract.errors import HandshakeFailed
+from kvalloc.server.contract.routing import hash_seed, worker_salt
+from kvalloc.server.devtools.event_subscriber import KVEventSubscriber
+from kvalloc.server.service.event_publisher import END_OF_REPLAY, REPLAY_REFUSED, KVEventPublisher
+from pydantic import SecretStr
 
 TOKEN = "the-service-token"
 # A handshake or a batch on loopback takes about a millisecond; a loaded two-core machine may

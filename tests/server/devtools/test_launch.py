@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.devtools.launch import ServiceProcess
+from kvalloc.server.devtools.launch import ServiceProcess
 
 # Exits 0 on SIGTERM, but only after `seconds` of cleanup: a graceful stop on a slow machine.
 SLOW_STOP = """

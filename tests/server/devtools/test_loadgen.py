@@ -13,17 +13,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from kvalloc.allocator import PoolConfig
+from kvalloc.allocator.commands.simulated_acceptance import Acceptance
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import NO_VALUES, Refused
+from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
+from kvalloc.server.devtools.loadgen import SimulatedWorker, Workload, drive
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 from sigint import interrupt_once_progressing
-
-from allocator import PoolConfig
-from allocator.commands.simulated_acceptance import Acceptance
-from server.client import Client
-from server.contract import wire
-from server.contract.columns import NO_VALUES, Refused
-from server.devtools.launch import ServiceProcess, kvalloc_command
-from server.devtools.loadgen import SimulatedWorker, Workload, drive
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 D = 3

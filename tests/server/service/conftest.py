@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 from service_harness import TTL, FakeClock
-
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
 
 
 @pytest.fixture

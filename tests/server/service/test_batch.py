@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from server.service import batch
+from kvalloc.server.service import batch
 
 pytestmark = pytest.mark.skipif(batch.numba is None, reason="numba is not installed")
 

@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from server.contract import wire
-from server.contract.errors import PoolTooLarge
-from server.contract.sharing import SHM_DIR
-from server.service.core import ServiceCore
-from server.service.footprint import (
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import PoolTooLarge
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.footprint import (
     check_fits,
     describe_bytes,
     footprint,
     free_memory,
     on_device,
 )
-from server.service.ranks import RankedService
-from server.service.settings import ServiceConfig
+from kvalloc.server.service.ranks import RankedService
+from kvalloc.server.service.settings import ServiceConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from server.contract.columns import Scheduled
-from server.contract.errors import StepNotSettled
-from server.service.inflight import Flight, InFlight, settle_compiled, settle_reference
+from kvalloc.server.contract.columns import Scheduled
+from kvalloc.server.contract.errors import StepNotSettled
+from kvalloc.server.service.inflight import Flight, InFlight, settle_compiled, settle_reference
 
 ROWS = 8
 

@@ -13,17 +13,16 @@ import time
 import numpy as np
 import zmq
 from kv_event_subscriber import HANDSHAKE_FAILURES, Subscriber, handshake, watch
-from pydantic import SecretStr
-
-from allocator import KVCacheManager, PoolConfig, StepPlan
-from allocator.capacity.kv_events import AllBlocksCleared, external_hash
-from server.contract.routing import authenticate_subscriber
-from server.service.event_publisher import (
+from kvalloc.allocator import KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator.capacity.kv_events import AllBlocksCleared, external_hash
+from kvalloc.server.contract.routing import authenticate_subscriber
+from kvalloc.server.service.event_publisher import (
     END_OF_REPLAY,
     REPLAY_REFUSED,
     KVEventPublisher,
     ReplayBudget,
 )
+from pydantic import SecretStr
 
 
 def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context):

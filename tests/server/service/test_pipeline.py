@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from allocator.common.jit import numba
-from server.service import pipeline
+from kvalloc.allocator.common.jit import numba
+from kvalloc.server.service import pipeline
 
 pytestmark = pytest.mark.skipif(numba is None, reason="numba is not installed")
 

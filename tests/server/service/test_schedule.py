@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from allocator.capacity.slots import run_slots_reference
-from server.contract.columns import Scheduled
-from server.service import batch as sched
+from kvalloc.allocator.capacity.slots import run_slots_reference
+from kvalloc.server.contract.columns import Scheduled
+from kvalloc.server.service import batch as sched
 
 pytestmark = pytest.mark.skipif(sched.numba is None, reason="numba is not installed")
 

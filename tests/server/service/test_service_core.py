@@ -11,6 +11,18 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.contract.errors import (
+    NotRegistered,
+    RemoteError,
+    ServiceRestarted,
+    SessionEnded,
+)
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 from named_worker import NamedWorker
 from service_harness import (
     POISON,
@@ -21,14 +33,6 @@ from service_harness import (
     pool_mismatches,
     stage_pattern,
 )
-
-from server.client import Client
-from server.contract import wire
-from server.contract.columns import StepCall
-from server.contract.errors import NotRegistered, RemoteError, ServiceRestarted, SessionEnded
-from server.contract.sharing import SHM_DIR
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
 
 
 class Recorder:

@@ -10,15 +10,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from kvalloc.server.client import Client, step_slots
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.contract.errors import RemoteError
+from kvalloc.server.service.core import ServiceCore
 from lag2_worker import Lag2Worker
 from named_worker import NamedWorker
 from service_harness import POISON, TTL, FakeClock, stage_pattern
-
-from server.client import Client, step_slots
-from server.contract import wire
-from server.contract.columns import StepCall
-from server.contract.errors import RemoteError
-from server.service.core import ServiceCore
 
 
 def overlap_worker(core: ServiceCore, worker_id: str = "w", *, attach: bool = True,

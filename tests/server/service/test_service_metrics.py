@@ -8,18 +8,17 @@ import time
 from collections.abc import Callable
 
 import pytest
+from kvalloc.allocator import KVCacheManager
+from kvalloc.allocator.metrics import AllocatorMetrics
+from kvalloc.server import serve
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.columns import StepCall
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.metrics import ServiceMetrics
+from kvalloc.server.service.settings import ServiceConfig
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_scrape import assert_names_follow_prometheus_rules, scrape, value
-
-from allocator import KVCacheManager
-from allocator.metrics import AllocatorMetrics
-from server import serve
-from server.contract import wire
-from server.contract.columns import StepCall
-from server.service.core import ServiceCore
-from server.service.metrics import ServiceMetrics
-from server.service.settings import ServiceConfig
 
 
 def live_requests(body: bytes) -> float:

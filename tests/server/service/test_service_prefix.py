@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from kvalloc.allocator import PoolConfig
+from kvalloc.allocator.capacity.kv_events import external_hash
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import RemoteError
+from kvalloc.server.devtools.loadgen import SimulatedWorker, Workload, drive
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 from service_harness import stage_pattern
-
-from allocator import PoolConfig
-from allocator.capacity.kv_events import external_hash
-from server.client import Client
-from server.contract.errors import RemoteError
-from server.devtools.loadgen import SimulatedWorker, Workload, drive
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
 
 SYSTEM = np.arange(700, 716)  # four full blocks of 4 tokens
 

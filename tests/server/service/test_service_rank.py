@@ -9,12 +9,11 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-
-from allocator import PoolConfig
-from server.client import Client
-from server.contract.errors import RemoteError
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import RemoteError
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 
 REPLAY_WAIT_MS = 5000  # a replay answers in milliseconds; a loaded machine takes longer
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvalloc.server.client import Client
+from kvalloc.server.contract.errors import RemoteError, ShardingInvalid
+from kvalloc.server.service.metrics import rank_metrics
+from kvalloc.server.service.ranks import RankedService, offset_endpoint, rank_configs
+from kvalloc.server.service.settings import ServiceConfig
 from prometheus_client import CollectorRegistry, generate_latest
 from service_harness import nwor_scenario
-
-from server.client import Client
-from server.contract.errors import RemoteError, ShardingInvalid
-from server.service.metrics import rank_metrics
-from server.service.ranks import RankedService, offset_endpoint, rank_configs
-from server.service.settings import ServiceConfig
 
 HEADS = 4
 
@@ -106,7 +105,7 @@ def test_metrics_label_every_rank(make_service):
 
 def test_ranks_that_do_not_fit_are_refused_before_anything_is_made(make_config, monkeypatch):
     made: list[object] = []
-    monkeypatch.setattr("server.service.ranks.ServiceCore", lambda *a, **k: made.append(a))
+    monkeypatch.setattr("kvalloc.server.service.ranks.ServiceCore", lambda *a, **k: made.append(a))
     base = {"pool": make_config(num_kv_heads=HEADS), "tensor_parallel": 2}
     with pytest.raises(ShardingInvalid, match="not a multiple of the tensor-parallel degree"):
         RankedService(ServiceConfig(devices=["cpu"] * 3, **base))

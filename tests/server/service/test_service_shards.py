@@ -12,14 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvalloc.server.client import Client
+from kvalloc.server.contract.columns import StepResult
+from kvalloc.server.contract.errors import ShardingInvalid
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 from service_harness import POISON, nwor_scenario
-
-from server.client import Client
-from server.contract.columns import StepResult
-from server.contract.errors import ShardingInvalid
-from server.contract.sharing import SHM_DIR
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
 
 DEVICES = [("cpu", "cpu"), pytest.param(("cuda:0", "cuda:0"), marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),

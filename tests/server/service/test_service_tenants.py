@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.client import Client
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
 from pydantic import ValidationError
 from service_harness import stage_pattern
-
-from allocator import PoolConfig
-from server.client import Client
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
 
 TPB = 4
 PROMPT = np.arange(1000, 1068)  # 17 full blocks: a probe may hit 16 (64 tokens)

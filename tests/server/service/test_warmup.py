@@ -7,13 +7,12 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from allocator.common.jit import numba
-from server.client import Client
-from server.contract.sharing import SHM_DIR
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from server.service.warmup import warm_up
+from kvalloc.allocator.common.jit import numba
+from kvalloc.server.client import Client
+from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.server.service.warmup import warm_up
 
 SHAPES = [{}, {"tokens_per_block": 4, "max_seq_len": 16}, {"tokens_per_block": 1},
           {"max_draft_len": 0}, {"max_draft_len": 7, "tokens_per_block": 64},

@@ -5,10 +5,9 @@ without reading further."""
 from __future__ import annotations
 
 import pytest
-
-from server.contract.errors import MalformedBody, Unauthorized
-from server.transport import stream
-from server.transport.gate import MAX_SEQ_BYTES, sequence_of, token_verified
+from kvalloc.server.contract.errors import MalformedBody, Unauthorized
+from kvalloc.server.transport import stream
+from kvalloc.server.transport.gate import MAX_SEQ_BYTES, sequence_of, token_verified
 
 TOKEN = b"t" * 43  # the length of a generated token
 

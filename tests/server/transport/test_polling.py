@@ -9,9 +9,8 @@ import time
 from typing import Any
 
 import pytest
-
-from server.transport import polling, stream
-from server.transport.polling import (
+from kvalloc.server.transport import polling, stream
+from kvalloc.server.transport.polling import (
     BLOCK,
     CONTENDED_S,
     HORIZON_S,

@@ -11,13 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.contract import wire
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.server.transport.rest import create_app
 from pydantic import SecretStr
-
-from allocator import PoolConfig
-from server.contract import wire
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from server.transport.rest import create_app
 
 TOKEN = "s3cret"
 

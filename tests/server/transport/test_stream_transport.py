@@ -13,20 +13,19 @@ from typing import Any
 
 import msgspec
 import pytest
+from kvalloc.allocator import PoolConfig
+from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import TokenRejected, TransportTimeout
+from kvalloc.server.contract.operations import ERROR, OK
+from kvalloc.server.devtools.launch import ServiceProcess
+from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.settings import ServiceConfig
+from kvalloc.server.transport import stream
+from kvalloc.server.transport.ipc import IpcServer
+from kvalloc.server.transport.token_files import discover_token
 from proc_status import memory_kib
 from pydantic import SecretStr
-
-from allocator import PoolConfig
-from server.client import Client
-from server.contract import wire
-from server.contract.errors import TokenRejected, TransportTimeout
-from server.contract.operations import ERROR, OK
-from server.devtools.launch import ServiceProcess
-from server.service.core import ServiceCore
-from server.service.settings import ServiceConfig
-from server.transport import stream
-from server.transport.ipc import IpcServer
-from server.transport.token_files import discover_token
 
 
 def echo(frames: list[bytes]) -> list[bytes]:

@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from allocator import PoolConfig
-from allocator.nwor.storage import KVStorage
-from allocator.nwor.two_source_attention import two_source_attention
-from worker.attention.hook import PoolStep, kvalloc_attention
-from worker.attention.pool_attention import PagedLayout
-from worker.errors import KvallocAttentionError
+from kvalloc.allocator import PoolConfig
+from kvalloc.allocator.nwor.storage import KVStorage
+from kvalloc.allocator.nwor.two_source_attention import two_source_attention
+from kvalloc.worker.attention.hook import PoolStep, kvalloc_attention
+from kvalloc.worker.attention.pool_attention import PagedLayout
+from kvalloc.worker.errors import KvallocAttentionError
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 4, 2, 8, 4
 

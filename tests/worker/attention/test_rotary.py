@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 import torch
 from fused_forwards import DTYPES, SMALL
-from pool_steps import random_step
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-from worker.attention.hook import PoolStep
-from worker.attention.rotary import (
+from kvalloc.worker.attention.hook import PoolStep
+from kvalloc.worker.attention.rotary import (
     fuse_attention_modules,
     fused_attention,
     kernel_takes,
 )
-from worker.model import random_model
+from kvalloc.worker.model import random_model
+from pool_steps import random_step
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 FAMILIES = {"llama": LlamaConfig(**SMALL), "qwen2": Qwen2Config(**SMALL),
             "mistral": MistralConfig(**SMALL, sliding_window=8)}

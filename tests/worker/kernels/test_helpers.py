@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from worker.kernels.helpers import floor_pow2, kernel_for, kernel_may_take, pow2
+from kvalloc.worker.kernels.helpers import floor_pow2, kernel_for, kernel_may_take, pow2
 
 
 @pytest.mark.parametrize(("n", "up", "down"), [(1, 1, 1), (2, 2, 2), (3, 4, 2), (64, 64, 64),
@@ -26,9 +25,8 @@ def test_cpu_tensors_and_other_dtypes_stay_with_the_reference() -> None:
 
 def test_a_cpu_tensor_gets_the_kernel_in_the_interpreter_once() -> None:
     pytest.importorskip("triton")
+    from kvalloc.worker.kernels import rms_norm
     from triton.runtime.interpreter import InterpretedFunction
-
-    from worker.kernels import rms_norm
 
     kernel = kernel_for(rms_norm.rms_norm_jit, torch.ones(1))
     assert isinstance(kernel, InterpretedFunction) and kernel.fn is rms_norm.rms_norm_jit.fn

@@ -25,12 +25,9 @@ import dataclasses
 import pytest
 import torch
 from cuda_checks import no_host_sync
-from pool_steps import RandomStep, random_step
-from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
-
-from worker.attention import hook
-from worker.attention.pool_attention import PagedLayout, pool_attention
-from worker.attention.pool_attention_triton import (
+from kvalloc.worker.attention import hook
+from kvalloc.worker.attention.pool_attention import PagedLayout, pool_attention
+from kvalloc.worker.attention.pool_attention_triton import (
     MAX_DECODE_QUERY,
     LaunchConfig,
     PrefillConfig,
@@ -38,7 +35,9 @@ from worker.attention.pool_attention_triton import (
     pool_attention_triton,
     prefill_tiles,
 )
-from worker.errors import PoolAttentionInputError
+from kvalloc.worker.errors import PoolAttentionInputError
+from pool_steps import RandomStep, random_step
+from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}

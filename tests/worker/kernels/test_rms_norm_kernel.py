@@ -12,10 +12,9 @@ import pytest
 import torch
 from float_steps import steps_apart
 from fused_forwards import DTYPES, rms_norm_module
+from kvalloc.worker.errors import RmsNormError
+from kvalloc.worker.norm.rms_norm import kernel_takes, rms_norm, rms_norm_triton
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-from worker.errors import RmsNormError
-from worker.norm.rms_norm import kernel_takes, rms_norm, rms_norm_triton
 
 
 @pytest.mark.parametrize("hidden", [1, 64, 100, 2048])

@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from fused_forwards import DTYPES
+from kvalloc.worker.attention.rotary import (
+    kernel_takes,
+    rotate_and_stage,
+    rotate_and_stage_reference,
+)
+from kvalloc.worker.errors import RotaryError
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-from worker.attention.rotary import kernel_takes, rotate_and_stage, rotate_and_stage_reference
-from worker.errors import RotaryError
 
 # How far a case may differ, relative to the values rotated (a sum may cancel): float32 by one
 # product's rounding (contraction into a fused multiply-add), the half types by the

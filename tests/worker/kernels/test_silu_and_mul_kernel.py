@@ -11,9 +11,8 @@ import pytest
 import torch
 from float_steps import steps_apart
 from fused_forwards import DTYPES
-
-from worker.errors import GatedMlpError
-from worker.mlp.gated_mlp import silu_and_mul, silu_and_mul_triton
+from kvalloc.worker.errors import GatedMlpError
+from kvalloc.worker.mlp.gated_mlp import silu_and_mul, silu_and_mul_triton
 
 
 @pytest.mark.parametrize("width", [1, 100, 1024, 3000])

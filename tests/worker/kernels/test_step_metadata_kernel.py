@@ -8,10 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvalloc.allocator.capacity.slots import slots_reference
+from kvalloc.worker.step.step_metadata import EntryColumns, metadata_reference, step_metadata
 from triton_interpreter import needs_triton_interpreter
-
-from allocator.capacity.slots import slots_reference
-from worker.step.step_metadata import EntryColumns, metadata_reference, step_metadata
 
 TOKENS_PER_BLOCK = 4
 

@@ -9,18 +9,17 @@ import pytest
 import torch
 from cuda_checks import replayed
 from fused_forwards import DTYPES, FAMILIES, SMALL, twin_models
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
-from transformers.models.llama.modeling_llama import LlamaMLP
-from transformers.models.mistral.modeling_mistral import MistralMLP
-from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
-
-from worker.mlp.gated_mlp import (
+from kvalloc.worker.mlp.gated_mlp import (
     fuse_gated_mlps,
     fused_mlp,
     kernel_takes,
     silu_and_mul,
 )
-from worker.module_forwards import merge_linears
+from kvalloc.worker.module_forwards import merge_linears
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.mistral.modeling_mistral import MistralMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 CONFIGS = {"llama": (LlamaMLP, LlamaConfig), "qwen2": (Qwen2MLP, Qwen2Config),
            "mistral": (MistralMLP, MistralConfig)}

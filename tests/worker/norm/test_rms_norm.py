@@ -9,16 +9,15 @@ import torch
 from cuda_checks import replayed
 from float_steps import steps_apart
 from fused_forwards import DTYPES, FAMILIES, rms_norm_module, twin_models
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-
-from worker.norm.rms_norm import (
+from kvalloc.worker.norm.rms_norm import (
     fuse_rms_norms,
     kernel_takes,
     rms_norm,
     rms_norm_triton,
 )
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm])

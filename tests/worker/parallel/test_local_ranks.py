@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kvalloc.worker.errors import EngineError, RankFailed
+from kvalloc.worker.parallel.local_ranks import run_local_ranks
 from rank_behaviours import (
     answer,
     answer_unpicklable,
@@ -32,9 +34,6 @@ from rank_behaviours import (
     raise_on_rank,
     until_stopped,
 )
-
-from worker.errors import EngineError, RankFailed
-from worker.parallel.local_ranks import run_local_ranks
 
 WORLD = 2
 # A trivial run of two ranks took 5-11 s on the loaded two-core machine, two at once 11-29 s;

@@ -14,6 +14,11 @@ import re
 
 import pytest
 import torch
+from kvalloc.worker.errors import ModelLoadError, ShardingError
+from kvalloc.worker.model import random_model
+from kvalloc.worker.parallel.local_ranks import run_local_ranks
+from kvalloc.worker.parallel.sharding import shard_model
+from kvalloc.worker.parallel.split import shard_kv_heads
 from tp_ranks import (
     CONFIGS,
     FIRST_STEP,
@@ -25,12 +30,6 @@ from tp_ranks import (
     tiny_model,
 )
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
-
-from worker.errors import ModelLoadError, ShardingError
-from worker.model import random_model
-from worker.parallel.local_ranks import run_local_ranks
-from worker.parallel.sharding import shard_model
-from worker.parallel.split import shard_kv_heads
 
 WORLD = 2
 FAMILIES = sorted(CONFIGS)

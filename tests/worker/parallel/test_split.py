@@ -9,9 +9,8 @@ import re
 from collections.abc import Callable
 
 import pytest
-
-from worker.errors import ShardingError
-from worker.parallel.split import shard_kv_heads, shard_query_heads, shard_range
+from kvalloc.worker.errors import ShardingError
+from kvalloc.worker.parallel.split import shard_kv_heads, shard_query_heads, shard_range
 
 SHAPES = [(4, 2, 2), (8, 8, 4), (32, 8, 8), (32, 8, 2), (12, 4, 1), (28, 4, 4)]
 

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvalloc.worker.attention.hook import PoolStep, kvalloc_attention
+from kvalloc.worker.attention.pool_attention import PagedLayout
+from kvalloc.worker.errors import ShardingError
+from kvalloc.worker.model import kv_shape, random_model
+from kvalloc.worker.parallel.sharding import shard_model
 from transformers import (
     AttentionInterface,
     LlamaConfig,
@@ -21,12 +26,6 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
 )
-
-from worker.attention.hook import PoolStep, kvalloc_attention
-from worker.attention.pool_attention import PagedLayout
-from worker.errors import ShardingError
-from worker.model import kv_shape, random_model
-from worker.parallel.sharding import shard_model
 
 TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,

@@ -4,8 +4,7 @@ that holds it, within what the staging buffer holds, and never shrinks."""
 from __future__ import annotations
 
 import pytest
-
-from worker.step.batch_buckets import batch_bucket
+from kvalloc.worker.step.batch_buckets import batch_bucket
 
 
 @pytest.mark.parametrize(("entries", "bucket"), [

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from allocator.errors import InvariantViolation
-from worker.step.device_step import LaunchPlan
+from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.worker.step.device_step import LaunchPlan
 
 SPARE = 8
 

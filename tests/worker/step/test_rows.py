@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from allocator.errors import InvariantViolation
-from worker.step.rows import DeviceRows
+from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.worker.step.rows import DeviceRows
 
 
 def test_an_admitted_row_is_live_with_its_counts_and_the_spare_row_is_not() -> None:

@@ -42,6 +42,6 @@ after changing any other module here, delete the cached ``*.nbi`` / ``*.nbc`` fi
 step runs.
 """
 
-from allocator.capacity.step.compiled.driver import CompiledStep, available
+from kvalloc.allocator.capacity.step.compiled.driver import CompiledStep, available
 
 __all__ = ["CompiledStep", "available"]

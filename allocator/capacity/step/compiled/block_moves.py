@@ -9,9 +9,8 @@ never both; a taken block has refcount 1; the stack tops move in ``tops`` (`tupl
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.tuples import (
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.tuples import (
     LRU_HEAD,
     LRU_LENGTH,
     LRU_TAIL,

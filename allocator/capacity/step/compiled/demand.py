@@ -7,12 +7,11 @@ top-ups first, then this step's grants); nothing but the scratch changes.
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step import codes
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.loops import fail, first_marked
-from allocator.capacity.step.compiled.rules import grant_slack, released_behind
-from allocator.capacity.step.compiled.tuples import Demand, Plan, Scratch, Settled, State
+from kvalloc.allocator.capacity.step import codes
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.loops import fail, first_marked
+from kvalloc.allocator.capacity.step.compiled.rules import grant_slack, released_behind
+from kvalloc.allocator.capacity.step.compiled.tuples import Demand, Plan, Scratch, Settled, State
 
 
 @inlined

@@ -17,16 +17,15 @@ from dataclasses import asdict
 from operator import attrgetter
 
 import numpy as np
-
-from allocator.capacity.state import COUNTER_NAMES, POLICY_CODES, CapacityState, RowState
-from allocator.capacity.step import codes
-from allocator.capacity.step.compiled.demand import plan_grants, plan_prefill
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.move import move_blocks
-from allocator.capacity.step.compiled.replace import replace_state
-from allocator.capacity.step.compiled.serve import serve_blocks
-from allocator.capacity.step.compiled.settle import settle_step
-from allocator.capacity.step.compiled.tuples import (
+from kvalloc.allocator.capacity.state import COUNTER_NAMES, POLICY_CODES, CapacityState, RowState
+from kvalloc.allocator.capacity.step import codes
+from kvalloc.allocator.capacity.step.compiled.demand import plan_grants, plan_prefill
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.move import move_blocks
+from kvalloc.allocator.capacity.step.compiled.replace import replace_state
+from kvalloc.allocator.capacity.step.compiled.serve import serve_blocks
+from kvalloc.allocator.capacity.step.compiled.settle import settle_step
+from kvalloc.allocator.capacity.step.compiled.tuples import (
     COUNT_ADDED,
     COUNT_EVICTED,
     COUNT_FREED,
@@ -44,10 +43,10 @@ from allocator.capacity.step.compiled.tuples import (
     State,
     Table,
 )
-from allocator.capacity.step.compiled.validate import validate
-from allocator.capacity.step.plan import PlanArrays, StepOutcome
-from allocator.capacity.step.reference import NO_HITS, Hits, StepRun
-from allocator.common.jit import jit, numba
+from kvalloc.allocator.capacity.step.compiled.validate import validate
+from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome
+from kvalloc.allocator.capacity.step.reference import NO_HITS, Hits, StepRun
+from kvalloc.allocator.common.jit import jit, numba
 
 
 def available() -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba
 
 Function = TypeVar("Function", bound=Callable[..., Any])
 

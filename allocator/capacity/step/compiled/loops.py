@@ -7,9 +7,8 @@ phase that calls it returns at once.
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.tuples import Rows, Settled
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.tuples import Rows, Settled
 
 
 @inlined

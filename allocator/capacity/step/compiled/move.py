@@ -9,11 +9,10 @@ shrink, then every growth, so block ids, the free stack and the table's cells co
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step.compiled.block_moves import park_prefix, take, truncate, unpark
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.rules import admitted_tokens, blocks_for
-from allocator.capacity.step.compiled.tuples import (
+from kvalloc.allocator.capacity.step.compiled.block_moves import park_prefix, take, truncate, unpark
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.rules import admitted_tokens, blocks_for
+from kvalloc.allocator.capacity.step.compiled.tuples import (
     NUM_EVICTED,
     NUM_FREE_ROWS,
     HitArrays,

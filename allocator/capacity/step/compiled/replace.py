@@ -7,11 +7,10 @@ grants and chunks leave their rows as settled.
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.loops import copy_settled
-from allocator.capacity.step.compiled.rules import grant_slack
-from allocator.capacity.step.compiled.tuples import (
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.loops import copy_settled
+from kvalloc.allocator.capacity.step.compiled.rules import grant_slack
+from kvalloc.allocator.capacity.step.compiled.tuples import (
     COUNT_GRANTS,
     COUNT_RECLAIMED,
     COUNT_REFUSED,

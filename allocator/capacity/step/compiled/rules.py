@@ -7,8 +7,8 @@ Invariants: each gives for one row what `reference` gives for a row of its array
 """
 from __future__ import annotations
 
-from allocator.capacity import accounting
-from allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity import accounting
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
 
 blocks_for = inlined(accounting.blocks_for)
 slack_for = inlined(accounting.slack_rule)

@@ -9,12 +9,11 @@ the scratch changes, and ``claimed`` is all False on entry and on return.
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step import codes
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.loops import copy_into, fail
-from allocator.capacity.step.compiled.rules import admitted_tokens, blocks_for
-from allocator.capacity.step.compiled.tuples import (
+from kvalloc.allocator.capacity.step import codes
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.loops import copy_into, fail
+from kvalloc.allocator.capacity.step.compiled.rules import admitted_tokens, blocks_for
+from kvalloc.allocator.capacity.step.compiled.tuples import (
     LRU_LENGTH,
     NUM_FREE,
     NUM_FREE_ROWS,
@@ -26,7 +25,7 @@ from allocator.capacity.step.compiled.tuples import (
     Settled,
     State,
 )
-from allocator.capacity.step.plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS
+from kvalloc.allocator.capacity.step.plan import REFUSED_BATCH_FULL, REFUSED_OUT_OF_BLOCKS
 
 
 @inlined

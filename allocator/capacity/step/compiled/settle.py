@@ -8,12 +8,11 @@ the step drafted, stop the step.
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step import codes
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.loops import copy_settled, fail, first_marked
-from allocator.capacity.step.compiled.rules import released_behind, settle_behind
-from allocator.capacity.step.compiled.tuples import RECLAIM, Plan, Settled, State
+from kvalloc.allocator.capacity.step import codes
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.loops import copy_settled, fail, first_marked
+from kvalloc.allocator.capacity.step.compiled.rules import released_behind, settle_behind
+from kvalloc.allocator.capacity.step.compiled.tuples import RECLAIM, Plan, Settled, State
 
 
 @inlined

@@ -17,11 +17,10 @@ from dataclasses import fields
 from typing import NamedTuple
 
 import numpy as np
-
-from allocator.capacity.state import COUNTER_INDEX, POLICY_CODES, RowState, StepLimits
-from allocator.capacity.step import reference
-from allocator.capacity.step.plan import PlanArrays
-from allocator.config import SlackPolicy
+from kvalloc.allocator.capacity.state import COUNTER_INDEX, POLICY_CODES, RowState, StepLimits
+from kvalloc.allocator.capacity.step import reference
+from kvalloc.allocator.capacity.step.plan import PlanArrays
+from kvalloc.allocator.config import SlackPolicy
 
 RECLAIM = POLICY_CODES[SlackPolicy.RECLAIM]
 COUNT_GRANTS = COUNTER_INDEX["grants"]

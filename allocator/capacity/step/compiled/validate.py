@@ -12,11 +12,10 @@ Invariants: ``seen`` is all False on entry and on return; the first failed check
 from __future__ import annotations
 
 import numpy as np
-
-from allocator.capacity.step import codes
-from allocator.capacity.step.compiled.inlining import inlined
-from allocator.capacity.step.compiled.loops import fail
-from allocator.capacity.step.compiled.tuples import Plan, State
+from kvalloc.allocator.capacity.step import codes
+from kvalloc.allocator.capacity.step.compiled.inlining import inlined
+from kvalloc.allocator.capacity.step.compiled.loops import fail
+from kvalloc.allocator.capacity.step.compiled.tuples import Plan, State
 
 
 @inlined

@@ -23,10 +23,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan
-from allocator.capacity.step import plan as step_plan
-from allocator.capacity.step.compiled import available, driver
+from kvalloc.allocator import KVAllocError, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator.capacity.step import plan as step_plan
+from kvalloc.allocator.capacity.step.compiled import available, driver
 
 pytestmark = pytest.mark.skipif(not available(), reason="numba is not installed")
 
