@@ -145,9 +145,9 @@ def bench_decode_step(repeats: int, ceiling_gbps: float, batch: int = 64, drafts
 
     eager = DeferredWriteManager(storage, max_tokens=n)
     graphed = DeferredWriteManager(storage, max_tokens=n)
-    graphed.capture_verify_graph(n, max_requests=batch, width=drafts + 1)
+    graphed.graphs.capture_verify(n, max_requests=batch, width=drafts + 1)
     commit_graphed = DeferredWriteManager(storage, max_tokens=n)
-    commit_graphed.capture_commit_graph(n)
+    commit_graphed.graphs.capture_commit(n)
 
     def stage(mgr: DeferredWriteManager) -> Callable[[], None]:
         def prepare() -> None:
@@ -165,14 +165,14 @@ def bench_decode_step(repeats: int, ceiling_gbps: float, batch: int = 64, drafts
         "mask_commit_graph_call_us": call_us(
             lambda: graphed.verify_and_commit(draft_ids, sampled), stage(graphed),
             repeats=repeats),
-        "mask_commit_graph_replay_us": loop_us(graphed._graphs.verify[0].graph.replay, iters=50,
-                                               repeats=repeats),
+        "mask_commit_graph_replay_us": loop_us(graphed.graphs.captured.verify[0].graph.replay,
+                                               iters=50, repeats=repeats),
         "commit_eager_call_us": call_us(lambda: eager.commit(accepted), stage(eager),
                                         repeats=repeats),
         "commit_graph_call_us": call_us(lambda: commit_graphed.commit(accepted),
                                         stage(commit_graphed), repeats=repeats),
-        "commit_graph_replay_us": loop_us(commit_graphed._graphs.commit[0].graph.replay, iters=50,
-                                          repeats=repeats),
+        "commit_graph_replay_us": loop_us(commit_graphed.graphs.captured.commit[0].graph.replay,
+                                          iters=50, repeats=repeats),
     }
     assert graphed.last_window is not None and graphed.last_window.path == "graph"
     assert graphed.metrics().fallbacks == {} and eager.metrics().fallbacks == {}

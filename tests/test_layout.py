@@ -19,21 +19,29 @@
 - No modules import each other round a circle (imports for annotations alone excepted: they
   never run).
 - Every folder of the product holds at most 15 modules, so `ls` stays readable.
+- Every class of the product is at most 300 lines with at most 20 methods (every `def` directly
+  in its body, properties included), and every function or method at most 80 lines: past that a
+  class is usually doing more than one job, and a reader can no longer hold a function in view.
 
 Imports are read with `ast`, relative ones resolved, and those inside functions count too: a
-lazy import is still a dependency.
+lazy import is still a dependency. Sizes are read with `ast` too, nested classes and functions
+included.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("allocator", "server", "worker")
+MAX_CLASS_LINES = 300
+MAX_CLASS_METHODS = 20
+MAX_FUNCTION_LINES = 80
 DISTRIBUTION = "kvalloc"  # the one importable name the rooms install under
 
 # (importer prefix, imported prefix): a module under the first may not import one under the second,
@@ -294,3 +302,79 @@ def test_only_the_simulators_own_modules_import_it(tmp_path: Path,
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_folder_holds_more_than_15_modules(folder: Path) -> None:
     assert len(list(folder.glob("*.py"))) <= 15
+
+
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _definitions(path: Path) -> Iterator[tuple[str, ast.ClassDef | Function]]:
+    """Every class and function in ``path``, nested ones too, named ``file:line Qual.name``."""
+    where = path.relative_to(ROOT)
+
+    def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, ast.ClassDef | Function]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                yield f"{where}:{child.lineno} {prefix}{child.name}", child
+                yield from walk(child, f"{prefix}{child.name}.")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(ast.parse(path.read_text()), "")
+
+
+def _lines(node: ast.AST) -> int:
+    assert node.end_lineno is not None
+    return node.end_lineno - node.lineno + 1
+
+
+def oversized_classes(modules: list[Path]) -> list[str]:
+    """``file:line Class: size`` for every class over the bar on lines or on methods."""
+    found = []
+    for path in modules:
+        for name, node in _definitions(path):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = sum(isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                          for item in node.body)
+            if _lines(node) > MAX_CLASS_LINES:
+                found.append(f"{name}: {_lines(node)} lines (at most {MAX_CLASS_LINES})")
+            if methods > MAX_CLASS_METHODS:
+                found.append(f"{name}: {methods} methods (at most {MAX_CLASS_METHODS})")
+    return found
+
+
+def oversized_functions(modules: list[Path]) -> list[str]:
+    """``file:line function: size`` for every function or method over the bar on lines."""
+    return [f"{name}: {_lines(node)} lines (at most {MAX_FUNCTION_LINES})"
+            for path in modules for name, node in _definitions(path)
+            if not isinstance(node, ast.ClassDef) and _lines(node) > MAX_FUNCTION_LINES]
+
+
+def test_no_class_is_over_300_lines_or_20_methods() -> None:
+    found = oversized_classes(_modules())
+    assert found == [], "classes over the size bar:\n" + "\n".join(found)
+
+
+def test_no_function_is_over_80_lines() -> None:
+    found = oversized_functions(_modules())
+    assert found == [], "functions over the size bar:\n" + "\n".join(found)
+
+
+def test_the_check_sees_an_oversized_class_and_function(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size checks themselves can fail: a planted class of 21 methods and 301 lines, one of
+    them an async method of 81 lines, and a class of exactly 20 methods and 300 lines that
+    passes."""
+    fake = tmp_path / "allocator" / "planted.py"
+    fake.parent.mkdir(parents=True)
+    big = ["class Big:", "    async def long(self):", *["        pass"] * 80,
+           *[f"    def m{i}(self):\n        pass" for i in range(20)], *["    x = 0"] * 179]
+    fits = ["class Fits:", *[f"    def m{i}(self):\n        pass" for i in range(20)],
+            *["    y = 0"] * 259]
+    fake.write_text("\n".join(big + fits) + "\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert oversized_classes([fake]) == [
+        "allocator/planted.py:1 Big: 301 lines (at most 300)",
+        "allocator/planted.py:1 Big: 21 methods (at most 20)"]
+    assert oversized_functions([fake]) == [
+        "allocator/planted.py:2 Big.long: 81 lines (at most 80)"]

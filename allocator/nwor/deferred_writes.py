@@ -32,11 +32,12 @@ Invariants:
 
 The device commit (counts -> per-token keep mask -> rejected slots set to -1 -> one fused write
 over every layer -> device-side metrics) uses only static buffers and device operations, so it
-runs without host synchronisation and can be captured in a CUDA graph (``capture_commit_graph``,
-``capture_verify_graph``, which also captures the acceptance mask). A commit staged with host
+runs without host synchronisation and can be captured in a CUDA graph, between windows, through
+``graphs`` (`deferred.capture.GraphCapture`): ``graphs.capture_commit``, and
+``graphs.capture_verify``, which also captures the acceptance mask. A commit staged with host
 slots replays a graph per staging buffer and row bucket (`host_write_graphs`): captured by the
 first commit that needs it, or for every bucket ahead of the first window by
-``capture_host_write_graphs(staging)``.
+``graphs.capture_host_writes(staging)``.
 
 Accepted counts given as a list are validated on the host: more accepted than drafts raises
 `AcceptedExceedsDrafts`, never a clamp. A tensor is never read back (that would synchronise): it
@@ -61,8 +62,9 @@ from kvalloc.allocator.errors import (
     StagingOverflow,
     WindowStateError,
 )
-from kvalloc.allocator.nwor.acceptance import StaticAcceptance, accept, validate_inputs
+from kvalloc.allocator.nwor.acceptance import accept, validate_inputs
 from kvalloc.allocator.nwor.commit_kernel import Backend, resolve_backend
+from kvalloc.allocator.nwor.deferred.capture import GraphCapture
 from kvalloc.allocator.nwor.deferred.counters import WindowCounters
 from kvalloc.allocator.nwor.deferred.device_keep import DeviceKeep
 from kvalloc.allocator.nwor.deferred.fp8_scales import Fp8Scales
@@ -72,7 +74,6 @@ from kvalloc.allocator.nwor.deferred.pool_writes import PoolWrites
 from kvalloc.allocator.nwor.deferred.protection import BlockProtection
 from kvalloc.allocator.nwor.deferred.staging import StagingBuffers
 from kvalloc.allocator.nwor.fence import WriterFence
-from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs
 from kvalloc.allocator.nwor.storage import KVStorage
 from kvalloc.allocator.nwor.window import NworMetrics, WindowLayout, WindowStats
 
@@ -83,7 +84,8 @@ class DeferredWriteManager:
     ``max_tokens`` bounds a window's scheduled tokens, ``max_requests`` its requests (default: the
     pool's ``max_batch_size``). Staging holds ``[num_layers, 2, max_tokens, H * D]`` in
     ``stage_dtype`` (the pool dtype; for fp8 pools the model's dtype, bf16 by default, quantised
-    with each layer's scales on commit).
+    with each layer's scales on commit). What it was built for, resolved, is ``spec``
+    (`StagingSpec`: ``spec.device``, ``spec.num_layers``, ``spec.stage_dtype``, ...).
     """
 
     # All of the manager's state: what it was built for, the open window, and the parts that
@@ -97,8 +99,8 @@ class DeferredWriteManager:
     _staging: StagingBuffers
     _keep: DeviceKeep
     _counters: WindowCounters
-    _graphs: CommitGraphs
     _writes: PoolWrites
+    graphs: GraphCapture  # the CUDA graphs its commits replay, captured ahead of the windows
 
     def __init__(self, storage: KVStorage, *, max_tokens: int, max_requests: int | None = None,
                  stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
@@ -114,52 +116,11 @@ class DeferredWriteManager:
         self._staging = StagingBuffers(spec, self._protection, uploads)
         self._keep = DeviceKeep(spec, uploads)
         self._counters = WindowCounters(spec.positions, dev)
-        self._graphs = CommitGraphs(spec.max_tokens, dev, self.backend)
+        captured = CommitGraphs(spec.max_tokens, dev, self.backend)
         self._writes = PoolWrites(storage, self.backend, self._staging, self._keep, self._scales,
-                                  self._protection, self._counters, self._graphs)
-
-    # ---- what it was built for ----------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        return self.spec.device
-
-    @property
-    def num_layers(self) -> int:
-        return self.spec.num_layers
-
-    @property
-    def head_shape(self) -> tuple[int, int]:
-        return self.spec.head_shape
-
-    @property
-    def max_tokens(self) -> int:
-        return self.spec.max_tokens
-
-    @property
-    def max_requests(self) -> int:
-        return self.spec.max_requests
-
-    @property
-    def stage_dtype(self) -> torch.dtype:
-        return self.spec.stage_dtype
-
-    # Read by tests: the parts' state they check a pool or a graph against.
-
-    @property
-    def _inv(self) -> torch.Tensor | None:
-        """The reciprocal fp8 scales the commit quantises with (None: it copies)."""
-        return self._scales.inv
-
-    @property
-    def _protected(self) -> torch.Tensor | None:
-        """The mask of protected blocks (None: no guard)."""
-        return self._protection.blocks
-
-    @property
-    def _host_graphs(self) -> HostWriteGraphs | None:
-        """The graphs of host-slot commits, once made."""
-        return self._graphs.host
+                                  self._protection, self._counters, captured)
+        self.graphs = GraphCapture(spec, captured, self._writes, self._keep,
+                                   window_open=lambda: self._layout is not None)
 
     # ---- window lifecycle ---------------------------------------------------------------------
 
@@ -189,7 +150,7 @@ class DeferredWriteManager:
                                    "cancel it first")
         self.spec.check_layout(layout)
         if fence is not None:
-            fence.check(self.device)
+            fence.check(self.spec.device)
         self._layout = layout
         self._writes.fence = fence
 
@@ -285,52 +246,6 @@ class DeferredWriteManager:
             raise NworInputError("reason: a non-empty string", field="reason")
         self._close(self._writes.write_all_staged(reason))
 
-    # ---- CUDA graphs --------------------------------------------------------------------------
-
-    def capture_commit_graph(self, max_window_tokens: int) -> None:
-        """Capture the device commit (keep mask + fused write + metrics) for windows of up to
-        ``max_window_tokens`` tokens; ``commit`` with a device tensor then replays it."""
-        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
-        writes = self._writes
-        self._graphs.capture_commit(rows, lambda: writes.mask_and_write(rows, record=True),
-                                    lambda: writes.warm_up_mask_and_write(rows))
-
-    def capture_verify_graph(self, max_window_tokens: int, *, max_requests: int, width: int,
-                             flat_drafts: bool = False) -> None:
-        """Capture acceptance + commit for windows of up to ``max_window_tokens`` tokens and
-        ``max_requests`` requests, with ``sampled_ids`` up to ``width`` columns and drafts flat
-        or padded; ``verify_and_commit`` then replays it."""
-        rows = self.spec.checked_capture(max_window_tokens, window_open=self.window_open)
-        self.spec.check_capture_requests(max_requests)
-        static = StaticAcceptance(flat=flat_drafts, batch=max_requests, width=width,
-                                  device=self.device)
-        writes = self._writes
-        self._graphs.capture_verify(rows, static, self._keep.accepted[:max_requests],
-                                    lambda: writes.mask_and_write(rows, record=True),
-                                    lambda: writes.warm_up_mask_and_write(rows))
-
-    def capture_host_write_graphs(self, staging: torch.Tensor,
-                                  fence: WriterFence | None = None) -> bool:
-        """Capture now the graph of every row bucket that a commit staged from ``staging`` with
-        host slots replays (under the current ``protect`` guard), kept until
-        ``drop_host_write_graphs``: a capture synchronises the device and takes milliseconds,
-        which the first commits from ``staging`` then do not pay. ``staging`` as ``stage_from``
-        takes it; between windows only. False where those commits run no graph (a CPU pool, the
-        torch write) or a capture failed (logged once; they write eagerly from then on). The
-        graphs read ``fence``, the one the windows staged from ``staging`` will be opened with."""
-        if self._layout is not None:
-            raise WindowStateError("window: capture graphs between windows, not inside one")
-        self._writes.fence = fence
-        try:
-            return self._writes.capture_host_writes(self.spec.checked_staging(staging, 1))
-        finally:
-            self._writes.fence = None
-
-    def drop_host_write_graphs(self, staging: torch.Tensor) -> int:
-        """Forget the graphs that commit from ``staging``, before its memory is released (it
-        may come back as another buffer); how many went."""
-        return self._graphs.drop_host_writes(self.spec.checked_staging(staging, 1))
-
     # ---- metrics and invariants ---------------------------------------------------------------
 
     def metrics(self) -> NworMetrics:
@@ -355,7 +270,7 @@ class DeferredWriteManager:
         self._keep.check_invariants(window_open=layout is not None)
         self._counters.check_invariants()
         self._protection.check_invariants()
-        self._graphs.check_invariants(self.spec.max_requests)
+        self.graphs.captured.check_invariants(self.spec.max_requests)
         self._scales.check_invariants(self.spec.num_layers)
 
     # ---- internals ----------------------------------------------------------------------------

@@ -56,11 +56,11 @@ class Committer:
         """Capture the graphs that commit from a worker's new ``staging`` buffer, fenced by its
         session's ``fence``, now, at registration, so that its first commits replay like the
         rest instead of capturing."""
-        self.writes.capture_host_write_graphs(staging, fence)
+        self.writes.graphs.capture_host_writes(staging, fence)
 
     def release_staging(self, staging: torch.Tensor) -> None:
         """Forget the graphs of ``staging``, a buffer about to be released."""
-        self.writes.drop_host_write_graphs(staging)
+        self.writes.graphs.drop_host_writes(staging)
 
     def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
         """Set the protection of ``blocks`` (only the flips since the last call travel)."""

@@ -9,6 +9,7 @@ owner of its data and the place its invariants are stated and checked:
 - `device_keep`: the tables the device keep mask reads, and the mask;
 - `counters`: what the closed windows did, counted on the host or on the device;
 - `graphs`: the captured commit, verify and host-write graphs;
+- `capture`: `GraphCapture` (``mgr.graphs``), how a caller captures them ahead of its windows;
 - `pool_writes`: every way a window's tokens reach the pool, the fallback included.
 
 Part of `allocator.nwor`: never imports `allocator.capacity`.

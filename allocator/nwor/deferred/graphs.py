@@ -1,12 +1,12 @@
 """`CommitGraphs`: the CUDA graphs a manager replays instead of launching a commit's work.
 
-- commit graphs (``capture_commit_graph``): the device commit (keep mask, fused write, device
+- commit graphs (``GraphCapture.capture_commit``): the device commit (keep mask, fused write, device
   counters) of a window of up to ``rows`` tokens whose counts are a device tensor;
-- verify graphs (``capture_verify_graph``): acceptance over one padded shape
+- verify graphs (``GraphCapture.capture_verify``): acceptance over one padded shape
   (`StaticAcceptance`) and the same commit, for ``verify_and_commit``;
 - host-write graphs (`HostWriteGraphs`): the commit of a window staged with host slots, per
   staging buffer and row bucket, on CUDA with the Triton write only. They and their pinned
-  buffer are made when first needed (by such a commit, or by ``capture_host_write_graphs``):
+  buffer are made when first needed (by such a commit, or by ``capture_host_writes``):
   a library that stages layer by layer never pays for them.
 
 A window replays the smallest graph of its kind that covers it. Commit and verify graphs replay

@@ -30,7 +30,7 @@ def _manager(dtype: str = "bfloat16", device: str = "cpu") -> DeferredWriteManag
 def _window(rng: np.random.Generator, mgr: DeferredWriteManager):
     """A random window of at least two tokens, so that one layer can hold part of it."""
     while (window := random_window(rng, mgr.storage, max_tokens=TOKENS,
-                                   stage_dtype=mgr.stage_dtype)).layout.total_tokens < 2:
+                                   stage_dtype=mgr.spec.stage_dtype)).layout.total_tokens < 2:
         pass
     return window
 
@@ -38,7 +38,7 @@ def _window(rng: np.random.Generator, mgr: DeferredWriteManager):
 def _staging(mgr: DeferredWriteManager, window) -> torch.Tensor:
     """The caller's own ``[L, 2, TOKENS, H, D]`` buffer holding ``window``'s K/V."""
     num_layers, n, heads, dim = window.keys.shape
-    staging = torch.zeros((num_layers, 2, TOKENS, heads, dim), dtype=mgr.stage_dtype,
+    staging = torch.zeros((num_layers, 2, TOKENS, heads, dim), dtype=mgr.spec.stage_dtype,
                           device=window.keys.device)
     staging[:, 0, :n], staging[:, 1, :n] = window.keys, window.values
     return staging
@@ -105,7 +105,7 @@ def test_the_invariants_hold_after_every_call_of_every_window_path(dtype: str) -
 def test_a_refused_call_leaves_the_invariants_holding() -> None:
     mgr = _manager()
     mgr.begin_window(WindowLayout.decode([2]))
-    k = torch.zeros(3, 32, dtype=mgr.stage_dtype)
+    k = torch.zeros(3, 32, dtype=mgr.spec.stage_dtype)
     with pytest.raises(NworInputError, match="layer"):
         mgr.stage_layer(7, k, k, torch.arange(3))
     with pytest.raises(AcceptedExceedsDrafts):
@@ -121,7 +121,7 @@ def test_a_closed_window_keeps_nothing_it_staged() -> None:
     between windows reads the manager's own staging."""
     mgr = _manager()
     window = random_window(np.random.default_rng(3), mgr.storage, max_tokens=TOKENS,
-                           stage_dtype=mgr.stage_dtype)
+                           stage_dtype=mgr.spec.stage_dtype)
     staging = _staging(mgr, window)
     released = weakref.ref(staging)
     mgr.begin_window(window.layout)
@@ -131,7 +131,8 @@ def test_a_closed_window_keeps_nothing_it_staged() -> None:
     del staging
     gc.collect()
     assert released() is None
-    assert [mgr.staged_rows(layer) for layer in range(mgr.num_layers)] == [0] * mgr.num_layers
+    layers = mgr.spec.num_layers
+    assert [mgr.staged_rows(layer) for layer in range(layers)] == [0] * layers
     mgr.check_invariants()
 
 
@@ -148,11 +149,11 @@ def _plant(mgr: DeferredWriteManager, part: str) -> None:
     elif part == "protection":
         mgr._protection.blocks = torch.zeros(3, dtype=torch.bool)
     elif part == "graphs":
-        acceptance = StaticAcceptance(flat=True, batch=2, width=4, device=mgr.device)
-        mgr._graphs.commit.append(CapturedCommit(8, None, acceptance))  # type: ignore[arg-type]
+        acceptance = StaticAcceptance(flat=True, batch=2, width=4, device=mgr.spec.device)
+        mgr.graphs.captured.commit.append(CapturedCommit(8, None, acceptance))  # type: ignore[arg-type]
     elif part == "fp8 scales":
-        assert mgr._inv is not None
-        mgr._inv[1, 0] = 3.0
+        assert mgr._scales.inv is not None
+        mgr._scales.inv[1, 0] = 3.0
     else:
         raise AssertionError(part)
 
@@ -184,13 +185,13 @@ def test_a_commit_graph_captured_after_a_window_from_a_callers_buffer_reads_its_
     the window before staged from: replayed, it writes exactly the committed tokens."""
     mgr = DeferredWriteManager(poisoned_storage(pool_config("cuda")), max_tokens=TOKENS)
     storage, rng = mgr.storage, np.random.default_rng(27)
-    first = random_window(rng, storage, max_tokens=TOKENS, stage_dtype=mgr.stage_dtype)
+    first = random_window(rng, storage, max_tokens=TOKENS, stage_dtype=mgr.spec.stage_dtype)
     mgr.begin_window(first.layout)
     mgr.stage_from(_staging(mgr, first), first.slots)
     mgr.commit(first.accepted)
-    mgr.capture_commit_graph(TOKENS)
+    mgr.graphs.capture_commit(TOKENS)
     for _ in range(4):
-        window = random_window(rng, storage, max_tokens=TOKENS, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=TOKENS, stage_dtype=mgr.spec.stage_dtype)
         want = expected_after(storage.kv, window, window.keep(), None)
         mgr.begin_window(window.layout)
         stage(mgr, window)

@@ -50,8 +50,8 @@ def test_random_windows_commit_exactly_the_accepted_tokens(dtype, backend):
     storage, mgr = _manager(dtype, backend)
     rng = np.random.default_rng(11)
     for _ in range(12 if backend == "torch" else 4):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
-        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
         mgr.begin_window(window.layout)
         stage(mgr, window)
         mgr.commit(window.accepted)
@@ -70,7 +70,7 @@ def test_device_tensor_counts_commit_the_same_as_host_counts(backend):
     storage, mgr = _manager("bfloat16", backend)
     rng = np.random.default_rng(16)
     for _ in range(6 if backend == "torch" else 3):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         want = expected_after(storage.kv, window, window.keep(), None)
         mgr.begin_window(window.layout)
         stage(mgr, window)
@@ -264,7 +264,7 @@ def test_window_calls_out_of_order_are_typed_errors():
     with pytest.raises(WindowStateError):
         mgr.begin_window(WindowLayout.decode([1]))
     with pytest.raises(NworInputError) as err:
-        mgr.capture_commit_graph(8)
+        mgr.graphs.capture_commit(8)
     assert err.value.field == "device"  # graphs need CUDA; checked before the window
 
 
@@ -422,7 +422,7 @@ def test_verify_and_commit_accepts_and_commits_in_one_call(flat):
     storage, mgr = _manager()
     rng = np.random.default_rng(17)
     for _ in range(6):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         want = expected_after(storage.kv, window, window.keep(), None)
         mgr.begin_window(window.layout)
         stage(mgr, window)
@@ -452,7 +452,7 @@ def _caller_staging(window, mgr, capacity: int) -> torch.Tensor:
     """The worker's own ``[L, 2, capacity, H, D]`` buffer holding ``window``'s K/V for every
     layer (stage_from stages all layers, so the window counts as fully staged)."""
     num_layers, n, heads, dim = window.keys.shape
-    staging = torch.zeros((num_layers, 2, capacity, heads, dim), dtype=mgr.stage_dtype)
+    staging = torch.zeros((num_layers, 2, capacity, heads, dim), dtype=mgr.spec.stage_dtype)
     staging[:, 0, :n] = window.keys
     staging[:, 1, :n] = window.values
     return staging
@@ -472,7 +472,7 @@ def test_stage_from_a_caller_buffer_commits_exactly_what_stage_layer_commits(dty
     reference_storage, reference = _manager(dtype, backend)
     rng = np.random.default_rng(23)
     for _ in range(8 if backend == "torch" else 3):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         window.staged_layers = list(range(storage.config.num_layers))
         window.chunks = [[window.layout.total_tokens]] * len(window.staged_layers)
         reference.begin_window(window.layout)
@@ -498,7 +498,7 @@ def test_stage_from_a_caller_buffer_commits_exactly_what_stage_layer_commits(dty
 def test_stage_from_exposes_the_callers_buffer_to_attention_without_copying():
     storage, mgr = _manager()
     window = random_window(np.random.default_rng(5), storage, max_tokens=48,
-                           stage_dtype=mgr.stage_dtype)
+                           stage_dtype=mgr.spec.stage_dtype)
     staging = _caller_staging(window, mgr, capacity=48)
     mgr.begin_window(window.layout)
     mgr.stage_from(staging, window.slots)
@@ -512,7 +512,7 @@ def test_stage_from_exposes_the_callers_buffer_to_attention_without_copying():
 def test_stage_from_refuses_bad_buffers_and_mixing_with_stage_layer():
     storage, mgr = _manager()
     window = random_window(np.random.default_rng(8), storage, max_tokens=48,
-                           stage_dtype=mgr.stage_dtype)
+                           stage_dtype=mgr.spec.stage_dtype)
     n = window.layout.total_tokens
     good = _caller_staging(window, mgr, capacity=n)
     mgr.begin_window(window.layout)

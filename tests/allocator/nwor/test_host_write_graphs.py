@@ -6,7 +6,7 @@ Rules:
   ``row_buckets`` lists exactly the buckets some window replays;
 - graphs captured ahead are kept until dropped: graphs captured on first use only compete among
   themselves for ``max_graphs``, so they never evict the ones captured ahead;
-- ``capture_host_write_graphs(staging)`` refuses a buffer ``stage_from`` would refuse, and a
+- ``graphs.capture_host_writes(staging)`` refuses a buffer ``stage_from`` would refuse, and a
   call inside a window, changing nothing; on a CPU pool it captures nothing and says so;
 - on CUDA it captures every bucket, writing nothing into the pool; each window's commit then
   captures nothing, never waits for the device, and writes what the eager path writes, bit for
@@ -118,15 +118,15 @@ def _cpu_manager() -> tuple[DeferredWriteManager, torch.Tensor]:
     mgr = DeferredWriteManager(storage, max_tokens=TOKENS)
     cfg = storage.config
     staging = torch.zeros((cfg.num_layers, 2, TOKENS, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=mgr.stage_dtype)
+                          dtype=mgr.spec.stage_dtype)
     return mgr, staging
 
 
 def test_on_a_cpu_pool_capturing_ahead_captures_nothing_and_says_so() -> None:
     mgr, staging = _cpu_manager()
-    assert mgr.capture_host_write_graphs(staging) is False
-    assert mgr._host_graphs is None
-    assert mgr.drop_host_write_graphs(staging) == 0
+    assert mgr.graphs.capture_host_writes(staging) is False
+    assert mgr.graphs.captured.host is None
+    assert mgr.graphs.drop_host_writes(staging) == 0
 
 
 @pytest.mark.parametrize("bad", ["not a tensor", "layers", "empty", "strided", "dtype"])
@@ -139,19 +139,19 @@ def test_capturing_ahead_refuses_a_buffer_stage_from_refuses(bad: str) -> None:
         "strided": lambda: staging.transpose(3, 4),
         "dtype": lambda: staging.float(),
     }[bad]()
-    for call in (mgr.capture_host_write_graphs, mgr.drop_host_write_graphs):
+    for call in (mgr.graphs.capture_host_writes, mgr.graphs.drop_host_writes):
         with pytest.raises(NworInputError, match="staging") as raised:
             call(staging)
         assert raised.value.field == "staging"
-    assert mgr._host_graphs is None and not mgr.window_open
+    assert mgr.graphs.captured.host is None and not mgr.window_open
 
 
 def test_capturing_ahead_inside_a_window_is_refused_and_the_window_still_commits() -> None:
     mgr, staging = _cpu_manager()
     mgr.begin_window(WindowLayout([3], [2]))
     with pytest.raises(WindowStateError, match="between windows"):
-        mgr.capture_host_write_graphs(staging)
-    assert mgr.window_open and mgr._host_graphs is None
+        mgr.graphs.capture_host_writes(staging)
+    assert mgr.window_open and mgr.graphs.captured.host is None
     mgr.stage_from(staging, np.array([0, 1, 2], dtype=np.int64))
     mgr.commit([1])
     assert mgr.last_window.committed == 2 and mgr.metrics().fallbacks == {}
@@ -179,7 +179,7 @@ def _twins(protected: bool = False) -> tuple[list[KVStorage], DeferredWriteManag
     def staging() -> torch.Tensor:
         """A buffer of finite values: a write from any of its rows would show in the pool."""
         return torch.randn((cfg.num_layers, 2, TOKENS, cfg.num_kv_heads, cfg.head_dim),
-                           device="cuda").to(graphed.stage_dtype)
+                           device="cuda").to(graphed.spec.stage_dtype)
 
     return storages, eager, graphed, staging
 
@@ -235,17 +235,18 @@ def test_capturing_ahead_covers_every_bucket_writes_nothing_and_the_commits_then
     storages, eager, graphed, make_staging = _twins(protected)
     staging = make_staging()
     before = bits(storages[1].kv).clone()
-    assert graphed.capture_host_write_graphs(staging)
+    assert graphed.graphs.capture_host_writes(staging)
     torch.cuda.synchronize()
     assert torch.equal(bits(storages[1].kv), before)  # the warm-ups wrote nothing
     assert graphed.metrics() == eager.metrics()  # and counted nothing (no refusal either)
-    graphs = graphed._host_graphs
+    graphs = graphed.graphs.captured.host
     assert graphs is not None and not graphs.failed
     buckets = row_buckets(TOKENS, TOKENS)
     assert len(captures) == graphs.captured == len(buckets) == 3
-    variant = None if graphed._protected is None else graphed._protected.data_ptr()
+    blocks = graphed._protection.blocks
+    variant = None if blocks is None else blocks.data_ptr()
     assert all(graphs.holds(_source(staging), rows, variant) for rows in buckets)
-    assert graphed.capture_host_write_graphs(staging)  # again: nothing new to capture
+    assert graphed.graphs.capture_host_writes(staging)  # again: nothing new to capture
     assert len(captures) == 3
 
     rng = np.random.default_rng(11)
@@ -275,8 +276,8 @@ def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(
     storages, eager, graphed, make_staging = _twins()
     stagings = [make_staging() for _ in range(6)]
     for staging in stagings:
-        assert graphed.capture_host_write_graphs(staging)
-    graphs = graphed._host_graphs
+        assert graphed.graphs.capture_host_writes(staging)
+    graphs = graphed.graphs.captured.host
     assert graphs is not None and graphs.captured == len(captures) == 18 > 16
     rng = np.random.default_rng(12)
     num_slots = storages[0].num_slots
@@ -287,7 +288,7 @@ def test_graphs_captured_ahead_for_more_buffers_than_max_graphs_all_stay(
                 assert torch.equal(bits(storages[0].kv), bits(storages[1].kv))
     assert len(captures) == 18 and graphs.captured == 18
 
-    assert graphed.drop_host_write_graphs(stagings[0]) == 3
+    assert graphed.graphs.drop_host_writes(stagings[0]) == 3
     assert graphs.captured == 15 and not graphs.holds(_source(stagings[0]), MIN_ROWS)
     _commit_both(eager, graphed, stagings[0], _window(rng, 10, num_slots), sync_free=False)
     assert len(captures) == 19 and graphs.holds(_source(stagings[0]), MIN_ROWS)
@@ -304,11 +305,11 @@ def test_a_capture_that_fails_ahead_turns_graphs_off_once_and_commits_write_eage
     staging = make_staging()
     before = bits(storages[1].kv).clone()
     with caplog.at_level(logging.WARNING, logger="kvalloc.allocator.nwor.host_write_graphs"):
-        assert graphed.capture_host_write_graphs(staging) is False
-        assert graphed.capture_host_write_graphs(make_staging()) is False  # no new attempt
+        assert graphed.graphs.capture_host_writes(staging) is False
+        assert graphed.graphs.capture_host_writes(make_staging()) is False  # no new attempt
         torch.cuda.synchronize()
         assert torch.equal(bits(storages[1].kv), before)  # the real warm-up wrote nothing
-        graphs = graphed._host_graphs
+        graphs = graphed.graphs.captured.host
         assert graphs is not None and graphs.failed and graphs.captured == 0
         assert len(attempts) == 1
         rng = np.random.default_rng(13)
@@ -330,7 +331,7 @@ def test_a_window_committed_from_a_buffer_captured_ahead_lands_exactly(
     captures = counted_captures(monkeypatch)
     storages, _, graphed, make_staging = _twins()
     staging = make_staging()
-    assert graphed.capture_host_write_graphs(staging)
+    assert graphed.graphs.capture_host_writes(staging)
     rng = np.random.default_rng(14)
     cfg = storages[1].config
     for n in _sizes(rng):
@@ -377,7 +378,8 @@ def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_wi
         first.register()
 
         def captured() -> int:
-            return 0 if writes._host_graphs is None else writes._host_graphs.captured
+            host = writes.graphs.captured.host
+            return 0 if host is None else host.captured
 
         assert captured() == len(captures) - made == (buckets if device == "cuda" else 0)
         registered = len(captures)

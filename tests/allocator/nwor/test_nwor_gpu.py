@@ -56,8 +56,8 @@ def test_random_windows_commit_exactly_the_accepted_tokens_on_gpu(dtype):
     assert mgr.backend == "triton"
     rng = np.random.default_rng(21)
     for i in range(16):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
-        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
         mgr.begin_window(window.layout)
         stage(mgr, window)
         if i % 2:
@@ -84,12 +84,12 @@ def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(d
     mgr = DeferredWriteManager(storage, max_tokens=48)
     rng = np.random.default_rng(31)
     heads, dim = storage.config.num_kv_heads, storage.config.head_dim
-    staging = torch.zeros((storage.config.num_layers, 2, 48, heads, dim), dtype=mgr.stage_dtype,
-                          device="cuda")
+    staging = torch.zeros((storage.config.num_layers, 2, 48, heads, dim),
+                          dtype=mgr.spec.stage_dtype, device="cuda")
     for i in range(8):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         window.staged_layers = list(range(storage.config.num_layers))
-        want = expected_after(storage.kv, window, window.keep(), mgr._inv)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
         n = window.layout.total_tokens
         staging[:, 0, :n] = window.keys
         staging[:, 1, :n] = window.values
@@ -105,7 +105,8 @@ def test_stage_from_a_worker_buffer_commits_exactly_the_accepted_tokens_on_gpu(d
         assert torch.equal(bits(storage.kv), bits(want))
     assert mgr.metrics().fallbacks == {}
     if known_on == "host":
-        assert mgr._host_graphs is not None and mgr._host_graphs.captured == 1
+        host = mgr.graphs.captured.host
+        assert host is not None and host.captured == 1
 
 
 @pytest.mark.parametrize("protected", [False, True])
@@ -123,11 +124,11 @@ def test_a_host_slot_commit_replays_a_graph_that_writes_what_the_eager_path_writ
         graphed.protect(blocks.cuda())
     rng = np.random.default_rng(5)
     stagings = [torch.zeros((cfg.num_layers, 2, 200, cfg.num_kv_heads, cfg.head_dim),
-                            dtype=graphed.stage_dtype, device="cuda") for _ in range(2)]
+                            dtype=graphed.spec.stage_dtype, device="cuda") for _ in range(2)]
     sizes = set()
     for i in range(24):
-        window = random_window(rng, storages[0], max_tokens=200, stage_dtype=graphed.stage_dtype,
-                               max_requests=64)
+        window = random_window(rng, storages[0], max_tokens=200,
+                               stage_dtype=graphed.spec.stage_dtype, max_requests=64)
         n = window.layout.total_tokens
         sizes.add(graphed_rows := min(200, max(64, 1 << max(0, n - 1).bit_length())))
         staging = stagings[i % 2]
@@ -139,8 +140,9 @@ def test_a_host_slot_commit_replays_a_graph_that_writes_what_the_eager_path_writ
             mgr.commit(np.array(window.accepted))
         assert torch.equal(bits(storages[0].kv), bits(storages[1].kv)), (i, n, graphed_rows)
         assert eager.last_window == graphed.last_window
-    assert eager._host_graphs is None
-    assert graphed._host_graphs is not None and graphed._host_graphs.captured >= len(sizes) > 1
+    assert eager.graphs.captured.host is None
+    host = graphed.graphs.captured.host
+    assert host is not None and host.captured >= len(sizes) > 1
     assert eager.metrics() == graphed.metrics()
     if protected:
         assert graphed.metrics().protected_refusals > 0
@@ -155,7 +157,7 @@ def _twin_managers():
 
 def test_commit_graph_replay_equals_eager_and_never_syncs():
     (s_eager, s_graph), eager, graphed = _twin_managers()
-    graphed.capture_commit_graph(48)
+    graphed.graphs.capture_commit(48)
     rng = np.random.default_rng(22)
     for _ in range(12):
         window = random_window(rng, s_eager, max_tokens=48, stage_dtype=torch.bfloat16)
@@ -194,7 +196,7 @@ def _verify_inputs(rng: np.random.Generator, layout: WindowLayout, accepted: lis
 @pytest.mark.parametrize("flat", [False, True])
 def test_verify_graph_captures_acceptance_and_commit_in_one_replay(flat):
     (s_eager, s_graph), eager, graphed = _twin_managers()
-    graphed.capture_verify_graph(48, max_requests=8, width=6, flat_drafts=flat)
+    graphed.graphs.capture_verify(48, max_requests=8, width=6, flat_drafts=flat)
     rng = np.random.default_rng(23)
     for _ in range(10):
         window = random_window(rng, s_eager, max_tokens=48, stage_dtype=torch.bfloat16)

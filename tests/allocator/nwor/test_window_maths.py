@@ -142,10 +142,10 @@ def _run_windows(counts: str, slots: str) -> list:
     rng = np.random.default_rng(41)
     seen = []
     for _ in range(12):
-        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.stage_dtype)
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
         n = window.layout.total_tokens
         staging = torch.zeros((storage.config.num_layers, 2, 48, *window.keys.shape[2:]),
-                              dtype=mgr.stage_dtype)
+                              dtype=mgr.spec.stage_dtype)
         staging[:, 0, :n], staging[:, 1, :n] = window.keys, window.values
         mgr.begin_window(window.layout)
         mgr.stage_from(staging, window.slots.numpy() if slots == "host" else window.slots)
