@@ -181,7 +181,8 @@ class ServiceCore:
                 n = self._drop(replaced)
                 log.warning("worker %r registered again with replace: its previous session "
                             "ended, %d requests freed", req.worker_id, n)
-            worker = self.registry.add(lambda session: self._new_worker(req, session))
+            worker = self.registry.add(lambda session: _new_worker(
+                self.pool, req, session, self.clock(), self.config.cache_groups))
             self._observers.state_changed()
             registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
@@ -190,14 +191,6 @@ class ServiceCore:
             )
             worker.registered = (req, registration)
             return registration
-
-    def _new_worker(self, req: wire.RegisterRequest, session: int) -> Worker:
-        share = self.pool.attach(req.worker_id, session, overlap=req.overlap)
-        return Worker(req.worker_id, session, req.attached, stagings=share.stagings,
-                      writers=share.writers, fence_slot=share.fence_slot,
-                      attachment=share.attachment, fence=share.fence, last_seen=self.clock(),
-                      overlap=req.overlap,
-                      cache_salt=worker_salt(req.worker_id, self.config.cache_groups))
 
     def holds(self, worker_id: str) -> bool:
         """Whether a live session holds ``worker_id``."""
@@ -357,6 +350,16 @@ class ServiceCore:
         except InvariantViolation:
             self._observers.invariant_violation(1)
             raise
+
+
+def _new_worker(pool: SharedPool, req: wire.RegisterRequest, session: int, now: float,
+                cache_groups: dict[str, list[str]]) -> Worker:
+    """The worker ``req`` registers in ``session``, with what the pool shares with it."""
+    share = pool.attach(req.worker_id, session, overlap=req.overlap)
+    return Worker(req.worker_id, session, req.attached, stagings=share.stagings,
+                  writers=share.writers, fence_slot=share.fence_slot,
+                  attachment=share.attachment, fence=share.fence, last_seen=now,
+                  overlap=req.overlap, cache_salt=worker_salt(req.worker_id, cache_groups))
 
 
 def _check_rank(config: ServiceConfig, req: wire.RegisterRequest) -> None:
