@@ -1,7 +1,8 @@
 """The one device commit, from both of its callers: the service's `DeferredWriteManager` (a
 window of draft indices and accepted counts) and an overlap worker's `PackedCommit` (each token's
 index in its entry and each entry's kept tokens) leave the same pool bytes and count the same
-committed and refused tokens, for random windows with protected blocks, on every backend."""
+committed and refused tokens, for random windows with protected blocks, on every backend (on a
+GPU too)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from triton_interpreter import needs_triton_interpreter
 LAYERS, HEADS, DIM, TPB, BLOCKS = 2, 2, 4, 4, 24
 
 
-def _storage() -> KVStorage:
+def _storage(device: str) -> KVStorage:
     cfg = PoolConfig(num_blocks=BLOCKS, tokens_per_block=TPB, num_layers=LAYERS,
                      num_kv_heads=HEADS, head_dim=DIM, max_seq_len=64, dtype="float32",
-                     device="cpu")
+                     device=device)
     storage = KVStorage(cfg)
     storage.kv.fill_(float("nan"))
     return storage
@@ -51,11 +52,12 @@ def windows(draw: st.DrawFn) -> tuple[np.ndarray, ...]:
 def _service(storage: KVStorage, window: tuple[np.ndarray, ...], staged: torch.Tensor,
              backend: str) -> tuple[int, int]:
     num_tokens, drafts, accepted, slots, protected = window
+    on = storage.kv.device
     mgr = DeferredWriteManager(storage, max_tokens=32, backend=backend)
-    mgr.protect(torch.from_numpy(protected))
+    mgr.protect(torch.from_numpy(protected).to(on))
     mgr.begin_window(WindowLayout.of_arrays(num_tokens, drafts))
-    mgr.stage_from(staged, torch.from_numpy(slots))
-    mgr.commit(torch.from_numpy(accepted))
+    mgr.stage_from(staged, torch.from_numpy(slots).to(on))
+    mgr.commit(torch.from_numpy(accepted).to(on))
     metrics = mgr.metrics()
     mgr.check_invariants()
     return metrics.committed_tokens, metrics.protected_refusals
@@ -67,26 +69,29 @@ def _worker(storage: KVStorage, window: tuple[np.ndarray, ...], staged: torch.Te
     entry = np.repeat(np.arange(num_tokens.size), num_tokens)
     index = np.arange(entry.size) - (np.cumsum(num_tokens) - num_tokens)[entry]
     kept = num_tokens - drafts + accepted
-    capacity = staged.shape[2]
+    capacity, on = staged.shape[2], storage.kv.device
     commit = PackedCommit(storage.rows(), staged.view(LAYERS, 2, capacity, HEADS * DIM), TPB,
-                          protected=torch.from_numpy(protected), backend=backend)
-    commit.commit(torch.from_numpy(slots), torch.from_numpy(index), torch.from_numpy(entry),
-                  torch.from_numpy(kept), torch.from_numpy(num_tokens))
+                          protected=torch.from_numpy(protected).to(on), backend=backend)
+    commit.commit(*(torch.from_numpy(a).to(on) for a in (slots, index, entry, kept, num_tokens)))
     return int(commit.committed), commit.refused
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton",
-                                                           marks=needs_triton_interpreter)])
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize(("backend", "device"), [
+    ("torch", "cpu"), pytest.param("triton", "cpu", marks=needs_triton_interpreter),
+    pytest.param("triton", "cuda", marks=GPU), pytest.param("torch", "cuda", marks=GPU)])
 @settings(max_examples=25, deadline=None)
 @given(window=windows())
 def test_both_callers_leave_the_same_pool_and_counts(window: tuple[np.ndarray, ...],
-                                                     backend: str) -> None:
-    staged = torch.randn(LAYERS, 2, 32, HEADS, DIM)
-    service, worker = _storage(), _storage()
+                                                     backend: str, device: str) -> None:
+    staged = torch.randn(LAYERS, 2, 32, HEADS, DIM, device=device)
+    service, worker = _storage(device), _storage(device)
     counts = _service(service, window, staged, backend)
     assert _worker(worker, window, staged, backend) == counts
     assert torch.equal(service.kv.view(torch.int32), worker.kv.view(torch.int32))
     num_tokens, drafts, accepted, _, protected = window
     assert counts[0] == int((num_tokens - drafts + accepted).sum())
-    written = ~service.kv.isnan().view(LAYERS, 2, BLOCKS * TPB, -1).all(-1)
+    written = ~service.kv.isnan().view(LAYERS, 2, BLOCKS * TPB, -1).all(-1).cpu()
     assert not written[:, :, protected.repeat(TPB)].any()  # never into a protected block
