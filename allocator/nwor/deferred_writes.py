@@ -100,7 +100,7 @@ class DeferredWriteManager:
     _keep: DeviceKeep
     _counters: WindowCounters
     _writes: PoolWrites
-    graphs: GraphCapture  # the CUDA graphs its commits replay, captured ahead of the windows
+    _captured: CommitGraphs
 
     def __init__(self, storage: KVStorage, *, max_tokens: int, max_requests: int | None = None,
                  stage_dtype: torch.dtype | None = None, backend: Backend = "auto") -> None:
@@ -116,11 +116,18 @@ class DeferredWriteManager:
         self._staging = StagingBuffers(spec, self._protection, uploads)
         self._keep = DeviceKeep(spec, uploads)
         self._counters = WindowCounters(spec.positions, dev)
-        captured = CommitGraphs(spec.max_tokens, dev, self.backend)
+        self._captured = CommitGraphs(spec.max_tokens, dev, self.backend)
         self._writes = PoolWrites(storage, self.backend, self._staging, self._keep, self._scales,
-                                  self._protection, self._counters, captured)
-        self.graphs = GraphCapture(spec, captured, self._writes, self._keep,
-                                   window_open=lambda: self._layout is not None)
+                                  self._protection, self._counters, self._captured)
+
+    @property
+    def graphs(self) -> GraphCapture:
+        """The CUDA graphs its commits replay, captured ahead of the windows. Made on each use,
+        never kept: a kept one would hold the manager (its window check) in a reference cycle,
+        which only the cyclic collector frees, and a collection during another stream's capture
+        destroying this manager's graphs aborts the process."""
+        return GraphCapture(self.spec, self._captured, self._writes, self._keep,
+                            window_open=lambda: self._layout is not None)
 
     # ---- window lifecycle ---------------------------------------------------------------------
 
@@ -270,7 +277,7 @@ class DeferredWriteManager:
         self._keep.check_invariants(window_open=layout is not None)
         self._counters.check_invariants()
         self._protection.check_invariants()
-        self.graphs.captured.check_invariants(self.spec.max_requests)
+        self._captured.check_invariants(self.spec.max_requests)
         self._scales.check_invariants(self.spec.num_layers)
 
     # ---- internals ----------------------------------------------------------------------------
