@@ -26,7 +26,10 @@ TPB, BLOCKS, ROWS, SEQ = 4, 256, 8, 128
 POOL = ("--dtype", "float32", "--num-layers", "2", "--num-kv-heads", "2",
         "--head-dim", "8", "--num-blocks", str(BLOCKS), "--tokens-per-block", str(TPB),
         "--max-seq-len", str(SEQ), "--max-draft-len", "3", "--max-batch-size", str(ROWS),
-        "--max-step-tokens", "64", "--lease-ttl-s", "2")
+        "--max-step-tokens", "64")
+# A short lease, so that the stalled worker loses it soon; on a GPU the worker's first steps
+# compile their kernels (seconds each, between two calls), which a 2 s lease would not outlive.
+LEASE_S = {"cpu": 2, "cuda": 20}
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
 MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
@@ -103,7 +106,8 @@ def _victim_values(victim: Client, slots: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path: Path,
                                                                        device: str) -> None:
-    with ServiceProcess(tmp_path, "--device", device, *POOL, tcp=False) as svc, \
+    with ServiceProcess(tmp_path, "--device", device, "--lease-ttl-s", str(LEASE_S[device]),
+                        *POOL, tcp=False) as svc, \
             Client(svc.stream, worker_id="observer") as observer:
         worker = _start_overlap_worker(tmp_path, svc.stream, device)
         try:
@@ -113,7 +117,7 @@ def test_a_stalled_overlap_worker_writes_nothing_after_its_lease_ended(tmp_path:
             assert worker.poll() is None, worker.communicate()
             os.kill(worker.pid, signal.SIGSTOP)
             _poll("the stalled worker's lease never ended",
-                  lambda: _steps_of(observer, "stalled") == -1, 30.0)
+                  lambda: _steps_of(observer, "stalled") == -1, LEASE_S[device] + 30.0)
             with Client(svc.stream, worker_id="victim") as victim:
                 victim.register()
                 slots = _victim_fills_the_pool(victim)
@@ -143,7 +147,8 @@ def test_a_synchronous_worker_stopped_before_its_call_gets_nothing_committed(
     """This client stages a whole forward of 9.0 and then makes no call for longer than its
     lease; a victim takes the freed blocks; the call that would have committed the forward is
     refused, and the victim's slots keep their 5.0."""
-    with ServiceProcess(tmp_path, "--device", device, *POOL, tcp=False) as svc, \
+    with ServiceProcess(tmp_path, "--device", device, "--lease-ttl-s", str(LEASE_S[device]),
+                        *POOL, tcp=False) as svc, \
             Client(svc.stream, worker_id="observer") as observer, \
             Client(svc.stream, worker_id="stalled", retries=0) as stalled:
         stalled.register()
@@ -151,7 +156,7 @@ def test_a_synchronous_worker_stopped_before_its_call_gets_nothing_committed(
                                   [8] * ROWS))
         stalled.pool.staging[:, :, :reply.scheduled.total_tokens] = 9.0  # type: ignore[union-attr]
         _poll("the stalled worker's lease never ended",
-              lambda: _steps_of(observer, "stalled") == -1, 30.0)
+              lambda: _steps_of(observer, "stalled") == -1, LEASE_S[device] + 30.0)
         with Client(svc.stream, worker_id="victim") as victim:
             victim.register()
             slots = _victim_fills_the_pool(victim)

@@ -182,10 +182,12 @@ class PoolWrites:
                      self.staging.all_rows, rows, self.scales.inv, backend=self.backend,
                          fence=self.fence)
 
-    def _variant(self) -> tuple[int | None, int | None]:
+    def _variant(self) -> int | tuple[int | None, int] | None:
         """What a host-slot write's graph bakes in besides its buffer: the protection mask's
-        address and the writer's fence word's."""
-        return self.protection.variant, None if self.fence is None else self.fence.word.data_ptr()
+        address, and the writer's fence word's where the write is fenced."""
+        if self.fence is None:
+            return self.protection.variant
+        return self.protection.variant, self.fence.word.data_ptr()
 
     def _host_write_graphs(self) -> HostWriteGraphs | None:
         return self.graphs.host_writes(self.write_uploaded_slots)
