@@ -37,7 +37,7 @@ import torch
 import uvicorn
 from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy
 from kvalloc.allocator.commands.arguments import argument_type
-from kvalloc.server.cli import flag_errors
+from kvalloc.allocator.commands.config_errors import flag_errors
 from kvalloc.server.contract.addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
