@@ -243,9 +243,11 @@ def test_the_gpu_image_is_the_stack_the_gpu_tests_run_on():
     assert base == "ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime"
 
 
-def test_prometheusrule_carries_exactly_the_alerts_of_alerts_yml():
-    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    assert load_k8s()["PrometheusRule"]["spec"] == rules
+def test_prometheusrule_carries_exactly_the_alerts_of_alerts_yml_and_the_gpu_step_latency():
+    """The DaemonSet runs on GPU nodes: its rules take step-latency.yml's threshold."""
+    groups = [g for name in ("alerts.yml", "step-latency.yml")
+              for g in yaml.safe_load((DEPLOY / "prometheus" / name).read_text())["groups"]]
+    assert load_k8s()["PrometheusRule"]["spec"] == {"groups": groups}
 
 
 # ---------------------------------------------------------------- commands vs the real CLI
