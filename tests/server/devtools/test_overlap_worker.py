@@ -14,7 +14,7 @@ import pytest
 from kvalloc.allocator import PoolConfig
 from kvalloc.server.client import Client
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
-from kvalloc.server.devtools.loadgen import drive
+from kvalloc.server.devtools.loadgen import _human, drive
 from kvalloc.server.devtools.overlap_worker import OverlapSimulatedWorker
 from kvalloc.server.devtools.simulated_worker import Workload
 from kvalloc.server.service.core import ServiceCore
@@ -83,6 +83,9 @@ def test_drives_a_real_service_core_under_block_pressure_and_gives_every_block_b
     assert worker.stats["grants_refused"] > 0, "the pool was under pressure"
     assert worker.stats["preempted"] > 0 and worker.stats["grants_behind"] > 0
     core.manager.check_invariants()
+    text = _human({**report.summary(), "overlap": True})  # what the command prints
+    assert text.splitlines()[0].endswith("one step ahead (lag 2)")
+    assert f"grants behind an unsettled step {worker.stats['grants_behind']}" in text
 
     # Drain: no arrivals; every request finishes or is preempted and every block comes back.
     worker.w = Workload(draft_len=D, arrival_rate=0.0, output_len=(8, 64))
