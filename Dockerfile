@@ -37,7 +37,10 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvalloc \
     && install -d -o kvalloc -g kvalloc -m 0750 /run/kvalloc
 USER kvalloc
-ENV PYTHONUNBUFFERED=1
+# Triton writes its compiled kernels to ~/.triton unless told, and this user has no home (and a
+# read-only root in Kubernetes): /tmp is writable here, and an emptyDir there.
+ENV PYTHONUNBUFFERED=1 \
+    TRITON_CACHE_DIR=/tmp/kvalloc-triton-cache
 EXPOSE 8900 5555
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8900/healthz', timeout=2)"]

@@ -5,8 +5,11 @@ RSS and open descriptors at the start and the end.
     python benchmarks/soak.py                       # 10 minutes, 6 workers (on demand)
     python benchmarks/soak.py --duration 5 --workers 2 --json
     python benchmarks/soak.py --no-prefix-caching   # the plain pool: no cache, no events
+    python benchmarks/soak.py --overlap-workers 2    # and 2 more workers one step ahead (lag 2)
 
-Workers alternate between IPC and REST over TCP. By default the service caches prompt prefixes
+Workers alternate between IPC and REST over TCP. ``--overlap-workers`` adds loadgens that run
+one step ahead (``kvalloc loadgen --overlap``: registered as overlap workers, results two calls
+late) beside the synchronous ones. By default the service caches prompt prefixes
 and publishes KV events, and every worker sends its prompts' token ids (a system prompt of
 ``SHARED_PREFIX`` tokens, then its own): the cache's refcounts, parking and eviction, and the
 event publisher's thread and buffer, are what a soak must watch too. A subscriber holding the
@@ -141,12 +144,15 @@ def worker_ids(workers: int) -> list[str]:
 
 
 def start_workers(addresses: list[str], duration_s: float, token: str,
-                  prefix_caching: bool) -> list[subprocess.Popen[str]]:
+                  prefix_caching: bool, overlap_workers: int) -> list[subprocess.Popen[str]]:
+    """One loadgen per address; the last ``overlap_workers`` of them one step ahead."""
     prompts = ["--shared-prefix", str(SHARED_PREFIX)] if prefix_caching else []
+    synchronous = len(addresses) - overlap_workers
     return [subprocess.Popen(
         [*kvalloc_command(), "loadgen", "--address", address, "--worker-id", worker_id,
          "--duration", str(duration_s), "--steps", str(10**9), "--step-interval", "0",
-         "--seed", str(i), "--no-progress", "--json", *prompts],
+         "--seed", str(i), "--no-progress", "--json", *prompts,
+         *(["--overlap"] if i >= synchronous else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "KVALLOC_TOKEN": token})
         for i, (address, worker_id) in enumerate(zip(addresses, worker_ids(len(addresses)),
@@ -154,10 +160,11 @@ def start_workers(addresses: list[str], duration_s: float, token: str,
 
 
 def run_load(svc: ServiceProcess, duration_s: float, workers: int, token: str,
-             prefix_caching: bool) -> tuple[list[dict[str, Any]], Churn]:
-    """The workers' reports and the churn, once every worker exited and the churn stopped."""
+             prefix_caching: bool, overlap_workers: int) -> tuple[list[dict[str, Any]], Churn]:
+    """The workers' reports and the churn, once every worker exited and the churn stopped.
+    ``workers`` counts the ``overlap_workers`` too."""
     addresses = [svc.ipc if i % 2 == 0 else svc.rest_tcp for i in range(workers)]
-    procs = start_workers(addresses, duration_s, token, prefix_caching)
+    procs = start_workers(addresses, duration_s, token, prefix_caching, overlap_workers)
     churn = Churn(svc.ipc, token)
     churn.start()
     reports = []
@@ -182,7 +189,9 @@ def final_state(svc: ServiceProcess, token: str) -> tuple[PoolState, dict[str, f
 
 
 def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
-         prefix_caching: bool = True) -> dict[str, Any]:
+         prefix_caching: bool = True, overlap_workers: int = 0) -> dict[str, Any]:
+    """``workers`` synchronous loadgens and ``overlap_workers`` more one step ahead."""
+    workers += overlap_workers
     # A token of its own: nothing is written outside ``workdir`` (a generated one would leave
     # its TCP endpoint's token file in the runtime directory), and the subscriber needs it.
     token = secrets.token_urlsafe(32)
@@ -198,7 +207,8 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
             watch.connected.wait()
         time.sleep(warm_up_s)
         start = process_usage(svc.proc.pid)
-        reports, churn = run_load(svc, duration_s, workers, token, prefix_caching)
+        reports, churn = run_load(svc, duration_s, workers, token, prefix_caching,
+                                  overlap_workers)
         time.sleep(max(1.0, METRICS_INTERVAL_S))  # the workers' connections close
         end = process_usage(svc.proc.pid)
         if watch is not None:
@@ -207,7 +217,9 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
         pool, samples = final_state(svc, token)
     return {
         "duration_s": duration_s, "workers": workers, "prefix_caching": prefix_caching,
+        "overlap_workers": overlap_workers,
         "steps": sum(r.get("steps", 0) for r in reports),
+        "overlap_steps": sum(r.get("steps", 0) for r in reports if r.get("overlap")),
         "errors": {k: v for r in reports for k, v in r.get("errors", {}).items()},
         "churn": {"cycles": churn.cycles, "errors": churn.errors[:10]},
         "p99_ms": [r.get("latency_ms", {}).get("p99") for r in reports],
@@ -241,6 +253,8 @@ def describe(report: dict[str, Any]) -> str:
     lines = [
         f"soak: {report['steps']} steps by {report['workers']} workers in "
         f"{report['duration_s']:.0f}s, {report['churn']['cycles']} register/deregister cycles",
+        *([f"  one step ahead: {report['overlap_steps']} steps by "
+           f"{report['overlap_workers']} of the workers"] if report["overlap_workers"] else []),
         f"  errors: {report['errors'] or 'none'}; churn errors: "
         f"{report['churn']['errors'] or 'none'}",
         f"  left in pool: {pool['requests']} requests, {pool['used_blocks']} blocks used, "
@@ -266,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds (default 600)")
     parser.add_argument("--workers", type=int, default=6, help="loadgen processes (default 6)")
+    parser.add_argument("--overlap-workers", type=int, default=0,
+                        help="loadgen processes one step ahead (--overlap), beside --workers "
+                             "(default 0)")
     parser.add_argument("--warm-up", type=float, default=5.0,
                         help="seconds before the start figures: imports and first allocations "
                              "are not the steady state (default 5)")
@@ -274,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvsoak-") as tmp:
-        report = soak(args.duration, args.workers, Path(tmp), args.warm_up, args.prefix_caching)
+        report = soak(args.duration, args.workers, Path(tmp), args.warm_up, args.prefix_caching,
+                      args.overlap_workers)
     print(json.dumps(report) if args.json else describe(report))
     return 0 if healthy(report) else 1
 

@@ -23,7 +23,7 @@ IPC="ipc://$TMP/kvalloc.ipc"
 PIDS+=($!)
 cat >"$TMP/prometheus.yml" <<YAML
 global: {scrape_interval: 1s, evaluation_interval: 1s}
-rule_files: ["$PWD/deploy/prometheus/alerts.yml"]
+rule_files: ["$PWD/deploy/prometheus/alerts.yml", "$PWD/deploy/prometheus/step-latency-cpu.yml"]
 scrape_configs:
   - job_name: kvalloc
     static_configs: [{targets: ["127.0.0.1:$REST_PORT"]}]

@@ -10,10 +10,6 @@ import argparse
 import importlib
 import sys
 from importlib import metadata
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pydantic import ValidationError
 
 DESCRIPTION = ("KV-cache block allocator for LLM inference with speculative decoding: run the "
                "allocator service, drive it with a simulated worker, or reproduce the two "
@@ -57,17 +53,6 @@ class _Version(argparse.Action):
             release = "(a source tree that is not installed)"
         print(f"kvalloc {release}")
         parser.exit()
-
-
-def flag_errors(exc: ValidationError) -> str:
-    """A configuration's validation errors as the flags that set them: ``--num-blocks -3: Input
-    should be greater than 0``, one line each."""
-    lines = []
-    for error in exc.errors():
-        flag = "--" + str(error["loc"][-1]).replace("_", "-") if error["loc"] else "configuration"
-        given = f" {error['input']}" if error["loc"] else ""
-        lines.append(f"{flag}{given}: {error['msg']}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

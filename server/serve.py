@@ -37,7 +37,7 @@ import torch
 import uvicorn
 from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy
 from kvalloc.allocator.commands.arguments import argument_type
-from kvalloc.server.cli import flag_errors
+from kvalloc.allocator.commands.config_errors import flag_errors
 from kvalloc.server.contract.addresses import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -81,7 +81,12 @@ from kvalloc.server.transport.network import (
     raise_nofile_limit,
 )
 from kvalloc.server.transport.rest import create_app
-from kvalloc.server.transport.token_files import previous_token, write_token_files
+from kvalloc.server.transport.token_files import (
+    picked_port_files,
+    previous_token,
+    remove_token_files,
+    write_token_files,
+)
 from pydantic import SecretStr, ValidationError
 
 log = logging.getLogger("kvalloc.serve")
@@ -256,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
+    picked: list[Path] = []  # token files of ports the OS picked: removed at the stop
     status = 0
     try:
         sockets = _rest_sockets(args)
@@ -263,8 +269,9 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(core, token=token, metrics=_metrics(core), limits=limits)
         endpoints = ipc.start()
         if token is not None and config.token is None:  # generated: for our own user's clients
-            write_token_files(token.get_secret_value(),
-                              [*rest, *endpoints, *_event_endpoints(core)])
+            written = write_token_files(token.get_secret_value(),
+                                        [*rest, *endpoints, *_event_endpoints(core)])
+            picked = picked_port_files(written, _requested(args, config))
         reaper.start()
         _log_start(config, core, rest, endpoints, need, token)
         server = uvicorn.Server(uvicorn.Config(
@@ -279,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         status = 1
     finally:
         _shut_down(args, ipc, reaper, core, sockets)
+        if picked and token is not None:
+            remove_token_files(picked, token.get_secret_value())
     return status
 
 
@@ -426,6 +435,13 @@ def _addresses(args: argparse.Namespace) -> list[str]:
     tcp = [] if args.no_tcp or args.port == 0 else [f"http://{args.host}:{args.port}"]
     uds = [f"unix://{args.uds}"] if args.uds else []
     return [*uds, *(args.ipc or default_ipc_endpoints()), *tcp]
+
+
+def _requested(args: argparse.Namespace, config: ServiceConfig) -> list[str]:
+    """Every endpoint as the command line asked for it, KV event endpoints of each rank too."""
+    events = [e for rank in rank_configs(config)
+              for e in (rank.kv_events, rank.kv_events_replay) if e is not None]
+    return [*_addresses(args), *events]
 
 
 def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:

@@ -10,6 +10,9 @@ run it.
   defaults is up, as the examples that say "in another shell: kvalloc serve" expect.
 - A block preceded by ``<!-- docs-test: skip, REASON -->`` is not run; it must give a reason.
   Any other language must be skipped that way.
+- Every ``python -m pytest`` line of any block is collected (``--collect-only``) and must select
+  at least one test: those blocks are skipped (they run the suite), and an example whose ``-k``
+  matches nothing would show nothing.
 
 Each block runs in a fresh directory with ``XDG_RUNTIME_DIR`` pointing into it (so the
 service's default IPC socket is private to the test), the venv's ``bin`` first on ``PATH`` (as
@@ -92,6 +95,30 @@ def test_the_harness_finds_the_documents_blocks():
     readme = [b for b in ALL if b.document == "README.md"]
     assert {b.language for b in readme} >= {"python", "sh"}
     assert len(ALL) >= 8
+
+
+PYTEST_EXAMPLES = [(b, line) for b in ALL for line in b.code.splitlines()
+                   if " -m pytest " in line and not line.lstrip().startswith("#")]
+
+
+def test_the_documents_show_pytest_examples():
+    assert len(PYTEST_EXAMPLES) >= 2
+
+
+@pytest.mark.parametrize("block, line", PYTEST_EXAMPLES,
+                         ids=[f"{b.name}:{i}" for i, (b, _) in enumerate(PYTEST_EXAMPLES)])
+def test_a_documented_pytest_example_selects_tests(block: Block, line: str):
+    """Skipped as blocks (they run the suite), so collected here: a selection that matches no
+    test (pytest's exit 5) is an example that shows nothing."""
+    args = shlex.split(line.split(" -m pytest ", 1)[1].split("#")[0])
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{block.name}: {line}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
+    # "N tests collected" (-q, and "N/M" with -k), or "path: N" per module (-qq)
+    total = re.search(r"^(\d+)(?:/\d+)? tests? collected", r.stdout, re.M)
+    counts = [int(total.group(1))] if total else [
+        int(n) for n in re.findall(r"^\S+\.py: (\d+)$", r.stdout, re.M)]
+    assert sum(counts) > 0, r.stdout[-2000:]
 
 
 def test_directives_sections_and_exit_statuses_are_read_as_documented(tmp_path: Path):

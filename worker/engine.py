@@ -153,20 +153,28 @@ class Engine:
     @staticmethod
     def _check_layout(model: PreTrainedModel, layout: wire.PoolLayout,
                       staging_dtype: torch.dtype) -> None:
-        want = dict(zip(("num_layers", "num_kv_heads", "head_dim"), kv_shape(model.config),
-                        strict=True))
+        """Every field in which the pool does not fit the model at once, with the `kvalloc
+        serve` flags of a pool that would (a worker learns nothing more from a second try)."""
+        tp = layout.tensor_parallel
+        layers, heads, head_dim = kv_shape(model.config)
+        dtype = str(model.dtype).removeprefix("torch.")
         # A tensor-parallel pool's shard, like the model's, holds its share of the KV heads.
-        have = {"num_layers": layout.num_layers, "head_dim": layout.head_dim,
-                "num_kv_heads": layout.num_kv_heads // layout.tensor_parallel}
-        for name, value in want.items():
-            if have[name] != value:
-                raise LayoutMismatch(f"{name}: the pool has {have[name]}, the model "
-                                     f"needs {value}")
-        if model.dtype != staging_dtype:
-            raise LayoutMismatch(f"dtype: the pool stages {staging_dtype}, the model runs in "
-                                 f"{model.dtype}")
+        fields = [("num_layers", layout.num_layers, layers),
+                  ("num_kv_heads", layout.num_kv_heads // tp, heads),
+                  ("head_dim", layout.head_dim, head_dim)]
+        wrong = [f"{name}: the pool has {have}, the model needs {want}"
+                 for name, have, want in fields if have != want]
         if layout.dtype == "fp8_e4m3":
-            raise LayoutMismatch("dtype: fp8 pools are not supported by the worker")
+            wrong.append(f"dtype: the pool is fp8, which the worker does not support; the "
+                         f"model runs in {dtype}")
+        elif model.dtype != staging_dtype:
+            wrong.append(f"dtype: the pool stages {staging_dtype}, the model runs in "
+                         f"{model.dtype}")
+        if wrong:
+            raise LayoutMismatch(
+                f"{'; '.join(wrong)}. A pool for this model: kvalloc serve --num-layers "
+                f"{layers} --num-kv-heads {heads * tp} --head-dim {head_dim} --dtype {dtype}"
+                f"{f' --tensor-parallel {tp}' if tp > 1 else ''}")
 
     # ------------------------------------------------------------------ before serving
 

@@ -46,8 +46,25 @@ def _output_file(text: str) -> Path:
     path = Path(text)
     if not path.parent.is_dir():
         raise ValueError(f"{path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory")
+    _check_writable(path)
     return path
 
 
+def _check_writable(path: Path) -> None:
+    """Open ``path`` for writing as the command will, so that a run never ends in a file it
+    cannot write; a file that was not there is removed again. (Asking `os.access` is not
+    enough: for root it says yes to a read-only mount or ``/proc``.)"""
+    existed = path.exists()
+    try:
+        with path.open("a"):  # appends nothing: an existing file keeps its content
+            pass
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot write it ({exc.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 output_file = argument_type(_output_file)
-"""A file to write: its directory must exist."""
+"""A file to write: its directory must exist and the file be writable, checked before the run."""

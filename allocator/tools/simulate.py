@@ -33,6 +33,7 @@ import numpy as np
 from kvalloc.allocator.capacity.manager import KVCacheManager, StepPlan
 from kvalloc.allocator.capacity.step.plan import LAGS
 from kvalloc.allocator.commands.arguments import bounded, output_file
+from kvalloc.allocator.commands.config_errors import reasons
 from kvalloc.allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
 from kvalloc.allocator.commands.simulated_acceptance import Acceptance
 from kvalloc.allocator.config import PoolConfig, SlackPolicy
@@ -295,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec.pool_config()
     except ValidationError as exc:  # flags that make no pool, e.g. too few --num-blocks
-        print(f"kvalloc simulate: error: {exc.errors()[0]['msg']}", file=sys.stderr)
+        print(f"kvalloc simulate: error: {reasons(exc)}", file=sys.stderr)
         return 2
     with sigint_stops() as stop:
         result = simulate(spec, stop)
@@ -328,7 +329,7 @@ def _run_sharing(args: argparse.Namespace) -> int:
         with sigint_stops() as stop:
             result = simulate_sharing(spec, stop)
     except (ValidationError, OutOfBlocks) as exc:
-        message = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        message = reasons(exc) if isinstance(exc, ValidationError) else str(exc)
         print(f"kvalloc simulate: error: {message}", file=sys.stderr)
         return 2
     _report({**sharing_summary(result), **_interrupted(stop)}, args)

@@ -125,10 +125,13 @@ def ipc_endpoint(endpoint: str) -> str:
     """An endpoint the IPC transport can serve: a ZeroMQ one (`server_endpoint`) or
     ``stream:///path``."""
     path = stream_path(endpoint)
-    if path is None:
-        return server_endpoint(endpoint)
-    socket_file(str(path))
-    return endpoint
+    if path is not None:
+        socket_file(str(path))
+        return endpoint
+    if endpoint.partition("://")[0] not in ("ipc", "tcp"):  # the schemes listed are this one's
+        raise AddressError(f"{endpoint!r} is not ipc:///path, tcp://host:port or "
+                           f"stream:///path")
+    return server_endpoint(endpoint)
 
 
 def client_address(address: str) -> str:

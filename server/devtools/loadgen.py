@@ -1,18 +1,5 @@
-"""`kvalloc loadgen`: a simulated inference worker driving a running service, one call per step.
-
-The worker behaves like an engine's overlap scheduler running one-model MTP with chunked
-prefill: each call settles the previous step (accepted drafts drawn at random, or a revert when
-the forward was skipped), finishes requests that produced their output, grants every running
-request ``1 + D`` (sometimes padded to ``max_draft_len`` as a CUDA-graph bucket would be),
-continues prompts being prefilled, and admits new arrivals (a Poisson number per step). A
-request whose grant or prefill chunk is refused is preempted (freed the next step), as a
-scheduler short of KV blocks does, so a full pool keeps turning over instead of stalling.
-
-Invariants the worker keeps, so the service never sees a protocol error from it:
-- every request of the previous step appears in exactly one of results, reverts, finished;
-- a request gets a generation grant only once its whole prompt was scheduled in earlier steps;
-- a step schedules at most the service's ``max_step_tokens``;
-- accepted <= the draft length it was granted.
+"""`kvalloc loadgen`: a simulated inference worker (`simulated_worker`, or one step ahead with
+``--overlap``: `overlap_worker`) driving a running service, one call per step.
 
 It stops after ``--steps`` or ``--duration``, whichever comes first (``--duration`` alone: for that
 long; neither: 1000 steps), and prints p50/p99 call latency and every error by code; exit status 1
@@ -23,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import sys
 import time
@@ -39,172 +25,12 @@ from kvalloc.allocator.commands.simulated_acceptance import Acceptance
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.addresses import client_address, default_client_address
-from kvalloc.server.contract.columns import StepResult
 from kvalloc.server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
+from kvalloc.server.devtools.overlap_worker import OverlapSimulatedWorker
+from kvalloc.server.devtools.simulated_worker import SimulatedWorker, Workload
 from tqdm import tqdm
 
 DEFAULT_STEPS = 1000  # when neither --steps nor --duration is given
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the simulated engine does each step."""
-
-    draft_len: int = 3
-    acceptance: Acceptance = field(default_factory=lambda: Acceptance("geometric", 0.7))
-    arrival_rate: float = 0.5  # expected new requests per step
-    prompt_len: tuple[int, int] = (16, 512)  # inclusive range, uniform
-    output_len: tuple[int, int] = (16, 256)
-    max_live: int = 32
-    skip_rate: float = 0.02  # forwards skipped (reverted)
-    pad_rate: float = 0.1  # grants padded to max_draft_len
-    # Tokens of a system prompt every new prompt starts with, sent with token ids (0: prompts
-    # go without ids and share nothing).
-    shared_prefix: int = 0
-
-
-@dataclass
-class _Request:
-    prompt: int  # prompt tokens
-    prompt_left: int  # prompt tokens not scheduled yet (chunked prefill)
-    remaining: int  # output tokens still to produce
-    in_flight: int | None = None  # D of this step's grant, None when not scheduled
-    preempted: bool = False  # its grant or prefill chunk was refused: free it next step
-
-
-@dataclass
-class _Call:
-    """What the last call asked for, to read its reply's refusals (indices into these)."""
-
-    grants: list[int] = field(default_factory=list)
-    prefill: list[int] = field(default_factory=list)
-    new: list[_Request] = field(default_factory=list)
-
-
-class SimulatedWorker:
-    """Builds each step's call and learns from its reply. No I/O: the driver sends the calls.
-
-    A step schedules at most ``max_step_tokens`` tokens (the service's staging capacity): decode
-    grants first (1 + D each, padding included), then prefill chunks, then new prompts' first
-    chunks, as a chunked-prefill scheduler that never starves running requests does. Requests are
-    named by the handles the service gives them.
-    """
-
-    def __init__(self, workload: Workload, *, max_draft_len: int, max_step_tokens: int,
-                 seed: int = 0) -> None:
-        self.w = workload
-        self.max_draft_len = max_draft_len
-        self.max_step_tokens = max_step_tokens
-        self.rng = np.random.default_rng(seed)
-        self.live: dict[int, _Request] = {}  # by handle
-        self._call = _Call()
-        self._ids = itertools.count()
-        self.stats: Counter[str] = Counter()
-        self._system = self.rng.integers(0, 32000, workload.shared_prefix)
-
-    def next_step(self) -> dict[str, Any]:
-        """The step's columns, as `Client.step` takes them."""
-        results, reverts, finished = self._settle()
-        w, rng = self.w, self.rng
-        budget = self.max_step_tokens
-        call = self._call = _Call()
-        drafts, pad_handles, pads, chunks = [], [], [], []
-        for handle, req in self.live.items():
-            if req.prompt_left:
-                continue
-            d = min(w.draft_len, self.max_draft_len, req.remaining - 1)
-            pad = self.max_draft_len if d < self.max_draft_len and rng.random() < w.pad_rate else d
-            if 1 + pad > budget:
-                continue  # no room this step: it simply is not scheduled
-            budget -= 1 + pad
-            call.grants.append(handle)
-            drafts.append(d)
-            req.in_flight = d
-            if pad > d:
-                pad_handles.append(handle)
-                pads.append(pad)
-        for handle, req in self.live.items():
-            chunk = min(req.prompt_left, budget)
-            if chunk:
-                budget -= chunk
-                req.prompt_left -= chunk
-                call.prefill.append(handle)
-                chunks.append(chunk)
-
-        new_ids, prompts, firsts, token_ids = [], [], [], []
-        room = w.max_live - len(self.live)
-        for _ in range(min(room, int(rng.poisson(w.arrival_rate)))):
-            if not budget:
-                break
-            own = int(rng.integers(*w.prompt_len, endpoint=True))
-            prompt = w.shared_prefix + own
-            if w.shared_prefix:
-                token_ids += [self._system, rng.integers(0, 32000, own)]
-            first = min(prompt, budget)
-            budget -= first
-            new_ids.append(f"r{next(self._ids)}")
-            prompts.append(prompt)
-            firsts.append(first)
-            call.new.append(_Request(prompt=prompt, prompt_left=prompt - first,
-                                     remaining=int(rng.integers(*w.output_len, endpoint=True))))
-        return {"results": results, "reverts": reverts, "finished": finished,
-                "grants": (call.grants, drafts), "padding": (pad_handles, pads),
-                "prefill": (call.prefill, chunks), "new": (new_ids, prompts, firsts),
-                "prompt_token_ids": np.concatenate(token_ids) if token_ids else ()}
-
-    def _settle(self) -> tuple[tuple[list[int], list[int]], list[int], list[int]]:
-        """The previous step's outcome for every request it scheduled, and preemptions."""
-        w, rng = self.w, self.rng
-        handles, accepted_counts, reverts, finished = [], [], [], []
-        for handle, req in self.live.items():
-            if req.preempted:
-                finished.append(handle)
-            if req.in_flight is None:
-                continue
-            if rng.random() < w.skip_rate:
-                reverts.append(handle)
-                self.stats["reverts"] += 1
-            else:
-                accepted = int(w.acceptance.sample(rng, req.in_flight, 1)[0])
-                req.remaining -= 1 + accepted
-                self.stats["accepted_tokens"] += accepted
-                self.stats["output_tokens"] += 1 + accepted
-                if req.remaining <= 0:
-                    finished.append(handle)
-                else:
-                    handles.append(handle)
-                    accepted_counts.append(accepted)
-            req.in_flight = None
-        for handle in finished:
-            self.stats["preempted" if self.live.pop(handle).preempted else "finished"] += 1
-        return (handles, accepted_counts), reverts, finished
-
-    def take_reply(self, reply: StepResult) -> None:
-        """Learn which grants, prefill chunks and new requests the service refused, and the
-        handles of the admitted ones."""
-        call = self._call
-        for kind, listed in (("grant", call.grants), ("prefill", call.prefill)):
-            for i in reply.refused.of_kind(kind).tolist():
-                req = self.live[listed[i]]
-                req.in_flight, req.preempted = None, True
-                self.stats[f"{kind}s_refused"] += 1  # grants_refused, prefills_refused
-        for handle, cached, req in zip(reply.admitted.tolist(), reply.cached_tokens.tolist(),
-                                       call.new, strict=True):
-            if handle < 0:
-                self.stats["requests_refused"] += 1
-            else:
-                # A cached prefix is in the pool already: the prompt is that much shorter.
-                req.prompt_left = max(0, req.prompt_left - cached)
-                self.live[handle] = req
-                self.stats["admitted"] += 1
-                if self.w.shared_prefix:
-                    self.stats["prompt_tokens"] += req.prompt
-                    self.stats["cached_tokens"] += cached
-
-    def reset(self) -> None:
-        """Forget every request (the service freed them: re-registration or a new epoch)."""
-        self.live.clear()
-        self._call = _Call()
 
 
 # ---------------------------------------------------------------- driving a service
@@ -317,7 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stop.add_argument("--duration", type=bounded(float, 0, low_open=True), default=None,
                       help="seconds")
     sim = parser.add_argument_group("the simulated engine")
-    sim.add_argument("--draft-len", type=bounded(int, 0), default=3, help="MTP draft length D")
+    sim.add_argument("--draft-len", type=bounded(int, 0), default=3,
+                     help="MTP draft length D (at most the service's --max-draft-len)")
+    sim.add_argument("--overlap", action="store_true",
+                     help="one step ahead: register as an overlap worker, whose results reach "
+                          "the service two calls late (lag 2, docs/protocol.md)")
     sim.add_argument("--acceptance", type=Acceptance.parse, default="geometric:0.7",
                      help="geometric:P, fixed:K or uniform")
     sim.add_argument("--arrival-rate", type=bounded(float, 0), default=0.5,
@@ -354,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
         def register() -> wire.Registration:  # at start and after each refusal
             return client.register(attach=False,  # the load generator never touches KV
-                                   replace=args.replace,
+                                   replace=args.replace, overlap=args.overlap,
                                    data_parallel_rank=args.data_parallel_rank)
 
         try:
@@ -363,15 +193,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvalloc loadgen: cannot register at {address}: {exc}", file=sys.stderr)
             return 2
         layout = registration.layout
-        worker = SimulatedWorker(workload, max_draft_len=layout.max_draft_len,
-                                 max_step_tokens=layout.max_step_tokens, seed=args.seed)
+        if args.draft_len > layout.max_draft_len:
+            print(f"kvalloc loadgen: --draft-len {args.draft_len} is more than the service's "
+                  f"max_draft_len {layout.max_draft_len}: drafting {layout.max_draft_len}",
+                  file=sys.stderr)
+        simulated = OverlapSimulatedWorker if args.overlap else SimulatedWorker
+        worker = simulated(workload, max_draft_len=layout.max_draft_len,
+                           max_step_tokens=layout.max_step_tokens, seed=args.seed)
         with sigint_stops() as stop:
             report = drive(client, worker, steps=steps, duration_s=args.duration,
                            step_interval_s=args.step_interval, progress=not args.no_progress,
                            stop=stop, register=register)
             with contextlib.suppress(Exception):  # best effort: a lost service frees it by lease
                 client.deregister()
-    summary = {**report.summary(), **({"interrupted": True} if stop.requested else {})}
+    summary = {**report.summary(), "overlap": args.overlap,
+               **({"interrupted": True} if stop.requested else {})}
     print(json.dumps(summary) if args.json else _human(summary))
     if stop.requested:
         return INTERRUPTED
@@ -381,13 +217,16 @@ def run(args: argparse.Namespace) -> int:
 def _human(s: dict[str, Any]) -> str:
     lat = s["latency_ms"]
     errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"
+    behind = (f", grants behind an unsettled step {s.get('grants_behind', 0)}"
+              if s.get("overlap") else "")
     return "\n".join([
         f"kvalloc loadgen: {s['steps']} steps in {s['seconds']:.1f}s against {s['address']}"
-        f"{' (interrupted)' if s.get('interrupted') else ''}",
+        f"{' (interrupted)' if s.get('interrupted') else ''}"
+        f"{', one step ahead (lag 2)' if s.get('overlap') else ''}",
         f"  step call latency: p50 {lat['p50']} ms, p99 {lat['p99']} ms, max {lat['max']} ms",
         f"  requests: {s.get('admitted', 0)} admitted, {s.get('finished', 0)} finished, "
         f"{s.get('requests_refused', 0)} refused, {s.get('preempted', 0)} preempted; "
-        f"grants refused {s.get('grants_refused', 0)}, reverts {s.get('reverts', 0)}",
+        f"grants refused {s.get('grants_refused', 0)}, reverts {s.get('reverts', 0)}{behind}",
         f"  tokens: {s.get('output_tokens', 0)} output, {s.get('accepted_tokens', 0)} accepted "
         f"drafts",
         f"  errors: {errors}",

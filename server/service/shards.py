@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from kvalloc.allocator import KVStorage, PoolConfig, shard_span
+from kvalloc.allocator.commands.config_errors import reasons
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.errors import ShardingInvalid
 from kvalloc.server.service.commit import Committer
@@ -112,6 +113,4 @@ def check_devices(devices: list[str]) -> None:
         try:
             default_pool(device=device)
         except ValidationError as exc:
-            reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ")
-                                for e in exc.errors())
-            raise ShardingInvalid(f"devices: {reasons}") from None
+            raise ShardingInvalid(f"devices: {reasons(exc)}") from None

@@ -14,13 +14,17 @@ every ``/v1`` operation.
 
 The files stay when the service stops, and a service starting on the same endpoint reuses the
 token it finds there (`previous_token`), so its clients keep working across restarts; removing
-the files before a start rotates it. Only a private file (a regular file owned by this user,
-mode 0600, not a link) is ever read, by the service or a client: a token someone else planted is
-never adopted.
+the files before a start rotates it. The file of an endpoint whose port the OS picked (``--port
+0``, ``tcp://host:*``) no later start would find again: the service removes it when it stops
+(`picked_port_files`, `remove_token_files`), so that such runs leave nothing behind.
+
+Only a private file (a regular file owned by this user, mode 0600, not a link) is ever read, by
+the service or a client: a token someone else planted is never adopted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterable
@@ -68,6 +72,24 @@ def write_token_files(token: str, endpoints: Iterable[str]) -> list[Path]:
         os.replace(scratch, path)
         written.append(path)
     return written
+
+
+def picked_port_files(written: Iterable[Path], requested: Iterable[str]) -> list[Path]:
+    """Of the token files ``written`` for the bound endpoints, those of no endpoint in
+    ``requested`` (as the command line asked for them): their ports were picked at bind time."""
+    known = set()
+    for address in requested:
+        with contextlib.suppress(ValueError):  # "tcp://host:*" names no port: not known
+            known.add(token_file(address))
+    return [path for path in written if path not in known]
+
+
+def remove_token_files(paths: Iterable[Path], token: str) -> None:
+    """Remove each file that still holds ``token`` (never one another service wrote since)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.read_text().strip() == token:
+                path.unlink()
 
 
 def previous_token(addresses: Iterable[str]) -> str | None:

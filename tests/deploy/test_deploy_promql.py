@@ -23,6 +23,7 @@ from kvalloc.allocator.nwor.acceptance import ScvAcceptor
 from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
 from kvalloc.server.service.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry
+from test_deploy_schemas import load_compose
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
@@ -94,9 +95,17 @@ def exported_names() -> set[str]:
             for suffix in SUFFIXES[kind]}
 
 
-def alert_rules() -> list[dict]:
-    doc = yaml.safe_load((PROM / "alerts.yml").read_text())
-    return [r for g in doc["groups"] for r in g["rules"]]
+# Each rules file and its promtool unit tests. KvallocStepLatencyHigh's threshold depends on the
+# deployment: step-latency.yml for GPU hosts, step-latency-cpu.yml for the CPU compose stack.
+RULE_FILES = {"alerts.yml": "tests/alerts_test.yml",
+              "step-latency.yml": "tests/step_latency_test.yml",
+              "step-latency-cpu.yml": "tests/step_latency_cpu_test.yml"}
+
+
+def alert_rules(*files: str) -> list[dict]:
+    """The rules of ``files`` (default: every rules file)."""
+    docs = [yaml.safe_load((PROM / name).read_text()) for name in files or RULE_FILES]
+    return [r for doc in docs for g in doc["groups"] for r in g["rules"]]
 
 
 def dashboard_exprs() -> dict[str, str]:
@@ -129,26 +138,52 @@ def test_promtool_accepts_the_prometheus_config():
 
 
 @needs_promtool
-def test_promtool_accepts_the_alert_rules():
-    r = promtool("check", "rules", "deploy/prometheus/alerts.yml")
+@pytest.mark.parametrize("rules", RULE_FILES)
+def test_promtool_accepts_the_alert_rules(rules):
+    r = promtool("check", "rules", f"deploy/prometheus/{rules}")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"SUCCESS: {len(alert_rules())} rules found" in r.stdout
+    assert f"SUCCESS: {len(alert_rules(rules))} rules found" in r.stdout
 
 
 @needs_promtool
 def test_every_alert_passes_its_promtool_unit_tests():
-    r = promtool("test", "rules", "tests/alerts_test.yml", cwd=PROM)
+    r = promtool("test", "rules", *RULE_FILES.values(), cwd=PROM)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_stays_silent():
-    tests = yaml.safe_load((PROM / "tests" / "alerts_test.yml").read_text())["tests"]
-    cases = [c for t in tests for c in t["alert_rule_test"]]
+@pytest.mark.parametrize("rules, unit_tests", RULE_FILES.items())
+def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_stays_silent(rules,
+                                                                                  unit_tests):
+    doc = yaml.safe_load((PROM / unit_tests).read_text())
+    assert doc["rule_files"] == [f"../{rules}"]
+    cases = [c for t in doc["tests"] for c in t["alert_rule_test"]]
     fires = {c["alertname"] for c in cases if c["exp_alerts"]}
     silent = {c["alertname"] for c in cases if not c["exp_alerts"]}
-    names = {r["alert"] for r in alert_rules()}
+    names = {r["alert"] for r in alert_rules(rules)}
     assert fires == names, f"alerts without a firing test: {names - fires}"
     assert silent == names, f"alerts without a silent case: {names - silent}"
+
+
+def threshold(rule: dict) -> float:
+    """The number an alert's expression compares with (``... > 0.005``)."""
+    return float(rule["expr"].rsplit(">", 1)[1])
+
+
+def test_each_compose_stack_alerts_on_step_latency_with_its_own_threshold():
+    """The GPU stack's Prometheus evaluates step-latency.yml (prometheus.yml names it, and the
+    base compose file mounts the folder); the CPU override mounts step-latency-cpu.yml in its
+    place, whose threshold is the higher, and which alerts under the same name."""
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml", "step-latency.yml"]
+    base, cpu = load_compose("docker-compose.yml"), load_compose("docker-compose.cpu.yml")
+    assert "./prometheus:/etc/prometheus:ro" in base["services"]["prometheus"]["volumes"]
+    assert cpu["services"]["prometheus"]["volumes"] == [
+        "./prometheus/step-latency-cpu.yml:/etc/prometheus/step-latency.yml:ro"]
+    (gpu_rule,), (cpu_rule,) = alert_rules("step-latency.yml"), alert_rules("step-latency-cpu.yml")
+    assert gpu_rule["alert"] == cpu_rule["alert"] == "KvallocStepLatencyHigh"
+    assert threshold(gpu_rule) == 0.005 and threshold(cpu_rule) == 0.05
+    assert {k: v for k, v in gpu_rule.items() if k != "expr"} == \
+           {k: v for k, v in cpu_rule.items() if k != "expr"}
 
 
 @needs_promtool

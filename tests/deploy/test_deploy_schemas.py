@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,22 @@ def test_daemonset_runs_one_gpu_allocator_per_node_with_host_ipc_and_a_socket_ho
     assert sc["readOnlyRootFilesystem"]
 
 
+def test_triton_caches_its_kernels_where_the_allocator_may_write():
+    """Triton writes compiled kernels to TRITON_CACHE_DIR, else under a home the image's user
+    does not have: the image points it into /tmp, and the DaemonSet, whose root filesystem is
+    read-only, onto a writable emptyDir mount."""
+    env = dict(pair.split("=", 1) for pair in shlex.split(dockerfile_instruction("ENV")))
+    assert Path(env["TRITON_CACHE_DIR"]).is_relative_to("/tmp")
+    pod = load_k8s()["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"]
+    cache = Path({e["name"]: e.get("value") for e in container["env"]}["TRITON_CACHE_DIR"])
+    scratch = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    writable = [Path(m["mountPath"]) for m in container["volumeMounts"]
+                if m["name"] in scratch and not m.get("readOnly", False)]
+    assert any(cache.is_relative_to(mount) for mount in writable), (cache, writable)
+
+
 def test_service_and_servicemonitor_select_the_allocator_pods():
     k8s = load_k8s()
     pod_labels = k8s["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
@@ -226,9 +243,11 @@ def test_the_gpu_image_is_the_stack_the_gpu_tests_run_on():
     assert base == "ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime"
 
 
-def test_prometheusrule_carries_exactly_the_alerts_of_alerts_yml():
-    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    assert load_k8s()["PrometheusRule"]["spec"] == rules
+def test_prometheusrule_carries_exactly_the_alerts_of_alerts_yml_and_the_gpu_step_latency():
+    """The DaemonSet runs on GPU nodes: its rules take step-latency.yml's threshold."""
+    groups = [g for name in ("alerts.yml", "step-latency.yml")
+              for g in yaml.safe_load((DEPLOY / "prometheus" / name).read_text())["groups"]]
+    assert load_k8s()["PrometheusRule"]["spec"] == {"groups": groups}
 
 
 # ---------------------------------------------------------------- commands vs the real CLI

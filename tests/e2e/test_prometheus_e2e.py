@@ -48,7 +48,9 @@ def prometheus(tmp_path_factory, service) -> Iterator[httpx.Client]:
     tmp = tmp_path_factory.mktemp("prometheus")
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(ROOT / "deploy" / "prometheus" / "alerts.yml")],
+        # A CPU service: the CPU compose stack's rules.
+        "rule_files": [str(ROOT / "deploy" / "prometheus" / name)
+                       for name in ("alerts.yml", "step-latency-cpu.yml")],
         "scrape_configs": [{"job_name": "kvalloc", "static_configs": [
             {"targets": [service.rest_tcp.removeprefix("http://")]}]}],
     }
@@ -183,7 +185,7 @@ def test_the_load_shows_up_as_rates(prometheus, loaded):
 def test_alert_rules_evaluate_cleanly_on_real_data_and_none_fires(prometheus, loaded):
     groups = prometheus.get("/api/v1/rules").raise_for_status().json()["data"]["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
-    assert set(rules) == {r["alert"] for r in alert_rules()}
+    assert set(rules) == {r["alert"] for r in alert_rules("alerts.yml", "step-latency-cpu.yml")}
     assert all(r["health"] == "ok" for r in rules.values()), rules
     assert query(prometheus, 'ALERTS{alertstate="firing"}') == []
 

@@ -156,6 +156,27 @@ def test_a_restarted_service_keeps_its_generated_token(tmp_path: Path,
         assert discover_token(svc.ipc) == first
 
 
+def test_token_files_of_ports_the_os_picked_go_when_the_service_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--port 0`` and ``--ipc tcp://127.0.0.1:*``: no later start finds those ports' files
+    again, so they go with the service; a fixed port's file and the socket files' stay for the
+    next start (`test_a_restarted_service_keeps_its_generated_token`)."""
+    monkeypatch.delenv("KVALLOC_TOKEN", raising=False)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))  # the service's and this test's
+    with ServiceProcess(tmp_path, *SMALL_POOL, "--port", "0", "--ipc", "tcp://127.0.0.1:*") as svc:
+        picked = sorted(p.name for p in (run / "kvalloc").glob("*.token"))
+        assert [name.split("-")[0] for name in picked] == ["http", "tcp"], picked
+        assert svc.stop() == 0
+    assert list((run / "kvalloc").glob("*.token")) == []
+    assert discover_token(svc.ipc) is not None
+    with ServiceProcess(tmp_path, *SMALL_POOL) as svc:
+        fixed = token_file(svc.rest_tcp)
+        assert fixed.exists()
+    assert fixed.exists()
+
+
 @pytest.mark.parametrize("listen", [("--host", "0.0.0.0"),
                                     ("--ipc", "tcp://0.0.0.0:{port}")])
 def test_listening_beyond_loopback_without_a_token_is_refused(

@@ -1,5 +1,6 @@
 """benchmarks/soak.py runs (a few seconds here; ten minutes on demand) and judges a healthy run:
-no errors, no request left and no block leaked, descriptors back where they started; with
+no errors, no request left and no block leaked, descriptors back where they started, with a
+worker one step ahead (lag 2) beside the synchronous ones when asked; with
 prefix caching and KV events (its default) the workers' prompts hit the cache, and the events'
 subscriber ends with the service's count of cached blocks, having lost no batch, and computes
 the hashes of blocks stored from a root as the workers' namespaces give them."""
@@ -29,7 +30,9 @@ def short_soak(*flags: str) -> dict:
 
 
 def test_a_short_soak_ends_healthy_and_its_subscriber_sees_what_the_service_caches() -> None:
-    report = short_soak()
+    report = short_soak("--overlap-workers", "1")
+    assert report["workers"] == 3 and report["overlap_workers"] == 1
+    assert 0 < report["overlap_steps"] < report["steps"]
     assert report["cached_tokens"] > 0
     events, pool = report["events"], report["left_in_pool"]
     assert events["batches"] > 0 and events["errors"] == []

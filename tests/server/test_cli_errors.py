@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +31,10 @@ def fails_with(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     (["--port", "99999"], "argument --port: port 99999 is out of range 0-65535"),
     (["--port", "-1"], "argument --port: port -1 is out of range 0-65535"),
     (["--port", "http"], "argument --port: port 'http' is not a number"),
-    (["--ipc", "garbage"], "argument --ipc: 'garbage' is not ipc:///path or tcp://host:port"),
+    (["--ipc", "garbage"],
+     "argument --ipc: 'garbage' is not ipc:///path, tcp://host:port or stream:///path"),
+    (["--ipc", "foo://bar"],
+     "argument --ipc: 'foo://bar' is not ipc:///path, tcp://host:port or stream:///path"),
     (["--ipc", "tcp://127.0.0.1:99999"], "argument --ipc: port 99999 is out of range 0-65535"),
     (["--ipc", "tcp://:5555"], "need tcp://host:port"),
     (["--num-blocks", "many"], "argument --num-blocks: invalid int value: 'many'"),
@@ -47,9 +51,9 @@ def test_serve_refuses_a_bad_flag_naming_it_and_the_value(capsys, argv, message)
 @pytest.mark.parametrize("argv, message", [
     (["--num-blocks", "-3"], "--num-blocks -3: Input should be greater than 0"),
     (["--max-workers", "0"], "--max-workers 0: Input should be greater than 0"),
-    (["--device", "tpu"], "--device tpu: Value error, device: 'tpu' is not a torch device"),
+    (["--device", "tpu"], "--device tpu: device: 'tpu' is not a torch device"),
     (["--cache-group", "x=a", "--cache-group", "y=a,b"],
-     "configuration: Value error, cache_groups: worker 'a' is in groups 'x' and 'y'"),
+     "configuration: cache_groups: worker 'a' is in groups 'x' and 'y'"),
     # Socket directories are checked where the service runs (a deployed command line is also
     # read elsewhere), before anything is bound.
     (["--ipc", "ipc:///nonexistent/x"],
@@ -87,10 +91,33 @@ def test_simulate_refuses_a_bad_flag_before_simulating(capsys, argv, message):
     assert message in fails_with(capsys, "simulate", *argv)
 
 
+@pytest.mark.parametrize("where", ["a directory", "/proc"])
+def test_simulate_refuses_an_output_it_cannot_write_before_the_run(capsys, tmp_path, where):
+    """Checked when the flags are read, not when a finished run writes its summary; the check
+    leaves no file behind."""
+    target = tmp_path if where == "a directory" else Path("/proc/kvalloc-summary.json")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["simulate", "--num-requests", "2", "--no-progress", "--json", str(target)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"argument --json: {target}" in err and "Traceback" not in err
+    assert out == "", "no run started"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_simulate_writes_its_summary_to_a_writable_path(capsys, tmp_path):
+    summary = tmp_path / "summary.json"
+    assert cli.main(["simulate", "--num-requests", "2", "--no-progress",
+                     "--json", str(summary)]) in (0, 1)
+    assert json.loads(summary.read_text())
+
+
 def test_simulate_reports_flags_that_make_no_pool(capsys):
     assert cli.main(["simulate", "--num-blocks", "3", "--no-progress"]) == 2
-    assert "kvalloc simulate: error: Value error, max_seq_len: 132088 needs 516 blocks per " \
-           "sequence but the pool has 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kvalloc simulate: error: max_seq_len: 132088 needs 516 blocks per sequence but the " \
+           "pool has 3" in err
+    assert "Value error" not in err
 
 
 def test_a_bad_flag_from_the_installed_command_is_no_traceback(tmp_path: Path):

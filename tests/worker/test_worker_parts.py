@@ -21,7 +21,7 @@ from kvalloc.worker.errors import (
     ModelLoadError,
     PromptFileError,
 )
-from kvalloc.worker.model import config_from_file, load_model, random_model
+from kvalloc.worker.model import config_from_file, kv_shape, load_model, random_model
 from kvalloc.worker.requests import NamedPrompt
 from worker_oracle import CONFIGS, Oracle, pool_config
 
@@ -130,6 +130,33 @@ def test_the_engine_refuses_a_pool_that_does_not_fit_the_model(llama_oracle: Ora
     elsewhere = random_model(CONFIGS["llama"], seed=0, device="meta")
     with pytest.raises(LayoutMismatch, match="device: the pool is on cpu, the model on meta"):
         Engine(elsewhere, connect(pool_config(model)), None, draft_len=0)
+
+
+def test_a_pool_that_does_not_fit_names_every_field_and_the_serve_flags_that_would(
+        llama_oracle: Oracle, connect: Callable) -> None:
+    """One attempt tells every mismatched field, and the `kvalloc serve` flags of the pool the
+    model needs; an engine built on those flags' values fits."""
+    model = llama_oracle.model
+    layers, heads, head_dim = kv_shape(model.config)
+    with pytest.raises(LayoutMismatch) as refused:
+        Engine(model, connect(pool_config(model, num_layers=layers + 1, num_kv_heads=heads * 2,
+                                          head_dim=head_dim * 2, dtype="bfloat16")),
+               None, draft_len=0)
+    message = str(refused.value)
+    for wrong in (f"num_layers: the pool has {layers + 1}, the model needs {layers}",
+                  f"num_kv_heads: the pool has {heads * 2}, the model needs {heads}",
+                  f"head_dim: the pool has {head_dim * 2}, the model needs {head_dim}",
+                  "dtype: the pool stages torch.bfloat16, the model runs in torch.float32"):
+        assert wrong in message
+    flags = message.split("kvalloc serve ")[1].split()
+    assert flags == ["--num-layers", str(layers), "--num-kv-heads", str(heads),
+                     "--head-dim", str(head_dim), "--dtype", "float32"]
+    fitting = dict(zip((f.removeprefix("--").replace("-", "_") for f in flags[::2]), flags[1::2],
+                       strict=True))
+    Engine(model, connect(pool_config(model, num_layers=int(fitting["num_layers"]),
+                                      num_kv_heads=int(fitting["num_kv_heads"]),
+                                      head_dim=int(fitting["head_dim"]), dtype=fitting["dtype"])),
+           None, draft_len=0)
 
 
 def test_the_engine_refuses_bad_requests_before_any_call(llama_oracle: Oracle,

@@ -272,3 +272,16 @@ def test_cli_loads_the_data_parallel_rank_it_names(tmp_path: Path):
         while rank_counter(svc, 1) < admitted and time.monotonic() < deadline:
             time.sleep(0.1)
         assert rank_counter(svc, 1) >= admitted and rank_counter(svc, 0) == 0.0
+
+
+def test_cli_says_when_it_drafts_less_than_asked(service):
+    """A --draft-len beyond the service's max_draft_len (4 here) drafts that many, and says so
+    on stderr; one within it says nothing."""
+    r = loadgen("--address", service.stream, "--steps", "20", "--step-interval", "0",
+                "--draft-len", "9", "--worker-id", "clamped")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("kvalloc loadgen: --draft-len 9 is more than the service's max_draft_len 4: "
+            "drafting 4") in r.stderr
+    r = loadgen("--address", service.stream, "--steps", "5", "--step-interval", "0",
+                "--draft-len", "4", "--worker-id", "unclamped")
+    assert r.returncode == 0 and "--draft-len" not in r.stderr, r.stderr
