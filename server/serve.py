@@ -53,6 +53,7 @@ from kvalloc.server.contract.addresses import (
 from kvalloc.server.contract.errors import (
     AddressError,
     InsecureBinding,
+    InsufficientMemory,
     LimitsError,
     PoolTooLarge,
     ShardingInvalid,
@@ -257,7 +258,11 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device.index if device.index is not None
                               else torch.cuda.current_device())
     _warm_up(config)
-    core = ServiceCore(config) if len(rank_configs(config)) == 1 else RankedService(config)
+    try:  # the start check promised no memory: another process may have taken it since
+        core = ServiceCore(config) if len(rank_configs(config)) == 1 else RankedService(config)
+    except InsufficientMemory as exc:
+        log.error("%s", exc)
+        return 2
     ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
     reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []

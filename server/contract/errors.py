@@ -5,7 +5,8 @@ catch a builtin (a timeout, a refused connection, a bad value), the class keeps 
 
 - `ServiceError`: a call the service refuses, raised before any state changes, like the
   allocator's errors (so it is a `KVAllocError` as well). Each subclass carries its HTTP status,
-  wire code and the field at fault.
+  wire code and the field at fault. `InsufficientMemory` is one too: a segment the service could
+  not back with memory, at start or at a registration.
 - `RemoteError` and its subclasses: the client's side of a refusal, rebuilt from the
   `ErrorBody` the service answered (`remote_error`); `TransportTimeout` (a `TimeoutError`) and
   `ServiceUnreachable` (a `ConnectionError`): the call got no answer.
@@ -137,6 +138,13 @@ class Overloaded(ServiceError):
     """More calls or connections at once than the service takes: retry after Retry-After."""
 
     status, code, field = 503, "overloaded", "service"
+
+
+class InsufficientMemory(ServiceError):
+    """A shared-memory segment the service promised cannot be backed: its directory (a tmpfs,
+    ``/dev/shm``) has fewer free bytes than it needs. Nothing of it is left, nothing changed."""
+
+    status, code, field = 507, "insufficient_memory", "service"
 
 
 # Allocator errors -> (status, code). Looked up along the MRO, so subclasses inherit a row.

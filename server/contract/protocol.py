@@ -101,9 +101,10 @@ class WorkerRef(Contract):
 
 
 class ShmRef(Contract):
-    """A POSIX shared-memory segment (mode 0600) under /dev/shm."""
+    """A POSIX shared-memory segment (mode 0600) under /dev/shm (or KVALLOC_SHM_DIR)."""
 
-    name: str = Field(description="Segment name; the file is /dev/shm/<name>.")
+    name: str = Field(description="Segment name; the file is /dev/shm/<name> (or under "
+                                  "KVALLOC_SHM_DIR where the service and worker set it).")
     nbytes: int
 
 

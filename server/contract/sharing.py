@@ -7,6 +7,12 @@ never as a pickle, and ``attach(handle)`` rebuilds the same tensor in the worker
 Invariants:
 - shared-memory segments are created with mode 0600 (``O_EXCL``: never reusing a stranger's
   file) and unlinked by ``TensorExporter.close()`` / ``release()``;
+- every page of a segment is allocated when it is made (``posix_fallocate``): tmpfs otherwise
+  hands pages out on first touch, and a page it cannot hand out then is a SIGBUS in whichever
+  process touched it (a worker writing its staging). A shortage is `InsufficientMemory` at
+  creation instead, and the half-made segment is unlinked;
+- segments live in `SHM_DIR`: ``/dev/shm``, or ``KVALLOC_SHM_DIR`` (read here alone), which the
+  service and its workers must agree on;
 - nothing outlives a crash for long: each exporter holds an exclusive ``flock`` on its owner file
   ``<prefix>.owner`` (which also records its pid and start time, for people) for as long as it
   lives; the kernel drops the lock however the process dies, and `reap_dead_instances` (run by
@@ -14,7 +20,7 @@ Invariants:
   instance's lock cannot be taken, so its segments are never touched. A lock, not the recorded
   pid, decides: pids are reused and differ between pid namespaces sharing one ``/dev/shm``;
 - ``attach`` maps only what the service itself could have made: a ``kvalloc-<16 hex>-<name>``
-  regular file directly in ``/dev/shm``, opened without following links, never created or grown,
+  regular file directly in `SHM_DIR`, opened without following links, never created or grown,
   whose size is exactly the handle's and holds the tensor it describes;
 - a CUDA tensor is exported as is (its memory already lives on the device), and the exporter
   keeps a reference to it so the memory is not reused while workers may map it;
@@ -24,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -35,10 +42,13 @@ from pathlib import Path
 
 import torch
 from kvalloc.server.contract import wire
-from kvalloc.server.contract.errors import AttachError
+from kvalloc.server.contract.errors import AttachError, InsufficientMemory
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-SHM_DIR = Path("/dev/shm")
+SHM_DIR_ENV = "KVALLOC_SHM_DIR"
+# Where every segment lives. A directory of its own (a tmpfs mounted with a size, say) bounds what
+# the service may take without touching /dev/shm; workers read the same variable.
+SHM_DIR = Path(os.environ.get(SHM_DIR_ENV) or "/dev/shm")
 OWNER_SUFFIX = ".owner"
 # What `TensorExporter` names its segments: "kvalloc-" + the epoch in 16 hex digits + "-" + kv,
 # block_table or staging-<worker id>. A client maps nothing else.
@@ -95,10 +105,16 @@ class TensorExporter:
         seg = f"{self.prefix}-{name}"
         numel = max(1, int(torch.Size(shape).numel()))
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        fd = os.open(SHM_DIR / seg, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._segments.add(SHM_DIR / seg)
+        path = SHM_DIR / seg
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._segments.add(path)
         try:
             os.ftruncate(fd, nbytes)  # a fresh tmpfs file reads as zeros
+            _back_with_pages(fd, seg, nbytes)
+        except BaseException:
+            self._segments.discard(path)
+            path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         flat = torch.from_file(str(SHM_DIR / seg), shared=True, size=numel, dtype=dtype)
@@ -120,6 +136,21 @@ class TensorExporter:
     def close(self) -> None:
         self._owned.clear()
         self._finalizer()
+
+
+def _back_with_pages(fd: int, name: str, nbytes: int) -> None:
+    """Allocate every page of the segment ``fd`` now, so that no later touch can fault for want
+    of one; `InsufficientMemory` naming the bytes needed and free when its filesystem has too
+    few (the allocation is then undone by the kernel)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        shm = os.statvfs(SHM_DIR)
+        raise InsufficientMemory(
+            f"shm: the segment {name} needs {nbytes} bytes in {SHM_DIR}, which has "
+            f"{shm.f_bavail * shm.f_frsize} bytes free") from None
 
 
 def _unlink_all(paths: set[Path], lock: int) -> None:

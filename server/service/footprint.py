@@ -8,6 +8,10 @@ RAM, which the service zero-fills; on CUDA they are device memory. A pool larger
 free there does not fail cleanly: on CPU it fills ``/dev/shm`` and RAM, stalls every process of
 the host and is OOM-killed with its segments left behind. `check_fits` refuses it instead, naming
 the sizes, what is free and the flags that set them.
+
+The check counts; it reserves nothing (two services may count the same free bytes). Each segment
+is backed by pages when it is made (`server.contract.sharing`), which is where a shortage after
+the check is refused.
 """
 
 from __future__ import annotations

@@ -79,14 +79,18 @@ class SharedPool:
         specs = shard_specs(config)  # before anything is made: what does not fit is refused
         self._exporter = TensorExporter(prefix=f"kvalloc-{epoch:016x}")
         placement = ExportedTensors(self._exporter)
-        self.storage = KVStorage(specs[0].pool, allocate=placement)
-        self.manager = manager(placement)
-        self._block_table = placement.tensors["block_table"]
         pool = config.pool
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
-        self.shards = [self._shard(spec, placement) for spec in specs]
-        self.words = [FenceWords(config.max_workers, spec.device, placement,
-                                 spec.name("fence_words")) for spec in specs]
+        try:  # a segment that cannot be backed (`InsufficientMemory`) leaves none of the others
+            self.storage = KVStorage(specs[0].pool, allocate=placement)
+            self.manager = manager(placement)
+            self._block_table = placement.tensors["block_table"]
+            self.shards = [self._shard(spec, placement) for spec in specs]
+            self.words = [FenceWords(config.max_workers, spec.device, placement,
+                                     spec.name("fence_words")) for spec in specs]
+        except BaseException:
+            self._exporter.close()
+            raise
         self._word_handles = [placement.handles[spec.name("fence_words")] for spec in specs]
         self.committer = self.shards[0].committer
         self.commits = ShardedCommitter([shard.committer for shard in self.shards])
@@ -122,11 +126,17 @@ class SharedPool:
         slots = [words.open(session) for words in self.words]
         assert len(set(slots)) == 1, "every shard's table of words moves in lockstep"
         stagings, shards, fences = [], [], []
-        for shard in self.shards:
-            staging, attachment, fence = self._attach_shard(shard, worker_id, slots[0])
-            stagings.append(staging)
-            shards.append(attachment)
-            fences += [fence] if fence is not None else []
+        try:  # a staging buffer that cannot be backed (`InsufficientMemory`) leaves nothing
+            for shard in self.shards:
+                staging, attachment, fence = self._attach_shard(shard, worker_id, slots[0])
+                stagings.append(staging)
+                shards.append(attachment)
+                fences += [fence] if fence is not None else []
+        except BaseException:
+            for words in self.words:
+                words.close(slots[0])
+            self._release_stagings(worker_id)
+            raise
         writers = [words.fence(slots[0]) for words in self.words]
         if not overlap:
             self.commits.add_staging(stagings, writers)
@@ -182,8 +192,11 @@ class SharedPool:
         """``worker``'s staging buffers, on every shard: no longer committed, no longer
         exported."""
         self.commits.release_staging(worker.stagings)
+        self._release_stagings(worker.worker_id)
+
+    def _release_stagings(self, worker_id: str) -> None:
         for shard in self.shards:
-            self._exporter.release(shard.spec.name(f"staging-{worker.worker_id}"))
+            self._exporter.release(shard.spec.name(f"staging-{worker_id}"))
 
     def shared_tensors(self, worker: Worker) -> SharedTensors:
         """Shard 0's tensors and ``worker``'s, as this process holds them."""

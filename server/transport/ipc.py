@@ -29,6 +29,7 @@ import zmq
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.addresses import claim_socket_path, stream_path
 from kvalloc.server.contract.errors import (
+    INTERNAL,
     BodyTooLarge,
     MalformedBody,
     Unauthorized,
@@ -150,7 +151,7 @@ class IpcServer:
             reply = [seq, OK, wire.encode_msgpack(operation.from_core(value, binary=True))]
         except Exception as exc:
             body = describe(exc)
-            if body.status >= 500:
+            if body.status == INTERNAL:  # a typed refusal (503, 507) is no bug
                 log.error("internal error: %s", body.message, exc_info=exc)
             reply = [seq, ERROR, wire.encode_msgpack(body)]
         if op_name == "step":

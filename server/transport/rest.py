@@ -31,6 +31,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from kvalloc.allocator import KVAllocError
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.errors import (
+    INTERNAL,
     BodyTooLarge,
     MalformedBody,
     NotReady,
@@ -62,6 +63,8 @@ _STATUS_TEXT = {
     422: "Invalid input; `field` names it. Nothing changed.",
     500: "Internal error (a bug, never expected): logged and counted.",
     503: "Shutting down, or overloaded (too many calls in flight): retry after Retry-After.",
+    507: "The shared memory a registration needs cannot be backed: fewer bytes are free where "
+         "the service's segments live than it needs. Nothing changed.",
 }
 
 
@@ -110,7 +113,7 @@ def _add_worker_routes(app: FastAPI, core: ServiceCore, auth: list[Any],
     ops = OPERATIONS
 
     @app.post(ops["register"].path, response_model=protocol.Registration, dependencies=auth,
-              responses=errors(409, 413, 422, 500, 503), tags=["workers"])
+              responses=errors(409, 413, 422, 500, 503, 507), tags=["workers"])
     async def register(body: protocol.RegisterRequest) -> Response:
         """Register a worker (or start it afresh) and get the handles to attach the pool."""
         return _json(core.register(wire.from_model(body, wire.RegisterRequest)))
@@ -264,7 +267,7 @@ class _Authorize:
 def _error(exc: BaseException) -> Response:
     """Any exception as its `ErrorBody`; an internal error is logged."""
     body = describe(exc)
-    if body.status >= 500:
+    if body.status == INTERNAL:  # a typed refusal (503, 507) is no bug
         log.error("internal error: %s", body.message, exc_info=exc)
     return _json(body, body.status)
 
