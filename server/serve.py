@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -110,7 +111,8 @@ _POOL_FLAGS: dict[str, tuple[type, str]] = {
 }
 _FLAG_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(KVDType), "slack_policy": tuple(p.value for p in SlackPolicy)}
-_SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s")
+_SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s",
+                  "verify_interval_s")
 
 
 # RestLimits fields that are flags: name, type, help.
@@ -541,11 +543,14 @@ def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str
 
 
 class LeaseReaper:
-    """Expires silent workers' leases even when no call arrives to notice them."""
+    """Expires silent workers' leases even when no call arrives to notice them, and puts back
+    shared state another process changed (`ServiceCore.repair_shared_state`) every
+    ``verify_interval_s``, whether or not anyone asks for a verify."""
 
-    def __init__(self, core: ServiceCore) -> None:
+    def __init__(self, core: ServiceCore | RankedService) -> None:
         self.core = core
         self.interval = min(1.0, core.config.lease_ttl_s / 4)
+        self.verify_interval = core.config.verify_interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvalloc-leases", daemon=True)
 
@@ -560,5 +565,11 @@ class LeaseReaper:
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        # Leases are looked at no less often than before: the pause watch counts on it.
+        tick = min(self.interval, self.verify_interval)
+        verify_at = time.monotonic() + self.verify_interval
+        while not self._stop.wait(tick):
             self.core.expire_leases()
+            if time.monotonic() >= verify_at:
+                self.core.repair_shared_state()
+                verify_at = time.monotonic() + self.verify_interval

@@ -423,7 +423,10 @@ class RequestState(Contract):
 
 
 class PoolQuery(Contract):
-    verify: bool = Field(default=False, description="Also run check_invariants (O(pool)).")
+    verify: bool = Field(default=False, description="Also put back any shared state another "
+                                                    "process changed (block table, protection, "
+                                                    "fence words) from the service's own, then "
+                                                    "run check_invariants (O(pool)).")
 
 
 class WorkerState(Contract):
@@ -445,7 +448,9 @@ class PoolState(Contract):
     pending_slack_tokens: int
     leases_expired: int
     counters: dict[str, int]
-    invariants: Literal["ok", "unchecked"]
+    # "repaired": verify found shared state another process had changed, put it back, and
+    # every invariant then held.
+    invariants: Literal["ok", "repaired", "unchecked"]
 
 
 class Health(Contract):

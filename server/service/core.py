@@ -65,6 +65,10 @@ class ServiceObserver(Protocol):
 
     def invariant_violation(self, n: int = 1) -> None: ...
 
+    def shared_state_repaired(self, repaired: dict[str, int]) -> None:
+        """Entries of the state workers map that another process changed, put back, by what
+        (`SharedPool.repair`)."""
+
     def state_changed(self) -> None:
         """Called under the lock after each change and on every lease check (about once a
         second), so an observer can copy the state it reports without taking the lock later."""
@@ -84,6 +88,10 @@ class _Observers(list[ServiceObserver]):
     def invariant_violation(self, n: int = 1) -> None:
         for obs in self:
             obs.invariant_violation(n)
+
+    def shared_state_repaired(self, repaired: dict[str, int]) -> None:
+        for obs in self:
+            obs.shared_state_repaired(repaired)
 
     def state_changed(self) -> None:
         for obs in self:
@@ -136,7 +144,7 @@ class ServiceCore:
         self.layout = _layout(config, dtype_name(self.pool.staging_dtype))
         self._observers = _Observers()
         self.leases_expired = 0
-        self._closed = False
+        self.ready = True  # until `close`: /readyz answers it, every call checks it
         self._pauses = _PauseWatch(self.clock())
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,20 +156,16 @@ class ServiceCore:
         """Transports report each per-step call's service time here."""
         self._observers.observe_step(transport, seconds)
 
-    @property
-    def ready(self) -> bool:
-        return not self._closed
-
     def close(self) -> None:
         """Stop answering and unlink every shared-memory segment. Idempotent."""
         with self.lock:
-            self._closed = True
+            self.ready = False
             self.pool.close()
             if self.kv_events is not None:
                 self.kv_events.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if not self.ready:
             raise NotReady("service: shutting down")
 
     # ------------------------------------------------------------------ workers and leases
@@ -218,7 +222,7 @@ class ServiceCore:
     def expire_leases(self) -> int:
         """Drop every worker whose lease ran out; returns how many. The reaper calls this."""
         with self.lock:
-            if self._closed:
+            if not self.ready:
                 return 0
             expired = self._expire(self.clock())
             self._observers.state_changed()
@@ -319,6 +323,9 @@ class ServiceCore:
             )
 
     def get_pool(self, req: wire.PoolQuery) -> wire.PoolState:
+        """Occupancy, workers and counters; ``verify`` first puts back any shared state another
+        process changed (`repair_shared_state`), then checks every invariant."""
+        repaired = req.verify and any(self.repair_shared_state().values())
         with self.lock:
             self._check_open()
             mgr, now = self.manager, self.clock()
@@ -337,8 +344,23 @@ class ServiceCore:
                 pending_slack_tokens=totals["pending_slack_tokens"],
                 leases_expired=self.leases_expired,
                 counters={k: int(v) for k, v in dataclasses.asdict(mgr.counters).items()},
-                invariants="ok" if req.verify else "unchecked",
+                invariants=("unchecked" if not req.verify else "repaired" if repaired
+                            else "ok"),
             )
+
+    def repair_shared_state(self) -> dict[str, int]:
+        """Compare what workers map read-only (every shard's block table, protection of cached
+        blocks and fence words) with the service's own state, and rewrite what another process
+        changed (`SharedPool.repair`); returns the entries rewritten, by what, and counts them.
+        A verify query runs it, and the service itself every ``verify_interval_s``."""
+        with self.lock:
+            if not self.ready:
+                return {}
+            self.pipeline.sync_cache()  # protection flips not yet shared are no tampering
+            repaired = self.pool.repair({w.fence_slot: w.session for w in self.registry})
+            if any(repaired.values()):
+                self._observers.shared_state_repaired(repaired)
+            return repaired
 
     def check_invariants(self) -> None:
         """The manager's invariants plus the registry's (workers own exactly the live requests,

@@ -49,6 +49,12 @@ class ServiceMetrics:
             "kvalloc_leases_expired", "Worker leases that expired; their requests were freed.",
             registry=registry,
         )
+        self.shared_state_repairs = Counter(
+            "kvalloc_shared_state_repairs",
+            "Entries of the state workers map read-only (block table cells, protection flags of "
+            "cached blocks, fence words) that another process changed; each was put back from "
+            "the service's own state.", ["what"], registry=registry,
+        )
 
     def observe_step(self, transport: str, seconds: float) -> None:
         """Record one per-step call's service time (``transport``: e.g. "ipc", "rest")."""
@@ -60,6 +66,11 @@ class ServiceMetrics:
 
     def invariant_violation(self, n: int = 1) -> None:
         self.allocator.invariant_violation(n)
+
+    def shared_state_repaired(self, repaired: dict[str, int]) -> None:
+        """Count the entries ``repaired`` put back, by what they were."""
+        for what, n in repaired.items():
+            self.shared_state_repairs.labels(what=what).inc(n)
 
     def state_changed(self) -> None:
         self.allocator.state_changed()

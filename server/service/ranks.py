@@ -148,7 +148,17 @@ class RankedService:
         counters = {name: sum(s.counters.get(name, 0) for s in states) for name in first.counters}
         return wire.PoolState(epoch=first.epoch, layout=first.layout, counters=counters,
                               workers=[w for s in states for w in s.workers],
-                              invariants=first.invariants, **summed)
+                              invariants=next((s.invariants for s in states
+                                               if s.invariants == "repaired"), first.invariants),
+                              **summed)
+
+    def repair_shared_state(self) -> dict[str, int]:
+        """Every rank's `ServiceCore.repair_shared_state`, summed by what."""
+        repaired: dict[str, int] = {}
+        for rank in self.ranks:
+            for what, n in rank.repair_shared_state().items():
+                repaired[what] = repaired.get(what, 0) + n
+        return repaired
 
     def expire_leases(self) -> int:
         return sum(rank.expire_leases() for rank in self.ranks)

@@ -43,6 +43,11 @@ class ServiceConfig(BaseModel):
     lease_ttl_s: float = Field(default=30.0, gt=0,
                                description="A worker that makes no call for this long loses its "
                                            "requests; their blocks go back to the pool.")
+    verify_interval_s: float = Field(
+        default=1.0, gt=0, le=3600,
+        description="How often the service compares what workers map read-only (the block "
+                    "table, the protection of cached blocks, the fence words) with its own state "
+                    "and puts back what another process changed, as a verify query does.")
     max_workers: int = Field(default=16, gt=0, description="Registered workers at once; each "
                                                            "holds one staging buffer.")
     max_step_tokens: int = Field(default=4096, gt=0,

@@ -13,17 +13,29 @@ Invariants:
 - a worker's step fences outlive its session (see `_fence`); its fence words (one per shard,
   the same slot in each shard's `FenceWords`) are open exactly while its session is, and are
   closed (`end_writes`) before its blocks are freed;
-- only a worker that does not commit its own tokens has its staging committed by the service.
+- only a worker that does not commit its own tokens has its staging committed by the service;
+- what workers map read-only (the block table's copies, the protection of cached blocks, the
+  fence words) is a copy of the service's host state, never the only one: `repair` compares
+  and rewrites it from there.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 import torch
-from kvalloc.allocator import FenceWords, KVCacheManager, KVStorage, TensorAllocator, WriterFence
+from kvalloc.allocator import (
+    CLOSED,
+    FenceWords,
+    KVCacheManager,
+    KVStorage,
+    TensorAllocator,
+    WriterFence,
+)
 from kvalloc.allocator.common.device_io import on_device
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import FenceGroup, StepFence, TensorExporter
@@ -31,6 +43,8 @@ from kvalloc.server.service.commit import Committer, ShardedCommitter
 from kvalloc.server.service.registry import Worker
 from kvalloc.server.service.settings import ServiceConfig
 from kvalloc.server.service.shards import PoolShard, ShardSpec, shard_specs
+
+log = logging.getLogger("kvalloc.service")
 
 # What an in-process worker uses instead of mapping the handles: the pool, the block table, its
 # staging buffer, step fence and fence word, and the protection of cached blocks (prefix caching).
@@ -182,6 +196,28 @@ class SharedPool:
         for words in self.words:
             words.close(worker.fence_slot)
 
+    def repair(self, open_words: dict[int, int]) -> dict[str, int]:
+        """Put back what another process wrote into the state workers map read-only: every
+        shard's copy of the block table from the manager's host table, every shard's protection
+        of cached blocks from the prefix cache's flags, every shard's fence words from
+        ``open_words`` (slot -> the session open in it; every other word closed). Any process of
+        the service's user can open those segments read-write; the host state is out of its
+        reach. Returns the entries that differed and were rewritten, by what. The caller has
+        drained the cache's protection flips (`StepPipeline.sync_cache`)."""
+        table = self.manager.table
+        repaired = {"block_table": sum(_rewrite(copy, table.host) for copy in table.device_tables)}
+        cache = self.manager.cache
+        repaired["protected"] = 0 if cache is None else sum(
+            _rewrite(shard.committer.protected, cache.protected) for shard in self.shards
+            if shard.committer.protected is not None)
+        words = np.full(self.config.max_workers, CLOSED, dtype=np.int64)
+        words[list(open_words)] = list(open_words.values())
+        repaired["fence_words"] = sum(_rewrite(shard.words, words) for shard in self.words)
+        if any(repaired.values()):
+            log.warning("shared state another process changed was put back from the service's "
+                        "own: %s entries rewritten", repaired)
+        return repaired
+
     def check_invariants(self) -> None:
         """The committers' state, and every shard's fence words (read back)."""
         self.commits.check_invariants()
@@ -218,6 +254,16 @@ class SharedPool:
     def close(self) -> None:
         """Unlink every exported tensor."""
         self._exporter.close()
+
+
+def _rewrite(shared: torch.Tensor, own: np.ndarray) -> int:
+    """How many entries of ``shared`` differ from ``own`` (the same shape), after rewriting
+    them all from it."""
+    expected = torch.from_numpy(own).to(shared.device)
+    differ = int((shared != expected).sum())
+    if differ:
+        shared.copy_(expected)
+    return differ
 
 
 def _one_fence(fences: list[StepFence]) -> StepFence | FenceGroup | None:

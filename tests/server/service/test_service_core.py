@@ -42,6 +42,7 @@ class Recorder:
         self.steps: list[tuple[str, float]] = []
         self.leases = 0
         self.violations = 0
+        self.repaired: list[dict[str, int]] = []
         self.changes = 0
 
     def observe_step(self, transport: str, seconds: float) -> None:
@@ -52,6 +53,9 @@ class Recorder:
 
     def invariant_violation(self, n: int = 1) -> None:
         self.violations += n
+
+    def shared_state_repaired(self, repaired: dict[str, int]) -> None:
+        self.repaired.append(repaired)
 
     def state_changed(self) -> None:
         self.changes += 1

@@ -46,6 +46,9 @@ class Steps:
     def invariant_violation(self, n: int = 1) -> None:
         pass
 
+    def shared_state_repaired(self, repaired: dict[str, int]) -> None:
+        pass
+
     def state_changed(self) -> None:
         pass
 
