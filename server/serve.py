@@ -59,7 +59,7 @@ from kvalloc.server.contract.errors import (
     PoolTooLarge,
     ShardingInvalid,
 )
-from kvalloc.server.contract.sharing import reap_dead_instances
+from kvalloc.server.contract.sharing import SHM_DIR, SHM_DIR_ENV, reap_dead_instances
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.footprint import Footprint, check_fits, describe_bytes
 from kvalloc.server.service.ranks import RankedService, rank_configs
@@ -234,6 +234,10 @@ def run(args: argparse.Namespace) -> int:
     except (AddressError, ShardingInvalid) as exc:
         print(f"kvalloc serve: error: {exc}", file=sys.stderr)
         return 2
+    problem = _shm_dir_problem()
+    if problem is not None:
+        print(f"kvalloc serve: error: {problem}", file=sys.stderr)
+        return 2
     try:
         token = _token(args, config.token)
         config = _with_secrets(config, token)
@@ -406,6 +410,17 @@ def _event_endpoints(core: ServiceCore | RankedService) -> list[str]:
     ranks = core.ranks if isinstance(core, RankedService) else [core]
     return [e for rank in ranks if rank.kv_events is not None
             for e in (rank.kv_events.endpoint, rank.kv_events.replay_endpoint) if e is not None]
+
+
+def _shm_dir_problem() -> str | None:
+    """Why the directory of the shared-memory segments cannot hold them (None: it can)."""
+    if not SHM_DIR.is_absolute():
+        # The service and its workers resolve it from their own working directories.
+        return (f"{SHM_DIR_ENV}: {str(SHM_DIR)!r} is not an absolute path; workers must find "
+                f"the same directory")
+    if not SHM_DIR.is_dir():
+        return f"{SHM_DIR_ENV}: {SHM_DIR} is not a directory"
+    return None
 
 
 def _check_socket_directories(args: argparse.Namespace) -> None:

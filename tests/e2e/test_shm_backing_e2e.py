@@ -8,8 +8,9 @@ workers together ask for more than the tmpfs holds, a worker process's registrat
 SIGBUS when it writes its staging; and of two services that do not both fit, one starts and the
 other exits 2 with one line, leaving nothing in the directory.
 
-Mounting a tmpfs needs root (CI runs as root); without it these tests skip, saying so, and
-`tests/server/service/test_memory_backing.py` covers the refusal without a mount."""
+Mounting a tmpfs needs root (CI runs as root); without it the tests that need one skip, saying
+so, and `tests/server/service/test_memory_backing.py` covers the refusal without a mount. A
+``KVALLOC_SHM_DIR`` that is not an absolute path to a directory is refused at start."""
 
 from __future__ import annotations
 
@@ -146,3 +147,18 @@ def test_of_two_services_that_do_not_both_fit_one_exits_2_leaving_nothing(
                 proc.terminate()
                 proc.wait(READY_TIMEOUT_S)
     assert list(small_tmpfs.iterdir()) == []
+
+
+@pytest.mark.parametrize("value, says", [("relative/shm", "is not an absolute path"),
+                                         ("/nonexistent/kvalloc-shm", "is not a directory")])
+def test_a_shm_dir_that_cannot_hold_segments_is_refused_at_start(tmp_path: Path, value: str,
+                                                                 says: str) -> None:
+    done = subprocess.run([*kvalloc_command(), "serve", "--no-tcp", "--ipc",
+                           f"stream://{tmp_path / 'kvalloc.stream'}"],
+                          env={**os.environ, SHM_DIR_ENV: value}, capture_output=True, text=True,
+                          timeout=READY_TIMEOUT_S, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"kvalloc serve: error: {SHM_DIR_ENV}: " + (
+        f"{value!r} {says}; workers must find the same directory" if value.startswith("r")
+        else f"{value} {says}")
+    assert not (tmp_path / "relative").exists()
