@@ -1,11 +1,12 @@
-"""A worker process that registers, writes every byte of its staging buffer, and holds its session
-until its stdin closes.
+"""A worker process that registers once told to, writes every byte of its staging buffer, and
+holds its session until its stdin closes.
 
     python staging_writer.py ADDRESS WORKER_ID
 
-It prints one line: ``written`` once the whole buffer is written, or ``refused <status> <code>:
-<message>`` when the service refused the registration (and exits 3). A staging segment whose
-pages the service did not back dies here, writing it, with SIGBUS."""
+It registers when a line arrives on its stdin (so a test can start many at once and let them
+register one by one), then prints one line: ``written`` once the whole buffer is written, or
+``refused <status> <code>: <message>`` when the service refused the registration (and exits 3).
+A staging segment whose pages the service did not back dies here, writing it, with SIGBUS."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvalloc.server.contract.errors import RemoteError
 
 def main(address: str, worker_id: str) -> int:
     client = Client(address, worker_id=worker_id)
+    sys.stdin.readline()
     try:
         client.register()
     except RemoteError as exc:
