@@ -586,5 +586,8 @@ class LeaseReaper:
         while not self._stop.wait(tick):
             self.core.expire_leases()
             if time.monotonic() >= verify_at:
-                self.core.repair_shared_state()
+                try:
+                    self.core.repair_shared_state()
+                except Exception:  # a failed check must not end lease expiry with the thread
+                    log.exception("checking the shared state failed; leases still expire")
                 verify_at = time.monotonic() + self.verify_interval
