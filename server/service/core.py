@@ -217,10 +217,13 @@ class ServiceCore:
         with self.lock:
             self._check_open()
             self._expire(self.clock())
+            if (done := self.registry.ended(req)) is not None:
+                return done  # a retry whose first attempt's reply was lost: that reply again
             worker = self.registry.worker(req.worker_id, req.session)
-            freed = self._drop(worker)
+            reply = wire.Deregistered(worker_id=req.worker_id, freed_requests=self._drop(worker))
+            self.registry.remember_ended(req, reply)
             self._observers.state_changed()
-            return wire.Deregistered(worker_id=req.worker_id, freed_requests=freed)
+            return reply
 
     def expire_leases(self) -> int:
         """Drop every worker whose lease ran out; returns how many. The reaper calls this."""

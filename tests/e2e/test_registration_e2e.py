@@ -1,7 +1,8 @@
 """Registering with a real `kvalloc serve`: a retry of a registration whose reply came late is
-answered with the session it opened (nothing orphaned, no `worker_id_in_use`), and a service
-started with nothing compiled answers its first registration and steps within the timeout a
-worker would use for any call."""
+answered with the session it opened (nothing orphaned, no `worker_id_in_use`), a retry of a
+deregistration whose reply came late with the first attempt's reply (not `unknown_worker`), and
+a service started with nothing compiled answers its first registration and steps within the
+timeout a worker would use for any call."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from kvalloc.server.client import Client
+from kvalloc.server.contract import wire
+from kvalloc.server.contract.errors import NotRegistered
 from kvalloc.server.devtools.launch import ServiceProcess
 
 SMALL_POOL = ("--device", "cpu", "--num-blocks", "64", "--tokens-per-block", "4",
@@ -57,6 +61,48 @@ def test_a_register_retried_after_a_late_reply_gets_the_session_it_opened(
             assert (held.worker_id, held.num_requests) == ("late-reply", 1)
             client.deregister()
             assert client.get_pool().workers == []
+
+
+def test_a_deregister_retried_after_a_late_reply_gets_the_first_attempts_reply(
+        tmp_path: Path) -> None:
+    """The service is stopped while a worker deregisters: the first attempt times out and the
+    client sends it again; resumed, the service ends the session on the first and answers the
+    retry with the first one's reply (1 request freed), not `404 unknown_worker`. Another
+    session's deregister is not taken for a retry of it."""
+    with ServiceProcess(tmp_path, *SMALL_POOL, tcp=False) as svc:
+        assert svc.proc is not None
+        outcome: dict[str, object] = {}
+        with Client(svc.ipc, worker_id="late-reply", timeout_s=REPLY_TIMEOUT_S,
+                    retries=1) as client:
+            reg = client.register(attach=False)
+            assert client.step(new=(["a"], [4])).admitted[0] >= 0
+
+            def deregister() -> None:
+                try:
+                    outcome["reply"] = client.deregister()
+                except Exception as exc:
+                    outcome["error"] = exc
+
+            os.kill(svc.proc.pid, signal.SIGSTOP)
+            try:
+                leaving = threading.Thread(target=deregister)
+                leaving.start()
+                time.sleep(1.5 * REPLY_TIMEOUT_S)  # the first attempt timed out, the retry sent
+            finally:
+                os.kill(svc.proc.pid, signal.SIGCONT)
+            leaving.join()
+            assert "error" not in outcome, outcome
+            reply = outcome["reply"]
+            assert isinstance(reply, wire.Deregistered)
+            assert (reply.worker_id, reply.freed_requests) == ("late-reply", 1)
+            pool = client.get_pool()
+            assert pool.workers == [] and pool.num_requests == 0 and pool.used_blocks == 0
+            again = client.call("deregister", wire.WorkerRef(worker_id="late-reply",
+                                                             session=reg.session))
+            assert again == reply  # as often as it comes
+            with pytest.raises(NotRegistered):
+                client.call("deregister", wire.WorkerRef(worker_id="late-reply",
+                                                         session=reg.session + 1))
 
 
 def test_a_service_that_compiled_nothing_yet_answers_its_first_calls_at_once(
