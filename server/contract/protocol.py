@@ -461,10 +461,15 @@ class WorkerState(Contract):
 
 
 class PoolState(Contract):
+    """The pool's blocks: ``free_blocks + used_blocks + parked_blocks`` is all of them, counted
+    as ``/metrics`` counts them."""
+
     epoch: int
     layout: PoolLayout
     free_blocks: int
-    used_blocks: int
+    used_blocks: int = Field(description="Blocks live requests hold.")
+    parked_blocks: int = Field(description="Cached blocks no request holds (prefix caching): "
+                                           "reusable until evicted, room for new requests.")
     num_requests: int
     workers: list[WorkerState]
     capacity_tokens: int

@@ -337,7 +337,8 @@ class ServiceCore:
             totals = mgr.totals()
             return wire.PoolState(
                 epoch=self.epoch, layout=self.layout, free_blocks=mgr.free_blocks,
-                used_blocks=mgr.used_blocks, num_requests=mgr.num_requests,
+                used_blocks=mgr.held_blocks, parked_blocks=mgr.pool.num_parked,
+                num_requests=mgr.num_requests,
                 workers=[wire.WorkerState(
                     worker_id=w.worker_id, num_requests=len(w.req_ids),
                     last_step_id=w.last_step_id,
