@@ -33,7 +33,7 @@ RUN python -c "import torch" 2>/dev/null \
 ARG KVALLOC_EXTRAS=""
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir "kvalloc${KVALLOC_EXTRAS} @ file://$(echo /wheels/kvalloc-*.whl)"
-# Non-root; /run/kvalloc holds the Unix socket and IPC endpoint shared with same-host workers.
+# Non-root; /run/kvalloc holds the REST and stream sockets shared with same-host workers.
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvalloc \
     && install -d -o kvalloc -g kvalloc -m 0750 /run/kvalloc
 USER kvalloc
@@ -41,8 +41,8 @@ USER kvalloc
 # read-only root in Kubernetes): /tmp is writable here, and an emptyDir there.
 ENV PYTHONUNBUFFERED=1 \
     TRITON_CACHE_DIR=/tmp/kvalloc-triton-cache
-EXPOSE 8900 5555
+EXPOSE 8900
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8900/healthz', timeout=2)"]
 ENTRYPOINT ["kvalloc"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8900", "--ipc", "tcp://0.0.0.0:5555"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8900", "--ipc", "stream:///run/kvalloc/kvalloc.stream"]

@@ -153,7 +153,7 @@ def _manager_families(manager: KVCacheManager) -> list[Metric]:
     free = manager.free_blocks
     # Parked blocks (cached, no request holds them) are room: the next allocation evicts them.
     # Counted as used, an idle service with a warm cache would read a nearly full pool.
-    used = total - free - manager.pool.num_parked
+    used = manager.held_blocks
     t = manager.totals()
     info = GaugeMetricFamily(
         "kvalloc_pool_info", "Static pool configuration (value is always 1).",

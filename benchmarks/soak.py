@@ -227,9 +227,9 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
         "cached_tokens": sum(r.get("cached_tokens", 0) for r in reports),
         "left_in_pool": {"used_blocks": pool.used_blocks, "requests": pool.num_requests,
                          "cached_blocks": int(samples["kvalloc_prefix_cached_blocks"]),
-                         "parked_blocks": int(samples["kvalloc_prefix_parked_blocks"])},
-        # Blocks off the free stack that no request holds and the cache has not parked.
-        "leaked_blocks": pool.used_blocks - int(samples["kvalloc_prefix_parked_blocks"]),
+                         "parked_blocks": pool.parked_blocks},
+        # Blocks held with every request gone (parked cached blocks are not used ones).
+        "leaked_blocks": pool.used_blocks,
         "events": watch.report() if watch is not None else None,
         "service": {"start": start, "end": end},
     }

@@ -27,6 +27,7 @@ import http.client
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -599,7 +600,7 @@ def _connected(address: str, target: str | tuple[str, int], timeout_s: float) ->
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.settimeout(timeout)
-                sock.connect(target)
+                _connect_unix(sock, target, time.monotonic() + timeout)
             except OSError:
                 sock.close()
                 raise
@@ -607,6 +608,20 @@ def _connected(address: str, target: str | tuple[str, int], timeout_s: float) ->
         raise ServiceUnreachable(address, str(exc) or type(exc).__name__) from None
     sock.settimeout(timeout_s)
     return sock
+
+
+def _connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect ``sock`` to the Unix socket at ``path`` by ``deadline``. A full listen backlog
+    refuses at once (EAGAIN) instead of waiting as TCP does; the service drains it as it
+    accepts (shedding connections that never send a message), so try again until the deadline."""
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
 
 
 def _read_response(sock: socket.socket) -> tuple[int, bytes, bool]:

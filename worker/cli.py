@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from kvalloc.allocator import PoolConfig, SlackPolicy
+from kvalloc.allocator.commands.arguments import bounded
 from kvalloc.allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
 from kvalloc.server.client import Client, in_process_client
 from kvalloc.server.contract.addresses import default_client_address
@@ -63,8 +64,10 @@ from kvalloc.worker.shard_client import ShardClient
 from tqdm import tqdm
 
 
-def read_prompts(path: str | Path, tokenizer: Any = None) -> list[NamedPrompt]:
-    """The prompts of a JSON-lines file; ``text`` lines need ``tokenizer``."""
+def read_prompts(path: str | Path, tokenizer: Any = None,
+                 vocab_size: int | None = None) -> list[NamedPrompt]:
+    """The prompts of a JSON-lines file; ``text`` lines need ``tokenizer``. With
+    ``vocab_size``, every token id must be one of the model's (0 to ``vocab_size - 1``)."""
     prompts = []
     try:
         lines = Path(path).read_text().splitlines()
@@ -92,10 +95,21 @@ def read_prompts(path: str | Path, tokenizer: Any = None) -> list[NamedPrompt]:
             ids = tokenizer(item["text"])["input_ids"]
         else:
             raise PromptFileError(f"{where}: needs \"token_ids\" or \"text\"")
+        _check_vocabulary(ids, vocab_size, where)
         prompts.append(NamedPrompt(str(item["id"]), ids))
     if not prompts:
         raise PromptFileError(f"prompts: {path} holds no prompt")
     return prompts
+
+
+def _check_vocabulary(ids: list[int], vocab_size: int | None, where: str) -> None:
+    """Every id indexes the model's embedding (and so fits the int64 it travels as)."""
+    if vocab_size is None:
+        return
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise PromptFileError(f"{where}: token_ids[{i}]: {token} is not a token of the "
+                                  f"model (0 to {vocab_size - 1})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "unix:///path (default: $KVALLOC_ADDRESS, else the service's default "
                           "stream socket)")
     svc.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
-    svc.add_argument("--timeout", type=float, default=30.0,
+    svc.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=30.0,
                      help="seconds to wait for one reply (default 30)")
     svc.add_argument("--in-process", action="store_true",
                      help="run a service core in this process instead of calling one")
@@ -195,7 +209,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
     if args.tensor_parallel != 1:
         return _run_ranks(args, stop)
     model = _model(args)
-    prompts = read_prompts(args.prompts, _tokenizer(args.model))
+    prompts = read_prompts(args.prompts, _tokenizer(args.model), model.config.vocab_size)
     if stop.requested:  # Ctrl-C while the model loaded: nothing registered, nothing ran
         raise Interrupted(RunStats())
     with _client(args, model, prompts) as client:
@@ -252,7 +266,7 @@ def _rank(rank: int, world: int, options: dict[str, Any],
         torch.cuda.set_device(rank)
     args.no_progress = args.no_progress or rank != 0
     model = shard_model(_model(args), rank, world)
-    prompts = read_prompts(args.prompts, _tokenizer(args.model))
+    prompts = read_prompts(args.prompts, _tokenizer(args.model), model.config.vocab_size)
     client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
               if rank == 0 else None)
     shards = ShardClient(rank, world, client, stop=stop if rank == 0 else None)

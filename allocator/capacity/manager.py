@@ -248,6 +248,11 @@ class KVCacheManager(RequestApi):
         return self.pool.num_blocks - self.pool.num_free
 
     @property
+    def held_blocks(self) -> int:
+        """Blocks live requests hold: off the free stack and not parked in the prefix cache."""
+        return self.used_blocks - self.pool.num_parked
+
+    @property
     def num_requests(self) -> int:
         """Live requests, with or without an id."""
         return self.config.max_batch_size - self.table.num_free_rows

@@ -34,7 +34,8 @@ def bounded(kind: type[int] | type[float], low: float, high: float = float("inf"
 
     def parse(text: str) -> int | float:
         value = kind(text)
-        if value < low or value > high or (low_open and value == low):
+        # Written so that NaN, which compares false with everything, is outside too.
+        if not low <= value <= high or (low_open and value == low):
             raise ValueError(f"{text} is not in {'(' if low_open else '['}{low:g}, {high:g}]")
         return value
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT32_MAX = 2**31 - 1
 INT63_MAX = 2**63 - 1
@@ -46,11 +46,39 @@ Positive = _constrained(int, ge=1, le=INT32_MAX)
 Serial = _constrained(int, ge=0, le=INT63_MAX)
 
 
+# No message nests deeper than this (a step's columns: object, object, list); deeper input is
+# left as it is for validation to refuse, and never recursed into.
+_NESTING = 8
+
+
+def integral_as_int(value: Any, depth: int = 0) -> Any:
+    """Parsed JSON ``value`` with every float that has no fractional part (``733.0``) made an
+    int, in lists and objects down to `_NESTING` levels. JSON Schema counts such a number as an
+    integer, so a body the document accepts may carry one; pydantic's and msgspec's strict ints
+    take only integer literals. A float field takes the int back as a float; ``"7"`` and ``7.5``
+    stay as they are, and are refused where an integer is due."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if depth >= _NESTING:
+        return value
+    if isinstance(value, list):
+        return [integral_as_int(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {k: integral_as_int(v, depth + 1) for k, v in value.items()}
+    return value
+
+
 class Contract(BaseModel):
     """Base of every message: unknown fields are an error, messages are values, and types are
-    strict (``"7"`` is not an int), as msgspec is, so both transports accept the same bodies."""
+    strict (``"7"`` is not an int), as msgspec is, so both transports accept the same bodies.
+    A number without a fractional part is an integer, as JSON Schema says (`integral_as_int`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, data: Any) -> Any:
+        return integral_as_int(data) if isinstance(data, dict) else data
 
 
 # ---------------------------------------------------------------- errors
@@ -437,10 +465,15 @@ class WorkerState(Contract):
 
 
 class PoolState(Contract):
+    """The pool's blocks: ``free_blocks + used_blocks + parked_blocks`` is all of them, counted
+    as ``/metrics`` counts them."""
+
     epoch: int
     layout: PoolLayout
     free_blocks: int
-    used_blocks: int
+    used_blocks: int = Field(description="Blocks live requests hold.")
+    parked_blocks: int = Field(description="Cached blocks no request holds (prefix caching): "
+                                           "reusable until evicted, room for new requests.")
     num_requests: int
     workers: list[WorkerState]
     capacity_tokens: int

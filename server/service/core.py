@@ -214,10 +214,13 @@ class ServiceCore:
         with self.lock:
             self._check_open()
             self._expire(self.clock())
+            if (done := self.registry.ended(req)) is not None:
+                return done  # a retry whose first attempt's reply was lost: that reply again
             worker = self.registry.worker(req.worker_id, req.session)
-            freed = self._drop(worker)
+            reply = wire.Deregistered(worker_id=req.worker_id, freed_requests=self._drop(worker))
+            self.registry.remember_ended(req, reply)
             self._observers.state_changed()
-            return wire.Deregistered(worker_id=req.worker_id, freed_requests=freed)
+            return reply
 
     def expire_leases(self) -> int:
         """Drop every worker whose lease ran out; returns how many. The reaper calls this."""
@@ -334,7 +337,8 @@ class ServiceCore:
             totals = mgr.totals()
             return wire.PoolState(
                 epoch=self.epoch, layout=self.layout, free_blocks=mgr.free_blocks,
-                used_blocks=mgr.used_blocks, num_requests=mgr.num_requests,
+                used_blocks=mgr.held_blocks, parked_blocks=mgr.pool.num_parked,
+                num_requests=mgr.num_requests,
                 workers=[wire.WorkerState(
                     worker_id=w.worker_id, num_requests=len(w.req_ids),
                     last_step_id=w.last_step_id,

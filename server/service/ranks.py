@@ -143,8 +143,9 @@ class RankedService:
         states = [rank.get_pool(req) for rank in self.ranks]
         first = states[0]
         summed = {name: sum(getattr(s, name) for s in states)
-                  for name in ("free_blocks", "used_blocks", "num_requests", "capacity_tokens",
-                               "history_tokens", "pending_slack_tokens", "leases_expired")}
+                  for name in ("free_blocks", "used_blocks", "parked_blocks", "num_requests",
+                               "capacity_tokens", "history_tokens", "pending_slack_tokens",
+                               "leases_expired")}
         counters = {name: sum(s.counters.get(name, 0) for s in states) for name in first.counters}
         return wire.PoolState(epoch=first.epoch, layout=first.layout, counters=counters,
                               workers=[w for s in states for w in s.workers],

@@ -52,6 +52,9 @@ log = logging.getLogger("kvalloc.service")
 
 ROW_BITS = MAX_ROWS.bit_length() - 1
 NO_OWNER = -1
+# Deregistrations answered again (`ended`): the latest per worker id, the oldest id forgotten
+# past this many. A retry comes within a client's few reply timeouts of its first attempt.
+ENDED_KEPT = 256
 
 
 @dataclass
@@ -88,6 +91,7 @@ class WorkerRegistry:
         self.owner = np.full(num_rows + 1, NO_OWNER, dtype=np.int64)  # session owning each row
         self.handles = np.arange(num_rows + 1, dtype=np.int64)  # generation 0: never handed out
         self._row_req_id: list[str | None] = [None] * num_rows
+        self._ended: dict[str, tuple[int, wire.Deregistered]] = {}  # id -> (session, reply)
 
     # ------------------------------------------------------------------ sessions
 
@@ -109,6 +113,19 @@ class WorkerRegistry:
             return None
         request, registration = current.registered
         return registration if request == req else None
+
+    def ended(self, req: wire.WorkerRef) -> wire.Deregistered | None:
+        """The reply of the deregistration that ended ``req``'s session, if one did lately: a
+        client retries a call whose reply was lost, and the retry must get that reply, not
+        `UnknownWorker` (the session is a secret of the worker, so nobody else names it)."""
+        kept = self._ended.get(req.worker_id)
+        return kept[1] if kept is not None and kept[0] == req.session else None
+
+    def remember_ended(self, req: wire.WorkerRef, reply: wire.Deregistered) -> None:
+        self._ended.pop(req.worker_id, None)  # to the newest end
+        self._ended[req.worker_id] = (req.session, reply)
+        if len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
 
     def check_capacity(self, worker_id: str, replace: bool) -> Worker | None:
         """The worker ``register`` would replace (None: a new id); raises if it may not."""

@@ -16,6 +16,7 @@ of FastAPI through its route's endpoint, so it pays for none of FastAPI's per-ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import sys
@@ -241,6 +242,13 @@ def _decode_json(body: bytes, struct: type[wire.S]) -> wire.S:
     try:
         return wire.decode(body, struct, "json")
     except msgspec.ValidationError as exc:
+        # msgspec's int takes integer literals only, JSON Schema's integer any number without a
+        # fractional part: a refused body is read again with those numbers as ints. Only
+        # refused bodies pay it, and any other fault still gets the first reading's refusal.
+        # (ValidationError is a DecodeError; too deep a body is refused as the first reading)
+        with contextlib.suppress(msgspec.DecodeError, RecursionError):
+            whole = protocol.integral_as_int(msgspec.json.decode(body))
+            return wire.decode(msgspec.json.encode(whole), struct, "json")
         where = wire.error_field(exc)
         raise MalformedBody(f"{where}: {exc}", field=where) from None
     except msgspec.DecodeError as exc:

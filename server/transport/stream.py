@@ -235,6 +235,7 @@ class StreamListener:
         self._unverified: dict[threading.Thread, socket.socket] = {}
         self._evicted: set[threading.Thread] = set()  # shut down, their threads still ending
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # a serving thread ended
         self._acceptor = threading.Thread(target=self._accept, name="kvalloc-stream", daemon=True)
         self._bound = False  # the socket file is ours to remove
 
@@ -250,7 +251,10 @@ class StreamListener:
         finally:
             os.umask(old)
         self._bound = True
-        self._sock.listen(64)
+        # As deep as the kernel allows (net.core.somaxconn caps it): a Unix socket's full
+        # backlog refuses a connect at once, so a burst of peers that never send a message must
+        # not fill it before the acceptor has shed them.
+        self._sock.listen(socket.SOMAXCONN)
         self._sock.settimeout(_POLL_S)
         self._acceptor.start()
         return self.endpoint
@@ -295,9 +299,11 @@ class StreamListener:
     def _room(self) -> bool:
         """Whether a new connection may be served, evicting the oldest unverified one if that
         makes room (under ``_lock``). Evicted threads still ending count against a second bound
-        of as many again, so a flood cannot pile up threads either."""
-        if len(self._served) >= 2 * self.max_connections:
-            return False
+        of as many again, so a flood cannot pile up threads either: at that bound the acceptor
+        waits for one to end (they were shut down, so that is soon) and the kernel's backlog
+        holds the new peers meanwhile, rather than closing a worker's connection for a flood."""
+        while len(self._served) >= 2 * self.max_connections and not self._stop.is_set():
+            self._ended.wait(_POLL_S)
         if len(self._served) - len(self._evicted) < self.max_connections:
             return True
         if not self._unverified:
@@ -321,6 +327,7 @@ class StreamListener:
                 del self._served[me]
                 self._unverified.pop(me, None)
                 self._evicted.discard(me)
+                self._ended.notify()
 
     def _verified(self) -> None:
         with self._lock:

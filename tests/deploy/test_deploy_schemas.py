@@ -267,34 +267,55 @@ def dockerfile_instruction(name: str) -> str:
     return line.removeprefix(f"{name} ").strip()
 
 
-def test_every_deployed_command_is_accepted_by_the_kvalloc_cli():
+STREAM = "stream:///run/kvalloc/kvalloc.stream"
+
+
+def deployed_serves() -> list[list[str]]:
+    """Every ``kvalloc serve`` command shipped: the image's default, compose's, the DaemonSet's."""
     compose = load_compose("docker-compose.yml")["services"]
     pod = load_k8s()["DaemonSet"]["spec"]["template"]["spec"]
-    image_cmd = json.loads(dockerfile_instruction("CMD"))
+    return [json.loads(dockerfile_instruction("CMD")), compose["allocator"]["command"],
+            pod["containers"][0]["args"]]
+
+
+def test_every_deployed_command_is_accepted_by_the_kvalloc_cli():
     assert json.loads(dockerfile_instruction("ENTRYPOINT")) == ["kvalloc"]
-    for command in (image_cmd, compose["allocator"]["command"], pod["containers"][0]["args"]):
+    for command in deployed_serves():
         serve = parse(command)
         assert serve.host == "0.0.0.0" and serve.port == 8900, command
-        assert "tcp://0.0.0.0:5555" in serve.ipc
-    loadgen = parse(compose["loadgen"]["command"])
-    assert loadgen.address == "ipc:///run/kvalloc/kvalloc.ipc"
+        assert serve.ipc == [STREAM], command
+    loadgen = parse(load_compose("docker-compose.yml")["services"]["loadgen"]["command"])
+    assert loadgen.address == STREAM
+
+
+def test_no_shipped_deployment_serves_zeromq():
+    """ZeroMQ's listener aborts the whole service when an accept meets EMFILE (docs/security.md),
+    so nothing shipped serves it, over ``ipc://`` or ``tcp://``: same-host workers take the
+    stream socket, others REST; neither a container nor a Service publishes a ZeroMQ port."""
+    for command in deployed_serves():
+        assert not [a for a in parse(command).ipc if a.startswith(("ipc://", "tcp://"))], command
+    compose = load_compose("docker-compose.yml")["services"]
+    assert all(not c.get("command") or "ipc://" not in " ".join(c["command"])
+               for c in compose.values())
+    k8s = load_k8s()
+    pod_ports = k8s["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert [p["containerPort"] for p in pod_ports] == [8900]
+    assert [p["port"] for p in k8s["Service"]["spec"]["ports"]] == [8900]
+    assert compose["allocator"]["ports"] == ["127.0.0.1:8900:8900"]
+    assert dockerfile_instruction("EXPOSE").split() == ["8900"]
 
 
 def test_ports_and_socket_paths_agree_across_image_compose_and_kubernetes():
-    assert dockerfile_instruction("EXPOSE").split() == ["8900", "5555"]
     assert "127.0.0.1:8900/healthz" in dockerfile_instruction("HEALTHCHECK")
     alloc = load_compose("docker-compose.yml")["services"]["allocator"]
     serve = parse(alloc["command"])
     assert "127.0.0.1:8900/healthz" in " ".join(alloc["healthcheck"]["test"])
-    assert alloc["ports"] == ["127.0.0.1:8900:8900", "127.0.0.1:5555:5555"]
     assert Path(serve.uds).parent == Path("/run/kvalloc")  # the kvalloc-run volume
     container = load_k8s()["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
     k8s_serve = parse(container["args"])
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8900,
-                                                                            "ipc": 5555}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8900}
     assert k8s_serve.uds.startswith("/run/kvalloc/")
-    assert all(a.startswith(("ipc:///run/kvalloc/", "stream:///run/kvalloc/",
-                             "tcp://0.0.0.0:5555")) for a in k8s_serve.ipc)
+    assert k8s_serve.ipc == serve.ipc == [STREAM]
 
 
 # ---------------------------------------------------------------- what the docs tell one to run

@@ -29,6 +29,7 @@ def pool_state(free_blocks: int) -> bytes:
                              max_step_tokens=8, overlap_scheduler=True)
     return wire.encode_json(wire.PoolState(
         epoch=1, layout=layout, free_blocks=free_blocks, used_blocks=8 - free_blocks,
+        parked_blocks=0,
         num_requests=0, workers=[], capacity_tokens=0, history_tokens=0, pending_slack_tokens=0,
         leases_expired=0, counters={}, invariants="unchecked"))
 

@@ -256,3 +256,48 @@ def test_a_worker_of_each_data_parallel_rank_against_a_service_of_two(
                                     "--data-parallel-rank", str(rank), "--draft-len", "0",
                                     "--worker-id", f"rank{rank}")) == 0
             assert outputs(capsys.readouterr().out) == llama_oracle.expected
+
+
+@pytest.mark.parametrize("token", [2**63, -1, "vocab"])
+def test_a_prompt_token_outside_the_vocabulary_is_a_one_line_error(
+        llama_oracle: Oracle, tmp_path: Path, token: int | str) -> None:
+    """2^63 does not fit the int64 a token travels as, -1 and vocab_size index no embedding:
+    each is named with its line and position, nothing runs, exit 2."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    vocab = llama_oracle.model.config.vocab_size
+    bad = vocab if token == "vocab" else token
+    prompts.write_text(json.dumps({"id": "x", "token_ids": [1, 2, bad]}) + "\n")
+    r = subprocess.run([*kvalloc_command(), *worker_args(config, prompts, "--in-process")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"kvalloc worker: prompts: {prompts} line 1: token_ids[2]: {bad} is not a token of "
+        f"the model (0 to {vocab - 1})"]
+
+
+def test_a_tensor_parallel_degree_that_does_not_split_the_heads_is_a_one_line_error(
+        llama_oracle: Oracle, tmp_path: Path) -> None:
+    """--tensor-parallel 3 against a service of one pool, for a model of 4 query and 2 KV heads:
+    the rank that finds it names the field and the numbers, without its traceback."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with ServiceProcess(tmp_path, *SERVICE_POOL, tcp=False) as service:
+        r = subprocess.run([*kvalloc_command(), *worker_args(
+            config, prompts, "--address", service.stream, "--tensor-parallel", "3")],
+            capture_output=True, text=True, timeout=300)
+        with Client(service.stream, worker_id="observer") as client:
+            assert client.get_pool().workers == []
+    assert r.returncode == 2
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("kvalloc worker: rank ") and line.endswith(
+        "raised ShardingError: num_attention_heads: 4 is not divisible by the world size 3")
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+def test_a_reply_timeout_must_be_positive(llama_oracle: Oracle, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str],
+                                          timeout: str) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(worker_args(config, prompts, "--timeout", timeout))
+    assert exit_info.value.code == 2
+    assert f"argument --timeout: {timeout} is not in (0, inf]" in capsys.readouterr().err

@@ -16,7 +16,8 @@ ignore SIGINT, which a terminal sends to every process of the job: their parent 
 Nothing outlives a run. A child gets SIGKILL when its parent dies (Linux's parent-death
 signal). The first rank to fail, or a run past ``timeout_s``, ends the others (a rank blocked
 in a collective with a dead peer would wait for the group's own timeout), and the failure
-surfaces as `RankFailed` naming the rank, with the child's traceback text. Results travel as
+surfaces as `RankFailed` naming the rank, with the child's traceback text (none for an error
+the worker raises on purpose, a `WorkerError`: its message says what was wrong). Results travel as
 files in the run's directory, which is removed: a multiprocessing queue would hand tensors over
 through shared memory, and a pipe fills up while the parent waits for the exit.
 """
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from kvalloc.worker.errors import EngineError, RankFailed
+from kvalloc.worker.errors import EngineError, RankFailed, WorkerError
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _POLL_S = 0.05  # how often the parent looks at its stop (how soon a stop reaches the ranks)
@@ -147,9 +148,9 @@ def _failure(procs: list[BaseProcess], run_dir: Path, failed: list[int]) -> Rank
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return RankFailed(f"rank {rank} of {world} {how}{others}", rank=rank)
     outcome = outcomes[rank]
-    return RankFailed(f"rank {rank} of {world} raised {outcome.value}{others}\n"
-                      f"its traceback:\n{outcome.child_traceback}", rank=rank,
-                      child_traceback=outcome.child_traceback)
+    trace = f"\nits traceback:\n{outcome.child_traceback}" if outcome.child_traceback else ""
+    return RankFailed(f"rank {rank} of {world} raised {outcome.value}{others}{trace}",
+                      rank=rank, child_traceback=outcome.child_traceback)
 
 
 def _end(procs: list[BaseProcess]) -> None:
@@ -173,8 +174,10 @@ def _rank_main(job: _Job) -> None:
         # Last: once a result is written, nothing is left that could fail the rank.
         _write_outcome(job, _Outcome(result, "", time.time()))
     except BaseException as exc:  # KeyboardInterrupt too: whatever ends fn reaches the parent
-        _write_outcome(job, _Outcome(f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                                     time.time()))
+        # An error the worker raises on purpose names what was wrong in its message: its
+        # traceback would bury that line under the rank's frames.
+        trace = "" if isinstance(exc, WorkerError) else traceback.format_exc()
+        _write_outcome(job, _Outcome(f"{type(exc).__name__}: {exc}", trace, time.time()))
         sys.exit(1)
 
 

@@ -21,6 +21,7 @@ from kvalloc.server.contract.errors import (
     SessionEnded,
 )
 from kvalloc.server.contract.sharing import SHM_DIR
+from kvalloc.server.service import registry
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
 from named_worker import NamedWorker
@@ -567,6 +568,26 @@ def _call(w: NamedWorker, *, step_id: int | None = None, new_req_ids: list[str] 
     return StepCall.build("w", reg.session, reg.epoch,
                           w.client.next_step_id if step_id is None else step_id,
                           new_req_ids=new_req_ids or [], **columns)
+
+
+def test_a_deregistration_sent_again_is_answered_again_for_the_latest_ids(
+        core: ServiceCore) -> None:
+    """A deregister resent with its session gets the first reply, and nothing changes; the
+    service keeps the latest `registry.ENDED_KEPT` ids' replies, so the oldest id's retry is
+    then `unknown_worker` as before."""
+    ref = wire.WorkerRef(worker_id="w0", session=core.register(
+        wire.RegisterRequest(worker_id="w0", attached=False)).session)
+    reply = core.deregister(ref)
+    pool = core.get_pool(wire.PoolQuery())
+    assert core.deregister(ref) == reply and core.get_pool(wire.PoolQuery()) == pool
+    for i in range(1, registry.ENDED_KEPT + 1):
+        other = core.register(wire.RegisterRequest(worker_id=f"w{i}", attached=False))
+        core.deregister(wire.WorkerRef(worker_id=f"w{i}", session=other.session))
+    with pytest.raises(RemoteError, match="unknown_worker"):
+        Client.in_process(core).call("deregister", ref)
+    latest = f"w{registry.ENDED_KEPT}"
+    assert core.deregister(wire.WorkerRef(worker_id=latest, session=other.session)).worker_id \
+        == latest
 
 
 def test_a_registration_sent_again_with_its_nonce_is_answered_again_and_changes_nothing(

@@ -7,10 +7,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
-from kvalloc.allocator import KVCacheManager
+from kvalloc.allocator import KVCacheManager, PoolConfig
 from kvalloc.allocator.metrics import AllocatorMetrics
 from kvalloc.server import serve
+from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepCall
 from kvalloc.server.service.core import ServiceCore
@@ -75,3 +77,30 @@ def test_service_names_follow_prometheus_rules_and_the_global_registry_is_untouc
     metrics.observe_step("ipc", 1e-3)
     assert set(REGISTRY._names_to_collectors) == before
     assert_names_follow_prometheus_rules(registry)
+
+
+def test_the_wire_and_the_metrics_count_used_and_parked_blocks_alike() -> None:
+    """A finished request leaves its cached prompt blocks parked: `PoolState` and ``/metrics``
+    both count them as parked, not used, and pool = free + used + parked on both."""
+    pool = PoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, device="cpu", num_blocks=64,
+                      tokens_per_block=4, max_seq_len=64, max_draft_len=2, max_batch_size=8)
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=64, prefix_caching=True))
+    try:
+        render = serve._metrics(core)
+        assert render is not None
+        kv = Client.in_process(core, worker_id="w")
+        kv.register()
+        first = kv.step(new=(["a", "b"], [16, 9]), prompt_token_ids=np.arange(25))
+        kv.step(grants=(first.admitted, [0, 0]))  # commits the prompts: their blocks cached
+        kv.step(results=(first.admitted, [0, 0]), finished=[first.admitted[0]])
+        time.sleep(0.3)  # past min_interval_s: the lease check publishes what it held back
+        core.expire_leases()
+        state = kv.get_pool()
+        samples = {s.name: s.value for f in text_string_to_metric_families(render()[0].decode())
+                   for s in f.samples}
+        assert state.parked_blocks == samples["kvalloc_prefix_parked_blocks"] == 4
+        assert state.used_blocks == samples["kvalloc_pool_used_blocks"] == 3  # "b": 9 + 1 + 0
+        assert state.free_blocks == samples["kvalloc_pool_free_blocks"]
+        assert state.free_blocks + state.used_blocks + state.parked_blocks == 64
+    finally:
+        core.close()

@@ -421,6 +421,51 @@ def test_peers_without_the_token_cannot_hold_the_slots_workers_need(
         conn.close()
 
 
+BURSTS, BURST = 5, 100  # silent connects: each burst past the old backlog of 64
+
+
+def test_bursts_of_silent_connects_leave_fresh_workers_connecting_and_stepping(
+        tmp_path: Path) -> None:
+    """Bursts of connects that never send a byte, faster than the service accepts, each past
+    the listen backlog the service once had (64: a Unix socket's full backlog refuses a connect
+    at once). After each burst, while its peers still wait to be accepted or shed, a fresh
+    worker connects, registers and steps on its first try and within its usual timeout; a
+    worker connected before the first burst keeps stepping."""
+    with ServiceProcess(tmp_path, *GUARDED_POOL[:-2], "--max-workers", "2", tcp=False) as svc:
+        run_bursts(svc)
+
+
+def run_bursts(svc: ServiceProcess) -> None:
+    path = svc.stream.removeprefix("stream://")
+    held: list[socket.socket] = []
+    with Client(svc.stream, worker_id="connected", retries=0) as worker:
+        worker.register(attach=False)
+        handle = worker.step(new=(["kept"], [4])).admitted[0]
+        try:
+            for burst in range(BURSTS):
+                for _ in range(BURST):
+                    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    conn.setblocking(False)
+                    try:
+                        conn.connect(path)
+                    except BlockingIOError:  # this kernel's backlog is full: burst enough
+                        conn.close()
+                        break
+                    held.append(conn)
+                with Client(svc.stream, worker_id=f"fresh-{burst}", retries=0) as fresh:
+                    fresh.register(attach=False)
+                    assert fresh.step(new=([f"r{burst}"], [4])).admitted[0] >= 0
+                    assert fresh.deregister().freed_requests == 1
+                reply = worker.step(results=([handle], [0]) if burst else None,
+                                    grants=([handle], [0]))
+                assert reply.scheduled.num_tokens.tolist() == [1]
+        finally:
+            for conn in held:
+                conn.close()
+        assert worker.get_pool().num_requests == 1
+        assert worker.deregister().freed_requests == 1
+
+
 def test_a_header_announcing_a_huge_message_allocates_nothing_before_the_token(
         guarded: ServiceProcess) -> None:
     """Headers announcing messages of nearly the frame limit on every slot, with the first bytes
