@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,34 @@ def test_a_worker_of_each_data_parallel_rank_against_a_service_of_two(
                                     "--data-parallel-rank", str(rank), "--draft-len", "0",
                                     "--worker-id", f"rank{rank}")) == 0
             assert outputs(capsys.readouterr().out) == llama_oracle.expected
+
+
+# `kvalloc worker` in a Python where transformers does not import, as after `pip install .`.
+WITHOUT_TRANSFORMERS = ("import sys; sys.modules['transformers'] = None\n"
+                        "from kvalloc.server.cli import main\n"
+                        "sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("argv", [["worker", "--help"],
+                                  ["worker", "--model-config", "cfg.json", "--prompts", "p"]])
+def test_without_the_worker_extra_one_line_names_it(argv: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS, *argv], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["kvalloc worker: needs 'transformers', which is not "
+                                     "installed: pip install 'kvalloc[worker]'"]
+
+
+@pytest.mark.parametrize("given", ["./missing", "{tmp}/missing", "{tmp}/prompts.jsonl"])
+def test_a_model_directory_that_is_not_there_is_a_one_line_error(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, given: str) -> None:
+    _, prompts = write_inputs(llama_oracle, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    model = given.format(tmp=tmp_path)
+    assert main(["worker", "--model", model, "--prompts", str(prompts), "--in-process",
+                 "--no-progress"]) == 2
+    expected = ("is not a directory (a checkpoint is one)" if model.endswith(".jsonl")
+                else "does not exist")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvalloc worker: model: ") and model in line and expected in line
