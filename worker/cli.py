@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 from kvalloc.allocator import PoolConfig, SlackPolicy
-from kvalloc.allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
+from kvalloc.allocator.commands.interrupt import StopRequest, sigint_stops
 from kvalloc.server.client import Client, in_process_client
 from kvalloc.server.contract.addresses import default_client_address
 from kvalloc.server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
@@ -168,12 +169,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with sigint_stops() as stop:
+        # SIGTERM too (docker stop, Kubernetes): its default would leave an --in-process pool's
+        # shared memory behind and the worker's blocks held until its lease ends.
+        with sigint_stops((signal.SIGINT, signal.SIGTERM)) as stop:
             result = _run(args, stop)
     except Interrupted as exc:
         summary = {"interrupted": True, **exc.stats.as_dict()}
         print(json.dumps(summary) if args.json else _human_interrupted(summary))
-        return INTERRUPTED
+        return stop.status
     except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
             ValueError) as exc:
         print(f"kvalloc worker: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from kvalloc.server.cli import main
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
+from kvalloc.server.contract.sharing import OWNER_SUFFIX, SHM_DIR
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
@@ -152,6 +154,33 @@ def _assert_stopped_and_gone(r: Interrupted, state: wire.PoolState) -> None:
     summary = json.loads(r.stdout)
     assert summary["interrupted"] is True and 0 < summary["generated_tokens"] < 3000
     assert state.workers == [] and state.used_blocks == 0 and state.num_requests == 0
+
+
+def test_sigterm_stops_an_in_process_worker_like_ctrl_c_and_leaves_no_shared_memory(
+        llama_oracle: Oracle, tmp_path: Path) -> None:
+    """SIGTERM (docker stop) to a real ``--in-process`` worker mid-generation: the step in
+    flight ends, it prints the figures so far, exits 128 + SIGTERM, and its pool's segments and
+    owner file are gone from /dev/shm with it."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    args = worker_args(config, prompts, "--in-process", "--draft-len", "2")
+    args[args.index("--max-new-tokens") + 1] = "3000"
+    args.remove("--no-progress")
+    r = interrupt_once_progressing([*kvalloc_command(), *args], r"[1-9]\d*/\d+",
+                                   timeout_s=120, signum=signal.SIGTERM)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert "Traceback" not in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["interrupted"] is True and 0 < summary["generated_tokens"] < 3000
+    left = [owner for owner in SHM_DIR.glob(f"kvalloc-*{OWNER_SUFFIX}")
+            if _read(owner).startswith(f"pid {r.pid} ")]
+    assert left == []
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # removed meanwhile
+        return ""
 
 
 def test_cuda_graphs_on_a_cpu_pool_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,
