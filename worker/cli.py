@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -126,7 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="stream:///path, ipc:///path, tcp://host:port, http://host:port or "
                           "unix:///path (default: $KVALLOC_ADDRESS, else the service's default "
                           "stream socket)")
-    svc.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
+    svc.add_argument("--worker-id", default=None,
+                     help="the name this worker registers under, the same every run so that "
+                          "its prompts find the blocks an earlier run cached (default "
+                          "<host>-worker, <host>-worker-rank<K> with --data-parallel-rank; a "
+                          "second worker at once needs its own)")
     svc.add_argument("--timeout", type=float, default=30.0,
                      help="seconds to wait for one reply (default 30)")
     svc.add_argument("--in-process", action="store_true",
@@ -168,6 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.worker_id = args.worker_id or default_worker_id(args.data_parallel_rank)
     try:
         # SIGTERM too (docker stop, Kubernetes): its default would leave an --in-process pool's
         # shared memory behind and the worker's blocks held until its lease ends.
@@ -177,8 +183,14 @@ def run(args: argparse.Namespace) -> int:
         summary = {"interrupted": True, **exc.stats.as_dict()}
         print(json.dumps(summary) if args.json else _human_interrupted(summary))
         return stop.status
-    except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
-            ValueError) as exc:
+    except RemoteError as exc:
+        if exc.code == "worker_id_in_use":
+            print(f"kvalloc worker: worker id {args.worker_id!r} is in use by a running worker; "
+                  f"give this one another with --worker-id", file=sys.stderr)
+            return 2
+        print(f"kvalloc worker: {exc}", file=sys.stderr)
+        return 2
+    except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, ValueError) as exc:
         print(f"kvalloc worker: {exc}", file=sys.stderr)
         return 2
     except ServiceUnreachable as exc:
@@ -190,6 +202,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result) if args.json else _human(result))
     return 0
+
+
+def default_worker_id(data_parallel_rank: int | None) -> str:
+    """A worker id that stays the same from run to run: the service's prefix cache keeps each
+    worker id's prompts in a namespace of its own, so a per-process id would never reuse them."""
+    rank = "" if data_parallel_rank is None else f"-rank{data_parallel_rank}"
+    return f"{socket.gethostname()}-worker{rank}"
 
 
 def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
@@ -275,7 +294,8 @@ def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPr
     """Every prompt's output; `Interrupted` once ``stop`` is set, at the end of a step (its
     reply taken, no call in flight), so that the client can still deregister."""
     engine = Engine(model, client, drafter, draft_len=draft_len,
-                    stop_token_ids=_stop_tokens(model), overlap=args.overlap,
+                    stop_token_ids=_stop_tokens(model), share_prefixes=True,
+                    overlap=args.overlap,
                     validate=args.validate, cuda_graphs=args.cuda_graphs)
     total = len(prompts) * args.max_new_tokens
 
@@ -338,7 +358,7 @@ def _client(args: argparse.Namespace, model: Any,
         return
     with in_process_client(in_process_pool(args, model, prompts),
                            max_step_tokens=args.max_step_tokens,
-                           worker_id=args.worker_id or "worker") as client:
+                           worker_id=args.worker_id) as client:
         client.register(overlap=args.overlap)
         yield client
 

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import OWNER_SUFFIX, SHM_DIR
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
+from kvalloc.worker.cli import default_worker_id
 from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -85,6 +88,56 @@ def test_an_overlap_worker_against_a_running_service_with_prefix_caching(
     assert {o["id"]: o["token_ids"] for o in result["outputs"]} == llama_oracle.expected
     assert result["forwards_ahead"] > 0 and result["table_violations"] == 0
     assert 0 < result["acceptance_rate"] < 1
+
+
+def prefix_hit_tokens(service: ServiceProcess) -> float:
+    """The service's ``kvalloc_prefix_hit_tokens_total``, from its /metrics."""
+    with urllib.request.urlopen(f"{service.rest_tcp}/metrics", timeout=30) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("kvalloc_prefix_hit_tokens_total "):
+                return float(line.split()[1])
+    raise AssertionError("no kvalloc_prefix_hit_tokens_total in /metrics")
+
+
+# Scrapes read a copy the service refreshes at most once a second (and at least once a lease
+# reaper's look, every second): a loaded machine may hold it back several times that.
+METRICS_REFRESH_S = 60.0
+
+
+def test_a_second_run_reuses_the_prefixes_the_first_run_cached(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs of the same prompts, one after the other, against one --prefix-caching
+    service: the worker sends its prompts' token ids under a worker id that is the same each
+    run, so the second finds the first's prompt blocks cached (and skips their prefill), and
+    the service counts those tokens as prefix hits."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with ServiceProcess(tmp_path, *SERVICE_POOL, "--prefix-caching") as service:
+        runs = []
+        for _ in range(2):
+            assert main(worker_args(config, prompts, "--address", service.stream,
+                                    "--draft-len", "2")) == 0
+            runs.append(json.loads(capsys.readouterr().out))
+        first, second = runs
+        assert first["cached_prompt_tokens"] == 0 and second["cached_prompt_tokens"] > 0
+        deadline = time.monotonic() + METRICS_REFRESH_S
+        while (hits := prefix_hit_tokens(service)) < second["cached_prompt_tokens"]:
+            assert time.monotonic() < deadline, hits
+            time.sleep(0.2)
+        assert hits == second["cached_prompt_tokens"]
+    assert outputs(json.dumps(second)) == llama_oracle.expected
+
+
+def test_a_second_worker_under_the_same_id_is_told_to_name_itself(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default worker id is held by a running worker: one line naming --worker-id."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with (ServiceProcess(tmp_path, *SERVICE_POOL, tcp=False) as service,
+          Client(service.stream, worker_id=default_worker_id(None)) as holder):
+        holder.register()
+        assert main(worker_args(config, prompts, "--address", service.stream)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"kvalloc worker: worker id {default_worker_id(None)!r} is in use by a "
+                    f"running worker; give this one another with --worker-id")
 
 
 @pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])
