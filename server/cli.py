@@ -71,6 +71,9 @@ def flag_errors(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+# Commands whose flags live in a module of their own, so that --help loads none of the
+# command's heavy imports.
+PARSERS = {"worker": "kvalloc.worker.arguments"}
 # Commands whose module needs an optional dependency: the extra that installs it.
 EXTRAS = {"worker": "worker"}
 
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=HelpFormatter)
         # Only the chosen command's module is imported: `simulate` never pays for FastAPI.
         if argv and argv[0] == name:
-            command_module(name).add_arguments(p)
+            parsers = importlib.import_module(PARSERS[name]) if name in PARSERS else None
+            (parsers or command_module(name)).add_arguments(p)
     args = parser.parse_args(argv)
     try:
         return int(command_module(args.command).run(args))

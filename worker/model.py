@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from kvalloc.allocator import PoolConfig
+from kvalloc.worker.arguments import DTYPE_NAMES
 from kvalloc.worker.attention.hook import ATTN_IMPLEMENTATION, register
 from kvalloc.worker.errors import ModelLoadError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -21,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 # over rotary positions, which is what the pool path implements.
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def config_from_file(path: str | Path) -> PretrainedConfig:

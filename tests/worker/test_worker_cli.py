@@ -347,14 +347,37 @@ WITHOUT_TRANSFORMERS = ("import sys; sys.modules['transformers'] = None\n"
                         "sys.exit(main(sys.argv[1:]))")
 
 
-@pytest.mark.parametrize("argv", [["worker", "--help"],
-                                  ["worker", "--model-config", "cfg.json", "--prompts", "p"]])
-def test_without_the_worker_extra_one_line_names_it(argv: list[str]) -> None:
-    r = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS, *argv], capture_output=True,
-                       text=True, timeout=300)
+def test_without_the_worker_extra_one_line_names_it() -> None:
+    r = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS, "worker", "--model-config",
+                        "cfg.json", "--prompts", "p"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == ["kvalloc worker: needs 'transformers', which is not "
                                      "installed: pip install 'kvalloc[worker]'"]
+
+
+# What `--help` must not load: each takes seconds to import, tens on a loaded machine.
+HEAVY = ("torch", "transformers", "triton", "numba", "fastapi")
+HELP_IMPORTS = ("import sys\nfrom kvalloc.server.cli import main\ntry:\n    main(sys.argv[1:])\n"
+                "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+                "print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2:3])))")
+
+
+def test_worker_help_imports_nothing_heavy() -> None:
+    """``kvalloc worker --help`` parses its flags alone: no model library, no torch; it works
+    without the worker extra too."""
+    for prelude in ("", "import sys; sys.modules['transformers'] = None\n"):
+        r = subprocess.run([sys.executable, "-c", prelude + HELP_IMPORTS, "worker", "--help"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "--worker-id" in r.stdout and r.stdout.splitlines()[-1] == "[]", r.stdout
+
+
+def test_the_flags_slack_policies_are_the_allocators() -> None:
+    from kvalloc.allocator import SlackPolicy
+    from kvalloc.worker.arguments import SLACK_POLICIES
+
+    assert sorted(SLACK_POLICIES) == sorted(p.value for p in SlackPolicy)
 
 
 @pytest.mark.parametrize("given", ["./missing", "{tmp}/missing", "{tmp}/prompts.jsonl"])
