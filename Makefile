@@ -12,14 +12,22 @@ TORCH_CONSTRAINT ?= constraints-cpu.txt
 SYSTEM_TORCH ?= $(if $(filter /dev/null,$(TORCH_CONSTRAINT)),1,)
 CONSTRAINT := $(if $(SYSTEM_TORCH),/dev/null,$(TORCH_CONSTRAINT))
 VENV_FLAGS := $(if $(SYSTEM_TORCH),--system-site-packages,)
+# Two stamps: `serve` needs the package alone; the tests and `kvalloc worker` add the dev and
+# worker extras (Triton, transformers: gigabytes that `make run` never imports).
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+DEV_EXTRAS := dev,worker
 
 .PHONY: run test test-fast test-deps lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINT) -e '.[dev,worker]'
+	$(PY) -m pip install -q -c $(CONSTRAINT) -e .
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c $(CONSTRAINT) -e '.[$(DEV_EXTRAS)]'
 	touch $@
 
 run: $(STAMP)
@@ -37,19 +45,19 @@ test-deps:
 		echo "      Install them (Debian/Ubuntu: sudo apt-get install prometheus) to run them."; \
 	fi
 
-test: $(STAMP) test-deps
+test: $(DEV_STAMP) test-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # The same without tests/e2e/ (real service, Prometheus and worker processes): for the edit loop.
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --ignore=tests/e2e
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(PY) -m ruff check .
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(PY) benchmarks/bench_step.py
 
 clean:

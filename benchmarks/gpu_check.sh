@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, on any CUDA machine where the project is installed (for instance
-# `make SYSTEM_TORCH=1 .venv/.installed` over a CUDA build of torch, then PYTHON=.venv/bin/python):
+# `make SYSTEM_TORCH=1 .venv/.installed-dev` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
 #   sections: tests targets shards profile table split round_trip decode worker sweep commit

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from importlib import metadata
+from types import ModuleType
 
 DESCRIPTION = ("KV-cache block allocator for LLM inference with speculative decoding: run the "
                "allocator service, drive it with a simulated worker, or reproduce the two "
@@ -55,20 +56,41 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+# Commands whose flags live in a module of their own, so that --help loads none of the
+# command's heavy imports.
+PARSERS = {"worker": "kvalloc.worker.arguments"}
+# Commands whose module needs an optional dependency: the extra that installs it.
+EXTRAS = {"worker": "worker"}
+
+
+def command_module(name: str) -> ModuleType:
+    """The module of command ``name``. When one of its optional dependencies does not import:
+    one line naming the pip extra that installs it, and exit status 2 (as a bad flag)."""
+    try:
+        return importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        if name not in EXTRAS or (exc.name or "").split(".")[0] == "kvalloc":
+            raise
+        print(f"kvalloc {name}: needs {exc.name!r}, which is not installed: "
+              f"pip install 'kvalloc[{EXTRAS[name]}]'", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvalloc", description=DESCRIPTION)
     parser.add_argument("--version", action=_Version, help="print the installed release")
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=HelpFormatter)
         # Only the chosen command's module is imported: `simulate` never pays for FastAPI.
         if argv and argv[0] == name:
-            importlib.import_module(module).add_arguments(p)
+            parsers = importlib.import_module(PARSERS[name]) if name in PARSERS else None
+            (parsers or command_module(name)).add_arguments(p)
     args = parser.parse_args(argv)
     try:
-        return int(importlib.import_module(COMMANDS[args.command][0]).run(args))
+        return int(command_module(args.command).run(args))
     except KeyboardInterrupt:
         # Ctrl-C where a command does not stop at a step boundary (loading, or a second Ctrl-C
         # while a step hangs): one line, not a traceback, and the shell's status for it.

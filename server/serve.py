@@ -255,22 +255,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
-    # on a busy host), never speed.
-    torch.set_num_threads(1)
-    device = torch.device(config.pool.device)
-    if device.type == "cuda":
-        # "cuda" alone names the current device; set_device needs an index.
-        torch.cuda.set_device(device.index if device.index is not None
-                              else torch.cuda.current_device())
-    _warm_up(config)
-    try:  # the start check promised no memory: another process may have taken it since
-        core = ServiceCore(config) if len(rank_configs(config)) == 1 else RankedService(config)
-    except InsufficientMemory as exc:
+    try:
+        core = _start(config)
+        ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
+        reaper = LeaseReaper(core)
+    except _Stopped as stop:
+        # Whatever the start had made goes with it: the warm-up's core closes on its way out,
+        # and every exporter's finalizer unlinks its segments as the process exits.
+        _ignore_stops()
+        log.info("stopping on %s before serving", stop)
+        return 0
+    except InsufficientMemory as exc:  # the start check promised no memory: taken since?
         log.error("%s", exc)
         return 2
-    ipc = IpcServer(core, args.ipc or default_ipc_endpoints(), token=token)
-    reaper = LeaseReaper(core)
     sockets: list[socket.socket] = []
     picked: list[Path] = []  # token files of ports the OS picked: removed at the stop
     status = 0
@@ -329,8 +326,7 @@ def _where(config: ServiceConfig) -> str:
 
 def _shut_down(args: argparse.Namespace, ipc: IpcServer, reaper: LeaseReaper, core: ServiceCore,
                sockets: list[socket.socket]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+    _ignore_stops()
     ipc.stop()
     reaper.stop()
     core.close()
@@ -341,9 +337,32 @@ def _shut_down(args: argparse.Namespace, ipc: IpcServer, reaper: LeaseReaper, co
     log.info("stopped; shared memory and socket files removed")
 
 
+def _start(config: ServiceConfig) -> ServiceCore | RankedService:
+    """Everything before the service listens: the torch settings, the warm-up and the core."""
+    # The per-step host work is small tensors: OpenMP fan-out only adds scheduling latency (ms
+    # on a busy host), never speed.
+    torch.set_num_threads(1)
+    device = torch.device(config.pool.device)
+    if device.type == "cuda":
+        # "cuda" alone names the current device; set_device needs an index.
+        torch.cuda.set_device(device.index if device.index is not None
+                              else torch.cuda.current_device())
+    _warm_up(config)
+    return ServiceCore(config) if len(rank_configs(config)) == 1 else RankedService(config)
+
+
+def _ignore_stops() -> None:
+    """A second signal must not cut the cleanup short."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _warm_up(config: ServiceConfig) -> None:
     """Compile the step now rather than under the lock of the first worker's calls
     (`server.service.warmup`). A failure costs only that: the first calls compile instead."""
+    # Said first: on a fresh install the compile is the silent minute of a first start.
+    log.info("compiling the step and its commit (seconds from numba's cache, up to a minute "
+             "without it)")
     try:
         # Compiled code is per process: one rank's shape compiles what every rank runs.
         log.info("compiled the step and its commit in %.1fs", warm_up(rank_configs(config)[0]))
@@ -351,9 +370,10 @@ def _warm_up(config: ServiceConfig) -> None:
         log.exception("warming up failed: the first calls will compile what they need")
 
 
-class _Stopped(Exception):
-    """SIGTERM / SIGINT outside uvicorn's own handling (before it serves, or re-raised by it
-    once it has shut down gracefully)."""
+class _Stopped(BaseException):
+    """SIGTERM / SIGINT outside uvicorn's own handling (during the start, or re-raised by it
+    once it has shut down gracefully). A BaseException, as KeyboardInterrupt is, so that no
+    ``except Exception`` on its way (the warm-up's) takes a stop for a failure."""
 
 
 def _stop(signum: int, _frame: FrameType | None) -> None:

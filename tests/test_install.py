@@ -16,26 +16,37 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
-def make_dry_run(tmp_path: Path, *variables: str) -> str:
-    """The commands `make` would run to build a venv in ``tmp_path`` (nothing is run)."""
-    r = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *variables,
-                        f"{tmp_path / 'venv'}/.installed"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60, check=True)
+def make_dry_run(tmp_path: Path, *variables: str, target: str = "run") -> str:
+    """The commands `make target` would run, its venv built in ``tmp_path`` (nothing is run)."""
+    r = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *variables, target],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     return r.stdout
 
 
 @needs_make
 def test_the_default_venv_is_isolated_and_keeps_torch_at_the_constraint(tmp_path):
-    commands = make_dry_run(tmp_path)
+    commands = make_dry_run(tmp_path, target="test")
     assert "-m venv " in commands and "--system-site-packages" not in commands
     assert "-c constraints-cpu.txt -e '.[dev,worker]'" in commands
 
 
 @needs_make
+def test_run_installs_what_serve_needs_and_no_extra(tmp_path):
+    """`serve` imports neither Triton nor transformers: `make run` installs the package alone,
+    and `make test` adds the dev and worker extras on top of that same install."""
+    run = make_dry_run(tmp_path)
+    assert "-c constraints-cpu.txt -e .\n" in run and "[" not in run, run
+    assert run.rstrip().endswith("kvalloc serve"), run
+    test = make_dry_run(tmp_path, target="test")
+    assert test.index("-e .\n") < test.index("-e '.[dev,worker]'") < test.index("-m pytest")
+
+
+@needs_make
 @pytest.mark.parametrize("variable", ["SYSTEM_TORCH=1", "TORCH_CONSTRAINT=/dev/null"])
 def test_system_torch_builds_over_site_packages_and_pins_nothing(tmp_path, variable):
-    commands = make_dry_run(tmp_path, variable)
+    commands = make_dry_run(tmp_path, variable, target="test")
     assert "-m venv --system-site-packages " in commands
+    assert "-c /dev/null -e .\n" in commands
     assert "-c /dev/null -e '.[dev,worker]'" in commands
     assert "constraints-cpu.txt -e" not in commands
 

@@ -14,7 +14,8 @@ synchronously or one step ahead of the host (an overlap worker).
   all of them and of the step's metadata, and what their launches share), `module_forwards`
   (how those kernels take over transformers' modules, per instance, and projections merge into
   one GEMM), `fusion` (the one switch to all of them), `drafters`;
-- `cli`: ``kvalloc worker``.
+- `cli`: ``kvalloc worker``, its flags in `arguments` (which imports nothing heavy, for
+  ``--help``).
 
 May import `allocator` and `server`'s client and contract (it is the client's user; its
 ``--in-process`` service comes from `server.client.in_process_client`), never `server.service`;

@@ -26,18 +26,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from kvalloc.allocator import PoolConfig, SlackPolicy
-from kvalloc.allocator.commands.arguments import bounded
-from kvalloc.allocator.commands.interrupt import INTERRUPTED, StopRequest, sigint_stops
+from kvalloc.allocator import PoolConfig
+from kvalloc.allocator.commands.interrupt import StopRequest, sigint_stops
 from kvalloc.server.client import Client, in_process_client
 from kvalloc.server.contract.addresses import default_client_address
 from kvalloc.server.contract.errors import RemoteError, ServiceUnreachable, TransportTimeout
+from kvalloc.worker.arguments import add_arguments as add_arguments  # a command's two names
 from kvalloc.worker.drafters import (
     DeviceOracleDrafter,
     Drafter,
@@ -112,84 +114,26 @@ def _check_vocabulary(ids: list[int], vocab_size: int | None, where: str) -> Non
                                   f"model (0 to {vocab_size - 1})")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("the model (one of)")
-    which = model.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="a local Llama / Mistral / Qwen2 checkpoint directory "
-                                       "(or a model id already in the local cache)")
-    which.add_argument("--model-config", help="a config JSON (with model_type): random weights")
-    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                       help="weights and KV (default float32: exactly generate's tokens)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.add_argument("--device", default=device,
-                       help=f"where the model runs; the pool must be there too (default {device})")
-    model.add_argument("--seed", type=int, default=0,
-                       help="seed of the random weights and the oracle drafter (default 0)")
-    gen = parser.add_argument_group("generation")
-    gen.add_argument("--prompts", required=True, help="JSON lines: {\"id\", \"token_ids\"}")
-    gen.add_argument("--max-new-tokens", type=int, default=32,
-                     help="tokens to generate per prompt, fewer at a stop token (default 32)")
-    gen.add_argument("--draft-len", type=int, default=3,
-                     help="drafts per step D, 0 for none (default 3)")
-    gen.add_argument("--drafter", default="ngram",
-                     help="ngram (prompt lookup) or oracle:RATE (the true continuation, each "
-                          "token right with probability RATE) (default ngram)")
-    svc = parser.add_argument_group("the service")
-    svc.add_argument("--address", default=None,
-                     help="stream:///path, ipc:///path, tcp://host:port, http://host:port or "
-                          "unix:///path (default: $KVALLOC_ADDRESS, else the service's default "
-                          "stream socket)")
-    svc.add_argument("--worker-id", default=None, help="default: <host>-<pid>")
-    svc.add_argument("--timeout", type=bounded(float, 0, low_open=True), default=30.0,
-                     help="seconds to wait for one reply (default 30)")
-    svc.add_argument("--in-process", action="store_true",
-                     help="run a service core in this process instead of calling one")
-    svc.add_argument("--overlap", action="store_true",
-                     help="run one step ahead of the host: the call for step k+1 and its launch "
-                          "while the device runs step k; drafts (oracle only), verification and "
-                          "the commit on the device")
-    svc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                     help="run N processes, each holding its shard of the model's heads, "
-                          "against a service of N shards (kvalloc serve --devices ... "
-                          "--tensor-parallel N); not with --in-process (default 1)")
-    svc.add_argument("--data-parallel-rank", type=int, default=None, metavar="K",
-                     help="the data-parallel rank this worker is: a service of several ranks "
-                          "serves it on rank K's pool (default: none, for a service of one)")
-    svc.add_argument("--cuda-graphs", action="store_true",
-                     help="replay decode steps as captured CUDA graphs (a CUDA pool; decodes "
-                          "padded to --draft-len drafts through the padding grant, batches "
-                          "grown to 1, 2, 4, 8 or a multiple of 8)")
-    svc.add_argument("--validate", action="store_true",
-                     help="count block-table entries each step addresses that hold no block "
-                          "(table_violations; off by default)")
-    pool = parser.add_argument_group("the in-process pool")
-    pool.add_argument("--num-blocks", type=int, default=None,
-                      help="default: room for every prompt at once")
-    pool.add_argument("--tokens-per-block", type=int, default=16,
-                      help="block size in tokens (default 16)")
-    pool.add_argument("--max-batch-size", type=int, default=64,
-                      help="requests running at once (default 64)")
-    pool.add_argument("--max-step-tokens", type=int, default=2048,
-                      help="tokens one step may schedule (default 2048)")
-    pool.add_argument("--slack-policy", choices=[p.value for p in SlackPolicy],
-                      default=SlackPolicy.RECLAIM.value,
-                      help="the in-process service's overlap slack; none and unreclaimed "
-                           "reproduce the crashes kvalloc prevents (default reclaim)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
 def run(args: argparse.Namespace) -> int:
+    args.worker_id = args.worker_id or default_worker_id(args.data_parallel_rank)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        with sigint_stops() as stop:
+        # SIGTERM too (docker stop, Kubernetes): its default would leave an --in-process pool's
+        # shared memory behind and the worker's blocks held until its lease ends.
+        with sigint_stops((signal.SIGINT, signal.SIGTERM)) as stop:
             result = _run(args, stop)
     except Interrupted as exc:
         summary = {"interrupted": True, **exc.stats.as_dict()}
         print(json.dumps(summary) if args.json else _human_interrupted(summary))
-        return INTERRUPTED
-    except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, RemoteError,
-            ValueError) as exc:
+        return stop.status
+    except RemoteError as exc:
+        if exc.code == "worker_id_in_use":
+            print(f"kvalloc worker: worker id {args.worker_id!r} is in use by a running worker; "
+                  f"give this one another with --worker-id", file=sys.stderr)
+            return 2
+        print(f"kvalloc worker: {exc}", file=sys.stderr)
+        return 2
+    except (ModelLoadError, PromptFileError, DrafterSpecError, EngineError, ValueError) as exc:
         print(f"kvalloc worker: {exc}", file=sys.stderr)
         return 2
     except ServiceUnreachable as exc:
@@ -201,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result) if args.json else _human(result))
     return 0
+
+
+def default_worker_id(data_parallel_rank: int | None) -> str:
+    """A worker id that stays the same from run to run: the service's prefix cache keeps each
+    worker id's prompts in a namespace of its own, so a per-process id would never reuse them."""
+    rank = "" if data_parallel_rank is None else f"-rank{data_parallel_rank}"
+    return f"{socket.gethostname()}-worker{rank}"
 
 
 def _run(args: argparse.Namespace, stop: StopRequest) -> dict[str, Any]:
@@ -286,7 +237,8 @@ def generate(model: Any, client: Client | ShardClient, prompts: Sequence[NamedPr
     """Every prompt's output; `Interrupted` once ``stop`` is set, at the end of a step (its
     reply taken, no call in flight), so that the client can still deregister."""
     engine = Engine(model, client, drafter, draft_len=draft_len,
-                    stop_token_ids=_stop_tokens(model), overlap=args.overlap,
+                    stop_token_ids=_stop_tokens(model), share_prefixes=True,
+                    overlap=args.overlap,
                     validate=args.validate, cuda_graphs=args.cuda_graphs)
     total = len(prompts) * args.max_new_tokens
 
@@ -349,7 +301,7 @@ def _client(args: argparse.Namespace, model: Any,
         return
     with in_process_client(in_process_pool(args, model, prompts),
                            max_step_tokens=args.max_step_tokens,
-                           worker_id=args.worker_id or "worker") as client:
+                           worker_id=args.worker_id) as client:
         client.register(overlap=args.overlap)
         yield client
 

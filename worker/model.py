@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from kvalloc.allocator import PoolConfig
+from kvalloc.worker.arguments import DTYPE_NAMES
 from kvalloc.worker.attention.hook import ATTN_IMPLEMENTATION, register
 from kvalloc.worker.errors import ModelLoadError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -21,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 # over rotary positions, which is what the pool path implements.
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def config_from_file(path: str | Path) -> PretrainedConfig:
@@ -54,6 +55,7 @@ def random_model(config: PretrainedConfig, *, seed: int, dtype: torch.dtype = to
 def load_model(path_or_id: str, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> PreTrainedModel:
     """A checkpoint transformers can load, from a local directory or the local cache only."""
+    _check_directory(path_or_id)
     register()
     try:
         config = AutoConfig.from_pretrained(path_or_id, local_files_only=True)
@@ -63,6 +65,18 @@ def load_model(path_or_id: str, *, dtype: torch.dtype = torch.float32,
     model = AutoModelForCausalLM.from_pretrained(
         path_or_id, dtype=dtype, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION)
     return model.to(device).eval()
+
+
+def _check_directory(path_or_id: str) -> None:
+    """A name spelled as a path (``/``, ``.`` or ``~`` first) names a directory that must exist:
+    transformers would take a missing one for a hub id and answer with the rules of ids."""
+    path = Path(path_or_id).expanduser()
+    if not path_or_id.startswith(("/", ".", "~")) and not path.exists():
+        return  # a model id, looked up in the local cache
+    if not path.exists():
+        raise ModelLoadError(f"model: directory {path_or_id} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model: {path_or_id} is not a directory (a checkpoint is one)")
 
 
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:

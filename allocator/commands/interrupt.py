@@ -5,7 +5,8 @@ request sent, its reply never read), after which the client cannot deregister an
 blocks wait for its lease. So the first SIGINT only sets a flag that the loop reads between
 steps: the step in progress completes, the command deregisters, prints what it did so far and
 exits `INTERRUPTED` (128 + SIGINT, what a shell reports for a process Ctrl-C stopped). A second
-SIGINT is a KeyboardInterrupt at once, for a step that does not come back.
+SIGINT is a KeyboardInterrupt at once, for a step that does not come back. A command may have
+SIGTERM stop it the same way (its status then 128 + SIGTERM).
 """
 
 from __future__ import annotations
@@ -22,29 +23,39 @@ INTERRUPTED = 128 + signal.SIGINT
 
 @dataclass
 class StopRequest:
-    """Set by the first SIGINT; read by a loop between its steps."""
+    """Set by the first stop signal; read by a loop between its steps."""
 
     requested: bool = False
+    signum: int = signal.SIGINT  # the signal that set it
 
     def __call__(self) -> bool:
         return self.requested
 
+    @property
+    def status(self) -> int:
+        """The exit status a shell reports for a process that signal stopped: 128 + it."""
+        return 128 + self.signum
+
 
 @contextlib.contextmanager
-def sigint_stops() -> Iterator[StopRequest]:
-    """Inside: the first SIGINT sets the yielded flag instead of raising. Off the main thread
-    (where Python takes no signals) the flag simply never sets."""
+def sigint_stops(signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator[StopRequest]:
+    """Inside: the first of ``signals`` (SIGINT unless told; a command that holds shared
+    memory adds SIGTERM, whose default would end it without its cleanup) sets the yielded flag
+    instead of raising; a second is a KeyboardInterrupt. Off the main thread (where Python
+    takes no signals) the flag simply never sets."""
     stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
-    def first_sigint(_signum: int, _frame: FrameType | None) -> None:
-        stop.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    def first_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.requested, stop.signum = True, signum
+        for sig in signals:
+            signal.signal(sig, signal.default_int_handler)
 
-    previous = signal.signal(signal.SIGINT, first_sigint)
+    previous = {sig: signal.signal(sig, first_signal) for sig in signals}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -9,6 +9,10 @@ timeout. `warm_up` does it at start instead, before the service listens: it runs
 core of the same layer shape, device and features, and a small pool, through a short life of two
 workers that covers every kind of step entry. The compiled code is per process, so the real
 core's first calls find it built. The throwaway core's shared memory goes with it.
+
+Its workers' leases never run out: a compile between two of their calls outlasts any lease
+(28 s on a loaded machine against the default 30 s), and an expired lease would end the
+warm-up half way, leaving the rest to the first real calls.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvalloc.server.service.settings import ServiceConfig
 WARM_UP_EVENTS = "inproc://kvalloc-warm-up"  # its KV events go nowhere
 _ROWS = 4  # requests the throwaway pool holds
 _PROMPTS = (6, 9, 5)  # the script's prompts: one whole, one chunked, one reverted
+_ENDLESS_LEASE_S = float("inf")  # the throwaway workers' lease: see the module's docstring
 
 
 def warm_up(config: ServiceConfig) -> float:
@@ -50,7 +55,7 @@ def _small(config: ServiceConfig) -> ServiceConfig:
     small = type(pool).model_validate({**shape, "num_blocks": _ROWS * rows})
     return config.model_copy(update={
         "pool": small, "max_step_tokens": max(sum(_PROMPTS), _ROWS * (1 + small.max_draft_len)),
-        "max_workers": 2, "token": None,
+        "max_workers": 2, "token": None, "lease_ttl_s": _ENDLESS_LEASE_S,
         "kv_events": WARM_UP_EVENTS if config.kv_events is not None else None,
         "kv_events_replay": None})
 

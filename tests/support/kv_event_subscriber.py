@@ -8,6 +8,8 @@ handshake ended, from ZeroMQ's own monitor events."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import zmq
 from kvalloc.server.contract.routing import authenticate_subscriber
@@ -98,3 +100,24 @@ class Subscriber:
             self.apply(payload)
             self.last_seq = seq
         return True
+
+    def catch_up(self, timeout_ms: int, ask_every_ms: int = 1000) -> None:
+        """Apply every batch published before this call, read from the replay socket: the
+        publisher sends what was queued before it answers a replay, so nothing a step published
+        before the call is missed, however late this socket's subscription reached the
+        publisher (PUB drops what it sends before then). A request unanswered after
+        ``ask_every_ms`` (lost with a connection that was still being made, or refused for the
+        replay rate) is asked again; batches already applied are skipped."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while time.monotonic() < deadline:
+            self.replay.send_multipart([b"", (self.last_seq + 1).to_bytes(8, "big")])
+            while self.replay.poll(ask_every_ms):
+                _, got, data = self.replay.recv_multipart()
+                if got == (-1).to_bytes(8, "big", signed=True):
+                    return
+                if got == (-2).to_bytes(8, "big", signed=True):
+                    break  # refused for the rate: ask again
+                if int.from_bytes(got, "big") == self.last_seq + 1:
+                    self.apply(data)
+                    self.last_seq += 1
+        raise TimeoutError(f"no whole replay within {timeout_ms} ms")

@@ -26,13 +26,16 @@ class Interrupted:
     stdout: str
     stderr: str  # everything the command wrote to its terminal, bar included
     seconds_to_progress: float  # from start to the first drawn progress
+    pid: int  # the command's process id
 
 
 def interrupt_once_progressing(command: list[str], progress: str, *, timeout_s: float,
-                               whole_job: bool = False) -> Interrupted:
-    """Run ``command``, SIGINT it once its terminal output matches the regex ``progress``, and
-    wait for it to exit. Each wait is bounded by ``timeout_s``. ``whole_job``: the signal goes
-    to the command's whole process group, children too, as a terminal's Ctrl-C does."""
+                               whole_job: bool = False,
+                               signum: int = signal.SIGINT) -> Interrupted:
+    """Run ``command``, SIGINT it (or ``signum``) once its terminal output matches the regex
+    ``progress``, and wait for it to exit. Each wait is bounded by ``timeout_s``. ``whole_job``:
+    the signal goes to the command's whole process group, children too, as a terminal's Ctrl-C
+    does."""
     primary, secondary = pty.openpty()
     # A fresh pty is 0 columns wide, and tqdm cuts its bar to the width: give it a terminal's.
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
@@ -51,9 +54,9 @@ def interrupt_once_progressing(command: list[str], progress: str, *, timeout_s: 
             time.sleep(0.05)
         seconds = time.monotonic() - started
         if whole_job:
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signum)
         else:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
         stdout, _ = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
@@ -61,7 +64,7 @@ def interrupt_once_progressing(command: list[str], progress: str, *, timeout_s: 
             proc.wait()
     drain.join(timeout_s)
     return Interrupted(proc.returncode, stdout,
-                       b"".join(terminal).decode(errors="replace"), seconds)
+                       b"".join(terminal).decode(errors="replace"), seconds, proc.pid)
 
 
 def _drain(fd: int, into: list[bytes]) -> None:

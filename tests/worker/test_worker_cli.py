@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from kvalloc.server.cli import main
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
+from kvalloc.server.contract.sharing import OWNER_SUFFIX, SHM_DIR
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
+from kvalloc.worker.cli import default_worker_id
 from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -84,6 +90,56 @@ def test_an_overlap_worker_against_a_running_service_with_prefix_caching(
     assert 0 < result["acceptance_rate"] < 1
 
 
+def prefix_hit_tokens(service: ServiceProcess) -> float:
+    """The service's ``kvalloc_prefix_hit_tokens_total``, from its /metrics."""
+    with urllib.request.urlopen(f"{service.rest_tcp}/metrics", timeout=30) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("kvalloc_prefix_hit_tokens_total "):
+                return float(line.split()[1])
+    raise AssertionError("no kvalloc_prefix_hit_tokens_total in /metrics")
+
+
+# Scrapes read a copy the service refreshes at most once a second (and at least once a lease
+# reaper's look, every second): a loaded machine may hold it back several times that.
+METRICS_REFRESH_S = 60.0
+
+
+def test_a_second_run_reuses_the_prefixes_the_first_run_cached(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs of the same prompts, one after the other, against one --prefix-caching
+    service: the worker sends its prompts' token ids under a worker id that is the same each
+    run, so the second finds the first's prompt blocks cached (and skips their prefill), and
+    the service counts those tokens as prefix hits."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with ServiceProcess(tmp_path, *SERVICE_POOL, "--prefix-caching") as service:
+        runs = []
+        for _ in range(2):
+            assert main(worker_args(config, prompts, "--address", service.stream,
+                                    "--draft-len", "2")) == 0
+            runs.append(json.loads(capsys.readouterr().out))
+        first, second = runs
+        assert first["cached_prompt_tokens"] == 0 and second["cached_prompt_tokens"] > 0
+        deadline = time.monotonic() + METRICS_REFRESH_S
+        while (hits := prefix_hit_tokens(service)) < second["cached_prompt_tokens"]:
+            assert time.monotonic() < deadline, hits
+            time.sleep(0.2)
+        assert hits == second["cached_prompt_tokens"]
+    assert outputs(json.dumps(second)) == llama_oracle.expected
+
+
+def test_a_second_worker_under_the_same_id_is_told_to_name_itself(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default worker id is held by a running worker: one line naming --worker-id."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with (ServiceProcess(tmp_path, *SERVICE_POOL, tcp=False) as service,
+          Client(service.stream, worker_id=default_worker_id(None)) as holder):
+        holder.register()
+        assert main(worker_args(config, prompts, "--address", service.stream)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"kvalloc worker: worker id {default_worker_id(None)!r} is in use by a "
+                    f"running worker; give this one another with --worker-id")
+
+
 @pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])
 def test_the_validator_sees_a_service_without_slack(llama_oracle: Oracle, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str],
@@ -151,6 +207,33 @@ def _assert_stopped_and_gone(r: Interrupted, state: wire.PoolState) -> None:
     summary = json.loads(r.stdout)
     assert summary["interrupted"] is True and 0 < summary["generated_tokens"] < 3000
     assert state.workers == [] and state.used_blocks == 0 and state.num_requests == 0
+
+
+def test_sigterm_stops_an_in_process_worker_like_ctrl_c_and_leaves_no_shared_memory(
+        llama_oracle: Oracle, tmp_path: Path) -> None:
+    """SIGTERM (docker stop) to a real ``--in-process`` worker mid-generation: the step in
+    flight ends, it prints the figures so far, exits 128 + SIGTERM, and its pool's segments and
+    owner file are gone from /dev/shm with it."""
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    args = worker_args(config, prompts, "--in-process", "--draft-len", "2")
+    args[args.index("--max-new-tokens") + 1] = "3000"
+    args.remove("--no-progress")
+    r = interrupt_once_progressing([*kvalloc_command(), *args], r"[1-9]\d*/\d+",
+                                   timeout_s=120, signum=signal.SIGTERM)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert "Traceback" not in r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["interrupted"] is True and 0 < summary["generated_tokens"] < 3000
+    left = [owner for owner in SHM_DIR.glob(f"kvalloc-*{OWNER_SUFFIX}")
+            if _read(owner).startswith(f"pid {r.pid} ")]
+    assert left == []
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # removed meanwhile
+        return ""
 
 
 def test_cuda_graphs_on_a_cpu_pool_is_a_clear_error(llama_oracle: Oracle, tmp_path: Path,
@@ -301,3 +384,57 @@ def test_a_reply_timeout_must_be_positive(llama_oracle: Oracle, tmp_path: Path,
         main(worker_args(config, prompts, "--timeout", timeout))
     assert exit_info.value.code == 2
     assert f"argument --timeout: {timeout} is not in (0, inf]" in capsys.readouterr().err
+
+
+# `kvalloc worker` in a Python where transformers does not import, as after `pip install .`.
+WITHOUT_TRANSFORMERS = ("import sys; sys.modules['transformers'] = None\n"
+                        "from kvalloc.server.cli import main\n"
+                        "sys.exit(main(sys.argv[1:]))")
+
+
+def test_without_the_worker_extra_one_line_names_it() -> None:
+    r = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS, "worker", "--model-config",
+                        "cfg.json", "--prompts", "p"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["kvalloc worker: needs 'transformers', which is not "
+                                     "installed: pip install 'kvalloc[worker]'"]
+
+
+# What `--help` must not load: each takes seconds to import, tens on a loaded machine.
+HEAVY = ("torch", "transformers", "triton", "numba", "fastapi")
+HELP_IMPORTS = ("import sys\nfrom kvalloc.server.cli import main\ntry:\n    main(sys.argv[1:])\n"
+                "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+                "print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2:3])))")
+
+
+def test_worker_help_imports_nothing_heavy() -> None:
+    """``kvalloc worker --help`` parses its flags alone: no model library, no torch; it works
+    without the worker extra too."""
+    for prelude in ("", "import sys; sys.modules['transformers'] = None\n"):
+        r = subprocess.run([sys.executable, "-c", prelude + HELP_IMPORTS, "worker", "--help"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "--worker-id" in r.stdout and r.stdout.splitlines()[-1] == "[]", r.stdout
+
+
+def test_the_flags_slack_policies_are_the_allocators() -> None:
+    from kvalloc.allocator import SlackPolicy
+    from kvalloc.worker.arguments import SLACK_POLICIES
+
+    assert sorted(SLACK_POLICIES) == sorted(p.value for p in SlackPolicy)
+
+
+@pytest.mark.parametrize("given", ["./missing", "{tmp}/missing", "{tmp}/prompts.jsonl"])
+def test_a_model_directory_that_is_not_there_is_a_one_line_error(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, given: str) -> None:
+    _, prompts = write_inputs(llama_oracle, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    model = given.format(tmp=tmp_path)
+    assert main(["worker", "--model", model, "--prompts", str(prompts), "--in-process",
+                 "--no-progress"]) == 2
+    expected = ("is not a directory (a checkpoint is one)" if model.endswith(".jsonl")
+                else "does not exist")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvalloc worker: model: ") and model in line and expected in line

@@ -62,3 +62,11 @@ def test_after_a_warm_up_a_real_cores_first_calls_compile_nothing(
     finally:
         core.close()
     assert compiled_signatures() == built
+
+
+def test_a_warm_up_outlasting_the_lease_still_runs_to_its_end(make_config) -> None:
+    """A lease shorter than any call of the warm-up (as a compile between two calls outlasts
+    the real one on a fresh install): its throwaway workers keep theirs and it completes."""
+    config = ServiceConfig(pool=make_config(num_blocks=256, max_seq_len=64), lease_ttl_s=1e-9,
+                           max_step_tokens=512)
+    assert warm_up(config) > 0
