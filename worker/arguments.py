@@ -4,7 +4,6 @@ transformers or Triton (tens of seconds on a loaded machine); `worker.cli` runs 
 from __future__ import annotations
 
 import argparse
-import math
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch's names; `worker.model.DTYPES` maps them
 # `allocator.config.SlackPolicy`'s values (a test checks they agree): that module imports torch.
@@ -12,14 +11,14 @@ SLACK_POLICIES = ("reclaim", "none", "unreclaimed")
 
 
 def positive_seconds(text: str) -> float:
-    """A duration of more than 0 s (NaN and infinity refused). Not the allocator's `bounded`:
-    importing any of `kvalloc.allocator` imports torch."""
+    """A duration in (0, inf] seconds (NaN refused). Not the allocator's `bounded`: importing
+    any of `kvalloc.allocator` imports torch."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    if not value > 0:  # NaN compares false
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, inf]")
     return value
 
 
