@@ -179,15 +179,17 @@ def test_random_steps_of_a_registered_worker_answer_as_documented(fuzz_worker: C
     assert accepted > 0, "no generated step reached the allocator"
 
 
-def test_the_schemathesis_command_runs_every_check_clean(service: ServiceProcess) -> None:
+def test_the_schemathesis_command_runs_every_check_clean(service: ServiceProcess,
+                                                         tmp_path: Path) -> None:
     """The run that the repository's schemathesis.toml describes, as a person would start it:
-    every phase (coverage, fuzzing, stateful) and every check, bounded and seeded."""
+    every phase (coverage, fuzzing, stateful) and every check, bounded and seeded. It runs in a
+    directory of its own: schemathesis writes its crash cache (``.schemathesis/``) there."""
     run = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "--config-file",
          str(ROOT / "schemathesis.toml"), "run", "--checks", "all", "--max-examples", "50",
          "--seed", "1", "-H", f"Authorization: Bearer {TOKEN}",
          f"{service.rest_tcp}/openapi.json"],
-        capture_output=True, text=True, timeout=900, check=False)
+        capture_output=True, text=True, timeout=900, check=False, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
 
 
