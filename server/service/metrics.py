@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvalloc.allocator import AllocatorMetrics
+from kvalloc.server.service.shared_pool import SHARED_STATE
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -55,6 +56,8 @@ class ServiceMetrics:
             "cached blocks, fence words) that another process changed; each was put back from "
             "the service's own state.", ["what"], registry=registry,
         )
+        for what in SHARED_STATE:  # at 0 from the start: an increase over a window needs it
+            self.shared_state_repairs.labels(what=what)
 
     def observe_step(self, transport: str, seconds: float) -> None:
         """Record one per-step call's service time (``transport``: e.g. "ipc", "rest")."""

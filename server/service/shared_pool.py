@@ -55,6 +55,10 @@ ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None,
                      torch.Tensor | None, tuple[int, int]]
 
 
+# What `SharedPool.repair` compares and rewrites, as it names them.
+SHARED_STATE = ("block_table", "protected", "fence_words")
+
+
 class WorkerShare(NamedTuple):
     """What a registration maps and what the service keeps of it: the worker's staging buffers
     and fence words' views (one per shard), its attachment, its step fence, and the slot its
@@ -202,8 +206,8 @@ class SharedPool:
         of cached blocks from the prefix cache's flags, every shard's fence words from
         ``open_words`` (slot -> the session open in it; every other word closed). Any process of
         the service's user can open those segments read-write; the host state is out of its
-        reach. Returns the entries that differed and were rewritten, by what. The caller has
-        drained the cache's protection flips (`StepPipeline.sync_cache`)."""
+        reach. Returns the entries that differed and were rewritten, by what (`SHARED_STATE`).
+        The caller has drained the cache's protection flips (`StepPipeline.sync_cache`)."""
         table = self.manager.table
         repaired = {"block_table": sum(_rewrite(copy, table.host) for copy in table.device_tables)}
         cache = self.manager.cache
