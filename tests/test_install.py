@@ -18,7 +18,9 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def make_dry_run(tmp_path: Path, *variables: str, target: str = "run") -> str:
     """The commands `make target` would run, its venv built in ``tmp_path`` (nothing is run)."""
-    r = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", *variables, target],
+    # Run under `make test` too: a nested make would print its directory changes.
+    r = subprocess.run(["make", "-n", "--no-print-directory", f"VENV={tmp_path / 'venv'}",
+                        *variables, target],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     return r.stdout
 

@@ -99,7 +99,7 @@ def test_a_saved_checkpoint_loads_with_the_same_weights(tmp_path: Path) -> None:
 
 
 def test_model_loading_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="cannot load"):
+    with pytest.raises(ModelLoadError, match="missing does not exist"):
         load_model(str(tmp_path / "missing"))
     bad_family = tmp_path / "gpt2.json"
     bad_family.write_text(json.dumps({"model_type": "gpt2"}))
