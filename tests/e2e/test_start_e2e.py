@@ -28,12 +28,15 @@ COMPILE_TIMEOUT_S = 300.0  # compiling every loop from nothing, at start, on a l
 STOP_TIMEOUT_S = COMPILE_TIMEOUT_S
 
 
-def owned_by(pid: int) -> list[Path]:
-    """The owner files of the shared-memory exporters process ``pid`` created."""
+def owned_by(pid: int, since: float = 0.0) -> list[Path]:
+    """The owner files of the shared-memory exporters process ``pid`` created (written at or
+    after ``since``, a `time.time()`: a killed process of an earlier test may have left one
+    under a pid the system has since given to this one)."""
     owners = []
     for owner in SHM_DIR.glob(f"kvalloc-*{OWNER_SUFFIX}"):
         try:
-            if owner.read_text().startswith(f"pid {pid} "):
+            if (owner.read_text().startswith(f"pid {pid} ")
+                    and owner.stat().st_mtime >= since):
                 owners.append(owner)
         except OSError:  # removed meanwhile
             pass
@@ -50,12 +53,13 @@ def test_a_stop_signal_during_the_first_start_stops_it(tmp_path: Path, signum: i
            "--ipc", f"stream://{tmp_path / 'kvalloc.stream'}", *SMALL_POOL]
     log_path = tmp_path / "serve.log"
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    spawned = time.time() - 1.0  # the file system's clock may round down
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env})
     try:
         deadline = time.monotonic() + COMPILE_TIMEOUT_S
-        while not (owners := owned_by(proc.pid)):
+        while not (owners := owned_by(proc.pid, spawned)):
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.02)
         proc.send_signal(signum)
@@ -72,7 +76,7 @@ def test_a_stop_signal_during_the_first_start_stops_it(tmp_path: Path, signum: i
     for owner in owners:
         prefix = owner.name.removesuffix(OWNER_SUFFIX)
         assert not list(SHM_DIR.glob(f"{prefix}[-.]*")), prefix
-    assert owned_by(proc.pid) == []
+    assert owned_by(proc.pid, spawned) == []
 
 
 def test_a_first_start_slower_than_the_lease_logs_no_error_and_serves(tmp_path: Path) -> None:
