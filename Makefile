@@ -18,7 +18,14 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 DEV_EXTRAS := dev,worker
 
-.PHONY: run test test-fast test-deps lint bench clean
+# Real routers for the KV event tests: NVIDIA Dynamo's standalone indexer in a venv of its own
+# (it pins its own pydantic), and vLLM's event classes as its release ships them, taken from the
+# wheel without vLLM's dependencies.
+DYNAMO_VERSION := 1.6.1
+VLLM_VERSION := 0.34.0
+ROUTERS_STAMP := $(VENV)/.routers-$(DYNAMO_VERSION)-$(VLLM_VERSION)
+
+.PHONY: run test test-fast test-deps routers lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -29,6 +36,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c $(CONSTRAINT) -e '.[$(DEV_EXTRAS)]'
 	touch $@
+
+$(ROUTERS_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(VENV)/dynamo
+	$(VENV)/dynamo/bin/python -m pip install -q ai-dynamo-runtime==$(DYNAMO_VERSION)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(VENV)/wheels vllm==$(VLLM_VERSION)
+	$(PY) -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2], \
+		["vllm/distributed/kv_events.py", "vllm/v1/core/kv_cache_utils.py"])' \
+		$(VENV)/wheels/vllm-$(VLLM_VERSION)-*.whl $(VENV)/vllm-events
+	rm -f $(VENV)/wheels/vllm-$(VLLM_VERSION)-*.whl
+	touch $@
+
+routers: $(ROUTERS_STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/kvalloc serve
@@ -45,12 +64,12 @@ test-deps:
 		echo "      Install them (Debian/Ubuntu: sudo apt-get install prometheus) to run them."; \
 	fi
 
-test: $(DEV_STAMP) test-deps
+test: $(DEV_STAMP) $(ROUTERS_STAMP) test-deps
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # The same without tests/e2e/ (real service, Prometheus and worker processes): for the edit loop.
-test-fast: $(DEV_STAMP)
+test-fast: $(DEV_STAMP) $(ROUTERS_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --ignore=tests/e2e
 

@@ -8,7 +8,11 @@ from kvalloc.allocator.capacity.kv_events import (
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
+    NamespacedEvent,
+    WireShape,
+    encode_batch,
     external_hash,
+    namespace_digest,
 )
 from kvalloc.allocator.capacity.manager import KVCacheManager
 from kvalloc.allocator.capacity.prefix_cache import Prompt, block_hashes
@@ -98,6 +102,7 @@ __all__ = [
     "KVDType",
     "KVEventBatch",
     "KVStorage",
+    "NamespacedEvent",
     "NoPendingGrant",
     "NworError",
     "NworInputError",
@@ -122,6 +127,7 @@ __all__ = [
     "WindowLayout",
     "WindowStateError",
     "WindowStats",
+    "WireShape",
     "WriterFence",
     "accept",
     "acceptance_mask",
@@ -129,8 +135,10 @@ __all__ = [
     "checked_plan",
     "commit_packed",
     "compiled_type",
+    "encode_batch",
     "external_hash",
     "merge_attention",
+    "namespace_digest",
     "padded_slot_mapping",
     "paged_attention",
     "plain_tensor",

@@ -12,8 +12,8 @@ one step ahead (``kvalloc loadgen --overlap``: registered as overlap workers, re
 late) beside the synchronous ones. By default the service caches prompt prefixes
 and publishes KV events, and every worker sends its prompts' token ids (a system prompt of
 ``SHARED_PREFIX`` tokens, then its own): the cache's refcounts, parking and eviction, and the
-event publisher's thread and buffer, are what a soak must watch too. A subscriber holding the
-service token reads the events for the whole run (`server.devtools.event_subscriber`), replaying
+event publisher's thread and buffer, are what a soak must watch too. A subscriber running as the
+service's user reads the events for the whole run (`server.devtools.event_subscriber`), replaying
 any gap, and catches up at the end.
 
 A healthy run ends with no errors, no request left and no block leaked (every block still off
@@ -92,13 +92,13 @@ class EventWatch(threading.Thread):
     """Reads the service's KV events until stopped, then catches up with the last batches. The
     subscriber lives on this thread alone (ZeroMQ sockets are not thread-safe)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, token: str,
+    def __init__(self, endpoint: str, replay_endpoint: str, seed_secret: str,
                  worker_ids: list[str]) -> None:
         super().__init__(name="soak-events", daemon=True)
-        self.endpoint, self.replay_endpoint, self.token = endpoint, replay_endpoint, token
-        # The service keys block hashes with KVALLOC_HASH_SEED, else with the token; no worker
-        # is grouped, so each caches under its own salt.
-        self.seed = hash_seed(os.environ.get("KVALLOC_HASH_SEED") or token)
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        # The service keys block hashes with KVALLOC_HASH_SEED; no worker is grouped, so each
+        # caches under its own salt.
+        self.seed = hash_seed(seed_secret)
         self.salts = [worker_salt(worker_id, {}) for worker_id in worker_ids]
         self.subscriber: KVEventSubscriber | None = None
         self.caught_up = 0
@@ -109,7 +109,7 @@ class EventWatch(threading.Thread):
     def run(self) -> None:
         try:
             sub = self.subscriber = KVEventSubscriber(
-                self.endpoint, self.replay_endpoint, token=self.token, seed=self.seed,
+                self.endpoint, self.replay_endpoint, seed=self.seed,
                 salts=self.salts)
             try:
                 sub.wait_connected(HANDSHAKE_S)
@@ -195,12 +195,15 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
     # A token of its own: nothing is written outside ``workdir`` (a generated one would leave
     # its TCP endpoint's token file in the runtime directory), and the subscriber needs it.
     token = secrets.token_urlsafe(32)
+    # The events are a Unix-socket stream (this user's alone): the subscriber needs no key, only
+    # the hash seed to check the hashes of the blocks it reads.
+    seed = secrets.token_urlsafe(32)
     events = (f"ipc://{workdir / 'events.ipc'}", f"ipc://{workdir / 'replay.ipc'}")
     cache_args = ("--kv-events", events[0], "--kv-events-replay", events[1])
     with ServiceProcess(workdir, *POOL, *(cache_args if prefix_caching else ()),
-                        env={"KVALLOC_TOKEN": token}) as svc:
+                        env={"KVALLOC_TOKEN": token, "KVALLOC_HASH_SEED": seed}) as svc:
         assert svc.proc is not None
-        watch = (EventWatch(*events, token, [*worker_ids(workers), CHURN_ID])
+        watch = (EventWatch(*events, seed, [*worker_ids(workers), CHURN_ID])
                  if prefix_caching else None)
         if watch is not None:  # connected through both figures, so they count its sockets
             watch.start()

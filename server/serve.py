@@ -36,7 +36,7 @@ from typing import get_args
 
 import torch
 import uvicorn
-from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy
+from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy, WireShape
 from kvalloc.allocator.commands.arguments import argument_type
 from kvalloc.allocator.commands.config_errors import flag_errors
 from kvalloc.server.contract.addresses import (
@@ -61,13 +61,16 @@ from kvalloc.server.contract.errors import (
 )
 from kvalloc.server.contract.sharing import SHM_DIR, SHM_DIR_ENV, reap_dead_instances
 from kvalloc.server.service.core import ServiceCore
+from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.footprint import Footprint, check_fits, describe_bytes
 from kvalloc.server.service.ranks import RankedService, rank_configs
 from kvalloc.server.service.settings import (
     DEFAULT_NUM_BLOCKS,
+    EVENTS_SECRET_ENV,
+    HASH_SEED_ENV,
     ServiceConfig,
     default_pool,
-    hash_seed_from_env,
+    secret_from_env,
     token_from_env,
 )
 from kvalloc.server.service.shards import check_devices, same_device
@@ -186,10 +189,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefix-caching", action="store_true",
                        help="share the cached full blocks of prompts sent with token ids")
     cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
-                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint, "
-                            "to holders of the token (CURVE); turns prefix caching on")
+                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
+                            "'ipc:///DIR/events-{worker}': one stream per worker; turns prefix "
+                            "caching on")
     cache.add_argument("--kv-events-replay", type=argument_type(server_endpoint),
                        metavar="ENDPOINT", help="serve KV event replays on this ZeroMQ endpoint")
+    cache.add_argument("--kv-events-shape", choices=[s.value for s in WireShape],
+                       default=WireShape.MAPS.value,
+                       help="maps: vLLM after 0.23 (default); arrays: vLLM 0.23 and earlier")
+    cache.add_argument("--kv-events-group", metavar="GROUP",
+                       help="event socket files 0660 owned by GROUP (default 0600: this user)")
+    cache.add_argument("--kv-events-plaintext", action="store_true",
+                       help="serve TCP event streams without KVALLOC_EVENTS_SECRET: whoever "
+                            "reaches them reads every prompt's token ids")
     cache.add_argument("--cache-group", action="append", type=_cache_group, default=[],
                        metavar="NAME=ID[,ID...]",
                        help="these workers share one prefix-cache namespace (repeatable); every "
@@ -226,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _config(args)
-        rank_configs(config)
+        _check_event_access(config)
         _check_socket_directories(args)
     except ValidationError as exc:
         print(f"kvalloc serve: error: {flag_errors(exc)}", file=sys.stderr)
@@ -240,7 +252,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         token = _token(args, config.token)
-        config = _with_secrets(config, token)
         limits = _limits(args)
     except (InsecureBinding, LimitsError) as exc:
         log.error("%s", exc)
@@ -265,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
         _ignore_stops()
         log.info("stopping on %s before serving", stop)
         return 0
-    except InsufficientMemory as exc:  # the start check promised no memory: taken since?
-        log.error("%s", exc)
+    except (InsufficientMemory, AddressError) as exc:  # memory taken since the check, an
+        log.error("%s", exc)                            # event endpoint in use
         return 2
     sockets: list[socket.socket] = []
     picked: list[Path] = []  # token files of ports the OS picked: removed at the stop
@@ -277,9 +288,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(core, token=token, metrics=_metrics(core), limits=limits)
         endpoints = ipc.start()
         if token is not None and config.token is None:  # generated: for our own user's clients
-            written = write_token_files(token.get_secret_value(),
-                                        [*rest, *endpoints, *_event_endpoints(core)])
-            picked = picked_port_files(written, _requested(args, config))
+            written = write_token_files(token.get_secret_value(), [*rest, *endpoints])
+            picked = picked_port_files(written, _addresses(args))
         reaper.start()
         _log_start(config, core, rest, endpoints, need, token)
         server = uvicorn.Server(uvicorn.Config(
@@ -392,7 +402,12 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
                          prefix_caching=args.prefix_caching or args.kv_events is not None,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-                         hash_seed=hash_seed_from_env(), cache_groups=_groups(args.cache_group),
+                         kv_events_shape=args.kv_events_shape,
+                         kv_events_secret=secret_from_env(EVENTS_SECRET_ENV),
+                         kv_events_plaintext=args.kv_events_plaintext,
+                         kv_events_group=args.kv_events_group,
+                         hash_seed=secret_from_env(HASH_SEED_ENV),
+                         cache_groups=_groups(args.cache_group),
                          devices=devices, tensor_parallel=args.tensor_parallel,
                          data_parallel_rank=args.data_parallel_rank, **service)
 
@@ -414,22 +429,6 @@ def _groups(groups: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
     for name, ids in groups:
         merged.setdefault(name, []).extend(ids)
     return merged
-
-
-def _with_secrets(config: ServiceConfig, token: SecretStr | None) -> ServiceConfig:
-    """KV events take the token both transports require; the block hashes are keyed with
-    ``KVALLOC_HASH_SEED``, else with the token too (a router given it computes them)."""
-    return config.model_copy(update={
-        "kv_events_token": token if config.kv_events is not None else None,
-        "hash_seed": config.hash_seed or token})
-
-
-def _event_endpoints(core: ServiceCore | RankedService) -> list[str]:
-    """The bound KV event endpoints (every rank's): their token files let this user's routers
-    find the key."""
-    ranks = core.ranks if isinstance(core, RankedService) else [core]
-    return [e for rank in ranks if rank.kv_events is not None
-            for e in (rank.kv_events.endpoint, rank.kv_events.replay_endpoint) if e is not None]
 
 
 def _shm_dir_problem() -> str | None:
@@ -479,11 +478,23 @@ def _addresses(args: argparse.Namespace) -> list[str]:
     return [*uds, *(args.ipc or default_ipc_endpoints()), *tcp]
 
 
-def _requested(args: argparse.Namespace, config: ServiceConfig) -> list[str]:
-    """Every endpoint as the command line asked for it, KV event endpoints of each rank too."""
-    events = [e for rank in rank_configs(config)
-              for e in (rank.kv_events, rank.kv_events_replay) if e is not None]
-    return [*_addresses(args), *events]
+def _check_event_access(config: ServiceConfig) -> None:
+    """Every rank's event endpoints can be protected (`EventAccess.check`); plain TCP streams
+    are logged loudly."""
+    access = EventAccess(secret=config.kv_events_secret, plaintext=config.kv_events_plaintext,
+                         group=config.kv_events_group)
+    for rank in rank_configs(config):
+        for flag, endpoint in [("--kv-events", rank.kv_events),
+                               ("--kv-events-replay", rank.kv_events_replay)]:
+            if endpoint is not None:
+                access.check(endpoint, flag)
+                path = ipc_path(endpoint)
+                if path is not None:
+                    require_directory(path)
+                if endpoint.startswith("tcp://") and access.secret is None:
+                    log.warning("INSECURE: --kv-events-plaintext: anyone who reaches %s reads "
+                                "the token ids of every cached prompt; keep it behind a network "
+                                "policy that admits the routers alone", endpoint)
 
 
 def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:
@@ -496,7 +507,7 @@ def _token_note(configured: SecretStr | None, token: SecretStr | None) -> str:
 def _exposed(args: argparse.Namespace) -> list[str]:
     """The TCP endpoints that listen beyond loopback."""
     hosts = [] if args.no_tcp else [(f"http://{args.host}:{args.port}", args.host)]
-    for address in [*(args.ipc or []), args.kv_events, args.kv_events_replay]:
+    for address in args.ipc or []:
         if address is not None and address.startswith("tcp://"):
             hosts.append((address, address.removeprefix("tcp://").rpartition(":")[0]))
     return [address for address, host in hosts if not _is_loopback(host)]

@@ -1,22 +1,47 @@
-"""KV-cache events in the wire shape vLLM publishes, so KV-aware routers read them unchanged.
+"""KV-cache events in the wire shapes vLLM publishes, so KV-aware routers read them unchanged.
 
-Each message is a msgpack ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank]`` with every
-struct encoded as an array, and each event tagged by its class name (msgspec ``tag=True``):
-``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
-``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``. Block hashes go out as
-unsigned 64-bit integers (the first 8 bytes of kvalloc's 128-bit block hash), the form vLLM sends
-by default.
+Each message is a msgpack ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank]`` (an array,
+as in every vLLM release). The events come in one of two shapes (`WireShape`):
+
+- ``maps`` (the default; vLLM releases after 0.23): each event a map tagged ``"type"``, with
+  every field today's decoder requires: ``{"type": "BlockStored", "block_hashes", ...,
+  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}``;
+- ``arrays`` (vLLM 0.23 and earlier): each event an array whose first item is its class name:
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
+
+Block hashes go out as unsigned 64-bit integers (the first 8 bytes of kvalloc's 128-bit block
+hash, `external_hash`), the form vLLM sends when asked for integers. ``extra_keys`` carries, for
+each block, its namespace's digest (`namespace_digest`) where vLLM puts a request's
+``cache_salt``; ``medium`` the tier the block is in (``GPU`` or ``CPU``).
+
+Inside the service an event travels with the namespace it belongs to (`NamespacedEvent`), so each
+engine's stream carries exactly the blocks that engine can hit.
 """
 
 from __future__ import annotations
 
+import hashlib
+from enum import Enum
+from typing import Any, NamedTuple
+
 import msgspec
 
-MEDIUM = "GPU"
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+# vLLM's name for a group of layers that all attend over the whole sequence.
+FULL_ATTENTION = "full_attention"
+# kvalloc keeps one group of layers (vLLM's KV cache group 0).
+GROUP_INDEX = 0
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three events (the tag is the class name)."""
+def medium_of(device_type: str) -> str:
+    """The ``medium`` of blocks in a pool on a device of this type."""
+    return MEDIUM_CPU if device_type == "cpu" else MEDIUM_GPU
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events (the tag, under ``"type"``, is the class name)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -26,11 +51,17 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    # One entry per block: the tuple its hash covers beyond the tokens (here its namespace).
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -43,6 +74,65 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+class _ArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """The shape of vLLM 0.23 and earlier: positional, the class name first."""
+
+
+def _positional(event: type[KVCacheEvent], fields: int) -> type[_ArrayEvent]:
+    """``event`` as vLLM 0.23 sent it: its first ``fields`` fields, in order."""
+    names = list(event.__struct_fields__[:fields])
+    return msgspec.defstruct(event.__name__, [(n, event.__annotations__[n]) for n in names],
+                             bases=(_ArrayEvent,), tag=event.__name__)
+
+
+# Everything before lora_name (BlockStored) or group_idx (BlockRemoved) is what 0.23 sent.
+_ArrayBlockStored = _positional(BlockStored, 6)
+_ArrayBlockRemoved = _positional(BlockRemoved, 2)
+_ArrayAllBlocksCleared = _positional(AllBlocksCleared, 0)
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class WireShape(str, Enum):
+    MAPS = "maps"
+    ARRAYS = "arrays"
+
+
+def _as_array(event: KVCacheEvent) -> _ArrayEvent:
+    if isinstance(event, BlockStored):
+        return _ArrayBlockStored(event.block_hashes, event.parent_block_hash, event.token_ids,
+                                 event.block_size, event.lora_id, event.medium)
+    if isinstance(event, BlockRemoved):
+        return _ArrayBlockRemoved(event.block_hashes, event.medium)
+    return _ArrayAllBlocksCleared()
+
+
+def encode_batch(encoder: msgspec.msgpack.Encoder, ts: float, events: list[KVCacheEvent],
+                 rank: int | None, shape: WireShape = WireShape.MAPS) -> bytes:
+    """One batch's msgpack payload in ``shape``."""
+    if shape is WireShape.ARRAYS:
+        return encoder.encode(_ArrayBatch(ts, [_as_array(e) for e in events], rank))
+    return encoder.encode(KVEventBatch(ts, events, rank))
+
+
+class NamespacedEvent(NamedTuple):
+    """An event and the namespace (prefix-cache salt) of its blocks; ``None``: every namespace
+    (`AllBlocksCleared`)."""
+
+    namespace: bytes | None
+    event: KVCacheEvent
+
+
 def external_hash(block_hash: bytes) -> int:
     """The integer a router sees for one of kvalloc's block hashes."""
     return int.from_bytes(block_hash[:8], "big")
+
+
+def namespace_digest(namespace: bytes) -> str:
+    """What the events say of a namespace: 16 hex digits that tell namespaces apart without
+    naming the worker or group behind them."""
+    return hashlib.blake2b(namespace, digest_size=8, person=b"kvalloc-ns").hexdigest()

@@ -43,7 +43,7 @@ import torch
 from kvalloc.allocator.capacity.accounting import blocks_for, lag2_slack
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.block_table import BlockTable
-from kvalloc.allocator.capacity.kv_events import KVCacheEvent
+from kvalloc.allocator.capacity.kv_events import NamespacedEvent, medium_of
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
 from kvalloc.allocator.capacity.slots import run_slots
@@ -103,7 +103,8 @@ class KVCacheManager(RequestApi):
         chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
         self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
                                   record_events=kv_events,
-                                  track_protection=register_when_written)
+                                  track_protection=register_when_written,
+                                  medium=medium_of(self.device.type))
                       if prefix_caching else None)
         self.register_when_written = register_when_written
         # The per-request API's ids; rows a batched step admits have none.
@@ -201,7 +202,7 @@ class KVCacheManager(RequestApi):
         return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
                          self.cache_key, salt=salt, seed=self.hash_seed)
 
-    def drain_kv_events(self) -> list[KVCacheEvent]:
+    def drain_kv_events(self) -> list[NamespacedEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""
         return self.cache.drain_events() if self.cache is not None else []
 

@@ -27,7 +27,12 @@ commit runs after the next step, or may drop a finished request's last tokens). 
 are write-protected (``protected``, for `DeferredWriteManager.protect`) until evicted;
 ``drain_protection`` gives the flips since the last drain, for a device copy.
 
-Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps; every row's
+Events (``record_events``): a `BlockStored` when blocks register, a `BlockRemoved` when they are
+evicted, each with the namespace it concerns; ``stored_events`` rebuilds what a new subscriber of
+one namespace must learn from ``origin``.
+
+Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps, ``origin`` has
+the keys of ``hash_of``; every row's
 first ``cached`` columns are registered blocks whose hashes are the row's prompt hashes in order;
 every registered block is owned (in some row's cached columns) or parked, never on the free
 stack; a block with more than one owner is registered.
@@ -42,11 +47,14 @@ from typing import NamedTuple
 import numpy as np
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.kv_events import (
-    MEDIUM,
+    FULL_ATTENTION,
+    GROUP_INDEX,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
+    NamespacedEvent,
+    namespace_digest,
 )
 from kvalloc.allocator.capacity.kv_events import external_hash as external
 from kvalloc.allocator.capacity.state import RowState
@@ -83,17 +91,28 @@ def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt's token ids and the hashes of its full blocks. Build it when the request
-    arrives (``of``) to keep the hashing out of the step that admits it."""
+    """A prompt's token ids, the hashes of its full blocks and the namespace (salt) they were
+    hashed under. Build it when the request arrives (``of``) to keep the hashing out of the step
+    that admits it."""
 
     tokens: np.ndarray
     hashes: list[bytes]
+    namespace: bytes = b""
 
     @classmethod
     def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"", *,
            salt: bytes = b"", seed: bytes = b"") -> Prompt:
         return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key, salt=salt,
-                                        seed=seed))
+                                        seed=seed), salt)
+
+
+class Origin(NamedTuple):
+    """What a registered block's `BlockStored` said: its namespace, its parent's hash (None at
+    the root) and its token ids."""
+
+    namespace: bytes
+    parent: bytes | None
+    tokens: np.ndarray
 
 
 class CacheChanges(NamedTuple):
@@ -101,14 +120,15 @@ class CacheChanges(NamedTuple):
 
     blocks: np.ndarray  # int64: blocks whose write protection flipped
     protected: np.ndarray  # bool, one per block: its protection now
-    events: list[KVCacheEvent]  # oldest first
+    events: list[NamespacedEvent]  # oldest first
 
 
 class PrefixCache:
     def __init__(self, num_blocks: int, tokens_per_block: int, *,
-                 record_events: bool = False, track_protection: bool = False) -> None:
+                 record_events: bool = False, track_protection: bool = False,
+                 medium: str = MEDIUM_GPU) -> None:
         """``track_protection``: keep the protection flips for ``drain_protection`` (whoever
-        asks for them must drain them, or they pile up)."""
+        asks for them must drain them, or they pile up); ``medium``: the tier the events name."""
         self.tokens_per_block = tokens_per_block
         self.protected = np.zeros(num_blocks, dtype=bool)  # exactly the registered blocks
         self.track_protection = track_protection
@@ -116,10 +136,13 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.prompts: dict[int, Prompt] = {}  # rows admitted with token ids
+        self.origin: dict[int, Origin] = {}  # registered blocks, in the order they registered
         self.record_events = record_events
-        self.events: list[KVCacheEvent] = [AllBlocksCleared()] if record_events else []
+        self.medium = medium
+        self.events: list[NamespacedEvent] = (
+            [NamespacedEvent(None, AllBlocksCleared())] if record_events else [])
 
-    def drain_events(self) -> list[KVCacheEvent]:
+    def drain_events(self) -> list[NamespacedEvent]:
         """The events since the last drain, oldest first."""
         events, self.events = self.events, []
         return events
@@ -144,13 +167,23 @@ class PrefixCache:
         """Evicted blocks' content is gone: drop their hashes."""
         blocks = evicted.tolist()
         removed = [self.hash_of.pop(block) for block in blocks]
+        namespaces = [self.origin.pop(block).namespace for block in blocks]
         self.protected[blocks] = False
         if self.track_protection:
             self._flipped.extend(blocks)
         for block_hash in removed:
             del self.block_of[block_hash]
         if self.record_events and removed:
-            self.events.append(BlockRemoved([external(h) for h in removed], MEDIUM))
+            self._record_removed(removed, namespaces)
+
+    def _record_removed(self, removed: list[bytes], namespaces: list[bytes]) -> None:
+        """One `BlockRemoved` per namespace, its blocks in eviction order."""
+        by_namespace: dict[bytes, list[int]] = {}
+        for block_hash, namespace in zip(removed, namespaces, strict=True):
+            by_namespace.setdefault(namespace, []).append(external(block_hash))
+        for namespace, hashes in by_namespace.items():
+            self.events.append(NamespacedEvent(namespace, BlockRemoved(
+                hashes, self.medium, GROUP_INDEX)))
 
     def register(self, row: int, rows: RowState, host: np.ndarray,
                  written: int | None = None) -> None:
@@ -171,16 +204,42 @@ class PrefixCache:
         blocks = host[row, first : first + n].tolist()
         self.block_of.update(zip(stored, blocks, strict=True))
         self.hash_of.update(zip(blocks, stored, strict=True))
+        chain = [prompt.hashes[first - 1] if first else None, *stored]
+        for i, block in enumerate(blocks):
+            start = (first + i) * tpb
+            self.origin[block] = Origin(prompt.namespace, chain[i],
+                                        prompt.tokens[start : start + tpb])
         self.protected[blocks] = True
         if self.track_protection:
             self._flipped.extend(blocks)
         rows.cached[row] = first + len(stored)
         if self.record_events and stored:
-            parent = prompt.hashes[first - 1] if first else None
-            self.events.append(BlockStored(
-                [external(h) for h in stored], None if parent is None else external(parent),
-                prompt.tokens[first * tpb : (first + len(stored)) * tpb].tolist(), tpb, None,
-                MEDIUM))
+            self.events.append(NamespacedEvent(prompt.namespace, self._stored(
+                stored, chain[0], prompt.tokens[first * tpb : (first + len(stored)) * tpb],
+                prompt.namespace)))
+
+    def _stored(self, hashes: list[bytes], parent: bytes | None, tokens: np.ndarray,
+                namespace: bytes) -> BlockStored:
+        digest = (namespace_digest(namespace),)
+        return BlockStored([external(h) for h in hashes],
+                           None if parent is None else external(parent), tokens.tolist(),
+                           self.tokens_per_block, None, self.medium, None,
+                           [digest] * len(hashes), GROUP_INDEX, FULL_ATTENTION)
+
+    def stored_events(self, namespace: bytes) -> list[BlockStored]:
+        """A `BlockStored` for every block of ``namespace`` that can serve a hit (its chain back
+        to the root registered), parents first: what a new subscriber of that namespace must
+        learn to hold what the live events since would have told it."""
+        reachable: set[bytes] = set()
+        events = []
+        for block, origin in self.origin.items():
+            if origin.namespace != namespace or (origin.parent is not None
+                                                 and origin.parent not in reachable):
+                continue
+            block_hash = self.hash_of[block]
+            reachable.add(block_hash)
+            events.append(self._stored([block_hash], origin.parent, origin.tokens, namespace))
+        return events
 
     def drain_protection(self) -> tuple[np.ndarray, np.ndarray]:
         """Blocks whose protection changed since the last drain, and their protection now."""
@@ -197,6 +256,9 @@ class PrefixCache:
         if len(self.block_of) != len(self.hash_of) or any(
                 self.block_of.get(h) != b for b, h in self.hash_of.items()):
             raise InvariantViolation("the hash-to-block and block-to-hash maps disagree")
+        if self.origin.keys() != self.hash_of.keys():
+            raise InvariantViolation("the registered blocks' origins are not exactly the "
+                                     "registered blocks")
         in_rows = np.zeros(pool.num_blocks, dtype=bool)
         for row in np.flatnonzero(rows.live).tolist():
             cached = int(rows.cached[row])

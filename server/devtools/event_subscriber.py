@@ -1,9 +1,9 @@
 """`KVEventSubscriber`: a service's KV events read as a KV-aware router reads them, for the soak
 and for whoever wants to watch a running service's prefix cache.
 
-It subscribes with the CURVE keys derived from the service token
+It subscribes plain (a Unix-socket stream) or with the CURVE keys derived from the events secret
 (`server.contract.routing.authenticate_subscriber`), applies each ``KVEventBatch`` in sequence
-order, and fills a gap in the sequence from the replay socket (`server.service.event_publisher`
+order, and fills a gap in the sequence from the replay socket (`server.service.events.stream`
 says how replays are asked for, answered and refused). It keeps the set of cached block hashes
 and counts what it saw: batches, gaps, batches replayed, replay refusals, batches lost (neither
 received nor replayable any more) and anomalies (events that contradict the view: a removal of a
@@ -37,7 +37,7 @@ from kvalloc.allocator import (
 )
 from kvalloc.server.contract.errors import HandshakeFailed
 from kvalloc.server.contract.routing import authenticate_subscriber
-from kvalloc.server.service.event_publisher import (
+from kvalloc.server.service.events.stream import (
     DEFAULT_REPLAY_RATE,
     DEFAULT_TOPIC,
     END_OF_REPLAY,
@@ -80,7 +80,7 @@ class KVEventSubscriber:
                  replay_timeout_s: float = 10.0, seed: bytes | None = None,
                  salts: Iterable[bytes] = ()) -> None:
         """Connect to ``endpoint`` (the PUB socket) and ``replay_endpoint`` (none: gaps are
-        counted as lost); ``token``: the service token (none: a publisher without one).
+        counted as lost); ``token``: the events secret (none: a plain stream).
         ``replay_timeout_s`` bounds one replay, retries after refusals included. ``seed`` (the
         service's `server.contract.routing.hash_seed`) and ``salts`` (every namespace that may
         store blocks): check the hashes of blocks stored from a root (none: no check)."""
@@ -125,7 +125,7 @@ class KVEventSubscriber:
                 event = recv_monitor_message(monitor)["event"]
                 if event & HANDSHAKE_REFUSED:
                     raise HandshakeFailed("the KV event sockets refused the handshake: the "
-                                          "subscriber needs the service's token")
+                                          "subscriber needs the events secret")
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     break
 

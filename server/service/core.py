@@ -47,7 +47,9 @@ from kvalloc.server.contract.errors import (
 )
 from kvalloc.server.contract.routing import SEED_BYTES, hash_seed, worker_salt
 from kvalloc.server.contract.sharing import dtype_name
-from kvalloc.server.service.event_publisher import KVEventPublisher
+from kvalloc.server.service.events.access import EventAccess
+from kvalloc.server.service.events.stream import StreamFormat
+from kvalloc.server.service.events.streams import EventStreams
 from kvalloc.server.service.pipeline import StepPipeline
 from kvalloc.server.service.registry import Worker, WorkerRegistry
 from kvalloc.server.service.settings import ServiceConfig
@@ -130,12 +132,9 @@ class ServiceCore:
         self.manager = self.pool.manager
         self.device = self.manager.device
         self.registry = WorkerRegistry(config.pool.max_batch_size, config.max_workers)
-        # KV events: the first batch (AllBlocksCleared) goes out now: a new epoch, an empty cache.
-        self.kv_events = (KVEventPublisher(config.kv_events,
-                                           replay_endpoint=config.kv_events_replay,
-                                           data_parallel_rank=config.data_parallel_rank,
-                                           token=config.kv_events_token)
-                          if config.kv_events is not None else None)
+        # KV events: a service stream's first batch (AllBlocksCleared) goes out now: a new epoch,
+        # an empty cache; a worker's stream opens when it registers.
+        self.kv_events = _event_streams(config, self.manager)
         self.pipeline = StepPipeline(self.manager, self.pool.commits, self.registry,
                                      max_step_tokens=config.max_step_tokens,
                                      publish=None if self.kv_events is None
@@ -185,6 +184,10 @@ class ServiceCore:
                 n = self._drop(replaced)
                 log.warning("worker %r registered again with replace: its previous session "
                             "ended, %d requests freed", req.worker_id, n)
+            if self.kv_events is not None:  # what was drained before goes to the others alone
+                self.pipeline.sync_cache()
+                self.kv_events.open_worker(req.worker_id,
+                                           worker_salt(req.worker_id, self.config.cache_groups))
             worker = self.registry.add(lambda session: _new_worker(
                 self.pool, req, session, self.clock(), self.config.cache_groups))
             self._observers.state_changed()
@@ -265,6 +268,8 @@ class ServiceCore:
         if rows.size:
             self.manager.step(StepPlan(finished_rows=rows))
         self.pool.release(worker)
+        if self.kv_events is not None:
+            self.kv_events.close_worker(worker.worker_id)
         return int(rows.size)
 
     # ------------------------------------------------------------------ the per-step call
@@ -408,6 +413,18 @@ def _manager(config: ServiceConfig, placement: TensorAllocator) -> KVCacheManage
     return KVCacheManager(config.pool, allocate=placement, prefix_caching=config.prefix_caching,
                           hash_seed=_hash_seed(config), kv_events=config.kv_events is not None,
                           register_when_written=True)
+
+
+def _event_streams(config: ServiceConfig, manager: KVCacheManager) -> EventStreams | None:
+    if config.kv_events is None:
+        return None
+    assert manager.cache is not None  # the configuration requires prefix caching with events
+    form = StreamFormat(shape=config.kv_events_shape,
+                        data_parallel_rank=config.data_parallel_rank)
+    access = EventAccess(secret=config.kv_events_secret, plaintext=config.kv_events_plaintext,
+                         group=config.kv_events_group)
+    return EventStreams(config.kv_events, config.kv_events_replay, form, access,
+                        manager.cache.stored_events)
 
 
 def _hash_seed(config: ServiceConfig) -> bytes:

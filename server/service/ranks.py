@@ -48,6 +48,7 @@ def rank_configs(config: ServiceConfig) -> list[ServiceConfig]:
     ranks = len(devices) // tp
     if ranks == 1:
         shard_specs(config)
+        _check_event_endpoints_apart([config])
         return [config]
     if config.data_parallel_rank is not None:
         raise ShardingInvalid(f"data_parallel_rank: names the one rank of a service; these "
@@ -59,7 +60,26 @@ def rank_configs(config: ServiceConfig) -> list[ServiceConfig]:
         "kv_events_replay": offset_endpoint(config.kv_events_replay, k)}) for k in range(ranks)]
     for rank_config in configs:
         shard_specs(rank_config)
+    _check_event_endpoints_apart(configs)
     return configs
+
+
+def _check_event_endpoints_apart(configs: list[ServiceConfig]) -> None:
+    """Each rank's event and replay endpoints are distinct from every other's: adjacent ports
+    for events and replay collide once ranks offset them."""
+    seen: dict[str, str] = {}
+    for config in configs:
+        for name, endpoint in [("kv_events", config.kv_events),
+                               ("kv_events_replay", config.kv_events_replay)]:
+            if endpoint is None or endpoint.endswith(":*"):
+                continue
+            who = f"rank {config.data_parallel_rank or 0}'s {name}"
+            if endpoint in seen:
+                raise ShardingInvalid(
+                    f"{name}: {who} and {seen[endpoint]} are both {endpoint}; each rank adds "
+                    f"its rank to a TCP port, so keep the event and replay ports at least "
+                    f"{len(configs)} apart")
+            seen[endpoint] = who
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 
-from kvalloc.allocator import PoolConfig
+from kvalloc.allocator import PoolConfig, WireShape
 from kvalloc.server.contract.addresses import TOKEN_ENV
+from kvalloc.server.service.events.streams import WORKER_FIELD, per_worker
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 HASH_SEED_ENV = "KVALLOC_HASH_SEED"
+EVENTS_SECRET_ENV = "KVALLOC_EVENTS_SECRET"
 
 # Request handles carry a block-table row in their low 20 bits (see `server.service.registry`).
 MAX_ROWS = 1 << 20
@@ -30,9 +32,9 @@ def token_from_env() -> SecretStr | None:
     return SecretStr(value) if value else None
 
 
-def hash_seed_from_env() -> SecretStr | None:
-    """``KVALLOC_HASH_SEED`` when set and non-empty (a secret: never a flag)."""
-    value = os.environ.get(HASH_SEED_ENV, "")
+def secret_from_env(name: str) -> SecretStr | None:
+    """The environment variable ``name`` when set and non-empty (a secret: never a flag)."""
+    value = os.environ.get(name, "")
     return SecretStr(value) if value else None
 
 
@@ -66,13 +68,23 @@ class ServiceConfig(BaseModel):
                                    "every staged token, as an engine without NWOR does.")
     prefix_caching: bool = Field(default=False, description="Share the cached full blocks of "
                                                             "prompts sent with token ids.")
-    kv_events: str | None = Field(default=None, description="ZeroMQ endpoint to publish KV "
-                                                            "events on (vLLM's format).")
+    kv_events: str | None = Field(
+        default=None, description="ZeroMQ endpoint to publish KV events on (vLLM's format); "
+                                  "with {worker} in it, one stream per worker "
+                                  "(`server.service.events.streams`).")
     kv_events_replay: str | None = Field(default=None, description="ZeroMQ endpoint of the KV "
                                                                    "events replay socket.")
-    kv_events_token: SecretStr | None = Field(
-        default=None, description="Only subscribers holding it read KV events (CURVE keys from "
-                                  "it, `server.contract.routing`); none: whoever reaches them.")
+    kv_events_shape: WireShape = Field(
+        default=WireShape.MAPS, description="The events' wire shape: maps (vLLM after 0.23) or "
+                                            "arrays (vLLM 0.23 and earlier).")
+    kv_events_secret: SecretStr | None = Field(
+        default=None, description="Events-only secret: TCP streams admit subscribers holding it "
+                                  "alone (CURVE keys from it, `server.contract.routing`).")
+    kv_events_plaintext: bool = Field(
+        default=False, description="Serve TCP streams without a secret: whoever reaches them "
+                                   "reads every prompt's token ids.")
+    kv_events_group: str | None = Field(
+        default=None, description="Event socket files 0660 with this group; none: 0600.")
     hash_seed: SecretStr | None = Field(
         default=None, description="Secret the block hashes are keyed with "
                                   "(`server.contract.routing.hash_seed`); none: random per start.")
@@ -97,6 +109,15 @@ class ServiceConfig(BaseModel):
         if (self.kv_events is not None or self.kv_events_replay is not None) and not (
                 self.prefix_caching and self.kv_events is not None):
             raise ValueError("kv_events: KV events need prefix_caching and a kv_events endpoint")
+        if self.kv_events is None:
+            return self
+        if self.kv_events_replay is not None and (per_worker(self.kv_events)
+                                                  != per_worker(self.kv_events_replay)):
+            raise ValueError(f"kv_events_replay: {WORKER_FIELD} must be in both event endpoints "
+                             "or in neither")
+        if per_worker(self.kv_events) and not self.kv_events.startswith("ipc://"):
+            raise ValueError(f"kv_events: a stream per worker ({WORKER_FIELD}) needs an ipc:// "
+                             "endpoint; over TCP publish one stream per service")
         return self
 
     @model_validator(mode="after")

@@ -1,8 +1,9 @@
 """A KV event subscriber written from vLLM's published message shape alone (no kvalloc types):
-raw msgpack ``[ts, [event, ...], rank]``, each event an array tagged by its class name; three
-frames ``topic, seq (8 bytes big-endian), payload``; on a gap, a replay request ``[b"", start]``
+raw msgpack ``[ts, [event, ...], rank]``, each event a map tagged ``"type"`` (or, from a service
+run with ``--kv-events-shape arrays``, an array tagged by its class name first); three frames
+``topic, seq (8 bytes big-endian), payload``; on a gap, a replay request ``[b"", start]``
 answered by ``[b"", seq, payload]`` ... ``[b"", -1, b""]``. It keeps the set of cached block
-hashes. Given the service token it connects as kvalloc's docs say a router does: with the CURVE
+hashes. Given the events secret it connects as kvalloc's docs say a router does: with the CURVE
 keys derived from it (`server.contract.routing`); `handshake` tells how a connection's
 handshake ended, from ZeroMQ's own monitor events."""
 
@@ -33,17 +34,36 @@ def handshake(monitor: zmq.Socket, timeout_ms: int) -> int | None:
     return recv_monitor_message(monitor)["event"]
 
 
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _fields(event: dict | list) -> tuple[str, dict]:
+    """An event's tag and fields, from either wire shape."""
+    if isinstance(event, dict):
+        return event["type"], event
+    tag, *values = event
+    return tag, dict(zip(_ARRAY_FIELDS[tag], values, strict=True))
+
+
 class Subscriber:
     """Written from vLLM's message shape alone: no kvalloc types."""
 
     def __init__(self, context: zmq.Context, endpoint: str, replay_endpoint: str,
-                 token: str | None = None) -> None:
+                 token: str | None = None, medium: str = "CPU") -> None:
+        """``token``: the events secret (None: a plain socket)."""
         self.context = context
         self.endpoint = endpoint
         self.token = token
+        self.medium = medium
         self.replay = self._socket(zmq.DEALER)
         self.replay.connect(replay_endpoint)
         self.cached: set[int] = set()
+        self.token_ids: list[int] = []  # every token id a BlockStored carried
         self.last_seq = -1
         self.replayed = 0
         self.connect()
@@ -65,17 +85,19 @@ class Subscriber:
     def apply(self, payload: bytes) -> None:
         ts, events, *_ = msgspec.msgpack.decode(payload)
         assert isinstance(ts, float)
-        for tag, *fields in events:
+        for event in events:
+            tag, fields = _fields(event)
             if tag == "BlockStored":
-                hashes, parent, token_ids, block_size, lora_id, medium = fields
-                assert lora_id is None and medium == "GPU"
-                assert len(token_ids) == len(hashes) * block_size
+                hashes, parent, token_ids = (fields[k] for k in
+                                             ("block_hashes", "parent_block_hash", "token_ids"))
+                assert fields["lora_id"] is None and fields["medium"] == self.medium
+                assert len(token_ids) == len(hashes) * fields["block_size"]
                 assert parent is None or parent in self.cached
                 self.cached.update(hashes)
+                self.token_ids += token_ids
             elif tag == "BlockRemoved":
-                hashes, medium = fields
-                assert medium == "GPU"
-                self.cached.difference_update(hashes)
+                assert fields["medium"] == self.medium
+                self.cached.difference_update(fields["block_hashes"])
             else:
                 assert tag == "AllBlocksCleared"
                 self.cached.clear()

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvalloc.allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
-from kvalloc.allocator.capacity.kv_events import BlockRemoved, external_hash
+from kvalloc.allocator.capacity.kv_events import BlockRemoved, external_hash, namespace_digest
 from kvalloc.allocator.capacity.prefix_cache import block_hashes
 from kvalloc.allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 
@@ -148,23 +148,58 @@ def test_cache_changes_are_the_protection_flips_and_events_since_the_last_drain(
     what changed since the previous one, then nothing."""
     m = make_manager(kv_events=True, register_when_written=True)
     first = m.drain_cache_changes()
-    assert first.blocks.size == 0 and [type(e).__name__ for e in first.events] == [
+    assert first.blocks.size == 0 and [type(e.event).__name__ for e in first.events] == [
         "AllBlocksCleared"]
     row = m.add_request("a", 26, prompt_tokens=prompt(1))
     blocks = m.view(row).block_ids[:6]  # its full blocks
     m.mark_written(np.array([row]), np.array([26]))
     registered = m.drain_cache_changes()
     assert registered.blocks.tolist() == blocks.tolist() and registered.protected.all()
-    assert [type(e).__name__ for e in registered.events] == ["BlockStored"]
+    assert [type(e.event).__name__ for e in registered.events] == ["BlockStored"]
     m.free("a")
     assert m.used_blocks == m.pool.num_parked == 6  # parked blocks are not free
     m.add_request("b", 48)  # 12 blocks: the 10 free ones, then the prefix's last two evicted
     evicted = m.drain_cache_changes()
     assert sorted(evicted.blocks.tolist()) == sorted(blocks[4:].tolist())
     assert not evicted.protected.any()
-    assert [type(e).__name__ for e in evicted.events] == ["BlockRemoved"]
+    assert [type(e.event).__name__ for e in evicted.events] == ["BlockRemoved"]
     nothing = m.drain_cache_changes()
     assert nothing.blocks.size == nothing.protected.size == 0 and nothing.events == []
+    m.check_invariants()
+
+
+def test_events_name_their_namespace_and_a_namespaces_stored_blocks_rebuild_its_cache():
+    """Each event says whose blocks it concerns: one `BlockRemoved` per namespace when an
+    eviction spans several, and ``stored_events`` gives a new subscriber of a namespace exactly
+    the blocks of it that are registered, parents first, in the shape the live events have."""
+    m = make_manager(num_blocks=20, kv_events=True)
+    m.drain_kv_events()
+    for name, suffix in [(b"a", 1), (b"b", 2), (b"a", 3)]:
+        m.step(StepPlan(prompt_lens=[26], prompt_tokens=[m.prompt(prompt(suffix), name)]))
+    live = m.drain_kv_events()
+    assert [(n, type(e).__name__) for n, e in live] == [(b"a", "BlockStored"),
+                                                         (b"b", "BlockStored"),
+                                                         (b"a", "BlockStored")]
+    stored = {n: set() for n in (b"a", b"b")}
+    for namespace, stored_event in live:
+        assert stored_event.medium == "CPU"
+        assert stored_event.kv_cache_spec_kind == "full_attention"
+        digests = [(namespace_digest(namespace),)] * len(stored_event.block_hashes)
+        assert stored_event.extra_keys == digests
+        stored[namespace].update(stored_event.block_hashes)
+    for namespace, hashes in stored.items():
+        snapshot = m.cache.stored_events(namespace)
+        assert {h for e in snapshot for h in e.block_hashes} == hashes
+        seen: set[int] = set()
+        for block in snapshot:  # parents first
+            assert block.parent_block_hash is None or block.parent_block_hash in seen
+            seen.update(block.block_hashes)
+    m.step(StepPlan(finished_rows=m.live_rows))
+    m.clear_prefix_cache()
+    removed = m.drain_kv_events()
+    assert sorted(n for n, _ in removed) == [b"a", b"b"]
+    assert {n: set(e.block_hashes) for n, e in removed} == stored
+    assert m.cache.stored_events(b"a") == m.cache.stored_events(b"b") == []
     m.check_invariants()
 
 
@@ -236,7 +271,7 @@ class SharingMachine(RuleBasedStateMachine):
         # Cached before the step and not evicted by it. An evicted block may be reused and
         # registered again in the same step, even under its old hash: a full hit's last block,
         # recomputed into the evicted block that held it, gets the same content back.
-        evicted = {h for e in self.m.drain_kv_events() if isinstance(e, BlockRemoved)
+        evicted = {h for _, e in self.m.drain_kv_events() if isinstance(e, BlockRemoved)
                    for h in e.block_hashes}
         after = self.m.cache.hash_of
         self.protected = {b for b, h in before.items()

@@ -13,8 +13,9 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from event_stream import OneStream
 from kvalloc.allocator.capacity.kv_events import (
-    MEDIUM,
+    MEDIUM_CPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -26,8 +27,7 @@ from kvalloc.allocator.capacity.prefix_cache import block_hashes
 from kvalloc.server.contract.errors import HandshakeFailed
 from kvalloc.server.contract.routing import hash_seed, worker_salt
 from kvalloc.server.devtools.event_subscriber import KVEventSubscriber
-from kvalloc.server.service.event_publisher import END_OF_REPLAY, REPLAY_REFUSED, KVEventPublisher
-from pydantic import SecretStr
+from kvalloc.server.service.events.stream import END_OF_REPLAY, REPLAY_REFUSED
 
 TOKEN = "the-service-token"
 # A handshake or a batch on loopback takes about a millisecond; a loaded two-core machine may
@@ -37,12 +37,11 @@ TPB = 4
 
 
 def stored(hashes: list[int], parent: int | None = None) -> BlockStored:
-    return BlockStored(hashes, parent, list(range(len(hashes) * TPB)), TPB, None, MEDIUM)
+    return BlockStored(hashes, parent, list(range(len(hashes) * TPB)), TPB, None, MEDIUM_CPU, None)
 
 
 def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> None:
-    publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                                 token=SecretStr(TOKEN))
+    publisher = OneStream(TOKEN)
     publisher.publish([AllBlocksCleared()])
     publisher.publish([stored([1, 2])])
     sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, token=TOKEN)
@@ -55,7 +54,7 @@ def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> 
             published += 1
             if sub.receive(WAIT_MS // 100):
                 break
-        publisher.publish([BlockRemoved([2], MEDIUM)])
+        publisher.publish([BlockRemoved([2], MEDIUM_CPU)])
         published += 1
         while sub.last_seq < published - 1 and sub.receive(WAIT_MS):
             pass
@@ -71,12 +70,11 @@ def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> 
     assert sub.cached == {1, *range(102, 100 + published - 1)}
 
 
-def test_a_subscriber_without_the_token_is_told_its_handshake_was_refused() -> None:
-    publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                                 token=SecretStr(TOKEN))
+def test_a_subscriber_without_the_events_secret_is_told_its_handshake_was_refused() -> None:
+    publisher = OneStream(TOKEN)
     sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, token="another")
     try:
-        with pytest.raises(HandshakeFailed, match="needs the service's token"):
+        with pytest.raises(HandshakeFailed, match="needs the events secret"):
             sub.wait_connected(WAIT_MS / 1000)
     finally:
         sub.close()
@@ -88,7 +86,7 @@ def payload(*events: KVCacheEvent) -> bytes:
 
 
 BATCHES = [payload(AllBlocksCleared()), payload(stored([1])), payload(stored([2], parent=1)),
-           payload(BlockRemoved([1], MEDIUM))]
+           payload(BlockRemoved([1], MEDIUM_CPU))]
 
 
 class ScriptedPublisher:
@@ -203,7 +201,7 @@ PROMPT = np.arange(2 * TPB)
 def stored_from_the_root(salt: bytes) -> bytes:
     hashes = block_hashes(PROMPT, TPB, salt=salt, seed=SEED)
     return payload(BlockStored([external_hash(h) for h in hashes], None, PROMPT.tolist(), TPB,
-                               None, MEDIUM))
+                               None, MEDIUM_CPU, None))
 
 
 @pytest.mark.parametrize(("known", "checked", "anomalies"), [(["a", "b"], 1, 0), (["a"], 0, 1)])

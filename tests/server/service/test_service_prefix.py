@@ -79,10 +79,11 @@ def test_token_ids_that_do_not_cover_the_prompts_are_refused():
 
 
 def test_the_service_publishes_kv_events_a_router_can_read(zmq_context):
-    core = make_core(kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*")
+    core = make_core(kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
+                     kv_events_plaintext=True)
     replay = zmq_context.socket(zmq.DEALER)
     try:
-        replay.connect(core.kv_events.replay_endpoint)
+        replay.connect(core.kv_events.endpoints()[""].replay)
         kv = Client.in_process(core, worker_id="w")
         kv.register()
         first = kv.step(new=(["a"], [20]),
@@ -97,12 +98,12 @@ def test_the_service_publishes_kv_events_a_router_can_read(zmq_context):
             if seq == (-1).to_bytes(8, "big", signed=True):
                 break
             events += msgspec.msgpack.decode(payload)[1]
-        assert events[0] == ["AllBlocksCleared"]
-        stored = [e for e in events if e[0] == "BlockStored"]
-        hashes = [h for e in stored for h in e[1]]
+        assert events[0] == {"type": "AllBlocksCleared"}
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        hashes = [h for e in stored for h in e["block_hashes"]]
         prompt = core.manager.cache.prompts[int(first.scheduled.rows[0])]
         assert hashes == [external_hash(h) for h in prompt.hashes]
-        assert [t for e in stored for t in e[3]] == prompt.tokens.tolist()
+        assert [t for e in stored for t in e["token_ids"]] == prompt.tokens.tolist()
     finally:
         replay.close(linger=0)
         core.close()

@@ -30,7 +30,7 @@ def replayed_batches(core: ServiceCore, context: zmq.Context) -> list[list[objec
     assert core.kv_events is not None
     replay = context.socket(zmq.DEALER)
     try:
-        replay.connect(core.kv_events.replay_endpoint)
+        replay.connect(core.kv_events.endpoints()[""].replay)
         replay.send_multipart([b"", (0).to_bytes(8, "big")])
         batches = []
         while True:
@@ -46,7 +46,7 @@ def replayed_batches(core: ServiceCore, context: zmq.Context) -> list[list[objec
 @pytest.mark.parametrize("rank", [None, 3])
 def test_kv_events_carry_the_services_rank(rank, zmq_context):
     core = make_core(kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
-                     data_parallel_rank=rank)
+                     kv_events_plaintext=True, data_parallel_rank=rank)
     try:
         kv = Client.in_process(core, worker_id="w")
         reg = kv.register(data_parallel_rank=rank)
@@ -56,7 +56,8 @@ def test_kv_events_carry_the_services_rank(rank, zmq_context):
         batches = replayed_batches(core, zmq_context)
     finally:
         core.close()
-    assert len(batches) >= 2 and any(e[0] == "BlockStored" for b in batches for e in b[1])
+    assert len(batches) >= 2 and any(e["type"] == "BlockStored" for b in batches
+                                   for e in b[1])
     # omit_defaults: a batch without a rank has two fields, as vLLM's without one
     assert all((b[2] if len(b) > 2 else None) == rank for b in batches)
 

@@ -126,3 +126,20 @@ def test_each_rank_publishes_its_events_on_its_own_endpoints(make_config):
         ("tcp://127.0.0.1:5560", "ipc:///tmp/r", 0, ["cpu", "cpu"]),
         ("tcp://127.0.0.1:5561", "ipc:///tmp/r-dp1", 1, ["cpu", "cpu"])]
     assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+
+
+@pytest.mark.parametrize("events, replay, ranks", [
+    ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 2),  # rank 1's events: rank 0's replay
+    ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5559", 3),
+    ("ipc:///tmp/kv", "ipc:///tmp/kv", 1)])
+def test_event_endpoints_that_ranks_would_share_are_refused_before_anything_is_made(
+        make_config, events, replay, ranks):
+    config = ServiceConfig(pool=make_config(num_kv_heads=HEADS), devices=["cpu"] * ranks,
+                           prefix_caching=True, kv_events=events, kv_events_replay=replay)
+    with pytest.raises(ShardingInvalid, match=r"rank \d's kv_events(_replay)? and rank \d's "
+                                              r"kv_events(_replay)? are both .*at least "
+                                              f"{ranks} apart"):
+        rank_configs(config)
+    apart = config.model_copy(update={"kv_events_replay": "tcp://127.0.0.1:6557"})
+    if ranks > 1:
+        assert len(rank_configs(apart)) == ranks

@@ -1,10 +1,10 @@
 """KV events on real ZeroMQ sockets, read by a subscriber that knows only vLLM's published wire
-shape (raw msgpack: ``[ts, [event, ...], rank]``, each event an array tagged by its class name;
-three frames ``topic, seq (8 bytes big-endian), payload``; replay ``[b"", start]`` ->
-``[b"", seq, payload]`` ... ``[b"", -1, b""]``). It rebuilds the set of cached block hashes,
-which must equal the manager's, including after it was dropped and filled the gap by replay.
-With the service token, the sockets admit only subscribers holding it (CURVE), and replay
-requests are bounded in size, shape and rate, each refusal typed."""
+shape (raw msgpack: ``[ts, [event, ...], rank]``, each event a map tagged ``"type"``; three
+frames ``topic, seq (8 bytes big-endian), payload``; replay ``[b"", start]`` -> ``[b"", seq,
+payload]`` ... ``[b"", -1, b""]``). It rebuilds the set of cached block hashes, which must equal
+the manager's, including after it was dropped and filled the gap by replay. With the events
+secret, TCP sockets admit only subscribers holding it (CURVE), and replay requests are bounded in
+size, shape and rate, each refusal typed."""
 
 from __future__ import annotations
 
@@ -12,24 +12,19 @@ import time
 
 import numpy as np
 import zmq
+from event_stream import OneStream
 from kv_event_subscriber import HANDSHAKE_FAILURES, Subscriber, handshake, watch
 from kvalloc.allocator import KVCacheManager, PoolConfig, StepPlan
 from kvalloc.allocator.capacity.kv_events import AllBlocksCleared, external_hash
 from kvalloc.server.contract.routing import authenticate_subscriber
-from kvalloc.server.service.event_publisher import (
-    END_OF_REPLAY,
-    REPLAY_REFUSED,
-    KVEventPublisher,
-    ReplayBudget,
-)
-from pydantic import SecretStr
+from kvalloc.server.service.events.stream import END_OF_REPLAY, REPLAY_REFUSED, ReplayBudget
 
 
 def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context):
     cfg = PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, device="cpu", num_blocks=40,
                      tokens_per_block=4, max_seq_len=64, max_draft_len=2, max_batch_size=6)
     manager = KVCacheManager(cfg, prefix_caching=True, kv_events=True)
-    publisher = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    publisher = OneStream()
     sub = Subscriber(zmq_context, publisher.endpoint, publisher.replay_endpoint)
     time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
     rng = np.random.default_rng(3)
@@ -42,7 +37,7 @@ def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context
             tokens = np.concatenate([system[: rng.integers(4, 25)], rng.integers(0, 1000, 8)])
             manager.step(StepPlan(finished_rows=finished, prompt_lens=[tokens.size],
                                   prompt_tokens=[tokens]))
-            publisher.publish(manager.drain_kv_events())
+            publisher.publish([e.event for e in manager.drain_kv_events()])
 
     run_steps(15)
     while sub.receive(500):
@@ -61,14 +56,13 @@ def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context
     assert sub.cached == {external_hash(h) for h in manager.cache.block_of}
 
 
-TOKEN = "the-service-token"
+TOKEN = "the-events-secret"
 # Handshakes on loopback take about a millisecond; a loaded two-core machine may take far longer.
 HANDSHAKE_MS = 10_000
 
 
-def secured_publisher(**options: object) -> KVEventPublisher:
-    return KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                            token=SecretStr(TOKEN), **options)
+def secured_publisher(**form: object) -> OneStream:
+    return OneStream(TOKEN, **form)
 
 
 def connect(context: zmq.Context, kind: int, endpoint: str,
@@ -83,7 +77,7 @@ def connect(context: zmq.Context, kind: int, endpoint: str,
     return socket, monitor
 
 
-def test_only_a_subscriber_holding_the_token_completes_a_handshake(zmq_context):
+def test_only_a_subscriber_holding_the_events_secret_completes_a_handshake(zmq_context):
     publisher = secured_publisher()
     sockets = []
     try:
