@@ -90,7 +90,7 @@ def exported_families() -> dict[str, str]:
 
 def exported_names() -> set[str]:
     """Every series name those families serve, with their type's suffixes (a labelled family
-    with no samples yet, e.g. fallbacks by reason, counts by the names it will have)."""
+    with no samples yet, e.g. step latency by transport, counts by the names it will have)."""
     return {name + suffix for name, kind in exported_families().items()
             for suffix in SUFFIXES[kind]}
 
