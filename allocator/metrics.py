@@ -25,7 +25,9 @@ cumulative integer attributes ``windows``, ``staged_tokens``, ``committed_tokens
 sequence ``accepted_per_position`` (index i counts drafts accepted at draft position i). ``scv``
 is an `ScvAcceptor`, read through its ``stats``: ``graph_replays``, ``captures``, ``evictions``,
 ``eager_calls`` and a mapping ``fallbacks`` of reason -> count. A missing attribute reads as 0
-(or no samples), so a partial implementation still exports every family.
+(or no samples), so a partial implementation still exports every family. Only the names of the
+fallback reasons come from the implementations (their ``FALLBACK_REASONS``): each is served at 0
+before its first fallback, since ``increase`` over a window needs a sample from before the rise.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from kvalloc.allocator.capacity.manager import KVCacheManager
+from kvalloc.allocator.nwor import acceptance, window
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -221,10 +224,14 @@ def _counter_families(obj: object, table: Mapping[str, tuple[str, str]]) -> list
             for attr, (name, help_text) in table.items()]
 
 
-def _by_reason(name: str, help_text: str, reasons: Mapping[str, Any] | None) -> Metric:
+def _by_reason(name: str, help_text: str, reasons: Mapping[str, Any] | None,
+               known: Sequence[str]) -> Metric:
+    """Counts by reason: every ``known`` reason from the start (at 0 until it counts), any
+    other from its first count."""
+    counts = dict.fromkeys(known, 0) | {str(r): _int(n) for r, n in (reasons or {}).items()}
     family = CounterMetricFamily(name, help_text, labels=["reason"])
-    for reason, count in sorted((reasons or {}).items()):
-        family.add_metric([str(reason)], _int(count))
+    for reason, count in sorted(counts.items()):
+        family.add_metric([reason], count)
     return family
 
 
@@ -233,7 +240,7 @@ def _scv_families(scv: object) -> list[Metric]:
     return [*_counter_families(src, _SCV_COUNTERS),
             _by_reason("kvalloc_scv_graph_fallbacks",
                        "Shape buckets whose graph capture or replay failed and fell back to eager.",
-                       getattr(src, "fallbacks", None))]
+                       getattr(src, "fallbacks", None), acceptance.FALLBACK_REASONS)]
 
 
 def _nwor_families(deferred_writes: object) -> list[Metric]:
@@ -241,7 +248,7 @@ def _nwor_families(deferred_writes: object) -> list[Metric]:
     families = _counter_families(src, _NWOR_COUNTERS)
     fallbacks = _by_reason("kvalloc_nwor_fallbacks",
                            "NWOR windows that fell back to writing every staged token.",
-                           getattr(src, "fallbacks", None))
+                           getattr(src, "fallbacks", None), window.FALLBACK_REASONS)
     accepted = CounterMetricFamily("kvalloc_nwor_accepted_tokens",
                                    "Draft tokens accepted, by draft position (0 = first draft).",
                                    labels=["position"])

@@ -2,7 +2,8 @@
 field, its value, and the validator's own reason without the library's prefix.
 
 pydantic prefixes what a validator raises ("Value error, ", "Assertion failed, "); a command's
-user set a flag and wants the reason, so every command prints errors through here.
+user set a flag and wants the reason, so every command prints errors through here, and the REST
+transport's 422 messages take their reason from here too.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ from kvalloc.allocator.common.device_io import capture_graph, upload_int64
 from kvalloc.allocator.errors import InvalidScvMode, NworInputError
 
 SCV_MODE_ENV = "KVALLOC_SCV_MODE"
+# Why a shape bucket fell back to eager for good (the keys of `ScvStats.fallbacks`), every one
+# named here so the metrics serve each at 0 before its first fallback.
+CAPTURE_FAILED, REPLAY_FAILED = "capture_failed", "replay_failed"
+FALLBACK_REASONS = (CAPTURE_FAILED, REPLAY_FAILED)
 
 DraftCounts = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -316,7 +320,7 @@ class ScvAcceptor:
             bucket.static.load(draft_ids, sampled_ids, num_draft)
             bucket.graph.replay()
         except Exception:
-            self._fail(key, "replay_failed")
+            self._fail(key, REPLAY_FAILED)
             return self._eager(draft_ids, sampled_ids, num_draft)
         self.stats.graph_replays += 1
         return bucket.static.result(draft_ids, rows)
@@ -342,7 +346,7 @@ class ScvAcceptor:
         try:
             graph = capture_graph(static.compute)
         except Exception:
-            self._fail(key, "capture_failed")
+            self._fail(key, CAPTURE_FAILED)
             return None
         self.stats.captures += 1
         bucket = _Bucket(static, graph, None if self.mode is ScvMode.ADAPTIVE else True)

@@ -10,6 +10,13 @@ import numpy as np
 from kvalloc.allocator.errors import NworInputError
 from kvalloc.allocator.nwor.window_maths import INT64_MAX, window_total
 
+# Why a window fell back (the keys of `NworMetrics.fallbacks`): the reasons known before any
+# window runs, so the metrics can serve each at 0 from the start. Two more are open-ended: a write
+# that raised counts as "error:<exception type>", `DeferredWriteManager.cancel` as its caller says.
+INCOMPLETE_STAGING = "incomplete_staging"  # a layer staged only part of the window
+INVALID_COUNTS = "accepted_out_of_range"  # accepted counts on the device outside [0, drafts]
+FALLBACK_REASONS = (INCOMPLETE_STAGING, INVALID_COUNTS)
+
 # Validated counts: read-only int64 (num_tokens, num_draft) and the window's total.
 _Valid = tuple[np.ndarray, np.ndarray, int]
 

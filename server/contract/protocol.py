@@ -114,9 +114,13 @@ class RegisterRequest(Contract):
                                   "changing nothing.")
     overlap: bool = Field(
         default=False, description="The worker's steps run at lag 2: a step may grant a request "
-                                   "whose previous step is unsettled, results come one call "
-                                   "later, and the worker commits its own accepted tokens "
-                                   "(refused by a service with prefix caching).")
+                                   "whose previous step is unsettled, results settle each "
+                                   "request's oldest unsettled step one call later, and the "
+                                   "worker commits its own accepted tokens on its device, "
+                                   "fenced by its session's fence word and, with prefix "
+                                   "caching, refusing the cached blocks the attachment's "
+                                   "protected mask marks. The service commits nothing for it "
+                                   "(committed is 0, 0, null) and sends it no slot_mapping.")
     data_parallel_rank: int | None = Field(
         default=None, ge=0, description="The worker's data-parallel rank: a service that "
                                         "allocates for another rank refuses it (409 "

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from kvalloc.allocator import KVAllocError
+from kvalloc.allocator.commands.config_errors import reason
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.errors import (
     INTERNAL,
@@ -288,7 +289,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0]
         where = "body" if first["type"] == "json_invalid" else field_path(tuple(first["loc"]))
-        return _error(MalformedBody(f"{where}: {first['msg']}", field=where))
+        return _error(MalformedBody(f"{where}: {reason(first)}", field=where))
 
     async def http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

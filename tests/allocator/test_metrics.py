@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvalloc.allocator import BlockTableOverflow, KVCacheManager, OutOfBlocks, PoolConfig, StepPlan
 from kvalloc.allocator.metrics import AllocatorMetrics
+from kvalloc.allocator.nwor import acceptance, window
 from kvalloc.allocator.nwor.acceptance import ScvAcceptor
 from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager, WindowLayout
 from kvalloc.allocator.nwor.storage import KVStorage
@@ -187,6 +188,32 @@ def test_nwor_and_scv_counters_follow_the_documented_interface(manager, registry
     s = scrape(registry)
     assert value(s, "kvalloc_nwor_windows_total") == 6
     assert value(s, "kvalloc_nwor_fallbacks_total", reason="oom") == 1
+
+
+def fallbacks_served(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+    """(family, reason) -> count, for both fallback families."""
+    return {(name, dict(labels)["reason"]): count
+            for (name, labels), count in scrape(registry).items()
+            if name in ("kvalloc_nwor_fallbacks_total", "kvalloc_scv_graph_fallbacks_total")}
+
+
+def test_every_fallback_reason_is_served_at_0_before_any_fallback(manager, registry):
+    """``increase(...) > 0`` (the SCV fallback alert) sees a reason's first fallback only if the
+    series was scraped before it: one that first appears at 1 shows no increase. So every reason
+    NWOR and SCV name ahead of time is there at 0 from the first scrape, and counts from there."""
+    writes = DeferredWriteManager(KVStorage(manager.config), max_tokens=16)
+    scv = ScvAcceptor("off")
+    AllocatorMetrics(registry, manager, writes, scv=scv)
+    zero = {("kvalloc_nwor_fallbacks_total", reason): 0 for reason in window.FALLBACK_REASONS}
+    zero |= {("kvalloc_scv_graph_fallbacks_total", reason): 0
+             for reason in acceptance.FALLBACK_REASONS}
+    assert {"incomplete_staging", "accepted_out_of_range"} == set(window.FALLBACK_REASONS)
+    assert {"capture_failed", "replay_failed"} == set(acceptance.FALLBACK_REASONS)
+    assert fallbacks_served(registry) == zero
+
+    scv.stats.fallbacks["capture_failed"] = 1
+    assert fallbacks_served(registry) == zero | {
+        ("kvalloc_scv_graph_fallbacks_total", "capture_failed"): 1}
 
 
 def test_a_real_deferred_write_manager_is_read_through_its_metrics_method(registry):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,11 +22,17 @@ from kvalloc.allocator.nwor.acceptance import ScvAcceptor
 from kvalloc.allocator.nwor.deferred_writes import DeferredWriteManager
 from kvalloc.server.service.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry
+from promql_sources import (
+    DASHBOARD,
+    PROM,
+    ROOT,
+    RULE_FILES,
+    alert_rules,
+    dashboard_exprs,
+    metric_names,
+)
 from test_deploy_schemas import load_compose
 
-ROOT = Path(__file__).resolve().parents[2]
-PROM = ROOT / "deploy" / "prometheus"
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvalloc.json"
 PROMTOOL = shutil.which("promtool")
 # .ci/run installs it, so in CI a missing binary fails instead of skipping.
 needs_promtool = pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CI"),
@@ -35,33 +40,6 @@ needs_promtool = pytest.mark.skipif(PROMTOOL is None and not os.environ.get("CI"
 
 # Series Prometheus makes itself, not the allocator.
 SYNTHETIC = {"up"}
-# Grafana's variables, replaced by values Prometheus accepts before parsing.
-GRAFANA_VARS = {"$__rate_interval": "1m", "$instance": ".*"}
-
-_KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-    "unless", "offset", "inf", "nan", "atan2",
-}
-_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression: identifiers that are not functions, aggregations,
-    keywords, label names (in {} or grouping clauses), strings, durations or numbers."""
-    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
-    e = re.sub(r"\{[^}]*\}", "", e)  # label matchers
-    e = re.sub(r"\[[^\]]*\]", "", e)  # range and subquery durations
-    e = _GROUPING.sub("", e)
-    names = set()
-    for m in _IDENT.finditer(e):
-        before, after = e[: m.start()], e[m.end():]
-        if re.match(r"\s*\(", after) or m.group().lower() in _KEYWORDS:
-            continue  # a function or aggregation call, or a keyword
-        if re.search(r"[0-9.]$", before):
-            continue  # the exponent or unit of a number (1e-3, 5m)
-        names.add(m.group())
-    return names
 
 
 def test_metric_name_extraction_reads_promql_like_prometheus_does():
@@ -90,36 +68,9 @@ def exported_families() -> dict[str, str]:
 
 def exported_names() -> set[str]:
     """Every series name those families serve, with their type's suffixes (a labelled family
-    with no samples yet, e.g. fallbacks by reason, counts by the names it will have)."""
+    with no samples yet, e.g. step latency by transport, counts by the names it will have)."""
     return {name + suffix for name, kind in exported_families().items()
             for suffix in SUFFIXES[kind]}
-
-
-# Each rules file and its promtool unit tests. KvallocStepLatencyHigh's threshold depends on the
-# deployment: step-latency.yml for GPU hosts, step-latency-cpu.yml for the CPU compose stack.
-RULE_FILES = {"alerts.yml": "tests/alerts_test.yml",
-              "step-latency.yml": "tests/step_latency_test.yml",
-              "step-latency-cpu.yml": "tests/step_latency_cpu_test.yml"}
-
-
-def alert_rules(*files: str) -> list[dict]:
-    """The rules of ``files`` (default: every rules file)."""
-    docs = [yaml.safe_load((PROM / name).read_text()) for name in files or RULE_FILES]
-    return [r for doc in docs for g in doc["groups"] for r in g["rules"]]
-
-
-def dashboard_exprs() -> dict[str, str]:
-    """title/refId -> expression, Grafana variables substituted."""
-    dash = json.loads(DASHBOARD.read_text())
-    out = {}
-    for panel in dash["panels"]:
-        for target in panel.get("targets", []):
-            expr = target["expr"]
-            for var, val in GRAFANA_VARS.items():
-                expr = expr.replace(var, val)
-            assert "$" not in expr, f"{panel['title']}: unknown Grafana variable in {expr}"
-            out[f"{panel['title']}/{target['refId']}"] = expr
-    return out
 
 
 def promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -16,9 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from kvalloc.allocator.errors import InvariantViolation
-from kvalloc.allocator.nwor.window import NworMetrics, WindowStats
+from kvalloc.allocator.nwor.window import INVALID_COUNTS, NworMetrics, WindowStats
 
-INVALID_COUNTS = "accepted_out_of_range"
 DEVICE_PATHS = ("device", "graph")  # the paths of windows counted on the device
 
 DeviceCounters = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

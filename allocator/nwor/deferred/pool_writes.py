@@ -34,12 +34,11 @@ from kvalloc.allocator.nwor.fence import WriterFence
 from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs
 from kvalloc.allocator.nwor.packed_commit import commit_packed
 from kvalloc.allocator.nwor.storage import KVStorage
-from kvalloc.allocator.nwor.window import WindowLayout, WindowStats
+from kvalloc.allocator.nwor.window import INCOMPLETE_STAGING, WindowLayout, WindowStats
 from kvalloc.allocator.nwor.window_maths import Kept
 
 log = logging.getLogger(__name__)
 
-INCOMPLETE_STAGING = "incomplete_staging"
 _EMPTY = WindowStats(0, 0, 0, 0, "empty")  # a window of no tokens, or with none staged
 
 
