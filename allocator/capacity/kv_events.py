@@ -13,7 +13,7 @@ as in every vLLM release). The events come in one of two shapes (`WireShape`):
 Block hashes go out as unsigned 64-bit integers (the first 8 bytes of kvalloc's 128-bit block
 hash, `external_hash`), the form vLLM sends when asked for integers. ``extra_keys`` carries, for
 each block, its namespace's digest (`namespace_digest`) where vLLM puts a request's
-``cache_salt``; ``medium`` the tier the block is in (``GPU`` or ``CPU``).
+``cache_salt``; ``medium`` the tier the block is in (`MEDIUM_POOL`).
 
 Inside the service an event travels with the namespace it belongs to (`NamespacedEvent`), so each
 engine's stream carries exactly the blocks that engine can hit.
@@ -27,17 +27,15 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
+# The tier a block is in, in vLLM's words: "GPU" is an engine's own KV cache (vLLM says so on
+# every platform, its CPU backend included), "CPU" a host tier blocks are offloaded to. Routers
+# score the first alone as the engine's cache (Dynamo's indexer puts "CPU" blocks in a lower tier
+# that its scores leave out), so the pool's blocks are "GPU" on any device.
+MEDIUM_POOL = "GPU"
 # vLLM's name for a group of layers that all attend over the whole sequence.
 FULL_ATTENTION = "full_attention"
 # kvalloc keeps one group of layers (vLLM's KV cache group 0).
 GROUP_INDEX = 0
-
-
-def medium_of(device_type: str) -> str:
-    """The ``medium`` of blocks in a pool on a device of this type."""
-    return MEDIUM_CPU if device_type == "cpu" else MEDIUM_GPU
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

@@ -43,7 +43,7 @@ import torch
 from kvalloc.allocator.capacity.accounting import blocks_for, lag2_slack
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.block_table import BlockTable
-from kvalloc.allocator.capacity.kv_events import NamespacedEvent, medium_of
+from kvalloc.allocator.capacity.kv_events import NamespacedEvent
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
 from kvalloc.allocator.capacity.slots import run_slots
@@ -103,8 +103,7 @@ class KVCacheManager(RequestApi):
         chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
         self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
                                   record_events=kv_events,
-                                  track_protection=register_when_written,
-                                  medium=medium_of(self.device.type))
+                                  track_protection=register_when_written)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
         # The per-request API's ids; rows a batched step admits have none.

@@ -49,7 +49,7 @@ from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.kv_events import (
     FULL_ATTENTION,
     GROUP_INDEX,
-    MEDIUM_GPU,
+    MEDIUM_POOL,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -125,10 +125,9 @@ class CacheChanges(NamedTuple):
 
 class PrefixCache:
     def __init__(self, num_blocks: int, tokens_per_block: int, *,
-                 record_events: bool = False, track_protection: bool = False,
-                 medium: str = MEDIUM_GPU) -> None:
+                 record_events: bool = False, track_protection: bool = False) -> None:
         """``track_protection``: keep the protection flips for ``drain_protection`` (whoever
-        asks for them must drain them, or they pile up); ``medium``: the tier the events name."""
+        asks for them must drain them, or they pile up)."""
         self.tokens_per_block = tokens_per_block
         self.protected = np.zeros(num_blocks, dtype=bool)  # exactly the registered blocks
         self.track_protection = track_protection
@@ -138,7 +137,6 @@ class PrefixCache:
         self.prompts: dict[int, Prompt] = {}  # rows admitted with token ids
         self.origin: dict[int, Origin] = {}  # registered blocks, in the order they registered
         self.record_events = record_events
-        self.medium = medium
         self.events: list[NamespacedEvent] = (
             [NamespacedEvent(None, AllBlocksCleared())] if record_events else [])
 
@@ -183,7 +181,7 @@ class PrefixCache:
             by_namespace.setdefault(namespace, []).append(external(block_hash))
         for namespace, hashes in by_namespace.items():
             self.events.append(NamespacedEvent(namespace, BlockRemoved(
-                hashes, self.medium, GROUP_INDEX)))
+                hashes, MEDIUM_POOL, GROUP_INDEX)))
 
     def register(self, row: int, rows: RowState, host: np.ndarray,
                  written: int | None = None) -> None:
@@ -223,7 +221,7 @@ class PrefixCache:
         digest = (namespace_digest(namespace),)
         return BlockStored([external(h) for h in hashes],
                            None if parent is None else external(parent), tokens.tolist(),
-                           self.tokens_per_block, None, self.medium, None,
+                           self.tokens_per_block, None, MEDIUM_POOL, None,
                            [digest] * len(hashes), GROUP_INDEX, FULL_ATTENTION)
 
     def stored_events(self, namespace: bytes) -> list[BlockStored]:

@@ -7,14 +7,16 @@ namespace unless the operator puts its id in a group (``kvalloc serve --cache-gr
 NAME=ID,ID``): ``worker_salt`` is ``b"worker\\0" + id`` alone, ``b"group\\0" + NAME`` grouped.
 
 Seed: the block hashes' root is keyed with ``hash_seed(secret)``, 32 bytes of BLAKE2b over the
-deployment's secret (``KVALLOC_HASH_SEED``, else the service token): a router given the secret
-computes the hashes of a prompt as the service does, nobody else can.
+deployment's secret (``KVALLOC_HASH_SEED``; random per start without it, never the service
+token): a router given the secret computes the hashes of a prompt as the service does, nobody
+else can.
 
-KV events: both sides derive CURVE keys (ZeroMQ's authenticated encryption) from the service
-token: each secret key is BLAKE2b-256 of the token under its own personalisation
-(``kvalloc-ev-srv``, ``kvalloc-ev-sub``), z85-encoded, and each public key follows from its
-secret key (`zmq.curve_public`). The service admits the subscriber key alone, so only a holder
-of the token can subscribe or ask for a replay.
+KV events over TCP: both sides derive CURVE keys (ZeroMQ's authenticated encryption) from the
+events-only secret (``KVALLOC_EVENTS_SECRET``, which workers are not given): each secret key is
+BLAKE2b-256 of it under its own personalisation (``kvalloc-ev-srv``, ``kvalloc-ev-sub``),
+z85-encoded, and each public key follows from its secret key (`zmq.curve_public`). The service
+admits the subscriber key alone, so only a holder of that secret can subscribe or ask for a
+replay.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class Subscriber:
     """Written from vLLM's message shape alone: no kvalloc types."""
 
     def __init__(self, context: zmq.Context, endpoint: str, replay_endpoint: str,
-                 token: str | None = None, medium: str = "CPU") -> None:
+                 token: str | None = None, medium: str = "GPU") -> None:
         """``token``: the events secret (None: a plain socket)."""
         self.context = context
         self.endpoint = endpoint

@@ -30,7 +30,8 @@ def _stub(name: str, **attributes: Any) -> None:
 
 def load() -> types.ModuleType:
     """vLLM's ``vllm.distributed.kv_events`` module. The stand-in ``vllm`` modules leave
-    ``sys.modules`` once it is loaded: nothing else in the process may take them for vLLM."""
+    ``sys.modules`` once it is loaded (nothing else in the process may take them for vLLM); the
+    module itself stays, where msgspec looks up its classes' annotations."""
     if not EVENTS.is_file():
         raise FileNotFoundError(f"{EVENTS} is missing: run `make routers` (it takes vLLM's event "
                                 "module out of the vllm wheel)")
@@ -41,7 +42,7 @@ def load() -> types.ModuleType:
     try:
         return _load()
     finally:
-        for name in set(sys.modules) - before:
+        for name in set(sys.modules) - before - {"vllm.distributed.kv_events"}:
             del sys.modules[name]
 
 

@@ -15,7 +15,7 @@ import pytest
 import zmq
 from event_stream import OneStream
 from kvalloc.allocator.capacity.kv_events import (
-    MEDIUM_CPU,
+    MEDIUM_POOL,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -37,7 +37,7 @@ TPB = 4
 
 
 def stored(hashes: list[int], parent: int | None = None) -> BlockStored:
-    return BlockStored(hashes, parent, list(range(len(hashes) * TPB)), TPB, None, MEDIUM_CPU, None)
+    return BlockStored(hashes, parent, list(range(len(hashes) * TPB)), TPB, None, MEDIUM_POOL, None)
 
 
 def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> None:
@@ -54,7 +54,7 @@ def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> 
             published += 1
             if sub.receive(WAIT_MS // 100):
                 break
-        publisher.publish([BlockRemoved([2], MEDIUM_CPU)])
+        publisher.publish([BlockRemoved([2], MEDIUM_POOL)])
         published += 1
         while sub.last_seq < published - 1 and sub.receive(WAIT_MS):
             pass
@@ -86,7 +86,7 @@ def payload(*events: KVCacheEvent) -> bytes:
 
 
 BATCHES = [payload(AllBlocksCleared()), payload(stored([1])), payload(stored([2], parent=1)),
-           payload(BlockRemoved([1], MEDIUM_CPU))]
+           payload(BlockRemoved([1], MEDIUM_POOL))]
 
 
 class ScriptedPublisher:
@@ -201,7 +201,7 @@ PROMPT = np.arange(2 * TPB)
 def stored_from_the_root(salt: bytes) -> bytes:
     hashes = block_hashes(PROMPT, TPB, salt=salt, seed=SEED)
     return payload(BlockStored([external_hash(h) for h in hashes], None, PROMPT.tolist(), TPB,
-                               None, MEDIUM_CPU, None))
+                               None, MEDIUM_POOL, None))
 
 
 @pytest.mark.parametrize(("known", "checked", "anomalies"), [(["a", "b"], 1, 0), (["a"], 0, 1)])
