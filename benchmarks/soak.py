@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvalloc.server.client import Client
-from kvalloc.server.contract.routing import hash_seed, worker_salt
+from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.contract.wire import PoolState
 from kvalloc.server.devtools.event_subscriber import EventCounts, KVEventSubscriber
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
@@ -92,14 +92,12 @@ class EventWatch(threading.Thread):
     """Reads the service's KV events until stopped, then catches up with the last batches. The
     subscriber lives on this thread alone (ZeroMQ sockets are not thread-safe)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, seed_secret: str,
-                 worker_ids: list[str]) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str, worker_ids: list[str]) -> None:
         super().__init__(name="soak-events", daemon=True)
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
-        # The service keys block hashes with KVALLOC_HASH_SEED; no worker is grouped, so each
-        # caches under its own salt.
-        self.seed = hash_seed(seed_secret)
-        self.salts = [worker_salt(worker_id, {}) for worker_id in worker_ids]
+        # One stream for the service: its hashes cover each block's namespace, and no worker is
+        # grouped, so each caches under its own.
+        self.namespaces = [worker_salt(worker_id, {}) for worker_id in worker_ids]
         self.subscriber: KVEventSubscriber | None = None
         self.caught_up = 0
         self.errors: list[str] = []
@@ -109,8 +107,7 @@ class EventWatch(threading.Thread):
     def run(self) -> None:
         try:
             sub = self.subscriber = KVEventSubscriber(
-                self.endpoint, self.replay_endpoint, seed=self.seed,
-                salts=self.salts)
+                self.endpoint, self.replay_endpoint, namespaces=self.namespaces)
             try:
                 sub.wait_connected(HANDSHAKE_S)
                 self.connected.set()
@@ -195,15 +192,13 @@ def soak(duration_s: float, workers: int, workdir: Path, warm_up_s: float,
     # A token of its own: nothing is written outside ``workdir`` (a generated one would leave
     # its TCP endpoint's token file in the runtime directory), and the subscriber needs it.
     token = secrets.token_urlsafe(32)
-    # The events are a Unix-socket stream (this user's alone): the subscriber needs no key, only
-    # the hash seed to check the hashes of the blocks it reads.
-    seed = secrets.token_urlsafe(32)
+    # The events are a Unix-socket stream (this user's alone): the subscriber needs no key.
     events = (f"ipc://{workdir / 'events.ipc'}", f"ipc://{workdir / 'replay.ipc'}")
     cache_args = ("--kv-events", events[0], "--kv-events-replay", events[1])
     with ServiceProcess(workdir, *POOL, *(cache_args if prefix_caching else ()),
-                        env={"KVALLOC_TOKEN": token, "KVALLOC_HASH_SEED": seed}) as svc:
+                        env={"KVALLOC_TOKEN": token}) as svc:
         assert svc.proc is not None
-        watch = (EventWatch(*events, seed, [*worker_ids(workers), CHURN_ID])
+        watch = (EventWatch(*events, [*worker_ids(workers), CHURN_ID])
                  if prefix_caching else None)
         if watch is not None:  # connected through both figures, so they count its sockets
             watch.start()

@@ -18,7 +18,8 @@ Each block runs in a fresh directory with ``XDG_RUNTIME_DIR`` pointing into it (
 service's default IPC socket is private to the test), the venv's ``bin`` first on ``PATH`` (as
 an activated venv would be), no ``KVALLOC_TOKEN`` / ``KVALLOC_ADDRESS``, and the service's
 documented port 8900 replaced by a free one in every command so that parallel runs never
-collide. Blocks run with a 4 GiB limit on their data segment, so an example whose pool a laptop
+collide, and ``DYNAMO_PYTHON`` naming the interpreter ``make routers`` installed Dynamo's
+indexer in. Blocks run with a 4 GiB limit on their data segment, so an example whose pool a laptop
 cannot hold fails here instead of taking the machine's memory.
 """
 
@@ -174,6 +175,9 @@ class Reader:
                if k not in ("KVALLOC_TOKEN", "KVALLOC_ADDRESS")}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["XDG_RUNTIME_DIR"] = str(runtime)
+        # Where a reader who installed NVIDIA Dynamo's indexer in a venv of its own (as
+        # ``make routers`` does) would point the router examples.
+        env["DYNAMO_PYTHON"] = str(ROOT / ".venv" / "dynamo" / "bin" / "python")
         self.env = env
         self.services: list[tuple[subprocess.Popen[bytes], Path]] = []
 

@@ -10,10 +10,14 @@ as in every vLLM release). The events come in one of two shapes (`WireShape`):
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
   ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
 
-Block hashes go out as unsigned 64-bit integers (the first 8 bytes of kvalloc's 128-bit block
-hash, `external_hash`), the form vLLM sends when asked for integers. ``extra_keys`` carries, for
-each block, its namespace's digest (`namespace_digest`) where vLLM puts a request's
-``cache_salt``; ``medium`` the tier the block is in (`MEDIUM_POOL`).
+Block hashes go out as unsigned 64-bit integers, the form vLLM sends when asked for integers:
+each block's `router_hashes`, a chain any router can compute from the token ids it reads, never
+the keyed hashes the cache looks blocks up by. Their `HashScope` says whether the namespace is in
+the chain: not for streams that each carry one engine's blocks (equal content hashes alike on
+every engine, as routers that index several engines require), yes for one stream carrying
+several namespaces (a block of each stays its own). ``extra_keys`` carries, for each block, its
+namespace's digest (`namespace_digest`) where vLLM puts a request's ``cache_salt``; ``medium`` the
+tier the block is in (`MEDIUM_POOL`).
 
 Inside the service an event travels with the namespace it belongs to (`NamespacedEvent`), so each
 engine's stream carries exactly the blocks that engine can hit.
@@ -26,6 +30,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 
 # The tier a block is in, in vLLM's words: "GPU" is an engine's own KV cache (vLLM says so on
 # every platform, its CPU backend included), "CPU" a host tier blocks are offloaded to. Routers
@@ -125,9 +130,26 @@ class NamespacedEvent(NamedTuple):
     event: KVCacheEvent
 
 
-def external_hash(block_hash: bytes) -> int:
-    """The integer a router sees for one of kvalloc's block hashes."""
-    return int.from_bytes(block_hash[:8], "big")
+class HashScope(str, Enum):
+    CONTENT = "content"  # token ids (and the cache key) alone
+    NAMESPACE = "namespace"  # the namespace too
+
+
+def router_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"",
+                  namespace: bytes = b"") -> list[int]:
+    """The published hashes of the full blocks of ``tokens`` (a 1-D integer array): BLAKE2b-128
+    chained over the parent's 16 bytes and the block's token ids (little-endian int64), from a
+    root over the cache key (its length first) and ``namespace``; each hash's first 8 bytes,
+    big-endian, as an unsigned integer. Unkeyed: whoever reads an event reads its token ids."""
+    data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    step = tokens_per_block * 8
+    parent = hashlib.blake2b(b"kvalloc-route\0" + len(cache_key).to_bytes(4, "big") + cache_key
+                             + namespace, digest_size=16).digest()
+    out = []
+    for start in range(0, (len(data) // step) * step, step):
+        parent = hashlib.blake2b(parent + data[start : start + step], digest_size=16).digest()
+        out.append(int.from_bytes(parent[:8], "big"))
+    return out
 
 
 def namespace_digest(namespace: bytes) -> str:

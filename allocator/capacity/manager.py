@@ -43,7 +43,7 @@ import torch
 from kvalloc.allocator.capacity.accounting import blocks_for, lag2_slack
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.block_table import BlockTable
-from kvalloc.allocator.capacity.kv_events import NamespacedEvent
+from kvalloc.allocator.capacity.kv_events import HashScope, NamespacedEvent
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
 from kvalloc.allocator.capacity.slots import run_slots
@@ -75,12 +75,14 @@ class KVCacheManager(RequestApi):
     def __init__(self, config: PoolConfig, *, allocate: TensorAllocator = plain_tensor,
                  compiled: bool | None = None, prefix_caching: bool = False,
                  cache_key: bytes = b"", hash_seed: bytes = b"", kv_events: bool = False,
+                 event_hashes: HashScope = HashScope.NAMESPACE,
                  register_when_written: bool = False) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
         imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
         ``hash_seed``: the secret the block hashes are keyed with (`prefix_cache.chain_root`);
-        ``kv_events``: record KV events for ``drain_kv_events``; ``register_when_written``:
+        ``kv_events``: record KV events for ``drain_kv_events``, their block hashes over
+        ``event_hashes`` (`kv_events.router_hashes`); ``register_when_written``:
         a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
         not when its prefill is scheduled."""
         self.config = config
@@ -106,6 +108,7 @@ class KVCacheManager(RequestApi):
                                   track_protection=register_when_written)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
+        self.event_hashes = event_hashes
         # The per-request API's ids; rows a batched step admits have none.
         self.ids = RequestIds()
 
@@ -198,8 +201,11 @@ class KVCacheManager(RequestApi):
         ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step.
         ``salt``: the prompt's namespace (vLLM's ``cache_salt``); prompts share blocks only
         under the same salt. Token ids given bare to the step are hashed with no salt."""
+        route_namespace = (None if self.cache is None or not self.cache.record_events
+                           else salt if self.event_hashes is HashScope.NAMESPACE else b"")
         return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
-                         self.cache_key, salt=salt, seed=self.hash_seed)
+                         self.cache_key, salt=salt, seed=self.hash_seed,
+                         route_namespace=route_namespace)
 
     def drain_kv_events(self) -> list[NamespacedEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""

@@ -32,7 +32,7 @@ evicted, each with the namespace it concerns; ``stored_events`` rebuilds what a 
 one namespace must learn from ``origin``.
 
 Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps, ``origin`` has
-the keys of ``hash_of``; every row's
+the keys of ``hash_of`` (with events); every row's
 first ``cached`` columns are registered blocks whose hashes are the row's prompt hashes in order;
 every registered block is owned (in some row's cached columns) or parked, never on the free
 stack; a block with more than one owner is registered.
@@ -40,6 +40,7 @@ stack; a block with more than one owner is registered.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,8 +56,8 @@ from kvalloc.allocator.capacity.kv_events import (
     BlockStored,
     NamespacedEvent,
     namespace_digest,
+    router_hashes,
 )
-from kvalloc.allocator.capacity.kv_events import external_hash as external
 from kvalloc.allocator.capacity.state import RowState
 from kvalloc.allocator.capacity.step.reference import Hits
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
@@ -91,27 +92,34 @@ def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt's token ids, the hashes of its full blocks and the namespace (salt) they were
-    hashed under. Build it when the request arrives (``of``) to keep the hashing out of the step
-    that admits it."""
+    """A prompt's token ids, the hashes of its full blocks, the namespace (salt) they were
+    hashed under and, for KV events, the hashes routers see (`router_hashes`; empty without
+    events). Build it when the request arrives (``of``) to keep the hashing out of the step that
+    admits it."""
 
     tokens: np.ndarray
     hashes: list[bytes]
     namespace: bytes = b""
+    routes: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"", *,
-           salt: bytes = b"", seed: bytes = b"") -> Prompt:
+           salt: bytes = b"", seed: bytes = b"", route_namespace: bytes | None = None) -> Prompt:
+        """``route_namespace``: the namespace the router hashes cover (None: no router
+        hashes)."""
+        routes = ([] if route_namespace is None else
+                  router_hashes(tokens, tokens_per_block, cache_key, route_namespace))
         return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key, salt=salt,
-                                        seed=seed), salt)
+                                        seed=seed), salt, routes)
 
 
 class Origin(NamedTuple):
-    """What a registered block's `BlockStored` said: its namespace, its parent's hash (None at
-    the root) and its token ids."""
+    """What a registered block's `BlockStored` said: its namespace, its router hash, its
+    parent's (None at the root) and its token ids."""
 
     namespace: bytes
-    parent: bytes | None
+    route: int
+    parent: int | None
     tokens: np.ndarray
 
 
@@ -135,7 +143,8 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.prompts: dict[int, Prompt] = {}  # rows admitted with token ids
-        self.origin: dict[int, Origin] = {}  # registered blocks, in the order they registered
+        # With events: the registered blocks, in the order they registered.
+        self.origin: dict[int, Origin] = {}
         self.record_events = record_events
         self.events: list[NamespacedEvent] = (
             [NamespacedEvent(None, AllBlocksCleared())] if record_events else [])
@@ -165,20 +174,19 @@ class PrefixCache:
         """Evicted blocks' content is gone: drop their hashes."""
         blocks = evicted.tolist()
         removed = [self.hash_of.pop(block) for block in blocks]
-        namespaces = [self.origin.pop(block).namespace for block in blocks]
         self.protected[blocks] = False
         if self.track_protection:
             self._flipped.extend(blocks)
         for block_hash in removed:
             del self.block_of[block_hash]
         if self.record_events and removed:
-            self._record_removed(removed, namespaces)
+            self._record_removed([self.origin.pop(block) for block in blocks])
 
-    def _record_removed(self, removed: list[bytes], namespaces: list[bytes]) -> None:
+    def _record_removed(self, origins: list[Origin]) -> None:
         """One `BlockRemoved` per namespace, its blocks in eviction order."""
         by_namespace: dict[bytes, list[int]] = {}
-        for block_hash, namespace in zip(removed, namespaces, strict=True):
-            by_namespace.setdefault(namespace, []).append(external(block_hash))
+        for origin in origins:
+            by_namespace.setdefault(origin.namespace, []).append(origin.route)
         for namespace, hashes in by_namespace.items():
             self.events.append(NamespacedEvent(namespace, BlockRemoved(
                 hashes, MEDIUM_POOL, GROUP_INDEX)))
@@ -202,41 +210,47 @@ class PrefixCache:
         blocks = host[row, first : first + n].tolist()
         self.block_of.update(zip(stored, blocks, strict=True))
         self.hash_of.update(zip(blocks, stored, strict=True))
-        chain = [prompt.hashes[first - 1] if first else None, *stored]
-        for i, block in enumerate(blocks):
-            start = (first + i) * tpb
-            self.origin[block] = Origin(prompt.namespace, chain[i],
-                                        prompt.tokens[start : start + tpb])
+        if self.record_events:
+            self._record_stored(prompt, first, blocks)
         self.protected[blocks] = True
         if self.track_protection:
             self._flipped.extend(blocks)
         rows.cached[row] = first + len(stored)
-        if self.record_events and stored:
-            self.events.append(NamespacedEvent(prompt.namespace, self._stored(
-                stored, chain[0], prompt.tokens[first * tpb : (first + len(stored)) * tpb],
-                prompt.namespace)))
 
-    def _stored(self, hashes: list[bytes], parent: bytes | None, tokens: np.ndarray,
+    def _record_stored(self, prompt: Prompt, first: int, blocks: list[int]) -> None:
+        """The registered blocks' origins, and their `BlockStored`."""
+        if not blocks:
+            return
+        tpb = self.tokens_per_block
+        chain = [prompt.routes[first - 1] if first else None,
+                 *prompt.routes[first : first + len(blocks)]]
+        for i, block in enumerate(blocks):
+            start = (first + i) * tpb
+            self.origin[block] = Origin(prompt.namespace, chain[i + 1], chain[i],
+                                        prompt.tokens[start : start + tpb])
+        self.events.append(NamespacedEvent(prompt.namespace, self._stored(
+            chain[1:], chain[0], prompt.tokens[first * tpb : (first + len(blocks)) * tpb],
+            prompt.namespace)))
+
+    def _stored(self, routes: list[int], parent: int | None, tokens: np.ndarray,
                 namespace: bytes) -> BlockStored:
         digest = (namespace_digest(namespace),)
-        return BlockStored([external(h) for h in hashes],
-                           None if parent is None else external(parent), tokens.tolist(),
-                           self.tokens_per_block, None, MEDIUM_POOL, None,
-                           [digest] * len(hashes), GROUP_INDEX, FULL_ATTENTION)
+        return BlockStored(routes, parent, tokens.tolist(), self.tokens_per_block, None,
+                           MEDIUM_POOL, None, [digest] * len(routes), GROUP_INDEX,
+                           FULL_ATTENTION)
 
     def stored_events(self, namespace: bytes) -> list[BlockStored]:
         """A `BlockStored` for every block of ``namespace`` that can serve a hit (its chain back
         to the root registered), parents first: what a new subscriber of that namespace must
         learn to hold what the live events since would have told it."""
-        reachable: set[bytes] = set()
+        reachable: set[int] = set()
         events = []
-        for block, origin in self.origin.items():
+        for origin in self.origin.values():
             if origin.namespace != namespace or (origin.parent is not None
                                                  and origin.parent not in reachable):
                 continue
-            block_hash = self.hash_of[block]
-            reachable.add(block_hash)
-            events.append(self._stored([block_hash], origin.parent, origin.tokens, namespace))
+            reachable.add(origin.route)
+            events.append(self._stored([origin.route], origin.parent, origin.tokens, namespace))
         return events
 
     def drain_protection(self) -> tuple[np.ndarray, np.ndarray]:
@@ -254,7 +268,7 @@ class PrefixCache:
         if len(self.block_of) != len(self.hash_of) or any(
                 self.block_of.get(h) != b for b, h in self.hash_of.items()):
             raise InvariantViolation("the hash-to-block and block-to-hash maps disagree")
-        if self.origin.keys() != self.hash_of.keys():
+        if self.record_events and self.origin.keys() != self.hash_of.keys():
             raise InvariantViolation("the registered blocks' origins are not exactly the "
                                      "registered blocks")
         in_rows = np.zeros(pool.num_blocks, dtype=bool)

@@ -8,9 +8,9 @@ says how replays are asked for, answered and refused). It keeps the set of cache
 and counts what it saw: batches, gaps, batches replayed, replay refusals, batches lost (neither
 received nor replayable any more) and anomalies (events that contradict the view: a removal of a
 hash it never saw stored, a hash stored twice, a parent it does not hold, a frame it cannot read).
-Given the hash seed and the namespaces' salts (`server.contract.routing`), it also checks what a
+Given the namespaces (`server.contract.routing.worker_salt`), it also checks what a
 router computing hashes relies on: every block stored from a chain's root hashes, over its token
-ids, as in one of those namespaces (`allocator.capacity.prefix_cache.block_hashes`).
+ids, as in one of those namespaces (`allocator.capacity.kv_events.router_hashes`).
 
 Invariant: ``last_seq`` is the last batch applied, and batches are applied in order, each once;
 so with no batch lost and no anomaly, ``cached`` is the publisher's cache as of batch
@@ -32,8 +32,7 @@ from kvalloc.allocator import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    block_hashes,
-    external_hash,
+    router_hashes,
 )
 from kvalloc.server.contract.errors import HandshakeFailed
 from kvalloc.server.contract.routing import authenticate_subscriber
@@ -77,15 +76,14 @@ class EventCounts:
 class KVEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
                  token: str | None = None, topic: str = DEFAULT_TOPIC,
-                 replay_timeout_s: float = 10.0, seed: bytes | None = None,
-                 salts: Iterable[bytes] = ()) -> None:
+                 replay_timeout_s: float = 10.0,
+                 namespaces: Iterable[bytes] | None = None) -> None:
         """Connect to ``endpoint`` (the PUB socket) and ``replay_endpoint`` (none: gaps are
         counted as lost); ``token``: the events secret (none: a plain stream).
-        ``replay_timeout_s`` bounds one replay, retries after refusals included. ``seed`` (the
-        service's `server.contract.routing.hash_seed`) and ``salts`` (every namespace that may
-        store blocks): check the hashes of blocks stored from a root (none: no check)."""
-        self._seed = seed
-        self._salts = list(salts)
+        ``replay_timeout_s`` bounds one replay, retries after refusals included. ``namespaces``
+        (every namespace whose blocks the stream may carry; ``b""`` for a stream of hashes over
+        content alone): check the hashes of blocks stored from a root (none: no check)."""
+        self._namespaces = None if namespaces is None else list(namespaces)
         self._context = zmq.Context()
         self._token = token
         self._topic = topic.encode()
@@ -225,7 +223,7 @@ class KVEventSubscriber:
         parent = event.parent_block_hash
         if parent is not None and parent not in self.cached:
             self.counts.anomaly(f"batch {seq}: BlockStored under parent {parent:#x}, not cached")
-        if parent is None and self._seed is not None:
+        if parent is None and self._namespaces is not None:
             self._check_root(seq, event)
         again = self.cached.intersection(event.block_hashes)
         if again:
@@ -242,10 +240,9 @@ class KVEventSubscriber:
 
     def _check_root(self, seq: int, event: BlockStored) -> None:
         tokens = np.asarray(event.token_ids, dtype=np.int64)
-        for salt in self._salts:
-            hashes = block_hashes(tokens, event.block_size, salt=salt, seed=self._seed)
-            if [external_hash(h) for h in hashes] == event.block_hashes:
+        for namespace in self._namespaces or []:
+            if router_hashes(tokens, event.block_size, namespace=namespace) == event.block_hashes:
                 self.counts.roots_checked += 1
                 return
         self.counts.anomaly(f"batch {seq}: BlockStored from the root whose hashes no known "
-                            "namespace's salt and seed give")
+                            "namespace gives")

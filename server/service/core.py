@@ -34,7 +34,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvalloc.allocator import InvariantViolation, KVCacheManager, StepPlan, TensorAllocator
+from kvalloc.allocator import (
+    HashScope,
+    InvariantViolation,
+    KVCacheManager,
+    StepPlan,
+    TensorAllocator,
+)
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepCall, StepResult
 from kvalloc.server.contract.errors import (
@@ -49,7 +55,7 @@ from kvalloc.server.contract.routing import SEED_BYTES, hash_seed, worker_salt
 from kvalloc.server.contract.sharing import dtype_name
 from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.events.stream import StreamFormat
-from kvalloc.server.service.events.streams import EventStreams
+from kvalloc.server.service.events.streams import EventStreams, per_worker
 from kvalloc.server.service.pipeline import StepPipeline
 from kvalloc.server.service.registry import Worker, WorkerRegistry
 from kvalloc.server.service.settings import ServiceConfig
@@ -412,6 +418,9 @@ def _manager(config: ServiceConfig, placement: TensorAllocator) -> KVCacheManage
     """The host-side manager, its block table made where the pool places it."""
     return KVCacheManager(config.pool, allocate=placement, prefix_caching=config.prefix_caching,
                           hash_seed=_hash_seed(config), kv_events=config.kv_events is not None,
+                          event_hashes=(HashScope.CONTENT if config.kv_events is not None
+                                        and per_worker(config.kv_events)
+                                        else HashScope.NAMESPACE),
                           register_when_written=True)
 
 

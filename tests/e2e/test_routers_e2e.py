@@ -14,7 +14,7 @@ import pytest
 import vllm_events
 import zmq
 from dynamo_indexer import DynamoIndexer, wait_until
-from kvalloc.allocator import PoolConfig, external_hash
+from kvalloc.allocator import PoolConfig
 from kvalloc.server.client import Client
 from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.service.core import ServiceCore
@@ -64,11 +64,9 @@ def run_prompts(kv: Client, prompts: list[np.ndarray], finish: bool) -> None:
 
 @pytest.mark.parametrize("shared_system_prompt", [
     False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "the same tokens cached in two namespaces go out under two hashes (the published hash "
-        "is salted by namespace); Dynamo keys its node by the first hash it saw, so the second "
-        "engine's children fail to find their parent. Needs a published hash over content "
-        "alone"))),
+    # Each engine's copy of one system prompt: Dynamo keys a node by the first hash it saw for
+    # its tokens, so every stream must name equal content alike (hashes over content alone).
+    True,
 ])
 def test_dynamos_indexer_holds_each_engines_blocks_and_scores_the_engine_that_cached_a_prompt(
         tmp_path: Path, shared_system_prompt: bool) -> None:
@@ -154,7 +152,7 @@ def test_vllms_own_classes_decode_every_live_and_replayed_frame(
     assert len(live) >= 3 and len(replayed) >= len(live)
     stored = [e for b in batches for e in b.events if type(e).__name__ == "BlockStored"]
     hashes = {h for e in stored for h in e.block_hashes}
-    assert hashes >= {external_hash(h) for h in core.manager.cache.hash_of.values()}
+    assert hashes >= {origin.route for origin in core.manager.cache.origin.values()}
     if shape == "maps":
         assert {(e.medium, e.group_idx, e.kv_cache_spec_kind, e.lora_name) for e in stored} == {
             ("GPU", 0, "full_attention", None)}

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvalloc.allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
-from kvalloc.allocator.capacity.kv_events import BlockRemoved, external_hash, namespace_digest
+from kvalloc.allocator.capacity.kv_events import BlockRemoved, namespace_digest
 from kvalloc.allocator.capacity.prefix_cache import block_hashes
 from kvalloc.allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 
@@ -267,6 +267,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     def run(self, plan: StepPlan):
         before = dict(self.m.cache.hash_of)
+        routes = {b: origin.route for b, origin in self.m.cache.origin.items()}
         out = self.m.step(plan)
         # Cached before the step and not evicted by it. An evicted block may be reused and
         # registered again in the same step, even under its old hash: a full hit's last block,
@@ -275,7 +276,7 @@ class SharingMachine(RuleBasedStateMachine):
                    for h in e.block_hashes}
         after = self.m.cache.hash_of
         self.protected = {b for b, h in before.items()
-                          if after.get(b) == h and external_hash(h) not in evicted}
+                          if after.get(b) == h and routes[b] not in evicted}
         for row in plan.finished_rows:
             self.prompts.pop(int(row), None)
         return out

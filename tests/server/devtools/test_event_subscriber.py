@@ -21,11 +21,10 @@ from kvalloc.allocator.capacity.kv_events import (
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
-    external_hash,
+    router_hashes,
 )
-from kvalloc.allocator.capacity.prefix_cache import block_hashes
 from kvalloc.server.contract.errors import HandshakeFailed
-from kvalloc.server.contract.routing import hash_seed, worker_salt
+from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.devtools.event_subscriber import KVEventSubscriber
 from kvalloc.server.service.events.stream import END_OF_REPLAY, REPLAY_REFUSED
 
@@ -194,22 +193,19 @@ def test_a_replay_nobody_answers_ends_and_counts_its_batches_lost(scripted) -> N
     assert sub.cached == set()
 
 
-SEED = hash_seed(TOKEN)
 PROMPT = np.arange(2 * TPB)
 
 
-def stored_from_the_root(salt: bytes) -> bytes:
-    hashes = block_hashes(PROMPT, TPB, salt=salt, seed=SEED)
-    return payload(BlockStored([external_hash(h) for h in hashes], None, PROMPT.tolist(), TPB,
-                               None, MEDIUM_POOL, None))
+def stored_from_the_root(namespace: bytes) -> bytes:
+    return payload(BlockStored(router_hashes(PROMPT, TPB, namespace=namespace), None,
+                               PROMPT.tolist(), TPB, None, MEDIUM_POOL, None))
 
 
 @pytest.mark.parametrize(("known", "checked", "anomalies"), [(["a", "b"], 1, 0), (["a"], 0, 1)])
 def test_blocks_stored_from_the_root_hash_as_in_a_known_namespace(
         scripted, known: list[str], checked: int, anomalies: int) -> None:
     batches = [payload(AllBlocksCleared()), stored_from_the_root(worker_salt("b", {}))]
-    sub = follow(scripted([], batches), [0, 1], seed=SEED,
-                 salts=[worker_salt(worker_id, {}) for worker_id in known])
+    sub = follow(scripted([], batches), [0, 1],
+                 namespaces=[worker_salt(worker_id, {}) for worker_id in known])
     assert (sub.counts.roots_checked, sub.counts.anomalies) == (checked, anomalies)
-    assert sub.cached == {external_hash(h) for h in block_hashes(
-        PROMPT, TPB, salt=worker_salt("b", {}), seed=SEED)}
+    assert sub.cached == set(router_hashes(PROMPT, TPB, namespace=worker_salt("b", {})))

@@ -11,9 +11,10 @@ import pytest
 import torch
 import zmq
 from kvalloc.allocator import PoolConfig
-from kvalloc.allocator.capacity.kv_events import external_hash
+from kvalloc.allocator.capacity.kv_events import router_hashes
 from kvalloc.server.client import Client
 from kvalloc.server.contract.errors import RemoteError
+from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.devtools.loadgen import SimulatedWorker, Workload, drive
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
@@ -102,7 +103,8 @@ def test_the_service_publishes_kv_events_a_router_can_read(zmq_context):
         stored = [e for e in events if e["type"] == "BlockStored"]
         hashes = [h for e in stored for h in e["block_hashes"]]
         prompt = core.manager.cache.prompts[int(first.scheduled.rows[0])]
-        assert hashes == [external_hash(h) for h in prompt.hashes]
+        assert hashes == prompt.routes == router_hashes(prompt.tokens, 4,
+                                                        namespace=worker_salt("w", {}))
         assert [t for e in stored for t in e["token_ids"]] == prompt.tokens.tolist()
     finally:
         replay.close(linger=0)

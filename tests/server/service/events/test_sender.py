@@ -15,7 +15,7 @@ import zmq
 from event_stream import OneStream
 from kv_event_subscriber import HANDSHAKE_FAILURES, Subscriber, handshake, watch
 from kvalloc.allocator import KVCacheManager, PoolConfig, StepPlan
-from kvalloc.allocator.capacity.kv_events import AllBlocksCleared, external_hash
+from kvalloc.allocator.capacity.kv_events import AllBlocksCleared
 from kvalloc.server.contract.routing import authenticate_subscriber
 from kvalloc.server.service.events.stream import END_OF_REPLAY, REPLAY_REFUSED, ReplayBudget
 
@@ -53,7 +53,7 @@ def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context
     publisher.close()
     assert manager.counters.evicted_blocks > 0 and manager.counters.prefix_hit_tokens > 0
     assert sub.replayed > 0
-    assert sub.cached == {external_hash(h) for h in manager.cache.block_of}
+    assert sub.cached == {origin.route for origin in manager.cache.origin.values()}
 
 
 TOKEN = "the-events-secret"
