@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# torch is imported where a pool's device or dtype is resolved, not here: the fields and their
+# defaults are read without it (`kvalloc serve --help`, which would otherwise wait on torch).
+if TYPE_CHECKING:
+    import torch
 
 KVDType = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
+# KVDType -> the name of its torch dtype.
+_TORCH_DTYPES: dict[str, str] = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
     # Exact-token checks against a model's own float32 forward need a float32 pool.
-    "float32": torch.float32,
-    "fp8_e4m3": torch.float8_e4m3fn,
+    "float32": "float32",
+    "fp8_e4m3": "float8_e4m3fn",
 }
 
 
@@ -39,6 +44,8 @@ class SlackPolicy(str, Enum):
 
 
 def default_device() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -74,6 +81,8 @@ class PoolConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device_exists(cls, value: str) -> str:
+        import torch
+
         try:
             dev = torch.device(value)
         except RuntimeError as exc:
@@ -124,11 +133,13 @@ class PoolConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, _TORCH_DTYPES[self.dtype])
 
     @property
     def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        itemsize = self.torch_dtype.itemsize
         return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * (
             itemsize
         )

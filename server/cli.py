@@ -58,7 +58,7 @@ class _Version(argparse.Action):
 
 # Commands whose flags live in a module of their own, so that --help loads none of the
 # command's heavy imports.
-PARSERS = {"worker": "kvalloc.worker.arguments"}
+PARSERS = {"serve": "kvalloc.server.serve_arguments", "worker": "kvalloc.worker.arguments"}
 # Commands whose module needs an optional dependency: the extra that installs it.
 EXTRAS = {"worker": "worker"}
 

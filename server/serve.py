@@ -32,24 +32,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import get_args
 
 import torch
 import uvicorn
-from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy, WireShape
-from kvalloc.allocator.commands.arguments import argument_type
+from kvalloc.allocator import SlackPolicy
 from kvalloc.allocator.commands.config_errors import flag_errors
 from kvalloc.server.contract.addresses import (
-    DEFAULT_HOST,
-    DEFAULT_PORT,
     claim_socket_path,
     default_ipc_endpoints,
-    ipc_endpoint,
     ipc_path,
-    port_number,
     require_directory,
-    server_endpoint,
-    socket_file,
 )
 from kvalloc.server.contract.errors import (
     AddressError,
@@ -60,12 +52,13 @@ from kvalloc.server.contract.errors import (
     ShardingInvalid,
 )
 from kvalloc.server.contract.sharing import SHM_DIR, SHM_DIR_ENV, reap_dead_instances
+from kvalloc.server.serve_arguments import LIMIT_FLAGS, POOL_FLAGS, SERVICE_FLAGS
+from kvalloc.server.serve_arguments import add_arguments as add_arguments  # a command's two names
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.footprint import Footprint, check_fits, describe_bytes
 from kvalloc.server.service.ranks import RankedService, rank_configs
 from kvalloc.server.service.settings import (
-    DEFAULT_NUM_BLOCKS,
     EVENTS_SECRET_ENV,
     HASH_SEED_ENV,
     ServiceConfig,
@@ -78,11 +71,9 @@ from kvalloc.server.service.warmup import warm_up
 from kvalloc.server.transport.ipc import IpcServer
 from kvalloc.server.transport.network import (
     ACCEPT_BACKLOG,
-    DEFAULT_LIMITS,
     RestLimits,
     bounded_protocol,
     connection_budget,
-    http_parsers,
     raise_nofile_limit,
 )
 from kvalloc.server.transport.rest import create_app
@@ -95,142 +86,6 @@ from kvalloc.server.transport.token_files import (
 from pydantic import SecretStr, ValidationError
 
 log = logging.getLogger("kvalloc.serve")
-
-# PoolConfig fields that are flags, with their help. Unset flags keep `default_pool()`'s values.
-_POOL_FLAGS: dict[str, tuple[type, str]] = {
-    "device": (str, "torch device of the pool: cpu, cuda or cuda:N (default: cuda when present, "
-                    "else cpu)"),
-    "num_blocks": (int, "blocks in the pool"),
-    "tokens_per_block": (int, "token slots per block"),
-    "num_layers": (int, "model layers whose K/V the pool holds"),
-    "num_kv_heads": (int, "KV heads per layer"),
-    "head_dim": (int, "elements per head"),
-    "dtype": (str, "K/V element type"),
-    "max_batch_size": (int, "requests live at once, one block-table row each"),
-    "max_seq_len": (int, "longest request: prompt + output tokens"),
-    "max_draft_len": (int, "largest draft length D a grant may ask for"),
-    "slack_policy": (str, "overlap slack: reclaim is the only correct one; none and unreclaimed "
-                          "reproduce the two crashes kvalloc prevents, on purpose"),
-}
-_FLAG_CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": get_args(KVDType), "slack_policy": tuple(p.value for p in SlackPolicy)}
-_SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s",
-                  "verify_interval_s")
-
-
-# RestLimits fields that are flags: name, type, help.
-_LIMIT_FLAGS: tuple[tuple[str, type[int] | type[float], str], ...] = (
-    ("max_connections", int, "REST connections at once; lowered to fit RLIMIT_NOFILE"),
-    ("max_in_flight", int, "REST calls being served at once; more are answered 503 with "
-                           "Retry-After"),
-    ("header_timeout_s", float, "close a REST connection whose request headers take longer"),
-    ("body_timeout_s", float, "answer 408 to a request body that takes longer"),
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    net = parser.add_argument_group("listen")
-    net.add_argument("--host", default=DEFAULT_HOST, help="REST TCP host (default: loopback)")
-    net.add_argument("--port", type=argument_type(port_number), default=DEFAULT_PORT,
-                     help=f"REST TCP port, 0 for any free one (default {DEFAULT_PORT})")
-    net.add_argument("--no-tcp", action="store_true", help="no REST over TCP")
-    net.add_argument("--uds", type=argument_type(socket_file), metavar="PATH",
-                     help="also serve REST on this Unix socket (created 0600; its directory "
-                          "must exist)")
-    net.add_argument("--ipc", action="append", type=argument_type(ipc_endpoint),
-                     metavar="ENDPOINT",
-                     help="IPC endpoint: ZeroMQ's ipc:///path or tcp://127.0.0.1:port, or "
-                          "stream:///path (the same messages on a plain Unix socket, the fastest "
-                          "local path); repeatable (default: stream://<runtime dir>/kvalloc.stream "
-                          "alone)")
-    pool = parser.add_argument_group("pool")
-    defaults = PoolConfig.model_fields
-    for name, (kind, help_text) in _POOL_FLAGS.items():
-        default = DEFAULT_NUM_BLOCKS if name == "num_blocks" else defaults[name].default
-        default = getattr(default, "value", default)  # an enum's flag spelling
-        pool.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
-                          metavar="N" if kind is int else None,
-                          choices=_FLAG_CHOICES.get(name),
-                          help=help_text if name == "device" else f"{help_text} "
-                                                                  f"(default {default})")
-    shards = parser.add_argument_group("devices")
-    shards.add_argument("--devices", metavar="DEVICE[,DEVICE...]",
-                        help="one pool shard per device, in shard order, e.g. cuda:0,cuda:1 (a "
-                             "device may repeat: cpu,cpu); the first is the pool's device "
-                             "(default: --device alone)")
-    shards.add_argument("--tensor-parallel", type=_positive(int), default=1, metavar="N",
-                        help="shards the pool's KV heads are split into, one per device: "
-                             "num_kv_heads / N heads each (default 1)")
-    shards.add_argument("--data-parallel-rank", type=int, metavar="K",
-                        help="the data-parallel rank this service allocates for (one service "
-                             "per rank): KV events carry it, workers of other ranks are refused")
-    svc = parser.add_argument_group("service")
-    service = ServiceConfig.model_fields
-    for name in _SERVICE_FLAGS:
-        info = service[name]
-        svc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=info.annotation,
-                         metavar="N",
-                         help=f"{info.description} (default {info.default})")
-    limits = parser.add_argument_group("network limits")
-    for name, kind, help_text in _LIMIT_FLAGS:
-        default = getattr(DEFAULT_LIMITS, name)
-        limits.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive(kind),
-                            default=default, help=f"{help_text} (default {default:g})")
-    limits.add_argument("--http", choices=http_parsers(), default="auto",
-                        help="REST's HTTP parser (default auto: httptools, a C parser, when it "
-                             "is installed, else h11)")
-    parser.add_argument("--no-nwor", dest="nwor", action="store_false",
-                        help="write every staged token, rejected drafts too (as an engine "
-                             "without No-Write-On-Reject; default: only accepted ones)")
-    parser.add_argument("--insecure-no-token", action="store_true",
-                        help="serve without any token, even beyond loopback: anyone who can "
-                             "connect controls the service")
-    cache = parser.add_argument_group("prefix caching")
-    cache.add_argument("--prefix-caching", action="store_true",
-                       help="share the cached full blocks of prompts sent with token ids")
-    cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
-                       help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
-                            "'ipc:///DIR/events-{worker}': one stream per worker; turns prefix "
-                            "caching on")
-    cache.add_argument("--kv-events-replay", type=argument_type(server_endpoint),
-                       metavar="ENDPOINT", help="serve KV event replays on this ZeroMQ endpoint")
-    cache.add_argument("--kv-events-shape", choices=[s.value for s in WireShape],
-                       default=WireShape.MAPS.value,
-                       help="maps: vLLM after 0.23 (default); arrays: vLLM 0.23 and earlier")
-    cache.add_argument("--kv-events-group", metavar="GROUP",
-                       help="event socket files 0660 owned by GROUP (default 0600: this user)")
-    cache.add_argument("--kv-events-plaintext", action="store_true",
-                       help="serve TCP event streams without KVALLOC_EVENTS_SECRET: whoever "
-                            "reaches them reads every prompt's token ids")
-    cache.add_argument("--cache-group", action="append", type=_cache_group, default=[],
-                       metavar="NAME=ID[,ID...]",
-                       help="these workers share one prefix-cache namespace (repeatable); every "
-                            "other worker's cached blocks are its own")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"], help="log verbosity")
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    """An argparse type: a number of ``kind`` above zero (argparse names the flag on error)."""
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _cache_group(text: str) -> tuple[str, list[str]]:
-    """An argparse type: ``NAME=ID,ID`` (argparse names the flag on error)."""
-    name, _, ids = text.partition("=")
-    workers = [w.strip() for w in ids.split(",") if w.strip()]
-    if not name.strip() or not workers:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=ID[,ID...]")
-    return name.strip(), workers
 
 
 def run(args: argparse.Namespace) -> int:
@@ -391,8 +246,8 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 
 
 def _config(args: argparse.Namespace) -> ServiceConfig:
-    pool = {k: getattr(args, k) for k in _POOL_FLAGS if getattr(args, k) is not None}
-    service = {k: getattr(args, k) for k in _SERVICE_FLAGS if getattr(args, k) is not None}
+    pool = {k: getattr(args, k) for k in POOL_FLAGS if getattr(args, k) is not None}
+    service = {k: getattr(args, k) for k in SERVICE_FLAGS if getattr(args, k) is not None}
     devices = _devices(args)
     if devices:
         pool["device"] = devices[0]
@@ -524,7 +379,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _limits(args: argparse.Namespace) -> RestLimits:
-    flags = {name: getattr(args, name) for name, _, _ in _LIMIT_FLAGS}
+    flags = {name: getattr(args, name) for name, _, _ in LIMIT_FLAGS}
     nofile = raise_nofile_limit()
     return RestLimits(**{**flags, "max_connections": connection_budget(flags["max_connections"],
                                                                        nofile)})

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import hashlib
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
-import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 # The tier a block is in, in vLLM's words: "GPU" is an engine's own KV cache (vLLM says so on
 # every platform, its CPU backend included), "CPU" a host tier blocks are offloaded to. Routers
@@ -135,12 +137,14 @@ class HashScope(str, Enum):
     NAMESPACE = "namespace"  # the namespace too
 
 
-def router_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"",
+def router_hashes(tokens: ArrayLike, tokens_per_block: int, cache_key: bytes = b"",
                   namespace: bytes = b"") -> list[int]:
     """The published hashes of the full blocks of ``tokens`` (a 1-D integer array): BLAKE2b-128
     chained over the parent's 16 bytes and the block's token ids (little-endian int64), from a
     root over the cache key (its length first) and ``namespace``; each hash's first 8 bytes,
     big-endian, as an unsigned integer. Unkeyed: whoever reads an event reads its token ids."""
+    import numpy as np  # here: the event types stay light for the command line's flags
+
     data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     step = tokens_per_block * 8
     parent = hashlib.blake2b(b"kvalloc-route\0" + len(cache_key).to_bytes(4, "big") + cache_key

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from command_help import help_and_imports
 from kvalloc.allocator import PoolConfig
 from kvalloc.server import serve
 from kvalloc.server.contract.addresses import (
@@ -61,6 +62,17 @@ def test_a_reproduction_slack_policy_is_a_flag_and_a_warning(
         config = serve._config(parse("--device", "cpu", "--slack-policy", "none"))
     assert config.pool.slack_policy == "none"
     assert "--slack-policy none" in caplog.text and "on purpose" in caplog.text
+
+
+def test_help_builds_the_flags_without_torch_numba_or_fastapi() -> None:
+    """``kvalloc serve --help`` answers from `server.serve_arguments` alone: the defaults it shows
+    come from the configuration models, and none of the service's heavy imports are loaded."""
+    text, imported = help_and_imports(["serve", "--help"],
+                                      ("torch", "numba", "numpy", "triton", "fastapi"))
+    assert imported == []
+    words = " ".join(text.split())  # as argparse wrapped it for whatever width
+    assert "--kv-events-shape" in words and "--max-step-tokens" in words
+    assert f"output tokens (default {PoolConfig.model_fields['max_seq_len'].default})" in words
 
 
 def test_version_prints_the_installed_release() -> None:

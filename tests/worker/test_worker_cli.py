@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from command_help import help_and_imports
 from kvalloc.server.cli import main
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
@@ -403,19 +404,14 @@ def test_without_the_worker_extra_one_line_names_it() -> None:
 
 # What `--help` must not load: each takes seconds to import, tens on a loaded machine.
 HEAVY = ("torch", "transformers", "triton", "numba", "fastapi")
-HELP_IMPORTS = ("import sys\nfrom kvalloc.server.cli import main\ntry:\n    main(sys.argv[1:])\n"
-                "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
-                "print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2:3])))")
 
 
 def test_worker_help_imports_nothing_heavy() -> None:
     """``kvalloc worker --help`` parses its flags alone: no model library, no torch; it works
     without the worker extra too."""
     for prelude in ("", "import sys; sys.modules['transformers'] = None\n"):
-        r = subprocess.run([sys.executable, "-c", prelude + HELP_IMPORTS, "worker", "--help"],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        assert "--worker-id" in r.stdout and r.stdout.splitlines()[-1] == "[]", r.stdout
+        text, imported = help_and_imports(["worker", "--help"], HEAVY, prelude)
+        assert "--worker-id" in text and imported == [], imported
 
 
 def test_the_flags_slack_policies_are_the_allocators() -> None:
