@@ -117,10 +117,9 @@ class SenderTimes:
         stream.send = timed_send  # type: ignore[method-assign]
 
     def drain(self) -> None:
-        """Return once the thread has sent everything published so far: a command on its queue
-        runs after every batch before it."""
+        """Return once the thread has sent everything published so far."""
         assert self.core.kv_events is not None
-        self.core.kv_events.endpoints()
+        self.core.kv_events.sender.flush()
 
     def reset(self) -> None:
         self.drain()

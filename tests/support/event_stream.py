@@ -24,5 +24,8 @@ class OneStream:
     def publish(self, events: list[KVCacheEvent]) -> None:
         self.sender.publish("s", events)
 
+    def flush(self) -> None:
+        self.sender.flush()
+
     def close(self) -> None:
         self.sender.close()

@@ -1,7 +1,9 @@
 """`EventSender`: every KV event stream of a service on one background thread.
 
-The service hands events over (``publish``) and never waits on the network; opening and closing
-a stream wait for the thread, so a bad or taken endpoint fails the call that asked for it.
+The service hands events over (``publish``) and never waits on the network, nor wakes the
+thread: a batch goes on a deque the thread drains every ``TICK_S`` (waking a waiting thread from
+the step costs it far more than the append, on a busy machine most of all). Opening and closing a
+stream wait for the thread, so a bad or taken endpoint fails the call that asked for it.
 ZeroMQ sockets are not thread-safe: only the thread makes, uses and closes them. With an events
 secret the context runs ZeroMQ's ZAP handler, admitting the events' subscriber key alone.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,7 +26,8 @@ from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.events.stream import PEER_MESSAGE_BYTES, EventStream, StreamFormat
 from zmq.auth.thread import ThreadAuthenticator
 
-_POLL_S = 0.02
+# How long a batch waits at most before the thread sends it; routers see events this late.
+TICK_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,12 @@ class Endpoints:
 class _Command:
     run: Callable[[], Any]
     done: Future[Any] = field(default_factory=Future)
+
+    def execute(self) -> None:
+        try:
+            self.done.set_result(self.run())
+        except Exception as exc:  # the caller's thread raises it
+            self.done.set_exception(exc)
 
 
 class _SubscriberKey:
@@ -56,8 +66,8 @@ class EventSender:
         self._context = zmq.Context()
         self._auth = self._authenticator(events_access)
         self._streams: dict[str, tuple[EventStream, Endpoints]] = {}
-        self._queue: queue.SimpleQueue[_Command | tuple[str, list[KVCacheEvent]] | None] = (
-            queue.SimpleQueue())
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._batches: deque[tuple[str, list[KVCacheEvent]]] = deque()
         self._thread = threading.Thread(target=self._run, name="kvalloc-kv-events", daemon=True)
         self._thread.start()
 
@@ -81,11 +91,15 @@ class EventSender:
     def publish(self, key: str, events: list[KVCacheEvent]) -> None:
         """Send ``events`` as one batch on ``key``'s stream (nothing when empty)."""
         if events:
-            self._queue.put((key, events))
+            self._batches.append((key, events))
 
     def close_stream(self, key: str) -> None:
         """Send what is queued for ``key``, then close its stream and remove its socket files."""
         self._call(lambda: self._close(key))
+
+    def flush(self) -> None:
+        """Return once every batch published before the call is sent."""
+        self._call(lambda: None)
 
     def endpoints(self) -> dict[str, Endpoints]:
         return self._call(lambda: {k: bound for k, (_, bound) in self._streams.items()})
@@ -93,12 +107,12 @@ class EventSender:
     def close(self) -> None:
         """Send what is queued, then close every stream. Idempotent."""
         if self._thread.is_alive():
-            self._queue.put(None)
+            self._commands.put(None)
             self._thread.join(timeout=5)
 
     def _call(self, run: Callable[[], Any]) -> Any:
         command = _Command(run)
-        self._queue.put(command)
+        self._commands.put(command)
         return command.done.result()
 
     # ------------------------------------------------------------------ the sender's thread
@@ -106,14 +120,18 @@ class EventSender:
     def _run(self) -> None:
         try:
             while True:
+                # Batches first: a command (a close, say) comes after what was published before.
+                self._send_batches()
                 try:
-                    item = self._queue.get(timeout=_POLL_S)
+                    command = self._commands.get(timeout=0 if self._batches else TICK_S)
                 except queue.Empty:
-                    item = ()
-                if item is None:
+                    command = ()
+                if command is None:
+                    self._send_batches()
                     return
-                if item:
-                    self._handle(item)
+                if command:
+                    self._send_batches()
+                    command.execute()
                 self._answer_replays()
         finally:
             for key in list(self._streams):
@@ -122,35 +140,20 @@ class EventSender:
                 self._auth.stop()
             self._context.term()
 
-    def _handle(self, item: _Command | tuple[str, list[KVCacheEvent]]) -> None:
-        if isinstance(item, _Command):
-            try:
-                item.done.set_result(item.run())
-            except Exception as exc:  # the caller's thread raises it
-                item.done.set_exception(exc)
-            return
-        key, events = item
-        if key in self._streams:  # a stream closed since is sent nothing
-            self._streams[key][0].send(events)
+    def _send_batches(self) -> None:
+        while self._batches:
+            key, events = self._batches.popleft()
+            if key in self._streams:  # a stream closed since is sent nothing
+                self._streams[key][0].send(events)
 
     def _answer_replays(self) -> None:
         """Answer waiting replays, after everything published before they were asked for."""
         waiting = [stream for stream, _ in self._streams.values()
                    if stream.replay is not None and stream.replay.poll(0)]
-        if not waiting:
-            return
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                self._queue.put(None)
-                break
-            self._handle(item)
+        if waiting:
+            self._send_batches()
         for stream in waiting:
-            if stream.replay is not None and stream.replay.poll(0):
-                stream.answer_replay()
+            stream.answer_replay()
 
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self._context.socket(kind)

@@ -43,6 +43,7 @@ def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> 
     publisher = OneStream(TOKEN)
     publisher.publish([AllBlocksCleared()])
     publisher.publish([stored([1, 2])])
+    publisher.flush()  # both sent before the subscriber connects
     sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, token=TOKEN)
     try:
         sub.wait_connected(WAIT_MS / 1000)
