@@ -17,8 +17,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "capacity.block_table": ("BlockTable",),
     "capacity.kv_events": (
         "AllBlocksCleared", "BlockRemoved", "BlockStored", "HashScope", "KVCacheEvent",
-        "KVEventBatch", "NamespacedEvent", "WireShape", "encode_batch", "namespace_digest",
-        "router_hashes"),
+        "KVEventBatch", "NamespacedEvent", "WireShape", "encode_batch", "event_encoder",
+        "namespace_digest", "router_hashes"),
     "capacity.manager": ("KVCacheManager",),
     "capacity.prefix_cache": ("Prompt", "block_hashes"),
     "capacity.slots": ("padded_slot_mapping", "slot_mapping"),

@@ -116,9 +116,22 @@ def _as_array(event: KVCacheEvent) -> _ArrayEvent:
     return _ArrayAllBlocksCleared()
 
 
+def _plain(value: Any) -> Any:
+    """A numpy array of token ids goes out as a list."""
+    tolist = getattr(value, "tolist", None)
+    if tolist is None:
+        raise NotImplementedError(f"cannot encode {type(value).__name__}")
+    return tolist()
+
+
+def event_encoder() -> msgspec.msgpack.Encoder:
+    """The encoder of `encode_batch`: events may hold their token ids as arrays."""
+    return msgspec.msgpack.Encoder(enc_hook=_plain)
+
+
 def encode_batch(encoder: msgspec.msgpack.Encoder, ts: float, events: list[KVCacheEvent],
                  rank: int | None, shape: WireShape = WireShape.MAPS) -> bytes:
-    """One batch's msgpack payload in ``shape``."""
+    """One batch's msgpack payload in ``shape`` (``encoder``: an `event_encoder`)."""
     if shape is WireShape.ARRAYS:
         return encoder.encode(_ArrayBatch(ts, [_as_array(e) for e in events], rank))
     return encoder.encode(KVEventBatch(ts, events, rank))
@@ -143,17 +156,32 @@ def router_hashes(tokens: ArrayLike, tokens_per_block: int, cache_key: bytes = b
     chained over the parent's 16 bytes and the block's token ids (little-endian int64), from a
     root over the cache key (its length first) and ``namespace``; each hash's first 8 bytes,
     big-endian, as an unsigned integer. Unkeyed: whoever reads an event reads its token ids."""
+    chain = route_chain(route_root(cache_key, namespace), tokens, tokens_per_block)
+    return [published(digest) for digest in chain]
+
+
+def route_root(cache_key: bytes = b"", namespace: bytes = b"") -> bytes:
+    """Where `router_hashes`' chain starts."""
+    return hashlib.blake2b(b"kvalloc-route\0" + len(cache_key).to_bytes(4, "big") + cache_key
+                           + namespace, digest_size=16).digest()
+
+
+def route_chain(parent: bytes, tokens: ArrayLike, tokens_per_block: int) -> list[bytes]:
+    """The 16-byte chain digests of the full blocks of ``tokens``, after ``parent``'s."""
     import numpy as np  # here: the event types stay light for the command line's flags
 
     data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     step = tokens_per_block * 8
-    parent = hashlib.blake2b(b"kvalloc-route\0" + len(cache_key).to_bytes(4, "big") + cache_key
-                             + namespace, digest_size=16).digest()
     out = []
     for start in range(0, (len(data) // step) * step, step):
         parent = hashlib.blake2b(parent + data[start : start + step], digest_size=16).digest()
-        out.append(int.from_bytes(parent[:8], "big"))
+        out.append(parent)
     return out
+
+
+def published(digest: bytes) -> int:
+    """The integer an event carries for a chain digest."""
+    return int.from_bytes(digest[:8], "big")
 
 
 def namespace_digest(namespace: bytes) -> str:

@@ -43,7 +43,7 @@ import torch
 from kvalloc.allocator.capacity.accounting import blocks_for, lag2_slack
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.block_table import BlockTable
-from kvalloc.allocator.capacity.kv_events import HashScope, NamespacedEvent
+from kvalloc.allocator.capacity.kv_events import HashScope, NamespacedEvent, route_root
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
 from kvalloc.allocator.capacity.slots import run_slots
@@ -201,11 +201,11 @@ class KVCacheManager(RequestApi):
         ``StepPlan.prompt_tokens``: hashing when a request arrives keeps it out of the step.
         ``salt``: the prompt's namespace (vLLM's ``cache_salt``); prompts share blocks only
         under the same salt. Token ids given bare to the step are hashed with no salt."""
-        route_namespace = (None if self.cache is None or not self.cache.record_events
-                           else salt if self.event_hashes is HashScope.NAMESPACE else b"")
+        root = (None if self.cache is None or not self.cache.record_events
+                else route_root(self.cache_key,
+                                salt if self.event_hashes is HashScope.NAMESPACE else b""))
         return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
-                         self.cache_key, salt=salt, seed=self.hash_seed,
-                         route_namespace=route_namespace)
+                         self.cache_key, salt=salt, seed=self.hash_seed, route_root=root)
 
     def drain_kv_events(self) -> list[NamespacedEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""

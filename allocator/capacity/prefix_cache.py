@@ -40,7 +40,6 @@ stack; a block with more than one owner is registered.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -56,7 +55,8 @@ from kvalloc.allocator.capacity.kv_events import (
     BlockStored,
     NamespacedEvent,
     namespace_digest,
-    router_hashes,
+    published,
+    route_chain,
 )
 from kvalloc.allocator.capacity.state import RowState
 from kvalloc.allocator.capacity.step.reference import Hits
@@ -93,31 +93,29 @@ def block_hashes(tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b
 @dataclass(frozen=True)
 class Prompt:
     """A prompt's token ids, the hashes of its full blocks, the namespace (salt) they were
-    hashed under and, for KV events, the hashes routers see (`router_hashes`; empty without
-    events). Build it when the request arrives (``of``) to keep the hashing out of the step that
-    admits it."""
+    hashed under and, for KV events, the root of the chain routers see (`route_root`; None
+    without events: the chain is hashed only for blocks that register). Build it when the
+    request arrives (``of``) to keep the hashing out of the step that admits it."""
 
     tokens: np.ndarray
     hashes: list[bytes]
     namespace: bytes = b""
-    routes: list[int] = dataclasses.field(default_factory=list)
+    route_root: bytes | None = None
 
     @classmethod
     def of(cls, tokens: np.ndarray, tokens_per_block: int, cache_key: bytes = b"", *,
-           salt: bytes = b"", seed: bytes = b"", route_namespace: bytes | None = None) -> Prompt:
-        """``route_namespace``: the namespace the router hashes cover (None: no router
-        hashes)."""
-        routes = ([] if route_namespace is None else
-                  router_hashes(tokens, tokens_per_block, cache_key, route_namespace))
+           salt: bytes = b"", seed: bytes = b"", route_root: bytes | None = None) -> Prompt:
         return cls(tokens, block_hashes(tokens, tokens_per_block, cache_key, salt=salt,
-                                        seed=seed), salt, routes)
+                                        seed=seed), salt, route_root)
 
 
 class Origin(NamedTuple):
-    """What a registered block's `BlockStored` said: its namespace, its router hash, its
-    parent's (None at the root) and its token ids."""
+    """What a registered block's `BlockStored` said: its namespace, its chain digest and its
+    `published` form (its router hash), its parent's router hash (None at the root) and its
+    token ids."""
 
     namespace: bytes
+    digest: bytes
     route: int
     parent: int | None
     tokens: np.ndarray
@@ -210,32 +208,36 @@ class PrefixCache:
         blocks = host[row, first : first + n].tolist()
         self.block_of.update(zip(stored, blocks, strict=True))
         self.hash_of.update(zip(blocks, stored, strict=True))
-        if self.record_events:
-            self._record_stored(prompt, first, blocks)
+        if self.record_events and blocks:
+            parent = self.origin[int(host[row, first - 1])] if first else None
+            self._record_stored(prompt, first, blocks, parent)
         self.protected[blocks] = True
         if self.track_protection:
             self._flipped.extend(blocks)
         rows.cached[row] = first + len(stored)
 
-    def _record_stored(self, prompt: Prompt, first: int, blocks: list[int]) -> None:
-        """The registered blocks' origins, and their `BlockStored`."""
-        if not blocks:
-            return
+    def _record_stored(self, prompt: Prompt, first: int, blocks: list[int],
+                       parent: Origin | None) -> None:
+        """The registered blocks' origins, and their `BlockStored`. ``parent``: the block
+        before ``first`` (None: ``first`` is the prompt's first block)."""
+        assert prompt.route_root is not None, "a prompt made without events"
         tpb = self.tokens_per_block
-        chain = [prompt.routes[first - 1] if first else None,
-                 *prompt.routes[first : first + len(blocks)]]
+        tokens = prompt.tokens[first * tpb : (first + len(blocks)) * tpb]
+        digests = route_chain(prompt.route_root if parent is None else parent.digest, tokens,
+                              tpb)
+        routes = [published(d) for d in digests]
+        parents = [None if parent is None else parent.route, *routes[:-1]]
         for i, block in enumerate(blocks):
-            start = (first + i) * tpb
-            self.origin[block] = Origin(prompt.namespace, chain[i + 1], chain[i],
-                                        prompt.tokens[start : start + tpb])
+            self.origin[block] = Origin(prompt.namespace, digests[i], routes[i], parents[i],
+                                        tokens[i * tpb : (i + 1) * tpb])
         self.events.append(NamespacedEvent(prompt.namespace, self._stored(
-            chain[1:], chain[0], prompt.tokens[first * tpb : (first + len(blocks)) * tpb],
-            prompt.namespace)))
+            routes, parents[0], tokens, prompt.namespace)))
 
     def _stored(self, routes: list[int], parent: int | None, tokens: np.ndarray,
                 namespace: bytes) -> BlockStored:
         digest = (namespace_digest(namespace),)
-        return BlockStored(routes, parent, tokens.tolist(), self.tokens_per_block, None,
+        # The token ids stay an array: the sender's thread makes them a list as it encodes.
+        return BlockStored(routes, parent, tokens, self.tokens_per_block, None,
                            MEDIUM_POOL, None, [digest] * len(routes), GROUP_INDEX,
                            FULL_ATTENTION)
 

@@ -24,9 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import zmq
-from kvalloc.allocator import KVCacheEvent, WireShape, encode_batch
+from kvalloc.allocator import KVCacheEvent, WireShape, encode_batch, event_encoder
 
 DEFAULT_TOPIC = "kv-events"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -73,7 +72,7 @@ class EventStream:
         """Over bound sockets; ``buffer_batches`` bounds what a replay can still return."""
         self.pub, self.replay, self.form = pub, replay, form
         self._topic = form.topic.encode()
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = event_encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=form.buffer_batches)
         self._budget = ReplayBudget(form.replay_rate)
         self.next_seq = 0
