@@ -70,6 +70,8 @@ def bind(sock: zmq.Socket, endpoint: str, access: EventAccess) -> str:
         path = Path(endpoint.removeprefix("ipc://"))
         _bind_file(sock, path, access.group)
         return f"ipc://{path}"
+    # ZeroMQ binds an IPv6 address (tcp://[::1]:port) only on a socket told to.
+    sock.ipv6 = "[" in endpoint
     if access.secret is not None:
         keys = curve_keys(access.secret.get_secret_value())
         sock.curve_server = True
