@@ -17,7 +17,10 @@ a graph not captured ahead is captured by the first commit that needs it. Either
 runs over slots that are all -1, so it writes nothing.
 
 The captured work is the caller's ``write(staged, kept, rows)`` on the device slot views: the
-same function the eager path runs, so the two cannot drift apart.
+same function the eager path runs, so the two cannot drift apart. It is passed to each call and
+never kept: the caller's bound method kept here would close a reference cycle through the caller
+that holds these graphs, leaving them to the cyclic collector, which may then free graphs in the
+middle of another stream's capture (fatal to the process).
 """
 
 from __future__ import annotations
@@ -56,12 +59,10 @@ def source_key(source: torch.Tensor) -> SourceKey:
 
 
 class HostWriteGraphs:
-    def __init__(self, max_tokens: int, device: torch.device, write: Write, *,
-                 max_graphs: int = 16) -> None:
-        """Graphs of ``write`` over windows of up to ``max_tokens`` tokens; ``max_graphs``
-        graphs captured on first use at most, besides those captured ahead (``capture``)."""
+    def __init__(self, max_tokens: int, device: torch.device, *, max_graphs: int = 16) -> None:
+        """Graphs of a write over windows of up to ``max_tokens`` tokens; ``max_graphs`` graphs
+        captured on first use at most, besides those captured ahead (``capture``)."""
         self.max_tokens = max_tokens
-        self.write = write
         self._graphs = PinnedGraphs(
             2 * max_tokens * torch.int64.itemsize, device, max_graphs=max_graphs, log=log,
             failure="NWOR: capturing the host-slot commit failed; committing without a graph "
@@ -82,12 +83,12 @@ class HostWriteGraphs:
         """Whether a commit of ``tokens`` tokens from ``source`` replays a captured graph."""
         return self._graphs.holds(self._key(source, self._rows(source, tokens), variant))
 
-    def capture(self, source: torch.Tensor, variant: Hashable = None) -> bool:
+    def capture(self, source: torch.Tensor, write: Write, variant: Hashable = None) -> bool:
         """Capture now the graph of every row bucket a commit from ``source`` may replay (see
         ``replay``), kept until ``drop``. False if a capture failed (now or before), and the
         caller writes eagerly."""
         return all(self._graphs.capture(self._key(source, rows, variant),
-                                        partial(self._body, rows),
+                                        partial(self._body, rows, write),
                                         warmup_fill=partial(_fill_none, rows=rows))
                    for rows in row_buckets(self.max_tokens, source.shape[2]))
 
@@ -97,7 +98,7 @@ class HostWriteGraphs:
         key = source_key(source)
         return self._graphs.drop(lambda graph: graph[0] == key)
 
-    def replay(self, source: torch.Tensor, staged: np.ndarray, kept: np.ndarray,
+    def replay(self, source: torch.Tensor, staged: np.ndarray, kept: np.ndarray, write: Write,
                variant: Hashable = None) -> bool:
         """Commit ``staged``/``kept`` slots (same length) from ``source`` (``[L, 2, capacity,
         row]``, capacity >= that length) by replaying its graph
@@ -105,7 +106,7 @@ class HostWriteGraphs:
         ``variant`` names whatever else the captured work depends on (the protection guard)."""
         rows = self._rows(source, staged.size)
         return self._graphs.replay(
-            self._key(source, rows, variant), lambda: self._body(rows),
+            self._key(source, rows, variant), lambda: self._body(rows, write),
             lambda host: _fill(host, rows, staged, kept),
             warmup_fill=lambda host: _fill_none(host, rows))
 
@@ -116,10 +117,10 @@ class HostWriteGraphs:
     def _key(source: torch.Tensor, rows: int, variant: Hashable) -> Hashable:
         return source_key(source), rows, variant
 
-    def _body(self, rows: int) -> None:
+    def _body(self, rows: int, write: Write) -> None:
         slots = self._slots[: 2 * rows]
         slots.copy_(self._pinned[: 2 * rows], non_blocking=True)
-        self.write(slots[:rows], slots[rows:], rows)
+        write(slots[:rows], slots[rows:], rows)
 
 
 def _fill(host: np.ndarray, rows: int, staged: np.ndarray, kept: np.ndarray) -> None:

@@ -37,10 +37,12 @@ def make_config(tmp_path: Path, **service: object) -> ServiceConfig:
                          cache_groups=GROUPS, **service)
 
 
-def held(core: ServiceCore, worker_id: str) -> int:
-    """How many blocks a worker can hit: its namespace's registered blocks."""
+def held(core: ServiceCore, worker_id: str) -> set[int]:
+    """The blocks a worker can hit, as its stream names them: its namespace's registered
+    blocks."""
     cache = core.manager.cache
-    return sum(len(e.block_hashes) for e in cache.stored_events(worker_salt(worker_id, GROUPS)))
+    return {h for e in cache.stored_events(worker_salt(worker_id, GROUPS))
+            for h in e.block_hashes}
 
 
 def hit_tokens(core: ServiceCore, worker_id: str, prompt: np.ndarray) -> int:
@@ -90,12 +92,12 @@ def test_dynamos_indexer_holds_each_engines_blocks_and_scores_the_engine_that_ca
                     run_prompts(kv, prompts[name], finish=name != "carol")
             # Eviction: a long request takes parked blocks back from the cache.
             run_prompts(clients["bob"], [rng.integers(0, 5000, 60)], finish=True)
-            # Held against the service by what a router asks: for every prompt, cached or
-            # evicted since, the tokens each engine can hit (none missing, none stale). Its dump
-            # is no measure: it names a node by the first hash stored for its tokens, and workers
-            # of two namespaces hold the same system prompt under two hashes.
-            assert sum(held(core, name) for name in clients) > 0
-            assert core.manager.counters.evicted_blocks
+            # Held against the service twice: the blocks its index holds for each engine, and
+            # for every prompt, cached or evicted since, the tokens each engine can hit.
+            expected = {(ids[name], 0): held(core, name) for name in clients}
+            expected = {key: blocks for key, blocks in expected.items() if blocks}
+            assert expected and core.manager.counters.evicted_blocks
+            assert wait_until(lambda: indexer.dump() == expected, timeout_s=SETTLE_S)
             every = [p for name in prompts for p in prompts[name]]
 
             def scores_match() -> bool:

@@ -28,7 +28,7 @@ from kvalloc.allocator.common.device_io import capture_graph
 from kvalloc.allocator.errors import InvariantViolation
 from kvalloc.allocator.nwor.acceptance import StaticAcceptance
 from kvalloc.allocator.nwor.commit_kernel import Backend
-from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs, Write
+from kvalloc.allocator.nwor.host_write_graphs import HostWriteGraphs
 
 
 @dataclass
@@ -80,11 +80,11 @@ class CommitGraphs:
                 and g.acceptance.fits(draft_ids, sampled_ids)]
         return min(fits, key=lambda g: g.rows, default=None)
 
-    def host_writes(self, write: Write) -> HostWriteGraphs | None:
-        """The host-write graphs (made now, capturing ``write``, if they can exist), or None:
-        a host-slot commit then writes eagerly."""
+    def host_writes(self) -> HostWriteGraphs | None:
+        """The host-write graphs (made now, if they can exist), or None: a host-slot commit
+        then writes eagerly."""
         if self.host is None and self.device.type == "cuda" and self.backend == "triton":
-            self.host = HostWriteGraphs(self.max_tokens, self.device, write)
+            self.host = HostWriteGraphs(self.max_tokens, self.device)
         return self.host
 
     def drop_host_writes(self, source: torch.Tensor) -> int:

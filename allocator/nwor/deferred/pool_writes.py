@@ -166,7 +166,7 @@ class PoolWrites:
         if graphs is None or not graphs.replay(
                 staging.source, staging.host_slots,
                 staging.host_slots if kept_slots is None else kept_slots,
-                variant=self._variant()):
+                self.write_uploaded_slots, variant=self._variant()):
             staging.upload_host_slots(kept_slots)
             write_staged(self.storage.rows(), staging.source,
                          staging.shared_row(int(kept_slots is not None)), staging.all_rows,
@@ -189,7 +189,7 @@ class PoolWrites:
         return self.protection.variant, self.fence.word.data_ptr()
 
     def _host_write_graphs(self) -> HostWriteGraphs | None:
-        return self.graphs.host_writes(self.write_uploaded_slots)
+        return self.graphs.host_writes()
 
     def capture_host_writes(self, source: torch.Tensor) -> bool:
         """Capture every row bucket of host-slot writes from ``source``, between windows;
@@ -198,7 +198,7 @@ class PoolWrites:
         if graphs is None:
             return False
         with self.staging.reading(source):  # what the captured write reads
-            return graphs.capture(source, self._variant())
+            return graphs.capture(source, self.write_uploaded_slots, self._variant())
 
     def write_all_staged(self, reason: str, exc: BaseException | None = None) -> WindowStats:
         """The fallback: every staged token, with the reference torch write (what an engine

@@ -398,3 +398,24 @@ def test_the_service_captures_a_workers_graphs_at_registration_and_drops_them_wi
         core.check_invariants()
     finally:
         core.close()
+
+
+@gpu
+@needs_cuda
+def test_a_manager_with_host_write_graphs_is_freed_by_reference_counting_alone() -> None:
+    """The graphs take the write on each call and never keep it: kept, the manager's bound
+    method would close a cycle through the graphs, and the cyclic collector would free them
+    whenever it happens to run, in another stream's graph capture too (fatal to the process)."""
+    import gc
+    import weakref
+
+    _, _, graphed, make_staging = _twins()
+    assert graphed.graphs.capture_host_writes(make_staging())
+    graphs = weakref.ref(graphed.graphs.captured.host)
+    gone = weakref.ref(graphed)
+    gc.disable()
+    try:
+        del graphed
+        assert gone() is None and graphs() is None
+    finally:
+        gc.enable()
