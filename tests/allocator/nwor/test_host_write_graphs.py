@@ -410,7 +410,9 @@ def test_a_manager_with_host_write_graphs_is_freed_by_reference_counting_alone()
     import weakref
 
     _, _, graphed, make_staging = _twins()
-    assert graphed.graphs.capture_host_writes(make_staging())
+    staging = make_staging()
+    del make_staging  # it reads the manager's staging dtype
+    assert graphed.graphs.capture_host_writes(staging)
     graphs = weakref.ref(graphed.graphs.captured.host)
     gone = weakref.ref(graphed)
     gc.disable()
