@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -113,6 +114,14 @@ def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_stays_silen
     names = {r["alert"] for r in alert_rules(rules)}
     assert fires == names, f"alerts without a firing test: {names - fires}"
     assert silent == names, f"alerts without a silent case: {names - silent}"
+
+
+def test_the_observability_docs_list_every_alert_in_their_alerts_table():
+    """An operator reads what an alert means there: one row per alert, none for an alert gone."""
+    section = (ROOT / "docs" / "observability.md").read_text().split("## Alerts", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(Kvalloc\w+)` \|", section, flags=re.MULTILINE)
+    assert sorted(rows) == sorted({r["alert"] for r in alert_rules()})
 
 
 def threshold(rule: dict) -> float:
