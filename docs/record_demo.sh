@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Record docs/dashboard.png from real data: a CPU `kvalloc serve`, a Prometheus scraping it every
-# second with deploy/prometheus/alerts.yml, and two `kvalloc loadgen` workers (IPC and REST) for
+# second with deploy/prometheus/alerts.yml, and two `kvalloc loadgen` workers (IPC and REST, the
+# first sharing a system prompt through the prefix cache) for
 # MINUTES minutes; then draw the Grafana dashboard's queries with docs/render_dashboard.py.
 #   docs/record_demo.sh [MINUTES]        (needs `prometheus` on PATH: apt-get install prometheus)
 # Everything listens on loopback and is stopped on exit.
@@ -19,7 +20,7 @@ PROM_PORT=$(free_port)
 IPC="ipc://$TMP/kvalloc.ipc"
 
 "$PY" -m kvalloc.server.cli serve --port "$REST_PORT" --ipc "$IPC" --num-blocks 2048 --max-draft-len 4 \
-    >"$TMP/serve.log" 2>&1 &
+    --prefix-caching >"$TMP/serve.log" 2>&1 &
 PIDS+=($!)
 cat >"$TMP/prometheus.yml" <<YAML
 global: {scrape_interval: 1s, evaluation_interval: 1s}
@@ -36,7 +37,7 @@ until curl -sf "http://127.0.0.1:$REST_PORT/readyz" >/dev/null; do sleep 0.5; do
 SECONDS_TOTAL=$((MINUTES * 60))
 "$PY" -m kvalloc.server.cli loadgen --address "$IPC" --worker-id demo-ipc --no-progress \
     --duration "$SECONDS_TOTAL" --arrival-rate 0.5 --max-live 40 \
-    --output-len 64:512 --seed 1 &
+    --output-len 64:512 --shared-prefix 128 --seed 1 &
 PIDS+=($!)
 "$PY" -m kvalloc.server.cli loadgen --address "http://127.0.0.1:$REST_PORT" --worker-id demo-rest \
     --no-progress --duration "$SECONDS_TOTAL" \
