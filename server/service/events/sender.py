@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 from kvalloc.allocator import KVCacheEvent
+from kvalloc.server.contract.errors import NotReady
 from kvalloc.server.contract.routing import curve_keys
 from kvalloc.server.service.events import access
 from kvalloc.server.service.events.access import EventAccess
@@ -50,6 +51,9 @@ class _Command:
             self.done.set_exception(exc)
 
 
+_STOP = _Command(lambda: None)  # the thread's last command: it sends what is left and ends
+
+
 class _SubscriberKey:
     """The ZAP check of a CURVE client: its public key is the subscriber key."""
 
@@ -66,7 +70,7 @@ class EventSender:
         self._context = zmq.Context()
         self._auth = self._authenticator(events_access)
         self._streams: dict[str, tuple[EventStream, Endpoints]] = {}
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._batches: deque[tuple[str, list[KVCacheEvent]]] = deque()
         self._thread = threading.Thread(target=self._run, name="kvalloc-kv-events", daemon=True)
         self._thread.start()
@@ -107,10 +111,12 @@ class EventSender:
     def close(self) -> None:
         """Send what is queued, then close every stream. Idempotent."""
         if self._thread.is_alive():
-            self._commands.put(None)
+            self._commands.put(_STOP)
             self._thread.join(timeout=5)
 
     def _call(self, run: Callable[[], Any]) -> Any:
+        if not self._thread.is_alive():
+            raise NotReady("KV events: the sender has stopped (the service is closing)")
         command = _Command(run)
         self._commands.put(command)
         return command.done.result()
@@ -119,26 +125,26 @@ class EventSender:
 
     def _run(self) -> None:
         try:
-            while True:
+            while (command := self._next_command()) is not _STOP:
                 # Batches first: a command (a close, say) comes after what was published before.
                 self._send_batches()
-                try:
-                    command = self._commands.get(timeout=0 if self._batches else TICK_S)
-                except queue.Empty:
-                    command = ()
-                if command is None:
-                    self._send_batches()
-                    return
-                if command:
-                    self._send_batches()
+                if command is not None:
                     command.execute()
                 self._answer_replays()
+            self._send_batches()
         finally:
             for key in list(self._streams):
                 self._close(key)
             if self._auth is not None:
                 self._auth.stop()
             self._context.term()
+
+    def _next_command(self) -> _Command | None:
+        """The next command, or None after a tick without one."""
+        try:
+            return self._commands.get(timeout=TICK_S)
+        except queue.Empty:
+            return None
 
     def _send_batches(self) -> None:
         while self._batches:
