@@ -52,22 +52,22 @@ class CurveKeys(NamedTuple):
     subscriber_secret: bytes
 
 
-def _secret_key(token: str, person: bytes) -> bytes:
-    raw = hashlib.blake2b(token.encode(), digest_size=32, person=person).digest()
+def _secret_key(secret: str, person: bytes) -> bytes:
+    raw = hashlib.blake2b(secret.encode(), digest_size=32, person=person).digest()
     return zmq.utils.z85.encode(raw)
 
 
-def curve_keys(token: str) -> CurveKeys:
-    """The KV events' keys for the service token ``token``."""
-    server = _secret_key(token, b"kvalloc-ev-srv")
-    subscriber = _secret_key(token, b"kvalloc-ev-sub")
+def curve_keys(secret: str) -> CurveKeys:
+    """The KV events' keys for the events secret ``secret`` (``KVALLOC_EVENTS_SECRET``)."""
+    server = _secret_key(secret, b"kvalloc-ev-srv")
+    subscriber = _secret_key(secret, b"kvalloc-ev-sub")
     return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(subscriber), subscriber)
 
 
-def authenticate_subscriber(socket: zmq.Socket, token: str) -> None:
-    """Make ``socket`` (a SUB or DEALER, before it connects) present the subscriber key and
-    require the service's."""
-    keys = curve_keys(token)
+def authenticate_subscriber(socket: zmq.Socket, secret: str) -> None:
+    """Make ``socket`` (a SUB or DEALER, before it connects) present the subscriber key of the
+    events secret ``secret`` and require the service's."""
+    keys = curve_keys(secret)
     socket.curve_secretkey = keys.subscriber_secret
     socket.curve_publickey = keys.subscriber_public
     socket.curve_serverkey = keys.server_public

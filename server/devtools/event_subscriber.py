@@ -75,17 +75,17 @@ class EventCounts:
 
 class KVEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
-                 token: str | None = None, topic: str = DEFAULT_TOPIC,
+                 secret: str | None = None, topic: str = DEFAULT_TOPIC,
                  replay_timeout_s: float = 10.0,
                  namespaces: Iterable[bytes] | None = None) -> None:
         """Connect to ``endpoint`` (the PUB socket) and ``replay_endpoint`` (none: gaps are
-        counted as lost); ``token``: the events secret (none: a plain stream).
+        counted as lost); ``secret``: the events secret (none: a plain stream).
         ``replay_timeout_s`` bounds one replay, retries after refusals included. ``namespaces``
         (every namespace whose blocks the stream may carry; ``b""`` for a stream of hashes over
         content alone): check the hashes of blocks stored from a root (none: no check)."""
         self._namespaces = None if namespaces is None else list(namespaces)
         self._context = zmq.Context()
-        self._token = token
+        self._secret = secret
         self._topic = topic.encode()
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_s = replay_timeout_s
@@ -102,8 +102,8 @@ class KVEventSubscriber:
     def _socket(self, kind: int, endpoint: str, monitored: bool = False) -> zmq.Socket:
         socket = self._context.socket(kind)
         socket.linger = 0
-        if self._token is not None:
-            authenticate_subscriber(socket, self._token)
+        if self._secret is not None:
+            authenticate_subscriber(socket, self._secret)
         if monitored:  # before connecting, or the handshake's end may come unseen
             events = zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_REFUSED
             self._monitors.append(socket.get_monitor_socket(events))

@@ -54,11 +54,11 @@ class Subscriber:
     """Written from vLLM's message shape alone: no kvalloc types."""
 
     def __init__(self, context: zmq.Context, endpoint: str, replay_endpoint: str,
-                 token: str | None = None, medium: str = "GPU") -> None:
-        """``token``: the events secret (None: a plain socket)."""
+                 secret: str | None = None, medium: str = "GPU") -> None:
+        """``secret``: the events secret (None: a plain socket)."""
         self.context = context
         self.endpoint = endpoint
-        self.token = token
+        self.secret = secret
         self.medium = medium
         self.replay = self._socket(zmq.DEALER)
         self.replay.connect(replay_endpoint)
@@ -70,8 +70,8 @@ class Subscriber:
 
     def _socket(self, kind: int) -> zmq.Socket:
         socket = self.context.socket(kind)
-        if self.token is not None:
-            authenticate_subscriber(socket, self.token)
+        if self.secret is not None:
+            authenticate_subscriber(socket, self.secret)
         return socket
 
     def connect(self) -> None:

@@ -1,7 +1,7 @@
 """`KVEventSubscriber` on real ZeroMQ sockets: it rebuilds the publisher's cached set, replays
 what came before it joined and any later gap, asks again after a refused replay, counts batches
 the publisher no longer holds as lost, names events that contradict its view, and tells a
-refused handshake (no token) from a quiet stream."""
+refused handshake (no events secret) from a quiet stream."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.devtools.event_subscriber import KVEventSubscriber
 from kvalloc.server.service.events.stream import END_OF_REPLAY, REPLAY_REFUSED
 
-TOKEN = "the-service-token"
+SECRET = "the-events-secret"
 # A handshake or a batch on loopback takes about a millisecond; a loaded two-core machine may
 # take far longer.
 WAIT_MS = 10_000
@@ -40,11 +40,11 @@ def stored(hashes: list[int], parent: int | None = None) -> BlockStored:
 
 
 def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> None:
-    publisher = OneStream(TOKEN)
+    publisher = OneStream(SECRET)
     publisher.publish([AllBlocksCleared()])
     publisher.publish([stored([1, 2])])
     publisher.flush()  # both sent before the subscriber connects
-    sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, token=TOKEN)
+    sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, secret=SECRET)
     try:
         sub.wait_connected(WAIT_MS / 1000)
         published = 2
@@ -71,8 +71,8 @@ def test_a_late_subscriber_replays_what_came_before_and_follows_the_stream() -> 
 
 
 def test_a_subscriber_without_the_events_secret_is_told_its_handshake_was_refused() -> None:
-    publisher = OneStream(TOKEN)
-    sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, token="another")
+    publisher = OneStream(SECRET)
+    sub = KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, secret="another")
     try:
         with pytest.raises(HandshakeFailed, match="needs the events secret"):
             sub.wait_connected(WAIT_MS / 1000)

@@ -56,20 +56,20 @@ def test_a_subscriber_rebuilds_the_cached_set_and_replay_fills_a_gap(zmq_context
     assert sub.cached == {origin.route for origin in manager.cache.origin.values()}
 
 
-TOKEN = "the-events-secret"
+SECRET = "the-events-secret"
 # Handshakes on loopback take about a millisecond; a loaded two-core machine may take far longer.
 HANDSHAKE_MS = 10_000
 
 
 def secured_publisher(**form: object) -> OneStream:
-    return OneStream(TOKEN, **form)
+    return OneStream(SECRET, **form)
 
 
 def connect(context: zmq.Context, kind: int, endpoint: str,
-            token: str | None) -> tuple[zmq.Socket, zmq.Socket]:
+            secret: str | None) -> tuple[zmq.Socket, zmq.Socket]:
     socket = context.socket(kind)
-    if token is not None:
-        authenticate_subscriber(socket, token)
+    if secret is not None:
+        authenticate_subscriber(socket, secret)
     monitor = watch(socket)
     if kind == zmq.SUB:
         socket.subscribe(b"")
@@ -82,10 +82,10 @@ def test_only_a_subscriber_holding_the_events_secret_completes_a_handshake(zmq_c
     sockets = []
     try:
         outcomes = {}
-        for name, token in [("holder", TOKEN), ("other token", "guessed"), ("no CURVE", None)]:
+        for name, secret in [("holder", SECRET), ("another secret", "guessed"), ("no CURVE", None)]:
             for kind, endpoint in [(zmq.SUB, publisher.endpoint),
                                    (zmq.DEALER, publisher.replay_endpoint)]:
-                socket, monitor = connect(zmq_context, kind, endpoint, token)
+                socket, monitor = connect(zmq_context, kind, endpoint, secret)
                 sockets += [socket, monitor]
                 outcomes[name, kind] = handshake(monitor, HANDSHAKE_MS)
         assert {k: v for k, v in outcomes.items() if k[0] == "holder"} == {
@@ -109,7 +109,7 @@ def replay(socket: zmq.Socket, *frames: bytes) -> list[bytes]:
 
 def test_replay_requests_are_bounded_in_size_shape_and_rate(zmq_context):
     publisher = secured_publisher(replay_rate=3)
-    dealer, monitor = connect(zmq_context, zmq.DEALER, publisher.replay_endpoint, TOKEN)
+    dealer, monitor = connect(zmq_context, zmq.DEALER, publisher.replay_endpoint, SECRET)
     try:
         assert handshake(monitor, HANDSHAKE_MS) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         start = (0).to_bytes(8, "big")
