@@ -55,7 +55,6 @@ from kvalloc.server.contract.sharing import SHM_DIR, SHM_DIR_ENV, reap_dead_inst
 from kvalloc.server.serve_arguments import LIMIT_FLAGS, POOL_FLAGS, SERVICE_FLAGS
 from kvalloc.server.serve_arguments import add_arguments as add_arguments  # a command's two names
 from kvalloc.server.service.core import ServiceCore
-from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.footprint import Footprint, check_fits, describe_bytes
 from kvalloc.server.service.ranks import RankedService, rank_configs
 from kvalloc.server.service.settings import (
@@ -336,8 +335,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
 def _check_event_access(config: ServiceConfig) -> None:
     """Every rank's event endpoints can be protected (`EventAccess.check`); plain TCP streams
     are logged loudly."""
-    access = EventAccess(secret=config.kv_events_secret, plaintext=config.kv_events_plaintext,
-                         group=config.kv_events_group)
+    access = config.event_access
     for rank in rank_configs(config):
         for flag, endpoint in [("--kv-events", rank.kv_events),
                                ("--kv-events-replay", rank.kv_events_replay)]:

@@ -53,7 +53,6 @@ from kvalloc.server.contract.errors import (
 )
 from kvalloc.server.contract.routing import SEED_BYTES, hash_seed, worker_salt
 from kvalloc.server.contract.sharing import dtype_name
-from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.events.stream import StreamFormat
 from kvalloc.server.service.events.streams import EventStreams, per_worker
 from kvalloc.server.service.pipeline import StepPipeline
@@ -430,9 +429,7 @@ def _event_streams(config: ServiceConfig, manager: KVCacheManager) -> EventStrea
     assert manager.cache is not None  # the configuration requires prefix caching with events
     form = StreamFormat(shape=config.kv_events_shape,
                         data_parallel_rank=config.data_parallel_rank)
-    access = EventAccess(secret=config.kv_events_secret, plaintext=config.kv_events_plaintext,
-                         group=config.kv_events_group)
-    return EventStreams(config.kv_events, config.kv_events_replay, form, access,
+    return EventStreams(config.kv_events, config.kv_events_replay, form, config.event_access,
                         manager.cache.stored_events)
 
 

@@ -10,6 +10,7 @@ import os
 
 from kvalloc.allocator import PoolConfig, WireShape
 from kvalloc.server.contract.addresses import TOKEN_ENV
+from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.events.streams import WORKER_FIELD, per_worker
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -103,6 +104,12 @@ class ServiceConfig(BaseModel):
                                         "when it serves one rank of several (a service of "
                                         "several ranks numbers its own): its KV events carry "
                                         "it, and a worker registering for another is refused.")
+
+    @property
+    def event_access(self) -> EventAccess:
+        """Who may read the KV event streams, as this configuration says."""
+        return EventAccess(secret=self.kv_events_secret, plaintext=self.kv_events_plaintext,
+                           group=self.kv_events_group)
 
     @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:

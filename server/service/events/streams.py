@@ -47,6 +47,8 @@ class EventStreams:
                 raise
 
     def publish(self, events: list[NamespacedEvent]) -> None:
+        if not events:  # most steps change no cached block
+            return
         if not self.per_worker:
             self.sender.publish(SERVICE_STREAM, [e.event for e in events])
             return
