@@ -254,7 +254,9 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         log.warning("--slack-policy %s: overlap workers will crash or overflow their rows on "
                     "purpose (a reproduction, never for serving)", pool["slack_policy"])
     return ServiceConfig(pool=default_pool(**pool), token=token_from_env(), nwor=args.nwor,
-                         prefix_caching=args.prefix_caching or args.kv_events is not None,
+                         prefix_caching=(args.prefix_caching or args.kv_events is not None
+                                         or args.host_tier_bytes > 0),
+                         host_tier_bytes=args.host_tier_bytes,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          kv_events_shape=args.kv_events_shape,
                          kv_events_secret=secret_from_env(EVENTS_SECRET_ENV),

@@ -7,6 +7,7 @@ this install serves). `server.serve` runs the command.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import get_args
 
@@ -115,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("prefix caching")
     cache.add_argument("--prefix-caching", action="store_true",
                        help="share the cached full blocks of prompts sent with token ids")
+    cache.add_argument("--host-tier", dest="host_tier_bytes", type=argument_type(byte_size),
+                       default=0, metavar="SIZE",
+                       help="a host tier of SIZE bytes (e.g. 64GiB) below the pool: every cached "
+                            "block is copied there as it registers and prompts whose prefix the "
+                            "pool evicted are served from it; turns prefix caching on")
     cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
                        help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
                             "'ipc:///DIR/events-{worker}': one stream per worker; turns prefix "
@@ -149,6 +155,19 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """``64GiB``, ``512M``, ``1048576``: a number of bytes in binary units (``B`` or ``iB``
+    after the letter optional, its case too)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size in bytes (e.g. 64GiB, 512MiB, 1048576)")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
 def _cache_group(text: str) -> tuple[str, list[str]]:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 # score the first alone as the engine's cache (Dynamo's indexer puts "CPU" blocks in a lower tier
 # that its scores leave out), so the pool's blocks are "GPU" on any device.
 MEDIUM_POOL = "GPU"
+MEDIUM_TIER = "CPU"  # the service's host tier (`capacity.host_tier`)
 # vLLM's name for a group of layers that all attend over the whole sequence.
 FULL_ATTENTION = "full_attention"
 # kvalloc keeps one group of layers (vLLM's KV cache group 0).
@@ -61,6 +62,16 @@ class BlockStored(KVCacheEvent):
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+
+
+def block_stored(routes: list[int], parent: int | None, tokens: ArrayLike, tokens_per_block: int,
+                 namespace: bytes, medium: str) -> BlockStored:
+    """The `BlockStored` of a run of blocks chained on ``parent`` (None: on the root), in one
+    namespace and one medium. ``tokens`` may stay an array: the sender's thread makes it a list
+    as it encodes."""
+    digest = (namespace_digest(namespace),)
+    return BlockStored(routes, parent, tokens, tokens_per_block, None, medium,  # type: ignore[arg-type]
+                       None, [digest] * len(routes), GROUP_INDEX, FULL_ATTENTION)
 
 
 class BlockRemoved(KVCacheEvent):

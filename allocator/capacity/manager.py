@@ -43,7 +43,14 @@ import torch
 from kvalloc.allocator.capacity.accounting import blocks_for, lag2_slack
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.block_table import BlockTable
-from kvalloc.allocator.capacity.kv_events import HashScope, NamespacedEvent, route_root
+from kvalloc.allocator.capacity.host_tier import HostTier
+from kvalloc.allocator.capacity.kv_events import (
+    BlockStored,
+    HashScope,
+    NamespacedEvent,
+    route_root,
+)
+from kvalloc.allocator.capacity.onboard import onboard
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
 from kvalloc.allocator.capacity.slots import run_slots
@@ -67,7 +74,7 @@ from kvalloc.allocator.capacity.step.plan import (
 from kvalloc.allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
 from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
 from kvalloc.allocator.config import PoolConfig, SlackPolicy
-from kvalloc.allocator.errors import InvariantViolation, UnknownRequest
+from kvalloc.allocator.errors import InvalidValue, InvariantViolation, UnknownRequest
 from numpy.typing import ArrayLike
 
 
@@ -76,7 +83,7 @@ class KVCacheManager(RequestApi):
                  compiled: bool | None = None, prefix_caching: bool = False,
                  cache_key: bytes = b"", hash_seed: bytes = b"", kv_events: bool = False,
                  event_hashes: HashScope = HashScope.NAMESPACE,
-                 register_when_written: bool = False) -> None:
+                 register_when_written: bool = False, host_tier_blocks: int = 0) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
         imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
@@ -84,7 +91,8 @@ class KVCacheManager(RequestApi):
         ``kv_events``: record KV events for ``drain_kv_events``, their block hashes over
         ``event_hashes`` (`kv_events.router_hashes`); ``register_when_written``:
         a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
-        not when its prefill is scheduled."""
+        not when its prefill is scheduled; ``host_tier_blocks``: slots of a host tier below the
+        pool (`capacity.host_tier`), which needs both (only written blocks may be copied)."""
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -108,9 +116,20 @@ class KVCacheManager(RequestApi):
                                   track_protection=register_when_written)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
+        self.tier = self._host_tier(host_tier_blocks)
         self.event_hashes = event_hashes
         # The per-request API's ids; rows a batched step admits have none.
         self.ids = RequestIds()
+
+    def _host_tier(self, num_slots: int) -> HostTier | None:
+        if num_slots == 0:
+            return None
+        if self.cache is None or not self.register_when_written:
+            raise InvalidValue("host_tier_blocks: a host tier needs prefix caching with "
+                               "register_when_written", field="host_tier_blocks")
+        cache = self.cache
+        return HostTier(num_slots, self.tokens_per_block,
+                        record=cache.record if cache.record_events else None)
 
     # ------------------------------------------------------------------ the batched step
 
@@ -127,18 +146,25 @@ class KVCacheManager(RequestApi):
         bounds and the state machine are still the step's to check, and a typed error still
         changes nothing."""
         prompts: list[Prompt | None] = []
-        hits = NO_HITS
+        hits, onboarding = NO_HITS, None
         if self.cache is not None and any(t is not None for t in tokens):
             prompts = [t if t is None or isinstance(t, Prompt) else self.prompt(t)
                        for t in tokens]
+            if self.tier is not None:
+                onboarding = onboard(self.cache, self.pool, self.tier, prompts,
+                                     arrays.prompt_lens)
             hits = self.cache.lookup(prompts, arrays.prompt_lens)
         result: StepRun = self._run(arrays, self.state, hits)
         if result.error[0]:
+            if onboarding is not None:
+                onboarding.undo()
             if result.error[0] == ROW_OVERFLOW:
                 self.counters.row_overflows += 1
             raise_step_error(result.error, arrays, self.ids.name)
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
+        if onboarding is not None:
+            self.counters.evicted_blocks += onboarding.commit()
         if self.cache is not None:
             self._cache_after(arrays, result, prompts)
         if arrays.finished_rows.size:
@@ -153,6 +179,8 @@ class KVCacheManager(RequestApi):
         assert cache is not None and outcome is not None and result.evicted is not None
         if result.evicted.size:
             cache.forget(result.evicted)
+            if self.tier is not None:
+                self.tier.cancel_offloads(result.evicted)
         if cache.prompts and arrays.finished_rows.size:
             for row in arrays.finished_rows.tolist():
                 cache.prompts.pop(row, None)
@@ -194,7 +222,19 @@ class KVCacheManager(RequestApi):
         first. Nothing without prefix caching."""
         if self.cache is None:
             return CacheChanges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), [])
-        return self.cache.drain_changes()
+        if self.tier is None:
+            return self.cache.drain_changes()
+        self._offload_registered()
+        onboards, offloads = self.tier.drain()
+        return self.cache.drain_changes()._replace(onboards=onboards, offloads=offloads)
+
+    def _offload_registered(self) -> None:
+        """Blocks registered since the last drain, still registered, go to the host tier."""
+        cache, tier = self.cache, self.tier
+        assert cache is not None and tier is not None
+        blocks = [b for b in cache.drain_registered() if b in cache.hash_of]
+        tier.store([cache.hash_of[b] for b in blocks], blocks,
+                   [cache.origin.get(b) for b in blocks])
 
     def prompt(self, tokens: ArrayLike, salt: bytes = b"") -> Prompt:
         """``tokens`` with their block hashes under this manager's cache key and seed, for
@@ -206,6 +246,13 @@ class KVCacheManager(RequestApi):
                                 salt if self.event_hashes is HashScope.NAMESPACE else b""))
         return Prompt.of(np.asarray(tokens, dtype=np.int64), self.tokens_per_block,
                          self.cache_key, salt=salt, seed=self.hash_seed, route_root=root)
+
+    def stored_events(self, namespace: bytes) -> list[BlockStored]:
+        """What a new subscriber of ``namespace`` must learn: a `BlockStored` for every block of
+        it the pool can serve a hit from, then for every one in the host tier."""
+        assert self.cache is not None
+        tier = [] if self.tier is None else self.tier.stored_events(namespace)
+        return [*self.cache.stored_events(namespace), *tier]
 
     def drain_kv_events(self) -> list[NamespacedEvent]:
         """KV events since the last drain (``kv_events=True``; empty otherwise), oldest first."""
@@ -326,6 +373,8 @@ class KVCacheManager(RequestApi):
         np.add.at(refs, held, 1)
         if not np.array_equal(refs, self.pool.refcounts):
             raise InvariantViolation("block-table ownership disagrees with reference counts")
+        if self.tier is not None:
+            self.tier.check_invariants()
         if self.cache is not None:
             self.cache.check_invariants(r, self.table.host, self.pool)
         elif self.pool.num_parked or r.cached.any() or (self.pool.refcounts > 1).any():

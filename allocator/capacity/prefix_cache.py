@@ -47,19 +47,19 @@ from typing import NamedTuple
 import numpy as np
 from kvalloc.allocator.capacity.block_pool import BlockPool
 from kvalloc.allocator.capacity.kv_events import (
-    FULL_ATTENTION,
     GROUP_INDEX,
     MEDIUM_POOL,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     NamespacedEvent,
-    namespace_digest,
+    block_stored,
     published,
     route_chain,
 )
 from kvalloc.allocator.capacity.state import RowState
 from kvalloc.allocator.capacity.step.reference import Hits
+from kvalloc.allocator.capacity.tier_copies import NO_COPIES, TierCopies
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
 HASH_BYTES = 16
@@ -121,12 +121,41 @@ class Origin(NamedTuple):
     tokens: np.ndarray
 
 
+class Forgotten(NamedTuple):
+    """A registered block's entry, kept to put it back (`PrefixCache.rollback`)."""
+
+    block: int
+    block_hash: bytes
+    origin: Origin | None
+
+
+def stored_runs(origins: list[Origin], tokens_per_block: int,
+                medium: str) -> list[NamespacedEvent]:
+    """`BlockStored` events of ``origins`` in ``medium``: one per run of blocks that chain on
+    one another in one namespace."""
+    events: list[NamespacedEvent] = []
+    run: list[Origin] = []
+    for origin in [*origins, None]:
+        if run and (origin is None or origin.namespace != run[-1].namespace
+                    or origin.parent != run[-1].route):
+            events.append(NamespacedEvent(run[0].namespace, block_stored(
+                [o.route for o in run], run[0].parent, np.concatenate([o.tokens for o in run]),
+                tokens_per_block, run[0].namespace, medium)))
+            run = []
+        if origin is not None:
+            run.append(origin)
+    return events
+
+
 class CacheChanges(NamedTuple):
     """What a prefix cache changed since it was last drained (`PrefixCache.drain_changes`)."""
 
     blocks: np.ndarray  # int64: blocks whose write protection flipped
     protected: np.ndarray  # bool, one per block: its protection now
     events: list[NamespacedEvent]  # oldest first
+    # With a host tier: the copies the pool's owner makes now, onboards first.
+    onboards: TierCopies = NO_COPIES
+    offloads: TierCopies = NO_COPIES
 
 
 class PrefixCache:
@@ -146,6 +175,16 @@ class PrefixCache:
         self.record_events = record_events
         self.events: list[NamespacedEvent] = (
             [NamespacedEvent(None, AllBlocksCleared())] if record_events else [])
+        self._registered: list[int] = []  # since the last `drain_registered`
+
+    def record(self, event: NamespacedEvent) -> None:
+        """Add an event of another tier, in order with the cache's own."""
+        self.events.append(event)
+
+    def drain_registered(self) -> list[int]:
+        """Blocks registered (by ``register``, not ``adopt``) since the last drain, in order."""
+        blocks, self._registered = self._registered, []
+        return blocks
 
     def drain_events(self) -> list[NamespacedEvent]:
         """The events since the last drain, oldest first."""
@@ -214,7 +253,23 @@ class PrefixCache:
         self.protected[blocks] = True
         if self.track_protection:
             self._flipped.extend(blocks)
+            self._registered.extend(blocks)
         rows.cached[row] = first + len(stored)
+
+    def adopt(self, blocks: list[int], hashes: list[bytes],
+              origins: list[Origin | None]) -> None:
+        """Register unowned ``blocks`` as holding ``hashes``' content that came from elsewhere
+        (a host tier), with the origins it had there; the caller parks them."""
+        self.block_of.update(zip(hashes, blocks, strict=True))
+        self.hash_of.update(zip(blocks, hashes, strict=True))
+        self.protected[blocks] = True
+        if self.track_protection:
+            self._flipped.extend(blocks)
+        if self.record_events:
+            known = [o for o in origins if o is not None]
+            assert len(known) == len(blocks), "a tier without events feeds a cache with them"
+            self.origin.update(zip(blocks, known, strict=True))
+            self.events += stored_runs(known, self.tokens_per_block, MEDIUM_POOL)
 
     def _record_stored(self, prompt: Prompt, first: int, blocks: list[int],
                        parent: Origin | None) -> None:
@@ -230,16 +285,8 @@ class PrefixCache:
         for i, block in enumerate(blocks):
             self.origin[block] = Origin(prompt.namespace, digests[i], routes[i], parents[i],
                                         tokens[i * tpb : (i + 1) * tpb])
-        self.events.append(NamespacedEvent(prompt.namespace, self._stored(
-            routes, parents[0], tokens, prompt.namespace)))
-
-    def _stored(self, routes: list[int], parent: int | None, tokens: np.ndarray,
-                namespace: bytes) -> BlockStored:
-        digest = (namespace_digest(namespace),)
-        # The token ids stay an array: the sender's thread makes them a list as it encodes.
-        return BlockStored(routes, parent, tokens, self.tokens_per_block, None,
-                           MEDIUM_POOL, None, [digest] * len(routes), GROUP_INDEX,
-                           FULL_ATTENTION)
+        self.events.append(NamespacedEvent(prompt.namespace, block_stored(
+            routes, parents[0], tokens, tpb, prompt.namespace, MEDIUM_POOL)))
 
     def stored_events(self, namespace: bytes) -> list[BlockStored]:
         """A `BlockStored` for every block of ``namespace`` that can serve a hit (its chain back
@@ -252,8 +299,30 @@ class PrefixCache:
                                                  and origin.parent not in reachable):
                 continue
             reachable.add(origin.route)
-            events.append(self._stored([origin.route], origin.parent, origin.tokens, namespace))
+            events.append(block_stored([origin.route], origin.parent, origin.tokens,
+                                       self.tokens_per_block, namespace, MEDIUM_POOL))
         return events
+
+    def journal(self) -> tuple[int, int]:
+        """Where the logs of events and protection flips stand, for `rollback`."""
+        return len(self.events), len(self._flipped)
+
+    def rollback(self, journal: tuple[int, int], adopted: list[int],
+                 forgotten: list[Forgotten]) -> None:
+        """Undo ``adopt`` of the ``adopted`` blocks and ``forget`` of the ``forgotten`` entries,
+        made since ``journal``, with their events and flips."""
+        for block in adopted:
+            del self.block_of[self.hash_of.pop(block)]
+            self.origin.pop(block, None)
+        self.protected[adopted] = False
+        for entry in forgotten:
+            self.block_of[entry.block_hash], self.hash_of[entry.block] = (entry.block,
+                                                                          entry.block_hash)
+            if entry.origin is not None:
+                self.origin[entry.block] = entry.origin
+            self.protected[entry.block] = True
+        del self.events[journal[0]:]
+        del self._flipped[journal[1]:]
 
     def drain_protection(self) -> tuple[np.ndarray, np.ndarray]:
         """Blocks whose protection changed since the last drain, and their protection now."""

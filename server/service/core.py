@@ -143,7 +143,9 @@ class ServiceCore:
         self.pipeline = StepPipeline(self.manager, self.pool.commits, self.registry,
                                      max_step_tokens=config.max_step_tokens,
                                      publish=None if self.kv_events is None
-                                     else self.kv_events.publish)
+                                     else self.kv_events.publish,
+                                     copy_tier=self.pool.copy_tier if self.pool.tier_stores
+                                     else None)
         self.pipeline.sync_cache()
         self.layout = _layout(config, dtype_name(self.pool.staging_dtype))
         self._observers = _Observers()
@@ -420,7 +422,7 @@ def _manager(config: ServiceConfig, placement: TensorAllocator) -> KVCacheManage
                           event_hashes=(HashScope.CONTENT if config.kv_events is not None
                                         and per_worker(config.kv_events)
                                         else HashScope.NAMESPACE),
-                          register_when_written=True)
+                          register_when_written=True, host_tier_blocks=config.host_tier_blocks)
 
 
 def _event_streams(config: ServiceConfig, manager: KVCacheManager) -> EventStreams | None:
@@ -430,7 +432,7 @@ def _event_streams(config: ServiceConfig, manager: KVCacheManager) -> EventStrea
     form = StreamFormat(shape=config.kv_events_shape,
                         data_parallel_rank=config.data_parallel_rank)
     return EventStreams(config.kv_events, config.kv_events_replay, form, config.event_access,
-                        manager.cache.stored_events)
+                        manager.stored_events)
 
 
 def _hash_seed(config: ServiceConfig) -> bytes:

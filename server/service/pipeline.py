@@ -13,9 +13,11 @@ Order inside one call (all checks come first; from the manager's step on nothing
 5. the previous batch is committed from the worker's staging buffer: exactly its accepted
    tokens, into blocks their requests still own; with prefix caching, the manager learns which
    prompt tokens are now written, and what that (and the step) changed in its cache reaches the
-   committer's write protection and the KV-event publisher (`sync_cache`); the reply is built
-   from the outcome. An overlap worker commits its own tokens: for it, 4 reads no slots and 5
-   writes nothing, and the batch that retires is the one whose results this call brought.
+   host tier's copies, the committer's write protection and the KV-event publisher
+   (`sync_cache`), all before the worker's step fence is recorded (its next forward reads the
+   blocks onboarded for it); the reply is built from the outcome. An overlap worker commits its
+   own tokens: for it, 4 reads no slots and 5 writes nothing, and the batch that retires is the
+   one whose results this call brought.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 from kvalloc.allocator import KVCacheEvent, KVCacheManager, Prompt, StepOutcome, checked_plan
+from kvalloc.allocator.capacity.tier_copies import TierCopies
 from kvalloc.allocator.common.jit import jit, numba
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.columns import (
@@ -66,11 +69,14 @@ class StepPipeline:
     def __init__(self, manager: KVCacheManager, committer: ShardedCommitter,
                  registry: WorkerRegistry,
                  *, max_step_tokens: int,
-                 publish: Callable[[list[KVCacheEvent]], None] | None = None) -> None:
-        """``publish``: where the manager's KV events go after each step."""
+                 publish: Callable[[list[KVCacheEvent]], None] | None = None,
+                 copy_tier: Callable[[TierCopies, TierCopies], None] | None = None) -> None:
+        """``publish``: where the manager's KV events go after each step; ``copy_tier``: who
+        carries out the host tier's copies (onboards, offloads)."""
         self.manager = manager
         self._caching = manager.prefix_caching
         self.publish = publish
+        self.copy_tier = copy_tier
         self.committer = committer
         self.registry = registry
         self.max_step_tokens = max_step_tokens
@@ -116,9 +122,9 @@ class StepPipeline:
             prompt_tokens=prompt_tokens, prompt_lens=call.prompt_lens, new_starts=cached))
         committed, slots = self._advance(worker, settled, scheduled, num_decodes, outcome,
                                          call.step_id)
+        self.sync_cache()  # before the fence: the worker's forward reads onboarded blocks
         if worker.fence is not None:
             worker.fence.service_end()
-        self.sync_cache()
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
             refused=self._refused(outcome, len(scheduled)), committed=committed,
@@ -167,12 +173,15 @@ class StepPipeline:
         return self._write_previous(worker, previous, settled, outcome), slots
 
     def sync_cache(self) -> None:
-        """What the manager's prefix cache changed since the last call: protection flips to the
-        committer (blocks evicted since the last commit may be written by the next one, blocks
-        just registered must not be), KV events to ``publish``."""
+        """What the manager's prefix cache changed since the last call: the host tier's copies
+        made, protection flips to the committer (blocks evicted since the last commit may be
+        written by the next one, blocks just registered must not be), KV events to
+        ``publish``."""
         if not self._caching:
             return
         changes = self.manager.drain_cache_changes()
+        if self.copy_tier is not None:
+            self.copy_tier(changes.onboards, changes.offloads)
         self.committer.protect(changes.blocks, changes.protected)
         if self.publish is not None:
             self.publish(changes.events)

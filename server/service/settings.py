@@ -69,6 +69,11 @@ class ServiceConfig(BaseModel):
                                    "every staged token, as an engine without NWOR does.")
     prefix_caching: bool = Field(default=False, description="Share the cached full blocks of "
                                                             "prompts sent with token ids.")
+    host_tier_bytes: int = Field(
+        default=0, ge=0, description="Host memory of a tier below the pool that every cached "
+                                     "block is copied to as it registers, and that prompts "
+                                     "whose prefix the pool evicted are served from "
+                                     "(`allocator.capacity.host_tier`); 0: none.")
     kv_events: str | None = Field(
         default=None, description="ZeroMQ endpoint to publish KV events on (vLLM's format); "
                                   "with {worker} in it, one stream per worker "
@@ -110,6 +115,20 @@ class ServiceConfig(BaseModel):
         """Who may read the KV event streams, as this configuration says."""
         return EventAccess(secret=self.kv_events_secret, plaintext=self.kv_events_plaintext,
                            group=self.kv_events_group)
+
+    @property
+    def host_tier_blocks(self) -> int:
+        """Slots of the host tier: whole blocks (every shard's heads) in ``host_tier_bytes``."""
+        return self.host_tier_bytes // self.pool.bytes_per_block
+
+    @model_validator(mode="after")
+    def _tier_needs_caching(self) -> ServiceConfig:
+        if self.host_tier_bytes and not self.prefix_caching:
+            raise ValueError("host_tier_bytes: a host tier needs prefix_caching")
+        if self.host_tier_bytes and self.host_tier_blocks == 0:
+            raise ValueError(f"host_tier_bytes: {self.host_tier_bytes} holds no block (one "
+                             f"block is {self.pool.bytes_per_block} bytes)")
+        return self
 
     @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:

@@ -36,6 +36,7 @@ from kvalloc.allocator import (
     TensorAllocator,
     WriterFence,
 )
+from kvalloc.allocator.capacity.tier_copies import TierCopies
 from kvalloc.allocator.common.device_io import on_device
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import FenceGroup, StepFence, TensorExporter
@@ -43,6 +44,7 @@ from kvalloc.server.service.commit import Committer, ShardedCommitter
 from kvalloc.server.service.registry import Worker
 from kvalloc.server.service.settings import ServiceConfig
 from kvalloc.server.service.shards import PoolShard, ShardSpec, shard_specs
+from kvalloc.server.service.tier_store import TierStore
 
 log = logging.getLogger("kvalloc.service")
 
@@ -110,6 +112,8 @@ class SharedPool:
             self._exporter.close()
             raise
         self._word_handles = [placement.handles[spec.name("fence_words")] for spec in specs]
+        slots = config.host_tier_blocks
+        self.tier_stores = [_tier_store(shard, slots) for shard in self.shards] if slots else []
         self.committer = self.shards[0].committer
         self.commits = ShardedCommitter([shard.committer for shard in self.shards])
         self._fences: dict[tuple[str, int], tuple[StepFence, wire.EventHandle,
@@ -194,6 +198,13 @@ class SharedPool:
             self._fences[key] = StepFence.create(spec.device)
         return self._fences[key]
 
+    def copy_tier(self, onboards: TierCopies, offloads: TierCopies) -> None:
+        """Carry out the host tier's copies on every shard (`TierStore.copy`): what the next
+        reader of the pool finds there is ordered after them."""
+        for store in self.tier_stores:
+            with on_device(store.kv.device):
+                store.copy(onboards, offloads)
+
     def end_writes(self, worker: Worker) -> None:
         """Close ``worker``'s fence words on every shard: from now on nothing its session
         launched writes the pool (`allocator.nwor.fence`). Before its blocks are freed."""
@@ -268,6 +279,11 @@ def _rewrite(shared: torch.Tensor, own: np.ndarray) -> int:
     if differ:
         shared.copy_(expected)
     return differ
+
+
+def _tier_store(shard: PoolShard, slots: int) -> TierStore:
+    with on_device(shard.spec.device):
+        return TierStore(shard.storage.kv, slots)
 
 
 def _one_fence(fences: list[StepFence]) -> StepFence | FenceGroup | None:

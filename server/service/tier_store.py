@@ -1,0 +1,185 @@
+"""`TierStore`: the memory of the host tier for one pool shard, and the copies between the two.
+
+The memory is block-major, ``[slots, L, 2, T, H, D]``, where the pool is layer-major
+(``[L, 2, blocks, T, H, D]``): one block of the pool is ``2 L`` pieces, one slot of the tier is one
+piece. A copy gathers its blocks on the pool's device into a scratch buffer of whole slots, so
+each slot crosses the link in one DMA (a run of consecutive slots in one), at the link's speed
+instead of the speed of ``2 L`` small copies. On a CUDA pool the memory is pinned and the copies
+run on two streams of their own, one per direction:
+
+- an offload waits for the service's stream (the commit that wrote its blocks), gathers, and
+  lets the service's stream go on once the gather is done: from then on the pool's blocks may be
+  rewritten, the DMA reads the scratch;
+- an onboard copies into the scratch, scatters into its pool blocks, and the service's stream
+  waits for it: everything the service does after (the commit, the step fence a worker's forward
+  waits on) is ordered after the blocks landed, with no host synchronisation;
+- a slot an onboard reads is never rewritten by an offload before the read is done, and a slot an
+  offload writes is never read before it landed (each waits on the other's event when their
+  slots meet).
+
+On a CPU pool the copies are plain tensor copies done before the call returns.
+
+`copy_reference` is the plain statement of what a copy does (index by index); the tests hold the
+gathered copies to it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from kvalloc.allocator.capacity.tier_copies import TierCopies
+
+# Scratch for one direction's gather: large enough that a step's copies take one round.
+SCRATCH_BYTES = 256 << 20
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def copy_reference(kv: torch.Tensor, memory: torch.Tensor, onboards: TierCopies,
+                   offloads: TierCopies) -> None:
+    """Onboards, then offloads, one block at a time."""
+    for block, slot in zip(onboards.blocks.tolist(), onboards.slots.tolist(), strict=True):
+        kv[:, :, block] = memory[slot]
+    for block, slot in zip(offloads.blocks.tolist(), offloads.slots.tolist(), strict=True):
+        memory[slot] = kv[:, :, block]
+
+
+def runs(slots: np.ndarray) -> list[tuple[int, int]]:
+    """``slots`` cut into runs of consecutive values: (index of the run's first, its length)."""
+    if slots.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    return list(zip(starts.tolist(), np.diff(np.concatenate([starts, [slots.size]])).tolist(),
+                    strict=True))
+
+
+class TierStore:
+    def __init__(self, kv: torch.Tensor, num_slots: int) -> None:
+        """The tier's memory for ``kv`` (a pool shard, ``[L, 2, blocks, T, H, D]``)."""
+        layers, two, _, tpb, heads, dim = kv.shape
+        # Copies move bytes: one integer type of the element's size indexes every dtype (fp8
+        # included) the same way.
+        self.kv = kv.view(_SAME_SIZE[kv.element_size()])
+        self.cuda = kv.is_cuda
+        self.memory = torch.empty((num_slots, layers, two, tpb, heads, dim), dtype=self.kv.dtype,
+                                  pin_memory=self.cuda)
+        self.slot_bytes = self.memory[0].nbytes
+        self.bytes_copied = 0
+        self.copy_seconds = 0.0
+        if self.cuda:
+            self._cuda = _CudaCopies(self, max(1, SCRATCH_BYTES // self.slot_bytes))
+
+    def copy(self, onboards: TierCopies, offloads: TierCopies) -> None:
+        """Carry out the copies a drain of the tier returned, onboards first."""
+        if onboards.blocks.size == 0 and offloads.blocks.size == 0:
+            return
+        self.bytes_copied += (onboards.blocks.size + offloads.blocks.size) * self.slot_bytes
+        if self.cuda:
+            self._cuda.copy(onboards, offloads)
+            return
+        start = time.perf_counter()
+        if onboards.blocks.size:
+            blocks = torch.from_numpy(onboards.blocks)
+            self.kv.index_copy_(2, blocks, self.memory[torch.from_numpy(onboards.slots)]
+                                .permute(1, 2, 0, 3, 4, 5))
+        if offloads.blocks.size:
+            gathered = self.kv.index_select(2, torch.from_numpy(offloads.blocks))
+            self.memory.index_copy_(0, torch.from_numpy(offloads.slots),
+                                    gathered.permute(2, 0, 1, 3, 4, 5))
+        self.copy_seconds += time.perf_counter() - start
+
+
+class _CudaCopies:
+    """The two directions' streams, scratch buffers and events of a CUDA pool's tier."""
+
+    def __init__(self, store: TierStore, scratch_slots: int) -> None:
+        self.store = store
+        device = store.kv.device
+        self.scratch_slots = scratch_slots
+        shape = (scratch_slots, *store.memory.shape[1:])
+        self.streams = {d: torch.cuda.Stream(device) for d in ("on", "off")}
+        self.scratch = {d: torch.empty(shape, dtype=store.kv.dtype, device=device)
+                        for d in ("on", "off")}
+        self.events: dict[str, torch.cuda.Event | None] = {"on": None, "off": None}
+        self.busy: dict[str, set[int]] = {"on": set(), "off": set()}  # slots read / written
+        self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def copy(self, onboards: TierCopies, offloads: TierCopies) -> None:
+        self._harvest()
+        current = torch.cuda.current_stream(self.store.kv.device)
+        if onboards.blocks.size:
+            self._onboard(onboards, current)
+        if offloads.blocks.size:
+            self._offload(offloads, current)
+
+    def _after(self, stream: torch.cuda.Stream, other: str, slots: np.ndarray) -> None:
+        """``stream`` waits for the other direction's copies when they touch ``slots``."""
+        event = self.events[other]
+        if event is not None and self.busy[other] & set(slots.tolist()):
+            stream.wait_event(event)
+
+    def _timed(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def _onboard(self, copies: TierCopies, current: torch.cuda.Stream) -> None:
+        stream, scratch, memory, kv = (self.streams["on"], self.scratch["on"],
+                                       self.store.memory, self.store.kv)
+        stream.wait_stream(current)  # the blocks were just handed out: nothing reads them yet
+        self._after(stream, "off", copies.slots)
+        with torch.cuda.stream(stream):
+            start = self._timed(stream)
+            for first in range(0, copies.blocks.size, self.scratch_slots):
+                slots = copies.slots[first : first + self.scratch_slots]
+                for at, n in runs(slots):
+                    scratch[at : at + n].copy_(memory[int(slots[at]) : int(slots[at]) + n],
+                                               non_blocking=True)
+                blocks = torch.from_numpy(copies.blocks[first : first + slots.size]).to(
+                    kv.device, non_blocking=True)
+                kv.index_copy_(2, blocks, scratch[: slots.size].permute(1, 2, 0, 3, 4, 5))
+            self.events["on"] = self._finish(stream, start, copies.slots, "on")
+        current.wait_event(self.events["on"])
+
+    def _offload(self, copies: TierCopies, current: torch.cuda.Stream) -> None:
+        stream, scratch, memory, kv = (self.streams["off"], self.scratch["off"],
+                                       self.store.memory, self.store.kv)
+        stream.wait_stream(current)  # the commit that wrote the blocks
+        self._after(stream, "on", copies.slots)
+        gathered = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            start = self._timed(stream)
+            for first in range(0, copies.blocks.size, self.scratch_slots):
+                slots = copies.slots[first : first + self.scratch_slots]
+                blocks = torch.from_numpy(copies.blocks[first : first + slots.size]).to(
+                    kv.device, non_blocking=True)
+                scratch[: slots.size].copy_(kv.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5))
+                if first + slots.size >= copies.blocks.size:
+                    gathered.record(stream)
+                for at, n in runs(slots):
+                    memory[int(slots[at]) : int(slots[at]) + n].copy_(scratch[at : at + n],
+                                                                      non_blocking=True)
+            self.events["off"] = self._finish(stream, start, copies.slots, "off")
+        current.wait_event(gathered)  # the pool's blocks may change once gathered
+
+    def _finish(self, stream: torch.cuda.Stream, start: torch.cuda.Event, slots: np.ndarray,
+                direction: str) -> torch.cuda.Event:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self.busy[direction] |= set(slots.tolist())
+        self.timers.append((start, end))
+        return end
+
+    def _harvest(self) -> None:
+        """Add the copy time of the copies that finished; forget the slots of directions whose
+        last copy is done."""
+        done = [pair for pair in self.timers if pair[1].query()]
+        for start, end in done:
+            self.store.copy_seconds += start.elapsed_time(end) / 1e3
+        self.timers = [pair for pair in self.timers if pair not in done]
+        for direction, event in self.events.items():
+            if event is not None and event.query():
+                self.busy[direction].clear()
+                self.events[direction] = None
