@@ -95,9 +95,11 @@ class AllocatorMetrics:
 
     def __init__(self, registry: CollectorRegistry, manager: KVCacheManager,
                  deferred_writes: object | None = None, *, scv: object | None = None,
+                 tier_copies: object | None = None,
                  min_interval_s: float = 0.25) -> None:
         self.manager = manager
         self.deferred_writes = deferred_writes
+        self.tier_copies = tier_copies
         self.scv = scv
         self.min_interval_s = min_interval_s
         self._published: list[Metric] | None = None  # replaced whole, never changed in place
@@ -128,6 +130,8 @@ class AllocatorMetrics:
             families += _nwor_families(self.deferred_writes)
         if self.scv is not None:
             families += _scv_families(self.scv)
+        if self.manager.tier is not None:
+            families += _tier_families(self.manager, self.tier_copies)
         return families
 
 
@@ -241,6 +245,42 @@ def _scv_families(scv: object) -> list[Metric]:
             _by_reason("kvalloc_scv_graph_fallbacks",
                        "Shape buckets whose graph capture or replay failed and fell back to eager.",
                        getattr(src, "fallbacks", None), acceptance.FALLBACK_REASONS)]
+
+
+def _tier_families(manager: KVCacheManager, copies: object | None) -> list[Metric]:
+    """The host tier's: its size and content from the manager's index, what crossed the link
+    (blocks are whole: bytes are blocks times the block's bytes), and the seconds the copies
+    took, from whoever made them (``copies.copy_seconds``)."""
+    tier = manager.tier
+    assert tier is not None
+    block_bytes = manager.config.bytes_per_block
+    c = tier.counters
+    return [
+        _gauge("kvalloc_host_tier_blocks", "Blocks the host tier holds at most.", tier.num_slots),
+        _gauge("kvalloc_host_tier_bytes", "Host memory of the host tier.",
+               tier.num_slots * block_bytes),
+        _gauge("kvalloc_host_tier_held_blocks", "Host tier slots holding a cached block.",
+               tier.held),
+        CounterMetricFamily("kvalloc_host_tier_offloaded_blocks",
+                            "Registered pool blocks copied into the host tier.",
+                            value=c.offloaded_blocks),
+        CounterMetricFamily("kvalloc_host_tier_onboarded_blocks",
+                            "Host tier hits: blocks copied back into fresh pool blocks.",
+                            value=c.onboarded_blocks),
+        CounterMetricFamily("kvalloc_host_tier_evicted_blocks",
+                            "Host tier slots evicted (least recently used) for new content.",
+                            value=c.evicted_blocks),
+        CounterMetricFamily("kvalloc_host_tier_offloaded_bytes",
+                            "Bytes copied from the pool into the host tier.",
+                            value=c.offloaded_blocks * block_bytes),
+        CounterMetricFamily("kvalloc_host_tier_onboarded_bytes",
+                            "Bytes copied from the host tier into the pool.",
+                            value=c.onboarded_blocks * block_bytes),
+        CounterMetricFamily("kvalloc_host_tier_copy_seconds",
+                            "Time the host tier's copies took (device time on a GPU): bytes over "
+                            "it is the copies' throughput.",
+                            value=float(getattr(copies, "copy_seconds", 0.0))),
+    ]
 
 
 def _nwor_families(deferred_writes: object) -> list[Metric]:

@@ -167,13 +167,20 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
                need: Footprint, token: SecretStr | None) -> None:
     pool = config.pool
     log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
-             "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s; lease "
+             "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s%s; lease "
              "%.0fs%s)",
              ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, _where(config),
              pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
              pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
-             describe_bytes(need.staging), config.lease_ttl_s,
+             describe_bytes(need.staging), _tier_note(config), config.lease_ttl_s,
              _token_note(config.token, token))
+
+
+def _tier_note(config: ServiceConfig) -> str:
+    if not config.host_tier_blocks:
+        return ""
+    return (f"; host tier {describe_bytes(config.host_tier_blocks * config.pool.bytes_per_block)}"
+            f" ({config.host_tier_blocks} blocks)")
 
 
 def _where(config: ServiceConfig) -> str:
@@ -435,8 +442,10 @@ def _metrics(core: ServiceCore | RankedService) -> Callable[[], tuple[bytes, str
         rank_metrics(core, registry)
         return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
     # Scrapes read what the core publishes under its lock: they never take it themselves.
-    metrics = ServiceMetrics(registry, AllocatorMetrics(registry, core.manager,
-                                                        core.pool.committer.writes))
+    stores = core.pool.tier_stores  # every shard copies the same blocks: the first tells
+    metrics = ServiceMetrics(registry, AllocatorMetrics(
+        registry, core.manager, core.pool.committer.writes,
+        tier_copies=stores[0] if stores else None))
     with core.lock:
         core.add_observer(metrics)
         metrics.state_changed()

@@ -88,7 +88,24 @@ def check_fits(config: ServiceConfig) -> Footprint:
     need = footprint(config)
     for device, total in on_device(config, need).items():
         _check_device_fits(config, need, device, total)
+    _check_tier_fits(config, need)
     return need
+
+
+def _check_tier_fits(config: ServiceConfig, need: Footprint) -> None:
+    """The host tier (every rank's, pinned on a GPU host) and, on a CPU pool, the pool itself
+    come out of the RAM the kernel can give."""
+    ranks = max(1, len(config.devices or [config.pool.device]) // config.tensor_parallel)
+    tier = ranks * config.host_tier_blocks * config.pool.bytes_per_block
+    if not tier:
+        return
+    host = tier + (need.total if config.pool.device == "cpu" else 0)
+    available = _mem_available()
+    if host > available:
+        raise PoolTooLarge(
+            f"host_tier: {describe_bytes(tier)} of host tier"
+            + (f" and the {describe_bytes(need.total)} CPU pool" if host > tier else "")
+            + f" need more than the {describe_bytes(available)} RAM available; lower --host-tier")
 
 
 def _check_device_fits(config: ServiceConfig, need: Footprint, device: torch.device,

@@ -108,7 +108,8 @@ def rank_metrics(service: RankedService, registry: CollectorRegistry) -> None:
     """Serve ``service``'s metrics in ``registry``: the service's own once (step latency, leases),
     each rank's allocator families labelled with its rank (`RankLabelled`)."""
     own = [CollectorRegistry() for _ in service.ranks]
-    allocators = [AllocatorMetrics(reg, rank.manager, rank.pool.committer.writes)
+    allocators = [AllocatorMetrics(reg, rank.manager, rank.pool.committer.writes,
+                                   tier_copies=(rank.pool.tier_stores or [None])[0])
                   for reg, rank in zip(own, service.ranks, strict=True)]
     shared = ServiceMetrics(registry, allocators[0])
     registry.register(RankLabelled(own))

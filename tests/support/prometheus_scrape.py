@@ -11,7 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
     """Every sample served, keyed by (sample name, labels)."""
-    text = generate_latest(registry).decode()
+    return samples_of(generate_latest(registry).decode())
+
+
+def samples_of(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a text exposition (what /metrics answered), keyed as `scrape` keys it."""
     return {(s.name, frozenset(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
