@@ -64,20 +64,24 @@ def run_prompts(kv: Client, prompts: list[np.ndarray], finish: bool) -> None:
             kv.step(finished=admitted)
 
 
-@pytest.mark.parametrize("shared_system_prompt", [
-    False,
+@pytest.mark.parametrize(("shared_system_prompt", "host_tier"), [
+    (False, False),
     # Each engine's copy of one system prompt: Dynamo keys a node by the first hash it saw for
     # its tokens, so every stream must name equal content alike (hashes over content alone).
-    True,
+    (True, False),
+    # Every cached block also stored, and some evicted, in the host tier ("CPU" medium): Dynamo
+    # keeps those apart and scores the pool's alone.
+    (True, True),
 ])
 def test_dynamos_indexer_holds_each_engines_blocks_and_scores_the_engine_that_cached_a_prompt(
-        tmp_path: Path, shared_system_prompt: bool) -> None:
+        tmp_path: Path, shared_system_prompt: bool, host_tier: bool) -> None:
     rng = np.random.default_rng(7)
     system = rng.integers(0, 5000, 16)
     prompts = {name: [np.concatenate([system if shared_system_prompt
                                       else rng.integers(0, 5000, 16), rng.integers(0, 5000, n)])
                       for n in (12, 9, 20)] for name in ("alice", "bob", "carol")}
-    core = ServiceCore(make_config(tmp_path))
+    core = ServiceCore(make_config(tmp_path, host_tier_bytes=(
+        24 * 2 * TPB * 8 * 2 if host_tier else 0)))  # 24 blocks of one bf16 head of 8
     clients = {name: Client.in_process(core, worker_id=name)
                for name in ("alice", "bob", "carol", "dave")}
     ids = {name: i + 1 for i, name in enumerate(clients)}
@@ -107,6 +111,8 @@ def test_dynamos_indexer_holds_each_engines_blocks_and_scores_the_engine_that_ca
 
             assert wait_until(scores_match, timeout_s=SETTLE_S)
             assert indexer.warnings() == []
+            tier = core.manager.tier
+            assert tier is None or tier.counters.evicted_blocks > 0
     finally:
         core.close()
 
@@ -129,12 +135,14 @@ def test_dynamo_scores_each_data_parallel_rank_by_its_own_blocks(tmp_path: Path)
         service.close()
 
 
-@pytest.mark.parametrize("shape", ["maps", "arrays"])
+@pytest.mark.parametrize(("shape", "host_tier"), [("maps", False), ("arrays", False),
+                                                  ("maps", True)])
 def test_vllms_own_classes_decode_every_live_and_replayed_frame(
-        tmp_path: Path, shape: str, zmq_context: zmq.Context) -> None:
+        tmp_path: Path, shape: str, host_tier: bool, zmq_context: zmq.Context) -> None:
     vllm = vllm_events.load()
     decoder = msgspec.msgpack.Decoder(vllm.KVEventBatch if shape == "maps" else LegacyBatch)
-    core = ServiceCore(make_config(tmp_path, kv_events_shape=shape))
+    core = ServiceCore(make_config(tmp_path, kv_events_shape=shape,
+                                   host_tier_bytes=64 * 2 * TPB * 8 * 2 if host_tier else 0))
     kv = Client.in_process(core, worker_id="alice")
     try:
         kv.register()
@@ -156,8 +164,9 @@ def test_vllms_own_classes_decode_every_live_and_replayed_frame(
     hashes = {h for e in stored for h in e.block_hashes}
     assert hashes >= {origin.route for origin in core.manager.cache.origin.values()}
     if shape == "maps":
+        media = {"GPU", "CPU"} if host_tier else {"GPU"}
         assert {(e.medium, e.group_idx, e.kv_cache_spec_kind, e.lora_name) for e in stored} == {
-            ("GPU", 0, "full_attention", None)}
+            (medium, 0, "full_attention", None) for medium in media}
 
 
 def _live_after(kv: Client, sub: zmq.Socket, prompt: np.ndarray) -> bool:
