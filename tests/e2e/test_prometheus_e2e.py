@@ -36,8 +36,9 @@ NOT_SERVED = ("kvalloc_scv_",)
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[ServiceProcess]:
+    # A host tier (which turns prefix caching on): its families are on the dashboard too.
     with ServiceProcess(tmp_path_factory.mktemp("serve"), "--num-blocks", "384",
-                        "--max-draft-len", "4") as svc:
+                        "--max-draft-len", "4", "--host-tier", "8MiB") as svc:
         yield svc
 
 

@@ -101,6 +101,45 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     assert (stats.padded_entries > 0) == cuda_graphs
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_float32_on_cuda_with_a_host_tier_equals_generate_across_a_restart(
+        cuda_device: str, overlap: bool) -> None:
+    """A pool of two requests' blocks under prompts that share a prefix: their cached blocks are
+    evicted while later ones run and come back from the host tier (pinned memory, copied on
+    streams of their own, ordered before the forward by the step fence alone), in the first run
+    and in a second run by a new session of the same worker. Pool and tier start as NaN."""
+    config = FAMILIES["llama"]
+    model = random_model(config, seed=0, device=cuda_device)
+    reference = random_model(config, seed=0, device=cuda_device)
+    reference.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 96, 64).tolist()
+    prompts = [NamedPrompt(str(i), shared[: 16 * (i % 4 + 1)] + rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((40, 130, 17, 90, 60, 120, 33, 100))]
+    expected = _generated(reference, prompts, 16)
+    pool = pool_for_model(model.config, longest=256, num_requests=2, draft_len=3,
+                          dtype="float32", device="cuda", max_batch_size=2)
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048, prefix_caching=True,
+                                     host_tier_bytes=256 * pool.bytes_per_block))
+    try:
+        core.pool.storage.kv.fill_(float("nan"))
+        core.pool.tier_stores[0].memory.view(torch.float32).fill_(float("nan"))
+        for _ in range(2):
+            core.drop_worker("gpu-worker")  # the second run's worker: a new session
+            client = Client.in_process(core, worker_id="gpu-worker")
+            client.register(overlap=overlap)
+            engine = Engine(model, client, _drafter(expected, overlap), draft_len=3,
+                            overlap=overlap, validate=True, share_prefixes=True)
+            assert engine.run(prompts, 16) == expected
+            assert engine.stats.table_violations == 0
+        counters = core.manager.tier.counters
+        assert counters.offloaded_blocks > 0 and counters.onboarded_blocks > 0
+        assert core.manager.counters.evicted_blocks > 0
+        core.check_invariants()
+    finally:
+        core.close()
+
+
 def _generated(reference: torch.nn.Module, prompts: list[NamedPrompt],
                new_tokens: int) -> dict[str, list[int]]:
     expected = {}
