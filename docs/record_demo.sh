@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Record docs/dashboard.png from real data: a CPU `kvalloc serve`, a Prometheus scraping it every
 # second with deploy/prometheus/alerts.yml, and two `kvalloc loadgen` workers (IPC and REST, the
-# first sharing a system prompt through the prefix cache) for
+# first sharing a system prompt through the prefix cache, every cached block copied to a host
+# tier) for
 # MINUTES minutes; then draw the Grafana dashboard's queries with docs/render_dashboard.py.
 #   docs/record_demo.sh [MINUTES]        (needs `prometheus` on PATH: apt-get install prometheus)
 # Everything listens on loopback and is stopped on exit.
@@ -20,7 +21,7 @@ PROM_PORT=$(free_port)
 IPC="ipc://$TMP/kvalloc.ipc"
 
 "$PY" -m kvalloc.server.cli serve --port "$REST_PORT" --ipc "$IPC" --num-blocks 2048 --max-draft-len 4 \
-    --prefix-caching >"$TMP/serve.log" 2>&1 &
+    --prefix-caching --host-tier 128MiB >"$TMP/serve.log" 2>&1 &
 PIDS+=($!)
 cat >"$TMP/prometheus.yml" <<YAML
 global: {scrape_interval: 1s, evaluation_interval: 1s}

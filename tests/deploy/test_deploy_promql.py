@@ -57,9 +57,11 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
 def exported_families() -> dict[str, str]:
     """Family name -> type, from a live `AllocatorMetrics` with the real NWOR and SCV objects
     attached (the library's whole surface: the service attaches NWOR; SCV runs in workers) and
-    the service's `ServiceMetrics` beside it, in one registry as ``kvalloc serve`` builds them."""
+    the service's `ServiceMetrics` beside it, in one registry as ``kvalloc serve`` builds them;
+    the manager has a host tier, whose families exist only then."""
     config = PoolConfig(num_blocks=8, tokens_per_block=4, max_seq_len=16, device="cpu")
-    manager = KVCacheManager(config)
+    manager = KVCacheManager(config, prefix_caching=True, register_when_written=True,
+                             host_tier_blocks=4)
     registry = CollectorRegistry()
     ServiceMetrics(registry, AllocatorMetrics(
         registry, manager, DeferredWriteManager(KVStorage(config), max_tokens=8),
