@@ -15,6 +15,7 @@ from typing import Any
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "capacity.block_pool": ("BlockPool",),
     "capacity.block_table": ("BlockTable",),
+    "capacity.host_tier": ("HostTier", "TierCounters"),
     "capacity.kv_events": (
         "AllBlocksCleared", "BlockRemoved", "BlockStored", "HashScope", "KVCacheEvent",
         "KVEventBatch", "NamespacedEvent", "WireShape", "encode_batch", "event_encoder",
@@ -26,6 +27,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "ADMITTED", "REFUSED_BATCH_FULL", "REFUSED_OUT_OF_BLOCKS", "RequestView", "StepOutcome",
         "StepPlan", "checked_plan", "compiled_type"),
     "capacity.table_validator": ("TableValidator",),
+    "capacity.tier_copies": ("NO_COPIES", "TierCopies"),
     "common.placement": ("TensorAllocator", "plain_tensor"),
     "config": ("KVDType", "PoolConfig", "SlackPolicy", "shard_span"),
     "errors": (

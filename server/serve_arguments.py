@@ -113,7 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-token", action="store_true",
                         help="serve without any token, even beyond loopback: anyone who can "
                              "connect controls the service")
-    cache = parser.add_argument_group("prefix caching")
+    _add_cache_arguments(parser.add_argument_group("prefix caching"))
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"], help="log verbosity")
+
+
+def _add_cache_arguments(cache: argparse._ArgumentGroup) -> None:
     cache.add_argument("--prefix-caching", action="store_true",
                        help="share the cached full blocks of prompts sent with token ids")
     cache.add_argument("--host-tier", dest="host_tier_bytes", type=argument_type(byte_size),
@@ -139,8 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="NAME=ID[,ID...]",
                        help="these workers share one prefix-cache namespace (repeatable); every "
                             "other worker's cached blocks are its own")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"], help="log verbosity")
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:

@@ -43,7 +43,7 @@ from kvalloc.allocator.capacity.kv_events import (
     BlockStored,
     NamespacedEvent,
 )
-from kvalloc.allocator.capacity.prefix_cache import Origin, stored_runs
+from kvalloc.allocator.capacity.prefix_cache import Origin, PrefixCache, stored_runs
 from kvalloc.allocator.capacity.tier_copies import TierCopies
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
@@ -76,6 +76,17 @@ class HostTier:
         self._onboards: list[tuple[int, int]] = []  # (block, slot), until drained
         self.counters = TierCounters()
 
+    @classmethod
+    def below(cls, cache: PrefixCache | None, register_when_written: bool,
+              num_slots: int) -> HostTier:
+        """A tier under ``cache``, recording its events where the cache does. Only written
+        blocks may be copied: the cache must register blocks once written, not scheduled."""
+        if cache is None or not register_when_written:
+            raise InvalidValue("host_tier_blocks: a host tier needs prefix caching with "
+                               "register_when_written", field="host_tier_blocks")
+        return cls(num_slots, cache.tokens_per_block,
+                   record=cache.record if cache.record_events else None)
+
     @property
     def held(self) -> int:
         return len(self.lru)
@@ -104,6 +115,13 @@ class HostTier:
     def origins(self, hashes: list[bytes]) -> list[Origin | None]:
         """What the held ``hashes``' events said (None without events)."""
         return [self.origin.get(self.slot_of[h]) for h in hashes]
+
+    def store_registered(self, cache: PrefixCache) -> None:
+        """Offload the blocks ``cache`` registered since it was last asked and that are still
+        registered (`store`)."""
+        blocks = [b for b in cache.drain_registered() if b in cache.hash_of]
+        self.store([cache.hash_of[b] for b in blocks], blocks,
+                   [cache.origin.get(b) for b in blocks])
 
     def onboard(self, hashes: list[bytes], blocks: list[int]) -> None:
         """Owe copies of the held ``hashes`` into pool ``blocks`` (a hit: they become the most

@@ -74,7 +74,7 @@ from kvalloc.allocator.capacity.step.plan import (
 from kvalloc.allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
 from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
 from kvalloc.allocator.config import PoolConfig, SlackPolicy
-from kvalloc.allocator.errors import InvalidValue, InvariantViolation, UnknownRequest
+from kvalloc.allocator.errors import InvariantViolation, UnknownRequest
 from numpy.typing import ArrayLike
 
 
@@ -116,20 +116,11 @@ class KVCacheManager(RequestApi):
                                   track_protection=register_when_written)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
-        self.tier = self._host_tier(host_tier_blocks)
+        self.tier = (None if host_tier_blocks == 0 else
+                     HostTier.below(self.cache, register_when_written, host_tier_blocks))
         self.event_hashes = event_hashes
         # The per-request API's ids; rows a batched step admits have none.
         self.ids = RequestIds()
-
-    def _host_tier(self, num_slots: int) -> HostTier | None:
-        if num_slots == 0:
-            return None
-        if self.cache is None or not self.register_when_written:
-            raise InvalidValue("host_tier_blocks: a host tier needs prefix caching with "
-                               "register_when_written", field="host_tier_blocks")
-        cache = self.cache
-        return HostTier(num_slots, self.tokens_per_block,
-                        record=cache.record if cache.record_events else None)
 
     # ------------------------------------------------------------------ the batched step
 
@@ -224,17 +215,9 @@ class KVCacheManager(RequestApi):
             return CacheChanges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), [])
         if self.tier is None:
             return self.cache.drain_changes()
-        self._offload_registered()
+        self.tier.store_registered(self.cache)
         onboards, offloads = self.tier.drain()
         return self.cache.drain_changes()._replace(onboards=onboards, offloads=offloads)
-
-    def _offload_registered(self) -> None:
-        """Blocks registered since the last drain, still registered, go to the host tier."""
-        cache, tier = self.cache, self.tier
-        assert cache is not None and tier is not None
-        blocks = [b for b in cache.drain_registered() if b in cache.hash_of]
-        tier.store([cache.hash_of[b] for b in blocks], blocks,
-                   [cache.origin.get(b) for b in blocks])
 
     def prompt(self, tokens: ArrayLike, salt: bytes = b"") -> Prompt:
         """``tokens`` with their block hashes under this manager's cache key and seed, for
@@ -328,27 +311,6 @@ class KVCacheManager(RequestApi):
 
     # ------------------------------------------------------------------ invariants
 
-    def _check_grant_records(self, live: np.ndarray) -> None:
-        """A pending grant's slack is what its grant site adds (`grant_slack`, by the lag it was
-        made at); a step behind it was granted at lag 2 too; nothing is recorded without them."""
-        r = self.rows
-        pend = live[r.pending[live]]
-        want = grant_slack(r.draft_len[pend], r.ahead[pend], r.lead[pend], self.state.limits)
-        if not np.array_equal(r.slack[pend], want):
-            raise InvariantViolation("a pending grant's slack is not what its grant site adds")
-        idle = live[~r.pending[live]]
-        if (r.slack[idle] != 0).any() or (r.draft_len[idle] != 0).any() or r.ahead[idle].any():
-            raise InvariantViolation("slack or drafts recorded without a pending grant")
-        behind = live[r.behind[live]]
-        if not (r.pending[behind] & r.ahead[behind]).all():
-            raise InvariantViolation("a step behind a grant that is not a pending lag-2 grant")
-        policy = POLICY_CODES[self.policy]
-        if not np.array_equal(r.behind_slack[behind], lag2_slack(r.behind_draft[behind], policy)):
-            raise InvariantViolation("a step behind records a slack its grant did not add")
-        alone = live[~r.behind[live]]
-        if r.behind_draft[alone].any() or r.behind_slack[alone].any():
-            raise InvariantViolation("a step behind recorded where there is none")
-
     def check_invariants(self) -> None:
         """Raise InvariantViolation if any documented invariant does not hold."""
         r = self.rows
@@ -364,7 +326,7 @@ class KVCacheManager(RequestApi):
             raise InvariantViolation("num_blocks != ceil(capacity / tokens_per_block)")
         if (r.num_blocks[live] > self.max_blocks_per_seq).any():
             raise InvariantViolation("a row holds more than max_blocks_per_seq blocks")
-        self._check_grant_records(live)
+        _check_grant_records(r, live, self.state.limits, POLICY_CODES[self.policy])
         self.table.check_invariants(live, r.num_blocks[live], self.pool.num_blocks, synced=True)
         self.table.check_held_rows(r.live)
         held = self.table.host[live]
@@ -380,3 +342,24 @@ class KVCacheManager(RequestApi):
         elif self.pool.num_parked or r.cached.any() or (self.pool.refcounts > 1).any():
             raise InvariantViolation("cached or shared blocks without prefix caching")
         self.ids.check_invariants(r.live)
+
+
+def _check_grant_records(r: RowState, live: np.ndarray, limits: StepLimits,
+                         policy: int) -> None:
+    """A pending grant's slack is what its grant site adds (`grant_slack`, by the lag it was
+    made at); a step behind it was granted at lag 2 too; nothing is recorded without them."""
+    pend = live[r.pending[live]]
+    want = grant_slack(r.draft_len[pend], r.ahead[pend], r.lead[pend], limits)
+    if not np.array_equal(r.slack[pend], want):
+        raise InvariantViolation("a pending grant's slack is not what its grant site adds")
+    idle = live[~r.pending[live]]
+    if (r.slack[idle] != 0).any() or (r.draft_len[idle] != 0).any() or r.ahead[idle].any():
+        raise InvariantViolation("slack or drafts recorded without a pending grant")
+    behind = live[r.behind[live]]
+    if not (r.pending[behind] & r.ahead[behind]).all():
+        raise InvariantViolation("a step behind a grant that is not a pending lag-2 grant")
+    if not np.array_equal(r.behind_slack[behind], lag2_slack(r.behind_draft[behind], policy)):
+        raise InvariantViolation("a step behind records a slack its grant did not add")
+    alone = live[~r.behind[live]]
+    if r.behind_draft[alone].any() or r.behind_slack[alone].any():
+        raise InvariantViolation("a step behind recorded where there is none")

@@ -25,8 +25,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from kvalloc.allocator import KVCacheEvent, KVCacheManager, Prompt, StepOutcome, checked_plan
-from kvalloc.allocator.capacity.tier_copies import TierCopies
+from kvalloc.allocator import (
+    KVCacheEvent,
+    KVCacheManager,
+    Prompt,
+    StepOutcome,
+    TierCopies,
+    checked_plan,
+)
 from kvalloc.allocator.common.jit import jit, numba
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.columns import (

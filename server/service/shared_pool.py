@@ -34,9 +34,9 @@ from kvalloc.allocator import (
     KVCacheManager,
     KVStorage,
     TensorAllocator,
+    TierCopies,
     WriterFence,
 )
-from kvalloc.allocator.capacity.tier_copies import TierCopies
 from kvalloc.allocator.common.device_io import on_device
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import FenceGroup, StepFence, TensorExporter

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 import torch
-from kvalloc.allocator.capacity.tier_copies import TierCopies
+from kvalloc.allocator import TierCopies
 
 # Scratch for one direction's gather: large enough that a step's copies take one round.
 SCRATCH_BYTES = 256 << 20
