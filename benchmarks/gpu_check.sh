@@ -4,13 +4,13 @@
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
 #   sections: tests targets shards profile table split round_trip decode worker sweep commit
-#             attention (see below)
+#             attention host_tier (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets shards profile table split round_trip decode worker sweep commit attention} "
+SECTIONS=" ${*:-tests targets shards profile table split round_trip decode worker sweep commit attention host_tier} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -110,4 +110,8 @@ want sweep && step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 100 
 want commit && step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee -a "$OUT/bench.log"
 # attention: the paged attention kernel's decode layer against a device copy and cuDNN's SDPA.
 want attention && step "$PYTHON" benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$OUT/bench.log"
+# host_tier: the host tier's copies (scattered blocks gathered, one DMA per run of slots) against a
+# plain pinned copy of the same bytes and against one copy per piece, on the 8B shape, and a
+# 100k-token prefix onboarded (16 GiB of pool on the GPU, 16 GiB of pinned host memory).
+want host_tier && step "$PYTHON" benchmarks/bench_host_tier.py --out "$OUT/bench_host_tier.json" 2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"

@@ -15,7 +15,8 @@ run on two streams of their own, one per direction:
   waits on) is ordered after the blocks landed, with no host synchronisation;
 - a slot an onboard reads is never rewritten by an offload before the read is done, and a slot an
   offload writes is never read before it landed (each waits on the other's event when their
-  slots meet).
+  slots meet); an offload of a block the same call onboards waits for the onboard, and otherwise
+  the two directions of one call overlap.
 
 On a CPU pool the copies are plain tensor copies done before the call returns.
 
@@ -109,10 +110,14 @@ class _CudaCopies:
     def copy(self, onboards: TierCopies, offloads: TierCopies) -> None:
         self._harvest()
         current = torch.cuda.current_stream(self.store.kv.device)
+        if offloads.blocks.size:
+            # The commit that wrote the blocks, taken before the service's stream waits for this
+            # call's onboard: the two directions overlap unless their slots or blocks meet.
+            self.streams["off"].wait_stream(current)
         if onboards.blocks.size:
             self._onboard(onboards, current)
         if offloads.blocks.size:
-            self._offload(offloads, current)
+            self._offload(offloads, current, onboards.blocks)
 
     def _after(self, stream: torch.cuda.Stream, other: str, slots: np.ndarray) -> None:
         """``stream`` waits for the other direction's copies when they touch ``slots``."""
@@ -143,11 +148,13 @@ class _CudaCopies:
             self.events["on"] = self._finish(stream, start, copies.slots, "on")
         current.wait_event(self.events["on"])
 
-    def _offload(self, copies: TierCopies, current: torch.cuda.Stream) -> None:
+    def _offload(self, copies: TierCopies, current: torch.cuda.Stream,
+                 onboarded: np.ndarray) -> None:
         stream, scratch, memory, kv = (self.streams["off"], self.scratch["off"],
                                        self.store.memory, self.store.kv)
-        stream.wait_stream(current)  # the commit that wrote the blocks
         self._after(stream, "on", copies.slots)
+        if np.isin(copies.blocks, onboarded).any():  # it carries what this call onboards
+            stream.wait_event(self.events["on"])
         gathered = torch.cuda.Event()
         with torch.cuda.stream(stream):
             start = self._timed(stream)
