@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 from kvalloc.allocator import TierCopies
+from kvalloc.allocator.common.device_io import upload_int64
 
 # Scratch for one direction's gather: large enough that a step's copies take one round.
 SCRATCH_BYTES = 256 << 20
@@ -67,7 +68,6 @@ class TierStore:
         self.memory = torch.empty((num_slots, layers, two, tpb, heads, dim), dtype=self.kv.dtype,
                                   pin_memory=self.cuda)
         self.slot_bytes = self.memory[0].nbytes
-        self.bytes_copied = 0
         self.copy_seconds = 0.0
         if self.cuda:
             self._cuda = _CudaCopies(self, max(1, SCRATCH_BYTES // self.slot_bytes))
@@ -76,15 +76,14 @@ class TierStore:
         """Carry out the copies a drain of the tier returned, onboards first."""
         if onboards.blocks.size == 0 and offloads.blocks.size == 0:
             return
-        self.bytes_copied += (onboards.blocks.size + offloads.blocks.size) * self.slot_bytes
         if self.cuda:
             self._cuda.copy(onboards, offloads)
             return
         start = time.perf_counter()
         if onboards.blocks.size:
-            blocks = torch.from_numpy(onboards.blocks)
-            self.kv.index_copy_(2, blocks, self.memory[torch.from_numpy(onboards.slots)]
-                                .permute(1, 2, 0, 3, 4, 5))
+            slots = self.memory.index_select(0, torch.from_numpy(onboards.slots))
+            self.kv.index_copy_(2, torch.from_numpy(onboards.blocks),
+                                slots.permute(1, 2, 0, 3, 4, 5))
         if offloads.blocks.size:
             gathered = self.kv.index_select(2, torch.from_numpy(offloads.blocks))
             self.memory.index_copy_(0, torch.from_numpy(offloads.slots),
@@ -142,8 +141,7 @@ class _CudaCopies:
                 for at, n in runs(slots):
                     scratch[at : at + n].copy_(memory[int(slots[at]) : int(slots[at]) + n],
                                                non_blocking=True)
-                blocks = torch.from_numpy(copies.blocks[first : first + slots.size]).to(
-                    kv.device, non_blocking=True)
+                blocks = upload_int64(copies.blocks[first : first + slots.size], kv.device)
                 kv.index_copy_(2, blocks, scratch[: slots.size].permute(1, 2, 0, 3, 4, 5))
             self.events["on"] = self._finish(stream, start, copies.slots, "on")
         current.wait_event(self.events["on"])
@@ -160,8 +158,7 @@ class _CudaCopies:
             start = self._timed(stream)
             for first in range(0, copies.blocks.size, self.scratch_slots):
                 slots = copies.slots[first : first + self.scratch_slots]
-                blocks = torch.from_numpy(copies.blocks[first : first + slots.size]).to(
-                    kv.device, non_blocking=True)
+                blocks = upload_int64(copies.blocks[first : first + slots.size], kv.device)
                 scratch[: slots.size].copy_(kv.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5))
                 if first + slots.size >= copies.blocks.size:
                     gathered.record(stream)
