@@ -65,6 +65,8 @@ class TierStore:
         # included) the same way.
         self.kv = kv.view(_SAME_SIZE[kv.element_size()])
         self.cuda = kv.is_cuda
+        # The pool with the block first: a gather or scatter of whole blocks is one pass.
+        self.by_block = self.kv.permute(2, 0, 1, 3, 4, 5)
         self.memory = torch.empty((num_slots, layers, two, tpb, heads, dim), dtype=self.kv.dtype,
                                   pin_memory=self.cuda)
         self.slot_bytes = self.memory[0].nbytes
@@ -80,14 +82,13 @@ class TierStore:
             self._cuda.copy(onboards, offloads)
             return
         start = time.perf_counter()
-        if onboards.blocks.size:
-            slots = self.memory.index_select(0, torch.from_numpy(onboards.slots))
-            self.kv.index_copy_(2, torch.from_numpy(onboards.blocks),
-                                slots.permute(1, 2, 0, 3, 4, 5))
-        if offloads.blocks.size:
-            gathered = self.kv.index_select(2, torch.from_numpy(offloads.blocks))
-            self.memory.index_copy_(0, torch.from_numpy(offloads.slots),
-                                    gathered.permute(2, 0, 1, 3, 4, 5))
+        on, off = onboards, offloads
+        if on.blocks.size:
+            slots = self.memory.index_select(0, torch.from_numpy(on.slots))
+            self.by_block.index_copy_(0, torch.from_numpy(on.blocks), slots)
+        if off.blocks.size:
+            blocks = self.by_block.index_select(0, torch.from_numpy(off.blocks))
+            self.memory.index_copy_(0, torch.from_numpy(off.slots), blocks)
         self.copy_seconds += time.perf_counter() - start
 
 
@@ -96,7 +97,10 @@ class _CudaCopies:
 
     def __init__(self, store: TierStore, scratch_slots: int) -> None:
         self.store = store
-        device = store.kv.device
+        device = self.device = store.kv.device
+        # Each index upload is made once a call: an upload a chunk would allocate pinned memory
+        # while the other direction's copies are queued, and such an allocation can wait.
+        self.by_block = store.by_block
         self.scratch_slots = scratch_slots
         shape = (scratch_slots, *store.memory.shape[1:])
         self.streams = {d: torch.cuda.Stream(device) for d in ("on", "off")}
@@ -130,36 +134,36 @@ class _CudaCopies:
         return start
 
     def _onboard(self, copies: TierCopies, current: torch.cuda.Stream) -> None:
-        stream, scratch, memory, kv = (self.streams["on"], self.scratch["on"],
-                                       self.store.memory, self.store.kv)
+        stream, scratch, memory = self.streams["on"], self.scratch["on"], self.store.memory
         stream.wait_stream(current)  # the blocks were just handed out: nothing reads them yet
         self._after(stream, "off", copies.slots)
         with torch.cuda.stream(stream):
             start = self._timed(stream)
+            blocks = upload_int64(copies.blocks, self.device)
             for first in range(0, copies.blocks.size, self.scratch_slots):
                 slots = copies.slots[first : first + self.scratch_slots]
                 for at, n in runs(slots):
                     scratch[at : at + n].copy_(memory[int(slots[at]) : int(slots[at]) + n],
                                                non_blocking=True)
-                blocks = upload_int64(copies.blocks[first : first + slots.size], kv.device)
-                kv.index_copy_(2, blocks, scratch[: slots.size].permute(1, 2, 0, 3, 4, 5))
+                self.by_block.index_copy_(0, blocks[first : first + slots.size],
+                                          scratch[: slots.size])
             self.events["on"] = self._finish(stream, start, copies.slots, "on")
         current.wait_event(self.events["on"])
 
     def _offload(self, copies: TierCopies, current: torch.cuda.Stream,
                  onboarded: np.ndarray) -> None:
-        stream, scratch, memory, kv = (self.streams["off"], self.scratch["off"],
-                                       self.store.memory, self.store.kv)
+        stream, scratch, memory = self.streams["off"], self.scratch["off"], self.store.memory
         self._after(stream, "on", copies.slots)
         if np.isin(copies.blocks, onboarded).any():  # it carries what this call onboards
             stream.wait_event(self.events["on"])
         gathered = torch.cuda.Event()
         with torch.cuda.stream(stream):
             start = self._timed(stream)
+            blocks = upload_int64(copies.blocks, self.device)
             for first in range(0, copies.blocks.size, self.scratch_slots):
                 slots = copies.slots[first : first + self.scratch_slots]
-                blocks = upload_int64(copies.blocks[first : first + slots.size], kv.device)
-                scratch[: slots.size].copy_(kv.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5))
+                torch.index_select(self.by_block, 0, blocks[first : first + slots.size],
+                                   out=scratch[: slots.size])
                 if first + slots.size >= copies.blocks.size:
                     gathered.record(stream)
                 for at, n in runs(slots):

@@ -119,8 +119,10 @@ def test_float32_on_cuda_with_a_host_tier_equals_generate_across_a_restart(
     expected = _generated(reference, prompts, 16)
     pool = pool_for_model(model.config, longest=256, num_requests=2, draft_len=3,
                           dtype="float32", device="cuda", max_batch_size=2)
+    # A long lease: the first forwards compile their kernels, longer than the default lease.
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048, prefix_caching=True,
-                                     host_tier_bytes=256 * pool.bytes_per_block))
+                                     host_tier_bytes=256 * pool.bytes_per_block,
+                                     lease_ttl_s=600))
     try:
         core.pool.storage.kv.fill_(float("nan"))
         core.pool.tier_stores[0].memory.view(torch.float32).fill_(float("nan"))
