@@ -2,8 +2,8 @@
 # Record docs/dashboard.png from real data: a CPU `kvalloc serve`, a Prometheus scraping it every
 # second with deploy/prometheus/alerts.yml, and two `kvalloc loadgen` workers (IPC and REST, the
 # first sharing a system prompt through the prefix cache, every cached block copied to a host
-# tier) for
-# MINUTES minutes; then draw the Grafana dashboard's queries with docs/render_dashboard.py.
+# tier) for MINUTES minutes; then draw the Grafana dashboard's queries with
+# docs/render_dashboard.py.
 #   docs/record_demo.sh [MINUTES]        (needs `prometheus` on PATH: apt-get install prometheus)
 # Everything listens on loopback and is stopped on exit.
 set -euo pipefail
