@@ -15,8 +15,11 @@ run on two streams of their own, one per direction:
   waits on) is ordered after the blocks landed, with no host synchronisation;
 - a slot an onboard reads is never rewritten by an offload before the read is done, and a slot an
   offload writes is never read before it landed (each waits on the other's event when their
-  slots meet); an offload of a block the same call onboards waits for the onboard, and otherwise
-  the two directions of one call overlap.
+  slots meet); within one call, an offload that carries a block the onboard fills or rewrites a
+  slot it reads follows the onboard, and otherwise the two are enqueued a chunk of each in turn,
+  so that both directions of the link are busy from the start (one DMA per run of slots costs
+  the host some microseconds: enqueued one direction after the other, a large onboard would keep
+  the offload waiting for the host).
 
 On a CPU pool the copies are plain tensor copies done before the call returns.
 
@@ -27,6 +30,7 @@ gathered copies to it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -47,14 +51,31 @@ def copy_reference(kv: torch.Tensor, memory: torch.Tensor, onboards: TierCopies,
         memory[slot] = kv[:, :, block]
 
 
-def runs(slots: np.ndarray) -> list[tuple[int, int]]:
-    """``slots`` cut into runs of consecutive values: (index of the run's first, its length)."""
+def runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """``slots`` cut into runs of consecutive values: (index of the run's first, its length, its
+    first slot), as Python integers (each is a tensor slice of its own)."""
     if slots.size == 0:
         return []
     cuts = np.flatnonzero(np.diff(slots) != 1) + 1
     starts = np.concatenate([[0], cuts])
     return list(zip(starts.tolist(), np.diff(np.concatenate([starts, [slots.size]])).tolist(),
-                    strict=True))
+                    slots[starts].tolist(), strict=True))
+
+
+def _meet(onboards: TierCopies, offloads: TierCopies) -> bool:
+    """Whether an offload carries a block the onboard fills, or writes a slot it reads."""
+    return bool(np.isin(offloads.blocks, onboards.blocks).any()
+                or np.isin(offloads.slots, onboards.slots).any())
+
+
+_DONE = object()
+
+
+def _drain(*directions: Iterator[None] | None) -> None:
+    """Run the chunked enqueues given to their ends, a chunk of each in turn."""
+    left = [d for d in directions if d is not None]
+    while left:
+        left = [d for d in left if next(d, _DONE) is not _DONE]
 
 
 class TierStore:
@@ -112,15 +133,22 @@ class _CudaCopies:
 
     def copy(self, onboards: TierCopies, offloads: TierCopies) -> None:
         self._harvest()
-        current = torch.cuda.current_stream(self.store.kv.device)
+        current = torch.cuda.current_stream(self.device)
         if offloads.blocks.size:
             # The commit that wrote the blocks, taken before the service's stream waits for this
-            # call's onboard: the two directions overlap unless their slots or blocks meet.
+            # call's onboard.
             self.streams["off"].wait_stream(current)
-        if onboards.blocks.size:
-            self._onboard(onboards, current)
-        if offloads.blocks.size:
-            self._offload(offloads, current, onboards.blocks)
+        on = self._onboard(onboards, current) if onboards.blocks.size else None
+        off = self._offload(offloads, current) if offloads.blocks.size else None
+        if on is None or off is None:
+            _drain(on or off)
+        elif _meet(onboards, offloads):  # the offload carries or rewrites what the onboard moves
+            _drain(on)
+            assert self.events["on"] is not None
+            self.streams["off"].wait_event(self.events["on"])
+            _drain(off)
+        else:  # chunk by chunk in turn: the host feeds both directions of the link at once
+            _drain(on, off)
 
     def _after(self, stream: torch.cuda.Stream, other: str, slots: np.ndarray) -> None:
         """``stream`` waits for the other direction's copies when they touch ``slots``."""
@@ -133,43 +161,44 @@ class _CudaCopies:
         start.record(stream)
         return start
 
-    def _onboard(self, copies: TierCopies, current: torch.cuda.Stream) -> None:
+    def _onboard(self, copies: TierCopies, current: torch.cuda.Stream) -> Iterator[None]:
+        """Enqueues the onboard a chunk at a time, yielding between chunks."""
         stream, scratch, memory = self.streams["on"], self.scratch["on"], self.store.memory
         stream.wait_stream(current)  # the blocks were just handed out: nothing reads them yet
         self._after(stream, "off", copies.slots)
         with torch.cuda.stream(stream):
             start = self._timed(stream)
             blocks = upload_int64(copies.blocks, self.device)
-            for first in range(0, copies.blocks.size, self.scratch_slots):
-                slots = copies.slots[first : first + self.scratch_slots]
-                for at, n in runs(slots):
-                    scratch[at : at + n].copy_(memory[int(slots[at]) : int(slots[at]) + n],
-                                               non_blocking=True)
+        for first in range(0, copies.blocks.size, self.scratch_slots):
+            slots = copies.slots[first : first + self.scratch_slots]
+            with torch.cuda.stream(stream):
+                for at, n, slot in runs(slots):
+                    scratch[at : at + n].copy_(memory[slot : slot + n], non_blocking=True)
                 self.by_block.index_copy_(0, blocks[first : first + slots.size],
                                           scratch[: slots.size])
-            self.events["on"] = self._finish(stream, start, copies.slots, "on")
+            yield
+        self.events["on"] = self._finish(stream, start, copies.slots, "on")
         current.wait_event(self.events["on"])
 
-    def _offload(self, copies: TierCopies, current: torch.cuda.Stream,
-                 onboarded: np.ndarray) -> None:
+    def _offload(self, copies: TierCopies, current: torch.cuda.Stream) -> Iterator[None]:
+        """Enqueues the offload a chunk at a time, yielding between chunks."""
         stream, scratch, memory = self.streams["off"], self.scratch["off"], self.store.memory
         self._after(stream, "on", copies.slots)
-        if np.isin(copies.blocks, onboarded).any():  # it carries what this call onboards
-            stream.wait_event(self.events["on"])
         gathered = torch.cuda.Event()
         with torch.cuda.stream(stream):
             start = self._timed(stream)
             blocks = upload_int64(copies.blocks, self.device)
-            for first in range(0, copies.blocks.size, self.scratch_slots):
-                slots = copies.slots[first : first + self.scratch_slots]
+        for first in range(0, copies.blocks.size, self.scratch_slots):
+            slots = copies.slots[first : first + self.scratch_slots]
+            with torch.cuda.stream(stream):
                 torch.index_select(self.by_block, 0, blocks[first : first + slots.size],
                                    out=scratch[: slots.size])
                 if first + slots.size >= copies.blocks.size:
                     gathered.record(stream)
-                for at, n in runs(slots):
-                    memory[int(slots[at]) : int(slots[at]) + n].copy_(scratch[at : at + n],
-                                                                      non_blocking=True)
-            self.events["off"] = self._finish(stream, start, copies.slots, "off")
+                for at, n, slot in runs(slots):
+                    memory[slot : slot + n].copy_(scratch[at : at + n], non_blocking=True)
+            yield
+        self.events["off"] = self._finish(stream, start, copies.slots, "off")
         current.wait_event(gathered)  # the pool's blocks may change once gathered
 
     def _finish(self, stream: torch.cuda.Stream, start: torch.cuda.Event, slots: np.ndarray,
