@@ -161,39 +161,44 @@ class _CudaCopies:
         start.record(stream)
         return start
 
-    def _onboard(self, copies: TierCopies, current: torch.cuda.Stream) -> Iterator[None]:
-        """Enqueues the onboard a chunk at a time, yielding between chunks."""
-        stream, scratch, memory = self.streams["on"], self.scratch["on"], self.store.memory
-        stream.wait_stream(current)  # the blocks were just handed out: nothing reads them yet
-        self._after(stream, "off", copies.slots)
+    def _begin(self, direction: str, copies: TierCopies) -> tuple[
+            torch.cuda.Stream, torch.cuda.Event, torch.Tensor]:
+        """``direction``'s stream, after the other direction's copies of the same slots, with
+        its timer started and the call's block indices uploaded on it."""
+        stream = self.streams[direction]
+        self._after(stream, "off" if direction == "on" else "on", copies.slots)
         with torch.cuda.stream(stream):
-            start = self._timed(stream)
-            blocks = upload_int64(copies.blocks, self.device)
+            return stream, self._timed(stream), upload_int64(copies.blocks, self.device)
+
+    def _chunks(self, copies: TierCopies) -> Iterator[tuple[slice, np.ndarray]]:
+        """The call's copies a scratch buffer at a time: their positions, and their slots."""
         for first in range(0, copies.blocks.size, self.scratch_slots):
             slots = copies.slots[first : first + self.scratch_slots]
+            yield slice(first, first + slots.size), slots
+
+    def _onboard(self, copies: TierCopies, current: torch.cuda.Stream) -> Iterator[None]:
+        """Enqueues the onboard a chunk at a time, yielding between chunks."""
+        scratch, memory = self.scratch["on"], self.store.memory
+        self.streams["on"].wait_stream(current)  # the blocks were just handed out: nobody reads
+        stream, start, blocks = self._begin("on", copies)
+        for chunk, slots in self._chunks(copies):
             with torch.cuda.stream(stream):
                 for at, n, slot in runs(slots):
                     scratch[at : at + n].copy_(memory[slot : slot + n], non_blocking=True)
-                self.by_block.index_copy_(0, blocks[first : first + slots.size],
-                                          scratch[: slots.size])
+                self.by_block.index_copy_(0, blocks[chunk], scratch[: slots.size])
             yield
         self.events["on"] = self._finish(stream, start, copies.slots, "on")
         current.wait_event(self.events["on"])
 
     def _offload(self, copies: TierCopies, current: torch.cuda.Stream) -> Iterator[None]:
         """Enqueues the offload a chunk at a time, yielding between chunks."""
-        stream, scratch, memory = self.streams["off"], self.scratch["off"], self.store.memory
-        self._after(stream, "on", copies.slots)
+        scratch, memory = self.scratch["off"], self.store.memory
+        stream, start, blocks = self._begin("off", copies)
         gathered = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            start = self._timed(stream)
-            blocks = upload_int64(copies.blocks, self.device)
-        for first in range(0, copies.blocks.size, self.scratch_slots):
-            slots = copies.slots[first : first + self.scratch_slots]
+        for chunk, slots in self._chunks(copies):
             with torch.cuda.stream(stream):
-                torch.index_select(self.by_block, 0, blocks[first : first + slots.size],
-                                   out=scratch[: slots.size])
-                if first + slots.size >= copies.blocks.size:
+                torch.index_select(self.by_block, 0, blocks[chunk], out=scratch[: slots.size])
+                if chunk.stop >= copies.blocks.size:
                     gathered.record(stream)
                 for at, n, slot in runs(slots):
                     memory[slot : slot + n].copy_(scratch[at : at + n], non_blocking=True)
