@@ -114,4 +114,7 @@ want attention && step "$PYTHON" benchmarks/bench_attention.py --out "$OUT/bench
 # plain pinned copy of the same bytes and against one copy per piece, on the 8B shape, and a
 # 100k-token prefix onboarded (16 GiB of pool on the GPU, 16 GiB of pinned host memory).
 want host_tier && step "$PYTHON" benchmarks/bench_host_tier.py --out "$OUT/bench_host_tier.json" 2>&1 | tee -a "$OUT/bench.log"
+# ... and time to first token of a 32k-token prompt on the ~1B shape: from the tier, from the
+# pool, recomputed; and the steps of 32 decoding requests around its onboard.
+want host_tier && step "$PYTHON" benchmarks/bench_tier_ttft.py --out "$OUT/bench_tier_ttft.json" 2>&1 | tee -a "$OUT/bench.log"
 exit "$tests_rc"
