@@ -24,7 +24,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "capacity.prefix_cache": ("Prompt", "block_hashes"),
     "capacity.slots": ("padded_slot_mapping", "slot_mapping"),
     "capacity.step.plan": (
-        "ADMITTED", "REFUSED_BATCH_FULL", "REFUSED_OUT_OF_BLOCKS", "RequestView", "StepOutcome",
+        "ADMITTED", "REFUSED_BATCH_FULL", "REFUSED_ONBOARDING", "REFUSED_OUT_OF_BLOCKS",
+        "RequestView", "StepOutcome",
         "StepPlan", "checked_plan", "compiled_type"),
     "capacity.table_validator": ("TableValidator",),
     "capacity.tier_copies": ("NO_COPIES", "TierCopies"),

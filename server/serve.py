@@ -264,6 +264,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
                          prefix_caching=(args.prefix_caching or args.kv_events is not None
                                          or args.host_tier_bytes > 0),
                          host_tier_bytes=args.host_tier_bytes,
+                         host_tier_onboard_bytes=args.host_tier_onboard_bytes,
                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
                          kv_events_shape=args.kv_events_shape,
                          kv_events_secret=secret_from_env(EVENTS_SECRET_ENV),

@@ -126,6 +126,11 @@ def _add_cache_arguments(cache: argparse._ArgumentGroup) -> None:
                        help="a host tier of SIZE bytes (e.g. 64GiB) below the pool: every cached "
                             "block is copied there as it registers and prompts whose prefix the "
                             "pool evicted are served from it; turns prefix caching on")
+    cache.add_argument("--host-tier-onboard", dest="host_tier_onboard_bytes",
+                       type=argument_type(byte_size), default=256 << 20, metavar="SIZE",
+                       help="the most bytes one step copies back from the host tier (default "
+                            "256MiB; 0: no bound): a longer prefix comes back over several "
+                            "steps, its prompt refused as onboarding until it is all there")
     cache.add_argument("--kv-events", type=argument_type(server_endpoint), metavar="ENDPOINT",
                        help="publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint; "
                             "'ipc:///DIR/events-{worker}': one stream per worker; turns prefix "

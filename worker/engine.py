@@ -242,7 +242,7 @@ class Engine:
                 flights.append(self._launch(plan.call, reply, scheduled, bool(flights), on_step))
             else:
                 flights.append(None)
-                if not live and waiting:
+                if not live and waiting and not reply.refused.onboarding():
                     raise PoolTooSmall(f"prompt {waiting[0].req_id!r} ({waiting[0].tokens.size} "
                                        f"tokens) was refused with nothing else running: the "
                                        f"pool is too small for it")

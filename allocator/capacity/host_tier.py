@@ -55,6 +55,7 @@ class TierCounters:
     offloaded_blocks: int = 0  # pool blocks copied into the tier
     onboarded_blocks: int = 0  # tier slots copied into fresh pool blocks (tier hits)
     evicted_blocks: int = 0  # held slots evicted for new content
+    deferred_requests: int = 0  # new requests a step left out while their prefix came back
 
 
 class HostTier:

@@ -35,6 +35,7 @@ prompt is scheduled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from kvalloc.allocator.capacity.kv_events import (
     NamespacedEvent,
     route_root,
 )
-from kvalloc.allocator.capacity.onboard import onboard
+from kvalloc.allocator.capacity.onboard import Deferral, onboard
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, PrefixCache, Prompt, chain_root
 from kvalloc.allocator.capacity.requests import RequestApi, RequestIds
 from kvalloc.allocator.capacity.slots import run_slots
@@ -83,7 +84,8 @@ class KVCacheManager(RequestApi):
                  compiled: bool | None = None, prefix_caching: bool = False,
                  cache_key: bytes = b"", hash_seed: bytes = b"", kv_events: bool = False,
                  event_hashes: HashScope = HashScope.NAMESPACE,
-                 register_when_written: bool = False, host_tier_blocks: int = 0) -> None:
+                 register_when_written: bool = False, host_tier_blocks: int = 0,
+                 onboard_blocks_per_step: int | None = None) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
         imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
@@ -92,7 +94,9 @@ class KVCacheManager(RequestApi):
         ``event_hashes`` (`kv_events.router_hashes`); ``register_when_written``:
         a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
         not when its prefill is scheduled; ``host_tier_blocks``: slots of a host tier below the
-        pool (`capacity.host_tier`), which needs both (only written blocks may be copied)."""
+        pool (`capacity.host_tier`), which needs both (only written blocks may be copied);
+        ``onboard_blocks_per_step``: the most blocks one step brings back from it (None: no
+        bound; `capacity.onboard`)."""
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -118,6 +122,7 @@ class KVCacheManager(RequestApi):
         self.register_when_written = register_when_written
         self.tier = (None if host_tier_blocks == 0 else
                      HostTier.below(self.cache, register_when_written, host_tier_blocks))
+        self.onboard_blocks_per_step = onboard_blocks_per_step
         self.event_hashes = event_hashes
         # The per-request API's ids; rows a batched step admits have none.
         self.ids = RequestIds()
@@ -137,25 +142,33 @@ class KVCacheManager(RequestApi):
         bounds and the state machine are still the step's to check, and a typed error still
         changes nothing."""
         prompts: list[Prompt | None] = []
-        hits, onboarding = NO_HITS, None
+        hits, onboarding, deferral, ran = NO_HITS, None, None, arrays
         if self.cache is not None and any(t is not None for t in tokens):
             prompts = [t if t is None or isinstance(t, Prompt) else self.prompt(t)
                        for t in tokens]
             if self.tier is not None:
                 onboarding = onboard(self.cache, self.pool, self.tier, prompts,
-                                     arrays.prompt_lens)
-            hits = self.cache.lookup(prompts, arrays.prompt_lens)
-        result: StepRun = self._run(arrays, self.state, hits)
+                                     arrays.prompt_lens, self.onboard_blocks_per_step)
+                deferral = onboarding and Deferral.of(arrays, prompts, onboarding.deferred,
+                                                      self.config.max_seq_len)
+            ran, looked_up = (arrays, prompts) if deferral is None else deferral[:2]
+            hits = self.cache.lookup(looked_up, ran.prompt_lens)
+        result: StepRun = self._run(ran, self.state, hits)
         if result.error[0]:
             if onboarding is not None:
                 onboarding.undo()
             if result.error[0] == ROW_OVERFLOW:
                 self.counters.row_overflows += 1
-            raise_step_error(result.error, arrays, self.ids.name)
+            raise_step_error(result.error, ran, self.ids.name)
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
         if onboarding is not None:
             self.counters.evicted_blocks += onboarding.commit()
+        if deferral is not None:
+            assert self.tier is not None
+            self.tier.counters.deferred_requests += arrays.prompt_lens.size - deferral.kept.size
+            result = dataclasses.replace(result, outcome=deferral.outcome(
+                result.outcome, arrays.prompt_lens.size))
         if self.cache is not None:
             self._cache_after(arrays, result, prompts)
         if arrays.finished_rows.size:

@@ -359,6 +359,9 @@ class Scheduled(_ArrayRecord):
         return request, self.start_positions[request] + within
 
 
+_ONBOARDING = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "onboarding")
+
+
 @dataclass(eq=False)
 class Refused(_ArrayRecord):
     """Requests this step could not schedule (see `protocol.RefusedColumns`)."""
@@ -374,6 +377,11 @@ class Refused(_ArrayRecord):
         """Indices refused among the ``"grant"``, ``"prefill"`` or ``"new"`` entries."""
         code = {v: k for k, v in protocol.REFUSED_KINDS.items()}[kind]
         return self.indices[self.kinds == code]
+
+    def onboarding(self) -> bool:
+        """Whether a new request waits for its prefix to come back from the host tier (it is
+        admitted when asked again, once it has)."""
+        return bool((self.reasons == _ONBOARDING).any())
 
 
 @dataclass(eq=False)

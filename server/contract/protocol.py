@@ -378,17 +378,20 @@ class ScheduledColumns(Contract):
 
 
 REFUSED_KINDS = {0: "grant", 1: "prefill", 2: "new"}
-REFUSAL_REASONS = {1: "out_of_blocks", 2: "batch_full"}
+REFUSAL_REASONS = {1: "out_of_blocks", 2: "batch_full", 3: "onboarding"}
 
 
 class RefusedColumns(Contract):
     """Not scheduled this step; nothing changed for them, so the scheduler can preempt or retry.
     ``kinds``: 0 grant, 1 prefill chunk, 2 new request; ``indices``: position in that list of the
-    request; ``reasons``: 1 out of blocks, 2 every block-table row in use."""
+    request; ``reasons``: 1 out of blocks, 2 every block-table row in use, 3 its cached prefix is
+    being copied back from the host tier (a new request only; asked again, it is admitted once
+    the copies are done)."""
 
     kinds: _column(0, 2, "0 grant, 1 prefill, 2 new.")
     indices: _column(0, INT32_MAX, "Index into the request's list of that kind.")
-    reasons: _column(1, 2, "1 out_of_blocks, 2 batch_full.")
+    reasons: _column(1, 3, "1 out_of_blocks, 2 batch_full, 3 onboarding (a new request whose "
+                           "prefix the host tier is copying back: ask again).")
 
 
 class TableDeltas(Contract):

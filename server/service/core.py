@@ -422,7 +422,8 @@ def _manager(config: ServiceConfig, placement: TensorAllocator) -> KVCacheManage
                           event_hashes=(HashScope.CONTENT if config.kv_events is not None
                                         and per_worker(config.kv_events)
                                         else HashScope.NAMESPACE),
-                          register_when_written=True, host_tier_blocks=config.host_tier_blocks)
+                          register_when_written=True, host_tier_blocks=config.host_tier_blocks,
+                          onboard_blocks_per_step=config.onboard_blocks_per_step)
 
 
 def _event_streams(config: ServiceConfig, manager: KVCacheManager) -> EventStreams | None:

@@ -74,6 +74,12 @@ class ServiceConfig(BaseModel):
                                      "block is copied to as it registers, and that prompts "
                                      "whose prefix the pool evicted are served from "
                                      "(`allocator.capacity.host_tier`); 0: none.")
+    host_tier_onboard_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="The most bytes one step copies back from the host tier (0: no bound): "
+                    "the worker's next forward waits for them, its whole batch with it. A "
+                    "prompt whose prefix needs more is refused as onboarding and finds the "
+                    "rest in the pool when asked again.")
     kv_events: str | None = Field(
         default=None, description="ZeroMQ endpoint to publish KV events on (vLLM's format); "
                                   "with {worker} in it, one stream per worker "
@@ -120,6 +126,13 @@ class ServiceConfig(BaseModel):
     def host_tier_blocks(self) -> int:
         """Slots of the host tier: whole blocks (every shard's heads) in ``host_tier_bytes``."""
         return self.host_tier_bytes // self.pool.bytes_per_block
+
+    @property
+    def onboard_blocks_per_step(self) -> int | None:
+        """`host_tier_onboard_bytes` in whole blocks, at least one (None: no bound)."""
+        if not self.host_tier_onboard_bytes:
+            return None
+        return max(1, self.host_tier_onboard_bytes // self.pool.bytes_per_block)
 
     @model_validator(mode="after")
     def _tier_needs_caching(self) -> ServiceConfig:

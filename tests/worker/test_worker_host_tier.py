@@ -27,25 +27,31 @@ def run(oracle: Oracle, core: ServiceCore, overlap: bool) -> Engine:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("bound", [None, 2], ids=["unbounded", "two-blocks-a-step"])
 def test_prefixes_evicted_from_the_pool_come_back_from_the_tier_across_a_restart(
-        llama_oracle: Oracle, overlap: bool) -> None:
+        llama_oracle: Oracle, overlap: bool, bound: int | None) -> None:
+    """With a bound, a prefix comes back two blocks a step, its prompt waiting meanwhile."""
     oracle = llama_oracle
     # 40 blocks of 4 tokens for prompts of 177 tokens and their outputs: the pool evicts the
     # first prompts' blocks while the last ones run.
-    config = pool_config(oracle.model, num_blocks=40).model_copy(
-        update={"prefix_caching": True, "host_tier_bytes": 1 << 20})
+    config = pool_config(oracle.model, num_blocks=40)
+    config = config.model_copy(update={
+        "prefix_caching": True, "host_tier_bytes": 1 << 20,
+        "host_tier_onboard_bytes": 0 if bound is None else bound * config.pool.bytes_per_block})
     core = ServiceCore(config)
     try:
         core.pool.storage.kv.fill_(float("nan"))
         core.pool.tier_stores[0].memory.view(torch.float32).fill_(float("nan"))
         run(oracle, core, overlap)
         tier = core.manager.tier
+        assert core.manager.onboard_blocks_per_step == bound
         assert tier.counters.offloaded_blocks > 0 and core.manager.counters.evicted_blocks > 0
         core.drop_worker("worker")  # killed: its session ends, its requests are freed
         again = run(oracle, core, overlap)
         # Onboarded blocks a refused prompt does not take stay cached in the pool (and may be
         # evicted and onboarded again), so they bound nothing; they are there, and served.
         assert tier.counters.onboarded_blocks > 0 and again.stats.cached_prompt_tokens > 0
+        assert (tier.counters.deferred_requests > 0) == (bound is not None)
         core.manager.check_invariants()
     finally:
         core.close()

@@ -22,6 +22,9 @@ from numpy.typing import ArrayLike
 ADMITTED = 0
 REFUSED_OUT_OF_BLOCKS = 1
 REFUSED_BATCH_FULL = 2
+# Its prefix is coming back from the host tier over more than this step's share of the link
+# (`capacity.onboard`): asked again, it finds more of it in the pool.
+REFUSED_ONBOARDING = 3
 
 LAGS = (1, 2)  # StepPlan.lag: calls between a step's grant and its results
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvalloc.allocator import (
+    REFUSED_ONBOARDING,
     BlockRemoved,
     BlockStored,
     InvalidValue,
@@ -81,9 +82,9 @@ def admit(m: KVCacheManager, contents: Contents, tokens: np.ndarray, salt: bytes
     prompt = m.prompt(tokens, salt)
     out = m.step(StepPlan(prompt_lens=[tokens.size], prompt_tokens=[prompt]))
     row = int(out.admitted_rows[0])
+    contents.copy()  # what the step owes, admitted or not (the service copies every call)
     if row < 0:
         return row
-    contents.copy()
     cached = int(out.cached_tokens[0]) // TPB
     held = m.table.host[row, :cached].tolist()
     assert [contents.pool.get(b) for b in held] == prompt.hashes[:cached]
@@ -178,9 +179,12 @@ class TierMachine(RuleBasedStateMachine):
     """Admissions, finishes (preemption and a worker's restart alike: its rows end), clears,
     refused steps and a tier far smaller than the prompts' blocks."""
 
+    onboard_blocks_per_step: int | None = None
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = make_manager(num_blocks=14, tier=6, kv_events=True)
+        self.m = make_manager(num_blocks=14, tier=6, kv_events=True,
+                              onboard_blocks_per_step=self.onboard_blocks_per_step)
         self.contents = Contents(self.m)
         self.rows: list[int] = []
 
@@ -225,3 +229,47 @@ class TierMachine(RuleBasedStateMachine):
 
 
 TestTierMachine = TierMachine.TestCase
+
+
+class BoundedTierMachine(TierMachine):
+    """The same with two blocks brought back a step: prompts deferred, brought back in parts."""
+
+    onboard_blocks_per_step = 2
+
+
+TestBoundedTierMachine = BoundedTierMachine.TestCase
+
+
+def test_a_step_brings_back_a_bounded_number_of_blocks_and_defers_the_prompt_until_it_has_all():
+    """Two blocks a step: a five-block prefix takes three steps; the prompt is refused as
+    onboarding until the last, which admits it with the whole prefix cached, and a prompt
+    behind it in the same steps gets nothing of the budget while the first one takes it."""
+    m = make_manager(num_blocks=16, tier=16, onboard_blocks_per_step=2)
+    c = Contents(m)
+    m.step(StepPlan(finished_rows=[admit(m, c, prompt(0))]))
+    m.clear_prefix_cache()
+    c.copy()
+    for step in range(3):
+        out = m.step(StepPlan(prompt_lens=[21], prompt_tokens=[m.prompt(prompt(0))]))
+        onboarded, _ = c.copy()
+        assert onboarded == (2 if step < 2 else 1)
+        if step < 2:
+            assert out.admitted_rows.tolist() == [-1]
+            assert out.new_refusals.tolist() == [REFUSED_ONBOARDING]
+            assert out.cached_tokens.tolist() == [0]
+    assert out.cached_tokens.tolist() == [20] and out.admitted_rows[0] >= 0
+    c.check()
+    m.check_invariants()
+
+
+def test_a_deferred_prompt_leaves_the_others_of_its_step_admitted_in_their_places():
+    m = make_manager(num_blocks=16, tier=16, onboard_blocks_per_step=1)
+    c = Contents(m)
+    m.step(StepPlan(finished_rows=[admit(m, c, prompt(0))]))
+    m.clear_prefix_cache()
+    out = m.step(StepPlan(prompt_lens=[9, 21, 5],
+                          prompt_tokens=[m.prompt(prompt(100, 2)), m.prompt(prompt(0)),
+                                         m.prompt(prompt(200, 1))]))
+    assert (out.admitted_rows >= 0).tolist() == [True, False, True]
+    assert out.new_refusals.tolist() == [0, REFUSED_ONBOARDING, 0]
+    m.check_invariants()
