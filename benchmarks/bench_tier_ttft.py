@@ -13,13 +13,15 @@ time, as a restarted engine's), from the call that admits it to the token on the
 - ``recompute``: a prompt nothing holds (fresh tokens each time): the whole prefill;
 - ``pool``: the prompt's blocks still in the pool: a prefix hit, no copy;
 - ``tier``: the prompt's blocks evicted from the pool (the cache cleared) but in the tier: they
-  are copied back into fresh blocks before the forward of its last block reads them.
+  are copied back into fresh blocks before the forward of its last block reads them, at most
+  the service's per-step bound a step (the prompt refused as onboarding until all are back);
+  ``tier_unbounded``: the same in one step.
 
 Beside them, a plain pinned host-to-device copy of the same bytes (the link's time for them),
 measured in the same run. Then ``decoders`` requests decode, and once they do another worker of
 the namespace admits the prompt from the tier (its first token's block computed, the rest
 onboarded): the wall time of the decoders' steps around it (their next forward waits for the
-onboard) beside their median decode step.
+onboard) beside their median decode step, with the per-step bound and without.
 
 ``--quick``: a 2-layer float32 model on the CPU and a 512-token prompt.
 """
@@ -130,10 +132,20 @@ def decode_steps_around_an_onboard(model: Any, core: ServiceCore, prompt: NamedP
 
     Engine(model, session(core), None, draft_len=0, share_prefixes=True).run(
         decoders, setup["new_tokens"], on_step=on_step)
+    core.drop_worker("arrival")  # its request ends: what it brought back stays cached
     gaps = [1e3 * (b - a) for a, b in itertools.pairwise(stamps)]
-    return {"onboarded_tokens": onboarded[0],
+    return {"arrival_cached_tokens": onboarded[0],
             "decode_steps_ms_around_onboard": [round(g, 3) for g in gaps[settle - 3 : settle + 2]],
             "decode_step_ms": round(statistics.median(gaps[settle - 6 :]), 3)}
+
+
+def unbounded(core: ServiceCore, measure: Any) -> Any:
+    """``measure()`` with no bound on what a step copies back from the tier."""
+    bound, core.manager.onboard_blocks_per_step = core.manager.onboard_blocks_per_step, None
+    try:
+        return measure()
+    finally:
+        core.manager.onboard_blocks_per_step = bound
 
 
 def run(setup: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -158,17 +170,24 @@ def run(setup: dict[str, Any], seed: int) -> dict[str, Any]:
     try:
         prompt = fresh("long", setup["prompt_len"])
         first_token_s(model, core, fresh("warm", setup["prompt_len"]), device)  # compiles
-        times: dict[str, list[float]] = {"recompute": [], "pool": [], "tier": []}
+        times: dict[str, list[float]] = {"recompute": [], "pool": [], "tier": [],
+                                         "tier_unbounded": []}
         for i in range(setup["repeats"]):
             times["recompute"].append(first_token_s(
                 model, core, fresh(f"cold{i}", setup["prompt_len"]), device))
+
+        def from_tier() -> float:
+            evict_pool(core)
+            return first_token_s(model, core, prompt, device)
+
         # Cached, in the pool and in the tier: a second token, so that the step after the last
         # prefill chunk commits it (a request that ends there commits nothing of its step).
         first_token_s(model, core, prompt, device, new_tokens=2)
-        for _ in range(setup["repeats"]):
+        for _ in range(setup["repeats"]):  # each tier run leaves the prompt cached in the pool
             times["pool"].append(first_token_s(model, core, prompt, device))
-            evict_pool(core)
-            times["tier"].append(first_token_s(model, core, prompt, device))
+            times["tier"].append(from_tier())
+            times["pool"].append(first_token_s(model, core, prompt, device))
+            times["tier_unbounded"].append(unbounded(core, from_tier))
         hit = (setup["prompt_len"] - 1) // pool.tokens_per_block
         nbytes = hit * pool.bytes_per_block
         ttft = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
@@ -179,7 +198,10 @@ def run(setup: dict[str, Any], seed: int) -> dict[str, Any]:
             "onboarded_bytes": nbytes,
             "plain_copy_ms": round(1e3 * plain_copy_s(nbytes, device, setup["repeats"]), 3),
             "tier_copy_seconds_total": round(core.pool.tier_stores[0].copy_seconds, 4),
-            **decode_steps_around_an_onboard(model, core, prompt, decoders, setup),
+            "onboard_bytes_per_step": core.config.host_tier_onboard_bytes,
+            "bounded": decode_steps_around_an_onboard(model, core, prompt, decoders, setup),
+            "unbounded": unbounded(core, lambda: decode_steps_around_an_onboard(
+                model, core, prompt, decoders, setup)),
         }
     finally:
         core.close()
