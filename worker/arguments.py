@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "its prompts find the blocks an earlier run cached (default "
                           "<host>-worker, <host>-worker-rank<K> with --data-parallel-rank; a "
                           "second worker at once needs its own)")
+    svc.add_argument("--replace", action="store_true",
+                     help="end a live session of the same worker id before registering (this "
+                          "worker's previous run was killed: its requests are freed now, not "
+                          "when its lease ends; its cached prefixes stay)")
     svc.add_argument("--timeout", type=positive_seconds, default=30.0,
                      help="seconds to wait for one reply (default 30)")
     svc.add_argument("--in-process", action="store_true",

@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     except RemoteError as exc:
         if exc.code == "worker_id_in_use":
             print(f"kvalloc worker: worker id {args.worker_id!r} is in use by a running worker; "
-                  f"give this one another with --worker-id", file=sys.stderr)
+                  f"give this one another with --worker-id (or, if that worker is gone, take "
+                  f"its id with --replace)", file=sys.stderr)
             return 2
         print(f"kvalloc worker: {exc}", file=sys.stderr)
         return 2
@@ -221,7 +222,8 @@ def _rank(rank: int, world: int, options: dict[str, Any],
     client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
               if rank == 0 else None)
     shards = ShardClient(rank, world, client, stop=stop if rank == 0 else None)
-    shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
+    shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank,
+                    replace=args.replace)
     try:
         return _serve(model, shards, prompts, args, StopRequest())
     except Interrupted as exc:
@@ -292,7 +294,8 @@ def _client(args: argparse.Namespace, model: Any,
     """A registered, attached client: to ``--address``, or to a service made in this process."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
-            client.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank)
+            client.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank,
+                            replace=args.replace)
             try:
                 yield client
             finally:

@@ -62,16 +62,17 @@ class ShardClient:
         self.overlap = False
         self._met = False  # whether this step's ranks met yet
 
-    def register(self, *, overlap: bool = False,
-                 data_parallel_rank: int | None = None) -> wire.Registration:
+    def register(self, *, overlap: bool = False, data_parallel_rank: int | None = None,
+                 replace: bool = False) -> wire.Registration:
         """Rank 0 registers and maps shard 0; every other rank gets that registration and maps
-        its own shard. ``data_parallel_rank``: the group's rank in a service of several.
+        its own shard. ``data_parallel_rank``: the group's rank in a service of several;
+        ``replace``: end a live session of the same worker id first.
         `EngineError` on every rank, with rank 0's reason, if the service's shards are not this
         group's (rank 0 then ends the session it opened)."""
         data = None
         if self._client is not None:
             try:
-                self._client.register(overlap=overlap, shard=0,
+                self._client.register(overlap=overlap, shard=0, replace=replace,
                                       data_parallel_rank=data_parallel_rank)
                 self._check_shards(self._client.registration)
             except Exception as exc:

@@ -7,8 +7,10 @@ worker` processes of a tiny random float32 Llama.
    are copied to the tier as they register.
 3. A then runs other prompts, one at a time, which evict the long prompt's blocks from the pool:
    /metrics shows blocks evicted and offloaded.
-4. A is killed with SIGKILL in the middle of that work: it never deregisters, and its lease ends.
-5. A new worker process under the same id runs the long prompt again: its tokens are
+4. A is killed with SIGKILL in the middle of that work: it never deregisters, and its session
+   lives on (its lease is long).
+5. A new worker process under the same id takes it over (``--replace``: A's session ends, its
+   requests are freed) and runs the long prompt again: its tokens are
    `model.generate`'s, its whole prefix of full blocks is reported cached, and /metrics shows the
    blocks onboarded from the tier and the prefix hit.
 6. Worker "b", of a namespace of its own, runs the same long prompt: nothing of it is cached for
@@ -60,10 +62,9 @@ POOL = ("--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-
 # Measured on a quiet two-core machine, and each bound many times that:
 # - the service starts in 2 s, 20 s when numba compiles its step from nothing;
 READY_TIMEOUT_S = 300.0
-# - the longest silence between a worker's calls was 0.26 s (its first forward): the lease is
-#   almost forty times that, and a killed worker's ends about a second after it;
-LEASE_TTL_S = 10.0
-LEASE_END_TIMEOUT_S = LEASE_TTL_S + 120.0
+# - the longest silence between a worker's calls was 0.26 s (its first forward); a killed
+#   worker's session must outlive the test, for its successor to take it over:
+LEASE_TTL_S = 3600.0
 # - /metrics serves a copy refreshed at most once a second, which a loaded machine may hold
 #   back several times that;
 METRICS_REFRESH_S = 60.0
@@ -71,7 +72,7 @@ METRICS_REFRESH_S = 60.0
 #   more than a pool of blocks evicted 10-13 s after it started.
 WORKER_TIMEOUT_S = 300.0
 EVICTED_TIMEOUT_S = WORKER_TIMEOUT_S + METRICS_REFRESH_S
-TEST_TIMEOUT_S = (READY_TIMEOUT_S + EVICTED_TIMEOUT_S + LEASE_END_TIMEOUT_S
+TEST_TIMEOUT_S = (READY_TIMEOUT_S + EVICTED_TIMEOUT_S
                   + 2 * (WORKER_TIMEOUT_S + METRICS_REFRESH_S) + READY_TIMEOUT_S)
 
 
@@ -93,11 +94,12 @@ def write_prompts(path: Path, prompts: dict[str, list[int]]) -> Path:
     return path
 
 
-def worker_command(config: Path, prompts: Path, address: str, worker_id: str) -> list[str]:
+def worker_command(config: Path, prompts: Path, address: str, worker_id: str,
+                   *flags: str) -> list[str]:
     return [*kvalloc_command(), "worker", "--model-config", str(config), "--prompts",
             str(prompts), "--seed", "0", "--max-new-tokens", str(MAX_NEW_TOKENS),
             "--tokens-per-block", str(TPB), "--address", address, "--worker-id", worker_id,
-            "--json", "--no-progress"]
+            "--json", "--no-progress", *flags]
 
 
 def run_worker(command: list[str]) -> dict:
@@ -161,13 +163,10 @@ def test_a_restarted_worker_gets_its_evicted_prefix_back_from_the_tier_and_no_on
                 a.kill()
                 a.wait()
 
-        deadline = time.monotonic() + LEASE_END_TIMEOUT_S
         with Client(service.stream, worker_id="observer") as observer:
-            while "a" in (held := [w.worker_id for w in observer.get_pool().workers]):
-                assert time.monotonic() < deadline, f"A's lease never ended: {held}"
-                time.sleep(0.2)
+            assert "a" in [w.worker_id for w in observer.get_pool().workers]  # A's session
 
-        again = run_worker(worker_command(config, long_only, service.stream, "a"))
+        again = run_worker(worker_command(config, long_only, service.stream, "a", "--replace"))
         assert {o["id"]: o["token_ids"] for o in again["outputs"]} == {"long": expected}
         assert again["cached_prompt_tokens"] == LONG_FULL_BLOCKS * TPB
         seen = wait_for_metrics(
