@@ -124,3 +124,27 @@ def test_a_tier_larger_than_the_ram_available_is_refused_before_anything_is_made
                         lambda: pool + 32 * config.pool.bytes_per_block)
     with pytest.raises(PoolTooLarge, match=r"host_tier: .* lower --host-tier"):
         footprint.check_fits(config)
+
+
+def test_a_prefix_larger_than_a_steps_share_comes_back_over_steps_its_prompt_refused_meanwhile():
+    block = make_config().pool.bytes_per_block
+    core = ServiceCore(make_config(host_tier_onboard_bytes=2 * block,
+                                   cache_groups={"team": ["a1", "a2"]}))
+    try:
+        cache_prompt(core, "a1")
+        with core.lock:
+            core.manager.clear_prefix_cache()
+            core.pipeline.sync_cache()
+        kv = Client.in_process(core, worker_id="a2")
+        kv.register()
+        # Four blocks to bring back, two a step: refused once, admitted with all four the next.
+        reply = kv.step(new=(["y"], [PROMPT.size]), prompt_token_ids=PROMPT)
+        assert reply.admitted.tolist() == [-1] and reply.refused.onboarding()
+        assert reply.refused.reasons.tolist() == [3]
+        reply = kv.step(new=(["y"], [PROMPT.size]), prompt_token_ids=PROMPT)
+        assert reply.cached_tokens.tolist() == [16] and not reply.refused.onboarding()
+        assert core.manager.tier.counters.deferred_requests == 1
+        assert core.manager.tier.counters.onboarded_blocks == 4
+        core.check_invariants()
+    finally:
+        core.close()
