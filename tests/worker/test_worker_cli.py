@@ -130,7 +130,8 @@ def test_a_second_run_reuses_the_prefixes_the_first_run_cached(
 
 def test_a_second_worker_under_the_same_id_is_told_to_name_itself(
         llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The default worker id is held by a running worker: one line naming --worker-id."""
+    """The default worker id is held by a running worker: one line naming --worker-id, and
+    --replace for a worker that is gone."""
     config, prompts = write_inputs(llama_oracle, tmp_path)
     with (ServiceProcess(tmp_path, *SERVICE_POOL, tcp=False) as service,
           Client(service.stream, worker_id=default_worker_id(None)) as holder):
@@ -138,7 +139,8 @@ def test_a_second_worker_under_the_same_id_is_told_to_name_itself(
         assert main(worker_args(config, prompts, "--address", service.stream)) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == (f"kvalloc worker: worker id {default_worker_id(None)!r} is in use by a "
-                    f"running worker; give this one another with --worker-id")
+                    f"running worker; give this one another with --worker-id (or, if that "
+                    f"worker is gone, take its id with --replace)")
 
 
 @pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])
