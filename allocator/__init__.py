@@ -34,8 +34,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "errors": (
         "AcceptedExceedsDrafts", "BatchFull", "BlockTableOverflow", "DraftLenExceeded",
         "DuplicateRequest", "GrantPending", "InvalidScvMode", "InvalidValue", "InvariantViolation",
-        "KVAllocError", "NoPendingGrant", "NworError", "NworInputError", "OutOfBlocks",
-        "PrefillIncomplete", "SlotDtypeError", "StagingOverflow", "UnknownRequest",
+        "KVAllocError", "NoPendingGrant", "NworError", "NworInputError", "OnboardingPending",
+        "OutOfBlocks", "PrefillIncomplete", "SlotDtypeError", "StagingOverflow", "UnknownRequest",
         "WindowStateError"),
     "metrics": ("AllocatorMetrics",),
     "nwor.acceptance": (

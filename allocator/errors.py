@@ -75,6 +75,14 @@ class BlockTableOverflow(KVAllocError):
         self.req_id = req_id
 
 
+class OnboardingPending(KVAllocError):
+    """The request's cached prefix is coming back from the host tier over more than this step's
+    share (`capacity.onboard`): what came back stays cached in the pool; asked again, the
+    request finds it there and the rest follows."""
+
+    field = "req_id"
+
+
 class BatchFull(KVAllocError):
     """Every block-table row (max_batch_size) is in use."""
 

@@ -17,6 +17,7 @@ import numpy as np
 from kvalloc.allocator.capacity.state import ManagerCounters, RowState
 from kvalloc.allocator.capacity.step.plan import (
     REFUSED_BATCH_FULL,
+    REFUSED_ONBOARDING,
     RequestView,
     StepOutcome,
     StepPlan,
@@ -27,6 +28,7 @@ from kvalloc.allocator.errors import (
     DuplicateRequest,
     InvalidValue,
     InvariantViolation,
+    OnboardingPending,
     OutOfBlocks,
     UnknownRequest,
 )
@@ -119,6 +121,8 @@ class RequestApi:
         ``view(row).history`` then starts past it.
 
         Raises OutOfBlocks / BatchFull when it cannot be admitted; nothing changes then.
+        Raises OnboardingPending when its prefix is coming back from a host tier over several
+        steps: what came back stays cached, and the same call again admits it once all has.
         """
         self.ids.check_new(req_id)
         if first_chunk is None:
@@ -131,6 +135,9 @@ class RequestApi:
         if row < 0:
             if out.new_refusals[0] == REFUSED_BATCH_FULL:
                 raise BatchFull(f"req_id: all {self.config.max_batch_size} rows are in use")
+            if out.new_refusals[0] == REFUSED_ONBOARDING:
+                raise OnboardingPending(f"req_id: {req_id!r}'s cached prefix is coming back from "
+                                        f"the host tier; add it again")
             raise OutOfBlocks(f"num_blocks: no room for request {req_id!r}'s prompt")
         self.ids.add(req_id, row)
         return row

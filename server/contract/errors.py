@@ -153,6 +153,7 @@ _ALLOCATOR: dict[type[Exception], tuple[int, str]] = {
     ae.NoPendingGrant: (409, "no_pending_grant"),
     ae.OutOfBlocks: (409, "out_of_blocks"),
     ae.BatchFull: (409, "batch_full"),
+    ae.OnboardingPending: (409, "onboarding"),
     ae.BlockTableOverflow: (422, "block_table_overflow"),
     ae.UnknownRequest: (422, "unknown_request"),
     ae.DuplicateRequest: (422, "duplicate_request"),

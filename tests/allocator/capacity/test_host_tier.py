@@ -23,6 +23,7 @@ from kvalloc.allocator import (
     InvalidValue,
     KVAllocError,
     KVCacheManager,
+    OnboardingPending,
     PoolConfig,
     StepPlan,
     UnknownRequest,
@@ -272,4 +273,16 @@ def test_a_deferred_prompt_leaves_the_others_of_its_step_admitted_in_their_place
                                          m.prompt(prompt(200, 1))]))
     assert (out.admitted_rows >= 0).tolist() == [True, False, True]
     assert out.new_refusals.tolist() == [0, REFUSED_ONBOARDING, 0]
+    m.check_invariants()
+
+
+def test_add_request_says_its_prefix_is_onboarding_and_admits_it_when_asked_again():
+    m = make_manager(num_blocks=16, tier=16, onboard_blocks_per_step=3)
+    c = Contents(m)
+    m.step(StepPlan(finished_rows=[admit(m, c, prompt(0))]))
+    m.clear_prefix_cache()
+    with pytest.raises(OnboardingPending, match="'again'"):
+        m.add_request("again", 21, prompt_tokens=prompt(0))
+    row = m.add_request("again", 21, prompt_tokens=prompt(0))
+    assert m.view(row).history == 21 and m.rows.cached[row] == 5
     m.check_invariants()
