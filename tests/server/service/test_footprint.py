@@ -38,6 +38,25 @@ def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str) -> None
         core.close()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_a_latent_pools_footprint_is_what_its_core_maps_one_plane_of_it(make_config,
+                                                                         dtype: str) -> None:
+    latent = make_config(dtype=dtype, kv_layout="latent", num_kv_heads=1, head_dim=72)
+    config = ServiceConfig(pool=latent, max_workers=2, max_step_tokens=64)
+    core = ServiceCore(config)
+    try:
+        for i in range(config.max_workers):
+            core.register(wire.RegisterRequest(worker_id=f"w{i}", attached=False))
+        mapped = sum(p.stat().st_size for p in SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
+        assert mapped == footprint(config).total
+    finally:
+        core.close()
+    as_kv = footprint(config.model_copy(update={"pool": make_config(dtype=dtype,
+                                                                    head_dim=72)}))
+    assert 2 * footprint(config).pool == as_kv.pool
+    assert 2 * footprint(config).staging == as_kv.staging
+
+
 @pytest.mark.parametrize("devices, tp", [(["cpu", "cpu"], 2), (["cpu"] * 4, 2)])
 def test_the_footprint_of_shards_and_ranks_is_what_their_cores_map(make_config, devices,
                                                                     tp) -> None:
