@@ -92,6 +92,9 @@ def test_a_latent_pool_stages_its_latent_as_the_key_and_takes_no_value():
     with pytest.raises(NworInputError) as err:
         mgr.stage_layer(0, latent, latent, torch.tensor([4, 5]))
     assert err.value.field == "value"
+    with pytest.raises(NworInputError) as err:
+        mgr.stage_layer(0, latent, None, torch.tensor([4, 5]), v_scale=0.5)
+    assert err.value.field == "v_scale"
     assert mgr.staged_rows(0) == 0
     mgr.stage_layer(0, latent, None, torch.tensor([4, 5]))
     key, value = mgr.staged_kv(0)
