@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from kvalloc.allocator.config import KVLayout
+from kvalloc.allocator import KVLayout
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT32_MAX = 2**31 - 1

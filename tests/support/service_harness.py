@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
+import zmq
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
@@ -74,6 +76,19 @@ def pool_mismatches(kv: torch.Tensor, expected: Mapping[int, tuple[int, int]],
     bad = differs.any(dim=-1).any(dim=-1).nonzero().tolist()
     return [f"layer {layer} {'KV'[k]} slot {s}: {pool[layer, k, s, 0, :3].tolist()} != "
             f"{want[layer, k, s, 0, :3].tolist()}" for layer, k, s in bad[:limit]]
+
+
+def replayed_events(replay: zmq.Socket) -> list[dict]:
+    """Every KV event a service published from the start, asked for on its replay socket
+    (``replay``, a connected DEALER)."""
+    replay.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert replay.poll(5000)
+    events: list[dict] = []
+    while True:
+        _, seq, payload = replay.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            return events
+        events += msgspec.msgpack.decode(payload)[1]
 
 
 POISON = -3.0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import msgspec
 import numpy as np
 import torch
 import zmq
@@ -17,7 +16,7 @@ from kvalloc.server.contract import wire
 from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
-from service_harness import nwor_scenario, stage_pattern
+from service_harness import nwor_scenario, replayed_events, stage_pattern
 
 WIDTH = 72  # a small latent: 64 of compressed KV and a rope key of 8 (DeepSeek-V3: 512 + 64)
 LATENT = {"kv_layout": "latent", "num_kv_heads": 1, "head_dim": WIDTH}
@@ -65,14 +64,7 @@ def test_a_latent_prompt_reuses_a_written_prefix_and_publishes_its_blocks(zmq_co
         shared = core.manager.table.host[row_a, :4].tolist()
         assert core.manager.table.host[row_c, :4].tolist() == shared
         assert (core.pool.storage.kv[:, 0, shared][..., 0] == 1).all()
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        assert replay.poll(5000)
-        events = []
-        while True:
-            _, seq, payload = replay.recv_multipart()
-            if seq == (-1).to_bytes(8, "big", signed=True):
-                break
-            events += msgspec.msgpack.decode(payload)[1]
+        events = replayed_events(replay)
         stored = [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]]
         prompt = core.manager.cache.prompts[row_a]
         assert stored == router_hashes(prompt.tokens, 4, namespace=worker_salt("w", {}))
