@@ -164,6 +164,9 @@ class Engine:
                   ("head_dim", layout.head_dim, head_dim)]
         wrong = [f"{name}: the pool has {have}, the model needs {want}"
                  for name, have, want in fields if have != want]
+        if layout.kv_layout != "kv":
+            wrong.append(f"kv_layout: the pool is {layout.kv_layout!r}, the model caches "
+                         "per-head K and V ('kv')")
         if layout.dtype == "fp8_e4m3":
             wrong.append(f"dtype: the pool is fp8, which the worker does not support; the "
                          f"model runs in {dtype}")
@@ -355,7 +358,7 @@ class _Flight:
 
 def _own_commit(pool: AttachedPool) -> PackedCommit:
     """An overlap worker's own commit into ``pool``: the library's, fenced by its session."""
-    layers, _, blocks, tokens_per_block, heads, dim = pool.kv.shape
-    return PackedCommit(pool.kv.view(layers, 2, blocks * tokens_per_block, heads * dim),
-                        pool.staging.view(layers, 2, pool.staging.shape[2], heads * dim),
+    layers, planes, blocks, tokens_per_block, heads, dim = pool.kv.shape
+    return PackedCommit(pool.kv.view(layers, planes, blocks * tokens_per_block, heads * dim),
+                        pool.staging.view(layers, planes, pool.staging.shape[2], heads * dim),
                         tokens_per_block, protected=pool.protected, fence=pool.writer_fence)

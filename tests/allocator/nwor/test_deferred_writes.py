@@ -32,8 +32,8 @@ from triton_interpreter import needs_triton_interpreter
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton_interpreter)]
 
 
-def _manager(dtype: str = "bfloat16", backend: str = "torch", **kw):
-    cfg = pool_config("cpu", dtype=dtype, scales=dtype == "fp8_e4m3")
+def _manager(dtype: str = "bfloat16", backend: str = "torch", kv_layout: str = "kv", **kw):
+    cfg = pool_config("cpu", dtype=dtype, scales=dtype == "fp8_e4m3", kv_layout=kv_layout)
     storage = poisoned_storage(cfg)
     return storage, DeferredWriteManager(storage, max_tokens=48, backend=backend, **kw)
 
@@ -45,9 +45,12 @@ def _tokens(n: int, row: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.T
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
-def test_random_windows_commit_exactly_the_accepted_tokens(dtype, backend):
-    storage, mgr = _manager(dtype, backend)
+@pytest.mark.parametrize(("dtype", "kv_layout"), [
+    ("bfloat16", "kv"), ("fp8_e4m3", "kv"),
+    # An MLA latent pool: one plane of one 40-wide head, one fp8 scale per layer.
+    ("float32", "latent"), ("bfloat16", "latent"), ("fp8_e4m3", "latent")])
+def test_random_windows_commit_exactly_the_accepted_tokens(dtype, kv_layout, backend):
+    storage, mgr = _manager(dtype, backend, kv_layout)
     rng = np.random.default_rng(11)
     for _ in range(12 if backend == "torch" else 4):
         window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
@@ -63,6 +66,48 @@ def test_random_windows_commit_exactly_the_accepted_tokens(dtype, backend):
     assert m.fallbacks == {} and m.fallback_tokens == 0
     assert m.staged_tokens == m.committed_tokens + m.rejected_tokens
     assert m.rejected_tokens > 0
+
+
+def test_a_latent_pool_stages_its_latent_as_the_key_and_takes_no_value():
+    storage = poisoned_storage(pool_config("cpu", kv_layout="latent"))
+    mgr = DeferredWriteManager(storage, max_tokens=8)
+    latent = torch.randn(2, 40).bfloat16()
+    mgr.begin_window(WindowLayout((2,), (0,)))
+    with pytest.raises(NworInputError) as err:
+        mgr.stage_layer(0, latent, latent, torch.tensor([4, 5]))
+    assert err.value.field == "value"
+    with pytest.raises(NworInputError) as err:
+        mgr.stage_layer(0, latent, None, torch.tensor([4, 5]), v_scale=0.5)
+    assert err.value.field == "v_scale"
+    assert mgr.staged_rows(0) == 0
+    mgr.stage_layer(0, latent, None, torch.tensor([4, 5]))
+    key, value = mgr.staged_kv(0)
+    assert torch.equal(key.reshape(2, 40), latent) and torch.equal(value, key)
+    mgr.commit([0])
+    assert torch.equal(storage.key_cache(0)[1, :2].reshape(2, 40), latent)
+    with pytest.raises(NworInputError) as err:
+        storage.value_cache(0)
+    assert err.value.field == "kv_layout"
+    _, kv_mgr = _manager()
+    kv_mgr.begin_window(WindowLayout((2,), (0,)))
+    with pytest.raises(NworInputError) as err:
+        kv_mgr.stage_layer(0, torch.zeros(2, 32).bfloat16(), None, torch.tensor([4, 5]))
+    assert err.value.field == "value"
+
+
+def test_a_latent_pool_stages_from_a_one_plane_buffer():
+    storage = poisoned_storage(pool_config("cpu", kv_layout="latent"))
+    mgr = DeferredWriteManager(storage, max_tokens=8)
+    staging = torch.randn(3, 1, 8, 1, 40).bfloat16()
+    mgr.begin_window(WindowLayout((3,), (2,)))
+    with pytest.raises(NworInputError) as err:
+        mgr.stage_from(staging.expand(3, 2, 8, 1, 40).contiguous(), torch.tensor([0, 1, 2]))
+    assert err.value.field == "staging"
+    mgr.stage_from(staging, torch.tensor([0, 1, 2]))
+    mgr.commit([1])  # the second draft is rejected: its slot keeps the poison
+    rows = storage.rows()
+    assert torch.equal(rows[:, 0, :2], staging[:, 0, :2, 0])
+    assert (bits(rows[:, 0, 2]) == POISON_BITS[torch.bfloat16]).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
