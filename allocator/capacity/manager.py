@@ -22,10 +22,10 @@ Invariants (``check_invariants`` verifies all of them):
   block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
   every row that holds it;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
-- full attention (``window=None``) releases nothing; a windowed group's rows (``window=W``) hold
+- full attention (``config.window`` None) releases nothing; a windowed group's rows hold
   `RELEASED` in their first ``released`` columns, exactly those wholly behind the window of the
   lowest position a step still reads, a real block from there to their last block, and at most
-  `window.window_row_blocks` blocks (`capacity.window` states and checks it);
+  `config.window_row_blocks` blocks (`capacity.window` states and checks it);
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
 
@@ -90,7 +90,7 @@ class KVCacheManager(RequestApi):
                  cache_key: bytes = b"", hash_seed: bytes = b"", kv_events: bool = False,
                  event_hashes: HashScope = HashScope.NAMESPACE,
                  register_when_written: bool = False, host_tier_blocks: int = 0,
-                 onboard_blocks_per_step: int | None = None, window: int | None = None) -> None:
+                 onboard_blocks_per_step: int | None = None) -> None:
         """``compiled``: run the step compiled (True), as numpy (False), or compiled when numba
         imports (None). ``prefix_caching``: new requests admitted with their prompt token ids
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
@@ -101,9 +101,10 @@ class KVCacheManager(RequestApi):
         not when its prefill is scheduled; ``host_tier_blocks``: slots of a host tier below the
         pool (`capacity.host_tier`), which needs both (only written blocks may be copied);
         ``onboard_blocks_per_step``: the most blocks one step brings back from it (None: no
-        bound; `capacity.onboard`). ``window``: the rows are one sliding-window group's, of
-        this many tokens: the blocks behind every window go back to the pool after each step
-        (`capacity.window`); None is full attention."""
+        bound; `capacity.onboard`). With ``config.window`` the rows are one sliding-window
+        group's: the blocks behind every window go back to the pool after each step
+        (`capacity.window`)."""
+        window = config.window
         if window is not None and prefix_caching:
             raise InvalidValue("prefix_caching: a windowed group keeps no prefix cache",
                                field="prefix_caching")

@@ -30,20 +30,20 @@ Invariants (``check_invariants``, with the manager's):
 - the table holds `RELEASED` in ``[0, released)`` and a real block in every column from there
   to the row's last block (`BlockTable.check_invariants`): every column a reach can touch, read
   or write, is a real block;
-- a row holds ``num_blocks - released <= window_row_blocks(W, capacity - read_from, T)`` blocks
-  (the exact bound, derived there); a decoding row's span ``capacity - read_from`` is at most
-  `decode_span`, so a long request holds a bounded number of blocks whatever its length.
+- a row holds ``num_blocks - released <= config.window_row_blocks(W, capacity - read_from, T)``
+  blocks (the exact bound, derived there); a decoding row's span ``capacity - read_from`` is at
+  most `config.decode_span`, so a long request holds a bounded number of blocks whatever its
+  length (`PoolConfig.max_live_blocks_per_seq`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from kvalloc.allocator.capacity.accounting import blocks_for
 from kvalloc.allocator.capacity.state import CapacityState
-from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome
-from kvalloc.allocator.errors import InvalidValue, InvariantViolation
+from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome, with_changes
+from kvalloc.allocator.config import window_row_blocks
+from kvalloc.allocator.errors import InvariantViolation
 
 
 def released_columns(read_from: np.ndarray, window: int, tokens_per_block: int) -> np.ndarray:
@@ -51,35 +51,12 @@ def released_columns(read_from: np.ndarray, window: int, tokens_per_block: int) 
     return np.maximum(0, (read_from - window + 1) // tokens_per_block)
 
 
-def window_row_blocks(window: int, span: np.ndarray | int, tokens_per_block: int) -> np.ndarray:
-    """The most blocks a windowed row holds when ``capacity - read_from <= span``.
-
-    With ``a = read_from - W + 1 = qT + m`` (``0 <= m < T``) the row holds columns ``q`` to
-    ``ceil((a + W - 1 + span) / T) - 1``: ``ceil((m + W - 1 + span) / T)`` blocks, largest at
-    ``m = T - 1``; with ``a < 0`` nothing is released and ``capacity <= W - 2 + span``."""
-    return blocks_for(np.asarray(window + span + tokens_per_block - 2), tokens_per_block)
-
-
-def decode_span(max_draft_len: int, lag: int) -> int:
-    """``capacity - read_from`` of a decoding row under ``reclaim``: at lag 1 one step's
-    ``1 + D`` and its slack (at most D); at lag 2 two unsettled steps' ``2 (1 + D)`` and, since
-    ``read_from`` is the previous step's start, the ``1 + D`` the host settled since."""
-    return 1 + 2 * max_draft_len if lag == 1 else 3 * (1 + max_draft_len)
-
-
-def check_window(window: object) -> int:
-    if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 1:
-        raise InvalidValue(f"window: {window!r} must be a positive number of tokens",
-                           field="window")
-    return int(window)
-
-
 class WindowRelease:
     """The release phase of one windowed manager: ``read_from`` and the previous step's start
     per row, and the phase itself (`release`)."""
 
     def __init__(self, window: int, tokens_per_block: int, num_rows: int) -> None:
-        self.window = check_window(window)
+        self.window = window
         self.tokens_per_block = tokens_per_block
         self.read_from = np.zeros(num_rows, dtype=np.int64)
         self.last_start = np.zeros(num_rows, dtype=np.int64)
@@ -111,7 +88,7 @@ class WindowRelease:
         state.pool.release_unique(table.release_leading(moved, old, target[moved]))
         rows.released[moved] = target[moved]
         table.sync()
-        return _with_changes(outcome, moved, old, rows.num_blocks, table.host)
+        return with_changes(outcome, moved, old, rows.num_blocks, table.host)
 
     def check_invariants(self, rows_live: np.ndarray, history: np.ndarray, capacity: np.ndarray,
                          num_blocks: np.ndarray, released: np.ndarray) -> None:
@@ -128,19 +105,3 @@ class WindowRelease:
                                   self.tokens_per_block)
         if (num_blocks[live] - released[live] > bound).any():
             raise InvariantViolation("a windowed row holds more blocks than its window needs")
-
-
-def _with_changes(outcome: StepOutcome, rows: np.ndarray, first: np.ndarray,
-                  num_blocks: np.ndarray, host: np.ndarray) -> StepOutcome:
-    """``outcome`` whose ``changed_*`` also cover columns ``first[i]`` onwards of ``rows[i]``."""
-    start = dict(zip(outcome.changed_rows.tolist(), outcome.changed_from.tolist(), strict=True))
-    for row, column in zip(rows.tolist(), first.tolist(), strict=True):
-        start[row] = min(start.get(row, column), column)
-    changed = np.array(sorted(start), dtype=np.int64)
-    starts = np.array([start[r] for r in changed.tolist()], dtype=np.int64)
-    ends = num_blocks[changed]
-    ids = [host[r, s:e] for r, s, e in zip(changed.tolist(), starts.tolist(), ends.tolist(),
-                                           strict=True)]
-    return dataclasses.replace(
-        outcome, changed_rows=changed, changed_from=starts, changed_num_blocks=ends.copy(),
-        changed_block_ids=np.concatenate(ids).astype(np.int32))
