@@ -24,8 +24,8 @@ give padding and strict grants the blocks of every group first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np

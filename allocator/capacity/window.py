@@ -39,7 +39,6 @@ Invariants (``check_invariants``, with the manager's):
 from __future__ import annotations
 
 import numpy as np
-from kvalloc.allocator.capacity.accounting import blocks_for
 from kvalloc.allocator.capacity.state import CapacityState
 from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome, with_changes
 from kvalloc.allocator.config import window_row_blocks

@@ -10,8 +10,8 @@ step's to check, before it changes anything.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
