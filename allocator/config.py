@@ -180,7 +180,7 @@ class PoolConfig(BaseModel):
 
 def window_row_blocks(window: int, span, tokens_per_block: int):  # type: ignore[no-untyped-def]
     """The most blocks a windowed row holds when ``capacity - read_from <= span``
-    (`capacity.window`), integers and numpy arrays alike: ``ceil((W + span + T - 2) / T)``.
+    (`capacity.windows`), integers and numpy arrays alike: ``ceil((W + span + T - 2) / T)``.
 
     With ``a = read_from - W + 1 = qT + m`` (``0 <= m < T``) the row holds columns ``q`` to
     ``ceil((a + W - 1 + span) / T) - 1``: ``ceil((m + W - 1 + span) / T)`` blocks, the most at

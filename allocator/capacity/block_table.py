@@ -4,7 +4,7 @@ Invariants (checked by ``check_invariants`` against the counts the caller owns):
 - row r holds valid block ids in columns ``[released[r], num_blocks[r])`` and ``-1`` beyond: a
   kernel that reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing
   past a request's blocks is ever anything but -1;
-- columns ``[0, released[r])`` hold `RELEASED`: a windowed group (`capacity.window`) gave their
+- columns ``[0, released[r])`` hold `RELEASED`: a windowed group (`capacity.windows`) gave their
   blocks back because no step reads them any more. Always none under full attention. It is not
   -1 (that is "not yet allocated", what an append past capacity hits) so that a dump tells the
   two apart; a kernel never reads either: a windowed layer's reads start at its window's first

@@ -25,7 +25,7 @@ Invariants (``check_invariants`` verifies all of them):
 - full attention (``config.window`` None) releases nothing; a windowed group's rows hold
   `RELEASED` in their first ``released`` columns, exactly those wholly behind the window of the
   lowest position a step still reads, a real block from there to their last block, and at most
-  `config.window_row_blocks` blocks (`capacity.window` states and checks it);
+  `config.window_row_blocks` blocks (`capacity.windows` states and checks it);
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
 
@@ -77,7 +77,7 @@ from kvalloc.allocator.capacity.step.plan import (
     prompt_token_arrays,
 )
 from kvalloc.allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
-from kvalloc.allocator.capacity.window import WindowRelease
+from kvalloc.allocator.capacity.windows.release import WindowRelease
 from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
 from kvalloc.allocator.config import PoolConfig, SlackPolicy
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation, UnknownRequest
@@ -103,7 +103,7 @@ class KVCacheManager(RequestApi):
         ``onboard_blocks_per_step``: the most blocks one step brings back from it (None: no
         bound; `capacity.onboard`). With ``config.window`` the rows are one sliding-window
         group's: the blocks behind every window go back to the pool after each step
-        (`capacity.window`)."""
+        (`capacity.windows`)."""
         window = config.window
         if window is not None and prefix_caching:
             raise InvalidValue("prefix_caching: a windowed group keeps no prefix cache",

@@ -77,7 +77,7 @@ class RowState:
     behind: np.ndarray  # bool; implies pending
     behind_draft: np.ndarray
     behind_slack: np.ndarray
-    # A windowed group (`capacity.window`): leading columns whose blocks went back to the pool
+    # A windowed group (`capacity.windows`): leading columns whose blocks went back to the pool
     # because no unsettled or future step reads them (the table holds `RELEASED` there). Always
     # 0 under full attention. A finished row frees only the blocks after them.
     released: np.ndarray

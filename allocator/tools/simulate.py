@@ -22,7 +22,7 @@ come before the next grant, so no slack is needed: ``none`` runs clean too.
 
 ``--window W`` models the seed's crash in its own model class: every layer attends over a
 sliding window of W tokens (DeepSeek-V4's MLA latent cache with a window; Mistral), so the pool
-is one windowed group (`capacity.window`) whose rows give back the blocks behind every window.
+is one windowed group (`capacity.windows`) whose rows give back the blocks behind every window.
 A forward then touches the columns from its window's first key, ``start - W + 1``, to its reach,
 and one of them that is not a block (-1 past the row's blocks, or `RELEASED` behind the window)
 is the IMA. With the default prompt, 8 tokens short of a block boundary, and W a multiple of the

@@ -83,7 +83,7 @@ class StepOutcome:
     ``changed_block_ids``' next ``changed_num_blocks[i] - changed_from[i]`` ids in columns
     ``[changed_from[i], changed_num_blocks[i])``, its earlier columns are as before, and -1 from
     ``changed_num_blocks[i]`` on. In a windowed group those ids include the `RELEASED` marks of
-    columns whose blocks went back to the pool (`capacity.window`).
+    columns whose blocks went back to the pool (`capacity.windows`).
     """
 
     granted: np.ndarray  # bool, one per grant

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvalloc.allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
 from kvalloc.allocator.capacity.block_table import RELEASED
-from kvalloc.allocator.capacity.groups import GroupSpec, KVCacheGroups
 from kvalloc.allocator.capacity.step.compiled import available
+from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
 
 MAX_DRAFT = 3
 MAX_SEQ = 120
