@@ -11,7 +11,9 @@ group serves it. A group that served what another refused gives it back at once,
 grant by a revert (which undoes exactly what it added), an admission by freeing the row (in
 reverse order, so every group's free-row stack is as before). A prefill chunk cannot be undone,
 so a group that served it keeps it *ahead* (``ahead[row]``): the chunk is refused to the caller,
-and when it comes again that group is asked only for what it has not served.
+and when it comes again that group is asked only for what it has not served. A windowed group
+keeps the window of such a chunk's start meanwhile (`WindowRelease.held_back`): the chunk runs
+from there once every group has it.
 
 Invariants (``check_invariants``): every group's own; the same live rows in every group, with
 the same capacity and pending grants; a group's history is the common history plus its chunk
@@ -89,8 +91,13 @@ class KVCacheGroups:
 
     def step(self, plan: StepPlan) -> GroupsOutcome:
         arrays = coerce(plan)
+        for name, manager in self.managers.items():
+            if manager.window is not None:
+                manager.window.held_back[:] = self.ahead[name]
         runs = {name: m.step_arrays(self._chunks_left(name, arrays))
                 for name, m in self.managers.items()}
+        for ahead in self.ahead.values():
+            ahead[arrays.finished_rows] = 0
         granted = np.logical_and.reduce([o.granted for o in runs.values()])
         admitted = np.logical_and.reduce([o.admitted_rows >= 0 for o in runs.values()])
         chunk_ok = self._settle_chunks(arrays, runs)
@@ -149,7 +156,12 @@ class KVCacheGroups:
         if reverts.size == 0 and frees.size == 0:
             return out
         manager = self.managers[name]
+        # The undo is part of this scheduler step, not a step of the window's timeline: the
+        # previous step's start must survive it (at lag 2 its chunk may still run).
+        timeline = None if manager.window is None else manager.window.last_start.copy()
         undo = manager.step(StepPlan(revert_rows=reverts, finished_rows=frees, lag=arrays.lag))
+        if timeline is not None:
+            manager.window.last_start[:] = np.where(manager.rows.live, timeline, 0)
         self.ahead[name][frees] = 0
         merged = dataclasses.replace(out, num_blocks=undo.num_blocks)
         return with_changes(merged, undo.changed_rows, undo.changed_from, undo.num_blocks,

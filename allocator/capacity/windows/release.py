@@ -59,6 +59,9 @@ class WindowRelease:
         self.tokens_per_block = tokens_per_block
         self.read_from = np.zeros(num_rows, dtype=np.int64)
         self.last_start = np.zeros(num_rows, dtype=np.int64)
+        # Tokens at the end of a row's history that its caller may still schedule again: a chunk
+        # this group served ahead of the other groups (`groups`), which runs when all have it.
+        self.held_back = np.zeros(num_rows, dtype=np.int64)
 
     def release(self, plan: PlanArrays, outcome: StepOutcome,
                 state: CapacityState) -> StepOutcome:
@@ -73,7 +76,8 @@ class WindowRelease:
         fresh = np.zeros(start.size, dtype=bool)
         fresh[admitted] = True
         earlier = np.where(fresh | (plan.lag == 1), start, self.last_start)
-        read_from = np.where(rows.live, np.maximum(self.read_from, np.minimum(start, earlier)),
+        lowest = np.minimum(np.minimum(start, earlier), rows.history - self.held_back)
+        read_from = np.where(rows.live, np.maximum(self.read_from, lowest),
                              0)
         read_from[fresh] = start[fresh]
         self.read_from[:] = read_from
