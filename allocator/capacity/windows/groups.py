@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from kvalloc.allocator.capacity.block_table import BlockTable
 from kvalloc.allocator.capacity.manager import KVCacheManager
 from kvalloc.allocator.capacity.step.plan import (
     PlanArrays,
@@ -85,7 +86,7 @@ class KVCacheGroups:
         self.ahead = {s.name: np.zeros(rows, dtype=np.int64) for s in specs}
 
     @property
-    def tables(self) -> dict[str, object]:
+    def tables(self) -> dict[str, BlockTable]:
         """Each group's `BlockTable` (its device copy is what the group's layers read)."""
         return {name: m.table for name, m in self.managers.items()}
 

@@ -77,8 +77,7 @@ class WindowRelease:
         fresh[admitted] = True
         earlier = np.where(fresh | (plan.lag == 1), start, self.last_start)
         lowest = np.minimum(np.minimum(start, earlier), rows.history - self.held_back)
-        read_from = np.where(rows.live, np.maximum(self.read_from, lowest),
-                             0)
+        read_from = np.where(rows.live, np.maximum(self.read_from, lowest), 0)
         read_from[fresh] = start[fresh]
         self.read_from[:] = read_from
         self.last_start[:] = np.where(rows.live, start, 0)
