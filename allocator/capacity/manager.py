@@ -326,7 +326,9 @@ class KVCacheManager(RequestApi):
         """Sums and maxima over live requests (for metrics and the pool endpoint)."""
         live = self.rows.live
         cap, hist = self.rows.capacity[live], self.rows.history[live]
-        slack, blocks = self.rows.slack[live], self.rows.num_blocks[live]
+        # Blocks held: a windowed row's released columns hold none.
+        slack = self.rows.slack[live]
+        blocks = self.rows.num_blocks[live] - self.rows.released[live]
         return {
             "capacity_tokens": int(cap.sum()),
             "history_tokens": int(hist.sum()),
