@@ -28,6 +28,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RequestView", "StepOutcome",
         "StepPlan", "checked_plan", "compiled_type"),
     "capacity.table_validator": ("TableValidator",),
+    "capacity.windows.groups": ("GroupSpec", "GroupsOutcome", "KVCacheGroups"),
     "capacity.tier_copies": ("NO_COPIES", "TierCopies"),
     "common.placement": ("TensorAllocator", "plain_tensor"),
     "config": ("KVDType", "KVLayout", "PoolConfig", "SlackPolicy", "shard_span"),

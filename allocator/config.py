@@ -84,6 +84,10 @@ class PoolConfig(BaseModel):
     max_draft_len: int = Field(default=3, ge=0)
     overlap_scheduler: bool = True
     slack_policy: SlackPolicy = SlackPolicy.RECLAIM
+    window: int | None = Field(
+        default=None, gt=0,
+        description="Sliding window in tokens: the pool is one windowed group's, whose rows give "
+                    "back the blocks behind every window (None: full attention).")
 
     @field_validator("device")
     @classmethod
@@ -133,10 +137,10 @@ class PoolConfig(BaseModel):
                 raise ValueError(
                     f"{name}: {len(scales)} scales for num_layers={self.num_layers}"
                 )
-        if self.max_blocks_per_seq > self.total_blocks:
+        if self.max_live_blocks_per_seq > self.total_blocks:
             raise ValueError(
-                f"max_seq_len: {self.max_seq_len} needs {self.max_blocks_per_seq} blocks per "
-                f"sequence but the pool has {self.total_blocks}"
+                f"max_seq_len: {self.max_seq_len} needs {self.max_live_blocks_per_seq} blocks "
+                f"per sequence but the pool has {self.total_blocks}"
             )
         return self
 
@@ -182,6 +186,34 @@ class PoolConfig(BaseModel):
         """ceil((max_seq_len + max_draft_len + 1 + slack) / tokens_per_block) (docs/design.md)."""
         tokens = self.max_seq_len + self.max_draft_len + 1 + self.max_slack
         return -(-tokens // self.tokens_per_block)
+
+    @property
+    def max_live_blocks_per_seq(self) -> int:
+        """The most blocks one decoding request holds at once: its whole row under full
+        attention; under a window, its window and the steps in flight (`window_row_blocks`
+        over `decode_span` at lag 2), never more than the row."""
+        if self.window is None:
+            return self.max_blocks_per_seq
+        span = decode_span(self.max_draft_len, lag=2)
+        return min(self.max_blocks_per_seq,
+                   window_row_blocks(self.window, span, self.tokens_per_block))
+
+
+def window_row_blocks(window: int, span, tokens_per_block: int):  # type: ignore[no-untyped-def]
+    """The most blocks a windowed row holds when ``capacity - read_from <= span``
+    (`capacity.windows`), integers and numpy arrays alike: ``ceil((W + span + T - 2) / T)``.
+
+    With ``a = read_from - W + 1 = qT + m`` (``0 <= m < T``) the row holds columns ``q`` to
+    ``ceil((a + W - 1 + span) / T) - 1``: ``ceil((m + W - 1 + span) / T)`` blocks, the most at
+    ``m = T - 1``; with ``a < 0`` nothing is released and ``capacity <= W - 2 + span``."""
+    return -(-(window + span + tokens_per_block - 2) // tokens_per_block)
+
+
+def decode_span(max_draft_len: int, lag: int) -> int:
+    """The most ``capacity - read_from`` of a decoding row under ``reclaim``: at lag 1 one
+    step's ``1 + D`` and its slack (at most D); at lag 2 two unsettled steps' ``2 (1 + D)`` and,
+    ``read_from`` being the previous step's start, the ``1 + D`` the host settled since."""
+    return 1 + 2 * max_draft_len if lag == 1 else 3 * (1 + max_draft_len)
 
 
 def shard_span(size: int, shard: int, shards: int) -> tuple[int, int]:

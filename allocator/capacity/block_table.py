@@ -1,9 +1,14 @@
 """`BlockTable`: int32 ``[max_batch_size, max_blocks_per_seq]`` block ids, host + device copies.
 
 Invariants (checked by ``check_invariants`` against the counts the caller owns):
-- row r holds valid block ids in columns ``[0, num_blocks[r])`` and ``-1`` beyond: a kernel that
-  reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing past a
-  request's blocks is ever anything but -1;
+- row r holds valid block ids in columns ``[released[r], num_blocks[r])`` and ``-1`` beyond: a
+  kernel that reads a ``-1`` entry as a block ordinal addresses memory below the pool, so nothing
+  past a request's blocks is ever anything but -1;
+- columns ``[0, released[r])`` hold `RELEASED`: a windowed group (`capacity.windows`) gave their
+  blocks back because no step reads them any more. Always none under full attention. It is not
+  -1 (that is "not yet allocated", what an append past capacity hits) so that a dump tells the
+  two apart; a kernel never reads either: a windowed layer's reads start at its window's first
+  block, and the slot rule writes nothing into a negative entry;
 - a row is either held (acquired, not released) or on the free-row stack, exactly once;
 - after ``sync()`` every device copy equals the host mirror.
 
@@ -28,6 +33,9 @@ from kvalloc.allocator.capacity.table_graphs import TableUploadGraphs
 from kvalloc.allocator.common.device_io import PinnedUploads, on_device
 from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
 from kvalloc.allocator.errors import BatchFull, InvalidValue, InvariantViolation
+
+# A column whose block a windowed group gave back (behind every window still read).
+RELEASED = -2
 
 
 class BlockTable:
@@ -101,6 +109,16 @@ class BlockTable:
         self.mark_changed(rows, starts, starts + counts)
         return removed
 
+    def release_leading(self, rows: np.ndarray, starts: np.ndarray,
+                        ends: np.ndarray) -> np.ndarray:
+        """Mark columns ``[starts[i], ends[i])`` of ``rows[i]`` `RELEASED`; return the block ids
+        they held."""
+        r, c = _ragged_cells(rows, starts, ends - starts)
+        removed = self.host[r, c].copy()
+        self.host[r, c] = RELEASED
+        self.mark_changed(rows, starts, ends)
+        return removed
+
     def mark_changed(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Record that host cells ``[starts[i], ends[i])`` of ``rows[i]`` changed."""
         if rows.size:
@@ -131,17 +149,22 @@ class BlockTable:
         return slot_mapping(self.device_table, rows, positions, tokens_per_block)
 
     def check_invariants(self, rows: np.ndarray, num_blocks: np.ndarray, num_pool_blocks: int,
-                         *, synced: bool) -> None:
+                         *, synced: bool, released: np.ndarray | None = None) -> None:
+        """``released``: the leading `RELEASED` columns of each of ``rows`` (none if None)."""
         live = np.zeros(self.max_batch_size, dtype=bool)
         live[rows] = True
         if (self.host[~live] != -1).any():
             raise InvariantViolation("a free block-table row holds a block id")
         cols = np.arange(self.max_blocks_per_seq)
-        owned = cols[None, :] < num_blocks[:, None]
+        first = np.zeros_like(num_blocks) if released is None else released
+        behind = cols[None, :] < first[:, None]
+        owned = ~behind & (cols[None, :] < num_blocks[:, None])
         table = self.host[rows]
         if (table[owned] < 0).any() or (table[owned] >= num_pool_blocks).any():
             raise InvariantViolation("a row holds an invalid block id inside its block count")
-        if (table[~owned] != -1).any():
+        if (table[behind] != RELEASED).any():
+            raise InvariantViolation("a released column holds something other than RELEASED")
+        if (table[~owned & ~behind] != -1).any():
             raise InvariantViolation("a row holds something other than -1 past its block count")
         if synced and any(not np.array_equal(copy.tensor.cpu().numpy(), self.host)
                           for copy in self._copies):

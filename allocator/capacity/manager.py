@@ -22,6 +22,10 @@ Invariants (``check_invariants`` verifies all of them):
   block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
   every row that holds it;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
+- full attention (``config.window`` None) releases nothing; a windowed group's rows hold
+  `RELEASED` in their first ``released`` columns, exactly those wholly behind the window of the
+  lowest position a step still reads, a real block from there to their last block, and at most
+  `config.window_row_blocks` blocks (`capacity.windows` states and checks it);
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
 
@@ -73,9 +77,10 @@ from kvalloc.allocator.capacity.step.plan import (
     prompt_token_arrays,
 )
 from kvalloc.allocator.capacity.step.reference import NO_HITS, StepRun, grant_slack, reference_step
+from kvalloc.allocator.capacity.windows.release import WindowRelease
 from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
 from kvalloc.allocator.config import PoolConfig, SlackPolicy
-from kvalloc.allocator.errors import InvariantViolation, UnknownRequest
+from kvalloc.allocator.errors import InvalidValue, InvariantViolation, UnknownRequest
 from numpy.typing import ArrayLike
 
 
@@ -96,7 +101,15 @@ class KVCacheManager(RequestApi):
         not when its prefill is scheduled; ``host_tier_blocks``: slots of a host tier below the
         pool (`capacity.host_tier`), which needs both (only written blocks may be copied);
         ``onboard_blocks_per_step``: the most blocks one step brings back from it (None: no
-        bound; `capacity.onboard`)."""
+        bound; `capacity.onboard`). With ``config.window`` the rows are one sliding-window
+        group's: the blocks behind every window go back to the pool after each step
+        (`capacity.windows`)."""
+        window = config.window
+        if window is not None and prefix_caching:
+            raise InvalidValue("prefix_caching: a windowed group keeps no prefix cache",
+                               field="prefix_caching")
+        self.window = (None if window is None else
+                       WindowRelease(window, config.tokens_per_block, config.max_batch_size))
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -162,6 +175,9 @@ class KVCacheManager(RequestApi):
             raise_step_error(result.error, ran, self.ids.name)
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
+        if self.window is not None:
+            result = dataclasses.replace(result, outcome=self.window.release(
+                ran, result.outcome, self.state))
         if onboarding is not None:
             self.counters.evicted_blocks += onboarding.commit()
         if deferral is not None:
@@ -310,7 +326,9 @@ class KVCacheManager(RequestApi):
         """Sums and maxima over live requests (for metrics and the pool endpoint)."""
         live = self.rows.live
         cap, hist = self.rows.capacity[live], self.rows.history[live]
-        slack, blocks = self.rows.slack[live], self.rows.num_blocks[live]
+        # Blocks held: a windowed row's released columns hold none.
+        slack = self.rows.slack[live]
+        blocks = self.rows.num_blocks[live] - self.rows.released[live]
         return {
             "capacity_tokens": int(cap.sum()),
             "history_tokens": int(hist.sum()),
@@ -340,7 +358,12 @@ class KVCacheManager(RequestApi):
         if (r.num_blocks[live] > self.max_blocks_per_seq).any():
             raise InvariantViolation("a row holds more than max_blocks_per_seq blocks")
         _check_grant_records(r, live, self.state.limits, POLICY_CODES[self.policy])
-        self.table.check_invariants(live, r.num_blocks[live], self.pool.num_blocks, synced=True)
+        self.table.check_invariants(live, r.num_blocks[live], self.pool.num_blocks, synced=True,
+                                    released=r.released[live])
+        if self.window is not None:
+            self.window.check_invariants(r.live, r.history, r.capacity, r.num_blocks, r.released)
+        elif r.released.any():
+            raise InvariantViolation("released columns under full attention")
         self.table.check_held_rows(r.live)
         held = self.table.host[live]
         held = held[held >= 0]

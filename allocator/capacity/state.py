@@ -77,6 +77,10 @@ class RowState:
     behind: np.ndarray  # bool; implies pending
     behind_draft: np.ndarray
     behind_slack: np.ndarray
+    # A windowed group (`capacity.windows`): leading columns whose blocks went back to the pool
+    # because no unsettled or future step reads them (the table holds `RELEASED` there). Always
+    # 0 under full attention. A finished row frees only the blocks after them.
+    released: np.ndarray
 
     @classmethod
     def empty(cls, num_rows: int) -> RowState:
@@ -87,7 +91,8 @@ class RowState:
         return cls(live=flags, capacity=counts(), history=counts(), prompt_len=counts(),
                    slack=counts(), draft_len=counts(), pending=flags.copy(), lead=counts(),
                    num_blocks=counts(), cached=counts(), ahead=flags.copy(),
-                   behind=flags.copy(), behind_draft=counts(), behind_slack=counts())
+                   behind=flags.copy(), behind_draft=counts(), behind_slack=counts(),
+                   released=counts())
 
     def reset(self, row: int) -> None:
         for arr in vars(self).values():

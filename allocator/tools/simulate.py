@@ -19,6 +19,18 @@ grant that needs more than ``max_blocks_per_seq`` blocks is the row overflow.
 The slack policy reproduces the two production crashes on purpose: at lag 2 ``none`` -> IMA at
 a block boundary, ``unreclaimed`` -> row overflow, while ``reclaim`` runs clean. At lag 1 results
 come before the next grant, so no slack is needed: ``none`` runs clean too.
+
+``--window W`` models the seed's crash in its own model class: every layer attends over a
+sliding window of W tokens (DeepSeek-V4's MLA latent cache with a window; Mistral), so the pool
+is one windowed group (`capacity.windows`) whose rows give back the blocks behind every window.
+A forward then touches the columns from its window's first key, ``start - W + 1``, to its reach,
+and one of them that is not a block (-1 past the row's blocks, or `RELEASED` behind the window)
+is the IMA. With the default prompt, 8 tokens short of a block boundary, and W a multiple of the
+block size, the window's first key crosses a block boundary within a step of the writes
+(``first_window_crossing``: the call that launched the first forward whose window starts a block
+later); under ``none`` the IMA comes there, as in production; ``unreclaimed`` overflows the row
+as under full attention; ``reclaim`` runs clean while each request holds its window's blocks and
+no more (``max_decode_blocks``).
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ class SimulationSpec:
     overlap: bool = True
     lag: int = 2
     progress: bool = False
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.lag not in LAGS:
@@ -79,7 +92,7 @@ class SimulationSpec:
             tokens_per_block=self.tokens_per_block, num_layers=1, num_kv_heads=1, head_dim=1,
             device="cpu", max_batch_size=self.num_requests, max_seq_len=self.isl + self.osl,
             max_draft_len=self.draft_len, overlap_scheduler=self.overlap,
-            slack_policy=self.policy,
+            slack_policy=self.policy, window=self.window,
         )
 
 
@@ -133,12 +146,13 @@ class Timeline:
         self.position = {r: spec.isl for r in self.live}
         self.forwards: dict[int, list[Forward]] = {r: [] for r in self.live}  # oldest first
         self.output = dict.fromkeys(self.live, 0)  # tokens the host has settled per request
+        self._window_block: dict[int, int] = {}  # the block its last forward's window starts in
         self.result = SimulationResult(
             policy=spec.policy.value, lag=spec.lag, steps=0, requests_finished=0,
             requests_total=n, output_tokens=0, grants_refused=0, grants_behind=0,
             max_capacity_minus_history=0,
             max_blocks_per_seq=self.manager.max_blocks_per_seq,
-            tokens_per_block=spec.tokens_per_block,
+            tokens_per_block=spec.tokens_per_block, window=spec.window,
             trace={k: [] for k in ("capacity", "history", "reach", "allocated")},
         )
 
@@ -170,6 +184,7 @@ class Timeline:
         self.live = [r for r in self.live if r not in finished]
         self._launch(step, grants, outcome.granted.tolist(), outcome.grant_starts.tolist())
         self._check_writes(step)
+        self._watch_window(step)
         self.result.max_capacity_minus_history = max(
             self.result.max_capacity_minus_history,
             self.manager.totals()["max_uncommitted_tokens"])
@@ -201,14 +216,45 @@ class Timeline:
 
     def _check_writes(self, step: int) -> None:
         """Every forward still in flight, this call's and older ones, against the blocks and
-        capacity its row holds now: a later call must not take away what it writes."""
+        capacity its row holds now: a later call must not take away what it writes (nor, under
+        a window, what it reads)."""
         for r in self.live:
             for forward in self.forwards[r]:
                 f = self._failure(step, r, forward.reach)
-                if f.reach > f.allocated_tokens and self.result.first_ima is None:
+                if self.result.first_ima is None and (f.reach > f.allocated_tokens
+                                                      or not self._reads_blocks(r, forward)):
                     self.result.first_ima = f
                 if f.reach > f.capacity and self.result.first_reach_past_capacity is None:
                     self.result.first_reach_past_capacity = f
+
+    def _reads_blocks(self, req: int, forward: Forward) -> bool:
+        """Whether every column from the window's first key to the forward's first position
+        holds a block (always, under full attention: nothing is given back)."""
+        if self.spec.window is None:
+            return True
+        tpb = self.spec.tokens_per_block
+        first = max(0, forward.start - self.spec.window + 1) // tpb
+        row = self.manager.table.host[int(self.rows[req])]
+        return bool((row[first : forward.start // tpb + 1] >= 0).all())
+
+    def _watch_window(self, step: int) -> None:
+        """The first call that launched a forward whose window starts a block later than the
+        request's previous forward's (its window crossed a block boundary), and the most blocks
+        a request holds once its window gave blocks back."""
+        if self.spec.window is None:
+            return
+        tpb, rows = self.spec.tokens_per_block, self.manager.rows
+        for r in self.live:
+            if self.forwards[r]:
+                first = max(0, self.forwards[r][-1].start - self.spec.window + 1) // tpb
+                if (self.result.first_window_crossing is None
+                        and first > self._window_block.get(r, first)):
+                    self.result.first_window_crossing = step
+                self._window_block[r] = first
+            row = int(self.rows[r])
+            if rows.released[row]:
+                held = int(rows.num_blocks[row] - rows.released[row])
+                self.result.max_decode_blocks = max(self.result.max_decode_blocks, held)
 
     def _reach(self, req: int) -> int:
         """The reach of the forward the request would run next."""
@@ -265,6 +311,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "scheduler's timeline (default; 1 with --no-overlap), or 1")
     p.add_argument("--no-overlap", action="store_true",
                    help="model a non-overlap scheduler (lag 1, no slack)")
+    p.add_argument("--window", type=bounded(int, 1), default=None, metavar="TOKENS",
+                   help="every layer attends over a sliding window of this many tokens (the "
+                        "seed's model class: an MLA latent cache with a window): blocks behind "
+                        "it go back to the pool, and a forward's reads count for the IMA too")
     p.add_argument("--json", type=output_file, help="write the JSON summary here (also printed)")
     p.add_argument("--plot", type=output_file,
                    help="write a PNG of capacity/history/reach per step")
@@ -291,6 +341,7 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_block=args.tokens_per_block, num_requests=args.num_requests,
         num_blocks=args.num_blocks, seed=args.seed, policy=SlackPolicy(args.policy),
         overlap=not args.no_overlap, lag=args.lag or (1 if args.no_overlap else 2),
+        window=args.window,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     try:

@@ -38,6 +38,12 @@ class SimulationResult:
     first_row_overflow: Failure | None = None
     max_blocks_per_seq: int = 0
     tokens_per_block: int = 0
+    # A windowed group (`--window`): its window, the first call that launched a forward whose
+    # window starts a block later than the one before (crossed a block boundary), and the most
+    # blocks a request held once its window gave blocks back.
+    window: int | None = None
+    first_window_crossing: int | None = None
+    max_decode_blocks: int = 0
     trace: dict[str, list[int]] = field(default_factory=dict)
 
     @property

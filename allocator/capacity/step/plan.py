@@ -10,6 +10,7 @@ step's to check, before it changes anything.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -81,7 +82,8 @@ class StepOutcome:
     freed or admitted), in ascending row order: after the step, row ``changed_rows[i]`` holds
     ``changed_block_ids``' next ``changed_num_blocks[i] - changed_from[i]`` ids in columns
     ``[changed_from[i], changed_num_blocks[i])``, its earlier columns are as before, and -1 from
-    ``changed_num_blocks[i]`` on.
+    ``changed_num_blocks[i]`` on. In a windowed group those ids include the `RELEASED` marks of
+    columns whose blocks went back to the pool (`capacity.windows`).
     """
 
     granted: np.ndarray  # bool, one per grant
@@ -255,3 +257,19 @@ def _integers(values: ArrayLike, name: str, expected: int | None = None) -> np.n
     if expected is not None and arr.size != expected:
         raise InvalidValue(f"{field}: {arr.size} values for {expected} requests", field=field)
     return arr
+
+
+def with_changes(outcome: StepOutcome, rows: np.ndarray, first: np.ndarray,
+                 num_blocks: np.ndarray, host: np.ndarray) -> StepOutcome:
+    """``outcome`` whose ``changed_*`` also cover columns ``first[i]`` onwards of ``rows[i]``."""
+    start = dict(zip(outcome.changed_rows.tolist(), outcome.changed_from.tolist(), strict=True))
+    for row, column in zip(rows.tolist(), first.tolist(), strict=True):
+        start[row] = min(start.get(row, column), column)
+    changed = np.array(sorted(start), dtype=np.int64)
+    starts = np.array([start[r] for r in changed.tolist()], dtype=np.int64)
+    ends = num_blocks[changed]
+    ids = [host[r, s:e] for r, s, e in zip(changed.tolist(), starts.tolist(), ends.tolist(),
+                                           strict=True)]
+    return dataclasses.replace(
+        outcome, changed_rows=changed, changed_from=starts, changed_num_blocks=ends.copy(),
+        changed_block_ids=np.concatenate([np.zeros(0, dtype=np.int32), *ids]).astype(np.int32))

@@ -376,7 +376,9 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
     base_capacity = settled.capacity.copy()
     base_capacity[finished] = 0
     base_blocks = blocks_for(base_capacity, tpb)
-    released = int((state.rows.num_blocks - base_blocks).sum() - state.rows.cached[finished].sum())
+    # A finished row's released columns (a windowed group's) hold no block to free.
+    released = int((state.rows.num_blocks - base_blocks).sum() - state.rows.cached[finished].sum()
+                   - state.rows.released[finished].sum())
     available = state.pool.num_free + state.pool.num_parked + released
     hit_counts = hits.counts
     first_tokens = admitted_tokens(plan.prompt_lens, plan.first_chunks, hit_counts * tpb)
@@ -526,7 +528,9 @@ def move_blocks(plan: PlanArrays, state: CapacityState, served: Served, hits: Hi
     target[finished] = 0
     for row in finished[rows.cached[finished] > 0].tolist():
         _park_prefix(state, row)
-    start = np.maximum(target, rows.cached)  # cached columns are parked above, never shrunk
+    # Cached columns are parked above, never shrunk; released columns hold no block (a rewind
+    # never reaches them: they lie behind history).
+    start = np.maximum(np.maximum(target, rows.cached), rows.released)
     delta = target - old_blocks
     shrink = np.flatnonzero(start < old_blocks)
     if shrink.size:

@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 from kvalloc.allocator import SlackPolicy
 from kvalloc.allocator.commands.simulated_acceptance import Acceptance
-from kvalloc.allocator.tools.simulate import SimulationResult, SimulationSpec, simulate
+from kvalloc.allocator.tools.simulate import (
+    DEFAULT_ISL,
+    SimulationResult,
+    SimulationSpec,
+    simulate,
+)
 from kvalloc.allocator.tools.simulate_prefix import SharingSpec, simulate_sharing
 from sigint import interrupt_once_progressing
 
@@ -253,3 +258,46 @@ def test_the_plot_names_the_outcome_and_keeps_its_legends_off_the_data(policy, l
         assert bottom.get_xlabel() == "scheduler step"
     finally:
         plt.close(fig)
+
+
+# The seed's model class: a windowed cache (DeepSeek-V4's MLA latent with a sliding window),
+# MTP3, the overlap scheduler at lag 2, a prompt 8 tokens short of a 256-token block boundary.
+W = 4096
+
+
+def test_a_window_reproduces_the_ima_at_its_first_block_crossing_under_no_slack():
+    r = run(SlackPolicy.NONE, window=W)
+    assert r.first_ima is not None and r.first_window_crossing is not None
+    # The append that faults lands on the entry past the row's last block, within a step of
+    # the window's first block crossing after prefill.
+    assert r.first_ima.reach > r.first_ima.allocated_tokens
+    assert abs(r.first_ima.step - r.first_window_crossing) <= 1
+    assert r.first_ima.allocated_tokens == -(-(DEFAULT_ISL + 1) // 256) * 256
+
+
+def test_a_window_overflows_its_row_under_unreclaimed_slack():
+    r = run(SlackPolicy.UNRECLAIMED, window=W)
+    assert r.first_row_overflow is not None and r.first_ima is None
+
+
+@pytest.mark.parametrize("lag", LAGS)
+def test_a_window_runs_clean_under_reclaim_holding_its_window_and_no_more(lag):
+    r = run(SlackPolicy.RECLAIM, window=W, lag=lag)
+    assert not r.failed and r.requests_finished == 1
+    full = run(SlackPolicy.RECLAIM, lag=lag, osl=16)
+    assert r.max_decode_blocks <= -(-(W + 3 * (1 + D) + 256 - 2) // 256) == 18
+    assert full.max_decode_blocks == 0 and full.window is None
+
+
+def test_a_window_given_back_too_early_is_an_ima_on_the_read_side():
+    """The simulator's read check: a forward whose window reaches a released column faults,
+    as a kernel reading from the window's first block would."""
+    from kvalloc.allocator.tools.simulate import Timeline
+
+    timeline = Timeline(SimulationSpec(window=64, isl=1000, osl=8, tokens_per_block=16))
+    timeline.call(1)
+    timeline.call(2)
+    row = int(timeline.rows[0])
+    timeline.manager.table.host[row, (1000 - 64) // 16] = -2  # a window block, wrongly gone
+    timeline._check_writes(3)
+    assert timeline.result.first_ima is not None

@@ -47,11 +47,14 @@ def move_blocks(plan: Plan, state: State, served: Served, hits: HitArrays,
     for row in finished:
         rewritten[row] = True
         park_prefix(pool, host, row, min(cached[row], num_blocks[row]))
+        for column in range(rows.released[row]):  # released columns hold no block
+            host[row, column] = -1
     for row in range(num_blocks.size):
         old_blocks[row] = num_blocks[row]
         target = 0 if rewritten[row] else blocks_for(capacity[row], tpb)
         if target < num_blocks[row]:
-            truncate(pool, tops, host, row, max(target, cached[row]), num_blocks[row])
+            truncate(pool, tops, host, row, max(target, cached[row], rows.released[row]),
+                     num_blocks[row])
             num_blocks[row] = target
     tops[NUM_EVICTED] = 0
     for row in range(num_blocks.size):
@@ -93,7 +96,7 @@ def _reset(rows: Rows, row: int) -> None:
     rows.live[row] = False
     rows.capacity[row] = rows.history[row] = rows.prompt_len[row] = 0
     rows.slack[row] = rows.draft_len[row] = rows.lead[row] = rows.cached[row] = 0
-    rows.behind_draft[row] = rows.behind_slack[row] = 0
+    rows.behind_draft[row] = rows.behind_slack[row] = rows.released[row] = 0
     rows.pending[row] = rows.ahead[row] = rows.behind[row] = False
 
 

@@ -54,7 +54,8 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
         if blocks_for(target[row], tpb) > max_blocks:
             fail(error, codes.ROW_OVERFLOW, codes.GRANTS, row, max_blocks)
             return served
-    available = free_blocks + _released(num_blocks, cached, capacity, finished, tpb)
+    available = free_blocks + _released(num_blocks, cached, state.rows.released, capacity,
+                                        finished, tpb)
     left = serve_in_order(grow_rows, target, capacity, tpb, available, item_ok)
     serve_hits_in_order(prompt_lens, first_chunks, hits, refcounts, tpb, left, claimed, refusals)
     # Rows are the other resource: admit in order while rows last.
@@ -79,15 +80,15 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
 
 
 @inlined
-def _released(num_blocks: np.ndarray, cached: np.ndarray, capacity: np.ndarray,
-              finished: np.ndarray, tokens_per_block: int) -> int:
+def _released(num_blocks: np.ndarray, cached: np.ndarray, behind_window: np.ndarray,
+              capacity: np.ndarray, finished: np.ndarray, tokens_per_block: int) -> int:
     """Blocks the settled ``capacity`` frees: finished rows all theirs but their cached blocks
-    (those are parked, not free, until evicted)."""
+    (those are parked, not free, until evicted) and the columns a window released (no block)."""
     released = 0
     for row in range(num_blocks.size):
         released += num_blocks[row] - blocks_for(capacity[row], tokens_per_block)
     for row in finished:
-        released += blocks_for(capacity[row], tokens_per_block) - cached[row]
+        released += blocks_for(capacity[row], tokens_per_block) - cached[row] - behind_window[row]
     return released
 
 

@@ -1,0 +1,186 @@
+"""`KVCacheGroups`: one request, several KV cache groups, each with its own pool and table.
+
+A model mixes layer kinds (full attention; sliding windows of W tokens): the layers of one kind
+are a *group*, and each group gets its own `KVCacheManager` (its own block pool, block size and
+block table, `PoolConfig.window` for a windowed one), so no group is padded to another's page size.
+The driver applies one `StepPlan` to every group: rows, grants, results and chunks mean the same
+request in each, and a request's capacity and history are the same in every group.
+
+**One decision per request.** A grant, a prefill chunk or an admission happens only if every
+group serves it. A group that served what another refused gives it back at once, exactly: a
+grant by a revert (which undoes exactly what it added), an admission by freeing the row (in
+reverse order, so every group's free-row stack is as before). A prefill chunk cannot be undone,
+so a group that served it keeps it *ahead* (``ahead[row]``): the chunk is refused to the caller,
+and when it comes again that group is asked only for what it has not served. A windowed group
+keeps the window of such a chunk's start meanwhile (`WindowRelease.held_back`): the chunk runs
+from there once every group has it.
+
+Invariants (``check_invariants``): every group's own; the same live rows in every group, with
+the same capacity and pending grants; a group's history is the common history plus its chunk
+tokens ahead, and only a request still prefilling has tokens ahead.
+
+What it does not do: a typed error that only a later group raises (`OutOfBlocks` for padding
+or a strict grant: the groups' pools differ) comes after the earlier groups applied the step;
+give padding and strict grants the blocks of every group first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from kvalloc.allocator.capacity.block_table import BlockTable
+from kvalloc.allocator.capacity.manager import KVCacheManager
+from kvalloc.allocator.capacity.step.plan import (
+    PlanArrays,
+    StepOutcome,
+    StepPlan,
+    coerce,
+    with_changes,
+)
+from kvalloc.allocator.config import PoolConfig
+from kvalloc.allocator.errors import InvalidValue, InvariantViolation
+
+# What must agree between groups for one row to mean one request in each.
+_SHARED = ("max_batch_size", "max_seq_len", "max_draft_len", "overlap_scheduler",
+           "slack_policy")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One group: its name and its pool (`PoolConfig`: blocks, block size, layers, heads, and
+    ``window``, None for full attention)."""
+
+    name: str
+    config: PoolConfig
+
+
+@dataclass(frozen=True)
+class GroupsOutcome:
+    """What the step did to the request (``outcome``: grants, chunks and admissions every group
+    served; block-table changes are the first group's) and each group's own outcome, with its
+    block-table changes (``groups[name]``)."""
+
+    outcome: StepOutcome
+    groups: dict[str, StepOutcome]
+
+
+class KVCacheGroups:
+    def __init__(self, specs: Sequence[GroupSpec], *, compiled: bool | None = None) -> None:
+        if not specs:
+            raise InvalidValue("groups: at least one group", field="groups")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise InvalidValue(f"groups: names repeat in {names}", field="groups")
+        for spec in specs[1:]:
+            for key in _SHARED:
+                if getattr(spec.config, key) != getattr(specs[0].config, key):
+                    raise InvalidValue(f"groups: {spec.name}'s {key} differs from "
+                                       f"{specs[0].name}'s", field="groups")
+        self.specs = tuple(specs)
+        self.managers = {s.name: KVCacheManager(s.config, compiled=compiled)
+                         for s in specs}
+        rows = specs[0].config.max_batch_size
+        self.ahead = {s.name: np.zeros(rows, dtype=np.int64) for s in specs}
+
+    @property
+    def tables(self) -> dict[str, BlockTable]:
+        """Each group's `BlockTable` (its device copy is what the group's layers read)."""
+        return {name: m.table for name, m in self.managers.items()}
+
+    def step(self, plan: StepPlan) -> GroupsOutcome:
+        arrays = coerce(plan)
+        for name, manager in self.managers.items():
+            if manager.window is not None:
+                manager.window.held_back[:] = self.ahead[name]
+        runs = {name: m.step_arrays(self._chunks_left(name, arrays))
+                for name, m in self.managers.items()}
+        for ahead in self.ahead.values():
+            ahead[arrays.finished_rows] = 0
+        granted = np.logical_and.reduce([o.granted for o in runs.values()])
+        admitted = np.logical_and.reduce([o.admitted_rows >= 0 for o in runs.values()])
+        chunk_ok = self._settle_chunks(arrays, runs)
+        for name, out in runs.items():
+            runs[name] = self._give_back(name, arrays, out, granted, admitted)
+        first = runs[self.specs[0].name]
+        refusals = np.max([o.new_refusals for o in runs.values()], axis=0).astype(np.int8)
+        common = StepOutcome(
+            granted=granted, prefill_granted=chunk_ok,
+            admitted_rows=np.where(admitted, first.admitted_rows, -1), new_refusals=refusals,
+            grant_starts=first.grant_starts, prefill_starts=self._chunk_starts(arrays, chunk_ok),
+            changed_rows=first.changed_rows, changed_from=first.changed_from,
+            changed_num_blocks=first.changed_num_blocks,
+            changed_block_ids=first.changed_block_ids, num_blocks=first.num_blocks,
+            cached_tokens=np.zeros_like(first.cached_tokens))
+        return GroupsOutcome(common, runs)
+
+    def _chunks_left(self, name: str, arrays: PlanArrays) -> PlanArrays:
+        """The plan as group ``name`` sees it: each chunk less the tokens it already served."""
+        ahead = self.ahead[name][arrays.prefill_rows]
+        if not ahead.any():
+            return arrays
+        keep = arrays.prefill_tokens > ahead
+        return arrays._replace(prefill_rows=arrays.prefill_rows[keep],
+                               prefill_tokens=(arrays.prefill_tokens - ahead)[keep])
+
+    def _settle_chunks(self, arrays: PlanArrays, runs: dict[str, StepOutcome]) -> np.ndarray:
+        """A chunk is served when every group holds all of it; what a group served of a refused
+        chunk stays ahead."""
+        rows, tokens = arrays.prefill_rows, arrays.prefill_tokens
+        held = {}
+        for name, out in runs.items():
+            ahead = self.ahead[name][rows]
+            served = np.zeros(rows.size, dtype=np.int64)
+            asked = tokens > ahead
+            served[asked] = np.where(out.prefill_granted, (tokens - ahead)[asked], 0)
+            held[name] = ahead + served
+        ok = np.logical_and.reduce([h >= tokens for h in held.values()]) if held else \
+            np.zeros(0, dtype=bool)
+        for name, h in held.items():
+            self.ahead[name][rows] = h - np.where(ok, tokens, 0)
+        return ok
+
+    def _chunk_starts(self, arrays: PlanArrays, ok: np.ndarray) -> np.ndarray:
+        """Each chunk's first position: the common history before it."""
+        name = self.specs[0].name
+        rows = arrays.prefill_rows
+        common = self.managers[name].rows.history[rows] - self.ahead[name][rows]
+        return common - np.where(ok, arrays.prefill_tokens, 0)
+
+    def _give_back(self, name: str, arrays: PlanArrays, out: StepOutcome, granted: np.ndarray,
+                   admitted: np.ndarray) -> StepOutcome:
+        """Undo in group ``name`` what it served and another group refused."""
+        reverts = arrays.grant_rows[out.granted & ~granted]
+        frees = out.admitted_rows[(out.admitted_rows >= 0) & ~admitted][::-1]
+        if reverts.size == 0 and frees.size == 0:
+            return out
+        manager = self.managers[name]
+        # The undo is part of this scheduler step, not a step of the window's timeline: the
+        # previous step's start must survive it (at lag 2 its chunk may still run).
+        timeline = None if manager.window is None else manager.window.last_start.copy()
+        undo = manager.step(StepPlan(revert_rows=reverts, finished_rows=frees, lag=arrays.lag))
+        if timeline is not None:
+            manager.window.last_start[:] = np.where(manager.rows.live, timeline, 0)
+        self.ahead[name][frees] = 0
+        merged = dataclasses.replace(out, num_blocks=undo.num_blocks)
+        return with_changes(merged, undo.changed_rows, undo.changed_from, undo.num_blocks,
+                            manager.table.host)
+
+    def check_invariants(self) -> None:
+        lead = self.managers[self.specs[0].name]
+        for name, manager in self.managers.items():
+            manager.check_invariants()
+            r, first = manager.rows, lead.rows
+            if not np.array_equal(r.live, first.live):
+                raise InvariantViolation(f"group {name} holds other rows than the first group")
+            live = r.live
+            if not (np.array_equal(r.capacity[live] - self.ahead[name][live],
+                                   first.capacity[live] - self.ahead[self.specs[0].name][live])
+                    and np.array_equal(r.pending, first.pending)
+                    and np.array_equal(r.history - self.ahead[name],
+                                       first.history - self.ahead[self.specs[0].name])):
+                raise InvariantViolation(f"group {name}'s requests differ from the first group's")
+            if self.ahead[name][~live].any() or (r.pending & (self.ahead[name] > 0)).any():
+                raise InvariantViolation(f"group {name} holds chunk tokens ahead off a prefill")

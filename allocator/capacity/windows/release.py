@@ -1,0 +1,109 @@
+"""Sliding-window accounting: a windowed group gives back the blocks behind every window.
+
+A layer with window ``W`` reads, for a query at position ``p``, only the keys in ``(p - W, p]``.
+Its group's rows grow at the end exactly as a full-attention row does (capacity, slack and
+reclaim are the manager's, unchanged), and this module adds one phase after each step: the
+leading columns no unsettled or future step can read go back to the pool, and the table says
+`block_table.RELEASED` there.
+
+**What may still be read.** A row's ``read_from`` is the lowest query position of any step that
+is scheduled and may not have run, or is yet to come:
+
+- a step's *start*: a prefill chunk's first position; else the settled history, since every
+  unsettled generation step starts at or after it (the device may be ahead of the host's
+  history by the drafts it accepted, never behind it);
+- at lag 1 the previous step has run when the host plans this one, so ``read_from`` is this
+  step's start; at lag 2 the previous step may still be in flight, so it is the lower of this
+  step's start and the previous one's (a prefill chunk counts as history once scheduled, so
+  without this the chunk still running would lose its window's blocks).
+
+Blocks handed to another row are written only by later steps of the same stream, so a block is
+free to go once no step that is scheduled or to come reads it.
+
+**Released columns.** ``released = max(0, floor((read_from - W + 1) / T))``: every position in
+those columns is below ``read_from - W + 1``, the first key any such query reads.
+
+Invariants (``check_invariants``, with the manager's):
+
+- ``released[r] == max(0, (read_from[r] - W + 1) // T)`` for a live row, 0 otherwise, and
+  ``read_from[r] <= history[r]``;
+- the table holds `RELEASED` in ``[0, released)`` and a real block in every column from there
+  to the row's last block (`BlockTable.check_invariants`): every column a reach can touch, read
+  or write, is a real block;
+- a row holds ``num_blocks - released <= config.window_row_blocks(W, capacity - read_from, T)``
+  blocks (the exact bound, derived there); a decoding row's span ``capacity - read_from`` is at
+  most `config.decode_span`, so a long request holds a bounded number of blocks whatever its
+  length (`PoolConfig.max_live_blocks_per_seq`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from kvalloc.allocator.capacity.state import CapacityState
+from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome, with_changes
+from kvalloc.allocator.config import window_row_blocks
+from kvalloc.allocator.errors import InvariantViolation
+
+
+def released_columns(read_from: np.ndarray, window: int, tokens_per_block: int) -> np.ndarray:
+    """Leading columns wholly behind the first key a query at ``read_from`` reads."""
+    return np.maximum(0, (read_from - window + 1) // tokens_per_block)
+
+
+class WindowRelease:
+    """The release phase of one windowed manager: ``read_from`` and the previous step's start
+    per row, and the phase itself (`release`)."""
+
+    def __init__(self, window: int, tokens_per_block: int, num_rows: int) -> None:
+        self.window = window
+        self.tokens_per_block = tokens_per_block
+        self.read_from = np.zeros(num_rows, dtype=np.int64)
+        self.last_start = np.zeros(num_rows, dtype=np.int64)
+        # Tokens at the end of a row's history that its caller may still schedule again: a chunk
+        # this group served ahead of the other groups (`groups`), which runs when all have it.
+        self.held_back = np.zeros(num_rows, dtype=np.int64)
+
+    def release(self, plan: PlanArrays, outcome: StepOutcome,
+                state: CapacityState) -> StepOutcome:
+        """After a step that ran: move ``read_from``, give back the columns behind it, and
+        return the outcome with those cells among its changes."""
+        rows, table = state.rows, state.table
+        start = rows.history.copy()
+        chunks = plan.prefill_rows[outcome.prefill_granted]
+        start[chunks] = outcome.prefill_starts[outcome.prefill_granted]
+        admitted = outcome.admitted_rows[outcome.admitted_rows >= 0]
+        start[admitted] = outcome.cached_tokens[outcome.admitted_rows >= 0]
+        fresh = np.zeros(start.size, dtype=bool)
+        fresh[admitted] = True
+        earlier = np.where(fresh | (plan.lag == 1), start, self.last_start)
+        lowest = np.minimum(np.minimum(start, earlier), rows.history - self.held_back)
+        read_from = np.where(rows.live, np.maximum(self.read_from, lowest), 0)
+        read_from[fresh] = start[fresh]
+        self.read_from[:] = read_from
+        self.last_start[:] = np.where(rows.live, start, 0)
+        target = np.where(rows.live, released_columns(read_from, self.window,
+                                                      self.tokens_per_block), 0)
+        moved = np.flatnonzero(target > rows.released)
+        if moved.size == 0:
+            return outcome
+        old = rows.released[moved].copy()
+        state.pool.release_unique(table.release_leading(moved, old, target[moved]))
+        rows.released[moved] = target[moved]
+        table.sync()
+        return with_changes(outcome, moved, old, rows.num_blocks, table.host)
+
+    def check_invariants(self, rows_live: np.ndarray, history: np.ndarray, capacity: np.ndarray,
+                         num_blocks: np.ndarray, released: np.ndarray) -> None:
+        dead = ~rows_live
+        if self.read_from[dead].any() or self.last_start[dead].any() or released[dead].any():
+            raise InvariantViolation("a row that is not live records a window")
+        live = np.flatnonzero(rows_live)
+        if (self.read_from[live] > history[live]).any():
+            raise InvariantViolation("read_from is past the history")
+        want = released_columns(self.read_from[live], self.window, self.tokens_per_block)
+        if not np.array_equal(released[live], want):
+            raise InvariantViolation("released columns != max(0, (read_from - W + 1) // T)")
+        bound = window_row_blocks(self.window, capacity[live] - self.read_from[live],
+                                  self.tokens_per_block)
+        if (num_blocks[live] - released[live] > bound).any():
+            raise InvariantViolation("a windowed row holds more blocks than its window needs")

@@ -1,0 +1,297 @@
+"""Sliding-window groups (docs/design.md, "Sliding-window groups"): random lag-1 and lag-2
+schedules against a windowed group alone (the numpy step and the compiled one side by side) and a
+full-attention group beside a windowed one of another block size (`KVCacheGroups`).
+
+A model device runs every scheduled forward right after the call that scheduled it: a prefill
+chunk, or a generation step that accepts a random number of its drafts, which the host hears
+``lag`` calls later. Schedules mix admissions with chunked prefill, grants (some refused for want
+of blocks), reverts, and finishes with steps in flight (preemption); windows end near block
+boundaries. After every call:
+
+- every invariant holds, in every group;
+- every forward still in flight finds a real block in every column it touches in every group:
+  its window's reads from ``start - W + 1`` and its writes up to its reach;
+- a decoding request holds at most `PoolConfig.max_live_blocks_per_seq` blocks in a windowed
+  group, however long it grows;
+- the numpy and compiled steps leave the same state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from kvalloc.allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator.capacity.block_table import RELEASED
+from kvalloc.allocator.capacity.step.compiled import available
+from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
+
+MAX_DRAFT = 3
+MAX_SEQ = 120
+
+
+def config(num_blocks: int, tokens_per_block: int, window: int | None) -> PoolConfig:
+    return PoolConfig(num_blocks=num_blocks, tokens_per_block=tokens_per_block, num_layers=1,
+                      num_kv_heads=1, head_dim=8, device="cpu", max_batch_size=4,
+                      max_seq_len=MAX_SEQ, max_draft_len=MAX_DRAFT, overlap_scheduler=True,
+                      window=window)
+
+
+@dataclasses.dataclass
+class Forward:
+    start: int  # first position it writes; its window reads from start - W + 1
+    tokens: int  # positions it writes (a chunk's tokens, or 1 + D)
+    accepted: int  # drafts kept (0 for a chunk)
+    until: int  # the last call after which it may still run
+    due: int  # a generation step: the call that reports its accepted drafts
+
+
+@dataclasses.dataclass
+class Request:
+    row: int
+    prompt: int
+    done: int  # tokens scheduled (prefill) or kept by the device (decode)
+    steps: list[Forward] = dataclasses.field(default_factory=list)  # unsettled, oldest first
+    chunks: list[Forward] = dataclasses.field(default_factory=list)  # prefill that may run
+
+    def in_flight(self, call: int) -> list[Forward]:
+        return [f for f in self.steps + self.chunks if f.until >= call]
+
+
+class WindowMachine(RuleBasedStateMachine):
+    LAG = 2
+    MIXED = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call_no = 0
+        self.requests: list[Request] = []
+        if self.MIXED:
+            self.groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                                         GroupSpec("window", config(24, 2, 7))])
+            self.windows = {"full": None, "window": 7}
+        else:
+            compiled = [False, True] if available() else [False]
+            self.managers = [KVCacheManager(config(40, 4, 9), compiled=c) for c in compiled]
+            self.windows = {"window": 9}
+
+    # ------------------------------------------------------------------ one call
+    def _step(self, plan: StepPlan):  # type: ignore[no-untyped-def]
+        self.call_no += 1
+        if self.MIXED:
+            return self.groups.step(plan).outcome
+        outs = [m.step(plan) for m in self.managers]
+        return outs[0]
+
+    def _managers(self) -> dict[str, KVCacheManager]:
+        return self.groups.managers if self.MIXED else {"window": self.managers[0]}
+
+    @rule(prompt=st.integers(1, 40), chunk=st.integers(0, 24), data=st.data())
+    def call(self, prompt: int, chunk: int, data: st.DataObject) -> None:
+        now = self.call_no + 1
+        results = [r for r in self.requests if r.steps and r.steps[0].due == now]
+        decoding = [r for r in self.requests if r.done >= r.prompt
+                    and len(r.steps) - (r in results) < self.LAG]
+        grants = [r for r in decoding if data.draw(st.booleans())]
+        drafts = [data.draw(st.integers(0, MAX_DRAFT)) for _ in grants]
+        prefilling = [r for r in self.requests if r.done < r.prompt]
+        chunks = [min(r.prompt - r.done, data.draw(st.integers(1, 16))) for r in prefilling]
+        new = [prompt] if len(self.requests) < 4 and data.draw(st.booleans()) else []
+        first = min(chunk, prompt)
+        plan = StepPlan(
+            result_rows=[r.row for r in results],
+            num_accepted=[r.steps[0].accepted for r in results],
+            grant_rows=[r.row for r in grants], draft_lens=drafts,
+            prefill_rows=[r.row for r in prefilling], prefill_tokens=chunks,
+            prompt_lens=new, first_chunks=[first] if new else [], lag=self.LAG)
+        out = self._step(plan)
+        until = now + self.LAG - 1  # the last call after which a forward run now may still run
+        for r in self.requests:
+            r.chunks = [f for f in r.chunks if f.until >= now]
+        for r in results:
+            r.steps.pop(0)
+        for r, ok, d in zip(grants, out.granted.tolist(), drafts, strict=True):
+            if ok:
+                accepted = data.draw(st.integers(0, d))
+                r.steps.append(Forward(r.done, 1 + d, accepted, until, now + self.LAG))
+                r.done += 1 + accepted
+        for r, ok, c in zip(prefilling, out.prefill_granted.tolist(), chunks, strict=True):
+            if ok:
+                r.chunks.append(Forward(r.done, c, 0, until, 0))
+                r.done += c
+        for i, row in enumerate(out.admitted_rows.tolist()):
+            if row >= 0:
+                req = Request(row, new[i], first or new[i])
+                req.chunks.append(Forward(0, req.done, 0, until, 0))
+                self.requests.append(req)
+        for r in list(self.requests):
+            if r.done >= MAX_SEQ - 2 * (1 + MAX_DRAFT):
+                self._finish(r)
+
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        if self.requests:
+            self._finish(data.draw(st.sampled_from(self.requests)))
+
+    def _finish(self, r: Request) -> None:
+        """Free a request, its steps in flight dropped (preemption)."""
+        self._step(StepPlan(finished_rows=[r.row], lag=self.LAG))
+        self.requests.remove(r)
+
+    # ------------------------------------------------------------------ checks
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.MIXED:
+            self.groups.check_invariants()
+        else:
+            for m in self.managers:
+                m.check_invariants()
+            a, b = self.managers[0], self.managers[-1]
+            for name, value in vars(a.rows).items():
+                assert np.array_equal(value, getattr(b.rows, name)), name
+            assert np.array_equal(a.table.host, b.table.host)
+
+    @invariant()
+    def every_touched_column_is_a_block(self) -> None:
+        for name, manager in self._managers().items():
+            window, tpb = self.windows[name], manager.tokens_per_block
+            for r in self.requests:
+                host = manager.table.host[r.row]
+                for f in r.in_flight(self.call_no):
+                    first = 0 if window is None else max(0, f.start - window + 1)
+                    columns = host[first // tpb : -(-(f.start + f.tokens) // tpb)]
+                    assert (columns >= 0).all(), (name, f, host)
+
+    @invariant()
+    def windowed_rows_stay_bounded(self) -> None:
+        for name, manager in self._managers().items():
+            if self.windows[name] is None:
+                continue
+            bound = manager.config.max_live_blocks_per_seq
+            for r in self.requests:
+                held = (manager.table.host[r.row] >= 0).sum()
+                if r.done >= r.prompt + 2 * (1 + MAX_DRAFT) and not r.chunks:
+                    assert held <= bound, (held, bound)
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class WindowLag1(WindowMachine):
+    LAG = 1
+
+
+class MixedLag2(WindowMachine):
+    MIXED = True
+
+
+class MixedLag1(WindowMachine):
+    LAG = 1
+    MIXED = True
+
+
+TestWindowLag2 = WindowMachine.TestCase
+TestWindowLag2.settings = SETTINGS
+TestWindowLag1 = WindowLag1.TestCase
+TestWindowLag1.settings = SETTINGS
+TestMixedLag2 = MixedLag2.TestCase
+TestMixedLag2.settings = SETTINGS
+TestMixedLag1 = MixedLag1.TestCase
+TestMixedLag1.settings = SETTINGS
+
+
+def long_decode(lag: int, window: int, tokens_per_block: int, steps: int,
+                accepted: int = 2) -> KVCacheManager:
+    cfg = PoolConfig(num_blocks=4096, tokens_per_block=tokens_per_block, num_layers=1,
+                     num_kv_heads=1, head_dim=8, device="cpu", max_batch_size=1,
+                     max_seq_len=40_000, max_draft_len=3, overlap_scheduler=True, window=window)
+    m = KVCacheManager(cfg)
+    row = m.step(StepPlan(prompt_lens=[1000], first_chunks=[1000])).admitted_rows
+    for k in range(steps):
+        res = dict(result_rows=row, num_accepted=[accepted]) if k >= lag else {}
+        m.step(StepPlan(grant_rows=row, draft_lens=[3], lag=lag, **res))
+        m.check_invariants()
+    return m
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_long_request_holds_its_window_and_no_more(lag: int) -> None:
+    m = long_decode(lag, window=64, tokens_per_block=16, steps=400)
+    view = m.view(0)
+    live = (view.block_ids >= 0).sum()
+    assert view.history > 1000 + 400
+    assert live <= m.config.max_live_blocks_per_seq == 6  # ceil((64 + 12 + 14) / 16)
+    assert (view.block_ids[: view.num_blocks - live] == RELEASED).all()
+    assert m.held_blocks == live
+
+
+def test_the_window_reads_from_the_block_it_starts_in() -> None:
+    """History 100, W = 8, T = 4: a query at 100 reads keys 93..100; block 23 (92..95) stays,
+    blocks 0..22 go back."""
+    cfg = config(40, 4, 8)
+    m = KVCacheManager(cfg)
+    row = m.step(StepPlan(prompt_lens=[100], first_chunks=[100])).admitted_rows
+    m.step(StepPlan(lag=1))  # the prompt's forward has run
+    v = m.view(int(row[0]))
+    assert v.num_blocks == 25 and (v.block_ids[:23] == RELEASED).all()
+    assert (v.block_ids[23:] >= 0).all() and m.held_blocks == 2
+
+
+def test_a_chunk_in_flight_keeps_its_window_at_lag_2() -> None:
+    """The chunk scheduled in the last call may still run at lag 2: its window's blocks stay
+    until the next call."""
+    m = KVCacheManager(config(40, 4, 8))
+    row = m.step(StepPlan(prompt_lens=[60], first_chunks=[40], lag=2)).admitted_rows
+    m.step(StepPlan(prefill_rows=row, prefill_tokens=[20], lag=2))
+    assert m.rows.released[row[0]] == 0  # the first chunk (from 0) may still run
+    m.step(StepPlan(lag=2))
+    assert m.rows.released[row[0]] == (40 - 8 + 1) // 4  # the second chunk reads from 33
+
+
+def test_a_windowed_pool_is_sized_by_its_window_not_its_row() -> None:
+    cfg = config(7, 4, 8)  # a whole row is 32 blocks; the window needs ceil((8+12+2)/4) = 6
+    assert cfg.max_live_blocks_per_seq == 6 < cfg.max_blocks_per_seq
+    with pytest.raises(ValueError, match="per sequence"):
+        config(5, 4, 8)
+
+
+def test_windowed_groups_keep_no_prefix_cache() -> None:
+    with pytest.raises(InvalidValue) as info:
+        KVCacheManager(config(40, 4, 8), prefix_caching=True)
+    assert info.value.field == "prefix_caching"
+
+
+def test_groups_refuse_what_one_group_cannot_serve_and_the_other_gives_back() -> None:
+    """The windowed group is too small for a second whole prompt: the full group admitted it,
+    then gave its row and blocks back."""
+    groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                            GroupSpec("window", config(36, 2, 7))])
+    first = groups.step(StepPlan(prompt_lens=[60])).outcome
+    assert first.admitted_rows.tolist() == [0]
+    out = groups.step(StepPlan(prompt_lens=[60]))
+    assert out.outcome.admitted_rows.tolist() == [-1]
+    assert groups.managers["full"].held_blocks == 15
+    groups.check_invariants()
+
+
+def test_a_windowed_group_ahead_by_a_chunk_keeps_the_window_the_chunk_reads() -> None:
+    """The full group cannot serve A's second chunk, the windowed group can: the chunk is
+    refused and the windowed group holds it ahead. When it comes again and runs, its window
+    (from position 26) must still be blocks in the windowed group."""
+    groups = KVCacheGroups([GroupSpec("full", config(34, 4, None)),
+                            GroupSpec("window", config(120, 2, 7))])
+    a = int(groups.step(StepPlan(prompt_lens=[64], first_chunks=[32])).outcome.admitted_rows[0])
+    b = int(groups.step(StepPlan(prompt_lens=[100], first_chunks=[96])).outcome.admitted_rows[0])
+    out = groups.step(StepPlan(prefill_rows=[a], prefill_tokens=[32])).outcome
+    assert out.prefill_granted.tolist() == [False] and groups.ahead["window"][a] == 32
+    out = groups.step(StepPlan(finished_rows=[b], prefill_rows=[a], prefill_tokens=[32]))
+    assert out.outcome.prefill_granted.tolist() == [True]
+    assert out.outcome.prefill_starts.tolist() == [32]
+    window = groups.managers["window"].table.host[a]
+    assert (window[(32 - 7 + 1) // 2 : 64 // 2] >= 0).all()
+    groups.check_invariants()
