@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     import torch
 
 KVDType = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
+# "kv": per-head K and V planes. "latent": one plane of one vector per token and layer (MLA's
+# compressed KV followed by its rope key), no heads and no separate V.
+KVLayout = Literal["kv", "latent"]
+_PLANES: dict[str, int] = {"kv": 2, "latent": 1}
 
 # KVDType -> the name of its torch dtype.
 _TORCH_DTYPES: dict[str, str] = {
@@ -58,15 +62,18 @@ class PoolConfig(BaseModel):
         default=None, gt=0, description="Blocks in the pool; or give memory_budget_bytes."
     )
     memory_budget_bytes: int | None = Field(
-        default=None, gt=0, description="Device bytes for K+V of all layers; sets num_blocks."
+        default=None, gt=0, description="Device bytes for the KV of all layers; sets num_blocks."
     )
     tokens_per_block: int = Field(default=16, gt=0)
     num_layers: int = Field(default=2, gt=0)
-    num_kv_heads: int = Field(default=2, gt=0)
-    head_dim: int = Field(default=64, gt=0)
+    num_kv_heads: int = Field(default=2, gt=0, description="KV heads per layer; 1 for latent.")
+    head_dim: int = Field(default=64, gt=0, description="Per head; the latent width for latent.")
+    kv_layout: KVLayout = Field(
+        default="kv", description="kv: per-head K and V; latent: one MLA latent per token.")
     dtype: KVDType = "bfloat16"
     k_scales: tuple[float, ...] | None = Field(
-        default=None, description="fp8 only: one K dequantisation scale per layer (default 1.0)."
+        default=None, description="fp8 only: one K (or latent) dequantisation scale per layer "
+        "(default 1.0)."
     )
     v_scales: tuple[float, ...] | None = Field(
         default=None, description="fp8 only: one V dequantisation scale per layer (default 1.0)."
@@ -109,6 +116,8 @@ class PoolConfig(BaseModel):
     def _consistent(self) -> PoolConfig:
         if (self.num_blocks is None) == (self.memory_budget_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_budget_bytes")
+        if self.kv_layout == "latent":
+            self._latent_consistent()
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < self.bytes_per_block:
             raise ValueError(
                 f"memory_budget_bytes: {self.memory_budget_bytes} holds no block "
@@ -131,6 +140,19 @@ class PoolConfig(BaseModel):
             )
         return self
 
+    def _latent_consistent(self) -> None:
+        if self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads}, a latent pool has one "
+                             "(head_dim is the latent's width)")
+        if self.v_scales is not None:
+            raise ValueError("v_scales: a latent pool has no V; its one scale per layer is "
+                             "k_scales")
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes per layer: 2 (K, V) for "kv", 1 (the latent) for "latent"."""
+        return _PLANES[self.kv_layout]
+
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
@@ -140,9 +162,8 @@ class PoolConfig(BaseModel):
     @property
     def bytes_per_block(self) -> int:
         itemsize = self.torch_dtype.itemsize
-        return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * (
-            itemsize
-        )
+        return (self.kv_planes * self.num_layers * self.tokens_per_block * self.num_kv_heads
+                * self.head_dim * itemsize)
 
     @property
     def total_blocks(self) -> int:

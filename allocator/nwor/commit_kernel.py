@@ -1,15 +1,16 @@
 """`write_staged`: NWOR's commit write, staged K/V rows of every layer into their pool slots.
 
 Contract (both backends give identical bytes):
-- ``pool_rows`` is `KVStorage.rows()`: ``[L, 2, num_slots, row]``; ``staged`` is
-  ``[L, 2, capacity, row]``; ``slots`` is int64 ``[L, >= num_rows]``; ``layer_rows`` is int64
-  ``[L]`` (rows staged per layer).
-- Staged row ``(l, kv, t)`` is written to ``pool_rows[l, kv, slots[l, t]]`` iff
+- ``pool_rows`` is `KVStorage.rows()`: ``[L, P, num_slots, row]`` with ``P`` the pool's planes
+  (2: K and V; 1: an MLA latent, `PoolConfig.kv_planes`); ``staged`` is ``[L, P, capacity,
+  row]``; ``slots`` is int64 ``[L, >= num_rows]``; ``layer_rows`` is int64 ``[L]`` (rows staged
+  per layer).
+- Staged row ``(l, p, t)`` is written to ``pool_rows[l, p, slots[l, t]]`` iff
   ``t < min(num_rows, layer_rows[l])`` and ``0 <= slots[l, t] < num_slots``. Every other byte of
   the pool is left as it was: -1 marks a rejected or padded token, and an out-of-range slot is
   skipped rather than written out of bounds. Slots within one layer must be distinct.
 - fp8 pools store ``e4m3(clamp(value * inv_scale, -448, 448))`` rounded to nearest even, with
-  ``inv_scales[l, kv] = 1 / scale`` (value = stored * scale). Saturating, as fp8 KV-cache writers
+  ``inv_scales[l, p] = 1 / scale`` (value = stored * scale). Saturating, as fp8 KV-cache writers
   do, so an outlier becomes +-448 instead of NaN. Other pools copy the staged bits unchanged.
 
 ``fence`` (a `fence.WriterFence`): the write happens only if the writer's fence word still holds
@@ -91,11 +92,11 @@ def _write_torch(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Ten
     layer, row = keep.nonzero(as_tuple=True)
     slot = window[layer, row]
     pool_bits = pool_rows.view(_BITS_VIEW[pool_rows.element_size()])
-    for kv in (0, 1):
-        src = staged[layer, kv, row]
+    for plane in range(pool_rows.shape[1]):
+        src = staged[layer, plane, row]
         if inv_scales is not None:
-            src = quantise_fp8(src, inv_scales[layer, kv])
-        pool_bits[layer, kv, slot] = src.view(pool_bits.dtype)
+            src = quantise_fp8(src, inv_scales[layer, plane])
+        pool_bits[layer, plane, slot] = src.view(pool_bits.dtype)
 
 
 def _copy_rows_cpu(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
@@ -117,8 +118,8 @@ def _copy_rows_cpu(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.T
         layer_slots = window[layer, : max(0, min(num_rows, staged_rows))]
         row = np.flatnonzero((layer_slots >= 0) & (layer_slots < num_slots))
         slot = layer_slots[row]
-        for kv in (0, 1):
-            _whole_rows(pool_np[layer, kv])[slot] = _whole_rows(staged_np[layer, kv])[row]
+        for plane in range(pool_np.shape[1]):
+            _whole_rows(pool_np[layer, plane])[slot] = _whole_rows(staged_np[layer, plane])[row]
 
 
 def _whole_rows(rows: np.ndarray) -> np.ndarray:
@@ -135,7 +136,7 @@ def _write_triton(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Te
     from kvalloc.allocator.nwor import commit_triton as ct
 
     kernel = ct.commit_rows_jit if pool_rows.is_cuda else ct.interpreted("commit_rows")
-    num_layers, _, num_slots, row = pool_rows.shape
+    num_layers, planes, num_slots, row = pool_rows.shape
     if inv_scales is None:
         src_kind, staged_arg = ct.SRC_COPY, staged.view(_BITS_VIEW[staged.element_size()])
     elif staged.dtype == torch.bfloat16:
@@ -144,30 +145,31 @@ def _write_triton(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Te
         src_kind, staged_arg = ct.SRC_FLOAT_TO_FP8, staged
     block_d = min(1 << (row - 1).bit_length(), 1024)
     block_t = max(1, _TILE_ELEMENTS // block_d)
-    grid = (ct.cdiv(num_rows, block_t), num_layers, 2)
+    grid = (ct.cdiv(num_rows, block_t), num_layers, planes)
     kernel[grid](
         pool_rows.view(_BITS_VIEW[pool_rows.element_size()]), staged_arg, slots, layer_rows,
         layer_rows if inv_scales is None else inv_scales,  # a valid pointer, never read for copies
         layer_rows if fence is None else fence.word,  # valid pointers, read only when FENCED
         layer_rows if fence is None else fence.expected,
         num_rows, num_slots, staged.shape[2], slots.stride(0),
-        ROW=row, BLOCK_T=block_t, BLOCK_D=block_d, SRC=src_kind.value, FENCED=fence is not None,
+        ROW=row, PLANES=planes, BLOCK_T=block_t, BLOCK_D=block_d, SRC=src_kind.value,
+        FENCED=fence is not None,
     )
 
 
 def _check(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
            layer_rows: torch.Tensor, num_rows: int, inv_scales: torch.Tensor | None) -> None:
-    if pool_rows.dim() != 4 or pool_rows.shape[1] != 2 or not pool_rows.is_contiguous():
+    if pool_rows.dim() != 4 or pool_rows.shape[1] not in (1, 2) or not pool_rows.is_contiguous():
         raise NworInputError(
-            f"pool_rows: expected contiguous [L, 2, num_slots, row], got {tuple(pool_rows.shape)}",
-            field="pool_rows")
-    num_layers, _, _, row = pool_rows.shape
+            f"pool_rows: expected contiguous [L, 1 or 2, num_slots, row], got "
+            f"{tuple(pool_rows.shape)}", field="pool_rows")
+    num_layers, planes, _, row = pool_rows.shape
     device = pool_rows.device
-    if (staged.dim() != 4 or staged.shape[:2] != (num_layers, 2) or staged.shape[3] != row
+    if (staged.dim() != 4 or staged.shape[:2] != (num_layers, planes) or staged.shape[3] != row
             or not staged.is_contiguous() or staged.device != device):
         raise NworInputError(
-            f"staged: expected contiguous [{num_layers}, 2, capacity, {row}] on {device}, got "
-            f"{tuple(staged.shape)} on {staged.device}", field="staged")
+            f"staged: expected contiguous [{num_layers}, {planes}, capacity, {row}] on "
+            f"{device}, got {tuple(staged.shape)} on {staged.device}", field="staged")
     if slots.dtype != torch.int64:
         raise SlotDtypeError(f"slots: dtype {slots.dtype}, expected torch.int64")
     if (slots.dim() != 2 or slots.shape[0] != num_layers or slots.stride(1) != 1
@@ -188,9 +190,9 @@ def _check(pool_rows: torch.Tensor, staged: torch.Tensor, slots: torch.Tensor,
             raise NworInputError(f"staged: dtype {staged.dtype} cannot be quantised to fp8",
                                  field="staged")
         if (inv_scales is None or inv_scales.dtype != torch.float32
-                or inv_scales.shape != (num_layers, 2) or inv_scales.device != device):
+                or inv_scales.shape != (num_layers, planes) or inv_scales.device != device):
             raise NworInputError(
-                f"inv_scales: an fp8 pool needs float32 [{num_layers}, 2] on {device}",
+                f"inv_scales: an fp8 pool needs float32 [{num_layers}, {planes}] on {device}",
                 field="inv_scales")
     else:
         if staged.dtype != pool_rows.dtype:

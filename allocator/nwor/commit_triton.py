@@ -4,8 +4,9 @@
 token's slot to -1 in every layer (plus the window's counters); `_commit_rows` then writes.
 Both run in one launch each, with no host synchronisation.
 
-`_commit_rows`: one launch writes every layer's K and V: program ``(tile, layer, kv)`` copies
-``BLOCK_T`` staged rows of one layer's K or V plane to their pool slots, skipping rows past the
+`_commit_rows`: one launch writes every layer's planes (K and V, or an MLA latent's one plane):
+program ``(tile, layer, plane)`` copies ``BLOCK_T`` staged rows of one layer's plane to their pool
+slots, skipping rows past the
 layer's staged count and rows whose slot is outside ``[0, num_slots)`` (-1: rejected or padded).
 A fenced launch (``FENCED``) first reads its writer's fence word and writes nothing once the word
 no longer holds the writer's number: a volatile load, so a word closed by another process after
@@ -36,11 +37,11 @@ SRC_FLOAT_TO_FP8 = tl.constexpr(2)
 def _commit_rows(pool_ptr, staged_ptr, slots_ptr, layer_rows_ptr, inv_scale_ptr,
                  fence_word_ptr, fence_expected_ptr,
                  num_rows, num_slots, stage_capacity, slot_stride,
-                 ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SRC: tl.constexpr, FENCED: tl.constexpr):
+                 ROW: tl.constexpr, PLANES: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr, SRC: tl.constexpr, FENCED: tl.constexpr):
     tile = tl.program_id(0)
     layer = tl.program_id(1)
-    kv = tl.program_id(2)
+    which = tl.program_id(2)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     limit = tl.minimum(tl.load(layer_rows_ptr + layer), num_rows)
     if FENCED:  # the writer's session ended: this program writes nothing (`fence.py`)
@@ -49,7 +50,7 @@ def _commit_rows(pool_ptr, staged_ptr, slots_ptr, layer_rows_ptr, inv_scale_ptr,
     live = rows < limit
     slot = tl.load(slots_ptr + layer * slot_stride + rows, mask=live, other=-1)
     live = live & (slot >= 0) & (slot < num_slots)
-    plane = (layer * 2 + kv).to(tl.int64)
+    plane = (layer * PLANES + which).to(tl.int64)
     src_row = (plane * stage_capacity + rows) * ROW
     dst_row = (plane * num_slots + slot) * ROW
     if SRC != SRC_COPY:

@@ -82,7 +82,7 @@ class DeferredWriteManager:
     """Stages each window's K/V and commits accepted tokens into ``storage``'s pool.
 
     ``max_tokens`` bounds a window's scheduled tokens, ``max_requests`` its requests (default: the
-    pool's ``max_batch_size``). Staging holds ``[num_layers, 2, max_tokens, H * D]`` in
+    pool's ``max_batch_size``). Staging holds ``[num_layers, P, max_tokens, H * D]`` in
     ``stage_dtype`` (the pool dtype; for fp8 pools the model's dtype, bf16 by default, quantised
     with each layer's scales on commit). What it was built for, resolved, is ``spec``
     (`StagingSpec`: ``spec.device``, ``spec.num_layers``, ``spec.stage_dtype``, ...).
@@ -161,11 +161,12 @@ class DeferredWriteManager:
         self._layout = layout
         self._writes.fence = fence
 
-    def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+    def stage_layer(self, layer: int, key: torch.Tensor, value: torch.Tensor | None,
                     slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
                     v_scale: float | torch.Tensor | None = None) -> None:
         """Stage the next ``len(slot_mapping)`` tokens of ``layer`` (``key``/``value``:
-        ``[n, H, D]`` or ``[n, H * D]`` in ``stage_dtype``; ``slot_mapping``: int64 ``[n]``).
+        ``[n, H, D]`` or ``[n, H * D]`` in ``stage_dtype``; ``slot_mapping``: int64 ``[n]``). A
+        latent pool (``kv_layout="latent"``) stages its latent as ``key`` with ``value`` None.
 
         ``k_scale``/``v_scale`` (fp8 pools only; ignored otherwise): dequantisation scales to
         quantise this layer's K/V with on commit instead of the pool's own. They hold for the
@@ -196,7 +197,8 @@ class DeferredWriteManager:
         caller that knows the slots and the accepted counts on the host (a service) then gets
         the keep mask computed on the host too, and a commit of one upload and one write.
 
-        ``staging`` is a contiguous ``[num_layers, 2, capacity, H, D]`` (or ``[..., H * D]``)
+        ``staging`` is a contiguous ``[num_layers, P, capacity, H, D]`` (or ``[..., H * D]``; P
+        the pool's ``kv_planes``)
         tensor in ``stage_dtype`` on the pool's device with capacity >= the window's tokens. It is
         read, never copied, by the commit: it must hold this window's K/V until ``commit``
         returns (on CUDA: until the commit's work on the current stream has run). Instead of, not

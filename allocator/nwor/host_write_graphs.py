@@ -100,7 +100,7 @@ class HostWriteGraphs:
 
     def replay(self, source: torch.Tensor, staged: np.ndarray, kept: np.ndarray, write: Write,
                variant: Hashable = None) -> bool:
-        """Commit ``staged``/``kept`` slots (same length) from ``source`` (``[L, 2, capacity,
+        """Commit ``staged``/``kept`` slots (same length) from ``source`` (``[L, P, capacity,
         row]``, capacity >= that length) by replaying its graph
         (captured now if new); False if graphs failed here, and the caller must write eagerly.
         ``variant`` names whatever else the captured work depends on (the protection guard)."""

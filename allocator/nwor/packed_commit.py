@@ -54,7 +54,8 @@ class PackedCommit:
     each entry's kept tokens on the device (an overlap worker): the static buffers a captured
     step reads, and the writer's counters on the device.
 
-    ``pool_rows`` is `KVStorage.rows()`'s ``[L, 2, slots, row]``, ``staged`` ``[L, 2, T, row]``;
+    ``pool_rows`` is `KVStorage.rows()`'s ``[L, P, slots, row]``, ``staged`` ``[L, P, T, row]``
+    (``P`` the pool's planes: 2 for K/V, 1 for a latent);
     ``protected`` the owner's bool mask of protected blocks (None: no guard)."""
 
     def __init__(self, pool_rows: torch.Tensor, staged: torch.Tensor, tokens_per_block: int, *,

@@ -17,8 +17,9 @@ from kvalloc.allocator.nwor.storage import KVStorage
 from kvalloc.allocator.nwor.window import WindowLayout
 
 # NaN bit patterns: finite staged values (and their saturating fp8 quantisation) never equal them.
-POISON_BITS = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float8_e4m3fn: 0x7F}
-BITS = {1: torch.uint8, 2: torch.int16}
+POISON_BITS = {torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float8_e4m3fn: 0x7F,
+               torch.float32: 0x7FC00001}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -32,14 +33,20 @@ def poisoned_storage(cfg: PoolConfig) -> KVStorage:
 
 
 def pool_config(device: str, *, dtype: str = "bfloat16", num_layers: int = 3,
-                num_blocks: int = 64, scales: bool = False) -> PoolConfig:
+                num_blocks: int = 64, scales: bool = False,
+                kv_layout: str = "kv") -> PoolConfig:
+    """A K/V pool of 2 heads of 16, or a latent pool (one 40-wide latent: 32 + a rope key of 8,
+    a small DeepSeek-V3 shape)."""
+    latent = kv_layout == "latent"
     extra = {}
     if scales:
         rng = np.random.default_rng(7)
-        extra = {"k_scales": tuple(rng.uniform(0.01, 2.0, num_layers).tolist()),
-                 "v_scales": tuple(rng.uniform(0.01, 2.0, num_layers).tolist())}
+        extra = {"k_scales": tuple(rng.uniform(0.01, 2.0, num_layers).tolist())}
+        if not latent:
+            extra["v_scales"] = tuple(rng.uniform(0.01, 2.0, num_layers).tolist())
     return PoolConfig(num_blocks=num_blocks, tokens_per_block=4, num_layers=num_layers,
-                      num_kv_heads=2, head_dim=16, dtype=dtype, device=device,
+                      num_kv_heads=1 if latent else 2, head_dim=40 if latent else 16,
+                      kv_layout=kv_layout, dtype=dtype, device=device,
                       max_seq_len=64, max_batch_size=16, **extra)
 
 
@@ -110,8 +117,9 @@ def stage(manager, window: Window) -> None:
         start = 0
         for size in sizes:
             end = start + size
-            manager.stage_layer(layer, window.keys[layer, start:end],
-                                window.values[layer, start:end], window.slots[start:end])
+            values = window.values[layer, start:end] if manager.spec.planes == 2 else None
+            manager.stage_layer(layer, window.keys[layer, start:end], values,
+                                window.slots[start:end])
             start = end
 
 
@@ -119,12 +127,12 @@ def expected_after(storage_kv: torch.Tensor, window: Window, keep: np.ndarray,
                    inv_scales: torch.Tensor | None) -> torch.Tensor:
     """``storage_kv`` with exactly the kept, non-padding tokens of every staged layer written."""
     expected = storage_kv.clone()
-    num_layers, _, blocks, tpb, heads, dim = expected.shape
-    rows = expected.view(num_layers, 2, blocks * tpb, heads, dim)
+    num_layers, planes, blocks, tpb, heads, dim = expected.shape
+    rows = expected.view(num_layers, planes, blocks * tpb, heads, dim)
     slots = window.slots.cpu()
     write = torch.from_numpy(keep) & (slots >= 0)
     for layer in window.staged_layers:
-        for kv, src in enumerate((window.keys, window.values)):
+        for kv, src in enumerate((window.keys, window.values)[:planes]):
             data = src[layer].cpu()[write]
             if inv_scales is not None:
                 data = (data.float() * inv_scales[layer, kv].item()).clamp(-448, 448).to(

@@ -1,9 +1,9 @@
 """fp8 pools: the dtype a window stages in, and the scales each layer's commit quantises with.
 
 The pool stores ``value / scale`` per layer and K/V (`storage`), so the commit multiplies by
-reciprocal scales: ``inv``, float32 ``[num_layers, 2]`` (K, then V). A ``stage_layer`` call may
-override a layer's scales for the rest of the window's write of that layer; the layer's next
-``stage_layer`` call without them brings the pool's back.
+reciprocal scales: ``inv``, float32 ``[num_layers, planes]`` (K, then V; a latent pool's one). A
+``stage_layer`` call may override a layer's scales for the rest of the window's write of that
+layer; the layer's next ``stage_layer`` call without them brings the pool's back.
 
 Invariant: ``inv`` equals the pool's reciprocals everywhere but at the overridden entries.
 """
@@ -47,8 +47,7 @@ class Fp8Scales:
         self.inv: torch.Tensor | None = None
         self._default: torch.Tensor | None = None
         if storage.is_fp8:
-            scales = torch.stack([storage.k_scale, storage.v_scale], dim=1)
-            self._default = torch.reciprocal(scales.to(torch.float32))
+            self._default = torch.reciprocal(storage.plane_scales())
             self.inv = self._default.clone()
         self._overridden: set[tuple[int, int]] = set()
 
@@ -68,7 +67,7 @@ class Fp8Scales:
         """``layer``'s K and V scales (`checked`), None for the pool's own."""
         if self.inv is None:
             return
-        for kv, scale in enumerate(scales):
+        for kv, scale in enumerate(scales[: self.inv.shape[1]]):
             self._set(layer, kv, scale)
 
     def _set(self, layer: int, kv: int, scale: Scale) -> None:
@@ -91,8 +90,9 @@ class Fp8Scales:
                 raise InvariantViolation("fp8 scales: overrides on a pool that is not fp8")
             return
         assert self._default is not None
-        if self.inv.shape != (num_layers, 2) or self.inv.dtype != torch.float32:
-            raise InvariantViolation("fp8 scales: inv is not float32 [num_layers, 2]")
+        if (self.inv.shape[0] != num_layers or self.inv.shape[1] not in (1, 2)
+                or self.inv.dtype != torch.float32):
+            raise InvariantViolation("fp8 scales: inv is not float32 [num_layers, planes]")
         kept = torch.ones_like(self.inv, dtype=torch.bool)
         for layer, kv in self._overridden:
             kept[layer, kv] = False

@@ -29,6 +29,7 @@ _NO_SLOTS = np.zeros(0, dtype=np.int64)  # `keep`'s slots for a window whose slo
 class StagingSpec:
     num_layers: int
     head_shape: tuple[int, int]  # (num_kv_heads, head_dim)
+    planes: int  # PoolConfig.kv_planes: 2 (K, V) or 1 (a latent, staged as the key)
     max_tokens: int  # a window's scheduled tokens, at most
     max_requests: int
     stage_dtype: torch.dtype
@@ -46,7 +47,8 @@ class StagingSpec:
         max_requests = cfg.max_batch_size if max_requests is None else max_requests
         if max_requests < 1:
             raise NworInputError("max_requests: must be >= 1", field="max_requests")
-        return cls(cfg.num_layers, (cfg.num_kv_heads, cfg.head_dim), max_tokens, max_requests,
+        return cls(cfg.num_layers, (cfg.num_kv_heads, cfg.head_dim), cfg.kv_planes, max_tokens,
+                   max_requests,
                    stage_dtype_for(storage, stage_dtype), storage.kv.device,
                    max(1, cfg.max_draft_len))
 
@@ -79,11 +81,18 @@ class StagingSpec:
             raise NworInputError(f"{name}: on {t.device}, the pool is on {self.device}",
                                  field=name)
 
-    def checked_stage_tensors(self, key: torch.Tensor, value: torch.Tensor,
+    def checked_stage_tensors(self, key: torch.Tensor, value: torch.Tensor | None,
                               slot_mapping: torch.Tensor) -> int:
-        """How many tokens one ``stage_layer`` call stages."""
+        """How many tokens one ``stage_layer`` call stages. A latent pool (one plane) stages
+        its latent as ``key`` and takes no ``value``."""
         heads, dim = self.head_shape
+        if (value is None) != (self.planes == 1):
+            raise NworInputError(
+                "value: a latent pool takes none (its latent is the key)" if self.planes == 1
+                else "value: a K/V pool needs one", field="value")
         for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+            if t is None and name == "value":
+                continue
             if not isinstance(t, torch.Tensor):
                 raise NworInputError(f"{name}: expected a tensor", field=name)
             self.check_on_pool(name, t)
@@ -95,7 +104,7 @@ class StagingSpec:
             raise NworInputError(
                 f"key: shape {tuple(key.shape)}, expected [n, {heads}, {dim}] or "
                 f"[n, {heads * dim}]", field="key")
-        if value.shape != key.shape or value.dtype != key.dtype:
+        if value is not None and (value.shape != key.shape or value.dtype != key.dtype):
             raise NworInputError(
                 f"value: {tuple(value.shape)} {value.dtype} differs from key's "
                 f"{tuple(key.shape)} {key.dtype}", field="value")
@@ -130,22 +139,22 @@ class StagingSpec:
 
     def checked_staging(self, staging: torch.Tensor, tokens: int) -> torch.Tensor:
         """``staging`` (as ``stage_from`` takes it, holding at least ``tokens`` tokens) as the
-        commit reads it: ``[num_layers, 2, capacity, H * D]``."""
+        commit reads it: ``[num_layers, planes, capacity, H * D]``."""
         heads, dim = self.head_shape
         if not isinstance(staging, torch.Tensor):
             raise NworInputError("staging: expected a tensor", field="staging")
         shape = tuple(staging.shape)
-        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, 2)
+        if (staging.dim() not in (4, 5) or shape[:2] != (self.num_layers, self.planes)
                 or shape[3:] not in ((heads, dim), (heads * dim,)) or shape[2] < tokens
                 or not staging.is_contiguous()):
             raise NworInputError(
-                f"staging: shape {shape}, expected contiguous [{self.num_layers}, 2, >= {tokens}, "
-                f"{heads}, {dim}]", field="staging")
+                f"staging: shape {shape}, expected contiguous [{self.num_layers}, {self.planes}, "
+                f">= {tokens}, {heads}, {dim}]", field="staging")
         if staging.dtype != self.stage_dtype or staging.device != self.device:
             raise NworInputError(
                 f"staging: {staging.dtype} on {staging.device}, expected {self.stage_dtype} on "
                 f"{self.device}", field="staging")
-        return staging.view(self.num_layers, 2, shape[2], heads * dim)
+        return staging.view(self.num_layers, self.planes, shape[2], heads * dim)
 
     def checked_host_counts(self, accepted: Sequence[int] | np.ndarray, layout: WindowLayout,
                             host_slots: np.ndarray | None) -> tuple[np.ndarray, Kept]:

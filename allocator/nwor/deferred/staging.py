@@ -2,10 +2,10 @@
 
 A window stages one of two ways:
 
-- ``stage_layer``, layer by layer, into the manager's own ``staged`` ``[L, 2, max_tokens, H * D]``
-  with each layer's slots in its row of ``slots``; ``rows[l]`` (and on the device
-  ``layer_rows[l]``) counts layer ``l``'s staged tokens, so layers stage independently and in
-  chunks;
+- ``stage_layer``, layer by layer, into the manager's own ``staged`` ``[L, P, max_tokens, H * D]``
+  (P planes: K and V, or a latent) with each layer's slots in its row of ``slots``; ``rows[l]``
+  (and on the device ``layer_rows[l]``) counts layer ``l``'s staged tokens, so layers stage
+  independently and in chunks;
 - ``stage_from``, every layer at once: the commit reads the caller's buffer in place
   (``source``). Its slots are a device tensor, copied into ``slots[0]`` and from there into
   every layer's row, or a host array (``host_slots``): every layer then shares one slot row,
@@ -40,7 +40,7 @@ class StagingBuffers:
         self.protection = protection
         self.uploads = uploads
         layers, tokens, dev, i64 = spec.num_layers, spec.max_tokens, spec.device, torch.int64
-        self.staged = torch.zeros((layers, 2, tokens, spec.row), dtype=spec.stage_dtype,
+        self.staged = torch.zeros((layers, spec.planes, tokens, spec.row), dtype=spec.stage_dtype,
                                   device=dev)
         self.source = self.staged  # what the commit reads
         self.slots = torch.full((layers, tokens), -1, dtype=i64, device=dev)
@@ -76,14 +76,15 @@ class StagingBuffers:
             self.layer_rows.zero_()
         return self.rows[layer]
 
-    def write_chunk(self, layer: int, offset: int, key: torch.Tensor, value: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+    def write_chunk(self, layer: int, offset: int, key: torch.Tensor,
+                    value: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         """Stage ``key``/``value`` (checked: ``StagingSpec.checked_stage_tensors``) at
         ``offset`` of ``layer``; the guard counts refused tokens in layer 0 only, once each."""
         n = slot_mapping.shape[0]
         end = offset + n
         self.staged[layer, 0, offset:end].copy_(key.reshape(n, self.spec.row))
-        self.staged[layer, 1, offset:end].copy_(value.reshape(n, self.spec.row))
+        if value is not None:
+            self.staged[layer, 1, offset:end].copy_(value.reshape(n, self.spec.row))
         self.slots[layer, offset:end].copy_(slot_mapping)
         self.protection.guard(self.slots[layer, offset:end], count=layer == 0)
         self.rows[layer] = end
@@ -112,8 +113,9 @@ class StagingBuffers:
             self.source = self.staged
 
     def staged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V; a latent pool's one plane as both (MLA reads its V out of the latent)."""
         staged = self.source[layer, :, :self.rows[layer]].unflatten(-1, self.spec.head_shape)
-        return staged[0], staged[1]
+        return staged[0], staged[-1]
 
     def upload_host_slots(self, kept_slots: np.ndarray | None = None) -> None:
         """The window's host slots (and ``kept_slots``, the same with rejected tokens at -1) in

@@ -472,6 +472,13 @@ CONFIG_CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
     "not a device": ({"device": "tpu"}, ("device",)),
     "garbage device": ({"device": "cuda:x"}, ("device",)),
     "misspelt field": ({"num_blokcs": 4}, ("num_blokcs",)),
+    "unknown kv_layout": ({"kv_layout": "mla"}, ("kv_layout",)),
+    "latent pool with two heads": ({"kv_layout": "latent", "num_kv_heads": 2},
+                                   ("num_kv_heads",)),
+    "latent pool with v_scales": ({"kv_layout": "latent", "num_kv_heads": 1,
+                                   "dtype": "fp8_e4m3", "v_scales": (1.0,)}, ("v_scales",)),
+    "latent pool with v_scales, not fp8": ({"kv_layout": "latent", "num_kv_heads": 1,
+                                            "v_scales": (1.0,)}, ("v_scales",)),
 }
 
 
@@ -501,6 +508,19 @@ def test_memory_budget_sets_num_blocks(make_config):
     per_block = 2 * 2 * 4 * 1 * 8 * 2  # K+V, layers, tokens, heads, head_dim, bytes (bf16)
     assert cfg.bytes_per_block == per_block
     assert cfg.total_blocks == 10_000 // per_block
+
+
+def test_a_latent_pool_holds_one_plane_and_counts_its_bytes(make_config):
+    """A DeepSeek-V3-shaped latent (512 + 64 wide, 61 layers, bf16): one plane, no V, so a block
+    costs half a K/V pool of the same width; the block and slot geometry is the same."""
+    cfg = make_config(num_blocks=None, memory_budget_bytes=10 * 70_272 * 16, num_layers=61,
+                      num_kv_heads=1, head_dim=576, kv_layout="latent", tokens_per_block=16,
+                      max_seq_len=16, dtype="bfloat16")
+    assert cfg.kv_planes == 1 and make_config().kv_planes == 2
+    assert cfg.bytes_per_block == 70_272 * 16  # 61 * 576 * 2 bytes a token
+    assert cfg.total_blocks == 10
+    assert cfg.max_blocks_per_seq == make_config(max_seq_len=16, tokens_per_block=16,
+                                                 num_blocks=10).max_blocks_per_seq
 
 
 def test_row_overflow_in_a_batch_names_the_overflowing_request(make_each_manager):

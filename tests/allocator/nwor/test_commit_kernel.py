@@ -10,7 +10,8 @@ from kvalloc.allocator.nwor.commit_kernel import quantise_fp8, resolve_backend, 
 from triton_interpreter import needs_triton_interpreter
 
 FP8 = torch.float8_e4m3fn
-BITS = {1: torch.uint8, 2: torch.int16}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+NAN_BITS = {FP8: 0x7F, torch.bfloat16: 0x7FC1, torch.float16: 0x7E01, torch.float32: 0x7FC00001}
 
 
 
@@ -19,10 +20,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _case(pool_dtype: torch.dtype, stage_dtype: torch.dtype, seed: int, *, layers: int = 3,
-          num_slots: int = 96, capacity: int = 40, row: int = 48):
+          num_slots: int = 96, capacity: int = 40, row: int = 48, planes: int = 2):
     gen = torch.Generator().manual_seed(seed)
-    magnitude = 10.0 ** (torch.rand(layers, 2, capacity, row, generator=gen) * 8 - 5)
-    staged = (torch.randn(layers, 2, capacity, row, generator=gen) * magnitude).to(stage_dtype)
+    magnitude = 10.0 ** (torch.rand(layers, planes, capacity, row, generator=gen) * 8 - 5)
+    staged = (torch.randn(layers, planes, capacity, row, generator=gen) * magnitude).to(
+        stage_dtype)
     slots = torch.stack([torch.randperm(num_slots, generator=gen)[:capacity]
                          for _ in range(layers)])
     slots[torch.rand(layers, capacity, generator=gen) < 0.2] = -1
@@ -30,9 +32,9 @@ def _case(pool_dtype: torch.dtype, stage_dtype: torch.dtype, seed: int, *, layer
     layer_rows = torch.tensor([capacity, capacity // 2, 0][:layers])
     inv = None
     if pool_dtype == FP8:
-        inv = (1.0 / (torch.rand(layers, 2, generator=gen) * 4 + 0.05)).float()
-    pool = torch.empty(layers, 2, num_slots, row, dtype=pool_dtype)
-    _bits(pool).fill_(0x7F if pool_dtype == FP8 else 0x7FC1)  # NaN: no write produces it
+        inv = (1.0 / (torch.rand(layers, planes, generator=gen) * 4 + 0.05)).float()
+    pool = torch.empty(layers, planes, num_slots, row, dtype=pool_dtype)
+    _bits(pool).fill_(NAN_BITS[pool_dtype])  # NaN: no write produces it
     return pool, staged, slots, layer_rows, inv
 
 
@@ -44,7 +46,7 @@ def _expected(pool, staged, slots, layer_rows, num_rows, inv):
             s = int(slots[layer, t])
             if not 0 <= s < num_slots:
                 continue
-            for kv in range(2):
+            for kv in range(pool.shape[1]):
                 src = staged[layer, kv, t]
                 if inv is not None:
                     src = (src.float() * inv[layer, kv]).clamp(-448, 448).to(FP8)
@@ -78,7 +80,47 @@ def test_triton_kernel_equals_torch_path_bit_for_bit(pool_dtype, stage_dtype, se
     write_staged(ref, staged, slots, layer_rows, 37, inv, backend="torch")
     write_staged(pool, staged, slots, layer_rows, 37, inv, backend="triton")
     assert torch.equal(_bits(pool), _bits(ref))
-    assert (_bits(pool) != 0x7F if pool_dtype == FP8 else _bits(pool) != 0x7FC1).any()
+    assert (_bits(pool) != NAN_BITS[pool_dtype]).any()
+
+
+# An MLA latent pool: one plane per layer, a 576-wide row (512 compressed KV + 64 rope key), one
+# fp8 scale per layer.
+LATENT_CASES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (FP8, torch.bfloat16),
+    (FP8, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("pool_dtype", "stage_dtype"), LATENT_CASES)
+def test_latent_pool_torch_path_writes_exactly_the_selected_rows(pool_dtype, stage_dtype):
+    pool, staged, slots, layer_rows, inv = _case(pool_dtype, stage_dtype, seed=11, row=576,
+                                                 planes=1)
+    want = _expected(pool, staged, slots, layer_rows, 33, inv)
+    write_staged(pool, staged, slots, layer_rows, 33, inv, backend="torch")
+    assert torch.equal(_bits(pool), _bits(want))
+    assert (_bits(pool) != NAN_BITS[pool_dtype]).any()
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize(("pool_dtype", "stage_dtype"), LATENT_CASES)
+def test_latent_pool_triton_kernel_equals_its_reference(pool_dtype, stage_dtype):
+    pool, staged, slots, layer_rows, inv = _case(pool_dtype, stage_dtype, seed=12, row=576,
+                                                 planes=1)
+    want = _expected(pool, staged, slots, layer_rows, 37, inv)
+    write_staged(pool, staged, slots, layer_rows, 37, inv, backend="triton")
+    assert torch.equal(_bits(pool), _bits(want))
+
+
+def test_latent_pool_takes_one_scale_per_layer_and_one_staged_plane():
+    pool, staged, slots, layer_rows, inv = _case(FP8, torch.bfloat16, seed=13, planes=1)
+    with pytest.raises(NworInputError) as err:
+        write_staged(pool, staged, slots, layer_rows, 8, inv.repeat(1, 2), backend="torch")
+    assert err.value.field == "inv_scales"
+    with pytest.raises(NworInputError) as err:
+        write_staged(pool, staged.repeat(1, 2, 1, 1), slots, layer_rows, 8, inv, backend="torch")
+    assert err.value.field == "staged"
 
 
 @needs_triton_interpreter

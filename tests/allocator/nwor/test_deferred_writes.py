@@ -66,6 +66,64 @@ def test_random_windows_commit_exactly_the_accepted_tokens(dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3"])
+def test_a_latent_pool_commits_exactly_the_accepted_latents(dtype, backend):
+    cfg = pool_config("cpu", dtype=dtype, scales=dtype == "fp8_e4m3", kv_layout="latent")
+    storage = poisoned_storage(cfg)
+    mgr = DeferredWriteManager(storage, max_tokens=48, backend=backend)
+    assert storage.kv.shape == (3, 1, 64, 4, 1, 40)
+    rng = np.random.default_rng(12)
+    for _ in range(6 if backend == "torch" else 3):
+        window = random_window(rng, storage, max_tokens=48, stage_dtype=mgr.spec.stage_dtype)
+        want = expected_after(storage.kv, window, window.keep(), mgr._scales.inv)
+        mgr.begin_window(window.layout)
+        stage(mgr, window)
+        mgr.commit(window.accepted)
+        assert torch.equal(bits(storage.kv), bits(want))
+    assert mgr.metrics().rejected_tokens > 0
+    mgr.check_invariants()
+
+
+def test_a_latent_pool_stages_its_latent_as_the_key_and_takes_no_value():
+    storage = poisoned_storage(pool_config("cpu", kv_layout="latent"))
+    mgr = DeferredWriteManager(storage, max_tokens=8)
+    latent = torch.randn(2, 40).bfloat16()
+    mgr.begin_window(WindowLayout((2,), (0,)))
+    with pytest.raises(NworInputError) as err:
+        mgr.stage_layer(0, latent, latent, torch.tensor([4, 5]))
+    assert err.value.field == "value"
+    assert mgr.staged_rows(0) == 0
+    mgr.stage_layer(0, latent, None, torch.tensor([4, 5]))
+    key, value = mgr.staged_kv(0)
+    assert torch.equal(key.reshape(2, 40), latent) and torch.equal(value, key)
+    mgr.commit([0])
+    assert torch.equal(storage.key_cache(0)[1, :2].reshape(2, 40), latent)
+    with pytest.raises(NworInputError) as err:
+        storage.value_cache(0)
+    assert err.value.field == "kv_layout"
+    _, kv_mgr = _manager()
+    kv_mgr.begin_window(WindowLayout((2,), (0,)))
+    with pytest.raises(NworInputError) as err:
+        kv_mgr.stage_layer(0, torch.zeros(2, 32).bfloat16(), None, torch.tensor([4, 5]))
+    assert err.value.field == "value"
+
+
+def test_a_latent_pool_stages_from_a_one_plane_buffer():
+    storage = poisoned_storage(pool_config("cpu", kv_layout="latent"))
+    mgr = DeferredWriteManager(storage, max_tokens=8)
+    staging = torch.randn(3, 1, 8, 1, 40).bfloat16()
+    mgr.begin_window(WindowLayout((3,), (2,)))
+    with pytest.raises(NworInputError) as err:
+        mgr.stage_from(staging.expand(3, 2, 8, 1, 40).contiguous(), torch.tensor([0, 1, 2]))
+    assert err.value.field == "staging"
+    mgr.stage_from(staging, torch.tensor([0, 1, 2]))
+    mgr.commit([1])  # the second draft is rejected: its slot keeps the poison
+    rows = storage.rows()
+    assert torch.equal(rows[:, 0, :2], staging[:, 0, :2, 0])
+    assert (bits(rows[:, 0, 2]) == POISON_BITS[torch.bfloat16]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_device_tensor_counts_commit_the_same_as_host_counts(backend):
     storage, mgr = _manager("bfloat16", backend)
     rng = np.random.default_rng(16)
