@@ -30,7 +30,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "capacity.table_validator": ("TableValidator",),
     "capacity.tier_copies": ("NO_COPIES", "TierCopies"),
     "common.placement": ("TensorAllocator", "plain_tensor"),
-    "config": ("KVDType", "PoolConfig", "SlackPolicy", "shard_span"),
+    "config": ("KVDType", "KVLayout", "PoolConfig", "SlackPolicy", "shard_span"),
     "errors": (
         "AcceptedExceedsDrafts", "BatchFull", "BlockTableOverflow", "DraftLenExceeded",
         "DuplicateRequest", "GrantPending", "InvalidScvMode", "InvalidValue", "InvariantViolation",

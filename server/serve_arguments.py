@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import get_args
 
-from kvalloc.allocator import KVDType, PoolConfig, SlackPolicy, WireShape
+from kvalloc.allocator import KVDType, KVLayout, PoolConfig, SlackPolicy, WireShape
 from kvalloc.allocator.commands.arguments import argument_type
 from kvalloc.server.contract.addresses import (
     DEFAULT_HOST,
@@ -33,6 +33,8 @@ POOL_FLAGS: dict[str, tuple[type, str]] = {
     "num_layers": (int, "model layers whose K/V the pool holds"),
     "num_kv_heads": (int, "KV heads per layer"),
     "head_dim": (int, "elements per head"),
+    "kv_layout": (str, "kv: per-head K and V planes; latent: one MLA latent per token (one "
+                       "head as wide as head_dim)"),
     "dtype": (str, "K/V element type"),
     "max_batch_size": (int, "requests live at once, one block-table row each"),
     "max_seq_len": (int, "longest request: prompt + output tokens"),
@@ -41,7 +43,8 @@ POOL_FLAGS: dict[str, tuple[type, str]] = {
                           "reproduce the two crashes kvalloc prevents, on purpose"),
 }
 _FLAG_CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": get_args(KVDType), "slack_policy": tuple(p.value for p in SlackPolicy)}
+    "dtype": get_args(KVDType), "kv_layout": get_args(KVLayout),
+    "slack_policy": tuple(p.value for p in SlackPolicy)}
 SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s",
                  "verify_interval_s")
 

@@ -52,11 +52,12 @@ from kvalloc.allocator import PackedCommit, TableValidator
 from kvalloc.server.client import AttachedPool, Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
+from kvalloc.worker.attention.mla import switch_mla_modules
 from kvalloc.worker.drafters import DeviceOracleDrafter, Drafter
 from kvalloc.worker.errors import EngineError, LayoutMismatch, PoolTooSmall
 from kvalloc.worker.fusion import fuse_model
 from kvalloc.worker.launch_plans import launch_plan
-from kvalloc.worker.model import kv_shape
+from kvalloc.worker.model import kv_layout, kv_shape
 from kvalloc.worker.requests import NamedPrompt, Request, int64s, new_request
 from kvalloc.worker.run_stats import DeviceClock, RunStats
 from kvalloc.worker.step.decode_graphs import DecodeGraphs
@@ -101,7 +102,7 @@ class Engine:
         self.pool = client.pool
         layout = client.registration.layout
         self.layout = layout
-        self._check_layout(model, layout, self.pool.staging.dtype)
+        self._check_layout(model, layout, self.pool.staging.dtype, planes=self.pool.kv.shape[1])
         self.device = next(model.parameters()).device
         if self.pool.kv.device != self.device:
             raise LayoutMismatch(f"device: the pool is on {self.pool.kv.device}, the model on "
@@ -132,6 +133,7 @@ class Engine:
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
+        switch_mla_modules(model)  # a latent pool's attention, on every device
         if self.device.type == "cuda":  # a launch where transformers runs a dozen
             fuse_model(model)
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
@@ -152,7 +154,7 @@ class Engine:
 
     @staticmethod
     def _check_layout(model: PreTrainedModel, layout: wire.PoolLayout,
-                      staging_dtype: torch.dtype) -> None:
+                      staging_dtype: torch.dtype, *, planes: int) -> None:
         """Every field in which the pool does not fit the model at once, with the `kvalloc
         serve` flags of a pool that would (a worker learns nothing more from a second try)."""
         tp = layout.tensor_parallel
@@ -162,6 +164,8 @@ class Engine:
         fields = [("num_layers", layout.num_layers, layers),
                   ("num_kv_heads", layout.num_kv_heads // tp, heads),
                   ("head_dim", layout.head_dim, head_dim)]
+        latent = kv_layout(model.config) == "latent"
+        fields.append(("kv_layout", "latent" if planes == 1 else "kv", kv_layout(model.config)))
         wrong = [f"{name}: the pool has {have}, the model needs {want}"
                  for name, have, want in fields if have != want]
         if layout.dtype == "fp8_e4m3":
@@ -174,6 +178,7 @@ class Engine:
             raise LayoutMismatch(
                 f"{'; '.join(wrong)}. A pool for this model: kvalloc serve --num-layers "
                 f"{layers} --num-kv-heads {heads * tp} --head-dim {head_dim} --dtype {dtype}"
+                f"{' --kv-layout latent' if latent else ''}"
                 f"{f' --tensor-parallel {tp}' if tp > 1 else ''}")
 
     # ------------------------------------------------------------------ before serving
@@ -355,7 +360,7 @@ class _Flight:
 
 def _own_commit(pool: AttachedPool) -> PackedCommit:
     """An overlap worker's own commit into ``pool``: the library's, fenced by its session."""
-    layers, _, blocks, tokens_per_block, heads, dim = pool.kv.shape
-    return PackedCommit(pool.kv.view(layers, 2, blocks * tokens_per_block, heads * dim),
-                        pool.staging.view(layers, 2, pool.staging.shape[2], heads * dim),
+    layers, planes, blocks, tokens_per_block, heads, dim = pool.kv.shape
+    return PackedCommit(pool.kv.view(layers, planes, blocks * tokens_per_block, heads * dim),
+                        pool.staging.view(layers, planes, pool.staging.shape[2], heads * dim),
                         tokens_per_block, protected=pool.protected, fence=pool.writer_fence)

@@ -44,7 +44,7 @@ def footprint(config: ServiceConfig) -> Footprint:
     pool = config.pool
     staging_dtype = torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype
     staging_itemsize = torch.empty((), dtype=staging_dtype).element_size()
-    per_worker = (pool.num_layers * 2 * config.max_step_tokens * pool.num_kv_heads
+    per_worker = (pool.num_layers * pool.kv_planes * config.max_step_tokens * pool.num_kv_heads
                   * pool.head_dim * staging_itemsize)
     devices = len(config.devices or [pool.device])
     ranks = max(1, devices // config.tensor_parallel)  # a pool and its workers' staging each

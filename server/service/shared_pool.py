@@ -175,7 +175,8 @@ class SharedPool:
         """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment
         (with the view of its fence word, ``fence_slot``)."""
         pool, spec = shard.spec.pool, shard.spec
-        shape = (pool.num_layers, 2, self.config.max_step_tokens, pool.num_kv_heads, pool.head_dim)
+        shape = (pool.num_layers, pool.kv_planes, self.config.max_step_tokens, pool.num_kv_heads,
+                 pool.head_dim)
         staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
                                                self.staging_dtype, spec.device)
         fence, fwd, com = self._fence(worker_id, spec)

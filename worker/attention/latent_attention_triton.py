@@ -114,8 +114,8 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
         DOT_F32=not q_latent.is_cuda and q_latent.dtype == torch.bfloat16,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", SPLITS=splits,
-        UPDATE=kernel_for(kernels.latent_update_jit, q_latent), num_warps=launch.num_warps,
-        num_stages=launch.num_stages)
+        **{name: kernel_for(jitted, q_latent) for name, jitted in kernels.HELPERS_JIT.items()},
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not one:
         combine = kernel_for(gqa.combine_splits_jit, q_latent)
         combine[(entries, grid[0], tiles)](

@@ -18,7 +18,9 @@ split each program writes its partial softmax in `worker.kernels.pool_attention`
 that module's `_combine_splits` merges them (``GROUP`` heads per "kv head" there).
 
 fp8 pools arrive as raw bytes (uint8); a tile is converted to the query's dtype unscaled and the
-layer's scale multiplies the scores and the probabilities, as in the GQA kernel.
+layer's scale multiplies the scores and the probabilities, as in the GQA kernel. The helpers
+(the two walks and the softmax update) reach the kernel as constexprs (``HISTORY``, ``STAGED``,
+``UPDATE``), as the GQA kernel's do: a kernel calls only helpers wrapped the way it is.
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
@@ -43,6 +45,54 @@ def _latent_update(ql, qr, c, kr, visible, m_i, l_i, acc, k_mult, v_mult,
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+def _latent_history(ql, qr, m_i, l_i, acc, pool_ptr, table_row_ptr, lo, hi, k_mult, v_mult,
+                    table_width, p_stride_b, p_stride_s, RANK: tl.constexpr, ROPE: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TOKENS_PER_BLOCK: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
+                    UPDATE: tl.constexpr):
+    """Pool tokens ``[lo, hi)`` of one block-table row; a token whose table entry is -1 is
+    masked out of the load."""
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        col = j // TOKENS_PER_BLOCK
+        block = tl.load(table_row_ptr + col, mask=(j < hi) & (col < table_width), other=-1)
+        readable = block >= 0
+        slot = (block.to(tl.int64) * p_stride_b + (j % TOKENS_PER_BLOCK) * p_stride_s)[:, None]
+        c = tl.load(pool_ptr + slot + r[None, :], mask=readable[:, None] & (r < RANK)[None, :],
+                    other=0)
+        kr = tl.load(pool_ptr + slot + RANK + p[None, :],
+                     mask=readable[:, None] & (p < ROPE)[None, :], other=0)
+        if FP8:
+            c = c.to(tl.float8e4nv, bitcast=True)
+            kr = kr.to(tl.float8e4nv, bitcast=True)
+        m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), readable[None, :], m_i,
+                               l_i, acc, k_mult, v_mult, PRECISION)
+    return m_i, l_i, acc
+
+
+def _latent_staged(ql, qr, m_i, l_i, acc, staged_ptr, hi, qi, qk_scale, s_stride_t,
+                   RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                   UPDATE: tl.constexpr):
+    """The entry's staged tokens ``[0, hi)`` (``staged_ptr`` at its first), causal: query
+    ``qi`` sees token ``t <= qi``."""
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    for t0 in range(0, hi, BLOCK_S):
+        t = t0 + tl.arange(0, BLOCK_S)
+        at = staged_ptr + (t * s_stride_t)[:, None]
+        in_step = t < hi
+        c = tl.load(at + r[None, :], mask=in_step[:, None] & (r < RANK)[None, :], other=0)
+        kr = tl.load(at + RANK + p[None, :], mask=in_step[:, None] & (p < ROPE)[None, :],
+                     other=0)
+        visible = in_step[None, :] & (t[None, :] <= qi[:, None])
+        m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), visible, m_i, l_i, acc,
+                               qk_scale, 1.0, PRECISION)
+    return m_i, l_i, acc
+
+
 def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr, starts_ptr,
                       lens_ptr, hist_ptr, scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       qk_scale, table_width, ql_stride_t, ql_stride_h, qr_stride_t,
@@ -52,7 +102,8 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
                       BLOCK_P: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                       TOKENS_PER_BLOCK: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                      PRECISION: tl.constexpr, SPLITS: tl.constexpr, UPDATE: tl.constexpr):
+                      PRECISION: tl.constexpr, SPLITS: tl.constexpr, HISTORY: tl.constexpr,
+                      STAGED: tl.constexpr, UPDATE: tl.constexpr):
     head_block = tl.program_id(0)
     entry = tl.program_id(1)
     split = tl.program_id(2) % SPLITS
@@ -95,32 +146,13 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
     m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_R], 0.0, tl.float32)
-    table_row = table_ptr + tl.load(rows_ptr + entry) * table_stride
-    for n0 in range(lo, hi, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        col = j // TOKENS_PER_BLOCK
-        block = tl.load(table_row + col, mask=(j < hi) & (col < table_width), other=-1)
-        readable = block >= 0
-        slot = (block.to(tl.int64) * p_stride_b + (j % TOKENS_PER_BLOCK) * p_stride_s)[:, None]
-        c = tl.load(pool_ptr + slot + r[None, :], mask=readable[:, None] & (r < RANK)[None, :],
-                    other=0)
-        kr = tl.load(pool_ptr + slot + RANK + p[None, :],
-                     mask=readable[:, None] & (p < ROPE)[None, :], other=0)
-        if FP8:
-            c = c.to(tl.float8e4nv, bitcast=True)
-            kr = kr.to(tl.float8e4nv, bitcast=True)
-        m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), readable[None, :], m_i,
-                               l_i, acc, k_mult, v_mult, PRECISION)
-    for t0 in range(0, s_hi, BLOCK_S):
-        t = t0 + tl.arange(0, BLOCK_S)
-        at = staged_ptr + ((start + t) * s_stride_t)[:, None]
-        in_step = t < s_hi
-        c = tl.load(at + r[None, :], mask=in_step[:, None] & (r < RANK)[None, :], other=0)
-        kr = tl.load(at + RANK + p[None, :], mask=in_step[:, None] & (p < ROPE)[None, :],
-                     other=0)
-        visible = in_step[None, :] & (t[None, :] <= qi[:, None])
-        m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), visible, m_i, l_i, acc,
-                               qk_scale, 1.0, PRECISION)
+    m_i, l_i, acc = HISTORY(ql, qr, m_i, l_i, acc, pool_ptr,
+                            table_ptr + tl.load(rows_ptr + entry) * table_stride, lo, hi, k_mult,
+                            v_mult, table_width, p_stride_b, p_stride_s, RANK, ROPE, BLOCK_R,
+                            BLOCK_P, BLOCK_N, TOKENS_PER_BLOCK, FP8, PRECISION, UPDATE)
+    m_i, l_i, acc = STAGED(ql, qr, m_i, l_i, acc, staged_ptr + start * s_stride_t, s_hi, qi,
+                           qk_scale, s_stride_t, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_S, PRECISION,
+                           UPDATE)
 
     if SPLITS == 1:
         # A live row always sees its own staged token, so its sum is positive.
@@ -137,4 +169,5 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
 
 
 latent_attention_jit = triton.jit(_latent_attention)
-latent_update_jit = triton.jit(_latent_update)
+_HELPERS = {"HISTORY": _latent_history, "STAGED": _latent_staged, "UPDATE": _latent_update}
+HELPERS_JIT = {name: triton.jit(fn) for name, fn in _HELPERS.items()}
