@@ -96,6 +96,7 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
     assert out.isnan().all()
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(("dtype", "fp8", "max_query", "splits"), [
     (torch.bfloat16, False, 4, None), (torch.bfloat16, True, 4, None),
