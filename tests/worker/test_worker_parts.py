@@ -23,7 +23,7 @@ from kvalloc.worker.errors import (
 )
 from kvalloc.worker.model import config_from_file, kv_shape, load_model, random_model
 from kvalloc.worker.requests import NamedPrompt
-from worker_oracle import CONFIGS, Oracle, pool_config
+from worker_oracle import CONFIGS, Oracle, make_oracle, pool_config
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -177,3 +177,17 @@ def test_the_engine_refuses_bad_requests_before_any_call(llama_oracle: Oracle,
     with pytest.raises(EngineError, match="draft_len: 4"):
         Engine(llama_oracle.model, client, NgramDrafter(), draft_len=4)
     assert client.next_step_id == step_id  # nothing reached the service
+
+
+def test_an_mla_model_needs_a_latent_pool_and_is_told_the_flag(connect: Callable) -> None:
+    """DeepSeek-V3 against a K/V pool of the latent's shape (two planes): refused, naming the
+    layout and the `kvalloc serve` flags of the latent pool it needs, on which it runs."""
+    model = make_oracle("deepseek_v3").model
+    with pytest.raises(LayoutMismatch) as refused:
+        Engine(model, connect(pool_config(model, kv_layout="kv")), None, draft_len=0)
+    message = str(refused.value)
+    assert "kv_layout: the pool has kv, the model needs latent" in message
+    layers, _, width = kv_shape(model.config)
+    assert message.endswith(f"--num-layers {layers} --num-kv-heads 1 --head-dim {width} "
+                            f"--dtype float32 --kv-layout latent")
+    Engine(model, connect(pool_config(model)), None, draft_len=0)
