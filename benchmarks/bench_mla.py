@@ -40,9 +40,12 @@ from kvalloc.worker.attention.pool_attention import PagedLayout
 HEADS, RANK, ROPE = 128, 512, 64
 BATCH, QUERIES, TPB = 64, 4, 16
 CONTEXTS = (1024, 4096, 16384)
+# Rows (queries x heads) a program holds set how often a latent tile is read (128 heads x 4
+# queries / rows: 8 reads at 64, 4 at 128, the ones after the first from L2) against the
+# registers its [rows, 512] float32 accumulator takes.
 SWEEP = [LatentLaunch(block_h=h, max_rows=rows, block_n=n, num_warps=w, num_stages=s, splits=sp)
          for h, rows, n, w, s, sp in itertools.product(
-             (16, 32), (64,), (16, 32, 64), (4, 8), (1, 2), (None, 1))]
+             (16, 32), (64, 128), (16, 32), (4, 8), (1, 2), (None, 1))]
 QUICK_CPU = {"heads": 4, "rank": 32, "rope": 16, "batch": 3, "contexts": (40,)}
 BF16 = torch.bfloat16
 

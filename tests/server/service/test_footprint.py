@@ -24,10 +24,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])
-def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str) -> None:
-    config = ServiceConfig(pool=make_config(dtype=dtype, num_kv_heads=2), max_workers=3,
-                           max_step_tokens=64)
+@pytest.mark.parametrize(("dtype", "layout"), [("bfloat16", "kv"), ("float32", "kv"),
+                                               ("fp8_e4m3", "kv"), ("bfloat16", "latent")])
+def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str, layout: str) -> None:
+    """A latent pool (one plane of one head) stages one plane a worker too."""
+    heads = 1 if layout == "latent" else 2
+    config = ServiceConfig(pool=make_config(dtype=dtype, num_kv_heads=heads, kv_layout=layout),
+                           max_workers=3, max_step_tokens=64)
     core = ServiceCore(config)
     try:
         for i in range(config.max_workers):
