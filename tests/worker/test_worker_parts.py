@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kvalloc.worker.attention.hook import PoolStep
+from kvalloc.worker.attention.pool_attention import PagedLayout
 from kvalloc.worker.cli import read_prompts
 from kvalloc.worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from kvalloc.worker.engine import Engine
@@ -191,3 +193,17 @@ def test_an_mla_model_needs_a_latent_pool_and_is_told_the_flag(connect: Callable
     assert message.endswith(f"--num-layers {layers} --num-kv-heads 1 --head-dim {width} "
                             f"--dtype float32 --kv-layout latent")
     Engine(model, connect(pool_config(model)), None, draft_len=0)
+
+
+def test_an_mla_model_not_switched_to_the_latent_forward_is_told_so(connect: Callable) -> None:
+    """A DeepSeek-V3 model's own attention forward over a latent pool's step reaches the hook,
+    which has no per-head K/V to stage there: a typed error naming the switch."""
+    oracle = make_oracle("deepseek_v3")
+    plain = random_model(oracle.model.config, seed=0)
+    client = connect(pool_config(plain))
+    layout = PagedLayout.build(client.pool.block_table, 4, rows=np.array([0]),
+                               query_starts=np.array([0]), query_lens=np.array([3]),
+                               starts=np.array([0]), group_width=3)
+    step = PoolStep(client.pool.kv, client.pool.staging, layout)
+    with pytest.raises(KvallocAttentionError, match=r"^kv_layout: .*switch_mla_modules"):
+        plain(torch.tensor([[1, 2, 3]]), use_cache=False, kvalloc_step=step)
