@@ -88,8 +88,8 @@ def kv_layout(config: PretrainedConfig) -> str:
 
 
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a model's KV cache: for a latent one one
-    head as wide as the compressed KV and the rope key together."""
+    """``(num_layers, num_kv_heads, head_dim)`` of a model's KV cache; a latent cache has one
+    head, as wide as the compressed KV and the rope key together."""
     if kv_layout(config) == "latent":
         return config.num_hidden_layers, 1, config.kv_lora_rank + config.qk_rope_head_dim
     heads = config.num_attention_heads

@@ -49,9 +49,11 @@ CONFIGS = {
     "mistral": MistralConfig(**TINY, eos_token_id=None, sliding_window=16),
     # With a q LoRA rank (q_a_proj, q_a_layernorm, q_b_proj), as DeepSeek-V3 has it, and without
     # (q_proj, as the Lite models have it), the latter with DeepSeek's yarn scaling from 64
-    # positions (the longer prompts pass them; the softmax scale takes yarn's mscale squared).
+    # positions (the longer prompts pass them; the softmax scale takes yarn's mscale squared)
+    # and rotary halves instead of DeepSeek's interleaved pairs.
     "deepseek_v3": DeepseekV3Config(**DEEPSEEK, q_lora_rank=12),
-    "deepseek_v3_q_proj": DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, rope_parameters={
+    "deepseek_v3_q_proj": DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, rope_interleave=False,
+                                           rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
         "mscale_all_dim": 1.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1}),
