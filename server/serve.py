@@ -167,13 +167,20 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
                need: Footprint, token: SecretStr | None) -> None:
     pool = config.pool
     log.info("kvalloc serving REST on %s, IPC on %s (epoch %d; %s pool: %d blocks x %d "
-             "tokens, %s, %d layers x %d KV heads x %d, %s, staging up to %s%s; lease "
-             "%.0fs%s)",
+             "tokens, %s, %s, %s, staging up to %s%s; lease %.0fs%s)",
              ", ".join(rest) or "-", ", ".join(endpoints), core.epoch, _where(config),
-             pool.total_blocks, pool.tokens_per_block, pool.dtype, pool.num_layers,
-             pool.num_kv_heads, pool.head_dim, describe_bytes(need.pool),
+             pool.total_blocks, pool.tokens_per_block, pool.dtype, _layout_note(config),
+             describe_bytes(need.pool),
              describe_bytes(need.staging), _tier_note(config), config.lease_ttl_s,
              _token_note(config.token, token))
+
+
+def _layout_note(config: ServiceConfig) -> str:
+    pool = config.pool
+    if pool.kv_layout == "latent":
+        return f"{pool.num_layers} layers x a latent of {pool.head_dim} (latent layout)"
+    return (f"{pool.num_layers} layers x {pool.num_kv_heads} KV heads x {pool.head_dim} "
+            "(kv layout)")
 
 
 def _tier_note(config: ServiceConfig) -> str:

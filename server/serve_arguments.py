@@ -33,8 +33,9 @@ POOL_FLAGS: dict[str, tuple[type, str]] = {
     "num_layers": (int, "model layers whose K/V the pool holds"),
     "num_kv_heads": (int, "KV heads per layer"),
     "head_dim": (int, "elements per head"),
-    "kv_layout": (str, "kv: per-head K and V planes; latent: one MLA latent per token (one "
-                       "head as wide as head_dim)"),
+    "kv_layout": (str, "kv: per-head K and V; latent: one MLA latent (DeepSeek-V2/V3) per token "
+                       "and layer, no V, with --num-kv-heads 1 and --head-dim its width (e.g. "
+                       "512 + 64 = 576)"),
     "dtype": (str, "K/V element type"),
     "max_batch_size": (int, "requests live at once, one block-table row each"),
     "max_seq_len": (int, "longest request: prompt + output tokens"),

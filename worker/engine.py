@@ -168,6 +168,9 @@ class Engine:
         fields.append(("kv_layout", "latent" if planes == 1 else "kv", kv_layout(model.config)))
         wrong = [f"{name}: the pool has {have}, the model needs {want}"
                  for name, have, want in fields if have != want]
+        if layout.kv_layout != "kv":
+            wrong.append(f"kv_layout: the pool is {layout.kv_layout!r}, the model caches "
+                         "per-head K and V ('kv')")
         if layout.dtype == "fp8_e4m3":
             wrong.append(f"dtype: the pool is fp8, which the worker does not support; the "
                          f"model runs in {dtype}")

@@ -178,6 +178,9 @@ class DeferredWriteManager:
             raise WindowStateError("window: stage_layer after stage_from; a window stages from "
                                    "one place")
         self.spec.check_layer(layer)
+        if v_scale is not None and self.spec.planes == 1:
+            raise NworInputError("v_scale: a latent pool has no V; its one scale is k_scale",
+                                 field="v_scale")
         n = self.spec.checked_stage_tensors(key, value, slot_mapping)
         offset = self._staging.start_chunk(layer)
         if offset + n > layout.total_tokens:

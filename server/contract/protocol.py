@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+from kvalloc.allocator import KVLayout
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT32_MAX = 2**31 - 1
@@ -186,10 +187,12 @@ class PoolHandles(Contract):
 class Attachment(PoolHandles):
     """What a same-host worker maps: the pool, the block table and its own staging buffer.
 
-    ``kv`` is ``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` (K at
-    index 0, V at 1); ``block_table`` is int32 ``[max_batch_size, max_blocks_per_seq]``, -1 past a
-    request's blocks; ``staging`` is ``[num_layers, 2, max_step_tokens, num_kv_heads, head_dim]``:
-    the worker writes token i of a step (``slot_mapping[i]``) at ``staging[layer, 0 or 1, i]``.
+    ``kv`` is ``[num_layers, P, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` with P
+    planes (`PoolLayout.kv_layout`): "kv" has K at index 0, V at 1; "latent" has one plane, one
+    head, the MLA latent of ``head_dim``; ``block_table`` is int32 ``[max_batch_size,
+    max_blocks_per_seq]``, -1 past a request's blocks; ``staging`` is ``[num_layers, P,
+    max_step_tokens, num_kv_heads, head_dim]``: the worker writes token i of a step
+    (``slot_mapping[i]``) at ``staging[layer, plane, i]``.
     On CUDA the worker records ``forward_done`` after its forward and waits on ``commit_done``
     before its next forward; on CPU both are absent. ``protected`` (a service with prefix
     caching) is bool ``[num_blocks]``, True for a cached prefix block that other requests read:
@@ -223,6 +226,10 @@ class PoolLayout(Contract):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_layout: KVLayout = Field(default="kv", description="kv: K and V per head (2 planes); "
+                                                          "latent: one MLA latent per token "
+                                                          "and layer (1 plane, 1 head of "
+                                                          "head_dim), no V.")
     dtype: str
     staging_dtype: str
     device: str

@@ -71,7 +71,7 @@ class Committer:
     def write_batch(self, staging: torch.Tensor, fence: WriterFence, batch: ScheduledBatch,
                     accepted: np.ndarray, dropped: np.ndarray,
                     slots: np.ndarray) -> wire.CommitSummary:
-        """Write ``batch``'s committed tokens from ``staging`` (``[L, 2, T, H, D]``), fenced by
+        """Write ``batch``'s committed tokens from ``staging`` (``[L, P, T, H, D]``), fenced by
         its worker's session (`allocator.WriterFence`).
 
         ``accepted`` and ``dropped`` are per batch request; ``slots`` per token (-1: skip).

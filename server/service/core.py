@@ -449,6 +449,7 @@ def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
     return wire.PoolLayout(
         num_blocks=pool.total_blocks, tokens_per_block=pool.tokens_per_block,
         num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+        kv_layout=pool.kv_layout,
         dtype=pool.dtype, staging_dtype=staging_dtype, device=str(pool.device),
         max_batch_size=pool.max_batch_size, max_blocks_per_seq=pool.max_blocks_per_seq,
         max_draft_len=pool.max_draft_len, max_step_tokens=config.max_step_tokens,

@@ -1,7 +1,8 @@
 """What a service's memory takes, and whether it fits where it lives, checked before any of it
 is made.
 
-The pool (``[num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim]``), the block
+The pool (``[num_layers, kv_planes, num_blocks, tokens_per_block, num_kv_heads, head_dim]``: two
+planes, K and V, or one MLA latent), the block
 table and one staging buffer per worker (up to ``max_workers``) are made at start and at
 registration. On CPU they are POSIX shared memory: files in ``/dev/shm``, a tmpfs whose pages are
 RAM, which the service zero-fills; on CUDA they are device memory. A pool larger than what is
@@ -30,7 +31,7 @@ MEMINFO = Path("/proc/meminfo")
 
 @dataclass(frozen=True)
 class Footprint:
-    pool: int  # bytes of K/V
+    pool: int  # bytes of K/V (or latents)
     block_table: int
     staging: int  # of all max_workers buffers
     fence_words: int = 0  # one int64 a worker slot, on every device

@@ -2,11 +2,12 @@
 
 A model run tensor-parallel over N devices splits every layer's KV heads: shard r holds heads
 ``[r * h, (r + 1) * h)`` with ``h = num_kv_heads / N`` (`allocator.config.shard_span`, the rule
-the worker's model sharding splits attention by). The service allocates blocks once, for all
-shards: one manager and one block table, whose host mirror has a device copy per shard
-(`BlockTable.mirror`), so the same block ids address every shard's pool. A shard has its own KV
-pool, and per worker its own staging buffer and fence (CUDA); the service's commit writes the same
-slots into every shard (`server.service.commit.ShardedCommitter`).
+the worker's model sharding splits attention by). A latent pool (MLA) has no heads to split: it is
+refused at N > 1 (MLA engines replicate the latent on every rank). The service allocates blocks
+once, for all shards: one manager and one block table, whose host mirror has a device copy per
+shard (`BlockTable.mirror`), so the same block ids address every shard's pool. A shard has its own
+KV pool, and per worker its own staging buffer and fence (CUDA); the service's commit writes the
+same slots into every shard (`server.service.commit.ShardedCommitter`).
 
 Invariants:
 - shard 0 lives on the pool's own device, and the manager's table is its copy;
@@ -61,6 +62,10 @@ def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
                               f"{len(devices) // tp} data-parallel ranks; a core allocates for "
                               f"one, as many devices as the degree (`server.service.ranks` "
                               f"holds a core per rank) ({flags})")
+    if pool.kv_layout == "latent" and tp > 1:
+        raise ShardingInvalid(f"kv_layout: a latent pool has no KV heads to split over {tp} "
+                              f"shards; MLA engines replicate the latent on every rank: serve "
+                              f"it at --tensor-parallel 1 ({flags})")
     if pool.num_kv_heads % tp:
         raise ShardingInvalid(f"num_kv_heads: {pool.num_kv_heads} KV heads do not split evenly "
                               f"over {tp} shards ({flags})")

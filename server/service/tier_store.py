@@ -1,11 +1,11 @@
 """`TierStore`: the memory of the host tier for one pool shard, and the copies between the two.
 
-The memory is block-major, ``[slots, L, 2, T, H, D]``, where the pool is layer-major
-(``[L, 2, blocks, T, H, D]``): one block of the pool is ``2 L`` pieces, one slot of the tier is one
-piece. A copy gathers its blocks on the pool's device into a scratch buffer of whole slots, so
-each slot crosses the link in one DMA (a run of consecutive slots in one), at the link's speed
-instead of the speed of ``2 L`` small copies. On a CUDA pool the memory is pinned and the copies
-run on two streams of their own, one per direction:
+The memory is block-major, ``[slots, L, P, T, H, D]``, where the pool is layer-major (``[L, P,
+blocks, T, H, D]``, P planes: K and V, or one MLA latent): one block of the pool is ``P L`` pieces,
+one slot of the tier is one piece. A copy gathers its blocks on the pool's device into a scratch
+buffer of whole slots, so each slot crosses the link in one DMA (a run of consecutive slots in
+one), at the link's speed instead of the speed of ``P L`` small copies. On a CUDA pool the memory
+is pinned and the copies run on two streams of their own, one per direction:
 
 - an offload waits for the service's stream (the commit that wrote its blocks), gathers, and
   lets the service's stream go on once the gather is done: from then on the pool's blocks may be
@@ -80,15 +80,15 @@ def _drain(*directions: Iterator[None] | None) -> None:
 
 class TierStore:
     def __init__(self, kv: torch.Tensor, num_slots: int) -> None:
-        """The tier's memory for ``kv`` (a pool shard, ``[L, 2, blocks, T, H, D]``)."""
-        layers, two, _, tpb, heads, dim = kv.shape
+        """The tier's memory for ``kv`` (a pool shard, ``[L, P, blocks, T, H, D]``)."""
+        layers, planes, _, tpb, heads, dim = kv.shape
         # Copies move bytes: one integer type of the element's size indexes every dtype (fp8
         # included) the same way.
         self.kv = kv.view(_SAME_SIZE[kv.element_size()])
         self.cuda = kv.is_cuda
         # The pool with the block first: a gather or scatter of whole blocks is one pass.
         self.by_block = self.kv.permute(2, 0, 1, 3, 4, 5)
-        self.memory = torch.empty((num_slots, layers, two, tpb, heads, dim), dtype=self.kv.dtype,
+        self.memory = torch.empty((num_slots, layers, planes, tpb, heads, dim), dtype=self.kv.dtype,
                                   pin_memory=self.cuda)
         self.slot_bytes = self.memory[0].nbytes
         self.copy_seconds = 0.0

@@ -149,6 +149,23 @@ def test_a_worker_process_commits_exactly_the_accepted_tokens(service: ServicePr
     assert state.num_requests == 0 and state.invariants == "ok"
 
 
+def test_a_latent_pool_served_by_the_command_commits_exactly_the_accepted_latents(
+        tmp_path: Path) -> None:
+    """``kvalloc serve --kv-layout latent``: its start line names the layout, and a worker
+    process attaches the one-plane pool and commits its accepted tokens only."""
+    latent = ("--device", "cpu", "--num-blocks", "128", "--tokens-per-block", "4",
+              "--num-layers", "2", "--kv-layout", "latent", "--num-kv-heads", "1",
+              "--head-dim", "72", "--max-batch-size", "16", "--max-seq-len", "64",
+              "--max-step-tokens", "128")
+    with ServiceProcess(tmp_path, *latent) as svc:
+        assert "2 layers x a latent of 72 (latent layout)" in svc.log()
+        with SPAWN.Pool(1) as pool:
+            mismatches = pool.apply_async(nwor_worker, (svc.ipc, "latent")).get(
+                WORKER_TIMEOUT_S)
+        assert mismatches == []
+        assert pool_state(svc).invariants == "ok"
+
+
 def test_concurrent_worker_processes_leave_a_consistent_pool(service: ServiceProcess) -> None:
     jobs = [(service.ipc, "w0", 30, 0), (service.ipc, "w1", 30, 1),
             (service.rest_unix, "w2", 20, 2)]

@@ -52,6 +52,10 @@ def test_flags_and_the_token_environment_variable_configure_the_service(
                                  "--ipc-spin-s", "0.02"))
     assert (config.pool.num_blocks, config.pool.head_dim, config.pool.device) == (300, 32, "cpu")
     assert (config.lease_ttl_s, config.max_workers, config.ipc_spin_s) == (2.5, 3, 0.02)
+    assert config.pool.kv_layout == "kv"
+    latent = serve._config(parse("--device", "cpu", "--kv-layout", "latent", "--num-kv-heads",
+                                 "1", "--head-dim", "576"))
+    assert (latent.pool.kv_layout, latent.pool.kv_planes) == ("latent", 1)
     assert config.token is not None and config.token.get_secret_value() == "t0ken"
 
 
@@ -72,6 +76,7 @@ def test_help_builds_the_flags_without_torch_numba_or_fastapi() -> None:
     assert imported == []
     words = " ".join(text.split())  # as argparse wrapped it for whatever width
     assert "--kv-events-shape" in words and "--max-step-tokens" in words
+    assert "--kv-layout {kv,latent}" in words and "latent: one MLA latent" in words
     assert f"output tokens (default {PoolConfig.model_fields['max_seq_len'].default})" in words
 
 
@@ -95,7 +100,8 @@ def test_the_default_pool_serves_and_logs_where_it_listens(tmp_path: Path) -> No
     with ServiceProcess(tmp_path, "--device", "cpu") as svc:
         log = svc.log()
     assert f"serving REST on {svc.rest_tcp}, {svc.rest_unix}, IPC on {svc.ipc}" in log
-    assert "cpu pool: 4096 blocks x 16 tokens, bfloat16, 2 layers x 2 KV heads x 64" in log
+    assert ("cpu pool: 4096 blocks x 16 tokens, bfloat16, 2 layers x 2 KV heads x 64 (kv layout)"
+            in log)
 
 
 def test_a_second_service_on_the_same_sockets_refuses_to_start(tmp_path: Path) -> None:

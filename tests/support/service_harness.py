@@ -5,8 +5,9 @@ forward stages a recognisable pattern with `stage_pattern`, and then asks `pool_
 the pool holds exactly the committed tokens (`committed_slots`) and poison everywhere else.
 `nwor_scenario` is that check as one multi-request scenario, over any `Client`.
 
-Pattern: token ``i`` of the step tagged ``tag`` carries ``(tag, i, 2 * layer + kv)`` in the first
-three elements of every head and 0 after them; all values are small integers, exact in bf16/fp16.
+Pattern: token ``i`` of the step tagged ``tag`` carries ``(tag, i, P * layer + plane)`` in the
+first three elements of every head and 0 after them (P planes: 2, K and V, or 1, a latent); all
+values are small integers, exact in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
+import zmq
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
@@ -23,14 +26,14 @@ from kvalloc.server.contract.columns import StepResult
 
 def stage_pattern(staging: torch.Tensor, num_tokens: int, tag: int) -> None:
     """The worker's forward: write the pattern of ``num_tokens`` tokens into ``staging``
-    (``[num_layers, 2, max_step_tokens, H, D]``)."""
-    layers = staging.shape[0]
+    (``[num_layers, P, max_step_tokens, H, D]``)."""
+    layers, planes = staging.shape[:2]
     step = staging[:, :, :num_tokens]
     step.zero_()
     step[..., 0] = tag
     step[..., 1] = torch.arange(num_tokens, device=staging.device, dtype=staging.dtype)[:, None]
-    step[..., 2] = torch.arange(2 * layers, device=staging.device,
-                                dtype=staging.dtype).view(layers, 2, 1, 1)
+    step[..., 2] = torch.arange(planes * layers, device=staging.device,
+                                dtype=staging.dtype).view(layers, planes, 1, 1)
 
 
 def committed_slots(reply: StepResult, slots: np.ndarray, tag: int,
@@ -54,10 +57,11 @@ def committed_slots(reply: StepResult, slots: np.ndarray, tag: int,
 
 def pool_mismatches(kv: torch.Tensor, expected: Mapping[int, tuple[int, int]],
                     poison: float, limit: int = 10) -> list[str]:
-    """Where ``kv`` (``[L, 2, num_blocks, tokens_per_block, H, D]``) differs from "exactly
-    ``expected`` written, ``poison`` everywhere else"; empty when it holds exactly that."""
-    layers, _, blocks, tpb, heads, dim = kv.shape
-    pool = kv.reshape(layers, 2, blocks * tpb, heads, dim).float().cpu()
+    """Where ``kv`` (``[L, P, num_blocks, tokens_per_block, H, D]``) differs from "exactly
+    ``expected`` written, ``poison`` (NaN too) everywhere else"; empty when it holds exactly
+    that."""
+    layers, planes, blocks, tpb, heads, dim = kv.shape
+    pool = kv.reshape(layers, planes, blocks * tpb, heads, dim).float().cpu()
     want = torch.full_like(pool, poison)
     if expected:
         slots = torch.tensor(list(expected), dtype=torch.int64)
@@ -66,11 +70,25 @@ def pool_mismatches(kv: torch.Tensor, expected: Mapping[int, tuple[int, int]],
         want[:, :, slots] = 0.0
         want[:, :, slots, :, 0] = tags[:, None]
         want[:, :, slots, :, 1] = tokens[:, None]
-        want[:, :, slots, :, 2] = torch.arange(2 * layers, dtype=torch.float32).view(
-            layers, 2, 1, 1)
-    bad = (pool != want).any(dim=-1).any(dim=-1).nonzero().tolist()
+        want[:, :, slots, :, 2] = torch.arange(planes * layers, dtype=torch.float32).view(
+            layers, planes, 1, 1)
+    differs = (pool != want) & ~(pool.isnan() & want.isnan())
+    bad = differs.any(dim=-1).any(dim=-1).nonzero().tolist()
     return [f"layer {layer} {'KV'[k]} slot {s}: {pool[layer, k, s, 0, :3].tolist()} != "
             f"{want[layer, k, s, 0, :3].tolist()}" for layer, k, s in bad[:limit]]
+
+
+def replayed_events(replay: zmq.Socket) -> list[dict]:
+    """Every KV event a service published from the start, asked for on its replay socket
+    (``replay``, a connected DEALER)."""
+    replay.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert replay.poll(5000)
+    events: list[dict] = []
+    while True:
+        _, seq, payload = replay.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            return events
+        events += msgspec.msgpack.decode(payload)[1]
 
 
 POISON = -3.0
@@ -93,7 +111,8 @@ class NworOutcome:
     commit: wire.CommitSummary  # what the settling call reported
 
 
-def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None) -> NworOutcome:
+def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None,
+                  poison: float = POISON) -> NworOutcome:
     """The NWOR contract through a registered, attached ``client``, in three steps:
 
     1. admit a (6 tokens), b (3), c (9, first chunk 5) and d (4): one multi-request prefill;
@@ -109,7 +128,7 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
     assert pool is not None, "register() with attach first"
     shards = pool.shards or [pool]
     for shard in shards:
-        shard.kv.fill_(POISON)
+        shard.kv.fill_(poison)
 
     def forward(reply: StepResult, tag: int) -> np.ndarray:
         """Stage the step's pattern; returns its slots, read from the attached block table as
@@ -133,5 +152,5 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
     expected = (committed_slots(first, first_slots, 1, {})
                 | committed_slots(second, second_slots, 2, accepted, {c, d}))
     mismatches = [f"shard {r}: {m}" if pool.shards else m for r, shard in enumerate(shards)
-                  for m in pool_mismatches(shard.kv, expected, POISON)]
+                  for m in pool_mismatches(shard.kv, expected, poison)]
     return NworOutcome(mismatches, third.committed)

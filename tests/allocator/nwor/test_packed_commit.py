@@ -20,13 +20,16 @@ from kvalloc.allocator import (
 )
 from triton_interpreter import needs_triton_interpreter
 
-LAYERS, HEADS, DIM, TPB, BLOCKS = 2, 2, 4, 4, 24
+LAYERS, TPB, BLOCKS = 2, 4, 24
+# Per layout: (planes, heads, head_dim): K and V of two heads, or one MLA latent of 12.
+LAYOUTS = {"kv": (2, 2, 4), "latent": (1, 1, 12)}
 
 
-def _storage(device: str) -> KVStorage:
+def _storage(device: str, layout: str = "kv") -> KVStorage:
+    _, heads, dim = LAYOUTS[layout]
     cfg = PoolConfig(num_blocks=BLOCKS, tokens_per_block=TPB, num_layers=LAYERS,
-                     num_kv_heads=HEADS, head_dim=DIM, max_seq_len=64, dtype="float32",
-                     device=device)
+                     num_kv_heads=heads, head_dim=dim, kv_layout=layout, max_seq_len=64,
+                     dtype="float32", device=device)
     storage = KVStorage(cfg)
     storage.kv.fill_(float("nan"))
     return storage
@@ -70,7 +73,8 @@ def _worker(storage: KVStorage, window: tuple[np.ndarray, ...], staged: torch.Te
     index = np.arange(entry.size) - (np.cumsum(num_tokens) - num_tokens)[entry]
     kept = num_tokens - drafts + accepted
     capacity, on = staged.shape[2], storage.kv.device
-    commit = PackedCommit(storage.rows(), staged.view(LAYERS, 2, capacity, HEADS * DIM), TPB,
+    _, planes, _, row = storage.rows().shape
+    commit = PackedCommit(storage.rows(), staged.view(LAYERS, planes, capacity, row), TPB,
                           protected=torch.from_numpy(protected).to(on), backend=backend)
     commit.commit(*(torch.from_numpy(a).to(on) for a in (slots, index, entry, kept, num_tokens)))
     return int(commit.committed), commit.refused
@@ -83,15 +87,18 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
     ("torch", "cpu"), pytest.param("triton", "cpu", marks=needs_triton_interpreter),
     pytest.param("triton", "cuda", marks=GPU), pytest.param("torch", "cuda", marks=GPU)])
 @settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @given(window=windows())
 def test_both_callers_leave_the_same_pool_and_counts(window: tuple[np.ndarray, ...],
-                                                     backend: str, device: str) -> None:
-    staged = torch.randn(LAYERS, 2, 32, HEADS, DIM, device=device)
-    service, worker = _storage(device), _storage(device)
+                                                     backend: str, device: str,
+                                                     layout: str) -> None:
+    planes, heads, dim = LAYOUTS[layout]
+    staged = torch.randn(LAYERS, planes, 32, heads, dim, device=device)
+    service, worker = _storage(device, layout), _storage(device, layout)
     counts = _service(service, window, staged, backend)
     assert _worker(worker, window, staged, backend) == counts
     assert torch.equal(service.kv.view(torch.int32), worker.kv.view(torch.int32))
     num_tokens, drafts, accepted, _, protected = window
     assert counts[0] == int((num_tokens - drafts + accepted).sum())
-    written = ~service.kv.isnan().view(LAYERS, 2, BLOCKS * TPB, -1).all(-1).cpu()
+    written = ~service.kv.isnan().view(LAYERS, planes, BLOCKS * TPB, -1).all(-1).cpu()
     assert not written[:, :, protected.repeat(TPB)].any()  # never into a protected block

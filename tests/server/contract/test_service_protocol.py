@@ -328,3 +328,24 @@ def test_each_compiled_loop_of_the_step_compiles_once_however_the_call_was_built
         loop = f"kvalloc.{loop}"
         assert loop in compiled, loop  # each ran
     assert {loop: n for loop, n in compiled.items() if n != 1} == {}
+
+
+def _layout_fields(**extra: object) -> dict[str, object]:
+    return {"num_blocks": 8, "tokens_per_block": 4, "num_layers": 2, "num_kv_heads": 1,
+            "head_dim": 576, "dtype": "bfloat16", "staging_dtype": "bfloat16", "device": "cpu",
+            "max_batch_size": 4, "max_blocks_per_seq": 2, "max_draft_len": 1,
+            "max_step_tokens": 16, "overlap_scheduler": True, **extra}
+
+
+def test_a_layout_without_kv_layout_reads_as_kv_and_latent_travels_both_ways() -> None:
+    """A service that predates the field sends no kv_layout: its pool is per-head K and V."""
+    old = _layout_fields()
+    assert wire.decode(msgspec.msgpack.encode(old), wire.PoolLayout).kv_layout == "kv"
+    assert protocol.PoolLayout.model_validate(old).kv_layout == "kv"
+    latent = wire.PoolLayout(**_layout_fields(kv_layout="latent"))
+    assert wire.decode(wire.encode_msgpack(latent), wire.PoolLayout).kv_layout == "latent"
+    assert protocol.PoolLayout.model_validate_json(
+        wire.encode_json(latent)).kv_layout == "latent"
+    with pytest.raises(ValidationError) as info:
+        protocol.PoolLayout.model_validate(_layout_fields(kv_layout="mla"))
+    assert any("kv_layout" in e["loc"] for e in info.value.errors())

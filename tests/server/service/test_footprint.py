@@ -24,21 +24,34 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-@pytest.mark.parametrize(("dtype", "layout"), [("bfloat16", "kv"), ("float32", "kv"),
-                                               ("fp8_e4m3", "kv"), ("bfloat16", "latent")])
-def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str, layout: str) -> None:
-    """A latent pool (one plane of one head) stages one plane a worker too."""
-    heads = 1 if layout == "latent" else 2
-    config = ServiceConfig(pool=make_config(dtype=dtype, num_kv_heads=heads, kv_layout=layout),
-                           max_workers=3, max_step_tokens=64)
+def mapped_by_a_full_core(config: ServiceConfig) -> int:
+    """Bytes a core over ``config`` maps in /dev/shm once every worker slot is taken."""
     core = ServiceCore(config)
     try:
         for i in range(config.max_workers):
             core.register(wire.RegisterRequest(worker_id=f"w{i}", attached=False))
-        mapped = sum(p.stat().st_size for p in SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
-        assert mapped == footprint(config).total
+        return sum(p.stat().st_size for p in SHM_DIR.glob(f"kvalloc-{core.epoch:016x}-*"))
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])
+def test_the_footprint_is_what_a_full_core_maps(make_config, dtype: str) -> None:
+    config = ServiceConfig(pool=make_config(dtype=dtype, num_kv_heads=2), max_workers=3,
+                           max_step_tokens=64)
+    assert mapped_by_a_full_core(config) == footprint(config).total
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_a_latent_pools_footprint_is_what_its_core_maps_one_plane_of_it(make_config,
+                                                                         dtype: str) -> None:
+    latent = make_config(dtype=dtype, kv_layout="latent", num_kv_heads=1, head_dim=72)
+    config = ServiceConfig(pool=latent, max_workers=2, max_step_tokens=64)
+    assert mapped_by_a_full_core(config) == footprint(config).total
+    as_kv = footprint(config.model_copy(update={"pool": make_config(dtype=dtype,
+                                                                    head_dim=72)}))
+    assert 2 * footprint(config).pool == as_kv.pool
+    assert 2 * footprint(config).staging == as_kv.staging
 
 
 @pytest.mark.parametrize("devices, tp", [(["cpu", "cpu"], 2), (["cpu"] * 4, 2)])

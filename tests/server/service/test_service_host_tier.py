@@ -27,9 +27,14 @@ from service_harness import stage_pattern
 PROMPT = np.arange(900, 920)
 
 
-def make_config(**service: object) -> ServiceConfig:
-    pool = PoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, device="cpu", num_blocks=24,
-                      tokens_per_block=4, max_seq_len=64, max_draft_len=2, max_batch_size=8)
+# Two heads of K and V, or an MLA latent: one plane of one head, 24 wide.
+LAYOUTS = {"kv": {"num_kv_heads": 2, "head_dim": 8},
+           "latent": {"kv_layout": "latent", "num_kv_heads": 1, "head_dim": 24}}
+
+
+def make_config(layout: str = "kv", **service: object) -> ServiceConfig:
+    pool = PoolConfig(num_layers=2, device="cpu", num_blocks=24, tokens_per_block=4,
+                      max_seq_len=64, max_draft_len=2, max_batch_size=8, **LAYOUTS[layout])
     return ServiceConfig(pool=pool, max_step_tokens=64, **{
         "prefix_caching": True, "host_tier_bytes": 64 * pool.bytes_per_block, **service})
 
@@ -47,8 +52,9 @@ def cache_prompt(core: ServiceCore, worker_id: str) -> list[int]:
     return blocks
 
 
-def test_a_prefix_the_pool_evicted_comes_back_with_its_bytes_for_its_namespace_alone():
-    core = ServiceCore(make_config(cache_groups={"team": ["a1", "a2"]}))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_prefix_the_pool_evicted_comes_back_with_its_bytes_for_its_namespace_alone(layout):
+    core = ServiceCore(make_config(layout, cache_groups={"team": ["a1", "a2"]}))
     try:
         blocks = cache_prompt(core, "a1")
         written = core.pool.storage.kv[:, :, blocks].clone()

@@ -5,7 +5,6 @@ decode next to them, and the KV events a router would read go out on a real Zero
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -18,7 +17,7 @@ from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.devtools.loadgen import SimulatedWorker, Workload, drive
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
-from service_harness import stage_pattern
+from service_harness import replayed_events, stage_pattern
 
 SYSTEM = np.arange(700, 716)  # four full blocks of 4 tokens
 
@@ -90,15 +89,7 @@ def test_the_service_publishes_kv_events_a_router_can_read(zmq_context):
         first = kv.step(new=(["a"], [20]),
                         prompt_token_ids=np.concatenate([SYSTEM, [1] * 4]))
         kv.step()  # the commit writes "a"'s prompt: its five blocks are stored
-        # A router that joins late asks for everything from the start.
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        assert replay.poll(5000)
-        events = []
-        while True:
-            _, seq, payload = replay.recv_multipart()
-            if seq == (-1).to_bytes(8, "big", signed=True):
-                break
-            events += msgspec.msgpack.decode(payload)[1]
+        events = replayed_events(replay)  # a router that joins late asks from the start
         assert events[0] == {"type": "AllBlocksCleared"}
         stored = [e for e in events if e["type"] == "BlockStored"]
         hashes = [h for e in stored for h in e["block_hashes"]]

@@ -118,6 +118,9 @@ def test_the_shards_equal_the_one_pool_service_split_by_heads(make_core, device)
      f"devices: device: 'cuda:{torch.cuda.device_count()}'"),
     ({"tensor_parallel": 2}, {},
      "devices: 1 devices are not a multiple of the tensor-parallel degree"),
+    ({"devices": ["cpu", "cpu"], "tensor_parallel": 2},
+     {"kv_layout": "latent", "num_kv_heads": 1, "head_dim": 72},
+     "kv_layout: a latent pool has no KV heads to split over 2 shards; MLA engines replicate"),
 ])
 def test_what_does_not_fit_is_refused_before_anything_is_made(make_config, service, pool,
                                                              message):

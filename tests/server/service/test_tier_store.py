@@ -42,10 +42,12 @@ BIG = (4, 16, 8, 128)
 
 
 def tier(device: str, dtype: torch.dtype, blocks: int, slots: int, seed: int,
-         shape: tuple[int, int, int, int] = (LAYERS, TPB, HEADS, DIM)) -> TierStore:
-    """A store over a pool of ``blocks`` blocks, pool and memory full of random bytes."""
+         shape: tuple[int, int, int, int] = (LAYERS, TPB, HEADS, DIM),
+         planes: int = 2) -> TierStore:
+    """A store over a pool of ``blocks`` blocks (``planes``: 2 for K/V, 1 for a latent pool),
+    pool and memory full of random bytes."""
     layers, tpb, heads, dim = shape
-    store = TierStore(torch.empty((layers, 2, blocks, tpb, heads, dim), dtype=dtype,
+    store = TierStore(torch.empty((layers, planes, blocks, tpb, heads, dim), dtype=dtype,
                                   device=device), slots)
     gen = torch.Generator().manual_seed(seed)
     for target in (store.kv, store.memory):
@@ -109,6 +111,20 @@ def test_random_copies_in_both_directions_equal_the_reference(device: str,
     for onboards, offloads, shared in [(0, 17, 0), (23, 0, 0), (20, 25, 0), (20, 25, 7),
                                        (1, 1, 1), (40, 40, 40)]:
         copy_and_compare(store, *random_copies(rng, 96, 80, onboards, offloads, shared))
+
+
+@on_each_device
+@pytest.mark.parametrize("torch_dtype", POOL_DTYPES, indirect=True)
+def test_a_latent_pools_blocks_are_copied_whole(device: str, torch_dtype: torch.dtype) -> None:
+    """A latent pool (MLA: one plane, one head of the latent's width) is one piece a layer: a
+    slot of its tier is ``[L, 1, T, 1, D]``, and its copies equal the reference too."""
+    rng = np.random.default_rng(3)
+    store = tier(device, torch_dtype, blocks=48, slots=40, seed=4, shape=(LAYERS, TPB, 1, 72),
+                 planes=1)
+    assert store.memory.shape == (40, LAYERS, 1, TPB, 1, 72)
+    assert store.slot_bytes == LAYERS * TPB * 72 * store.kv.element_size()
+    for onboards, offloads, shared in [(0, 11, 0), (9, 0, 0), (15, 12, 5)]:
+        copy_and_compare(store, *random_copies(rng, 48, 40, onboards, offloads, shared))
 
 
 @on_each_device
