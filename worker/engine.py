@@ -102,7 +102,7 @@ class Engine:
         self.pool = client.pool
         layout = client.registration.layout
         self.layout = layout
-        self._check_layout(model, layout, self.pool.staging.dtype, planes=self.pool.kv.shape[1])
+        self._check_layout(model, layout, self.pool.staging.dtype)
         self.device = next(model.parameters()).device
         if self.pool.kv.device != self.device:
             raise LayoutMismatch(f"device: the pool is on {self.pool.kv.device}, the model on "
@@ -154,7 +154,7 @@ class Engine:
 
     @staticmethod
     def _check_layout(model: PreTrainedModel, layout: wire.PoolLayout,
-                      staging_dtype: torch.dtype, *, planes: int) -> None:
+                      staging_dtype: torch.dtype) -> None:
         """Every field in which the pool does not fit the model at once, with the `kvalloc
         serve` flags of a pool that would (a worker learns nothing more from a second try)."""
         tp = layout.tensor_parallel
@@ -164,13 +164,10 @@ class Engine:
         fields = [("num_layers", layout.num_layers, layers),
                   ("num_kv_heads", layout.num_kv_heads // tp, heads),
                   ("head_dim", layout.head_dim, head_dim)]
+        fields.append(("kv_layout", layout.kv_layout, kv_layout(model.config)))
         latent = kv_layout(model.config) == "latent"
-        fields.append(("kv_layout", "latent" if planes == 1 else "kv", kv_layout(model.config)))
         wrong = [f"{name}: the pool has {have}, the model needs {want}"
                  for name, have, want in fields if have != want]
-        if layout.kv_layout != "kv":
-            wrong.append(f"kv_layout: the pool is {layout.kv_layout!r}, the model caches "
-                         "per-head K and V ('kv')")
         if layout.dtype == "fp8_e4m3":
             wrong.append(f"dtype: the pool is fp8, which the worker does not support; the "
                          f"model runs in {dtype}")
