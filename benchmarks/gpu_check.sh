@@ -4,13 +4,13 @@
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
 #   sections: tests targets shards profile table split round_trip decode worker sweep commit
-#             attention host_tier (see below)
+#             attention mla host_tier (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets shards profile table split round_trip decode worker sweep commit attention host_tier} "
+SECTIONS=" ${*:-tests targets shards profile table split round_trip decode worker sweep commit attention mla host_tier} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -110,6 +110,9 @@ want sweep && step "$PYTHON" benchmarks/bench_step.py --device cuda --steps 100 
 want commit && step "$PYTHON" benchmarks/bench_commit.py --out "$OUT/bench_commit.json" 2>&1 | tee -a "$OUT/bench.log"
 # attention: the paged attention kernel's decode layer against a device copy and cuDNN's SDPA.
 want attention && step "$PYTHON" benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee -a "$OUT/bench.log"
+# mla: the MLA decode kernel over a latent pool (DeepSeek-V3's 128 heads x 512 + 64, bf16) at
+# 1k, 4k and 16k tokens of context against a plain read of the same bytes (target >= 80%).
+want mla && step "$PYTHON" benchmarks/bench_mla.py --out "$OUT/bench_mla.json" 2>&1 | tee -a "$OUT/bench.log"
 # host_tier: the host tier's copies (scattered blocks gathered, one DMA per run of slots) against a
 # plain pinned copy of the same bytes and against one copy per piece, on the 8B shape, and a
 # 100k-token prefix onboarded (16 GiB of pool on the GPU, 16 GiB of pinned host memory).

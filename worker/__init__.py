@@ -9,11 +9,11 @@ synchronously or one step ahead of the host (an overlap worker).
   commit); `errors`: the worker's one error tree;
 - `model` (loading), `attention/` (attention straight from the pool: transformers' hook, the
   reference and its Triton launches, the attention module's forward with rotary and staging in
-  one launch), `norm/` (the model's RMSNorms in one launch each, the reference beside the
-  launch), `mlp/` (gated MLPs in two GEMMs and one launch), `kernels/` (the Triton kernels of
-  all of them and of the step's metadata, and what their launches share), `module_forwards`
-  (how those kernels take over transformers' modules, per instance, and projections merge into
-  one GEMM), `fusion` (the one switch to all of them), `drafters`;
+  one launch, MLA over a latent pool), `norm/` (the model's RMSNorms in one launch each, the
+  reference beside the launch), `mlp/` (gated MLPs in two GEMMs and one launch), `kernels/` (the
+  Triton kernels of all of them and of the step's metadata, and what their launches share),
+  `module_forwards` (how those kernels take over transformers' modules, per instance, and
+  projections merge into one GEMM), `fusion` (the one switch to all of them), `drafters`;
 - `cli`: ``kvalloc worker``, its flags in `arguments` (which imports nothing heavy, for
   ``--help``).
 

@@ -25,8 +25,8 @@ def positive_seconds(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("the model (one of)")
     which = model.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="a local Llama / Mistral / Qwen2 checkpoint directory "
-                                       "(or a model id already in the local cache)")
+    which.add_argument("--model", help="a local Llama / Mistral / Qwen2 / DeepSeek-V3 checkpoint "
+                                       "directory (or a model id already in the local cache)")
     which.add_argument("--model-config", help="a config JSON (with model_type): random weights")
     model.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                        help="weights and KV (default float32: exactly generate's tokens)")

@@ -52,11 +52,12 @@ from kvalloc.allocator import PackedCommit, TableValidator
 from kvalloc.server.client import AttachedPool, Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
+from kvalloc.worker.attention.mla import switch_mla_modules
 from kvalloc.worker.drafters import DeviceOracleDrafter, Drafter
 from kvalloc.worker.errors import EngineError, LayoutMismatch, PoolTooSmall
 from kvalloc.worker.fusion import fuse_model
 from kvalloc.worker.launch_plans import launch_plan
-from kvalloc.worker.model import kv_shape
+from kvalloc.worker.model import kv_layout, kv_shape
 from kvalloc.worker.requests import NamedPrompt, Request, int64s, new_request
 from kvalloc.worker.run_stats import DeviceClock, RunStats
 from kvalloc.worker.step.decode_graphs import DecodeGraphs
@@ -132,6 +133,7 @@ class Engine:
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
+        switch_mla_modules(model)  # a latent pool's attention, on every device
         if self.device.type == "cuda":  # a launch where transformers runs a dozen
             fuse_model(model)
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
@@ -162,11 +164,10 @@ class Engine:
         fields = [("num_layers", layout.num_layers, layers),
                   ("num_kv_heads", layout.num_kv_heads // tp, heads),
                   ("head_dim", layout.head_dim, head_dim)]
+        fields.append(("kv_layout", layout.kv_layout, kv_layout(model.config)))
+        latent = kv_layout(model.config) == "latent"
         wrong = [f"{name}: the pool has {have}, the model needs {want}"
                  for name, have, want in fields if have != want]
-        if layout.kv_layout != "kv":
-            wrong.append(f"kv_layout: the pool is {layout.kv_layout!r}, the model caches "
-                         "per-head K and V ('kv')")
         if layout.dtype == "fp8_e4m3":
             wrong.append(f"dtype: the pool is fp8, which the worker does not support; the "
                          f"model runs in {dtype}")
@@ -177,6 +178,7 @@ class Engine:
             raise LayoutMismatch(
                 f"{'; '.join(wrong)}. A pool for this model: kvalloc serve --num-layers "
                 f"{layers} --num-kv-heads {heads * tp} --head-dim {head_dim} --dtype {dtype}"
+                f"{' --kv-layout latent' if latent else ''}"
                 f"{f' --tensor-parallel {tp}' if tp > 1 else ''}")
 
     # ------------------------------------------------------------------ before serving

@@ -19,8 +19,11 @@ from kvalloc.worker.errors import ModelLoadError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 # Decoder-only families whose attention is plain (optionally grouped-query) softmax attention
-# over rotary positions, which is what the pool path implements.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+# over rotary positions, which is what the pool path implements: per-head K/V planes.
+GQA_FAMILIES = ("llama", "mistral", "qwen2")
+# Families with multi-head latent attention: a latent pool (`worker.attention.mla`).
+LATENT_FAMILIES = ("deepseek_v3",)
+SUPPORTED_FAMILIES = GQA_FAMILIES + LATENT_FAMILIES
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -79,8 +82,16 @@ def _check_directory(path_or_id: str) -> None:
         raise ModelLoadError(f"model: {path_or_id} is not a directory (a checkpoint is one)")
 
 
+def kv_layout(config: PretrainedConfig) -> str:
+    """The pool layout a model's KV takes (`PoolConfig.kv_layout`)."""
+    return "latent" if config.model_type in LATENT_FAMILIES else "kv"
+
+
 def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a model's KV cache."""
+    """``(num_layers, num_kv_heads, head_dim)`` of a model's KV cache; a latent cache has one
+    head, as wide as the compressed KV and the rope key together."""
+    if kv_layout(config) == "latent":
+        return config.num_hidden_layers, 1, config.kv_lora_rank + config.qk_rope_head_dim
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -97,7 +108,8 @@ def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
     per_request = -(-(longest + 1 + 2 * draft_len) // tokens_per_block)
     return PoolConfig(
         num_blocks=num_blocks or per_request * num_requests, tokens_per_block=tokens_per_block,
-        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+        kv_layout=kv_layout(config), dtype=dtype, device=device,
         max_batch_size=max_batch_size, max_seq_len=longest, max_draft_len=draft_len,
         overlap_scheduler=True, slack_policy=slack_policy)
 

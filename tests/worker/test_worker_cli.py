@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
-from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle
+from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle, make_oracle
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -89,6 +89,24 @@ def test_an_overlap_worker_against_a_running_service_with_prefix_caching(
     assert {o["id"]: o["token_ids"] for o in result["outputs"]} == llama_oracle.expected
     assert result["forwards_ahead"] > 0 and result["table_violations"] == 0
     assert 0 < result["acceptance_rate"] < 1
+
+
+def test_an_mla_overlap_worker_against_a_latent_service(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSeek-V3 against a `kvalloc serve --kv-layout latent` pool (one head of latent +
+    rope key a layer), one step ahead with prefix caching and the table validator."""
+    oracle = make_oracle("deepseek_v3")
+    config, prompts = write_inputs(oracle, tmp_path)
+    layout = oracle.model.config
+    pool = [*SERVICE_POOL, "--num-layers", str(layout.num_hidden_layers), "--num-kv-heads", "1",
+            "--head-dim", str(layout.kv_lora_rank + layout.qk_rope_head_dim), "--kv-layout",
+            "latent", "--prefix-caching"]
+    with ServiceProcess(tmp_path, *pool, tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream, "--draft-len",
+                                "3", "--drafter", "oracle:0.5", "--overlap", "--validate")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {o["id"]: o["token_ids"] for o in result["outputs"]} == oracle.expected
+    assert result["forwards_ahead"] > 0 and result["table_violations"] == 0
 
 
 def prefix_hit_tokens(service: ServiceProcess) -> float:

@@ -33,8 +33,8 @@ class PoolWatch:
     def __init__(self, oracle: Oracle, kv: torch.Tensor, block_table: torch.Tensor,
                  nwor: bool = True) -> None:
         self.oracle, self.block_table, self.nwor = oracle, block_table, nwor
-        layers, _, blocks, self.tokens_per_block, heads, dim = kv.shape
-        self.pool = kv.view(layers, 2, blocks * self.tokens_per_block, heads, dim)
+        layers, planes, blocks, self.tokens_per_block, heads, dim = kv.shape
+        self.pool = kv.view(layers, planes, blocks * self.tokens_per_block, heads, dim)
         self.shadow = torch.full_like(self.pool, float("nan"))
         # The previous step's entries: (request, first position, slots, num tokens, drafts).
         self.previous: list[tuple[Request, int, torch.Tensor, int, int]] = []

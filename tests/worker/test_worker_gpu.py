@@ -23,7 +23,7 @@ from kvalloc.worker.engine import Engine
 from kvalloc.worker.model import pool_for_model, random_model
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.step.device_step import LaunchPlan
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import DeepseekV3Config, LlamaConfig, MistralConfig, Qwen2Config
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +34,11 @@ FAMILIES = {
     "qwen2": Qwen2Config(**SMALL),  # biased q/k/v projections
     # A 32-position window: the longer prompts and their outputs slide out of it.
     "mistral": MistralConfig(**SMALL, sliding_window=32),
+    # MLA over a latent pool (latent 32 + rope 16), a dense layer then a mixture of experts.
+    "deepseek_v3": DeepseekV3Config(
+        **{**SMALL, "num_key_value_heads": 4}, first_k_dense_replace=1, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, q_lora_rank=24),
 }
 
 ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,

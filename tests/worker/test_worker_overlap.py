@@ -30,8 +30,8 @@ class CommitReplay:
 
     def __init__(self, oracle: Oracle, kv: torch.Tensor) -> None:
         self.oracle = oracle
-        layers, _, blocks, tokens_per_block, heads, dim = kv.shape
-        self.pool = kv.view(layers, 2, blocks * tokens_per_block, heads, dim)
+        layers, planes, blocks, tokens_per_block, heads, dim = kv.shape
+        self.pool = kv.view(layers, planes, blocks * tokens_per_block, heads, dim)
         self.shadow = torch.full_like(self.pool, float("nan"))
         self.kept = 0
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kvalloc.worker.attention.hook import PoolStep
+from kvalloc.worker.attention.pool_attention import PagedLayout
 from kvalloc.worker.cli import read_prompts
 from kvalloc.worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
 from kvalloc.worker.engine import Engine
@@ -23,7 +25,7 @@ from kvalloc.worker.errors import (
 )
 from kvalloc.worker.model import config_from_file, kv_shape, load_model, random_model
 from kvalloc.worker.requests import NamedPrompt
-from worker_oracle import CONFIGS, Oracle, pool_config
+from worker_oracle import CONFIGS, Oracle, make_oracle, pool_config
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -127,8 +129,7 @@ def test_the_engine_refuses_a_pool_that_does_not_fit_the_model(llama_oracle: Ora
         Engine(model, connect(pool_config(model, num_kv_heads=1)), None, draft_len=0)
     with pytest.raises(LayoutMismatch, match="dtype"):
         Engine(model, connect(pool_config(model, dtype="bfloat16")), None, draft_len=0)
-    with pytest.raises(LayoutMismatch, match="kv_layout: the pool is 'latent', the model caches "
-                                             "per-head K and V"):
+    with pytest.raises(LayoutMismatch, match="kv_layout: the pool has latent, the model needs kv"):
         Engine(model, connect(pool_config(model, kv_layout="latent", num_kv_heads=1)), None,
                draft_len=0)
     elsewhere = random_model(CONFIGS["llama"], seed=0, device="meta")
@@ -181,3 +182,31 @@ def test_the_engine_refuses_bad_requests_before_any_call(llama_oracle: Oracle,
     with pytest.raises(EngineError, match="draft_len: 4"):
         Engine(llama_oracle.model, client, NgramDrafter(), draft_len=4)
     assert client.next_step_id == step_id  # nothing reached the service
+
+
+def test_an_mla_model_needs_a_latent_pool_and_is_told_the_flag(connect: Callable) -> None:
+    """DeepSeek-V3 against a K/V pool of the latent's shape (two planes): refused, naming the
+    layout and the `kvalloc serve` flags of the latent pool it needs, on which it runs."""
+    model = make_oracle("deepseek_v3").model
+    with pytest.raises(LayoutMismatch) as refused:
+        Engine(model, connect(pool_config(model, kv_layout="kv")), None, draft_len=0)
+    message = str(refused.value)
+    assert "kv_layout: the pool has kv, the model needs latent" in message
+    layers, _, width = kv_shape(model.config)
+    assert message.endswith(f"--num-layers {layers} --num-kv-heads 1 --head-dim {width} "
+                            f"--dtype float32 --kv-layout latent")
+    Engine(model, connect(pool_config(model)), None, draft_len=0)
+
+
+def test_an_mla_model_not_switched_to_the_latent_forward_is_told_so(connect: Callable) -> None:
+    """A DeepSeek-V3 model's own attention forward over a latent pool's step reaches the hook,
+    which has no per-head K/V to stage there: a typed error naming the switch."""
+    oracle = make_oracle("deepseek_v3")
+    plain = random_model(oracle.model.config, seed=0)
+    client = connect(pool_config(plain))
+    layout = PagedLayout.build(client.pool.block_table, 4, rows=np.array([0]),
+                               query_starts=np.array([0]), query_lens=np.array([3]),
+                               starts=np.array([0]), group_width=3)
+    step = PoolStep(client.pool.kv, client.pool.staging, layout)
+    with pytest.raises(KvallocAttentionError, match=r"^kv_layout: .*switch_mla_modules"):
+        plain(torch.tensor([[1, 2, 3]]), use_cache=False, kvalloc_step=step)

@@ -8,6 +8,7 @@ import copy
 from collections.abc import Callable, Iterator
 
 import kvalloc.worker.attention.hook as hook
+import kvalloc.worker.attention.mla as mla
 import kvalloc.worker.attention.rotary as rotary
 import kvalloc.worker.mlp.gated_mlp as gated_mlp
 import kvalloc.worker.norm.rms_norm as rms_norm
@@ -63,8 +64,10 @@ def rerun_graphs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Engine], DecodeGr
     """Decode graphs on a CPU, installed on an engine that pads its decodes: each replay runs
     the captured body again with the capture's plan and its static inputs (reloaded with the
     step's), and the pool attention runs its kernel (Triton's interpreter), the one a GPU
-    captures. What a replay computes, where a CPU test can check it."""
+    captures (the latent attention's too). What a replay computes, where a CPU test can check
+    it."""
     monkeypatch.setattr(hook, "kernel_takes", lambda query, pool_k, layout: True)
+    monkeypatch.setattr(mla, "kernel_takes", lambda q_latent, pool: True)
 
     def install(engine: Engine) -> DecodeGraphs:
         engine.step.graphs = DecodeGraphs(capture=lambda body: body)

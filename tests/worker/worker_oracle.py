@@ -1,6 +1,6 @@
-"""The worker tests' oracle: tiny random Llama, Qwen2 and Mistral models, prompts of varied
-lengths, and transformers' own answers for them (``generate`` and a plain forward's K/V), which
-are the oracle every worker run is checked against.
+"""The worker tests' oracle: tiny random Llama, Qwen2, Mistral and DeepSeek-V3 models, prompts
+of varied lengths, and transformers' own answers for them (``generate`` and a plain forward's
+K/V), which are the oracle every worker run is checked against.
 
 Pool shape: 4 tokens per block, so the longest prompt crosses many block boundaries, and
 ``max_step_tokens`` 48, so the 70-token prompt is prefilled in chunks.
@@ -15,10 +15,17 @@ import numpy as np
 import torch
 from kvalloc.allocator import PoolConfig
 from kvalloc.server.service.settings import ServiceConfig
-from kvalloc.worker.model import kv_shape, random_model
+from kvalloc.worker.model import kv_layout, kv_shape, random_model
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.run_stats import RunStats
-from transformers import DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import (
+    DeepseekV3Config,
+    DynamicCache,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 MAX_NEW_TOKENS = 10
 PROMPT_LENS = (1, 3, 6, 13, 17, 26, 41, 70)
@@ -28,12 +35,28 @@ MAX_DRAFT_LEN = 3
 
 TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+# MLA: three layers, the first dense and two of mixture-of-experts (4 routed, 2 a token, one
+# shared), latent 16 + rope 8 over 4 heads whose no-rope, rope and value widths differ.
+DEEPSEEK = {**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+            "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 12, "v_head_dim": 10, "eos_token_id": None}
 CONFIGS = {
     # Llama's default eos id (2) stays: a prompt that samples it stops early, as generate does.
     "llama": LlamaConfig(**TINY),
     "qwen2": Qwen2Config(**TINY, eos_token_id=None),
     # A window of 16 positions: most prompts and every output slide out of it.
     "mistral": MistralConfig(**TINY, eos_token_id=None, sliding_window=16),
+    # With a q LoRA rank (q_a_proj, q_a_layernorm, q_b_proj), as DeepSeek-V3 has it, and without
+    # (q_proj, as the Lite models have it), the latter with DeepSeek's yarn scaling from 64
+    # positions (the longer prompts pass them; the softmax scale takes yarn's mscale squared)
+    # and rotary halves instead of DeepSeek's interleaved pairs.
+    "deepseek_v3": DeepseekV3Config(**DEEPSEEK, q_lora_rank=12),
+    "deepseek_v3_q_proj": DeepseekV3Config(**DEEPSEEK, q_lora_rank=None, rope_interleave=False,
+                                           rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1}),
 }
 
 
@@ -46,7 +69,8 @@ class Oracle:
     reference: PreTrainedModel
     prompts: list[NamedPrompt]
     expected: dict[str, list[int]]  # generate(do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-    # Per prompt: K and V of prompt + output from one plain forward, [layers, 2, tokens, H, D].
+    # Per prompt: K and V of prompt + output from one plain forward, [layers, 2, tokens, H, D];
+    # a latent model's [c | k_rope], [layers, 1, tokens, 1, R + P].
     kv: dict[str, torch.Tensor]
 
     def stop_tokens(self) -> list[int]:
@@ -72,16 +96,27 @@ def make_oracle(family: str) -> Oracle:
             expected[p.req_id] = out[0, ids.shape[1]:].tolist()
             # A cache without a config keeps every position, sliding layers too.
             cache = reference(out, cache=DynamicCache(), use_cache=True).cache
-            kv[p.req_id] = torch.stack([torch.stack([layer.keys[0], layer.values[0]])
-                                        for layer in cache.layers]).transpose(2, 3)
+            kv[p.req_id] = _pool_rows(cache, config)
     return Oracle(model, reference, prompts, expected, kv)
+
+
+def _pool_rows(cache: DynamicCache, config: object) -> torch.Tensor:
+    """A cache's entries as the pool holds them: transformers keeps an MLA layer's latent as
+    its "keys" and its rotated rope key as its "values", one head each."""
+    if kv_layout(config) == "latent":
+        planes = [torch.cat([layer.keys[0], layer.values[0]], dim=-1)[None]
+                  for layer in cache.layers]
+    else:
+        planes = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+    return torch.stack(planes).transpose(2, 3)
 
 
 def pool_config(model: PreTrainedModel, *, nwor: bool = True,
                 **overrides: object) -> ServiceConfig:
     layers, kv_heads, head_dim = kv_shape(model.config)
     pool = {"num_blocks": 256, "tokens_per_block": TOKENS_PER_BLOCK, "num_layers": layers,
-            "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32",
+            "num_kv_heads": kv_heads, "head_dim": head_dim,
+            "kv_layout": kv_layout(model.config), "dtype": "float32",
             "device": "cpu", "max_batch_size": 8, "max_seq_len": 96,
             "max_draft_len": MAX_DRAFT_LEN, "overlap_scheduler": True, **overrides}
     return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS, nwor=nwor)

@@ -68,6 +68,10 @@ def kvalloc_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             "kvalloc_step: the kvalloc attention needs the step layout; run the model through "
             "worker.engine, or switch attn_implementation back for a plain forward")
     step = kvalloc_step
+    if step.staging.shape[1] == 1:
+        raise KvallocAttentionError(
+            "kv_layout: a latent pool holds no per-head K/V; an MLA model's attention modules "
+            "run worker.attention.mla's forward (switch_mla_modules, as the engine does)")
     if query.shape[0] != 1 or query.shape[2] != step.num_tokens:
         raise KvallocAttentionError(f"query: expected one packed sequence of {step.num_tokens} "
                                    f"tokens, got shape {tuple(query.shape)}")

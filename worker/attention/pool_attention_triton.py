@@ -114,11 +114,13 @@ class _Tiling:
         query_tile = min(pow2(max(1, max_query)), floor_pow2(max(1, _MAX_ROWS // group)))
         tiles = -(-max_query // query_tile)
         programs = entries * kv_heads * tiles
-        splits = launch.splits or _splits_to_fill(programs, device)
+        splits = launch.splits or splits_to_fill(programs, device)
         return cls(group, query_tile, tiles, splits, max(16, pow2(query_tile * group)))
 
 
-def _splits_to_fill(programs: int, device: torch.device) -> int:
+def splits_to_fill(programs: int, device: torch.device) -> int:
+    """Programs per entry's history (1..8) so that ``programs`` x it keeps every SM of
+    ``device`` busy with two (1 off CUDA)."""
     if device.type != "cuda":
         return 1
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count

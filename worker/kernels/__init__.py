@@ -12,6 +12,9 @@ plain torch twin, the reference it is tested against, lives with its launch in i
 - `pool_attention`: the paged two-source attention (reference:
   `worker.attention.pool_attention.pool_attention`, launched by
   `worker.attention.pool_attention_triton`);
+- `latent_attention`: MLA over a latent pool (reference:
+  `worker.attention.latent_attention.latent_attention`, launched by
+  `worker.attention.latent_attention_triton`);
 - `step_metadata`: a step's per-token ids, positions and slots (reference:
   `worker.step.step_metadata.metadata_reference`);
 - `helpers`: what the launches and dispatch rules share (the interpreter for CPU tensors, the

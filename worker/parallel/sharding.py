@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from kvalloc.worker.errors import ShardingError
-from kvalloc.worker.model import SUPPORTED_FAMILIES, kv_shape
+from kvalloc.worker.model import GQA_FAMILIES, kv_shape
 from kvalloc.worker.parallel.split import shard_kv_heads, shard_query_heads, shard_range
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -87,9 +87,10 @@ def shard_model(model: PreTrainedModel, rank: int, world: int,
     process must be its rank ``rank`` of ``world``. Everything is checked before anything
     changes; a `ShardingError` names the field and the numbers."""
     config = model.config
-    if config.model_type not in SUPPORTED_FAMILIES:
+    # A latent pool has one head a layer: nothing to split by heads.
+    if config.model_type not in GQA_FAMILIES:
         raise ShardingError(f"model_type: {config.model_type!r} cannot be sharded; "
-                            f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+                            f"supported: {', '.join(GQA_FAMILIES)}")
     shard = _Shard.of(config, rank, world)
     _check_group(group, rank, world)
     for layer in model.model.layers:

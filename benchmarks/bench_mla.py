@@ -1,0 +1,152 @@
+"""The MLA decode kernel over a latent pool on the GPU, against a plain read of the same bytes.
+
+DeepSeek-V3's per-layer shape: 128 query heads over one latent of 512 + 64 (bf16), batch 64
+entries of 4 queries (1 + 3 drafts), history 1k, 4k and 16k tokens each in 16-token blocks in
+random order. Per context, side by side:
+- ``kernel``: `latent_attention_triton`'s time and the bandwidth it achieves on the bytes it
+  must move (every entry's history latents once, the staged latents, the queries read and the
+  latent output written: the heads of an entry share its latent reads, so these are the bytes);
+- ``read``: a sum over a buffer of as many bytes (its bandwidth counts the read), and ``copy``,
+  a device-to-device copy of as many (read + write): the ceilings, measured in the same run.
+  Target: the kernel at >= 80% of ``read`` from 1k tokens of context on.
+Every figure is one CUDA graph of ``--launches`` back-to-back launches, replayed; the median of
+``--repeats`` replays, divided by the launches (bench_attention's `graph_us`).
+
+``--sweep`` also times every `LatentLaunch` in ``SWEEP`` at each context (how to pick the
+defaults). ``--quick``: fewer repeats. On a machine without CUDA ``--quick`` runs a tiny shape
+with the kernel in Triton's interpreter against the reference, timed on the host: a smoke run.
+Prints JSON; ``--out`` writes it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_attention import graph_us
+from kvalloc.worker.attention.latent_attention import latent_attention
+from kvalloc.worker.attention.latent_attention_triton import LatentLaunch, latent_attention_triton
+from kvalloc.worker.attention.pool_attention import PagedLayout
+
+HEADS, RANK, ROPE = 128, 512, 64
+BATCH, QUERIES, TPB = 64, 4, 16
+CONTEXTS = (1024, 4096, 16384)
+# Rows (queries x heads) a program holds set how often a latent tile is read (128 heads x 4
+# queries / rows: 8 reads at 64, 4 at 128, the ones after the first from L2) against the
+# registers its [rows, 512] float32 accumulator takes.
+SWEEP = [LatentLaunch(block_h=h, max_rows=rows, block_n=n, num_warps=w, num_stages=s, splits=sp)
+         for h, rows, n, w, s, sp in itertools.product(
+             (16, 32), (64, 128), (16, 32), (4, 8), (1, 2), (None, 1))]
+QUICK_CPU = {"heads": 4, "rank": 32, "rope": 16, "batch": 3, "contexts": (40,)}
+BF16 = torch.bfloat16
+
+
+class LatentStep:
+    """One layer's tensors: ``batch`` entries of ``QUERIES`` tokens at ``history`` each."""
+
+    def __init__(self, history: int, *, heads: int = HEADS, rank: int = RANK, rope: int = ROPE,
+                 batch: int = BATCH, device: str = "cuda", dtype: torch.dtype = BF16) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        per_row = -(-(history + QUERIES) // TPB)
+        num_blocks = batch * per_row + 64
+        table = torch.randperm(num_blocks, device=device, generator=gen)[:batch * per_row]
+        self.pool = torch.randn(num_blocks, TPB, 1, rank + rope, device=device, generator=gen,
+                                dtype=dtype)
+        n = batch * QUERIES
+        self.q_latent = torch.randn(n, heads, rank, device=device, generator=gen, dtype=dtype)
+        self.q_rope = torch.randn(n, heads, rope, device=device, generator=gen, dtype=dtype)
+        self.staged = torch.randn(n, 1, rank + rope, device=device, generator=gen, dtype=dtype)
+        lens = np.full(batch, QUERIES)
+        self.layout = PagedLayout.build(
+            table.view(batch, per_row).to(torch.int32), TPB, rows=np.arange(batch),
+            query_starts=np.cumsum(lens) - lens, query_lens=lens,
+            starts=np.full(batch, history), group_width=QUERIES)
+        self.out = torch.empty_like(self.q_latent)
+        size = dtype.itemsize
+        self.bytes = ((batch * history + n) * (rank + rope)
+                      + self.q_latent.numel() + self.q_rope.numel() + self.out.numel()) * size
+        self.args = (self.q_latent, self.q_rope, self.staged, self.pool, self.layout)
+        self.scale = (rank // 4 + rope) ** -0.5
+
+    def kernel(self, launch: LatentLaunch | None = None) -> torch.Tensor:
+        return latent_attention_triton(*self.args, scale=self.scale, out=self.out,
+                                       launch=launch)
+
+    def reference(self) -> torch.Tensor:
+        return latent_attention(*self.args, scale=self.scale)
+
+
+def _gbps(nbytes: int, us: float) -> float:
+    return round(nbytes / us / 1e3, 1)
+
+
+def context_row(history: int, launches: int, repeats: int, sweep: bool) -> dict:
+    step = LatentStep(history)
+    torch.testing.assert_close(step.kernel(), step.reference(), atol=2e-2, rtol=2e-2)
+    buf = torch.empty(step.bytes // 2, dtype=BF16, device="cuda").normal_()
+    dst, total = torch.empty_like(buf), torch.empty((), dtype=torch.float32, device="cuda")
+    timed = {"kernel": graph_us(step.kernel, launches=launches, repeats=repeats),
+             "read": graph_us(lambda: torch.sum(buf, dtype=torch.float32, out=total),
+                              launches=launches, repeats=repeats),
+             "copy": graph_us(lambda: dst.copy_(buf), launches=launches, repeats=repeats)}
+    row = {"context": history, "batch": BATCH, "queries": QUERIES, "bytes": step.bytes,
+           **{f"{name}_us": round(us, 1) for name, us in timed.items()},
+           **{f"{name}_gbps": _gbps(step.bytes * (2 if name == "copy" else 1), us)
+              for name, us in timed.items()},
+           "kernel_vs_read": round(timed["read"] / timed["kernel"], 3)}
+    if sweep:
+        row["sweep"] = sorted(({"launch": repr(launch), "us": round(graph_us(
+            lambda launch=launch: step.kernel(launch), launches=launches, repeats=repeats), 1)}
+            for launch in SWEEP), key=lambda r: r["us"])
+    return row
+
+
+def cpu_smoke() -> dict:
+    """The kernel in Triton's interpreter against the reference on a tiny shape."""
+    shape = {k: QUICK_CPU[k] for k in ("heads", "rank", "rope", "batch")}
+    rows = []
+    for history in QUICK_CPU["contexts"]:
+        step = LatentStep(history, device="cpu", dtype=torch.float32, **shape)
+        started = time.perf_counter()
+        got = step.kernel(LatentLaunch(block_h=4, max_rows=16, block_n=16))
+        host_ms = (time.perf_counter() - started) * 1e3
+        err = (got - step.reference()).abs().max().item()
+        rows.append({"context": history, **shape, "max_abs_err": err,
+                     "interpreter_ms": round(host_ms, 1)})
+    return {"device": "cpu", "smoke": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--launches", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        if not args.quick:
+            sys.exit("bench_mla: needs CUDA (on a CPU, only --quick runs, in the interpreter)")
+        result = cpu_smoke()
+    else:
+        repeats = 5 if args.quick else 30
+        result = {"device": torch.cuda.get_device_name(), "decode": []}
+        for history in CONTEXTS:
+            result["decode"].append(context_row(history, args.launches, repeats, args.sweep))
+            if args.out:  # after every row: a run cut short still records what it measured
+                args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

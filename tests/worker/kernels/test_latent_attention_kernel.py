@@ -1,0 +1,109 @@
+"""The MLA attention kernel (`worker.attention.latent_attention_triton`) against its reference
+(`worker.attention.latent_attention.latent_attention`) on random steps in a latent pool's
+shape (`pool_steps` with one KV head of width R + P): ragged histories crossing blocks, empty
+entries, rows whose history runs past their blocks, device-only leads, an entry on the spare
+row, and NaN in every pool slot and staging row the step does not own. CPU cases run the kernel
+in Triton's interpreter on small shapes, GPU cases compiled at DeepSeek-V3's latent (512 + 64).
+
+Tolerances as the GQA kernel's test has them (`test_pool_attention_kernel`): float32 1e-5,
+bf16 2e-2 (the kernel rounds its probabilities to bf16 before the value product), fp8 pools
+the tolerance of the query's dtype (neither form rounds the dequantised values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvalloc.worker.attention.latent_attention import latent_attention
+from kvalloc.worker.attention.latent_attention_triton import LatentLaunch, latent_attention_triton
+from kvalloc.worker.errors import PoolAttentionInputError
+from pool_steps import RandomStep, random_step
+from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _latent_step(seed: int, *, heads: int, rank: int, rope: int, dtype: torch.dtype,
+                 device: str, fp8: bool = False, **shape: object) -> RandomStep:
+    return random_step(seed, kv_heads=1, group=heads, dim=rank + rope, dtype=dtype,
+                       device=device, fp8=fp8, lead=True, **shape)
+
+
+def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    q_latent, q_rope = step.query[..., :rank], step.query[..., rank:]
+    args = (q_latent, q_rope, step.staged_k, step.pool_k, step.layout)
+    kw = {"scale": 0.05, "kv_scale": step.k_scale}
+    out = torch.full_like(q_latent, float("nan"))
+    got = latent_attention_triton(*args, **kw, out=out, launch=launch)
+    assert got is out
+    return got, latent_attention(*args, **kw)
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert not want.isnan().any()
+    tol = TOLERANCE[want.dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+CPU_CASES = [  # (dtype, fp8 pool, heads, splits, max query)
+    (torch.float32, False, 8, 1, 4), (torch.float32, False, 6, 2, 4),
+    (torch.float32, False, 4, 4, 1), (torch.bfloat16, False, 8, 1, 4),
+    (torch.bfloat16, True, 8, 2, 4), (torch.float32, False, 8, 1, 11),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("dtype", "fp8", "heads", "splits", "max_query"), CPU_CASES)
+def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: bool, heads: int,
+                                                    splits: int, max_query: int) -> None:
+    """Latent 32 + rope 16; 4 heads a program, so 6 heads take blocks of 2; 11-token entries
+    (a prefill chunk) take several query tiles of 16 rows."""
+    step = _latent_step(heads * 7 + splits + fp8, heads=heads, rank=32, rope=16, dtype=dtype,
+                        device="cpu", fp8=fp8, entries=5, tokens_per_block=4, max_history=40,
+                        max_query=max_query)
+    launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=splits)
+    _assert_matches(*_both(step, 32, launch))
+
+
+@needs_interpreter
+def test_the_default_cut_equals_the_reference() -> None:
+    step = _latent_step(3, heads=16, rank=32, rope=16, dtype=torch.float32, device="cpu",
+                        entries=3, tokens_per_block=4, max_history=30, max_query=4)
+    _assert_matches(*_both(step, 32))
+
+
+def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
+    step = _latent_step(2, heads=4, rank=32, rope=16, dtype=torch.float32, device="cpu",
+                        entries=3, tokens_per_block=4, max_history=8, max_query=3)
+    q_latent, q_rope = step.query[..., :32], step.query[..., 32:]
+    out = torch.full_like(q_latent, float("nan"))
+    layout, pool, staged = step.layout, step.pool_k, step.staged_k
+    cases = [
+        ((q_latent, q_rope[..., :8], staged, pool, layout), {}, "pool"),
+        ((q_latent, q_rope[:, :2], staged, pool, layout), {}, "q_rope"),
+        ((q_latent, q_rope, staged[..., :40], pool, layout), {}, "staged"),
+        ((q_latent, q_rope, staged, pool.to(torch.float8_e4m3fn), layout), {}, "k_scale"),
+        ((q_latent, q_rope, staged, pool, layout), {"out": out.half()}, "out"),
+        ((q_latent, q_rope.double(), staged, pool, layout), {}, "q_rope"),
+    ]
+    for args, kwargs, field in cases:
+        with pytest.raises(PoolAttentionInputError, match=rf"^{field}:"):
+            latent_attention_triton(*args, scale=0.1, **{"out": out, **kwargs})
+    with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
+        LatentLaunch(block_n=48)
+    assert out.isnan().all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("dtype", "fp8", "max_query", "splits"), [
+    (torch.bfloat16, False, 4, None), (torch.bfloat16, True, 4, None),
+    (torch.float32, False, 4, 4), (torch.bfloat16, False, 70, None)])
+def test_kernel_equals_reference_on_the_gpu(dtype: torch.dtype, fp8: bool, max_query: int,
+                                            splits: int | None) -> None:
+    """DeepSeek-V3's per-layer shape (128 heads, latent 512 + rope 64) over 16-token blocks."""
+    step = _latent_step(9, heads=128, rank=512, rope=64, dtype=dtype, device="cuda", fp8=fp8,
+                        entries=6, tokens_per_block=16, max_history=700, max_query=max_query)
+    _assert_matches(*_both(step, 512, LatentLaunch(splits=splits)))

@@ -1,0 +1,124 @@
+"""`latent_attention_triton`: `worker.attention.latent_attention.latent_attention` in one Triton
+launch (`worker.kernels.latent_attention`), plus the split merge of the GQA kernel's module when
+an entry's history is split.
+
+Grid ``(head_blocks, entries, query_tiles x splits)``: a program holds ``GROUP`` heads (the
+largest power of two dividing the head count, at most `LatentLaunch.block_h`) times a tile of
+its entry's queries, at most ``max_rows`` rows; a decode entry (1 + D tokens) is one tile. Any
+entry length is correct (a prefill chunk is ``max_query / QUERY_TILE`` tiles, the short entries'
+extra tiles exit at once), so on CUDA the kernel takes prefill chunks as well as decodes.
+Splits: as many programs per entry's history as keep every SM busy (`splits_to_fill`), unless
+the launch fixes them.
+
+`kernel_takes` is the dispatch rule: CUDA tensors of a kernel dtype, Triton installed, a pool in
+the query's dtype or fp8. On CPU tensors the kernel runs in Triton's interpreter (the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from kvalloc.worker.attention.latent_attention import check_latent_inputs
+from kvalloc.worker.attention.pool_attention import PagedLayout, reject
+from kvalloc.worker.attention.pool_attention_triton import splits_to_fill
+from kvalloc.worker.kernels.helpers import floor_pow2, kernel_for, kernel_may_take, pow2
+
+
+@dataclass(frozen=True)
+class LatentLaunch:
+    """How the launch is cut: ``block_h`` heads a program holds at most, ``max_rows`` rows
+    (queries x heads) a program holds at most, ``block_n`` history tokens per loop step,
+    Triton's warps and stages, and ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`)."""
+
+    block_h: int = 16
+    max_rows: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128)
+                or self.max_rows not in (16, 32, 64, 128) or self.block_h < 1
+                or self.block_h > self.max_rows):
+            reject("launch", f"splits 1/2/4/8, block_n and max_rows 16..128 (powers of two), "
+                             f"1 <= block_h <= max_rows; got {self}")
+
+
+def kernel_takes(q_latent: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether the step's latent attention goes to the kernel rather than the reference."""
+    return kernel_may_take(q_latent) and pool.dtype in (q_latent.dtype, torch.float8_e4m3fn)
+
+
+def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
+                            pool: torch.Tensor, layout: PagedLayout, *, scale: float,
+                            kv_scale: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None,
+                            launch: LatentLaunch | None = None) -> torch.Tensor:
+    """`latent_attention`'s contract; ``out`` (``[N, H, R]``, the query's dtype), when given,
+    receives the result. Every tensor's last dimension must be contiguous."""
+    check_latent_inputs(q_latent, q_rope, staged, pool, layout, kv_scale)
+    tensors = (q_latent, q_rope, staged, pool, layout.block_table)
+    if any(t.stride(-1) != 1 or t.device != q_latent.device for t in tensors):
+        reject("q_latent", f"every tensor's last dimension contiguous, on {q_latent.device}")
+    if out is None:
+        out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
+    elif out.shape != q_latent.shape or out.dtype != q_latent.dtype or out.stride(-1) != 1:
+        reject("out", f"expected {q_latent.dtype} {tuple(q_latent.shape)}, got {out.dtype} "
+                      f"{tuple(out.shape)}")
+    if layout.num_tokens:
+        _launch(q_latent, q_rope, staged, pool, layout, out, scale, kv_scale,
+                launch or LatentLaunch())
+    return out
+
+
+def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
+            pool: torch.Tensor, layout: PagedLayout, out: torch.Tensor, scale: float,
+            kv_scale: torch.Tensor | None, launch: LatentLaunch) -> None:
+    from kvalloc.worker.kernels import latent_attention as kernels
+    from kvalloc.worker.kernels import pool_attention as gqa
+
+    heads, rank = q_latent.shape[1:]
+    group = math.gcd(heads, floor_pow2(launch.block_h))
+    max_query = max(1, layout.max_query)
+    query_tile = min(pow2(max_query), floor_pow2(max(1, launch.max_rows // group)))
+    tiles = -(-max_query // query_tile)
+    entries = layout.rows.numel()
+    grid = (heads // group, entries, tiles)
+    splits = launch.splits or splits_to_fill(grid[0] * entries * tiles, out.device)
+    block_m, block_r = max(16, pow2(query_tile * group)), max(16, pow2(rank))
+    fp8 = pool.dtype == torch.float8_e4m3fn
+    if fp8:
+        pool = pool.view(torch.uint8)
+    else:
+        kv_scale = layout.rows  # a valid pointer, never read
+    parts = grid[0] * entries * tiles * splits * block_m
+    one = splits == 1
+    part_acc = out if one else out.new_empty(parts * block_r, dtype=torch.float32)
+    part_ml = out if one else out.new_empty(parts * 2, dtype=torch.float32)
+    table = layout.block_table
+    kernel = kernel_for(kernels.latent_attention_jit, q_latent)
+    kernel[(grid[0], entries, tiles * splits)](
+        q_latent, q_rope, staged, pool, table, layout.rows, layout.query_starts,
+        layout.query_lens, layout.history, kv_scale, out, part_acc, part_ml,
+        scale * math.log2(math.e), table.shape[1], q_latent.stride(0), q_latent.stride(1),
+        q_rope.stride(0), q_rope.stride(1), staged.stride(0), pool.stride(0), pool.stride(1),
+        table.stride(0), out.stride(0), out.stride(1),
+        RANK=rank, ROPE=q_rope.shape[-1], BLOCK_R=block_r,
+        BLOCK_P=max(16, pow2(q_rope.shape[-1])), GROUP=group, QUERY_TILE=query_tile,
+        BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        BLOCK_S=min(launch.block_n, max(16, pow2(query_tile))),
+        TOKENS_PER_BLOCK=layout.tokens_per_block, FP8=fp8,
+        # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
+        DOT_F32=not q_latent.is_cuda and q_latent.dtype == torch.bfloat16,
+        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", SPLITS=splits,
+        **{name: kernel_for(jitted, q_latent) for name, jitted in kernels.HELPERS_JIT.items()},
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if not one:
+        combine = kernel_for(gqa.combine_splits_jit, q_latent)
+        combine[(entries, grid[0], tiles)](
+            part_acc, part_ml, layout.query_starts, layout.query_lens, out, out.stride(0),
+            out.stride(1), GROUP=group, QUERY_TILE=query_tile, HEAD_DIM=rank, BLOCK_M=block_m,
+            BLOCK_D=block_r, SPLITS=splits, num_warps=4)
