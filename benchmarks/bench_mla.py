@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -95,7 +96,7 @@ def context_row(history: int, launches: int, repeats: int, sweep: bool) -> dict:
     buf = torch.empty(step.bytes // 2, dtype=BF16, device="cuda").normal_()
     dst, total = torch.empty_like(buf), torch.empty((), dtype=torch.float32, device="cuda")
     timed = {"kernel": graph_us(step.kernel, launches=launches, repeats=repeats),
-             "read": graph_us(lambda: torch.sum(buf, dtype=torch.float32, out=total),
+             "read": graph_us(lambda: torch.sum(buf, 0, dtype=torch.float32, out=total),
                               launches=launches, repeats=repeats),
              "copy": graph_us(lambda: dst.copy_(buf), launches=launches, repeats=repeats)}
     row = {"context": history, "batch": BATCH, "queries": QUERIES, "bytes": step.bytes,
@@ -104,10 +105,19 @@ def context_row(history: int, launches: int, repeats: int, sweep: bool) -> dict:
               for name, us in timed.items()},
            "kernel_vs_read": round(timed["read"] / timed["kernel"], 3)}
     if sweep:
-        row["sweep"] = sorted(({"launch": repr(launch), "us": round(graph_us(
-            lambda launch=launch: step.kernel(launch), launches=launches, repeats=repeats), 1)}
-            for launch in SWEEP), key=lambda r: r["us"])
+        row["sweep"] = sorted((_swept(step, launch, launches, repeats) for launch in SWEEP),
+                              key=lambda r: r["us"])
     return row
+
+
+def _swept(step: LatentStep, launch: LatentLaunch, launches: int, repeats: int) -> dict:
+    """One launch's time; a launch whose tiles do not fit the GPU's shared memory is listed
+    as not fitting (infinite time), not a failed sweep."""
+    try:
+        us = graph_us(lambda: step.kernel(launch), launches=launches, repeats=repeats)
+    except OutOfResources:
+        return {"launch": repr(launch), "us": float("inf"), "fits": False}
+    return {"launch": repr(launch), "us": round(us, 1)}
 
 
 def cpu_smoke() -> dict:

@@ -60,7 +60,7 @@ from kvalloc.worker.launch_plans import launch_plan
 from kvalloc.worker.model import kv_layout, kv_shape
 from kvalloc.worker.requests import NamedPrompt, Request, int64s, new_request
 from kvalloc.worker.run_stats import DeviceClock, RunStats
-from kvalloc.worker.step.decode_graphs import DecodeGraphs
+from kvalloc.worker.step.decode_graphs import DecodeGraphs, make_capturable
 from kvalloc.worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
 from kvalloc.worker.step.rows import DeviceRows
 from kvalloc.worker.step_plans import StepPlan, StepPlanner
@@ -134,6 +134,8 @@ class Engine:
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
         switch_mla_modules(model)  # a latent pool's attention, on every device
+        if cuda_graphs:
+            make_capturable(model)
         if self.device.type == "cuda":  # a launch where transformers runs a dozen
             fuse_model(model)
         self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,

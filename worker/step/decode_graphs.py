@@ -34,6 +34,20 @@ import torch
 Capture = Callable[[Callable[[], Any]], Callable[[], Any]]
 
 
+# transformers' default experts forward for mixture-of-experts models (``grouped_mm``) may read its routing offsets back to the
+# host, which a capture forbids; ``batched_mm`` gathers each token's expert weights with static
+# shapes and no host read. It gathers those weights per (token, expert) pair, which suits the
+# small models the reference worker proves itself with, not a full-size MoE.
+GRAPH_SAFE_EXPERTS = "batched_mm"
+
+
+def make_capturable(model: Any) -> None:
+    """Select the forward a captured step can replay for ``model``'s mixture-of-experts layers
+    (a model without experts is left as it is)."""
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm":
+        model.set_experts_implementation(GRAPH_SAFE_EXPERTS)
+
+
 def capture_cuda_graph() -> Capture:
     """Captures into CUDA graphs that share one memory pool."""
     pool = torch.cuda.graph_pool_handle()
