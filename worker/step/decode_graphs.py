@@ -34,10 +34,11 @@ import torch
 Capture = Callable[[Callable[[], Any]], Callable[[], Any]]
 
 
-# transformers' default experts forward for mixture-of-experts models (``grouped_mm``) may read its routing offsets back to the
-# host, which a capture forbids; ``batched_mm`` gathers each token's expert weights with static
-# shapes and no host read. It gathers those weights per (token, expert) pair, which suits the
-# small models the reference worker proves itself with, not a full-size MoE.
+# transformers' default experts forward for mixture-of-experts models (``grouped_mm``) may read
+# its routing offsets back to the host, which a capture forbids; ``batched_mm`` gathers each
+# token's expert weights with static shapes and no host read. It gathers those weights per
+# (token, expert) pair, which suits the small models the reference worker proves itself with,
+# not a full-size MoE.
 GRAPH_SAFE_EXPERTS = "batched_mm"
 
 
