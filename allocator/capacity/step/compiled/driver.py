@@ -55,7 +55,7 @@ def available() -> bool:
 
 
 def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settled: tuple,
-          scratch: tuple, error: np.ndarray, deltas: np.ndarray) -> tuple:
+          scratch: tuple, error: np.ndarray, deltas: np.ndarray, apply: bool) -> tuple:
     """One step: `reference_step`. The arguments come as plain tuples (numba types a named
     tuple argument on a slow path, a microsecond a call) of the fields of `Plan`, `State` (its
     ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled` and
@@ -78,7 +78,7 @@ def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settle
     if error[0]:
         return _no_outcome()
     served = serve_blocks(plan, strict, state, settled, demand, hits, scratch, error)
-    if error[0]:
+    if error[0] or not apply:
         return _no_outcome()
     replace_state(plan, lag, state, settled, demand, served, deltas)
     outcome = move_blocks(plan, state, served, hits, scratch)
@@ -139,7 +139,8 @@ class CompiledStep:
         self.tops = np.zeros(3, dtype=np.int64)
         self.no_hits = counts()
 
-    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
+    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS,
+            apply: bool = True) -> StepRun:
         rows, pool, table = state.rows, state.pool, state.table
         error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
@@ -152,8 +153,8 @@ class CompiledStep:
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
          changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
             plan[:_plan_lists], plan.strict_grants, plan.lag, step_state, (hit_counts, hits.blocks),
-            self.settled, self.scratch_arrays, error, deltas)
-        if error[0]:
+            self.settled, self.scratch_arrays, error, deltas, apply)
+        if error[0] or not apply:
             return StepRun(error)
         pool.num_free = int(self.tops[NUM_FREE])
         table.num_free_rows = int(self.tops[NUM_FREE_ROWS])

@@ -106,6 +106,22 @@ def run_both(pair: tuple[KVCacheManager, KVCacheManager], call) -> str:
     return results[0][0] if results[0][0] == "ok" else results[0][1]
 
 
+def checked_then_run(pair: tuple[KVCacheManager, KVCacheManager], plan: StepPlan) -> str:
+    """The step stopped before its first change (``apply=False``) says what the step then
+    does, in both managers, and changes nothing."""
+    def check(m: KVCacheManager) -> None:
+        before = state_of(m)
+        arrays = step_plan.coerce(plan)
+        tokens = step_plan.prompt_token_arrays(plan.prompt_tokens, arrays.prompt_lens)
+        assert m.step_arrays(arrays, tokens, apply=False) is None
+        assert state_of(m) == before
+
+    checked = run_both(pair, check)
+    ran = run_both(pair, lambda m: m.step(plan))
+    assert checked == ("ok" if ran == "ok" else ran)
+    return ran
+
+
 def categories(m: KVCacheManager) -> dict[str, list[int]]:
     r = m.rows
     live = m.live_rows.tolist()
@@ -226,7 +242,7 @@ def test_compiled_step_equals_the_numpy_step_on_random_plans(config, data):
     outcomes = []
     for _ in range(data.draw(st.integers(5, 30), label="steps")):
         plan = data.draw(plans(pair[0]), label="plan")
-        outcomes.append(run_both(pair, lambda m, p=plan: m.step(p)))
+        outcomes.append(checked_then_run(pair, plan))
     # Everything freed returns the whole pool in both.
     run_both(pair, lambda m: m.step(StepPlan(finished_rows=m.live_rows)))
     assert pair[0].free_blocks == pair[0].pool.num_blocks
@@ -241,7 +257,7 @@ def test_compiled_step_equals_the_numpy_step_with_prefix_caching(config, data):
     pair = make_pair(config, prefix_caching=True)
     for _ in range(data.draw(st.integers(5, 30), label="steps")):
         plan = data.draw(plans(pair[0]), label="plan")
-        run_both(pair, lambda m, p=plan: m.step(p))
+        checked_then_run(pair, plan)
     run_both(pair, lambda m: m.step(StepPlan(finished_rows=m.live_rows)))
     pool = pair[0].pool
     assert pool.num_free + pool.num_parked == pool.num_blocks
