@@ -124,7 +124,8 @@ class KVCacheManager(RequestApi):
         if compiled is None:
             compiled = step_compiled.available()
         self.compiled = compiled
-        self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
+        self._run = (step_compiled.CompiledStep(self.state, self.window).run if compiled
+                     else reference_step)
         self.cache_key = bytes(cache_key)
         self.hash_seed = bytes(hash_seed)
         chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
@@ -181,7 +182,7 @@ class KVCacheManager(RequestApi):
             return None
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
-        if self.window is not None:
+        if self.window is not None and not self.compiled:  # the compiled step released
             result = dataclasses.replace(result, outcome=self.window.release(
                 ran, result.outcome, self.state))
         if onboarding is not None:

@@ -4,7 +4,9 @@ A layer with window ``W`` reads, for a query at position ``p``, only the keys in
 Its group's rows grow at the end exactly as a full-attention row does (capacity, slack and
 reclaim are the manager's, unchanged), and this module adds one phase after each step: the
 leading columns no unsettled or future step can read go back to the pool, and the table says
-`block_table.RELEASED` there.
+`block_table.RELEASED` there. `WindowRelease.release` is that phase in numpy, run after
+`reference_step`; the compiled step runs it as its last phase (`step.compiled.release`), and the
+two are tested against each other.
 
 **What may still be read.** A row's ``read_from`` is the lowest query position of any step that
 is scheduled and may not have run, or is yet to come:

@@ -13,7 +13,8 @@ boundaries. After every call:
   its window's reads from ``start - W + 1`` and its writes up to its reach;
 - a decoding request holds at most `PoolConfig.max_live_blocks_per_seq` blocks in a windowed
   group, however long it grows;
-- the numpy and compiled steps leave the same state;
+- the numpy and compiled steps (the window's release included) return the same outcomes and
+  leave the same state, alone and in groups;
 - a plan some group refuses with a typed error (a strict grant one pool cannot serve, a grant
   for a request only another group has wholly prefilled) changes no group.
 """
@@ -27,7 +28,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kvalloc.allocator import InvalidValue, KVAllocError, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator import (
+    InvalidValue,
+    KVAllocError,
+    KVCacheManager,
+    PoolConfig,
+    StepOutcome,
+    StepPlan,
+)
 from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.allocator.capacity.step.compiled import available
 from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
@@ -73,12 +81,14 @@ class WindowMachine(RuleBasedStateMachine):
         super().__init__()
         self.call_no = 0
         self.requests: list[Request] = []
+        compiled = [False, True] if available() else [False]
         if self.MIXED:
-            self.groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
-                                         GroupSpec("window", config(24, 2, 7))])
+            self.twins = [KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                                         GroupSpec("window", config(24, 2, 7))], compiled=c)
+                          for c in compiled]
+            self.groups = self.twins[0]
             self.windows = {"full": None, "window": 7}
         else:
-            compiled = [False, True] if available() else [False]
             self.managers = [KVCacheManager(config(40, 4, 9), compiled=c) for c in compiled]
             self.windows = {"window": 9}
 
@@ -86,17 +96,20 @@ class WindowMachine(RuleBasedStateMachine):
     def _step(self, plan: StepPlan):  # type: ignore[no-untyped-def]
         """One call; a call that raises is no call (nothing ran, nothing changed)."""
         if self.MIXED:
-            out = self.groups.step(plan).outcome
+            runs = [twin.step(plan) for twin in self.twins]
+            outs, out = [r.groups for r in runs], runs[0].outcome
         else:
-            outs = [m.step(plan) for m in self.managers]
-            out = outs[0]
+            outs = [{"window": m.step(plan)} for m in self.managers]
+            out = outs[0]["window"]
+        for name, group_out in outs[0].items():  # the numpy step's, then the compiled one's
+            assert outcome_of(group_out) == outcome_of(outs[-1][name]), name
         self.call_no += 1
         return out
 
-    def _state(self) -> dict:
+    def _state(self) -> list[dict]:
         if self.MIXED:
-            return groups_state(self.groups)
-        return {str(i): manager_state(m) for i, m in enumerate(self.managers)}
+            return [groups_state(twin) for twin in self.twins]
+        return [manager_state(m) for m in self.managers]
 
     def _refused(self, plan: StepPlan, error: type[KVAllocError]):  # type: ignore[no-untyped-def]
         """Step ``plan``; if it raises ``error``, no group (or manager) changed. Its outcome,
@@ -183,15 +196,10 @@ class WindowMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ checks
     @invariant()
     def invariants_hold(self) -> None:
-        if self.MIXED:
-            self.groups.check_invariants()
-        else:
-            for m in self.managers:
-                m.check_invariants()
-            a, b = self.managers[0], self.managers[-1]
-            for name, value in vars(a.rows).items():
-                assert np.array_equal(value, getattr(b.rows, name)), name
-            assert np.array_equal(a.table.host, b.table.host)
+        for twin in self.twins if self.MIXED else self.managers:
+            twin.check_invariants()
+        numpy, compiled = self._state()[0], self._state()[-1]
+        assert numpy == compiled  # the window's release included
 
     @invariant()
     def every_touched_column_is_a_block(self) -> None:
@@ -353,6 +361,11 @@ def manager_state(m: KVCacheManager) -> dict:
         out.update({f"window.{k}": v.tolist() for k, v in vars(m.window).items()
                     if isinstance(v, np.ndarray)})
     return out
+
+
+def outcome_of(out: StepOutcome) -> dict:
+    return {f.name: (str(getattr(out, f.name).dtype), getattr(out, f.name).tolist())
+            for f in dataclasses.fields(out)}
 
 
 def groups_state(groups: KVCacheGroups) -> dict:
