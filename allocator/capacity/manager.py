@@ -157,8 +157,8 @@ class KVCacheManager(RequestApi):
         """`step` for a plan its caller already converted and checked as `step` would (`coerce`
         or `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
         bounds and the state machine are still the step's to check, and a typed error still
-        changes nothing. ``apply`` False: the step stops before its first change, raising the
-        error it would or returning None (`windows.groups` checks every group first)."""
+        changes nothing. ``apply`` False: it stops before its first change, raising the error it
+        would or returning None (how `windows.groups` checks every group first)."""
         prompts: list[Prompt | None] = []
         hits, onboarding, deferral, ran = NO_HITS, None, None, arrays
         if self.cache is not None and any(t is not None for t in tokens):
@@ -175,8 +175,7 @@ class KVCacheManager(RequestApi):
         if result.error[0] or not apply:
             if onboarding is not None:
                 onboarding.undo()
-            if result.error[0] == ROW_OVERFLOW:
-                self.counters.row_overflows += 1
+            self.counters.row_overflows += int(result.error[0] == ROW_OVERFLOW)
             if result.error[0]:
                 raise_step_error(result.error, ran, self.ids.name)
             return None
