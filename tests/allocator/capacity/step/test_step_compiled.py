@@ -40,6 +40,10 @@ CONFIGS = {
                         max_batch_size=5, slack_policy="unreclaimed"),
     "no_slack": dict(num_blocks=30, tokens_per_block=4, max_seq_len=24, max_draft_len=3,
                      max_batch_size=5, slack_policy="none"),
+    # A sliding-window group's: the compiled step's last phase gives back the columns behind
+    # every window (the numpy step runs `WindowRelease.release` after it).
+    "window": dict(num_blocks=16, tokens_per_block=2, max_seq_len=24, max_draft_len=3,
+                   max_batch_size=5, window=5),
 }
 
 LISTS = ("revert_rows", "result_rows", "finished_rows", "grant_rows", "padding_rows",
@@ -71,6 +75,8 @@ def state_of(m: KVCacheManager) -> dict:
         "table.num_free_rows": m.table.num_free_rows,
         "counters": dataclasses.asdict(m.counters),
         "ids": sorted(map(str, m.request_ids)),
+        "window": None if m.window is None else [m.window.read_from.tolist(),
+                                                  m.window.last_start.tolist()],
     })
     return out
 
