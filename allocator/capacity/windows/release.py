@@ -54,7 +54,8 @@ def released_columns(read_from: np.ndarray, window: int, tokens_per_block: int) 
 
 class WindowRelease:
     """The release phase of one windowed manager: ``read_from`` and the previous step's start
-    per row, and the phase itself (`release`)."""
+    per row, and the phase itself (`release`). Its arrays change only in place: the compiled
+    step holds them from the manager's start."""
 
     def __init__(self, window: int, tokens_per_block: int, num_rows: int) -> None:
         self.window = window
