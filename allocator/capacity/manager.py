@@ -124,7 +124,8 @@ class KVCacheManager(RequestApi):
         if compiled is None:
             compiled = step_compiled.available()
         self.compiled = compiled
-        self._run = step_compiled.CompiledStep(self.state).run if compiled else reference_step
+        self._run = (step_compiled.CompiledStep(self.state, self.window).run if compiled
+                     else reference_step)
         self.cache_key = bytes(cache_key)
         self.hash_seed = bytes(hash_seed)
         chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
@@ -146,14 +147,18 @@ class KVCacheManager(RequestApi):
         """Apply a whole scheduler step in one call (see `StepPlan` for the order); rows as
         integer arrays. Raises a typed error, changing nothing, on bad input."""
         arrays = coerce(plan)
-        return self.step_arrays(arrays, prompt_token_arrays(plan.prompt_tokens,
-                                                            arrays.prompt_lens))
+        outcome = self.step_arrays(arrays, prompt_token_arrays(plan.prompt_tokens,
+                                                               arrays.prompt_lens))
+        assert outcome is not None
+        return outcome
 
-    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = ()) -> StepOutcome:
+    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = (), *,
+                    apply: bool = True) -> StepOutcome | None:
         """`step` for a plan its caller already converted and checked as `step` would (`coerce`
         or `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
         bounds and the state machine are still the step's to check, and a typed error still
-        changes nothing."""
+        changes nothing. ``apply`` False: it stops before its first change, raising the error it
+        would or returning None (how `windows.groups` checks every group first)."""
         prompts: list[Prompt | None] = []
         hits, onboarding, deferral, ran = NO_HITS, None, None, arrays
         if self.cache is not None and any(t is not None for t in tokens):
@@ -166,16 +171,17 @@ class KVCacheManager(RequestApi):
                                                       self.config.max_seq_len)
             ran, looked_up = (arrays, prompts) if deferral is None else deferral[:2]
             hits = self.cache.lookup(looked_up, ran.prompt_lens)
-        result: StepRun = self._run(ran, self.state, hits)
-        if result.error[0]:
+        result: StepRun = self._run(ran, self.state, hits, apply)
+        if result.error[0] or not apply:
             if onboarding is not None:
                 onboarding.undo()
-            if result.error[0] == ROW_OVERFLOW:
-                self.counters.row_overflows += 1
-            raise_step_error(result.error, ran, self.ids.name)
+            self.counters.row_overflows += int(result.error[0] == ROW_OVERFLOW)
+            if result.error[0]:
+                raise_step_error(result.error, ran, self.ids.name)
+            return None
         assert result.outcome is not None and result.counter_deltas is not None
         self.counters.add(result.counter_deltas)
-        if self.window is not None:
+        if self.window is not None and not self.compiled:  # the compiled step released
             result = dataclasses.replace(result, outcome=self.window.release(
                 ran, result.outcome, self.state))
         if onboarding is not None:

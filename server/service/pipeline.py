@@ -114,6 +114,7 @@ class StepPipeline:
             prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
             lag=2 if worker.overlap else 1),
             _prompts(self.manager, worker, call) if self._caching else ())
+        assert outcome is not None  # applied: only a check returns None
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)

@@ -22,8 +22,10 @@ and only then, when nothing can fail any more,
    head (the caller drops the evicted blocks' hashes: `StepRun.evicted`).
 
 A phase that finds bad input stops the step with a ``[kind, subject, index, detail]`` error (see
-`codes`) before any state changed. `step.compiled` is the same step compiled, phase for phase;
-the two are tested against each other on random plans.
+`codes`) before any state changed. With ``apply=False`` the step stops after phase 4 either way:
+it says whether the plan would run, changing nothing (`KVCacheManager.step_arrays`).
+`step.compiled` is the same step compiled, phase for phase; the two are tested against each other
+on random plans.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class Served:
     prefill_starts: np.ndarray  # per prefill chunk: history before it
 
 
-def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
+def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS,
+                   apply: bool = True) -> StepRun:
     if hits.counts.size != plan.prompt_lens.size:  # no lookups: no new request reuses a block
         hits = Hits(np.zeros(plan.prompt_lens.size, dtype=np.int64), NO_HITS.blocks)
     try:
@@ -144,6 +147,8 @@ def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS)
         served = serve_blocks(plan, state, settled, demand, hits)
     except _Failed as failed:
         return StepRun(failed.error)
+    if not apply:
+        return StepRun(codes.no_error())
     deltas = replace_state(plan, state, settled, demand, served)
     evicted: list[int] = []
     outcome = move_blocks(plan, state, served, hits, evicted)

@@ -15,13 +15,21 @@ and when it comes again that group is asked only for what it has not served. A w
 keeps the window of such a chunk's start meanwhile (`WindowRelease.held_back`): the chunk runs
 from there once every group has it.
 
+**All or nothing.** A step either applies in every group or, with a typed error, changes none.
+The groups' pools and rows differ (a request's chunk may be ahead in one group only), so an
+error may be one group's alone: `OutOfBlocks` for padding or a strict grant, `PrefillIncomplete`
+where only another group holds the whole prompt. Every group's plan is therefore checked
+(`KVCacheManager.step_arrays` with ``apply`` False) before any group applies it. The check is
+exact: it is the group's own step stopped before its first change, over the state that step
+will find (no group's step reads another's state), so a plan every group passes runs in every
+group, and the give-backs after it (a revert of a grant just made, a free of a row just
+admitted) cannot fail. Undoing the groups that applied would not be exact: a settled result, a
+finished row and a released window column have no inverse. The price: each group runs its
+step's checks twice (the check, then the step's own).
+
 Invariants (``check_invariants``): every group's own; the same live rows in every group, with
 the same capacity and pending grants; a group's history is the common history plus its chunk
 tokens ahead, and only a request still prefilling has tokens ahead.
-
-What it does not do: a typed error that only a later group raises (`OutOfBlocks` for padding
-or a strict grant: the groups' pools differ) comes after the earlier groups applied the step;
-give padding and strict grants the blocks of every group first.
 """
 
 from __future__ import annotations
@@ -91,12 +99,19 @@ class KVCacheGroups:
         return {name: m.table for name, m in self.managers.items()}
 
     def step(self, plan: StepPlan) -> GroupsOutcome:
+        """Apply ``plan`` to every group, or, with the typed error of the first group (in the
+        order given) that refuses it, to none."""
         arrays = coerce(plan)
+        plans = {name: self._chunks_left(name, arrays) for name in self.managers}
+        for name, manager in self.managers.items():
+            manager.step_arrays(plans[name], apply=False)
+        runs: dict[str, StepOutcome] = {}
         for name, manager in self.managers.items():
             if manager.window is not None:
                 manager.window.held_back[:] = self.ahead[name]
-        runs = {name: m.step_arrays(self._chunks_left(name, arrays))
-                for name, m in self.managers.items()}
+            out = manager.step_arrays(plans[name])
+            assert out is not None  # only a check returns None
+            runs[name] = out
         for ahead in self.ahead.values():
             ahead[arrays.finished_rows] = 0
         granted = np.logical_and.reduce([o.granted for o in runs.values()])

@@ -4,7 +4,9 @@ A layer with window ``W`` reads, for a query at position ``p``, only the keys in
 Its group's rows grow at the end exactly as a full-attention row does (capacity, slack and
 reclaim are the manager's, unchanged), and this module adds one phase after each step: the
 leading columns no unsettled or future step can read go back to the pool, and the table says
-`block_table.RELEASED` there.
+`block_table.RELEASED` there. `WindowRelease.release` is that phase in numpy, run after
+`reference_step`; the compiled step runs it as its last phase (`step.compiled.release`), and the
+two are tested against each other.
 
 **What may still be read.** A row's ``read_from`` is the lowest query position of any step that
 is scheduled and may not have run, or is yet to come:
@@ -52,7 +54,8 @@ def released_columns(read_from: np.ndarray, window: int, tokens_per_block: int) 
 
 class WindowRelease:
     """The release phase of one windowed manager: ``read_from`` and the previous step's start
-    per row, and the phase itself (`release`)."""
+    per row, and the phase itself (`release`). Its arrays change only in place: the compiled
+    step holds them from the manager's start."""
 
     def __init__(self, window: int, tokens_per_block: int, num_rows: int) -> None:
         self.window = window

@@ -13,7 +13,10 @@ boundaries. After every call:
   its window's reads from ``start - W + 1`` and its writes up to its reach;
 - a decoding request holds at most `PoolConfig.max_live_blocks_per_seq` blocks in a windowed
   group, however long it grows;
-- the numpy and compiled steps leave the same state.
+- the numpy and compiled steps (the window's release included) return the same outcomes and
+  leave the same state, alone and in groups;
+- a plan some group refuses with a typed error (a strict grant one pool cannot serve, a grant
+  for a request only another group has wholly prefilled) changes no group.
 """
 
 from __future__ import annotations
@@ -25,10 +28,18 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kvalloc.allocator import InvalidValue, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator import (
+    InvalidValue,
+    KVAllocError,
+    KVCacheManager,
+    PoolConfig,
+    StepOutcome,
+    StepPlan,
+)
 from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.allocator.capacity.step.compiled import available
 from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
+from kvalloc.allocator.errors import OutOfBlocks, PrefillIncomplete
 
 MAX_DRAFT = 3
 MAX_SEQ = 120
@@ -70,28 +81,54 @@ class WindowMachine(RuleBasedStateMachine):
         super().__init__()
         self.call_no = 0
         self.requests: list[Request] = []
+        compiled = [False, True] if available() else [False]
         if self.MIXED:
-            self.groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
-                                         GroupSpec("window", config(24, 2, 7))])
+            self.twins = [KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                                         GroupSpec("window", config(24, 2, 7))], compiled=c)
+                          for c in compiled]
+            self.groups = self.twins[0]
             self.windows = {"full": None, "window": 7}
         else:
-            compiled = [False, True] if available() else [False]
             self.managers = [KVCacheManager(config(40, 4, 9), compiled=c) for c in compiled]
             self.windows = {"window": 9}
 
     # ------------------------------------------------------------------ one call
     def _step(self, plan: StepPlan):  # type: ignore[no-untyped-def]
-        self.call_no += 1
+        """One call; a call that raises is no call (nothing ran, nothing changed)."""
         if self.MIXED:
-            return self.groups.step(plan).outcome
-        outs = [m.step(plan) for m in self.managers]
-        return outs[0]
+            runs = [twin.step(plan) for twin in self.twins]
+            outs, out = [r.groups for r in runs], runs[0].outcome
+        else:
+            outs = [{"window": m.step(plan)} for m in self.managers]
+            out = outs[0]["window"]
+        for name, group_out in outs[0].items():  # the numpy step's, then the compiled one's
+            assert outcome_of(group_out) == outcome_of(outs[-1][name]), name
+        self.call_no += 1
+        return out
+
+    def _state(self) -> list[dict]:
+        if self.MIXED:
+            return [groups_state(twin) for twin in self.twins]
+        return [manager_state(m) for m in self.managers]
+
+    def _refused(self, plan: StepPlan, error: type[KVAllocError]):  # type: ignore[no-untyped-def]
+        """Step ``plan``; if it raises ``error``, no group (or manager) changed. Its outcome,
+        else None."""
+        before = self._state()
+        try:
+            return self._step(plan)
+        except error:
+            assert self._state() == before
+            return None
 
     def _managers(self) -> dict[str, KVCacheManager]:
         return self.groups.managers if self.MIXED else {"window": self.managers[0]}
 
-    @rule(prompt=st.integers(1, 40), chunk=st.integers(0, 24), data=st.data())
-    def call(self, prompt: int, chunk: int, data: st.DataObject) -> None:
+    @rule(prompt=st.integers(1, 40), chunk=st.integers(0, 24), strict=st.integers(0, 3),
+          data=st.data())
+    def call(self, prompt: int, chunk: int, strict: int, data: st.DataObject) -> None:
+        """One call; one in four makes its grants strict: a grant some group cannot serve
+        then refuses the whole call."""
         now = self.call_no + 1
         results = [r for r in self.requests if r.steps and r.steps[0].due == now]
         decoding = [r for r in self.requests if r.done >= r.prompt
@@ -107,8 +144,11 @@ class WindowMachine(RuleBasedStateMachine):
             num_accepted=[r.steps[0].accepted for r in results],
             grant_rows=[r.row for r in grants], draft_lens=drafts,
             prefill_rows=[r.row for r in prefilling], prefill_tokens=chunks,
-            prompt_lens=new, first_chunks=[first] if new else [], lag=self.LAG)
-        out = self._step(plan)
+            prompt_lens=new, first_chunks=[first] if new else [], lag=self.LAG,
+            strict_grants=strict == 0)
+        out = self._refused(plan, OutOfBlocks)
+        if out is None:
+            return
         until = now + self.LAG - 1  # the last call after which a forward run now may still run
         for r in self.requests:
             r.chunks = [f for f in r.chunks if f.until >= now]
@@ -133,6 +173,17 @@ class WindowMachine(RuleBasedStateMachine):
                 self._finish(r)
 
     @rule(data=st.data())
+    def grant_before_the_prompt_ends(self, data: st.DataObject) -> None:
+        """A grant for a request still prefilling, which a group holding its whole prompt ahead
+        would serve: every group stays as it was."""
+        prefilling = [r for r in self.requests if r.done < r.prompt]
+        if prefilling:
+            r = data.draw(st.sampled_from(prefilling))
+            out = self._refused(StepPlan(grant_rows=[r.row], draft_lens=[0], lag=self.LAG),
+                                PrefillIncomplete)
+            assert out is None
+
+    @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         if self.requests:
             self._finish(data.draw(st.sampled_from(self.requests)))
@@ -145,15 +196,10 @@ class WindowMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ checks
     @invariant()
     def invariants_hold(self) -> None:
-        if self.MIXED:
-            self.groups.check_invariants()
-        else:
-            for m in self.managers:
-                m.check_invariants()
-            a, b = self.managers[0], self.managers[-1]
-            for name, value in vars(a.rows).items():
-                assert np.array_equal(value, getattr(b.rows, name)), name
-            assert np.array_equal(a.table.host, b.table.host)
+        for twin in self.twins if self.MIXED else self.managers:
+            twin.check_invariants()
+        numpy, compiled = self._state()[0], self._state()[-1]
+        assert numpy == compiled  # the window's release included
 
     @invariant()
     def every_touched_column_is_a_block(self) -> None:
@@ -294,4 +340,89 @@ def test_a_windowed_group_ahead_by_a_chunk_keeps_the_window_the_chunk_reads() ->
     assert out.outcome.prefill_starts.tolist() == [32]
     window = groups.managers["window"].table.host[a]
     assert (window[(32 - 7 + 1) // 2 : 64 // 2] >= 0).all()
+    groups.check_invariants()
+
+
+def manager_state(m: KVCacheManager) -> dict:
+    """Everything a step can change in one group, as plain values (the refusal counter an error
+    may bump, ``row_overflows``, aside)."""
+    out = {f"rows.{k}": v.tolist() for k, v in vars(m.rows).items()}
+    out.update({f"pool.{k}": v.tolist() if isinstance(v, np.ndarray) else v
+                for k, v in vars(m.pool).items()})
+    out.update({
+        "table.host": m.table.host.tolist(),
+        "table.device": m.table.device_table.cpu().tolist(),
+        "table.free_rows": m.table.free_rows.tolist(),
+        "table.num_free_rows": m.table.num_free_rows,
+        "counters": {**dataclasses.asdict(m.counters), "row_overflows": 0},
+        "ids": sorted(map(str, m.request_ids)),
+    })
+    if m.window is not None:
+        out.update({f"window.{k}": v.tolist() for k, v in vars(m.window).items()
+                    if isinstance(v, np.ndarray)})
+    return out
+
+
+def outcome_of(out: StepOutcome) -> dict:
+    return {f.name: (str(getattr(out, f.name).dtype), getattr(out, f.name).tolist())
+            for f in dataclasses.fields(out)}
+
+
+def groups_state(groups: KVCacheGroups) -> dict:
+    return {name: {**manager_state(m), "ahead": groups.ahead[name].tolist()}
+            for name, m in groups.managers.items()}
+
+
+def test_a_strict_grant_only_the_second_group_refuses_changes_no_group() -> None:
+    """The full group can serve both grants, the windowed group only one: the step raises
+    `OutOfBlocks` and neither group granted anything."""
+    groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                            GroupSpec("window", config(14, 2, 7))])
+    a = int(groups.step(StepPlan(prompt_lens=[20])).outcome.admitted_rows[0])
+    groups.step(StepPlan())  # the prompt has run: the windowed group gives its start back
+    b = int(groups.step(StepPlan(prompt_lens=[20])).outcome.admitted_rows[0])
+    before = groups_state(groups)
+    with pytest.raises(OutOfBlocks):
+        groups.step(StepPlan(grant_rows=[a, b], draft_lens=[3, 3], strict_grants=True))
+    assert groups_state(groups) == before
+    groups.check_invariants()
+    out = groups.step(StepPlan(grant_rows=[a, b], draft_lens=[3, 3])).outcome
+    assert not out.granted.any()  # not strict, the plan runs and the grants are refused
+    assert not groups.managers["full"].rows.pending.any()
+    groups.check_invariants()
+
+
+def test_padding_only_the_second_group_cannot_serve_changes_no_group() -> None:
+    """Padding of an earlier grant may not be refused: padding the windowed pool cannot serve
+    (a third request took its last blocks) raises, and the full group keeps the grant as it
+    was."""
+    groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                            GroupSpec("window", config(14, 2, 7))])
+    a = int(groups.step(StepPlan(prompt_lens=[20])).outcome.admitted_rows[0])
+    groups.step(StepPlan())
+    groups.step(StepPlan(prompt_lens=[20]))
+    assert groups.step(StepPlan(grant_rows=[a], draft_lens=[0])).outcome.granted.all()
+    assert groups.step(StepPlan(prompt_lens=[14])).outcome.admitted_rows.tolist() == [2]
+    assert groups.managers["window"].free_blocks == 0
+    before = groups_state(groups)
+    with pytest.raises(OutOfBlocks):
+        groups.step(StepPlan(padding_rows=[a], padded_draft_lens=[3]))
+    assert groups_state(groups) == before
+    groups.check_invariants()
+
+
+def test_a_grant_only_another_group_has_prefilled_for_changes_no_group() -> None:
+    """The windowed group served A's last chunk, the full one could not: A is still prefilling,
+    so a grant for it is refused with `PrefillIncomplete` by the full group alone, and the
+    windowed group (first here) grants nothing."""
+    groups = KVCacheGroups([GroupSpec("window", config(120, 2, 7)),
+                            GroupSpec("full", config(34, 4, None))])
+    a = int(groups.step(StepPlan(prompt_lens=[64], first_chunks=[32])).outcome.admitted_rows[0])
+    groups.step(StepPlan(prompt_lens=[100], first_chunks=[96]))
+    out = groups.step(StepPlan(prefill_rows=[a], prefill_tokens=[32])).outcome
+    assert out.prefill_granted.tolist() == [False] and groups.ahead["window"][a] == 32
+    before = groups_state(groups)
+    with pytest.raises(PrefillIncomplete):
+        groups.step(StepPlan(grant_rows=[a], draft_lens=[3]))
+    assert groups_state(groups) == before
     groups.check_invariants()

@@ -20,7 +20,10 @@ and only then, when nothing can fail any more,
 5. `replace`: ``replace_state``: the settled and granted state replaces the row state;
 6. `move`: ``move_blocks``: new requests take their cached blocks, every row's blocks follow its
    capacity (`block_moves`: ``park_prefix``, ``truncate``, ``take``), finished rows are reset,
-   new requests are admitted; returns the outcome's arrays.
+   new requests are admitted;
+7. `release`: in a windowed group, `windows.release.WindowRelease.release` (the numpy step runs
+   that after `reference_step`): the columns behind every window go back to the pool; then
+   `move.changes` lists the table cells the step changed.
 
 Beside them: `driver` (`_step`, which runs the phases in order, and `CompiledStep`, which runs it
 over a manager's state), `tuples` (the named tuples the phases take, and the indices into their

@@ -4,8 +4,10 @@
 `_step` calls the phase modules' functions, named as the reference's phases, with the same
 arguments (the state and the step's scratch arrays as `tuples`' named tuples): ``validate``,
 ``settle_step``, ``plan_grants``, ``plan_prefill``, ``serve_blocks``, then, when nothing can
-fail any more, ``replace_state`` and ``move_blocks``. It is the one function compiled on its
-own: every phase is inlined into it, so the step is one native routine with one signature.
+fail any more, ``replace_state`` and ``move_blocks``, and, in a windowed group, `release`
+(`WindowRelease.release`, which runs after `reference_step` in the numpy step). It is the one
+function compiled on its own: every phase is inlined into it, so the step is one native routine
+with one signature.
 
 Invariants: a phase that writes ``error`` ends the step with empty outputs, before the row state,
 the pool or the table changed; `CompiledStep` copies the stack tops back, and marks the table's
@@ -21,7 +23,8 @@ from kvalloc.allocator.capacity.state import COUNTER_NAMES, POLICY_CODES, Capaci
 from kvalloc.allocator.capacity.step import codes
 from kvalloc.allocator.capacity.step.compiled.demand import plan_grants, plan_prefill
 from kvalloc.allocator.capacity.step.compiled.inlining import inlined
-from kvalloc.allocator.capacity.step.compiled.move import move_blocks
+from kvalloc.allocator.capacity.step.compiled.move import changes, move_blocks
+from kvalloc.allocator.capacity.step.compiled.release import release
 from kvalloc.allocator.capacity.step.compiled.replace import replace_state
 from kvalloc.allocator.capacity.step.compiled.serve import serve_blocks
 from kvalloc.allocator.capacity.step.compiled.settle import settle_step
@@ -42,10 +45,12 @@ from kvalloc.allocator.capacity.step.compiled.tuples import (
     Settled,
     State,
     Table,
+    Window,
 )
 from kvalloc.allocator.capacity.step.compiled.validate import validate
 from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome
 from kvalloc.allocator.capacity.step.reference import NO_HITS, Hits, StepRun
+from kvalloc.allocator.capacity.windows.release import WindowRelease
 from kvalloc.allocator.common.jit import jit, numba
 
 
@@ -55,12 +60,14 @@ def available() -> bool:
 
 
 def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settled: tuple,
-          scratch: tuple, error: np.ndarray, deltas: np.ndarray) -> tuple:
+          scratch: tuple, window: tuple, error: np.ndarray, deltas: np.ndarray,
+          apply: bool) -> tuple:
     """One step: `reference_step`. The arguments come as plain tuples (numba types a named
     tuple argument on a slow path, a microsecond a call) of the fields of `Plan`, `State` (its
-    ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled` and
-    `Scratch`. Returns `move_blocks`' outcome, or empty arrays when ``error`` stops the step;
-    ``deltas``: the counter deltas."""
+    ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled`, `Scratch`
+    and `Window`. Returns the outcome's arrays, or empty arrays when ``error`` stops the step or,
+    with ``apply`` False, once every check has passed (nothing changed); ``deltas``: the counter
+    deltas."""
     plan, hits = Plan(*plan), HitArrays(*hits)
     settled, scratch = Settled(*settled), Scratch(*scratch)
     limits, rows, pool, table, tops = state
@@ -78,21 +85,28 @@ def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settle
     if error[0]:
         return _no_outcome()
     served = serve_blocks(plan, strict, state, settled, demand, hits, scratch, error)
-    if error[0]:
+    if error[0] or not apply:
         return _no_outcome()
     replace_state(plan, lag, state, settled, demand, served, deltas)
-    outcome = move_blocks(plan, state, served, hits, scratch)
+    admitted_rows, cached_tokens = move_blocks(plan, state, served, hits, scratch)
+    release(plan, lag, state, Window(*window), served.prefill_ok, served.prefill_starts,
+            admitted_rows, cached_tokens, scratch.released_from)
+    changed_rows, changed_from, changed_blocks, changed_ids, changed_cells = changes(
+        state.rows.num_blocks, scratch.old_blocks, scratch.rewritten, scratch.released_from,
+        state.table.host)
     deltas[COUNT_EVICTED] = tops[NUM_EVICTED]
     admitted = served.refusals.size - np.count_nonzero(served.refusals)
     deltas[COUNT_ADDED] = admitted
     deltas[COUNT_NOT_ADDED] = served.refusals.size - admitted
     deltas[COUNT_FREED] = plan.finished_rows.size
-    return outcome
+    return (served.granted, served.prefill_ok, admitted_rows, served.refusals,
+            served.grant_starts, served.prefill_starts, changed_rows, changed_from,
+            changed_blocks, changed_ids, changed_cells, cached_tokens)
 
 
 @inlined
 def _no_outcome() -> tuple:
-    """`move_blocks`' outcome, empty."""
+    """`_step`'s outcome, empty."""
     nothing = np.empty(0, dtype=np.int64)
     no = np.empty(0, dtype=np.bool_)
     return (no, no, nothing, np.empty(0, dtype=np.int8), nothing, nothing, nothing, nothing,
@@ -112,7 +126,8 @@ _table_arrays = attrgetter(*Table._fields)
 class CompiledStep:
     """The compiled step over one manager's `CapacityState`, with its scratch arrays."""
 
-    def __init__(self, state: CapacityState) -> None:
+    def __init__(self, state: CapacityState, window: WindowRelease | None = None) -> None:
+        """``window``: a windowed group's release, which the step runs as its last phase."""
         if numba is None:
             raise ImportError("the compiled step needs numba (pip install numba)")
         limits = state.limits
@@ -134,12 +149,17 @@ class CompiledStep:
         self.scratch = Scratch(item_rows=counts(), is_new_grant=marks(), wanted_draft=counts(),
                                target_capacity=counts(), item_ok=marks(), seen=marks(),
                                claimed=marks(blocks), rewritten=marks(), old_blocks=counts(),
+                               released_from=np.full(n, -1, dtype=np.int64),
                                evicted=counts(blocks))
+        self.window = tuple(Window(0, *(counts(0),) * 4, marks(0)) if window is None else Window(
+            window.window, window.read_from, window.last_start, window.held_back, counts(),
+            marks()))
         self.scratch_arrays = tuple(self.scratch)
         self.tops = np.zeros(3, dtype=np.int64)
         self.no_hits = counts()
 
-    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS) -> StepRun:
+    def run(self, plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS,
+            apply: bool = True) -> StepRun:
         rows, pool, table = state.rows, state.pool, state.table
         error = np.zeros(codes.ERROR_SLOTS, dtype=np.int64)
         deltas = np.zeros(len(COUNTER_NAMES), dtype=np.int64)
@@ -152,8 +172,8 @@ class CompiledStep:
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
          changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
             plan[:_plan_lists], plan.strict_grants, plan.lag, step_state, (hit_counts, hits.blocks),
-            self.settled, self.scratch_arrays, error, deltas)
-        if error[0]:
+            self.settled, self.scratch_arrays, self.window, error, deltas, apply)
+        if error[0] or not apply:
             return StepRun(error)
         pool.num_free = int(self.tops[NUM_FREE])
         table.num_free_rows = int(self.tops[NUM_FREE_ROWS])

@@ -27,21 +27,20 @@ from kvalloc.allocator.capacity.step.compiled.tuples import (
 
 @inlined
 def move_blocks(plan: Plan, state: State, served: Served, hits: HitArrays,
-                scratch: Scratch) -> tuple:
+                scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
     """New requests take their cached blocks; every row's blocks follow
     ceil(capacity / tokens_per_block): finished rows' cached blocks are parked (in the plan's
     order), then all shrinks (blocks pushed on the free stack), then all growth (blocks taken);
     finished rows are reset and go back to the free rows; admitted requests take rows and their
-    first blocks. Returns the outcome's arrays."""
+    first blocks. Returns the admitted rows and their cached tokens (`changes` lists the cells
+    once the window's release, if any, has run too)."""
     finished, prompt_lens, first_chunks = plan.finished_rows, plan.prompt_lens, plan.first_chunks
     rows, pool, table, tops = state.rows, state.pool, state.table, state.tops
     tpb, capacity, num_blocks, cached = (state.limits.tokens_per_block, rows.capacity,
                                          rows.num_blocks, rows.cached)
     host, free_rows = table.host, table.free_rows
     rewritten, old_blocks, evicted = scratch.rewritten, scratch.old_blocks, scratch.evicted
-    granted, prefill_ok, refusals, grant_starts, prefill_starts = (
-        served.granted, served.prefill_ok, served.refusals, served.grant_starts,
-        served.prefill_starts)
+    refusals = served.refusals
     _take_hits(refusals, hits, pool)
     rewritten[:] = False  # freed or admitted: from column 0
     for row in finished:
@@ -66,12 +65,8 @@ def move_blocks(plan: Plan, state: State, served: Served, hits: HitArrays,
         _reset(rows, row)
         free_rows[tops[NUM_FREE_ROWS]] = row
         tops[NUM_FREE_ROWS] += 1
-    admitted_rows, cached_tokens = _admit(prompt_lens, first_chunks, refusals, hits, rows, pool,
-                                          host, free_rows, tops, tpb, rewritten, evicted)
-    changed_rows, changed_from, changed_blocks, changed_ids, changed_cells = _changes(
-        num_blocks, old_blocks, rewritten, host)
-    return (granted, prefill_ok, admitted_rows, refusals, grant_starts, prefill_starts,
-            changed_rows, changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens)
+    return _admit(prompt_lens, first_chunks, refusals, hits, rows, pool, host, free_rows, tops,
+                  tpb, rewritten, evicted)
 
 
 @inlined
@@ -135,14 +130,16 @@ def _admit(prompt_lens: np.ndarray, first_chunks: np.ndarray, refusals: np.ndarr
 
 
 @inlined
-def _changes(num_blocks: np.ndarray, old_blocks: np.ndarray, rewritten: np.ndarray,
-             host: np.ndarray) -> tuple:
+def changes(num_blocks: np.ndarray, old_blocks: np.ndarray, rewritten: np.ndarray,
+            released_from: np.ndarray, host: np.ndarray) -> tuple:
     """Every row whose cells changed (`StepOutcome`'s ``changed_*``: rows, first column, block
-    count, ids), and those cells as flat indices into the table."""
+    count, ids), and those cells as flat indices into the table: from column 0 for a row freed
+    or admitted, else from the first its blocks moved or, earlier, the first a window released
+    (``released_from``, -1: none)."""
     num_changed = num_ids = num_cells = 0
     for row in range(num_blocks.size):
-        if rewritten[row] or num_blocks[row] != old_blocks[row]:
-            start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
+        if rewritten[row] or num_blocks[row] != old_blocks[row] or released_from[row] >= 0:
+            start = _first_changed(row, num_blocks, old_blocks, rewritten, released_from)
             num_changed += 1
             num_ids += num_blocks[row] - start
             num_cells += max(old_blocks[row], num_blocks[row]) - start
@@ -154,8 +151,8 @@ def _changes(num_blocks: np.ndarray, old_blocks: np.ndarray, rewritten: np.ndarr
     width = host.shape[1]
     k = j = c = 0
     for row in range(num_blocks.size):
-        if rewritten[row] or num_blocks[row] != old_blocks[row]:
-            start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
+        if rewritten[row] or num_blocks[row] != old_blocks[row] or released_from[row] >= 0:
+            start = _first_changed(row, num_blocks, old_blocks, rewritten, released_from)
             changed_rows[k] = row
             changed_from[k] = start
             changed_blocks[k] = num_blocks[row]
@@ -167,3 +164,10 @@ def _changes(num_blocks: np.ndarray, old_blocks: np.ndarray, rewritten: np.ndarr
                 c += 1
             k += 1
     return changed_rows, changed_from, changed_blocks, changed_ids, changed_cells
+
+
+@inlined
+def _first_changed(row: int, num_blocks: np.ndarray, old_blocks: np.ndarray,
+                   rewritten: np.ndarray, released_from: np.ndarray) -> int:
+    start = 0 if rewritten[row] else min(old_blocks[row], num_blocks[row])
+    return start if released_from[row] < 0 else min(start, released_from[row])

@@ -81,6 +81,19 @@ class State(NamedTuple):
     tops: np.ndarray  # int64 [3]: NUM_FREE, NUM_FREE_ROWS, NUM_EVICTED
 
 
+class Window(NamedTuple):
+    """`WindowRelease`'s arrays (``size``: its window W, 0 for full attention, which releases
+    nothing), and the release's working arrays per row: each row's step start (``starts``) and
+    whether it was admitted in this step (``fresh``)."""
+
+    size: int
+    read_from: np.ndarray
+    last_start: np.ndarray
+    held_back: np.ndarray
+    starts: np.ndarray
+    fresh: np.ndarray
+
+
 class HitArrays(NamedTuple):
     """`Hits`' arrays: one count per new request, their blocks concatenated."""
 
@@ -116,7 +129,8 @@ class Scratch(NamedTuple):
     row: ``item_rows`` (`Demand`'s, then `serve_blocks` puts the prefill rows after them),
     ``is_new_grant``, ``wanted_draft``, ``target_capacity`` (`Demand`), ``item_ok`` (`Served`;
     top-ups, grants and prefill chunks name distinct rows, so they fit), ``seen`` (`validate`),
-    ``rewritten`` (freed or admitted rows) and ``old_blocks`` (`move_blocks`). Per block:
+    ``rewritten`` (freed or admitted rows) and ``old_blocks`` (`move_blocks`),
+    ``released_from`` (`release`: -1 where a row released nothing). Per block:
     ``claimed`` (`serve_hits_in_order`) and ``evicted`` (`block_moves.take`). ``seen`` and
     ``claimed`` are all False on entry and on return."""
 
@@ -129,4 +143,5 @@ class Scratch(NamedTuple):
     claimed: np.ndarray
     rewritten: np.ndarray
     old_blocks: np.ndarray
+    released_from: np.ndarray
     evicted: np.ndarray
