@@ -83,3 +83,15 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
         else (None, None)
     pool, staged, query = pool.to(device), staged.to(device), query.to(device)
     return RandomStep(query, staged[0], staged[1], pool[0], pool[1], layout, *scales)
+
+
+# How far a kernel's attention may be from its torch reference, by the queries' dtype.
+ATTENTION_TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def assert_attention_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A kernel's output equals the reference's within the dtype's tolerance (a NaN the kernel
+    left in its NaN-filled output fails it)."""
+    assert not want.isnan().any()
+    tol = ATTENTION_TOLERANCE[want.dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -17,10 +17,9 @@ import torch
 from kvalloc.worker.attention.latent_attention import latent_attention
 from kvalloc.worker.attention.latent_attention_triton import LatentLaunch, latent_attention_triton
 from kvalloc.worker.errors import PoolAttentionInputError
-from pool_steps import RandomStep, random_step
+from pool_steps import RandomStep, assert_attention_matches, random_step
 from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -41,12 +40,6 @@ def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None
     return got, latent_attention(*args, **kw)
 
 
-def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert not want.isnan().any()
-    tol = TOLERANCE[want.dtype]
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-
-
 CPU_CASES = [  # (dtype, fp8 pool, heads, splits, max query)
     (torch.float32, False, 8, 1, 4), (torch.float32, False, 6, 2, 4),
     (torch.float32, False, 4, 4, 1), (torch.bfloat16, False, 8, 1, 4),
@@ -64,14 +57,14 @@ def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: boo
                         device="cpu", fp8=fp8, entries=5, tokens_per_block=4, max_history=40,
                         max_query=max_query)
     launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=splits)
-    _assert_matches(*_both(step, 32, launch))
+    assert_attention_matches(*_both(step, 32, launch))
 
 
 @needs_interpreter
 def test_the_default_cut_equals_the_reference() -> None:
     step = _latent_step(3, heads=16, rank=32, rope=16, dtype=torch.float32, device="cpu",
                         entries=3, tokens_per_block=4, max_history=30, max_query=4)
-    _assert_matches(*_both(step, 32))
+    assert_attention_matches(*_both(step, 32))
 
 
 def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
@@ -106,4 +99,4 @@ def test_kernel_equals_reference_on_the_gpu(dtype: torch.dtype, fp8: bool, max_q
     """DeepSeek-V3's per-layer shape (128 heads, latent 512 + rope 64) over 16-token blocks."""
     step = _latent_step(9, heads=128, rank=512, rope=64, dtype=dtype, device="cuda", fp8=fp8,
                         entries=6, tokens_per_block=16, max_history=700, max_query=max_query)
-    _assert_matches(*_both(step, 512, LatentLaunch(splits=splits)))
+    assert_attention_matches(*_both(step, 512, LatentLaunch(splits=splits)))

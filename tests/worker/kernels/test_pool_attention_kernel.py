@@ -36,11 +36,10 @@ from kvalloc.worker.attention.pool_attention_triton import (
     prefill_tiles,
 )
 from kvalloc.worker.errors import PoolAttentionInputError
-from pool_steps import RandomStep, random_step
+from pool_steps import RandomStep, assert_attention_matches, random_step
 from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
 
 FP8 = torch.float8_e4m3fn
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -55,12 +54,6 @@ def _both(step: RandomStep, *, window: int | None, scale: float = 0.3,
     got = pool_attention_triton(*args, **kw, out=out, launch=launch, prefill=prefill)
     assert got is out
     return got, pool_attention(*args, **kw)
-
-
-def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert not want.isnan().any()
-    tol = TOLERANCE[want.dtype]
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 CPU_CASES = [  # (dtype, fp8 pool, GQA ratio, window, device-only leads)
@@ -80,7 +73,7 @@ def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: boo
     step = random_step(group * 31 + (window or 0) + 7 * fp8, entries=5, kv_heads=2, group=group,
                        dim=16, tokens_per_block=4, max_history=30, max_query=4, dtype=dtype,
                        device="cpu", fp8=fp8, lead=lead)
-    _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
+    assert_attention_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
 
 
 @needs_interpreter
@@ -90,7 +83,7 @@ def test_prefill_chunks_split_into_query_tiles(window: int | None) -> None:
     step = random_step(5, entries=3, kv_heads=1, group=8, dim=16, tokens_per_block=4,
                        max_history=20, max_query=12, dtype=torch.float32, device="cpu",
                        lead=True)
-    _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
+    assert_attention_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
 
 
 @needs_interpreter
@@ -101,7 +94,7 @@ def test_an_odd_group_and_odd_entry_lengths_equal_the_reference(window: int | No
     step = random_step(11, entries=4, kv_heads=1, group=7, dim=16, tokens_per_block=4,
                        max_history=20, max_query=11, dtype=torch.float32, device="cpu",
                        lead=True)
-    _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
+    assert_attention_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16)))
 
 
 @needs_interpreter
@@ -115,7 +108,8 @@ def test_split_histories_merge_to_the_reference(dtype: torch.dtype, fp8: bool, g
     step = random_step(splits + group, entries=4, kv_heads=2, group=group, dim=16,
                        tokens_per_block=4, max_history=60, max_query=4, dtype=dtype,
                        device="cpu", fp8=fp8, lead=True)
-    _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16, splits=splits)))
+    launch = LaunchConfig(block_n=16, splits=splits)
+    assert_attention_matches(*_both(step, window=window, launch=launch))
 
 
 @needs_interpreter
@@ -187,7 +181,7 @@ def test_long_chunks_with_decodes_equal_the_reference(dtype: torch.dtype, fp8: b
                        dtype=dtype, device="cpu", fp8=fp8, lead=True, query_lens=lens,
                        histories=hist)
     for prefill in PREFILL_CUTS:
-        _assert_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16),
+        assert_attention_matches(*_both(step, window=window, launch=LaunchConfig(block_n=16),
                                prefill=prefill))
 
 
@@ -237,7 +231,7 @@ def test_kernel_equals_reference_on_gpu(dtype: torch.dtype, fp8: bool, group: in
     step = _gpu_step(group + dim + (window or 0) + max_query, group=group, dim=dim,
                      max_query=max_query, dtype=dtype, fp8=fp8)
     assert kernel_takes(step.query, step.pool_k, step.layout)
-    _assert_matches(*_both(step, window=window))
+    assert_attention_matches(*_both(step, window=window))
 
 
 # (dtype, fp8 pool, GQA ratio, head size, window, the long chunk, its history), each beside
@@ -266,7 +260,7 @@ def test_long_chunks_on_gpu_equal_the_reference(dtype: torch.dtype, fp8: bool, g
                        max_query=chunk, dtype=dtype, device="cuda", fp8=fp8, lead=True,
                        query_lens=lens, histories=hist)
     assert kernel_takes(step.query, step.pool_k, step.layout)
-    _assert_matches(*_both(step, window=window))
+    assert_attention_matches(*_both(step, window=window))
 
 
 @pytest.mark.gpu
@@ -287,7 +281,7 @@ def test_a_captured_mixed_step_replays_without_host_sync() -> None:
     with torch.cuda.graph(graph):
         pool_attention_triton(*args, out=out)
     graph.replay()
-    _assert_matches(out, pool_attention(*args))
+    assert_attention_matches(out, pool_attention(*args))
 
 
 @pytest.mark.gpu
@@ -295,7 +289,7 @@ def test_a_captured_mixed_step_replays_without_host_sync() -> None:
 @pytest.mark.parametrize("window", [None, 64])
 def test_float32_on_gpu_matches_to_float32_rounding(window: int | None) -> None:
     step = _gpu_step(9, group=4, dim=64, max_query=4, dtype=torch.float32)
-    _assert_matches(*_both(step, window=window))
+    assert_attention_matches(*_both(step, window=window))
 
 
 @pytest.mark.gpu
@@ -303,7 +297,7 @@ def test_float32_on_gpu_matches_to_float32_rounding(window: int | None) -> None:
 @pytest.mark.parametrize("splits", [1, 2, 8, None])
 def test_every_split_count_on_gpu(splits: int | None) -> None:
     step = _gpu_step(12, group=4, dim=128, max_query=4, dtype=torch.bfloat16)
-    _assert_matches(*_both(step, window=None, launch=LaunchConfig(splits=splits)))
+    assert_attention_matches(*_both(step, window=None, launch=LaunchConfig(splits=splits)))
 
 
 @pytest.mark.gpu
@@ -339,7 +333,7 @@ def test_a_captured_launch_replays_with_the_devices_new_histories() -> None:
     with torch.cuda.graph(graph):
         pool_attention_triton(*args, out=out)
     graph.replay()
-    _assert_matches(out, pool_attention(*args))
+    assert_attention_matches(out, pool_attention(*args))
 
     layout = step.layout
     moved = PagedLayout.build(
@@ -351,7 +345,7 @@ def test_a_captured_launch_replays_with_the_devices_new_histories() -> None:
     for tensor in (step.query, step.staged_k, step.staged_v):
         tensor.copy_(torch.randn(tensor.shape, device="cuda", generator=gen))
     graph.replay()
-    _assert_matches(out, pool_attention(*args[:5], moved))
+    assert_attention_matches(out, pool_attention(*args[:5], moved))
 
 
 @pytest.mark.gpu
@@ -378,7 +372,7 @@ def test_the_workers_attention_takes_the_kernel_on_cuda(monkeypatch: pytest.Monk
     assert len(calls) == 1 and calls[0] is step.layout
     want = pool_attention(step.query, step.staged_k, step.staged_v, step.pool_k, step.pool_v,
                           step.layout, scale=0.125)
-    _assert_matches(out[0], want)
+    assert_attention_matches(out[0], want)
 
 
 def _gpu_step(seed: int, *, group: int, dim: int, max_query: int, dtype: torch.dtype,
