@@ -177,10 +177,12 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
 
 def _layout_note(config: ServiceConfig) -> str:
     pool = config.pool
+    window = ("" if pool.window is None else
+              f", window {pool.window} (at most {pool.max_live_blocks_per_seq} blocks a request)")
     if pool.kv_layout == "latent":
-        return f"{pool.num_layers} layers x a latent of {pool.head_dim} (latent layout)"
+        return f"{pool.num_layers} layers x a latent of {pool.head_dim} (latent layout{window})"
     return (f"{pool.num_layers} layers x {pool.num_kv_heads} KV heads x {pool.head_dim} "
-            "(kv layout)")
+            f"(kv layout{window})")
 
 
 def _tier_note(config: ServiceConfig) -> str:

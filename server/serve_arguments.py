@@ -42,10 +42,14 @@ POOL_FLAGS: dict[str, tuple[type, str]] = {
     "max_draft_len": (int, "largest draft length D a grant may ask for"),
     "slack_policy": (str, "overlap slack: reclaim is the only correct one; none and unreclaimed "
                           "reproduce the two crashes kvalloc prevents, on purpose"),
+    "window": (int, "sliding window in tokens: each request gives back the blocks behind its "
+                    "window, for models whose every layer slides that far at most (Mistral); "
+                    "not with prefix caching (default: none, full attention)"),
 }
 _FLAG_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(KVDType), "kv_layout": get_args(KVLayout),
     "slack_policy": tuple(p.value for p in SlackPolicy)}
+_DEFAULT_IN_HELP = ("device", "window")  # their help says their default in words
 SERVICE_FLAGS = ("lease_ttl_s", "max_workers", "max_step_tokens", "max_body_bytes", "ipc_spin_s",
                  "verify_interval_s")
 
@@ -83,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         pool.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                           metavar="N" if kind is int else None,
                           choices=_FLAG_CHOICES.get(name),
-                          help=help_text if name == "device" else f"{help_text} "
-                                                                  f"(default {default})")
+                          help=help_text if name in _DEFAULT_IN_HELP else f"{help_text} "
+                                                                          f"(default {default})")
     shards = parser.add_argument_group("devices")
     shards.add_argument("--devices", metavar="DEVICE[,DEVICE...]",
                         help="one pool shard per device, in shard order, e.g. cuda:0,cuda:1 (a "

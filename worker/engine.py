@@ -57,7 +57,7 @@ from kvalloc.worker.drafters import DeviceOracleDrafter, Drafter
 from kvalloc.worker.errors import EngineError, LayoutMismatch, PoolTooSmall
 from kvalloc.worker.fusion import fuse_model
 from kvalloc.worker.launch_plans import launch_plan
-from kvalloc.worker.model import kv_layout, kv_shape
+from kvalloc.worker.model import kv_layout, kv_shape, layer_windows, pool_window
 from kvalloc.worker.requests import NamedPrompt, Request, int64s, new_request
 from kvalloc.worker.run_stats import DeviceClock, RunStats
 from kvalloc.worker.step.decode_graphs import DecodeGraphs, make_capturable
@@ -129,7 +129,8 @@ class Engine:
         self.rows = DeviceRows(layout.max_batch_size, self.device,
                                truth_width=self.device_drafter.width
                                if self.device_drafter is not None else 0)
-        self.validator = TableValidator(self.device) if validate else None
+        self.validator = (TableValidator(self.device, pool_window(model.config)) if validate
+                          else None)
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
@@ -176,11 +177,14 @@ class Engine:
         elif model.dtype != staging_dtype:
             wrong.append(f"dtype: the pool stages {staging_dtype}, the model runs in "
                          f"{model.dtype}")
+        wrong += _window_mismatch(model.config, layout.window)
         if wrong:
+            window = pool_window(model.config)
             raise LayoutMismatch(
                 f"{'; '.join(wrong)}. A pool for this model: kvalloc serve --num-layers "
                 f"{layers} --num-kv-heads {heads * tp} --head-dim {head_dim} --dtype {dtype}"
                 f"{' --kv-layout latent' if latent else ''}"
+                f"{f' --window {window}' if window is not None else ''}"
                 f"{f' --tensor-parallel {tp}' if tp > 1 else ''}")
 
     # ------------------------------------------------------------------ before serving
@@ -351,6 +355,22 @@ class Engine:
         if on_progress is not None:
             on_progress(generated)
         return results
+
+def _window_mismatch(config: Any, window: int | None) -> list[str]:
+    """Why a pool that gives back the blocks behind ``window`` cannot serve the model: a layer
+    that reads further back (a full-attention one, or a wider window) would read blocks
+    released to other requests. Nothing for a full-attention pool."""
+    if window is None:
+        return []
+    wider = [(i, w) for i, w in enumerate(layer_windows(config)) if w is None or w > window]
+    if not wider:
+        return []
+    i, w = wider[0]
+    reads = "its whole history" if w is None else f"a window of {w}"
+    return [f"window: the pool gives back blocks behind a window of {window}, but layer {i} "
+            f"of the model reads {reads}" + (f" ({len(wider)} layers read further)"
+                                              if len(wider) > 1 else "")]
+
 
 @dataclass(frozen=True)
 class _Flight:

@@ -98,12 +98,36 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window in positions (None: it reads its whole history), read the
+    way its family's forward reads it: Mistral slides every layer by ``sliding_window``; Qwen2
+    the layers ``layer_types`` names ``sliding_attention``; a latent model every layer when its
+    config carries a ``sliding_window`` (transformers' DeepSeek-V3 has none; DeepSeek-V4's
+    latent cache is windowed)."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    if config.model_type == "llama" or window is None:
+        return (None,) * layers
+    if kinds is not None:
+        return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    return (window,) * layers
+
+
+def pool_window(config: PretrainedConfig) -> int | None:
+    """The window a pool may give back blocks behind for this model: its widest layer's when
+    every layer slides, else None (a full-attention layer reads every block)."""
+    windows = layer_windows(config)
+    return None if None in windows else max(windows)  # type: ignore[type-var]
+
+
 def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
                    draft_len: int, dtype: str, device: str, tokens_per_block: int = 16,
                    max_batch_size: int = 64, num_blocks: int | None = None,
                    slack_policy: str = "reclaim") -> PoolConfig:
     """A pool shaped like the model's KV whose rows hold ``longest`` tokens (prompt + output);
-    by default with blocks for ``num_requests`` such requests at once."""
+    by default with blocks for ``num_requests`` such requests at once. A model whose every
+    layer slides gets a windowed pool (`pool_window`)."""
     layers, kv_heads, head_dim = kv_shape(config)
     per_request = -(-(longest + 1 + 2 * draft_len) // tokens_per_block)
     return PoolConfig(
@@ -111,7 +135,7 @@ def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
         kv_layout=kv_layout(config), dtype=dtype, device=device,
         max_batch_size=max_batch_size, max_seq_len=longest, max_draft_len=draft_len,
-        overlap_scheduler=True, slack_policy=slack_policy)
+        overlap_scheduler=True, slack_policy=slack_policy, window=pool_window(config))
 
 
 def _check_family(model_type: str, field: str) -> None:

@@ -7,6 +7,12 @@ real kernel reads or writes out of bounds: the illegal memory access kvalloc's a
 out. TensorRT-LLM's debug validator made this check in the original report; this one counts
 violations on the device, so it never synchronises and can stay on in long runs. Off by
 default (it costs a few small kernels per step).
+
+A model whose every layer slides reads, for its first query at position ``history``, no key
+below ``history - window + 1``: the columns wholly below it are never addressed, and a windowed
+pool may have given their blocks back (`block_table.RELEASED`). A validator made with that
+``window`` starts each row's check at the window's first column; without one it checks the
+whole history.
 """
 
 from __future__ import annotations
@@ -15,17 +21,24 @@ import torch
 
 
 class TableValidator:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, window: int | None = None) -> None:
+        """``window``: the widest sliding window of a model whose every layer slides (None: a
+        layer reads its whole history)."""
         self.violations = torch.zeros((), dtype=torch.int64, device=device)
+        self.window = window
 
-    def check(self, table: torch.Tensor, rows: torch.Tensor, reach: torch.Tensor,
-              tokens_per_block: int) -> None:
-        """Count the entries of ``table[rows[e]]`` that positions ``0 .. reach[e] - 1`` address
-        and that hold no block, plus the positions' blocks past the row's end."""
+    def check(self, table: torch.Tensor, rows: torch.Tensor, history: torch.Tensor,
+              reach: torch.Tensor, tokens_per_block: int) -> None:
+        """Count the entries of ``table[rows[e]]`` that positions ``first .. reach[e] - 1``
+        address and that hold no block, plus the positions' blocks past the row's end;
+        ``first`` is 0, or with a window the first key the query at ``history[e]`` reads."""
         width = table.shape[1]
         needed = (reach + tokens_per_block - 1) // tokens_per_block
         cols = torch.arange(width, device=table.device)
         holes = (cols < needed[:, None]) & (table[rows] < 0)
+        if self.window is not None:
+            first = (history - self.window + 1).clamp(min=0) // tokens_per_block
+            holes &= cols >= first[:, None]
         self.violations += holes.sum() + (needed - width).clamp(min=0).sum()
 
     def count(self) -> int:

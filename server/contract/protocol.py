@@ -190,7 +190,8 @@ class Attachment(PoolHandles):
     ``kv`` is ``[num_layers, P, num_blocks, tokens_per_block, num_kv_heads, head_dim]`` with P
     planes (`PoolLayout.kv_layout`): "kv" has K at index 0, V at 1; "latent" has one plane, one
     head, the MLA latent of ``head_dim``; ``block_table`` is int32 ``[max_batch_size,
-    max_blocks_per_seq]``, -1 past a request's blocks; ``staging`` is ``[num_layers, P,
+    max_blocks_per_seq]``, -1 past a request's blocks (-2 in the leading columns whose blocks a
+    windowed pool gave back, `PoolLayout.window`); ``staging`` is ``[num_layers, P,
     max_step_tokens, num_kv_heads, head_dim]``: the worker writes token i of a step
     (``slot_mapping[i]``) at ``staging[layer, plane, i]``.
     On CUDA the worker records ``forward_done`` after its forward and waits on ``commit_done``
@@ -246,6 +247,11 @@ class PoolLayout(Contract):
     data_parallel_rank: int | None = Field(default=None, description="The data-parallel rank "
                                                                      "the service allocates "
                                                                      "for, if it was given one.")
+    window: int | None = Field(
+        default=None, description="The sliding window in tokens a windowed pool gives back the "
+                                  "blocks behind (their block-table entries then hold -2): a "
+                                  "worker may serve it only a model whose every layer reads "
+                                  "no further back. None: full attention, nothing given back.")
 
 
 class Registration(Contract):
@@ -409,7 +415,8 @@ class TableDeltas(Contract):
     rows: _column(0, INT32_MAX, "Rows that changed.")
     starts: _column(0, INT32_MAX, "First changed column of each row.")
     num_blocks: _column(0, INT32_MAX, "Each row's block count after the step.")
-    block_ids: _column(0, INT32_MAX, "The new ids, row after row.")
+    block_ids: _column(-2, INT32_MAX, "The new ids, row after row; -2 in a column whose block "
+                                      "a windowed pool gave back (`PoolLayout.window`).")
 
 
 class CommitSummary(Contract):
@@ -461,7 +468,8 @@ class RequestState(Contract):
     pending_overlap_slack: int
     pending_draft_len: int | None
     num_blocks: int
-    block_ids: list[int]
+    block_ids: list[int] = Field(description="The row's first num_blocks columns: block ids, "
+                                             "-2 where a windowed pool gave the block back.")
 
 
 class PoolQuery(Contract):

@@ -457,4 +457,5 @@ def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
         k_scales=list(pool.k_scales) if pool.k_scales else None,
         v_scales=list(pool.v_scales) if pool.v_scales else None,
         tensor_parallel=config.tensor_parallel, data_parallel_rank=config.data_parallel_rank,
+        window=pool.window,
     )

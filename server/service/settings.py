@@ -144,6 +144,15 @@ class ServiceConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _window_keeps_no_cache(self) -> ServiceConfig:
+        # The allocator's windowed group keeps no prefix cache (`KVCacheManager`), so neither a
+        # host tier nor KV events, which need one, can serve a windowed pool either.
+        if self.pool.window is not None and self.prefix_caching:
+            raise ValueError("prefix_caching: a windowed pool (pool.window) keeps no prefix "
+                             "cache")
+        return self
+
+    @model_validator(mode="after")
     def _events_need_caching(self) -> ServiceConfig:
         if (self.kv_events is not None or self.kv_events_replay is not None) and not (
                 self.prefix_caching and self.kv_events is not None):

@@ -2,7 +2,10 @@
 query lengths (empty entries too), blocks in random order, rows whose history runs past their
 blocks (-1 table entries read as invisible), device-only leads, an entry on the spare row past
 the table (a batch bucket's padded entry: no history), and NaN everywhere a correct
-kernel never reads: pool slots outside every history, staging rows past the step's tokens."""
+kernel never reads: pool slots outside every history, staging rows past the step's tokens.
+With ``released`` (a window), each row's leading columns wholly behind the window of its
+step's first position hold `RELEASED` (-2), as a windowed pool's table does, and their blocks
+NaN (given back, another request's now)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.worker.attention.pool_attention import PagedLayout
 
 LEAD_BOUND = 3
@@ -31,7 +35,7 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
                 tokens_per_block: int, max_history: int, max_query: int,
                 dtype: torch.dtype, device: str, fp8: bool = False,
                 lead: bool = False, query_lens: list[int] | None = None,
-                histories: list[int] | None = None) -> RandomStep:
+                histories: list[int] | None = None, released: int | None = None) -> RandomStep:
     """``query_lens`` / ``histories``, when given, fix each entry's instead of drawing it
     (``entries``, ``max_query`` and ``max_history`` must bound them)."""
     rng = np.random.default_rng(seed)
@@ -74,6 +78,8 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
     staged[:, :total] = torch.randn(2, total, kv_heads, dim, generator=gen).to(dtype)
     query = torch.randn(total, kv_heads * group, dim, generator=gen).to(dtype)
     leads = rng.integers(0, LEAD_BOUND + 1, entries).clip(max=history) if lead else 0
+    if released is not None:
+        _release(table, pool, rows, history - leads, released, tokens_per_block)
     layout = PagedLayout.build(
         table.to(device), tokens_per_block, rows=rows, query_starts=np.cumsum(lengths) - lengths,
         query_lens=lengths, starts=history - leads,
@@ -83,6 +89,17 @@ def random_step(seed: int, *, entries: int, kv_heads: int, group: int, dim: int,
         else (None, None)
     pool, staged, query = pool.to(device), staged.to(device), query.to(device)
     return RandomStep(query, staged[0], staged[1], pool[0], pool[1], layout, *scales)
+
+
+def _release(table: torch.Tensor, pool: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
+             window: int, tokens_per_block: int) -> None:
+    """Give back each row's columns behind the window of its first position ``starts``."""
+    for row, start in zip(rows.tolist(), starts.tolist(), strict=True):
+        behind = max(0, (start - window + 1) // tokens_per_block)
+        if row < table.shape[0] and behind:
+            held = table[row, :behind]
+            pool[:, held[held >= 0].long()] = float("nan")
+            table[row, :behind] = RELEASED
 
 
 # How far a kernel's attention may be from its torch reference, by the queries' dtype.

@@ -2,6 +2,11 @@
 of varied lengths, and transformers' own answers for them (``generate`` and a plain forward's
 K/V), which are the oracle every worker run is checked against.
 
+`WINDOWED` adds a DeepSeek-V3-shaped model whose config carries a sliding window, a look-alike
+of DeepSeek-V4's windowed latent cache: transformers' DeepSeek-V3 has no window, so its answers
+come from transformers' own sdpa attention with the window added to the mask
+(`windowed_sdpa`), every layer alike, as the worker's latent attention applies it.
+
 Pool shape: 4 tokens per block, so the longest prompt crosses many block boundaries, and
 ``max_step_tokens`` 48, so the 70-token prompt is prefilled in chunks.
 """
@@ -19,6 +24,7 @@ from kvalloc.worker.model import kv_layout, kv_shape, random_model
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.run_stats import RunStats
 from transformers import (
+    AttentionInterface,
     DeepseekV3Config,
     DynamicCache,
     LlamaConfig,
@@ -26,6 +32,7 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 MAX_NEW_TOKENS = 10
 PROMPT_LENS = (1, 3, 6, 13, 17, 26, 41, 70)
@@ -60,6 +67,33 @@ CONFIGS = {
 }
 
 
+# Families whose reference is not transformers' own attention: the model runs its layers with
+# a sliding window transformers' class ignores.
+WINDOWED = {
+    "deepseek_v3_window": DeepseekV3Config(**DEEPSEEK, q_lora_rank=12, sliding_window=16),
+}
+WINDOWED_SDPA = "kvalloc_test_windowed_sdpa"
+
+
+def windowed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa, each query seeing only the last ``config.sliding_window`` positions:
+    one unpadded sequence, so the ``q`` queries are the last ``q`` of the ``kv`` positions."""
+    window = module.config.sliding_window
+    q_len, kv_len = query.shape[2], key.shape[2]
+    at = torch.arange(q_len, device=query.device)[:, None] + kv_len - q_len
+    keys = torch.arange(kv_len, device=query.device)[None, :]
+    band = (keys <= at) & (keys > at - window)
+    if attention_mask is None:
+        mask = band
+    elif attention_mask.dtype == torch.bool:
+        mask = attention_mask & band
+    else:
+        mask = attention_mask.masked_fill(~band, torch.finfo(attention_mask.dtype).min)
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+
 @dataclass(repr=False)
 class Oracle:
     """A tiny model (kvalloc attention), the same weights under transformers' sdpa, the prompts,
@@ -80,10 +114,11 @@ class Oracle:
 
 @cache
 def make_oracle(family: str) -> Oracle:
-    config = CONFIGS[family]
+    config = {**CONFIGS, **WINDOWED}[family]
     model = random_model(config, seed=0)
     reference = random_model(config, seed=0)
-    reference.set_attn_implementation("sdpa")
+    AttentionInterface.register(WINDOWED_SDPA, windowed_sdpa)
+    reference.set_attn_implementation(WINDOWED_SDPA if family in WINDOWED else "sdpa")
     rng = np.random.default_rng(1)
     prompts = [NamedPrompt(f"{family}-{i}", rng.integers(0, config.vocab_size, n).tolist())
                for i, n in enumerate(PROMPT_LENS)]

@@ -48,22 +48,24 @@ def expand_output(latent_out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 
 def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
                      pool: torch.Tensor, layout: PagedLayout, *, scale: float,
+                     window: int | None = None,
                      kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: ``q_latent [N, H, R]`` and ``q_rope [N, H, P]`` over the latent
     ``staged [>= N, 1, R + P]`` rows and ``pool [num_blocks, T, 1, R + P]``; returns
-    ``softmax(scale * scores) . c`` as ``[N, H, R]``. An fp8 pool needs its layer's
-    ``kv_scale`` (one element)."""
-    check_latent_inputs(q_latent, q_rope, staged, pool, layout, kv_scale)
+    ``softmax(scale * scores) . c`` as ``[N, H, R]``, each query seeing the last ``window``
+    positions only when a window is given. An fp8 pool needs its layer's ``kv_scale`` (one
+    element)."""
+    check_latent_inputs(q_latent, q_rope, staged, pool, layout, kv_scale, window)
     rank = q_latent.shape[-1]
     query = torch.cat((q_latent, q_rope), dim=-1)
-    out = pool_attention(query, staged, staged, pool, pool, layout, scale=scale,
+    out = pool_attention(query, staged, staged, pool, pool, layout, scale=scale, window=window,
                          k_scale=kv_scale, v_scale=kv_scale)
     return out[..., :rank]
 
 
 def check_latent_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
                         pool: torch.Tensor, layout: PagedLayout,
-                        kv_scale: torch.Tensor | None) -> None:
+                        kv_scale: torch.Tensor | None, window: int | None = None) -> None:
     """What both forms require of their inputs (shapes and dtypes only): one latent head, as
     wide as the two query parts together, and the GQA attention's rules for the query they
     make (`check_inputs`, on a stand-in of its shape that holds no data)."""
@@ -76,7 +78,7 @@ def check_latent_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: to
     if staged.dim() != 3 or staged.shape[1:] != (1, width):
         reject("staged", f"latent staging is [>= N, 1, {width}], got {tuple(staged.shape)}")
     query = torch.empty((*q_latent.shape[:2], width), dtype=q_latent.dtype, device="meta")
-    check_inputs(query, staged, staged, pool, pool, layout, window=None, k_scale=kv_scale,
+    check_inputs(query, staged, staged, pool, pool, layout, window=window, k_scale=kv_scale,
                  v_scale=kv_scale)
     if q_rope.dtype != q_latent.dtype:
         reject("q_rope", f"q_rope is {q_rope.dtype}, q_latent {q_latent.dtype}: one dtype")

@@ -54,12 +54,12 @@ def kernel_takes(q_latent: torch.Tensor, pool: torch.Tensor) -> bool:
 
 def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
                             pool: torch.Tensor, layout: PagedLayout, *, scale: float,
-                            kv_scale: torch.Tensor | None = None,
+                            window: int | None = None, kv_scale: torch.Tensor | None = None,
                             out: torch.Tensor | None = None,
                             launch: LatentLaunch | None = None) -> torch.Tensor:
     """`latent_attention`'s contract; ``out`` (``[N, H, R]``, the query's dtype), when given,
     receives the result. Every tensor's last dimension must be contiguous."""
-    check_latent_inputs(q_latent, q_rope, staged, pool, layout, kv_scale)
+    check_latent_inputs(q_latent, q_rope, staged, pool, layout, kv_scale, window)
     tensors = (q_latent, q_rope, staged, pool, layout.block_table)
     if any(t.stride(-1) != 1 or t.device != q_latent.device for t in tensors):
         reject("q_latent", f"every tensor's last dimension contiguous, on {q_latent.device}")
@@ -69,14 +69,14 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, staged
         reject("out", f"expected {q_latent.dtype} {tuple(q_latent.shape)}, got {out.dtype} "
                       f"{tuple(out.shape)}")
     if layout.num_tokens:
-        _launch(q_latent, q_rope, staged, pool, layout, out, scale, kv_scale,
+        _launch(q_latent, q_rope, staged, pool, layout, out, scale, window, kv_scale,
                 launch or LatentLaunch())
     return out
 
 
 def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
             pool: torch.Tensor, layout: PagedLayout, out: torch.Tensor, scale: float,
-            kv_scale: torch.Tensor | None, launch: LatentLaunch) -> None:
+            window: int | None, kv_scale: torch.Tensor | None, launch: LatentLaunch) -> None:
     from kvalloc.worker.kernels import latent_attention as kernels
     from kvalloc.worker.kernels import pool_attention as gqa
 
@@ -103,14 +103,14 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
     kernel[(grid[0], entries, tiles * splits)](
         q_latent, q_rope, staged, pool, table, layout.rows, layout.query_starts,
         layout.query_lens, layout.history, kv_scale, out, part_acc, part_ml,
-        scale * math.log2(math.e), table.shape[1], q_latent.stride(0), q_latent.stride(1),
-        q_rope.stride(0), q_rope.stride(1), staged.stride(0), pool.stride(0), pool.stride(1),
-        table.stride(0), out.stride(0), out.stride(1),
+        scale * math.log2(math.e), window or 0, table.shape[1], q_latent.stride(0),
+        q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), staged.stride(0),
+        pool.stride(0), pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
         RANK=rank, ROPE=q_rope.shape[-1], BLOCK_R=block_r,
         BLOCK_P=max(16, pow2(q_rope.shape[-1])), GROUP=group, QUERY_TILE=query_tile,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         BLOCK_S=min(launch.block_n, max(16, pow2(query_tile))),
-        TOKENS_PER_BLOCK=layout.tokens_per_block, FP8=fp8,
+        TOKENS_PER_BLOCK=layout.tokens_per_block, WINDOWED=window is not None, FP8=fp8,
         # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
         DOT_F32=not q_latent.is_cuda and q_latent.dtype == torch.bfloat16,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", SPLITS=splits,

@@ -13,8 +13,8 @@ at `_forward`, which for a step of the pool (a `PoolStep` passed) runs `mla_atte
 3. ``[c | k_rope]`` staged at ``staging[layer, 0, i, 0]`` for token ``i`` (the commit writes
    the pool from there);
 4. the absorbed attention (`worker.attention.latent_attention`: the kernel where it takes the
-   step, else the reference) at the module's own ``scaling`` (yarn's mscale included), each
-   head's ``W_UV`` and ``o_proj``.
+   step, else the reference) at the module's own ``scaling`` (yarn's mscale included), with
+   the config's ``sliding_window`` when it carries one, each head's ``W_UV`` and ``o_proj``.
 
 Every other call (no step, a cache, training) keeps the module's own forward.
 """
@@ -72,13 +72,16 @@ def mla_attention(module: torch.nn.Module, hidden_states: torch.Tensor,
     staged[:, 0, rank:].copy_(k_rope[:, 0])
     w_uk, w_uv = absorbed_weights(module.kv_b_proj.weight, heads, nope, module.v_head_dim)
     q_latent = absorb_query(q_nope, w_uk)
+    # transformers' DeepSeek-V3 has no window; a config that carries one (DeepSeek-V4's
+    # latent cache slides) windows every layer.
+    window = getattr(module.config, "sliding_window", None)
     out = expand_output(attend_latent(step, layer, q_latent, q_rope.contiguous(),
-                                      module.scaling), w_uv)
+                                      module.scaling, window), w_uv)
     return module.o_proj(out.reshape(1, n, -1))
 
 
 def attend_latent(step: PoolStep, layer: int, q_latent: torch.Tensor, q_rope: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None = None) -> torch.Tensor:
     """``[N, H, R]``: the kernel where it takes the step, else the reference (``q_latent``
     itself for a step that does not attend)."""
     if not step.attend:
@@ -90,7 +93,7 @@ def attend_latent(step: PoolStep, layer: int, q_latent: torch.Tensor, q_rope: to
             f"cuda_graphs: a captured step needs the latent attention kernel, which does not "
             f"take {q_latent.dtype} queries over a {pool.dtype} pool (or Triton is missing)")
     return (latent_attention_triton if kernel else latent_attention)(
-        q_latent, q_rope, step.staged(layer, 0), pool, step.layout, scale=scale)
+        q_latent, q_rope, step.staged(layer, 0), pool, step.layout, scale=scale, window=window)
 
 
 def _forward(module: torch.nn.Module, hidden_states: torch.Tensor,

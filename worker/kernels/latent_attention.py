@@ -45,13 +45,14 @@ def _latent_update(ql, qr, c, kr, visible, m_i, l_i, acc, k_mult, v_mult,
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-def _latent_history(ql, qr, m_i, l_i, acc, pool_ptr, table_row_ptr, lo, hi, k_mult, v_mult,
-                    table_width, p_stride_b, p_stride_s, RANK: tl.constexpr, ROPE: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TOKENS_PER_BLOCK: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
-                    UPDATE: tl.constexpr):
-    """Pool tokens ``[lo, hi)`` of one block-table row; a token whose table entry is -1 is
-    masked out of the load."""
+def _latent_history(ql, qr, m_i, l_i, acc, pool_ptr, table_row_ptr, lo, hi, position, window,
+                    k_mult, v_mult, table_width, p_stride_b, p_stride_s, RANK: tl.constexpr,
+                    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOWED: tl.constexpr,
+                    FP8: tl.constexpr, PRECISION: tl.constexpr, UPDATE: tl.constexpr):
+    """Pool tokens ``[lo, hi)`` of one block-table row; a token whose table entry is negative
+    (-1, or a windowed pool's released -2) is masked out of the load, and with ``WINDOWED``
+    the row at ``position`` sees token ``j > position - window`` only."""
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     for n0 in range(lo, hi, BLOCK_N):
@@ -67,20 +68,23 @@ def _latent_history(ql, qr, m_i, l_i, acc, pool_ptr, table_row_ptr, lo, hi, k_mu
         if FP8:
             c = c.to(tl.float8e4nv, bitcast=True)
             kr = kr.to(tl.float8e4nv, bitcast=True)
-        m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), readable[None, :], m_i,
-                               l_i, acc, k_mult, v_mult, PRECISION)
+        visible = readable[None, :]
+        if WINDOWED:
+            visible = visible & (j[None, :] > position[:, None] - window)
+        m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), visible, m_i, l_i, acc,
+                               k_mult, v_mult, PRECISION)
     return m_i, l_i, acc
 
 
-def _latent_staged(ql, qr, m_i, l_i, acc, staged_ptr, hi, qi, qk_scale, s_stride_t,
+def _latent_staged(ql, qr, m_i, l_i, acc, staged_ptr, lo, hi, qi, window, qk_scale, s_stride_t,
                    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                   UPDATE: tl.constexpr):
-    """The entry's staged tokens ``[0, hi)`` (``staged_ptr`` at its first), causal: query
-    ``qi`` sees token ``t <= qi``."""
+                   BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, WINDOWED: tl.constexpr,
+                   PRECISION: tl.constexpr, UPDATE: tl.constexpr):
+    """The entry's staged tokens ``[lo, hi)`` (``staged_ptr`` at its first), causal: query
+    ``qi`` sees token ``t <= qi`` (and ``t > qi - window`` with ``WINDOWED``)."""
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
-    for t0 in range(0, hi, BLOCK_S):
+    for t0 in range(lo, hi, BLOCK_S):
         t = t0 + tl.arange(0, BLOCK_S)
         at = staged_ptr + (t * s_stride_t)[:, None]
         in_step = t < hi
@@ -88,6 +92,8 @@ def _latent_staged(ql, qr, m_i, l_i, acc, staged_ptr, hi, qi, qk_scale, s_stride
         kr = tl.load(at + RANK + p[None, :], mask=in_step[:, None] & (p < ROPE)[None, :],
                      other=0)
         visible = in_step[None, :] & (t[None, :] <= qi[:, None])
+        if WINDOWED:
+            visible = visible & (t[None, :] > qi[:, None] - window)
         m_i, l_i, acc = UPDATE(ql, qr, c.to(ql.dtype), kr.to(ql.dtype), visible, m_i, l_i, acc,
                                qk_scale, 1.0, PRECISION)
     return m_i, l_i, acc
@@ -95,13 +101,14 @@ def _latent_staged(ql, qr, m_i, l_i, acc, staged_ptr, hi, qi, qk_scale, s_stride
 
 def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr, starts_ptr,
                       lens_ptr, hist_ptr, scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                      qk_scale, table_width, ql_stride_t, ql_stride_h, qr_stride_t,
+                      qk_scale, window, table_width, ql_stride_t, ql_stride_h, qr_stride_t,
                       qr_stride_h, s_stride_t, p_stride_b, p_stride_s, table_stride,
                       o_stride_t, o_stride_h,
                       RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_P: tl.constexpr, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                      TOKENS_PER_BLOCK: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
+                      TOKENS_PER_BLOCK: tl.constexpr, WINDOWED: tl.constexpr,
+                      FP8: tl.constexpr, DOT_F32: tl.constexpr,
                       PRECISION: tl.constexpr, SPLITS: tl.constexpr, HISTORY: tl.constexpr,
                       STAGED: tl.constexpr, UPDATE: tl.constexpr):
     head_block = tl.program_id(0)
@@ -131,28 +138,34 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
         k_mult = qk_scale * tl.load(scale_ptr)
         v_mult = tl.load(scale_ptr)
 
-    # This program's keys: its split's share of the history, whole BLOCK_N steps (the last
-    # ones may be empty), and the staged tokens for the last split only.
+    # This program's keys: a key below every query's window is never loaded (the columns a
+    # windowed pool gave back lie there), its split's share of the history, whole BLOCK_N
+    # steps (the last ones may be empty), and the staged tokens for the last split only.
     tile_live = first < length
-    hi = tl.where(tile_live, hist, 0)
-    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), 0)
     lo = 0
+    s_lo = 0
+    if WINDOWED:
+        lo = tl.maximum(hist + first - window + 1, 0)
+        s_lo = tl.maximum(first - window + 1, 0)
+    hi = tl.where(tile_live, hist, lo)
+    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
     if SPLITS > 1:
-        chunk = (hi + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = (hi - lo + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
         hi = tl.minimum(hi, lo + chunk)
-        s_hi = tl.where(split == SPLITS - 1, s_hi, 0)
+        s_hi = tl.where(split == SPLITS - 1, s_hi, s_lo)
 
     m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_R], 0.0, tl.float32)
     m_i, l_i, acc = HISTORY(ql, qr, m_i, l_i, acc, pool_ptr,
-                            table_ptr + tl.load(rows_ptr + entry) * table_stride, lo, hi, k_mult,
-                            v_mult, table_width, p_stride_b, p_stride_s, RANK, ROPE, BLOCK_R,
-                            BLOCK_P, BLOCK_N, TOKENS_PER_BLOCK, FP8, PRECISION, UPDATE)
-    m_i, l_i, acc = STAGED(ql, qr, m_i, l_i, acc, staged_ptr + start * s_stride_t, s_hi, qi,
-                           qk_scale, s_stride_t, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_S, PRECISION,
-                           UPDATE)
+                            table_ptr + tl.load(rows_ptr + entry) * table_stride, lo, hi,
+                            hist + qi, window, k_mult, v_mult, table_width, p_stride_b,
+                            p_stride_s, RANK, ROPE, BLOCK_R, BLOCK_P, BLOCK_N, TOKENS_PER_BLOCK,
+                            WINDOWED, FP8, PRECISION, UPDATE)
+    m_i, l_i, acc = STAGED(ql, qr, m_i, l_i, acc, staged_ptr + start * s_stride_t, s_lo, s_hi,
+                           qi, window, qk_scale, s_stride_t, RANK, ROPE, BLOCK_R, BLOCK_P,
+                           BLOCK_S, WINDOWED, PRECISION, UPDATE)
 
     if SPLITS == 1:
         # A live row always sees its own staged token, so its sum is positive.

@@ -191,7 +191,7 @@ class DeviceStep:
         # Entries on the spare row, always the last ones, address nothing.
         if self.validator is not None:
             r = int((run.rows != self.rows.spare).sum())
-            self.validator.check(layout.block_table, layout.rows[:r],
+            self.validator.check(layout.block_table, layout.rows[:r], layout.history[:r],
                                  (layout.history + layout.query_lens)[:r],
                                  layout.tokens_per_block)
         if self.graphs is not None and run.decode_only:

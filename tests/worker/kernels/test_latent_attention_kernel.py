@@ -29,11 +29,11 @@ def _latent_step(seed: int, *, heads: int, rank: int, rope: int, dtype: torch.dt
                        device=device, fp8=fp8, lead=True, **shape)
 
 
-def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None,
+          window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     q_latent, q_rope = step.query[..., :rank], step.query[..., rank:]
     args = (q_latent, q_rope, step.staged_k, step.pool_k, step.layout)
-    kw = {"scale": 0.05, "kv_scale": step.k_scale}
+    kw = {"scale": 0.05, "window": window, "kv_scale": step.k_scale}
     out = torch.full_like(q_latent, float("nan"))
     got = latent_attention_triton(*args, **kw, out=out, launch=launch)
     assert got is out
@@ -61,6 +61,23 @@ def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: boo
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("dtype", "fp8", "window", "splits", "max_query"), [
+    (torch.float32, False, 5, 1, 4), (torch.float32, False, 9, 4, 4),
+    (torch.float32, False, 7, 1, 11), (torch.bfloat16, True, 6, 2, 4)])
+def test_a_window_over_released_columns_equals_the_reference(
+        dtype: torch.dtype, fp8: bool, window: int, splits: int, max_query: int) -> None:
+    """A windowed latent layer (DeepSeek-V4's cache slides): each row's columns behind its
+    window hold RELEASED (-2) and NaN blocks, which neither form reads; decodes, a prefill
+    chunk's query tiles and split histories."""
+    step = _latent_step(window * 5 + splits, heads=8, rank=32, rope=16, dtype=dtype,
+                        device="cpu", fp8=fp8, entries=5, tokens_per_block=4, max_history=50,
+                        max_query=max_query, released=window)
+    assert (step.layout.block_table == -2).any()
+    launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=splits)
+    assert_attention_matches(*_both(step, 32, launch, window))
+
+
+@needs_interpreter
 def test_the_default_cut_equals_the_reference() -> None:
     step = _latent_step(3, heads=16, rank=32, rope=16, dtype=torch.float32, device="cpu",
                         entries=3, tokens_per_block=4, max_history=30, max_query=4)
@@ -80,6 +97,7 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
         ((q_latent, q_rope, staged, pool.to(torch.float8_e4m3fn), layout), {}, "k_scale"),
         ((q_latent, q_rope, staged, pool, layout), {"out": out.half()}, "out"),
         ((q_latent, q_rope.double(), staged, pool, layout), {}, "q_rope"),
+        ((q_latent, q_rope, staged, pool, layout), {"window": 0}, "window"),
     ]
     for args, kwargs, field in cases:
         with pytest.raises(PoolAttentionInputError, match=rf"^{field}:"):
@@ -100,3 +118,14 @@ def test_kernel_equals_reference_on_the_gpu(dtype: torch.dtype, fp8: bool, max_q
     step = _latent_step(9, heads=128, rank=512, rope=64, dtype=dtype, device="cuda", fp8=fp8,
                         entries=6, tokens_per_block=16, max_history=700, max_query=max_query)
     assert_attention_matches(*_both(step, 512, LatentLaunch(splits=splits)))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("max_query", "splits"), [(4, None), (70, None), (4, 4)])
+def test_a_window_over_released_columns_on_the_gpu(max_query: int, splits: int | None) -> None:
+    """DeepSeek-V3's per-layer shape with a window of 256 over RELEASED columns, compiled."""
+    step = _latent_step(11, heads=128, rank=512, rope=64, dtype=torch.bfloat16, device="cuda",
+                        entries=6, tokens_per_block=16, max_history=700, max_query=max_query,
+                        released=256)
+    assert_attention_matches(*_both(step, 512, LatentLaunch(splits=splits), 256))

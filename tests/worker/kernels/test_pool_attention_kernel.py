@@ -113,6 +113,21 @@ def test_split_histories_merge_to_the_reference(dtype: torch.dtype, fp8: bool, g
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("window", "max_query", "splits"), [(5, 4, 1), (7, 12, 1), (9, 4, 4)])
+def test_a_windowed_pools_released_columns_are_never_read(window: int, max_query: int,
+                                                          splits: int) -> None:
+    """Every row's columns behind its window hold RELEASED (-2) and their blocks NaN, as a
+    windowed pool's do once another request holds them: decodes, prefill chunks and split
+    histories all equal the reference (whose table reading skips negative entries too)."""
+    step = random_step(window + max_query + splits, entries=5, kv_heads=2, group=4, dim=16,
+                       tokens_per_block=4, max_history=50, max_query=max_query,
+                       dtype=torch.float32, device="cpu", lead=True, released=window)
+    assert (step.layout.block_table == -2).any()
+    launch = LaunchConfig(block_n=16, splits=splits)
+    assert_attention_matches(*_both(step, window=window, launch=launch))
+
+
+@needs_interpreter
 def test_an_empty_step_writes_nothing() -> None:
     step = random_step(1, entries=2, kv_heads=1, group=2, dim=16, tokens_per_block=4,
                        max_history=8, max_query=0, dtype=torch.float32, device="cpu")
