@@ -178,7 +178,7 @@ def _log_start(config: ServiceConfig, core: ServiceCore, rest: list[str], endpoi
 def _layout_note(config: ServiceConfig) -> str:
     pool = config.pool
     window = ("" if pool.window is None else
-              f", window {pool.window} (at most {pool.max_live_blocks_per_seq} blocks a request)")
+              f", window {pool.window}, at most {pool.max_live_blocks_per_seq} blocks a request")
     if pool.kv_layout == "latent":
         return f"{pool.num_layers} layers x a latent of {pool.head_dim} (latent layout{window})"
     return (f"{pool.num_layers} layers x {pool.num_kv_heads} KV heads x {pool.head_dim} "

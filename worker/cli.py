@@ -57,7 +57,14 @@ from kvalloc.worker.errors import (
     PromptFileError,
     RunStopped,
 )
-from kvalloc.worker.model import DTYPES, config_from_file, load_model, pool_for_model, random_model
+from kvalloc.worker.model import (
+    DTYPES,
+    config_from_file,
+    load_model,
+    pool_for_model,
+    pool_window,
+    random_model,
+)
 from kvalloc.worker.parallel.local_ranks import run_local_ranks
 from kvalloc.worker.parallel.sharding import shard_model
 from kvalloc.worker.requests import NamedPrompt
@@ -311,13 +318,14 @@ def _client(args: argparse.Namespace, model: Any,
 
 def in_process_pool(args: argparse.Namespace, model: Any,
                     prompts: Sequence[NamedPrompt]) -> PoolConfig:
-    """A pool shaped like ``model``'s KV, long enough for the longest prompt's output."""
+    """A pool shaped like ``model``'s KV, long enough for the longest prompt's output; a
+    windowed pool for a model whose every layer slides."""
     return pool_for_model(
         model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,
         num_requests=len(prompts), draft_len=args.draft_len, dtype=args.dtype,
         device=args.device, tokens_per_block=args.tokens_per_block,
         max_batch_size=args.max_batch_size, num_blocks=args.num_blocks,
-        slack_policy=args.slack_policy)
+        slack_policy=args.slack_policy, window=pool_window(model.config))
 
 
 def _human_interrupted(s: dict[str, Any]) -> str:

@@ -124,10 +124,10 @@ def pool_window(config: PretrainedConfig) -> int | None:
 def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
                    draft_len: int, dtype: str, device: str, tokens_per_block: int = 16,
                    max_batch_size: int = 64, num_blocks: int | None = None,
-                   slack_policy: str = "reclaim") -> PoolConfig:
+                   slack_policy: str = "reclaim", window: int | None = None) -> PoolConfig:
     """A pool shaped like the model's KV whose rows hold ``longest`` tokens (prompt + output);
-    by default with blocks for ``num_requests`` such requests at once. A model whose every
-    layer slides gets a windowed pool (`pool_window`)."""
+    by default with blocks for ``num_requests`` such requests at once. ``window``: a windowed
+    pool's (`pool_window` gives a model's)."""
     layers, kv_heads, head_dim = kv_shape(config)
     per_request = -(-(longest + 1 + 2 * draft_len) // tokens_per_block)
     return PoolConfig(
@@ -135,7 +135,7 @@ def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
         kv_layout=kv_layout(config), dtype=dtype, device=device,
         max_batch_size=max_batch_size, max_seq_len=longest, max_draft_len=draft_len,
-        overlap_scheduler=True, slack_policy=slack_policy, window=pool_window(config))
+        overlap_scheduler=True, slack_policy=slack_policy, window=window)
 
 
 def _check_family(model_type: str, field: str) -> None:

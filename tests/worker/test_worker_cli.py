@@ -20,6 +20,7 @@ from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import OWNER_SUFFIX, SHM_DIR
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
 from kvalloc.worker.cli import default_worker_id
+from kvalloc.worker.model import kv_layout, kv_shape
 from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -161,17 +162,87 @@ def test_a_second_worker_under_the_same_id_is_told_to_name_itself(
                     f"worker is gone, take its id with --replace)")
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
 @pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])
-def test_the_validator_sees_a_service_without_slack(llama_oracle: Oracle, tmp_path: Path,
+def test_the_validator_sees_a_service_without_slack(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str],
-                                                    policy: str, violations: bool) -> None:
-    config, prompts = write_inputs(llama_oracle, tmp_path)
+                                                    policy: str, violations: bool,
+                                                    family: str) -> None:
+    """Mistral's in-process pool is windowed (every layer slides 16): the validator checks
+    each row from its window's first column, where the released ones end."""
+    oracle = make_oracle(family)
+    config, prompts = write_inputs(oracle, tmp_path)
     assert main(worker_args(config, prompts, "--in-process", "--overlap", "--validate",
                             "--draft-len", "3", "--drafter", "oracle:1.0", "--max-step-tokens",
                             "64", "--max-batch-size", "8", "--slack-policy", policy)) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["table_violations"] > 0) == violations
     assert result["forwards_ahead"] > 0
+
+
+WINDOWED_LATENT = "deepseek_v3_window"
+
+
+def windowed_pool(oracle: Oracle) -> list[str]:
+    """`SERVICE_POOL` shaped for ``oracle``'s model, with its window: a latent pool for an MLA
+    model."""
+    config = oracle.model.config
+    layers, heads, head_dim = kv_shape(config)
+    return [*SERVICE_POOL, "--num-layers", str(layers), "--num-kv-heads", str(heads),
+            "--head-dim", str(head_dim), "--kv-layout", kv_layout(config),
+            "--window", str(config.sliding_window)]
+
+
+@pytest.mark.parametrize("family", ["mistral", WINDOWED_LATENT])
+def test_a_worker_process_against_a_windowed_service(tmp_path: Path, family: str) -> None:
+    """`kvalloc worker` and `kvalloc serve --window 16` each a process of its own, one step
+    ahead with the table validator: generate's tokens (for the DeepSeek-V3-shaped model with a
+    window, transformers' sdpa with the window in its mask), no violation, and the service
+    holds nothing after."""
+    oracle = make_oracle(family)
+    config, prompts = write_inputs(oracle, tmp_path)
+    with ServiceProcess(tmp_path, *windowed_pool(oracle), tcp=False) as service:
+        r = subprocess.run([*kvalloc_command(), *worker_args(
+            config, prompts, "--address", service.stream, "--draft-len", "3", "--drafter",
+            "oracle:0.5", "--overlap", "--validate")], capture_output=True, text=True,
+            timeout=300)
+        with Client(service.stream, worker_id="observer") as client:
+            state = client.get_pool(verify=True)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert outputs(r.stdout) == oracle.expected
+    assert result["forwards_ahead"] > 0 and result["table_violations"] == 0
+    assert state.layout.window == 16 and state.num_requests == 0 and state.used_blocks == 0
+    layout = "latent" if family == WINDOWED_LATENT else "kv"
+    assert f"({layout} layout, window 16, at most 8 blocks a request)" in service.log()
+
+
+@pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])
+def test_the_validator_sees_a_windowed_latent_service_without_slack(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], policy: str,
+        violations: bool) -> None:
+    """A `kvalloc serve --kv-layout latent --window 16` pool for the DeepSeek-V3-shaped model
+    with a window: under --slack-policy none the device's writes outrun the rows' blocks."""
+    oracle = make_oracle(WINDOWED_LATENT)
+    config, prompts = write_inputs(oracle, tmp_path)
+    with ServiceProcess(tmp_path, *windowed_pool(oracle), "--slack-policy", policy,
+                        tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream, "--overlap",
+                                "--validate", "--draft-len", "3", "--drafter",
+                                "oracle:1.0")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["table_violations"] > 0) == violations
+    assert result["forwards_ahead"] > 0
+
+
+def test_a_model_reading_past_the_services_window_is_a_one_line_error(
+        llama_oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(llama_oracle, tmp_path)
+    with ServiceProcess(tmp_path, *SERVICE_POOL, "--window", "16", tcp=False) as service:
+        assert main(worker_args(config, prompts, "--address", service.stream)) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvalloc worker: window: the pool gives back blocks behind a window "
+                           "of 16, but layer 0 of the model reads its whole history")
 
 
 def test_ctrl_c_prints_a_partial_summary_deregisters_and_exits_130(llama_oracle: Oracle,

@@ -42,6 +42,10 @@ class PoolWatch:
 
     def __call__(self, record: StepRecord) -> None:
         self.apply_commit(record.call)
+        self.check(record)
+
+    def check(self, record: StepRecord) -> None:
+        """The pool against the shadow, then the step's slots for the next call's commit."""
         # Without NWOR a rejected draft's slot holds its staged K/V: compare committed slots.
         checked = slice(None) if self.nwor else ~self.shadow[0, 0, :, 0, 0].isnan()
         torch.testing.assert_close(self.pool[:, :, checked], self.shadow[:, :, checked],

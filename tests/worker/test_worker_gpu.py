@@ -23,23 +23,34 @@ from kvalloc.worker.engine import Engine
 from kvalloc.worker.model import pool_for_model, random_model
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.step.device_step import LaunchPlan
-from transformers import DeepseekV3Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AttentionInterface,
+    DeepseekV3Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+from worker_oracle import WINDOWED_SDPA, windowed_sdpa
 
 pytestmark = pytest.mark.gpu
 
 SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": None}
+DEEPSEEK = {**SMALL, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16, "v_head_dim": 24, "q_lora_rank": 24}
 FAMILIES = {
     "llama": LlamaConfig(**SMALL),
     "qwen2": Qwen2Config(**SMALL),  # biased q/k/v projections
     # A 32-position window: the longer prompts and their outputs slide out of it.
     "mistral": MistralConfig(**SMALL, sliding_window=32),
     # MLA over a latent pool (latent 32 + rope 16), a dense layer then a mixture of experts.
-    "deepseek_v3": DeepseekV3Config(
-        **{**SMALL, "num_key_value_heads": 4}, first_k_dense_replace=1, moe_intermediate_size=32,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=32,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, q_lora_rank=24),
+    "deepseek_v3": DeepseekV3Config(**DEEPSEEK),
 }
+# The same MLA shape with a window of 32 in every layer (a look-alike of DeepSeek-V4's latent
+# cache: transformers' DeepSeek-V3 has none, so its reference is `windowed_sdpa`).
+DEEPSEEK_WINDOWED = DeepseekV3Config(**DEEPSEEK, sliding_window=32)
 
 ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -104,6 +115,31 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     assert (stats.graph_replays > 0 and stats.graphs_captured > 0) == cuda_graphs
     # Six requests decode as a batch of eight, then fewer: the grown entries are exact too.
     assert (stats.padded_entries > 0) == cuda_graphs
+
+
+@pytest.mark.parametrize("family", ["mistral", "deepseek_v3_window"])
+@pytest.mark.parametrize(("overlap", "cuda_graphs"), [(False, False), (True, False),
+                                                      (True, True)],
+                         ids=["sync", "overlap", "overlap-graphs"])
+def test_float32_on_a_windowed_cuda_pool_equals_generate(cuda_device: str, family: str,
+                                                         overlap: bool, cuda_graphs: bool) -> None:
+    """A pool that gives back the blocks behind the window of 32 (poisoned with NaN first):
+    Mistral, and the DeepSeek-V3 shape with a window (transformers' sdpa given the window in
+    its mask is its reference), through the GQA and the latent kernels."""
+    config = FAMILIES["mistral"] if family == "mistral" else DEEPSEEK_WINDOWED
+    model = random_model(config, seed=0, device=cuda_device)
+    reference = random_model(config, seed=0, device=cuda_device)
+    AttentionInterface.register(WINDOWED_SDPA, windowed_sdpa)
+    reference.set_attn_implementation("sdpa" if family == "mistral" else WINDOWED_SDPA)
+    rng = np.random.default_rng(0)
+    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((1, 5, 17, 40, 130, 236))]
+    expected = _generated(reference, prompts, 16)
+    outputs, engine = _run(model, prompts, 16, _drafter(expected, overlap), 3, longest=316,
+                           batch=8, dtype="float32", overlap=overlap, cuda_graphs=cuda_graphs,
+                           window=32)
+    assert outputs == expected
+    assert engine.stats.table_violations == 0 and engine.stats.accepted_drafts > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

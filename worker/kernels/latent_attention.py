@@ -19,8 +19,9 @@ that module's `_combine_splits` merges them (``GROUP`` heads per "kv head" there
 
 fp8 pools arrive as raw bytes (uint8); a tile is converted to the query's dtype unscaled and the
 layer's scale multiplies the scores and the probabilities, as in the GQA kernel. The helpers
-(the two walks and the softmax update) reach the kernel as constexprs (``HISTORY``, ``STAGED``,
-``UPDATE``), as the GQA kernel's do: a kernel calls only helpers wrapped the way it is.
+(the two walks, the softmax update and the GQA kernel's key range, which a window starts at
+its first key) reach the kernel as constexprs (``HISTORY``, ``STAGED``, ``UPDATE``, ``KEYS``),
+as the GQA kernel's do: a kernel calls only helpers wrapped the way it is.
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
@@ -28,7 +29,7 @@ objects, not strings.
 
 import triton
 import triton.language as tl
-from kvalloc.worker.kernels.pool_attention import NO_SCORE, _add, _max
+from kvalloc.worker.kernels.pool_attention import NO_SCORE, _add, _key_range, _max
 
 
 def _latent_update(ql, qr, c, kr, visible, m_i, l_i, acc, k_mult, v_mult,
@@ -110,7 +111,7 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
                       TOKENS_PER_BLOCK: tl.constexpr, WINDOWED: tl.constexpr,
                       FP8: tl.constexpr, DOT_F32: tl.constexpr,
                       PRECISION: tl.constexpr, SPLITS: tl.constexpr, HISTORY: tl.constexpr,
-                      STAGED: tl.constexpr, UPDATE: tl.constexpr):
+                      STAGED: tl.constexpr, UPDATE: tl.constexpr, KEYS: tl.constexpr):
     head_block = tl.program_id(0)
     entry = tl.program_id(1)
     split = tl.program_id(2) % SPLITS
@@ -138,22 +139,9 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
         k_mult = qk_scale * tl.load(scale_ptr)
         v_mult = tl.load(scale_ptr)
 
-    # This program's keys: a key below every query's window is never loaded (the columns a
-    # windowed pool gave back lie there), its split's share of the history, whole BLOCK_N
-    # steps (the last ones may be empty), and the staged tokens for the last split only.
-    tile_live = first < length
-    lo = 0
-    s_lo = 0
-    if WINDOWED:
-        lo = tl.maximum(hist + first - window + 1, 0)
-        s_lo = tl.maximum(first - window + 1, 0)
-    hi = tl.where(tile_live, hist, lo)
-    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
-    if SPLITS > 1:
-        chunk = (hi - lo + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
-        lo = lo + split * chunk
-        hi = tl.minimum(hi, lo + chunk)
-        s_hi = tl.where(split == SPLITS - 1, s_hi, s_lo)
+    # This program's keys (`worker.kernels.pool_attention._key_range`).
+    lo, hi, s_lo, s_hi = KEYS(hist, first, length, window, split, QUERY_TILE, BLOCK_N,
+                              WINDOWED, SPLITS)
 
     m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -182,5 +170,6 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
 
 
 latent_attention_jit = triton.jit(_latent_attention)
-_HELPERS = {"HISTORY": _latent_history, "STAGED": _latent_staged, "UPDATE": _latent_update}
+_HELPERS = {"HISTORY": _latent_history, "STAGED": _latent_staged, "UPDATE": _latent_update,
+            "KEYS": _key_range}
 HELPERS_JIT = {name: triton.jit(fn) for name, fn in _HELPERS.items()}

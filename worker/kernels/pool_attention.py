@@ -20,10 +20,10 @@ probabilities instead, which equals dequantising every element first.
 
 The functions are plain Python, wrapped here with ``triton.jit`` for a GPU; for CPU tensors
 `worker.attention.pool_attention_triton` runs them in Triton's interpreter
-(`worker.kernels.helpers.kernel_for`). The helpers (the two key walks, the
-softmax update and the rows' store) are passed to the kernel as constexprs (``HISTORY``,
-``STAGED``, ``UPDATE``, ``STORE``) because a kernel can only call a helper wrapped the same way
-it is.
+(`worker.kernels.helpers.kernel_for`). The helpers (the two key walks, the softmax update, the
+rows' store and the tile's key range) are passed to the kernel as constexprs (``HISTORY``,
+``STAGED``, ``UPDATE``, ``STORE``, ``KEYS``) because a kernel can only call a helper wrapped
+the same way it is.
 
 No ``from __future__ import annotations`` here: Triton reads ``tl.constexpr`` annotations as
 objects, not strings.
@@ -56,6 +56,29 @@ def _online_update(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION: t
     l_i = l_i * alpha + tl.reduce(p, 1, _add)
     pv = tl.dot((p * v_mult).to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+def _key_range(hist, first, length, window, split, QUERY_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SPLITS: tl.constexpr):
+    """Which keys the program of a tile (first query ``first`` of an entry of ``length``
+    queries after ``hist`` history tokens) reads: pool positions ``[lo, hi)`` and staged tokens
+    ``[s_lo, s_hi)``. A key below every query's window is never loaded (a windowed pool's
+    released columns lie there), a split takes its share of the history in whole BLOCK_N steps
+    (the last ones may be empty), and the staged tokens are the last split's."""
+    tile_live = first < length
+    lo = hist * 0
+    s_lo = first * 0
+    if WINDOWED:
+        lo = tl.maximum(hist + first - window + 1, 0)
+        s_lo = tl.maximum(first - window + 1, 0)
+    hi = tl.where(tile_live, hist, lo)
+    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
+    if SPLITS > 1:
+        chunk = (hi - lo + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
+        s_hi = tl.where(split == SPLITS - 1, s_hi, s_lo)
+    return lo, hi, s_lo, s_hi
 
 
 def _attend_history(q, m_i, l_i, acc, pk_ptr, pv_ptr, table_row_ptr, lo, hi, head_off, position,
@@ -120,7 +143,7 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                     WINDOWED: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
                     PRECISION: tl.constexpr, SPLITS: tl.constexpr, TILE_MAP: tl.constexpr,
                     HISTORY: tl.constexpr, STAGED: tl.constexpr, UPDATE: tl.constexpr,
-                    STORE: tl.constexpr):
+                    STORE: tl.constexpr, KEYS: tl.constexpr):
     head = tl.program_id(1)
     if TILE_MAP:
         # int64 [2, tiles]: each tile's entry, then its first query (a prefill launch, one split).
@@ -151,22 +174,8 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
         k_mult = qk_scale * tl.load(k_scale_ptr)
         v_mult = tl.load(v_scale_ptr)
 
-    # Which keys this program reads: a key below every query's window is never loaded, a
-    # split takes its share of the history in whole BLOCK_N steps (the last ones may be empty),
-    # and the staged tokens are the last split's.
-    tile_live = first < length
-    lo = 0
-    s_lo = 0
-    if WINDOWED:
-        lo = tl.maximum(hist + first - window + 1, 0)
-        s_lo = tl.maximum(first - window + 1, 0)
-    hi = tl.where(tile_live, hist, lo)
-    s_hi = tl.where(tile_live, tl.minimum(length, first + QUERY_TILE), s_lo)
-    if SPLITS > 1:
-        chunk = (hi - lo + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
-        lo = lo + split * chunk
-        hi = tl.minimum(hi, lo + chunk)
-        s_hi = tl.where(split == SPLITS - 1, s_hi, s_lo)
+    lo, hi, s_lo, s_hi = KEYS(hist, first, length, window, split, QUERY_TILE, BLOCK_N,
+                              WINDOWED, SPLITS)
 
     m_i = tl.full([BLOCK_M], NO_SCORE, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -233,5 +242,5 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_
 pool_attention_jit = triton.jit(_pool_attention)
 combine_splits_jit = triton.jit(_combine_splits)
 _HELPERS = {"HISTORY": _attend_history, "STAGED": _attend_staged, "UPDATE": _online_update,
-            "STORE": _store_rows}
+            "STORE": _store_rows, "KEYS": _key_range}
 HELPERS_JIT = {name: triton.jit(fn) for name, fn in _HELPERS.items()}
