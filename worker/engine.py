@@ -356,6 +356,7 @@ class Engine:
             on_progress(generated)
         return results
 
+
 def _window_mismatch(config: Any, window: int | None) -> list[str]:
     """Why a pool that gives back the blocks behind ``window`` cannot serve the model: a layer
     that reads further back (a full-attention one, or a wider window) would read blocks
