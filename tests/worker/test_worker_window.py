@@ -24,7 +24,7 @@ from kvalloc.worker.drafters import DeviceOracleDrafter
 from kvalloc.worker.engine import Engine
 from kvalloc.worker.errors import LayoutMismatch
 from kvalloc.worker.requests import NamedPrompt
-from test_worker_exact import PoolWatch, make_drafter
+from test_worker_exact import PoolWatch, make_drafter, run_worker
 from test_worker_overlap import CommitReplay
 from worker_oracle import MAX_NEW_TOKENS, Oracle, make_oracle, pool_config
 
@@ -145,7 +145,8 @@ def test_a_long_request_holds_a_windows_blocks_however_long_it_grows(
     ("qwen2", 16, "layer 0 of the model reads its whole history (2 layers read further)"),
     ("mistral", 8, "layer 0 of the model reads a window of 16 (2 layers read further)"),
     ("deepseek_v3", 16, "layer 0 of the model reads its whole history (3 layers read "
-                        "further)")])
+                        "further)"),
+    ("qwen2_mixed", 16, "layer 0 of the model reads its whole history")])
 def test_a_layer_reading_past_the_pools_window_is_refused(
         one_thread: None, family: str, window: int, reads: str) -> None:
     """The pool would give back blocks such a layer still reads: the worker refuses it at
@@ -171,3 +172,16 @@ def test_a_layer_reading_past_the_pools_window_is_refused(
             assert engine.run(oracle.prompts, MAX_NEW_TOKENS) == oracle.expected
         finally:
             wider.close()
+
+
+def test_a_model_of_full_and_sliding_layers_is_exact_on_a_full_pool(
+        connect: Callable, one_thread: None) -> None:
+    """Qwen2 with layer 0 full and layer 1 sliding over 16 (transformers' ``layer_types``):
+    each layer attends with its own window over a pool that keeps every block; a windowed
+    pool is refused it (above)."""
+    oracle = make_oracle("qwen2_mixed")
+    full = make_oracle("qwen2")  # the same weights and prompts, every layer full
+    assert [p.token_ids for p in oracle.prompts] == [p.token_ids for p in full.prompts]
+    assert list(oracle.expected.values()) != list(full.expected.values())
+    _, outputs, _ = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3)
+    assert outputs == oracle.expected

@@ -2,10 +2,12 @@
 of varied lengths, and transformers' own answers for them (``generate`` and a plain forward's
 K/V), which are the oracle every worker run is checked against.
 
-`WINDOWED` adds a DeepSeek-V3-shaped model whose config carries a sliding window, a look-alike
-of DeepSeek-V4's windowed latent cache: transformers' DeepSeek-V3 has no window, so its answers
-come from transformers' own sdpa attention with the window added to the mask
-(`windowed_sdpa`), every layer alike, as the worker's latent attention applies it.
+`WINDOWED` adds the families only the windowed tests run: a Qwen2 model of one full and one
+sliding layer (``layer_types``), and a DeepSeek-V3-shaped model whose config carries a sliding
+window, a look-alike of DeepSeek-V4's windowed latent cache: transformers' DeepSeek-V3 has no
+window, so its answers come from transformers' own sdpa attention with the window added to
+the mask (`windowed_sdpa`, in `REFERENCE_ATTENTION`), every layer alike, as the worker's latent
+attention applies it.
 
 Pool shape: 4 tokens per block, so the longest prompt crosses many block boundaries, and
 ``max_step_tokens`` 48, so the 70-token prompt is prefilled in chunks.
@@ -67,12 +69,16 @@ CONFIGS = {
 }
 
 
-# Families whose reference is not transformers' own attention: the model runs its layers with
-# a sliding window transformers' class ignores.
 WINDOWED = {
+    # Layer 0 full, layer 1 sliding over 16 positions (layers from max_window_layers slide).
+    "qwen2_mixed": Qwen2Config(**TINY, eos_token_id=None, use_sliding_window=True,
+                               sliding_window=16, max_window_layers=1),
     "deepseek_v3_window": DeepseekV3Config(**DEEPSEEK, q_lora_rank=12, sliding_window=16),
 }
 WINDOWED_SDPA = "kvalloc_test_windowed_sdpa"
+# Families whose reference is not transformers' sdpa: the model slides its layers by a window
+# transformers' class ignores.
+REFERENCE_ATTENTION = {"deepseek_v3_window": WINDOWED_SDPA}
 
 
 def windowed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -118,7 +124,7 @@ def make_oracle(family: str) -> Oracle:
     model = random_model(config, seed=0)
     reference = random_model(config, seed=0)
     AttentionInterface.register(WINDOWED_SDPA, windowed_sdpa)
-    reference.set_attn_implementation(WINDOWED_SDPA if family in WINDOWED else "sdpa")
+    reference.set_attn_implementation(REFERENCE_ATTENTION.get(family, "sdpa"))
     rng = np.random.default_rng(1)
     prompts = [NamedPrompt(f"{family}-{i}", rng.integers(0, config.vocab_size, n).tolist())
                for i, n in enumerate(PROMPT_LENS)]
