@@ -38,13 +38,14 @@ class LatentLaunch:
     num_warps: int = 8
     num_stages: int = 2
     splits: int | None = None
+    value_split: int = 1
 
     def __post_init__(self) -> None:
         if (self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128)
                 or self.max_rows not in (16, 32, 64, 128) or self.block_h < 1
-                or self.block_h > self.max_rows):
+                or self.block_h > self.max_rows or self.value_split not in (1, 2)):
             reject("launch", f"splits 1/2/4/8, block_n and max_rows 16..128 (powers of two), "
-                             f"1 <= block_h <= max_rows; got {self}")
+                             f"1 <= block_h <= max_rows, value_split 1 or 2; got {self}")
 
 
 def kernel_takes(q_latent: torch.Tensor, pool: torch.Tensor) -> bool:
@@ -86,9 +87,11 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
     query_tile = min(pow2(max_query), floor_pow2(max(1, launch.max_rows // group)))
     tiles = -(-max_query // query_tile)
     entries = layout.rows.numel()
-    grid = (heads // group, entries, tiles)
+    value_split = launch.value_split if rank % launch.value_split == 0 else 1
+    width = rank // value_split
+    grid = (heads // group * value_split, entries, tiles)
     splits = launch.splits or splits_to_fill(grid[0] * entries * tiles, out.device)
-    block_m, block_r = max(16, pow2(query_tile * group)), max(16, pow2(rank))
+    block_m, block_v = max(16, pow2(query_tile * group)), max(16, pow2(width))
     fp8 = pool.dtype == torch.float8_e4m3fn
     if fp8:
         pool = pool.view(torch.uint8)
@@ -96,7 +99,7 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         kv_scale = layout.rows  # a valid pointer, never read
     parts = grid[0] * entries * tiles * splits * block_m
     one = splits == 1
-    part_acc = out if one else out.new_empty(parts * block_r, dtype=torch.float32)
+    part_acc = out if one else out.new_empty(parts * block_v, dtype=torch.float32)
     part_ml = out if one else out.new_empty(parts * 2, dtype=torch.float32)
     table = layout.block_table
     kernel = kernel_for(kernels.latent_attention_jit, q_latent)
@@ -106,11 +109,11 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         scale * math.log2(math.e), table.shape[1], q_latent.stride(0), q_latent.stride(1),
         q_rope.stride(0), q_rope.stride(1), staged.stride(0), pool.stride(0), pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
-        RANK=rank, ROPE=q_rope.shape[-1], BLOCK_R=block_r,
+        RANK=rank, ROPE=q_rope.shape[-1], WIDTH=width, BLOCK_V=block_v,
         BLOCK_P=max(16, pow2(q_rope.shape[-1])), GROUP=group, QUERY_TILE=query_tile,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         BLOCK_S=min(launch.block_n, max(16, pow2(query_tile))),
-        TOKENS_PER_BLOCK=layout.tokens_per_block, FP8=fp8,
+        TOKENS_PER_BLOCK=layout.tokens_per_block, VALUE_SPLIT=value_split, FP8=fp8,
         # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
         DOT_F32=not q_latent.is_cuda and q_latent.dtype == torch.bfloat16,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", SPLITS=splits,
@@ -120,5 +123,5 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         combine = kernel_for(gqa.combine_splits_jit, q_latent)
         combine[(entries, grid[0], tiles)](
             part_acc, part_ml, layout.query_starts, layout.query_lens, out, out.stride(0),
-            out.stride(1), GROUP=group, QUERY_TILE=query_tile, HEAD_DIM=rank, BLOCK_M=block_m,
-            BLOCK_D=block_r, SPLITS=splits, num_warps=4)
+            out.stride(1), GROUP=group, QUERY_TILE=query_tile, HEAD_DIM=width, BLOCK_M=block_m,
+            BLOCK_D=block_v, SPLITS=splits, VALUE_SPLIT=value_split, num_warps=4)
