@@ -21,6 +21,7 @@ import torch
 from kernel_probes import calls_a_plain_function
 from kvalloc.allocator.nwor.commit_kernel import write_staged
 from kvalloc.allocator.nwor.keep_mask import NEVER, mask_rejected
+from kvalloc.worker.attention.latent_attention_triton import LatentLaunch, latent_attention_triton
 from kvalloc.worker.attention.pool_attention_triton import LaunchConfig, pool_attention_triton
 from kvalloc.worker.attention.rotary import rotate_and_stage
 from kvalloc.worker.mlp.gated_mlp import silu_and_mul_triton
@@ -134,6 +135,22 @@ def test_the_pool_attention_kernels_compile(launches: list[Launch], dtype: torch
     pool_attention_triton(*args, **kw, window=None)
     pool_attention_triton(*args, **kw, window=24, launch=LaunchConfig(block_n=16, splits=2))
     _compiles(launches, "_pool_attention", "_combine_splits")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "bf16-fp8-pool"])
+@pytest.mark.parametrize("value_split", [1, 2])
+def test_the_latent_attention_kernels_compile(launches: list[Launch], fp8: bool,
+                                              value_split: int) -> None:
+    """The MLA kernel, its value columns whole or split over two programs, and its split
+    histories' merge (latent 64 + rope 32, 16 heads)."""
+    step = random_step(3, entries=3, kv_heads=1, group=16, dim=96, tokens_per_block=16,
+                       max_history=40, max_query=4, dtype=torch.bfloat16, device="cpu",
+                       fp8=fp8)
+    args = (step.query[..., :64], step.query[..., 64:], step.staged_k, step.pool_k, step.layout)
+    for splits in (1, 2):
+        latent_attention_triton(*args, scale=0.1, kv_scale=step.k_scale,
+                                launch=LatentLaunch(splits=splits, value_split=value_split))
+    _compiles(launches, "_latent_attention", "_combine_splits")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

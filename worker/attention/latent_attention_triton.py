@@ -30,15 +30,27 @@ from kvalloc.worker.kernels.helpers import floor_pow2, kernel_for, kernel_may_ta
 class LatentLaunch:
     """How the launch is cut: ``block_h`` heads a program holds at most, ``max_rows`` rows
     (queries x heads) a program holds at most, ``block_n`` history tokens per loop step,
-    Triton's warps and stages, and ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`)."""
+    Triton's warps and stages, ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`) and
+    ``value_split`` (1 or 2: programs sharing a tile's value columns, each its own chunk; 1
+    where the latent's width is odd).
 
-    block_h: int = 16
-    max_rows: int = 64
+    The defaults, by the rule that a program's fp32 accumulator must fit its registers without
+    spilling, with rows enough for the tensor cores: 128 rows (32 heads x 4 queries, two
+    warpgroups of Hopper's 64-row products) with the value columns split in two, so the
+    ``[128, 256]`` accumulator takes 128 registers a thread of 8 warps. The unsplit
+    ``[64, 512]`` at 64 rows takes as many, but its score tile is then computed by both
+    warpgroups and the program spills (ptxas for sm_90: 255 registers and 264 bytes of stack a
+    thread; the default: 231 and none). 32 tokens a step in 2 stages: the queries (128 KiB) and
+    two latent tiles (2 x 36 KiB) fill the shared memory. `LATENT_CANDIDATES` are the cuts
+    benchmarks/bench_mla.py times against each other."""
+
+    block_h: int = 32
+    max_rows: int = 128
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
     splits: int | None = None
-    value_split: int = 1
+    value_split: int = 2
 
     def __post_init__(self) -> None:
         if (self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128)
@@ -46,6 +58,24 @@ class LatentLaunch:
                 or self.block_h > self.max_rows or self.value_split not in (1, 2)):
             reject("launch", f"splits 1/2/4/8, block_n and max_rows 16..128 (powers of two), "
                              f"1 <= block_h <= max_rows, value_split 1 or 2; got {self}")
+
+
+def _cut(rows: int, block_n: int, warps: int, stages: int, value_split: int) -> LatentLaunch:
+    return LatentLaunch(block_h=rows // 4, max_rows=rows, block_n=block_n, num_warps=warps,
+                        num_stages=stages, value_split=value_split)
+
+
+# The cuts a sweep compares at 128 heads x 4 queries, each fitting an H200's shared memory
+# (227 KiB) at DeepSeek-V3's latent, (rows, block_n, warps, stages, value split): the
+# unsplit 64 rows of 8 warps (the first default); 64 rows of one warpgroup, split, whose
+# accumulator is 128 registers a thread and whose smaller tiles let two programs share an SM
+# (at most ~113 KiB each: 16 tokens a step in 2 stages, or 32 in 1); 128 rows of two
+# warpgroups, split, in every tile and stage count that fits.
+LATENT_CANDIDATES = tuple(_cut(*cut) for cut in (
+    (64, 32, 8, 2, 1),
+    (64, 16, 4, 2, 2), (64, 16, 4, 3, 2), (64, 32, 4, 1, 2), (64, 32, 4, 2, 2),
+    (128, 16, 8, 2, 2), (128, 16, 8, 3, 2), (128, 32, 8, 1, 2), (128, 32, 8, 2, 2),
+    (128, 64, 8, 1, 2)))
 
 
 def kernel_takes(q_latent: torch.Tensor, pool: torch.Tensor) -> bool:

@@ -12,10 +12,16 @@ the tolerance of the query's dtype (neither form rounds the dequantised values).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kvalloc.worker.attention.latent_attention import latent_attention
-from kvalloc.worker.attention.latent_attention_triton import LatentLaunch, latent_attention_triton
+from kvalloc.worker.attention.latent_attention_triton import (
+    LATENT_CANDIDATES,
+    LatentLaunch,
+    latent_attention_triton,
+)
 from kvalloc.worker.errors import PoolAttentionInputError
 from pool_steps import RandomStep, assert_attention_matches, random_step
 from triton_interpreter import needs_triton_interpreter_with_loaded_bounds as needs_interpreter
@@ -40,24 +46,43 @@ def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None
     return got, latent_attention(*args, **kw)
 
 
-CPU_CASES = [  # (dtype, fp8 pool, heads, splits, max query)
-    (torch.float32, False, 8, 1, 4), (torch.float32, False, 6, 2, 4),
-    (torch.float32, False, 4, 4, 1), (torch.bfloat16, False, 8, 1, 4),
-    (torch.bfloat16, True, 8, 2, 4), (torch.float32, False, 8, 1, 11),
+CPU_CASES = [  # (dtype, fp8 pool, heads, splits, max query, tokens per block)
+    (torch.float32, False, 8, 1, 4, 4), (torch.float32, False, 6, 2, 4, 5),
+    (torch.float32, False, 4, 4, 1, 4), (torch.bfloat16, False, 8, 1, 4, 4),
+    (torch.bfloat16, True, 8, 2, 4, 4), (torch.float32, False, 8, 1, 11, 4),
 ]
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("dtype", "fp8", "heads", "splits", "max_query"), CPU_CASES)
+@pytest.mark.parametrize("value_split", [1, 2])
+@pytest.mark.parametrize(("dtype", "fp8", "heads", "splits", "max_query", "tokens_per_block"),
+                         CPU_CASES)
 def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: bool, heads: int,
-                                                    splits: int, max_query: int) -> None:
-    """Latent 32 + rope 16; 4 heads a program, so 6 heads take blocks of 2; 11-token entries
-    (a prefill chunk) take several query tiles of 16 rows."""
+                                                    splits: int, max_query: int,
+                                                    tokens_per_block: int,
+                                                    value_split: int) -> None:
+    """Latent 32 + rope 16, its value columns in one program or two; 4 heads a program, so 6
+    heads take blocks of 2; 11-token entries (a prefill chunk) take several query tiles of 16
+    rows; 5-token blocks put block edges inside a 16-token step."""
     step = _latent_step(heads * 7 + splits + fp8, heads=heads, rank=32, rope=16, dtype=dtype,
-                        device="cpu", fp8=fp8, entries=5, tokens_per_block=4, max_history=40,
-                        max_query=max_query)
-    launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=splits)
+                        device="cpu", fp8=fp8, entries=5, tokens_per_block=tokens_per_block,
+                        max_history=40, max_query=max_query)
+    launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=splits,
+                          value_split=value_split)
     assert_attention_matches(*_both(step, 32, launch))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("launch", LATENT_CANDIDATES, ids=repr)
+@pytest.mark.parametrize(("dtype", "fp8", "splits"), [(torch.float32, False, 1),
+                                                      (torch.bfloat16, True, 2)])
+def test_every_candidate_cut_equals_the_reference(launch: LatentLaunch, dtype: torch.dtype,
+                                                  fp8: bool, splits: int) -> None:
+    """The cuts bench_mla.py sweeps, on 16 heads (their head blocks cut to 16) and a latent of
+    32 + 16: decodes and an 11-token prefill chunk over 5-token blocks, whole or split."""
+    step = _latent_step(11 + fp8, heads=16, rank=32, rope=16, dtype=dtype, device="cpu",
+                        fp8=fp8, entries=4, tokens_per_block=5, max_history=40, max_query=11)
+    assert_attention_matches(*_both(step, 32, replace(launch, splits=splits)))
 
 
 @needs_interpreter
@@ -84,8 +109,9 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
     for args, kwargs, field in cases:
         with pytest.raises(PoolAttentionInputError, match=rf"^{field}:"):
             latent_attention_triton(*args, scale=0.1, **{"out": out, **kwargs})
-    with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
-        LatentLaunch(block_n=48)
+    for bad in ({"block_n": 48}, {"value_split": 4}):
+        with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
+            LatentLaunch(**bad)
     assert out.isnan().all()
 
 
@@ -100,3 +126,14 @@ def test_kernel_equals_reference_on_the_gpu(dtype: torch.dtype, fp8: bool, max_q
     step = _latent_step(9, heads=128, rank=512, rope=64, dtype=dtype, device="cuda", fp8=fp8,
                         entries=6, tokens_per_block=16, max_history=700, max_query=max_query)
     assert_attention_matches(*_both(step, 512, LatentLaunch(splits=splits)))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("launch", LATENT_CANDIDATES, ids=repr)
+def test_every_candidate_cut_equals_the_reference_on_the_gpu(launch: LatentLaunch) -> None:
+    """The cuts bench_mla.py sweeps, compiled at DeepSeek-V3's shape (bf16, a 16-token block
+    pool), a prefill chunk among the decodes."""
+    step = _latent_step(10, heads=128, rank=512, rope=64, dtype=torch.bfloat16, device="cuda",
+                        entries=6, tokens_per_block=16, max_history=700, max_query=11)
+    assert_attention_matches(*_both(step, 512, launch))
