@@ -30,9 +30,11 @@ from kvalloc.worker.kernels.helpers import floor_pow2, kernel_for, kernel_may_ta
 class LatentLaunch:
     """How the launch is cut: ``block_h`` heads a program holds at most, ``max_rows`` rows
     (queries x heads) a program holds at most, ``block_n`` history tokens per loop step,
-    Triton's warps and stages, ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`) and
+    Triton's warps and stages, ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`),
     ``value_split`` (1 or 2: programs sharing a tile's value columns, each its own chunk; 1
-    where the latent's width is odd).
+    where the latent's width is odd) and ``lazy_rescale`` (the accumulator rescaled only when
+    a row's max grows by more than `online_softmax.RESCALE_SLACK`: fewer passes over it, the
+    same result).
 
     The defaults, by the rule that a program's fp32 accumulator must fit its registers without
     spilling, with rows enough for the tensor cores: 128 rows (32 heads x 4 queries, two
@@ -51,18 +53,22 @@ class LatentLaunch:
     num_stages: int = 2
     splits: int | None = None
     value_split: int = 2
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if (self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128)
                 or self.max_rows not in (16, 32, 64, 128) or self.block_h < 1
-                or self.block_h > self.max_rows or self.value_split not in (1, 2)):
+                or self.block_h > self.max_rows or self.value_split not in (1, 2)
+                or not isinstance(self.lazy_rescale, bool)):
             reject("launch", f"splits 1/2/4/8, block_n and max_rows 16..128 (powers of two), "
-                             f"1 <= block_h <= max_rows, value_split 1 or 2; got {self}")
+                             f"1 <= block_h <= max_rows, value_split 1 or 2, lazy_rescale a "
+                             f"bool; got {self}")
 
 
-def _cut(rows: int, block_n: int, warps: int, stages: int, value_split: int) -> LatentLaunch:
+def _cut(rows: int, block_n: int, warps: int, stages: int, value_split: int,
+         lazy: bool = False) -> LatentLaunch:
     return LatentLaunch(block_h=rows // 4, max_rows=rows, block_n=block_n, num_warps=warps,
-                        num_stages=stages, value_split=value_split)
+                        num_stages=stages, value_split=value_split, lazy_rescale=lazy)
 
 
 # The cuts a sweep compares at 128 heads x 4 queries, each fitting an H200's shared memory
@@ -70,12 +76,13 @@ def _cut(rows: int, block_n: int, warps: int, stages: int, value_split: int) -> 
 # unsplit 64 rows of 8 warps (the first default); 64 rows of one warpgroup, split, whose
 # accumulator is 128 registers a thread and whose smaller tiles let two programs share an SM
 # (at most ~113 KiB each: 16 tokens a step in 2 stages, or 32 in 1); 128 rows of two
-# warpgroups, split, in every tile and stage count that fits.
+# warpgroups, split, in every tile and stage count that fits; and two of those with the lazy
+# rescale, (rows, block_n, warps, stages, value split, lazy).
 LATENT_CANDIDATES = tuple(_cut(*cut) for cut in (
     (64, 32, 8, 2, 1),
     (64, 16, 4, 2, 2), (64, 16, 4, 3, 2), (64, 32, 4, 1, 2), (64, 32, 4, 2, 2),
     (128, 16, 8, 2, 2), (128, 16, 8, 3, 2), (128, 32, 8, 1, 2), (128, 32, 8, 2, 2),
-    (128, 64, 8, 1, 2)))
+    (128, 64, 8, 1, 2), (64, 16, 4, 2, 2, True), (128, 32, 8, 2, 2, True)))
 
 
 def kernel_takes(q_latent: torch.Tensor, pool: torch.Tensor) -> bool:
@@ -146,7 +153,8 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         TOKENS_PER_BLOCK=layout.tokens_per_block, VALUE_SPLIT=value_split, FP8=fp8,
         # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
         DOT_F32=not q_latent.is_cuda and q_latent.dtype == torch.bfloat16,
-        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", SPLITS=splits,
+        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        LAZY=launch.lazy_rescale, SPLITS=splits,
         **{name: kernel_for(jitted, q_latent) for name, jitted in kernels.HELPERS_JIT.items()},
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not one:

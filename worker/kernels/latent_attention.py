@@ -23,7 +23,9 @@ A split takes its share of the history in whole ``BLOCK_N`` steps and the last s
 entry's staged tokens (causal: query ``qi`` sees staged token ``t <= qi``); with more than one
 split each program writes its partial softmax in `worker.kernels.pool_attention`'s layout and
 that module's `_combine_splits` merges them (``GROUP`` heads per "kv head" there, the value
-chunks its ``VALUE_SPLIT``).
+chunks its ``VALUE_SPLIT``). ``LAZY``: the online softmax rescales the accumulator only when a
+row's max has grown enough (`worker.kernels.online_softmax`), which at a 512-wide latent is
+the update's largest cost on the CUDA cores.
 
 fp8 pools arrive as raw bytes (uint8); a tile is converted to the query's dtype unscaled and the
 layer's scale multiplies the scores and the probabilities, as in the GQA kernel. The helpers
@@ -73,8 +75,8 @@ def _latent_history(q_own, q_other, qr, m_i, l_i, acc, pool_ptr, table_row_ptr, 
                     WIDTH: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
                     BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                     TOKENS_PER_BLOCK: tl.constexpr, VALUE_SPLIT: tl.constexpr,
-                    FP8: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr,
-                    UPDATE: tl.constexpr):
+                    FP8: tl.constexpr, PRECISION: tl.constexpr, LAZY: tl.constexpr,
+                    TILE: tl.constexpr, UPDATE: tl.constexpr):
     """Pool tokens ``[lo, hi)`` of one block-table row; a token whose table entry is -1 is
     masked out of the load."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -86,15 +88,15 @@ def _latent_history(q_own, q_other, qr, m_i, l_i, acc, pool_ptr, table_row_ptr, 
         s, c = TILE(q_own, q_other, qr, pool_ptr + slot[:, None], readable, own, other, WIDTH,
                     ROPE, RANK, BLOCK_V, BLOCK_P, VALUE_SPLIT, FP8, PRECISION)
         m_i, l_i, acc = UPDATE(s * k_mult, c, readable[None, :], m_i, l_i, acc, v_mult,
-                               PRECISION)
+                               PRECISION, LAZY)
     return m_i, l_i, acc
 
 
 def _latent_staged(q_own, q_other, qr, m_i, l_i, acc, staged_ptr, hi, qi, own, other, qk_scale,
                    s_stride_t, WIDTH: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
                    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                   VALUE_SPLIT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr,
-                   UPDATE: tl.constexpr):
+                   VALUE_SPLIT: tl.constexpr, PRECISION: tl.constexpr, LAZY: tl.constexpr,
+                   TILE: tl.constexpr, UPDATE: tl.constexpr):
     """The entry's staged tokens ``[0, hi)`` (``staged_ptr`` at its first), causal: query
     ``qi`` sees token ``t <= qi``."""
     for t0 in range(0, hi, BLOCK_S):
@@ -103,7 +105,7 @@ def _latent_staged(q_own, q_other, qr, m_i, l_i, acc, staged_ptr, hi, qi, own, o
         s, c = TILE(q_own, q_other, qr, staged_ptr + (t * s_stride_t)[:, None], in_step, own,
                     other, WIDTH, ROPE, RANK, BLOCK_V, BLOCK_P, VALUE_SPLIT, False, PRECISION)
         visible = in_step[None, :] & (t[None, :] <= qi[:, None])
-        m_i, l_i, acc = UPDATE(s * qk_scale, c, visible, m_i, l_i, acc, 1.0, PRECISION)
+        m_i, l_i, acc = UPDATE(s * qk_scale, c, visible, m_i, l_i, acc, 1.0, PRECISION, LAZY)
     return m_i, l_i, acc
 
 
@@ -117,7 +119,8 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
                       QUERY_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_S: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
                       VALUE_SPLIT: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr,
-                      PRECISION: tl.constexpr, SPLITS: tl.constexpr, HISTORY: tl.constexpr,
+                      PRECISION: tl.constexpr, LAZY: tl.constexpr, SPLITS: tl.constexpr,
+                      HISTORY: tl.constexpr,
                       STAGED: tl.constexpr, TILE: tl.constexpr, UPDATE: tl.constexpr,
                       STORE: tl.constexpr):
     head_block = tl.program_id(0) // VALUE_SPLIT
@@ -174,10 +177,11 @@ def _latent_attention(ql_ptr, qr_ptr, staged_ptr, pool_ptr, table_ptr, rows_ptr,
                             table_ptr + tl.load(rows_ptr + entry) * table_stride, lo, hi, own,
                             other, k_mult, v_mult, table_width, p_stride_b, p_stride_s, WIDTH,
                             ROPE, RANK, BLOCK_V, BLOCK_P, BLOCK_N, TOKENS_PER_BLOCK,
-                            VALUE_SPLIT, FP8, PRECISION, TILE, UPDATE)
+                            VALUE_SPLIT, FP8, PRECISION, LAZY, TILE, UPDATE)
     m_i, l_i, acc = STAGED(q_own, q_other, qr, m_i, l_i, acc, staged_ptr + start * s_stride_t,
                            s_hi, qi, own, other, qk_scale, s_stride_t, WIDTH, ROPE, RANK,
-                           BLOCK_V, BLOCK_P, BLOCK_S, VALUE_SPLIT, PRECISION, TILE, UPDATE)
+                           BLOCK_V, BLOCK_P, BLOCK_S, VALUE_SPLIT, PRECISION, LAZY, TILE,
+                           UPDATE)
 
     # pool_attention's partial layout: head blocks x value chunks in the place of its KV heads.
     part = (entry * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * tl.num_programs(2) \

@@ -14,6 +14,8 @@ import triton.language as tl
 # Lower than any score, yet finite: the first update of a row that has seen no key yet gives
 # exp2(NO_SCORE - NO_SCORE) = 1 on an empty accumulator instead of exp2(-inf + inf) = NaN.
 NO_SCORE = tl.constexpr(-1.0e38)
+# How far (base 2) a row's max may grow before a lazy update rescales: probabilities up to 256.
+RESCALE_SLACK = tl.constexpr(8.0)
 
 
 # Reductions go through tl.reduce with Triton's own combine functions rather than tl.sum /
@@ -24,15 +26,29 @@ _add = tl.standard._sum_combine
 _max = tl.standard._elementwise_max
 
 
-def _online_update(s, v, visible, m_i, l_i, acc, v_mult, PRECISION: tl.constexpr):
+def _online_update(s, v, visible, m_i, l_i, acc, v_mult, PRECISION: tl.constexpr,
+                   LAZY: tl.constexpr):
     """One key tile into the running ``(max, sum, accumulator)`` of every row: ``s`` its
     scores (``[rows, keys]``, already scaled to base 2: softmax scale x log2(e) x the pool's k
     scale), ``visible`` which of them count, ``v`` its values (``[keys, width]``, the dtype the
-    probabilities are rounded to for the product) and ``v_mult`` their scale."""
+    probabilities are rounded to for the product) and ``v_mult`` their scale.
+
+    ``LAZY``: the rows keep the max they have (and the accumulator its scale) until one row's
+    grows by more than ``RESCALE_SLACK``, so most tiles skip rescaling the accumulator; the
+    probabilities are then up to 2 ** RESCALE_SLACK rather than 1, which a float rounds to the
+    same relative precision, and the sum is kept against the same max, so the quotient is
+    unchanged."""
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _add)
-    pv = tl.dot((p * v_mult).to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    grown = True
+    if LAZY:
+        grown = tl.reduce(m_new - m_i, 0, _max) > RESCALE_SLACK
+    if grown:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    l_i = l_i + tl.reduce(p, 1, _add)
+    acc = tl.dot((p * v_mult).to(v.dtype), v, acc, input_precision=PRECISION)
+    return m_i, l_i, acc

@@ -59,7 +59,8 @@ def _attend_history(q, m_i, l_i, acc, pk_ptr, pv_ptr, table_row_ptr, lo, hi, hea
         if WINDOWED:
             visible = visible & (j[None, :] > position[:, None] - window)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * k_mult
-        m_i, l_i, acc = UPDATE(s, v.to(q.dtype), visible, m_i, l_i, acc, v_mult, PRECISION)
+        m_i, l_i, acc = UPDATE(s, v.to(q.dtype), visible, m_i, l_i, acc, v_mult, PRECISION,
+                               False)
     return m_i, l_i, acc
 
 
@@ -81,7 +82,7 @@ def _attend_staged(q, m_i, l_i, acc, sk_ptr, sv_ptr, lo, hi, qi, window, qk_scal
         if WINDOWED:
             visible = visible & (t[None, :] > qi[:, None] - window)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        m_i, l_i, acc = UPDATE(s, v, visible, m_i, l_i, acc, 1.0, PRECISION)
+        m_i, l_i, acc = UPDATE(s, v, visible, m_i, l_i, acc, 1.0, PRECISION, False)
     return m_i, l_i, acc
 
 

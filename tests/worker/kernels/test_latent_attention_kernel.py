@@ -35,11 +35,11 @@ def _latent_step(seed: int, *, heads: int, rank: int, rope: int, dtype: torch.dt
                        device=device, fp8=fp8, lead=True, **shape)
 
 
-def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _both(step: RandomStep, rank: int, launch: LatentLaunch | None = None, *,
+          scale: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     q_latent, q_rope = step.query[..., :rank], step.query[..., rank:]
     args = (q_latent, q_rope, step.staged_k, step.pool_k, step.layout)
-    kw = {"scale": 0.05, "kv_scale": step.k_scale}
+    kw = {"scale": scale, "kv_scale": step.k_scale}
     out = torch.full_like(q_latent, float("nan"))
     got = latent_attention_triton(*args, **kw, out=out, launch=launch)
     assert got is out
@@ -54,22 +54,36 @@ CPU_CASES = [  # (dtype, fp8 pool, heads, splits, max query, tokens per block)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("value_split", [1, 2])
+@pytest.mark.parametrize(("value_split", "lazy"), [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize(("dtype", "fp8", "heads", "splits", "max_query", "tokens_per_block"),
                          CPU_CASES)
 def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: bool, heads: int,
                                                     splits: int, max_query: int,
-                                                    tokens_per_block: int,
-                                                    value_split: int) -> None:
-    """Latent 32 + rope 16, its value columns in one program or two; 4 heads a program, so 6
-    heads take blocks of 2; 11-token entries (a prefill chunk) take several query tiles of 16
-    rows; 5-token blocks put block edges inside a 16-token step."""
+                                                    tokens_per_block: int, value_split: int,
+                                                    lazy: bool) -> None:
+    """Latent 32 + rope 16, its value columns in one program or two, rescaled every tile or
+    lazily; 4 heads a program, so 6 heads take blocks of 2; 11-token entries (a prefill chunk)
+    take several query tiles of 16 rows; 5-token blocks put block edges inside a 16-token
+    step."""
     step = _latent_step(heads * 7 + splits + fp8, heads=heads, rank=32, rope=16, dtype=dtype,
                         device="cpu", fp8=fp8, entries=5, tokens_per_block=tokens_per_block,
                         max_history=40, max_query=max_query)
     launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=splits,
-                          value_split=value_split)
+                          value_split=value_split, lazy_rescale=lazy)
     assert_attention_matches(*_both(step, 32, launch))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_lazy_rescale_equals_the_reference_where_the_max_grows(dtype: torch.dtype) -> None:
+    """Scores 400 times the other tests' spread, so a row's base-2 max grows by hundreds in
+    later tiles as well as the first: past the slack of 8 a lazy update must rescale (its
+    probabilities would overflow float32 past 128), and what it does is as exact as every
+    tile's rescale."""
+    step = _latent_step(5, heads=8, rank=32, rope=16, dtype=dtype, device="cpu", entries=5,
+                        tokens_per_block=4, max_history=120, max_query=4)
+    launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, lazy_rescale=True)
+    assert_attention_matches(*_both(step, 32, launch, scale=20.0))
 
 
 @needs_interpreter
@@ -109,7 +123,7 @@ def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
     for args, kwargs, field in cases:
         with pytest.raises(PoolAttentionInputError, match=rf"^{field}:"):
             latent_attention_triton(*args, scale=0.1, **{"out": out, **kwargs})
-    for bad in ({"block_n": 48}, {"value_split": 4}):
+    for bad in ({"block_n": 48}, {"value_split": 4}, {"lazy_rescale": 1}):
         with pytest.raises(PoolAttentionInputError, match=r"^launch:"):
             LatentLaunch(**bad)
     assert out.isnan().all()
