@@ -74,6 +74,17 @@ def test_kernel_equals_reference_in_the_interpreter(dtype: torch.dtype, fp8: boo
 
 
 @needs_interpreter
+@pytest.mark.parametrize("rank", [40, 33])
+def test_a_latent_of_any_width_splits_its_values_or_keeps_them_whole(rank: int) -> None:
+    """A value split of a latent whose halves are no power of two (2 x 20 columns in blocks of
+    32) and of an odd one, which one program keeps whole."""
+    step = _latent_step(rank, heads=8, rank=rank, rope=16, dtype=torch.float32, device="cpu",
+                        entries=4, tokens_per_block=4, max_history=40, max_query=4)
+    launch = LatentLaunch(block_h=4, max_rows=16, block_n=16, splits=2, value_split=2)
+    assert_attention_matches(*_both(step, rank, launch))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_lazy_rescale_equals_the_reference_where_the_max_grows(dtype: torch.dtype) -> None:
     """Scores 400 times the other tests' spread, so a row's base-2 max grows by hundreds in
