@@ -138,17 +138,21 @@ def test_the_pool_attention_kernels_compile(launches: list[Launch], dtype: torch
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "bf16-fp8-pool"])
-def test_the_latent_attention_kernel_compiles(launches: list[Launch], fp8: bool) -> None:
-    """DeepSeek-V3's latent (512 + 64) over 16 heads: decodes and a prefill chunk, whole and
-    with a window over released columns and a split history (the combine kernel)."""
+@pytest.mark.parametrize("value_split", [1, 2])
+def test_the_latent_attention_kernels_compile(launches: list[Launch], fp8: bool,
+                                              value_split: int) -> None:
+    """DeepSeek-V3's latent (512 + 64) over 16 heads, its value columns whole or split over two
+    programs: decodes and a prefill chunk, whole and with a window over released columns, and a
+    split history (the combine kernel)."""
     step = random_step(3, entries=3, kv_heads=1, group=16, dim=576, tokens_per_block=16,
                        max_history=80, max_query=20, dtype=torch.bfloat16, device="cpu",
                        fp8=fp8, query_lens=[1, 4, 20], released=24)
     args = (step.query[..., :512], step.query[..., 512:], step.staged_k, step.pool_k,
             step.layout)
-    latent_attention_triton(*args, scale=0.1, kv_scale=step.k_scale)
+    latent_attention_triton(*args, scale=0.1, kv_scale=step.k_scale,
+                            launch=LatentLaunch(value_split=value_split))
     latent_attention_triton(*args, scale=0.1, kv_scale=step.k_scale, window=24,
-                            launch=LatentLaunch(splits=2))
+                            launch=LatentLaunch(splits=2, value_split=value_split))
     _compiles(launches, "_latent_attention", "_combine_splits")
 
 

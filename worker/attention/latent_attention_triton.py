@@ -30,21 +30,59 @@ from kvalloc.worker.kernels.helpers import floor_pow2, kernel_for, kernel_may_ta
 class LatentLaunch:
     """How the launch is cut: ``block_h`` heads a program holds at most, ``max_rows`` rows
     (queries x heads) a program holds at most, ``block_n`` history tokens per loop step,
-    Triton's warps and stages, and ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`)."""
+    Triton's warps and stages, ``splits`` (1, 2, 4, 8 or None: `splits_to_fill`),
+    ``value_split`` (1 or 2: programs sharing a tile's value columns, each its own chunk; 1
+    where the latent's width is odd) and ``lazy_rescale`` (the accumulator rescaled only when
+    a row's max grows by more than `online_softmax.RESCALE_SLACK`: fewer passes over it, the
+    same result).
 
-    block_h: int = 16
-    max_rows: int = 64
+    The defaults, by the rule that a program's fp32 accumulator must fit its registers without
+    spilling, with rows enough for the tensor cores: 128 rows (32 heads x 4 queries, two
+    warpgroups of Hopper's 64-row products) with the value columns split in two, so the
+    ``[128, 256]`` accumulator takes 128 registers a thread of 8 warps. The unsplit
+    ``[64, 512]`` at 64 rows takes as many, but its score tile is then computed by both
+    warpgroups and the program spills (ptxas for sm_90: 255 registers and 264 bytes of stack a
+    thread; the default: 231 and none). 32 tokens a step in 2 stages: the queries (128 KiB) and
+    two latent tiles (2 x 36 KiB) fill the shared memory. `LATENT_CANDIDATES` are the cuts
+    benchmarks/bench_mla.py times against each other."""
+
+    block_h: int = 32
+    max_rows: int = 128
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
     splits: int | None = None
+    value_split: int = 2
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if (self.splits not in (None, 1, 2, 4, 8) or self.block_n not in (16, 32, 64, 128)
                 or self.max_rows not in (16, 32, 64, 128) or self.block_h < 1
-                or self.block_h > self.max_rows):
+                or self.block_h > self.max_rows or self.value_split not in (1, 2)
+                or not isinstance(self.lazy_rescale, bool)):
             reject("launch", f"splits 1/2/4/8, block_n and max_rows 16..128 (powers of two), "
-                             f"1 <= block_h <= max_rows; got {self}")
+                             f"1 <= block_h <= max_rows, value_split 1 or 2, lazy_rescale a "
+                             f"bool; got {self}")
+
+
+def _cut(rows: int, block_n: int, warps: int, stages: int, value_split: int,
+         lazy: bool = False) -> LatentLaunch:
+    return LatentLaunch(block_h=rows // 4, max_rows=rows, block_n=block_n, num_warps=warps,
+                        num_stages=stages, value_split=value_split, lazy_rescale=lazy)
+
+
+# The cuts a sweep compares at 128 heads x 4 queries, each fitting an H200's shared memory
+# (227 KiB) at DeepSeek-V3's latent, (rows, block_n, warps, stages, value split): the
+# unsplit 64 rows of 8 warps (the first default); 64 rows of one warpgroup, split, whose
+# accumulator is 128 registers a thread and whose smaller tiles let two programs share an SM
+# (at most ~113 KiB each: 16 tokens a step in 2 stages, or 32 in 1); 128 rows of two
+# warpgroups, split, in every tile and stage count that fits; and two of those with the lazy
+# rescale, (rows, block_n, warps, stages, value split, lazy).
+LATENT_CANDIDATES = tuple(_cut(*cut) for cut in (
+    (64, 32, 8, 2, 1),
+    (64, 16, 4, 2, 2), (64, 16, 4, 3, 2), (64, 32, 4, 1, 2), (64, 32, 4, 2, 2),
+    (128, 16, 8, 2, 2), (128, 16, 8, 3, 2), (128, 32, 8, 1, 2), (128, 32, 8, 2, 2),
+    (128, 64, 8, 1, 2), (64, 16, 4, 2, 2, True), (128, 32, 8, 2, 2, True)))
 
 
 def kernel_takes(q_latent: torch.Tensor, pool: torch.Tensor) -> bool:
@@ -86,9 +124,11 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
     query_tile = min(pow2(max_query), floor_pow2(max(1, launch.max_rows // group)))
     tiles = -(-max_query // query_tile)
     entries = layout.rows.numel()
-    grid = (heads // group, entries, tiles)
+    value_split = launch.value_split if rank % launch.value_split == 0 else 1
+    width = rank // value_split
+    grid = (heads // group * value_split, entries, tiles)
     splits = launch.splits or splits_to_fill(grid[0] * entries * tiles, out.device)
-    block_m, block_r = max(16, pow2(query_tile * group)), max(16, pow2(rank))
+    block_m, block_v = max(16, pow2(query_tile * group)), max(16, pow2(width))
     fp8 = pool.dtype == torch.float8_e4m3fn
     if fp8:
         pool = pool.view(torch.uint8)
@@ -96,7 +136,7 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         kv_scale = layout.rows  # a valid pointer, never read
     parts = grid[0] * entries * tiles * splits * block_m
     one = splits == 1
-    part_acc = out if one else out.new_empty(parts * block_r, dtype=torch.float32)
+    part_acc = out if one else out.new_empty(parts * block_v, dtype=torch.float32)
     part_ml = out if one else out.new_empty(parts * 2, dtype=torch.float32)
     table = layout.block_table
     kernel = kernel_for(kernels.latent_attention_jit, q_latent)
@@ -106,19 +146,21 @@ def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,
         scale * math.log2(math.e), window or 0, table.shape[1], q_latent.stride(0),
         q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), staged.stride(0),
         pool.stride(0), pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
-        RANK=rank, ROPE=q_rope.shape[-1], BLOCK_R=block_r,
+        RANK=rank, ROPE=q_rope.shape[-1], WIDTH=width, BLOCK_V=block_v,
         BLOCK_P=max(16, pow2(q_rope.shape[-1])), GROUP=group, QUERY_TILE=query_tile,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         BLOCK_S=min(launch.block_n, max(16, pow2(query_tile))),
-        TOKENS_PER_BLOCK=layout.tokens_per_block, WINDOWED=window is not None, FP8=fp8,
+        TOKENS_PER_BLOCK=layout.tokens_per_block, VALUE_SPLIT=value_split,
+        WINDOWED=window is not None, FP8=fp8,
         # The interpreter's bf16 dot is wrong (it multiplies raw bits): float32 tiles.
         DOT_F32=not q_latent.is_cuda and q_latent.dtype == torch.bfloat16,
-        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", SPLITS=splits,
+        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        LAZY=launch.lazy_rescale, SPLITS=splits,
         **{name: kernel_for(jitted, q_latent) for name, jitted in kernels.HELPERS_JIT.items()},
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not one:
         combine = kernel_for(gqa.combine_splits_jit, q_latent)
         combine[(entries, grid[0], tiles)](
             part_acc, part_ml, layout.query_starts, layout.query_lens, out, out.stride(0),
-            out.stride(1), GROUP=group, QUERY_TILE=query_tile, HEAD_DIM=rank, BLOCK_M=block_m,
-            BLOCK_D=block_r, SPLITS=splits, num_warps=4)
+            out.stride(1), GROUP=group, QUERY_TILE=query_tile, HEAD_DIM=width, BLOCK_M=block_m,
+            BLOCK_D=block_v, SPLITS=splits, VALUE_SPLIT=value_split, num_warps=4)

@@ -268,7 +268,8 @@ class _Call:
                 part_acc, part_ml, self.layout.query_starts, lens, self.out,
                 self.out.stride(0), self.out.stride(1), GROUP=group,
                 QUERY_TILE=tiling.query_tile, HEAD_DIM=self.constexprs["HEAD_DIM"],
-                BLOCK_M=tiling.block_m, BLOCK_D=block_d, SPLITS=tiling.splits, num_warps=4)
+                BLOCK_M=tiling.block_m, BLOCK_D=block_d, SPLITS=tiling.splits, VALUE_SPLIT=1,
+                num_warps=4)
 
     def prefill(self, config: PrefillConfig) -> None:
         """Grid ``(tiles, kv_heads)`` over the long entries' query tiles only, in whole

@@ -15,6 +15,7 @@ plain torch twin, the reference it is tested against, lives with its launch in i
 - `latent_attention`: MLA over a latent pool (reference:
   `worker.attention.latent_attention.latent_attention`, launched by
   `worker.attention.latent_attention_triton`);
+- `online_softmax`: the online-softmax update both attention kernels run on their scores;
 - `step_metadata`: a step's per-token ids, positions and slots (reference:
   `worker.step.step_metadata.metadata_reference`);
 - `helpers`: what the launches and dispatch rules share (the interpreter for CPU tensors, the

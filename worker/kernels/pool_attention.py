@@ -31,31 +31,7 @@ objects, not strings.
 
 import triton
 import triton.language as tl
-
-# Lower than any score, yet finite: the first update of a row that has seen no key yet gives
-# exp2(NO_SCORE - NO_SCORE) = 1 on an empty accumulator instead of exp2(-inf + inf) = NaN.
-NO_SCORE = tl.constexpr(-1.0e38)
-
-
-# Reductions go through tl.reduce with Triton's own combine functions rather than tl.sum /
-# tl.max: those are @jit library functions, which Triton's interpreter can only call when
-# TRITON_INTERPRET was set at import. The interpreter recognises these two and reduces with
-# numpy; any other combine function it calls once per element (a 128 x 64 tile: 8k calls).
-_add = tl.standard._sum_combine
-_max = tl.standard._elementwise_max
-
-
-def _online_update(q, k, v, visible, m_i, l_i, acc, k_mult, v_mult, PRECISION: tl.constexpr):
-    """One K/V tile into the running ``(max, sum, accumulator)`` of every row: ``k_mult``
-    scales the scores (softmax scale x log2(e) x the pool's k scale), ``v_mult`` the values."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_mult
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _add)
-    pv = tl.dot((p * v_mult).to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc * alpha[:, None] + pv
+from kvalloc.worker.kernels.online_softmax import NO_SCORE, _add, _max, _online_update
 
 
 def _key_range(hist, first, length, window, split, QUERY_TILE: tl.constexpr,
@@ -105,8 +81,9 @@ def _attend_history(q, m_i, l_i, acc, pk_ptr, pv_ptr, table_row_ptr, lo, hi, hea
         visible = readable[None, :]
         if WINDOWED:
             visible = visible & (j[None, :] > position[:, None] - window)
-        m_i, l_i, acc = UPDATE(q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, k_mult,
-                               v_mult, PRECISION)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * k_mult
+        m_i, l_i, acc = UPDATE(s, v.to(q.dtype), visible, m_i, l_i, acc, v_mult, PRECISION,
+                               False)
     return m_i, l_i, acc
 
 
@@ -127,7 +104,8 @@ def _attend_staged(q, m_i, l_i, acc, sk_ptr, sv_ptr, lo, hi, qi, window, qk_scal
         visible = (t < hi)[None, :] & (t[None, :] <= qi[:, None])
         if WINDOWED:
             visible = visible & (t[None, :] > qi[:, None] - window)
-        m_i, l_i, acc = UPDATE(q, k, v, visible, m_i, l_i, acc, qk_scale, 1.0, PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        m_i, l_i, acc = UPDATE(s, v, visible, m_i, l_i, acc, 1.0, PRECISION, False)
     return m_i, l_i, acc
 
 
@@ -190,21 +168,22 @@ def _pool_attention(q_ptr, sk_ptr, sv_ptr, pk_ptr, pv_ptr, table_ptr,
                            window, qk_scale, s_stride_t, BLOCK_S, BLOCK_D, HEAD_DIM, WINDOWED,
                            PRECISION, UPDATE)
 
+    part = (entry * tl.num_programs(1) + head).to(tl.int64) * tl.num_programs(2) \
+        + tl.program_id(2)
     STORE(out_ptr + token * o_stride_t + q_head * o_stride_h + d[None, :], row_mask, live,
-          part_acc_ptr, part_ml_ptr, entry, head, m, d, m_i, l_i, acc, BLOCK_M, BLOCK_D, SPLITS)
+          part_acc_ptr, part_ml_ptr, part, m, d, m_i, l_i, acc, BLOCK_M, BLOCK_D, SPLITS)
 
 
-def _store_rows(out_at, row_mask, live, part_acc_ptr, part_ml_ptr, entry, head, m, d, m_i, l_i,
-                acc, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-    """A program's rows: their output at ``out_at`` (one split), or their partial softmax for
-    `_combine_splits` to merge."""
+def _store_rows(out_at, row_mask, live, part_acc_ptr, part_ml_ptr, part, m, d, m_i, l_i, acc,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """A program's rows: their output at ``out_at`` (one split), or their partial softmax
+    for `_combine_splits` to merge, as its ``part``: ``(entry, program of the entry, query
+    tile x split)`` in `_combine_splits`'s order."""
     if SPLITS == 1:
         # A live row always sees its own staged token, so its sum is positive.
         out = acc / tl.where(live, l_i, 1.0)[:, None]
         tl.store(out_at, out.to(out_at.dtype.element_ty), mask=row_mask)
     else:
-        part = (entry * tl.num_programs(1) + head).to(tl.int64) * tl.num_programs(2) \
-            + tl.program_id(2)
         tl.store(part_acc_ptr + (part * BLOCK_M + m[:, None]) * BLOCK_D + d[None, :], acc)
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + m, m_i)
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
@@ -213,17 +192,21 @@ def _store_rows(out_at, row_mask, live, part_acc_ptr, part_ml_ptr, entry, head, 
 def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_stride_t,
                     o_stride_h, GROUP: tl.constexpr, QUERY_TILE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SPLITS: tl.constexpr):
-    """Program ``(entry, kv_head, query_tile)``: its ``SPLITS`` partial softmaxes into one."""
+                    SPLITS: tl.constexpr, VALUE_SPLIT: tl.constexpr):
+    """Program ``(entry, kv_head x value chunk, query_tile)``: its ``SPLITS`` partial
+    softmaxes into one. The rows' output columns are cut into ``VALUE_SPLIT`` chunks of
+    ``HEAD_DIM`` (the latent kernel's value split; 1 for the GQA kernel's whole head), each
+    merged by its own program."""
     entry = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1) // VALUE_SPLIT
+    col = tl.program_id(1) % VALUE_SPLIT * HEAD_DIM
     first = tl.program_id(2) * QUERY_TILE
     start = tl.load(starts_ptr + entry)
     m = tl.arange(0, BLOCK_M)
     qi = first + m // GROUP
     live = (m < QUERY_TILE * GROUP) & (qi < tl.load(lens_ptr + entry))
     d = tl.arange(0, BLOCK_D)
-    parts = ((entry * tl.num_programs(1) + head).to(tl.int64) * tl.num_programs(2)
+    parts = ((entry * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * tl.num_programs(2)
              + tl.program_id(2)) * SPLITS + tl.arange(0, SPLITS)
     ml = part_ml_ptr + parts[:, None] * 2 * BLOCK_M + m[None, :]
     m_s = tl.load(ml)  # [SPLITS, BLOCK_M]
@@ -235,7 +218,7 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_
     acc = tl.reduce(acc * weight[:, :, None], 0, _add)
     out = acc / tl.where(live, total, 1.0)[:, None]
     o_off = (start + qi)[:, None] * o_stride_t + (head * GROUP + m % GROUP)[:, None] * o_stride_h
-    tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + o_off + col + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=live[:, None] & (d < HEAD_DIM)[None, :])
 
 
