@@ -58,9 +58,10 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
 
 
 def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
-            overlap: bool = False, prefix_caching: bool = False) -> tuple[ServiceCore, Client]:
+            overlap: bool = False, prefix_caching: bool = False,
+            window: int | None = None) -> tuple[ServiceCore, Client]:
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
-                          dtype=dtype, device="cuda", max_batch_size=batch)
+                          dtype=dtype, device="cuda", max_batch_size=batch, window=window)
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048,
                                      prefix_caching=prefix_caching))
     client = Client.in_process(core, worker_id="gpu-worker")
