@@ -62,8 +62,9 @@ def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
             window: int | None = None) -> tuple[ServiceCore, Client]:
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
                           dtype=dtype, device="cuda", max_batch_size=batch, window=window)
+    # A lease past the first step's kernel compiles (tens of seconds on a cold cache).
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048,
-                                     prefix_caching=prefix_caching))
+                                     prefix_caching=prefix_caching, lease_ttl_s=600.0))
     client = Client.in_process(core, worker_id="gpu-worker")
     client.register(overlap=overlap)
     return core, client

@@ -42,15 +42,16 @@ class LatentLaunch:
     ``[128, 256]`` accumulator takes 128 registers a thread of 8 warps. The unsplit
     ``[64, 512]`` at 64 rows takes as many, but its score tile is then computed by both
     warpgroups and the program spills (ptxas for sm_90: 255 registers and 264 bytes of stack a
-    thread; the default: 231 and none). 32 tokens a step in 2 stages: the queries (128 KiB) and
-    two latent tiles (2 x 36 KiB) fill the shared memory. `LATENT_CANDIDATES` are the cuts
-    benchmarks/bench_mla.py times against each other."""
+    thread; the 128-row cut: about 231 and none). 64 tokens a step in one stage (the queries,
+    128 KiB, and one 72 KiB latent tile in shared memory): the fastest of `LATENT_CANDIDATES`
+    at 1k, 4k and 16k tokens of context on an H200 (benchmarks/bench_mla.py times them
+    against each other), ahead of 32 tokens in two stages by a fifth."""
 
     block_h: int = 32
     max_rows: int = 128
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 1
     splits: int | None = None
     value_split: int = 2
     lazy_rescale: bool = False

@@ -31,7 +31,7 @@ objects, not strings.
 
 import triton
 import triton.language as tl
-from kvalloc.worker.kernels.online_softmax import NO_SCORE, _add, _max, _online_update
+from kvalloc.worker.kernels.online_softmax import NO_SCORE, _max, _online_update
 
 
 def _key_range(hist, first, length, window, split, QUERY_TILE: tl.constexpr,
@@ -206,16 +206,21 @@ def _combine_splits(part_acc_ptr, part_ml_ptr, starts_ptr, lens_ptr, out_ptr, o_
     qi = first + m // GROUP
     live = (m < QUERY_TILE * GROUP) & (qi < tl.load(lens_ptr + entry))
     d = tl.arange(0, BLOCK_D)
-    parts = ((entry * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * tl.num_programs(2)
-             + tl.program_id(2)) * SPLITS + tl.arange(0, SPLITS)
-    ml = part_ml_ptr + parts[:, None] * 2 * BLOCK_M + m[None, :]
-    m_s = tl.load(ml)  # [SPLITS, BLOCK_M]
+    first_part = ((entry * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
+                  * tl.num_programs(2) + tl.program_id(2)) * SPLITS
+    parts = first_part + tl.arange(0, SPLITS)
+    m_s = tl.load(part_ml_ptr + parts[:, None] * 2 * BLOCK_M + m[None, :])  # [SPLITS, BLOCK_M]
     top = tl.reduce(m_s, 0, _max)
-    weight = tl.exp2(m_s - top[None, :])
-    total = tl.reduce(weight * tl.load(ml + BLOCK_M), 0, _add)
-    acc = tl.load(part_acc_ptr + (parts[:, None, None] * BLOCK_M + m[None, :, None]) * BLOCK_D
-                  + d[None, None, :])
-    acc = tl.reduce(acc * weight[:, :, None], 0, _add)
+    total = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    # One split's rows at a time: all of them at once would need SPLITS x BLOCK_M x BLOCK_D
+    # floats on chip, past the shared memory of 128 rows of a 256-wide latent chunk.
+    for split in tl.static_range(SPLITS):
+        part = first_part + split
+        weight = tl.exp2(tl.load(part_ml_ptr + part * 2 * BLOCK_M + m) - top)
+        total += weight * tl.load(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + m)
+        acc += weight[:, None] * tl.load(part_acc_ptr + (part * BLOCK_M + m[:, None]) * BLOCK_D
+                                         + d[None, :])
     out = acc / tl.where(live, total, 1.0)[:, None]
     o_off = (start + qi)[:, None] * o_stride_t + (head * GROUP + m % GROUP)[:, None] * o_stride_h
     tl.store(out_ptr + o_off + col + d[None, :], out.to(out_ptr.dtype.element_ty),
