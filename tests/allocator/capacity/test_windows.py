@@ -306,10 +306,11 @@ def test_a_windowed_pool_is_sized_by_its_window_not_its_row() -> None:
         config(5, 4, 8)
 
 
-def test_windowed_groups_keep_no_prefix_cache() -> None:
+def test_windowed_groups_keep_no_host_tier() -> None:
     with pytest.raises(InvalidValue) as info:
-        KVCacheManager(config(40, 4, 8), prefix_caching=True)
-    assert info.value.field == "prefix_caching"
+        KVCacheManager(config(40, 4, 8), prefix_caching=True, register_when_written=True,
+                       host_tier_blocks=8)
+    assert info.value.field == "host_tier_blocks"
 
 
 def test_groups_refuse_what_one_group_cannot_serve_and_the_other_gives_back() -> None:

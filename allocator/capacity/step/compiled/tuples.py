@@ -95,10 +95,12 @@ class Window(NamedTuple):
 
 
 class HitArrays(NamedTuple):
-    """`Hits`' arrays: one count per new request, their blocks concatenated."""
+    """`Hits`' arrays: one count per new request, their blocks concatenated, and the leading
+    columns each hit starts released."""
 
     counts: np.ndarray
     blocks: np.ndarray
+    released: np.ndarray
 
 
 class Demand(NamedTuple):
