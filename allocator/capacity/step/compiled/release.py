@@ -7,9 +7,9 @@ cached one (one of the row's ``cached`` columns: the prefix cache keeps it, evic
 pushed on the free stack.
 
 Invariants: a full-attention step (``window`` 0) runs none of it; rows are released in order,
-each row's columns in order, so the free stack and the LRU list come out as the reference's; ``released_from``
-holds the first column a row released this step, -1 where it released none (`move.changes`
-starts that row's changes there).
+each row's columns in order, so the free stack and the LRU list come out as the reference's;
+``released_from`` holds the first column a row released this step, -1 where it released none
+(`move.changes` starts that row's changes there).
 """
 from __future__ import annotations
 
