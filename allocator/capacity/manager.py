@@ -26,7 +26,8 @@ Invariants (``check_invariants`` verifies all of them):
 - full attention (``config.window`` None) releases nothing; a windowed group's rows hold
   `RELEASED`, never a block, in their first ``released`` columns (cached ones among them),
   exactly those wholly behind the window of the lowest position a step still reads, a real
-  block from there to their last block, and at most `config.window_row_blocks` blocks (`capacity.windows` states and checks it);
+  block from there to their last block, and at most `config.window_row_blocks` blocks
+  (`capacity.windows` states and checks it);
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
 
