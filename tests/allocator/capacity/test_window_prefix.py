@@ -17,6 +17,7 @@ from kvalloc.allocator.capacity.step.plan import coerce
 from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
 from kvalloc.allocator.capacity.windows.hits import common_hit
 from kvalloc.allocator.errors import InvariantViolation
+from kvalloc.allocator.tools.simulate_prefix import SharingResult, SharingSpec, simulate_sharing
 
 STEPS = [False, True] if available() else [False]
 PROMPT = np.arange(40)
@@ -184,3 +185,16 @@ def test_check_invariants_catches_a_released_cached_block_on_the_free_stack() ->
     m.pool.num_free += 1
     with pytest.raises(InvariantViolation, match="registered blocks"):
         m.check_invariants()
+
+
+def test_the_shared_prefix_workload_keeps_its_hits_when_windowed_blocks_are_evicted() -> None:
+    """`kvalloc simulate --shared-prefix --window`: with room to spare a windowed pool hits
+    exactly what full attention does; a pool small enough to evict loses under full
+    attention, but a window's hits need only their last blocks, which the LRU evicts last."""
+    def run(**options: int) -> SharingResult:
+        return simulate_sharing(SharingSpec(conversations=8, turns=3, osl=8, **options))
+    roomy_full, roomy = run(), run(window=64)
+    assert roomy == roomy_full and roomy.evicted_blocks == 0
+    short_full, short = run(num_blocks=120), run(num_blocks=120, window=64)
+    assert short_full.evicted_blocks > 0 and short_full.hit_rate < roomy.hit_rate
+    assert short.evicted_blocks > 0 and short.hit_rate == roomy.hit_rate
