@@ -23,7 +23,8 @@ Invariants (``check_invariants`` verifies all of them):
   every row that holds it; a registered block no row holds is parked (evictable), a window's
   released cached block included;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
-- full attention (``config.window`` None) releases nothing; a windowed group's rows hold
+- full attention (``config.window`` None) releases nothing (a windowed group's hits and cached
+  blocks: `prefix_cache`; it keeps no host tier); a windowed group's rows hold
   `RELEASED`, never a block, in their first ``released`` columns (cached ones among them),
   exactly those wholly behind the window of the lowest position a step still reads, a real
   block from there to their last block, and at most `config.window_row_blocks` blocks
@@ -105,12 +106,8 @@ class KVCacheManager(RequestApi):
         ``onboard_blocks_per_step``: the most blocks one step brings back from it (None: no
         bound; `capacity.onboard`). With ``config.window`` the rows are one sliding-window
         group's: the blocks behind every window go back to the pool after each step
-        (`capacity.windows`), a cached one to the prefix cache, and a hit needs only the blocks
-        its window reads (`prefix_cache`); such a group keeps no host tier."""
+        (`capacity.windows`)."""
         window = config.window
-        if window is not None and host_tier_blocks:
-            raise InvalidValue("host_tier_blocks: a windowed group keeps no host tier",
-                               field="host_tier_blocks")
         self.window = (None if window is None else
                        WindowRelease(window, config.tokens_per_block, config.max_batch_size))
         self.config = config
@@ -155,19 +152,16 @@ class KVCacheManager(RequestApi):
         assert outcome is not None
         return outcome
 
-    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = (), *,
-                    apply: bool = True, hit_tokens: np.ndarray | None = None
-                    ) -> StepOutcome | None:
+    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = (), *, apply: bool = True,
+                    hit_tokens: np.ndarray | None = None) -> StepOutcome | None:
         """`step` for a plan its caller already converted and checked as `step` would (`coerce`
         or `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
         bounds and the state machine are still the step's to check, and a typed error still
         changes nothing. ``apply`` False: it stops before its first change, raising the error it
-        would or returning None (how `windows.groups` checks every group first).
-        ``hit_tokens``: the prefix hit each new request gets, one this cache serves
-        (`PrefixCache.lookup`; `windows.groups` agrees it over every group), not the longest."""
+        would or returning None (how `windows.groups` checks every group first). ``hit_tokens``:
+        each new request's prefix hit, not the longest (`windows.groups` agrees one over groups)."""
         if hit_tokens is not None and self.tier is not None:
-            raise InvalidValue("hit_tokens: a manager with a host tier looks its hits up itself",
-                               field="hit_tokens")
+            raise InvalidValue("hit_tokens: not with a host tier", field="hit_tokens")
         prompts: list[Prompt | None] = []
         hits, onboarding, deferral, ran = NO_HITS, None, None, arrays
         if self.cache is not None and any(t is not None for t in tokens):

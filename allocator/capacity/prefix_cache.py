@@ -33,7 +33,7 @@ one namespace must learn from ``origin``.
 
 **Sliding windows** (``window``, `capacity.windows`): a query at position ``h`` reads only the
 keys in ``(h - W, h]``, so a hit of ``h`` tokens in a windowed group needs only the blocks
-covering ``(h - W, h]``: those from `released_before` on, the columns before them start
+covering ``(h - W, h]``: those from `windows.hits.hit_released` on, the columns before them start
 `RELEASED` in the new row. The chain hash of a block covers everything before it, so a block
 found stands for its whole prefix even where earlier blocks were evicted. The window releases
 cached columns like any other, and a released cached block nobody holds is parked, not freed
@@ -71,7 +71,7 @@ from kvalloc.allocator.capacity.kv_events import (
 from kvalloc.allocator.capacity.state import RowState
 from kvalloc.allocator.capacity.step.reference import Hits
 from kvalloc.allocator.capacity.tier_copies import NO_COPIES, TierCopies
-from kvalloc.allocator.capacity.windows.release import released_columns
+from kvalloc.allocator.capacity.windows.hits import hit_released, servable
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
 HASH_BYTES = 16
@@ -226,45 +226,26 @@ class PrefixCache:
             elif self.window is None:
                 n = found.index(None) if None in found else len(found)
             else:
-                n = int(np.flatnonzero(self._servable(found))[-1])
-            first = self.released_before(n)
+                n = int(np.flatnonzero(servable(found, self.window, self.tokens_per_block))[-1])
+            first = hit_released(n, self.window, self.tokens_per_block)
             blocks += found[first:n]
             counts[i], released[i] = n - first, first
         return Hits(counts, np.array(blocks, dtype=np.int64), released)
 
-    def released_before(self, columns: int) -> int:
-        """The leading columns a hit of ``columns`` blocks needs no block for: none under full
-        attention; those wholly behind the window of the first query it leaves to compute (at
-        ``columns * T``) in a windowed group (`windows.release.released_columns`)."""
-        if self.window is None:
-            return 0
-        return int(released_columns(np.int64(columns * self.tokens_per_block), self.window,
-                                    self.tokens_per_block))
-
     def servable(self, prompt: Prompt, prompt_len: int) -> np.ndarray:
         """Per hit length in blocks, 0 to the longest a prompt of ``prompt_len`` tokens may have
-        (one token left to compute): whether this cache holds every block that hit needs, those
-        past `released_before`. Full attention needs all of them, so the lengths it serves run
-        from 0 to its longest; a window needs only those its first query reads, so a hit may
-        be servable where a shorter one is not (its early blocks evicted)."""
+        (one token left to compute): whether this cache holds every block that hit needs
+        (`windows.hits.servable`)."""
         limit = (prompt_len - 1) // self.tokens_per_block
-        return self._servable(list(map(self.block_of.get, prompt.hashes[:limit])))
-
-    def _servable(self, found: list[int | None]) -> np.ndarray:
-        missing = np.array([b is None for b in found], dtype=bool)
-        # The last missing block before each hit length (-1: none).
-        last = np.maximum.accumulate(np.concatenate([[-1], np.where(missing, np.arange(
-            missing.size), -1)]))
-        lengths = np.arange(missing.size + 1, dtype=np.int64)
-        first = (np.zeros_like(lengths) if self.window is None else released_columns(
-            lengths * self.tokens_per_block, self.window, self.tokens_per_block))
-        return last < first
+        return servable(list(map(self.block_of.get, prompt.hashes[:limit])), self.window,
+                        self.tokens_per_block)
 
     def _asked(self, found: list[int | None], tokens: int, index: int) -> int:
         """The blocks of an asked hit of ``tokens``, or InvalidValue if this cache cannot serve
         it to the ``index``-th prompt."""
         n, rest = divmod(tokens, self.tokens_per_block)
-        if rest or not 0 <= n <= len(found) or not self._servable(found[:n])[n]:
+        if rest or not 0 <= n <= len(found) or not servable(found[:n], self.window,
+                                                            self.tokens_per_block)[n]:
             raise InvalidValue(f"hit_tokens[{index}]: {tokens} is not a hit this cache serves",
                                field="hit_tokens")
         return n

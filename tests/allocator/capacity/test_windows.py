@@ -283,55 +283,23 @@ SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-class WindowLag1(WindowMachine):
-    LAG = 1
+def machine(lag: int, mixed: bool = False, prefix: bool = False):  # type: ignore[no-untyped-def]
+    """The machine's test case at ``lag``, for a windowed group alone or beside a full one
+    (``mixed``), with prefix caching or not."""
+    name = f"{'Mixed' if mixed else 'Window'}{'Prefix' if prefix else ''}Lag{lag}"
+    case = type(name, (WindowMachine,), {"LAG": lag, "MIXED": mixed, "PREFIX": prefix}).TestCase
+    case.settings = SETTINGS
+    return case
 
 
-class MixedLag2(WindowMachine):
-    MIXED = True
-
-
-class MixedLag1(WindowMachine):
-    LAG = 1
-    MIXED = True
-
-
-class PrefixLag2(WindowMachine):
-    PREFIX = True
-
-
-class PrefixLag1(WindowMachine):
-    LAG = 1
-    PREFIX = True
-
-
-class MixedPrefixLag2(WindowMachine):
-    MIXED = True
-    PREFIX = True
-
-
-class MixedPrefixLag1(WindowMachine):
-    LAG = 1
-    MIXED = True
-    PREFIX = True
-
-
-TestWindowLag2 = WindowMachine.TestCase
-TestWindowLag2.settings = SETTINGS
-TestWindowLag1 = WindowLag1.TestCase
-TestWindowLag1.settings = SETTINGS
-TestMixedLag2 = MixedLag2.TestCase
-TestMixedLag2.settings = SETTINGS
-TestMixedLag1 = MixedLag1.TestCase
-TestMixedLag1.settings = SETTINGS
-TestPrefixLag2 = PrefixLag2.TestCase
-TestPrefixLag2.settings = SETTINGS
-TestPrefixLag1 = PrefixLag1.TestCase
-TestPrefixLag1.settings = SETTINGS
-TestMixedPrefixLag2 = MixedPrefixLag2.TestCase
-TestMixedPrefixLag2.settings = SETTINGS
-TestMixedPrefixLag1 = MixedPrefixLag1.TestCase
-TestMixedPrefixLag1.settings = SETTINGS
+TestWindowLag2 = machine(2)
+TestWindowLag1 = machine(1)
+TestMixedLag2 = machine(2, mixed=True)
+TestMixedLag1 = machine(1, mixed=True)
+TestPrefixLag2 = machine(2, prefix=True)
+TestPrefixLag1 = machine(1, prefix=True)
+TestMixedPrefixLag2 = machine(2, mixed=True, prefix=True)
+TestMixedPrefixLag1 = machine(1, mixed=True, prefix=True)
 
 
 def long_decode(lag: int, window: int, tokens_per_block: int, steps: int,
