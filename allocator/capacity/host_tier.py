@@ -85,6 +85,9 @@ class HostTier:
         if cache is None or not register_when_written:
             raise InvalidValue("host_tier_blocks: a host tier needs prefix caching with "
                                "register_when_written", field="host_tier_blocks")
+        if cache.window is not None:  # its lookups run from a prompt's first block
+            raise InvalidValue("host_tier_blocks: a windowed group keeps no host tier",
+                               field="host_tier_blocks")
         return cls(num_slots, cache.tokens_per_block,
                    record=cache.record if cache.record_events else None)
 

@@ -20,12 +20,15 @@ Invariants (``check_invariants`` verifies all of them):
 - blocks are conserved (free + parked + owned == total); reference counts equal the number of
   rows holding a block, and a block held by more than one row, or parked, is a cached prefix
   block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of
-  every row that holds it;
+  every row that holds it; a registered block no row holds is parked (evictable), a window's
+  released cached block included;
 - block-table rows hold the request's blocks and -1 beyond; the device copy equals the host;
-- full attention (``config.window`` None) releases nothing; a windowed group's rows hold
-  `RELEASED` in their first ``released`` columns, exactly those wholly behind the window of the
-  lowest position a step still reads, a real block from there to their last block, and at most
-  `config.window_row_blocks` blocks (`capacity.windows` states and checks it);
+- full attention (``config.window`` None) releases nothing (a windowed group's hits and cached
+  blocks: `prefix_cache`; it keeps no host tier); a windowed group's rows hold
+  `RELEASED`, never a block, in their first ``released`` columns (cached ones among them),
+  exactly those wholly behind the window of the lowest position a step still reads, a real
+  block from there to their last block, and at most `config.window_row_blocks` blocks
+  (`capacity.windows` states and checks it);
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
 
@@ -105,9 +108,6 @@ class KVCacheManager(RequestApi):
         group's: the blocks behind every window go back to the pool after each step
         (`capacity.windows`)."""
         window = config.window
-        if window is not None and prefix_caching:
-            raise InvalidValue("prefix_caching: a windowed group keeps no prefix cache",
-                               field="prefix_caching")
         self.window = (None if window is None else
                        WindowRelease(window, config.tokens_per_block, config.max_batch_size))
         self.config = config
@@ -131,7 +131,7 @@ class KVCacheManager(RequestApi):
         chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
         self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
                                   record_events=kv_events,
-                                  track_protection=register_when_written)
+                                  track_protection=register_when_written, window=window)
                       if prefix_caching else None)
         self.register_when_written = register_when_written
         self.tier = (None if host_tier_blocks == 0 else
@@ -152,13 +152,16 @@ class KVCacheManager(RequestApi):
         assert outcome is not None
         return outcome
 
-    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = (), *,
-                    apply: bool = True) -> StepOutcome | None:
+    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = (), *, apply: bool = True,
+                    hit_tokens: np.ndarray | None = None) -> StepOutcome | None:
         """`step` for a plan its caller already converted and checked as `step` would (`coerce`
         or `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them): rows,
         bounds and the state machine are still the step's to check, and a typed error still
         changes nothing. ``apply`` False: it stops before its first change, raising the error it
-        would or returning None (how `windows.groups` checks every group first)."""
+        would or returning None (how `windows.groups` checks every group first). ``hit_tokens``:
+        each new request's prefix hit, not the longest (`windows.groups` agrees one over groups)."""
+        if hit_tokens is not None and self.tier is not None:
+            raise InvalidValue("hit_tokens: not with a host tier", field="hit_tokens")
         prompts: list[Prompt | None] = []
         hits, onboarding, deferral, ran = NO_HITS, None, None, arrays
         if self.cache is not None and any(t is not None for t in tokens):
@@ -170,7 +173,7 @@ class KVCacheManager(RequestApi):
                 deferral = onboarding and Deferral.of(arrays, prompts, onboarding.deferred,
                                                       self.config.max_seq_len)
             ran, looked_up = (arrays, prompts) if deferral is None else deferral[:2]
-            hits = self.cache.lookup(looked_up, ran.prompt_lens)
+            hits = self.cache.lookup(looked_up, ran.prompt_lens, hit_tokens)
         result: StepRun = self._run(ran, self.state, hits, apply)
         if result.error[0] or not apply:
             if onboarding is not None:

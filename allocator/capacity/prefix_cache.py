@@ -31,11 +31,22 @@ Events (``record_events``): a `BlockStored` when blocks register, a `BlockRemove
 evicted, each with the namespace it concerns; ``stored_events`` rebuilds what a new subscriber of
 one namespace must learn from ``origin``.
 
+**Sliding windows** (``window``, `capacity.windows`): a query at position ``h`` reads only the
+keys in ``(h - W, h]``, so a hit of ``h`` tokens in a windowed group needs only the blocks
+covering ``(h - W, h]``: those from `windows.hits.hit_released` on, the columns before them start
+`RELEASED` in the new row. The chain hash of a block covers everything before it, so a block
+found stands for its whole prefix even where earlier blocks were evicted. The window releases
+cached columns like any other, and a released cached block nobody holds is parked, not freed
+(`windows.release`): it stays evictable and reusable. A row's cached columns ``[0, cached)``
+may thus begin with released ones; it holds ``[released, cached)``. A column the window
+released before it registered (``register_when_written`` with a late ``mark_written``) ends
+the row's registering: the cached columns are a leading run.
+
 Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps, ``origin`` has
-the keys of ``hash_of`` (with events); every row's
-first ``cached`` columns are registered blocks whose hashes are the row's prompt hashes in order;
-every registered block is owned (in some row's cached columns) or parked, never on the free
-stack; a block with more than one owner is registered.
+the keys of ``hash_of`` (with events); every row's cached columns it holds (``[released,
+cached)``) are registered blocks whose hashes are the row's prompt hashes in order; every
+registered block is owned (in some row's cached columns) or parked, never on the free stack, so
+a cached block in no row is evictable; a block with more than one owner is registered.
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from kvalloc.allocator.capacity.kv_events import (
 from kvalloc.allocator.capacity.state import RowState
 from kvalloc.allocator.capacity.step.reference import Hits
 from kvalloc.allocator.capacity.tier_copies import NO_COPIES, TierCopies
+from kvalloc.allocator.capacity.windows.hits import hit_released, servable
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
 HASH_BYTES = 16
@@ -160,10 +172,13 @@ class CacheChanges(NamedTuple):
 
 class PrefixCache:
     def __init__(self, num_blocks: int, tokens_per_block: int, *,
-                 record_events: bool = False, track_protection: bool = False) -> None:
+                 record_events: bool = False, track_protection: bool = False,
+                 window: int | None = None) -> None:
         """``track_protection``: keep the protection flips for ``drain_protection`` (whoever
-        asks for them must drain them, or they pile up)."""
+        asks for them must drain them, or they pile up); ``window``: the group's sliding
+        window (None: full attention), which decides what a hit needs."""
         self.tokens_per_block = tokens_per_block
+        self.window = window
         self.protected = np.zeros(num_blocks, dtype=bool)  # exactly the registered blocks
         self.track_protection = track_protection
         self._flipped: list[int] = []
@@ -191,10 +206,14 @@ class PrefixCache:
         events, self.events = self.events, []
         return events
 
-    def lookup(self, prompts: list[Prompt | None], prompt_lens: np.ndarray) -> Hits:
-        """The longest run of registered blocks at the start of each prompt, leaving at least one
-        token to compute (the forward needs a query for the next token's logits)."""
+    def lookup(self, prompts: list[Prompt | None], prompt_lens: np.ndarray,
+               hit_tokens: np.ndarray | None = None) -> Hits:
+        """The longest hit each prompt can be served (`servable`), leaving at least one token to
+        compute (the forward needs a query for the next token's logits); ``hit_tokens``: the
+        hit to serve each prompt instead (one it can be served: `KVCacheGroups` agrees one
+        length over several caches)."""
         counts = np.zeros(len(prompts), dtype=np.int64)
+        released = np.zeros(len(prompts), dtype=np.int64)
         blocks: list[int] = []
         for i, prompt in enumerate(prompts):
             if prompt is None:
@@ -202,10 +221,34 @@ class PrefixCache:
             limit = (int(prompt_lens[i]) - 1) // self.tokens_per_block
             # map/index run in C: a prompt costs a few microseconds, not one per block.
             found = list(map(self.block_of.get, prompt.hashes[:limit]))
-            n = found.index(None) if None in found else len(found)
-            blocks += found[:n]
-            counts[i] = n
-        return Hits(counts, np.array(blocks, dtype=np.int64))
+            if hit_tokens is not None:
+                n = self._asked(found, int(hit_tokens[i]), i)
+            elif self.window is None:
+                n = found.index(None) if None in found else len(found)
+            else:
+                n = int(np.flatnonzero(servable(found, self.window, self.tokens_per_block))[-1])
+            first = hit_released(n, self.window, self.tokens_per_block)
+            blocks += found[first:n]
+            counts[i], released[i] = n - first, first
+        return Hits(counts, np.array(blocks, dtype=np.int64), released)
+
+    def servable(self, prompt: Prompt, prompt_len: int) -> np.ndarray:
+        """Per hit length in blocks, 0 to the longest a prompt of ``prompt_len`` tokens may have
+        (one token left to compute): whether this cache holds every block that hit needs
+        (`windows.hits.servable`)."""
+        limit = (prompt_len - 1) // self.tokens_per_block
+        return servable(list(map(self.block_of.get, prompt.hashes[:limit])), self.window,
+                        self.tokens_per_block)
+
+    def _asked(self, found: list[int | None], tokens: int, index: int) -> int:
+        """The blocks of an asked hit of ``tokens``, or InvalidValue if this cache cannot serve
+        it to the ``index``-th prompt."""
+        n, rest = divmod(tokens, self.tokens_per_block)
+        if rest or not 0 <= n <= len(found) or not servable(found[:n], self.window,
+                                                            self.tokens_per_block)[n]:
+            raise InvalidValue(f"hit_tokens[{index}]: {tokens} is not a hit this cache serves",
+                               field="hit_tokens")
+        return n
 
     def forget(self, evicted: np.ndarray) -> None:
         """Evicted blocks' content is gone: drop their hashes."""
@@ -237,7 +280,9 @@ class PrefixCache:
         full = min(int(rows.history[row]), prompt.tokens.size,
                    prompt.tokens.size if written is None else written) // tpb
         first = int(rows.cached[row])
-        if full <= first:
+        # A column the window released before it registered holds nothing to register, and the
+        # row's cached columns are a leading run: the row registers no more.
+        if full <= first or first < rows.released[row]:
             return
         candidates = prompt.hashes[first:full]
         # The row's cached run ends at the first block whose content another block holds.
@@ -248,8 +293,7 @@ class PrefixCache:
         self.block_of.update(zip(stored, blocks, strict=True))
         self.hash_of.update(zip(blocks, stored, strict=True))
         if self.record_events and blocks:
-            parent = self.origin[int(host[row, first - 1])] if first else None
-            self._record_stored(prompt, first, blocks, parent)
+            self._record_stored(prompt, first, blocks, self._parent(prompt, first))
         self.protected[blocks] = True
         if self.track_protection:
             self._flipped.extend(blocks)
@@ -270,6 +314,21 @@ class PrefixCache:
             assert len(known) == len(blocks), "a tier without events feeds a cache with them"
             self.origin.update(zip(blocks, known, strict=True))
             self.events += stored_runs(known, self.tokens_per_block, MEDIUM_POOL)
+
+    def _parent(self, prompt: Prompt, first: int) -> Origin | None:
+        """The origin of the block before ``first`` in ``prompt`` (None: ``first`` is its first
+        block): registered still, though a window may have released it from the row, or, once
+        evicted, its chain digest worked out again from the prompt."""
+        if first == 0:
+            return None
+        block = self.block_of.get(prompt.hashes[first - 1])
+        if block is not None:
+            return self.origin[block]
+        assert prompt.route_root is not None, "a prompt made without events"
+        tpb = self.tokens_per_block
+        digest = route_chain(prompt.route_root, prompt.tokens[: first * tpb], tpb)[-1]
+        return Origin(prompt.namespace, digest, published(digest), None,
+                      prompt.tokens[(first - 1) * tpb : first * tpb])
 
     def _record_stored(self, prompt: Prompt, first: int, blocks: list[int],
                        parent: Origin | None) -> None:
@@ -344,11 +403,11 @@ class PrefixCache:
                                      "registered blocks")
         in_rows = np.zeros(pool.num_blocks, dtype=bool)
         for row in np.flatnonzero(rows.live).tolist():
-            cached = int(rows.cached[row])
-            blocks = host[row, :cached].tolist()
+            cached, first = int(rows.cached[row]), int(rows.released[row])
+            blocks = host[row, first:cached].tolist()
             prompt = self.prompts.get(row)
             if cached and (prompt is None or [self.hash_of.get(b) for b in blocks]
-                           != prompt.hashes[:cached]):
+                           != prompt.hashes[first:cached]):
                 raise InvariantViolation(f"row {row}'s cached columns are not its prompt blocks")
             if cached * self.tokens_per_block > rows.history[row]:
                 raise InvariantViolation(f"row {row} caches blocks past its history")

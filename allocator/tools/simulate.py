@@ -314,7 +314,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=bounded(int, 1), default=None, metavar="TOKENS",
                    help="every layer attends over a sliding window of this many tokens (the "
                         "seed's model class: an MLA latent cache with a window): blocks behind "
-                        "it go back to the pool, and a forward's reads count for the IMA too")
+                        "it go back to the pool, and a forward's reads count for the IMA too; "
+                        "with --shared-prefix, a hit needs only the cached blocks its window "
+                        "reads")
     p.add_argument("--json", type=output_file, help="write the JSON summary here (also printed)")
     p.add_argument("--plot", type=output_file,
                    help="write a PNG of capacity/history/reach per step")
@@ -375,7 +377,8 @@ def _run_sharing(args: argparse.Namespace) -> int:
     spec = SharingSpec(conversations=args.conversations, turns=args.turns,
                        system_len=args.shared_prefix, osl=args.osl,
                        tokens_per_block=args.tokens_per_block,
-                       num_blocks=args.num_blocks or SharingSpec.num_blocks, seed=args.seed)
+                       num_blocks=args.num_blocks or SharingSpec.num_blocks, seed=args.seed,
+                       window=args.window)
     try:
         with sigint_stops() as stop:
             result = simulate_sharing(spec, stop)

@@ -6,6 +6,10 @@ prefill a worker skips), and what the LRU evicted when the pool ran short.
 Turns arrive ``arrivals`` per step; each decodes ``osl`` tokens one per step, then its
 conversation's next turn queues. Only prompt blocks are cached (generated tokens reach the
 manager as counts), so a turn reuses the system prompt and every earlier turn's prompt blocks.
+
+``window``: every layer attends over a sliding window of that many tokens (one windowed group,
+`capacity.windows`): a turn's hit then needs only the cached blocks its window reads, and the
+blocks its window passes stay cached (parked) until evicted.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ class SharingSpec:
     num_blocks: int = 4096
     max_batch_size: int = 16
     seed: int = 0
+    window: int | None = None
 
     def pool_config(self) -> PoolConfig:
         longest = self.system_len + self.turns * (self.user_len + self.osl)
         return PoolConfig(num_blocks=self.num_blocks, tokens_per_block=self.tokens_per_block,
                           num_layers=1, num_kv_heads=1, head_dim=1, device="cpu",
                           max_batch_size=self.max_batch_size, max_seq_len=longest,
-                          max_draft_len=1)
+                          max_draft_len=1, window=self.window)
 
 
 @dataclass(frozen=True)

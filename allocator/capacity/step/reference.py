@@ -43,6 +43,7 @@ from kvalloc.allocator.capacity.accounting import (
     slack_for,
 )
 from kvalloc.allocator.capacity.block_pool import BlockPool
+from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.allocator.capacity.state import (
     COUNTER_INDEX,
     COUNTER_NAMES,
@@ -76,10 +77,18 @@ class StepRun:
 @dataclass(frozen=True)
 class Hits:
     """Cached prefix blocks each new request reuses (looked up by the caller before the step):
-    ``counts`` per new request, their ids concatenated in ``blocks``."""
+    ``counts`` per new request, their ids concatenated in ``blocks``; ``released`` per new
+    request: the leading columns before them that its row starts with `RELEASED` (a windowed
+    group's hit needs no block behind its window, `prefix_cache`; None: none). A hit covers
+    ``released + counts`` columns."""
 
     counts: np.ndarray
     blocks: np.ndarray
+    released: np.ndarray | None = None
+
+    def leading(self) -> np.ndarray:
+        """Per new request: the columns its hit covers, released ones included."""
+        return self.counts if self.released is None else self.counts + self.released
 
 
 NO_HITS = Hits(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -131,6 +140,7 @@ class Served:
     refusals: np.ndarray  # int8 per new request
     first_tokens: np.ndarray  # per new request: tokens its admission reserves (hits included)
     hit_counts: np.ndarray  # per new request: cached blocks it reuses
+    hit_columns: np.ndarray  # per new request: columns its hit covers (released ones too)
     grant_starts: np.ndarray  # per grant: `grant_starts`
     prefill_starts: np.ndarray  # per prefill chunk: history before it
 
@@ -139,6 +149,8 @@ def reference_step(plan: PlanArrays, state: CapacityState, hits: Hits = NO_HITS,
                    apply: bool = True) -> StepRun:
     if hits.counts.size != plan.prompt_lens.size:  # no lookups: no new request reuses a block
         hits = Hits(np.zeros(plan.prompt_lens.size, dtype=np.int64), NO_HITS.blocks)
+    if hits.released is None:
+        hits = Hits(hits.counts, hits.blocks, np.zeros_like(hits.counts))
     try:
         validate(plan, state)
         settled = settle_step(plan, state)
@@ -381,14 +393,15 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
     base_capacity = settled.capacity.copy()
     base_capacity[finished] = 0
     base_blocks = blocks_for(base_capacity, tpb)
-    # A finished row's released columns (a windowed group's) hold no block to free.
-    released = int((state.rows.num_blocks - base_blocks).sum() - state.rows.cached[finished].sum()
-                   - state.rows.released[finished].sum())
+    # A finished row frees its columns past both its cached ones and its released ones (a
+    # windowed group's, which hold no block; a released column may be a cached one).
+    kept = np.maximum(state.rows.cached[finished], state.rows.released[finished])
+    released = int((state.rows.num_blocks - base_blocks).sum() - kept.sum())
     available = state.pool.num_free + state.pool.num_parked + released
-    hit_counts = hits.counts
-    first_tokens = admitted_tokens(plan.prompt_lens, plan.first_chunks, hit_counts * tpb)
+    hit_counts, hit_columns = hits.counts, hits.leading()
+    first_tokens = admitted_tokens(plan.prompt_lens, plan.first_chunks, hit_columns * tpb)
     demands = grow_blocks - base_blocks[grow_rows]
-    fresh = blocks_for(first_tokens, tpb) - hit_counts
+    fresh = blocks_for(first_tokens, tpb) - hit_columns
     ok = serve_in_order(demands, available)
     left = available - int(demands[ok].sum())
     if hits.blocks.size:
@@ -412,6 +425,7 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
         _fail(codes.OUT_OF_BLOCKS, codes.GRANTS, demand.item_rows[np.argmax(refused)], available)
     return Served(item_ok, item_ok[demand.num_topups :], prefill_ok, admitted, refusals,
                   first_tokens, np.where(admitted, hit_counts, 0),
+                  np.where(admitted, hit_columns, 0),
                   grant_starts(plan.grant_rows, settled), settled.history[plan.prefill_rows])
 
 
@@ -531,7 +545,7 @@ def move_blocks(plan: PlanArrays, state: CapacityState, served: Served, hits: Hi
     old_blocks = rows.num_blocks.copy()
     target = blocks_for(rows.capacity, tpb)
     target[finished] = 0
-    for row in finished[rows.cached[finished] > 0].tolist():
+    for row in finished[rows.cached[finished] > rows.released[finished]].tolist():
         _park_prefix(state, row)
     # Cached columns are parked above, never shrunk; released columns hold no block (a rewind
     # never reaches them: they lie behind history).
@@ -575,21 +589,23 @@ def move_blocks(plan: PlanArrays, state: CapacityState, served: Served, hits: Hi
         changed_num_blocks=new_blocks[changed],
         changed_block_ids=table.host[r, c],
         num_blocks=new_blocks.copy(),
-        cached_tokens=served.hit_counts * tpb,
+        cached_tokens=served.hit_columns * tpb,
     )
 
 
 def _park_prefix(state: CapacityState, row: int) -> None:
-    """Release a finished row's cached columns, last first: a block nobody else holds is parked
-    at the LRU tail (so a prefix's end is evicted before its start)."""
+    """Release a finished row's cached columns that hold a block (those past its released
+    ones), last first: a block nobody else holds is parked at the LRU tail (so a prefix's end is
+    evicted before its start)."""
     pool, host = state.pool, state.table.host
-    for column in range(int(state.rows.cached[row]) - 1, -1, -1):
+    first, end = int(state.rows.released[row]), int(state.rows.cached[row])
+    for column in range(end - 1, first - 1, -1):
         block = int(host[row, column])
         pool.refcounts[block] -= 1
         if pool.refcounts[block] == 0:
             pool.park(block)
-    n = int(state.rows.cached[row])
-    state.table.truncate(np.array([row]), np.array([0]), np.array([n]))
+    if end > first:
+        state.table.truncate(np.array([row]), np.array([first]), np.array([end - first]))
 
 
 def _take(pool: BlockPool, n: int, evicted: list[int]) -> np.ndarray:
@@ -610,14 +626,16 @@ def _admit(plan: PlanArrays, rows: RowState, state: CapacityState, served: Serve
         row = state.table.acquire_row()
         tokens = int(served.first_tokens[i])
         n = int(blocks_for(tokens, tpb))
-        cached = int(served.hit_counts[i])
-        ids = np.concatenate([hit_blocks[hit_starts[i] : hit_starts[i] + cached],
-                              _take(state.pool, n - cached, evicted)])
+        held, columns = int(served.hit_counts[i]), int(served.hit_columns[i])
+        ids = np.concatenate([np.full(columns - held, RELEASED, dtype=np.int64),
+                              hit_blocks[hit_starts[i] : hit_starts[i] + held],
+                              _take(state.pool, n - columns, evicted)])
         state.table.append(np.array([row]), np.array([0]), np.array([n]), ids)
         rows.live[row] = True
         rows.capacity[row] = rows.history[row] = tokens
         rows.prompt_len[row] = plan.prompt_lens[i]
         rows.num_blocks[row] = n
-        rows.cached[row] = cached
+        rows.cached[row] = columns
+        rows.released[row] = columns - held
         admitted_rows[i] = row
     return admitted_rows

@@ -1,2 +1,3 @@
 """Sliding-window groups: a windowed group's release of the blocks behind every window
-(`release`) and the driver of one manager per group under one plan (`groups`)."""
+(`release`), the driver of one manager per group under one plan (`groups`) and the one prefix hit
+every group serves a request (`hits`)."""

@@ -27,6 +27,15 @@ admitted) cannot fail. Undoing the groups that applied would not be exact: a set
 finished row and a released window column have no inverse. The price: each group runs its
 step's checks twice (the check, then the step's own).
 
+**Prefix caching** (``prefix_caching=True``): every group keeps its own cache (its own block
+size, so its own block hashes), and a new request is admitted with one hit in every group, the
+longest every group serves (`hits.common_hit`: block-aligned in every group). Blocks register
+only when the caller says their tokens are written (``mark_written``; each group's manager runs
+with ``register_when_written``): a group may serve an admission or a chunk that another refuses,
+and a block registered at scheduling would then be a hit for content no forward wrote (an
+admission given back, a chunk held ahead until every group has it). The caller drains each
+group's protection flips and events (``drain_cache_changes``).
+
 Invariants (``check_invariants``): every group's own; the same live rows in every group, with
 the same capacity and pending grants; a group's history is the common history plus its chunk
 tokens ahead, and only a request still prefilling has tokens ahead.
@@ -37,17 +46,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from kvalloc.allocator.capacity.block_table import BlockTable
 from kvalloc.allocator.capacity.manager import KVCacheManager
+from kvalloc.allocator.capacity.prefix_cache import CacheChanges, Prompt
 from kvalloc.allocator.capacity.step.plan import (
     PlanArrays,
     StepOutcome,
     StepPlan,
     coerce,
+    prompt_token_arrays,
     with_changes,
 )
+from kvalloc.allocator.capacity.windows.hits import common_hit
 from kvalloc.allocator.config import PoolConfig
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
@@ -76,7 +89,12 @@ class GroupsOutcome:
 
 
 class KVCacheGroups:
-    def __init__(self, specs: Sequence[GroupSpec], *, compiled: bool | None = None) -> None:
+    def __init__(self, specs: Sequence[GroupSpec], *, compiled: bool | None = None,
+                 prefix_caching: bool = False, cache_key: bytes = b"",
+                 hash_seed: bytes = b"") -> None:
+        """``prefix_caching``: new requests admitted with their prompt token ids share cached
+        blocks in every group, with one hit (``cache_key`` and ``hash_seed`` as
+        `KVCacheManager`'s)."""
         if not specs:
             raise InvalidValue("groups: at least one group", field="groups")
         names = [s.name for s in specs]
@@ -88,8 +106,10 @@ class KVCacheGroups:
                     raise InvalidValue(f"groups: {spec.name}'s {key} differs from "
                                        f"{specs[0].name}'s", field="groups")
         self.specs = tuple(specs)
-        self.managers = {s.name: KVCacheManager(s.config, compiled=compiled)
-                         for s in specs}
+        self.managers = {s.name: KVCacheManager(
+            s.config, compiled=compiled, prefix_caching=prefix_caching, cache_key=cache_key,
+            hash_seed=hash_seed, register_when_written=prefix_caching) for s in specs}
+        self.prefix_caching = prefix_caching
         rows = specs[0].config.max_batch_size
         self.ahead = {s.name: np.zeros(rows, dtype=np.int64) for s in specs}
 
@@ -103,13 +123,15 @@ class KVCacheGroups:
         order given) that refuses it, to none."""
         arrays = coerce(plan)
         plans = {name: self._chunks_left(name, arrays) for name in self.managers}
+        prompts, hit = self._prompts(prompt_token_arrays(plan.prompt_tokens, arrays.prompt_lens),
+                                     arrays.prompt_lens)
         for name, manager in self.managers.items():
-            manager.step_arrays(plans[name], apply=False)
+            manager.step_arrays(plans[name], prompts[name], apply=False, hit_tokens=hit)
         runs: dict[str, StepOutcome] = {}
         for name, manager in self.managers.items():
             if manager.window is not None:
                 manager.window.held_back[:] = self.ahead[name]
-            out = manager.step_arrays(plans[name])
+            out = manager.step_arrays(plans[name], prompts[name], hit_tokens=hit)
             assert out is not None  # only a check returns None
             runs[name] = out
         for ahead in self.ahead.values():
@@ -128,8 +150,36 @@ class KVCacheGroups:
             changed_rows=first.changed_rows, changed_from=first.changed_from,
             changed_num_blocks=first.changed_num_blocks,
             changed_block_ids=first.changed_block_ids, num_blocks=first.num_blocks,
-            cached_tokens=np.zeros_like(first.cached_tokens))
+            cached_tokens=np.where(admitted, first.cached_tokens, 0))
         return GroupsOutcome(common, runs)
+
+    def _prompts(self, tokens: list[Any], prompt_lens: np.ndarray
+                 ) -> tuple[dict[str, list[Prompt | None]], np.ndarray | None]:
+        """Each group's prompts (hashed in its own blocks; a `Prompt` given is hashed again
+        under its namespace) and the hit every group serves each new request (None: no lookup)."""
+        if not self.prefix_caching or all(t is None for t in tokens):
+            return {name: [] for name in self.managers}, None
+        prompts = {name: [None if t is None else m.prompt(t.tokens, salt=t.namespace)
+                          if isinstance(t, Prompt) else m.prompt(t) for t in tokens]
+                   for name, m in self.managers.items()}
+        hit = np.zeros(len(tokens), dtype=np.int64)
+        for i in range(len(tokens)):
+            if tokens[i] is not None:
+                hit[i] = common_hit([(m.cache.servable(prompts[name][i], int(prompt_lens[i])),
+                                      m.tokens_per_block) for name, m in self.managers.items()
+                                     if m.cache is not None])
+        return prompts, hit
+
+    def mark_written(self, rows: np.ndarray, written_tokens: np.ndarray) -> None:
+        """The first ``written_tokens[i]`` tokens of live row ``rows[i]`` are in every group's
+        pool: their full prompt blocks become cached (`KVCacheManager.mark_written`)."""
+        for manager in self.managers.values():
+            manager.mark_written(rows, written_tokens)
+
+    def drain_cache_changes(self) -> dict[str, CacheChanges]:
+        """Each group's `KVCacheManager.drain_cache_changes` (with prefix caching the caller
+        drains them, or the protection flips pile up)."""
+        return {name: m.drain_cache_changes() for name, m in self.managers.items()}
 
     def _chunks_left(self, name: str, arrays: PlanArrays) -> PlanArrays:
         """The plan as group ``name`` sees it: each chunk less the tokens it already served."""

@@ -25,6 +25,15 @@ free to go once no step that is scheduled or to come reads it.
 **Released columns.** ``released = max(0, floor((read_from - W + 1) / T))``: every position in
 those columns is below ``read_from - W + 1``, the first key any such query reads.
 
+**Cached columns.** With prefix caching a row's first ``cached`` columns are registered prompt
+blocks (`prefix_cache`), and the window passes them like any other: a released block that is a
+cached one and that nobody else holds is *parked* (the cache keeps it, evictable, and a later
+request whose hit needs it takes it back), never pushed on the free stack. Its column says
+`RELEASED` all the same; ``cached`` still counts it, so a row's cached blocks in hand are its
+columns ``[released, cached)``. The cached blocks are the row's leading ones, so the free stack
+gets the released blocks that are not, in the order the compiled step pushes them, and the LRU
+list the cached ones, in order too.
+
 Invariants (``check_invariants``, with the manager's):
 
 - ``released[r] == max(0, (read_from[r] - W + 1) // T)`` for a live row, 0 otherwise, and
@@ -45,6 +54,16 @@ from kvalloc.allocator.capacity.state import CapacityState
 from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome, with_changes
 from kvalloc.allocator.config import window_row_blocks
 from kvalloc.allocator.errors import InvariantViolation
+
+
+def _cached_cells(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                  cached: np.ndarray) -> np.ndarray:
+    """Per cell of the ragged ranges ``[starts[i], ends[i])`` of ``rows[i]``, row after row:
+    whether it is one of the row's cached columns."""
+    counts = ends - starts
+    columns = np.repeat(starts, counts) + np.arange(int(counts.sum())) - np.repeat(
+        np.cumsum(counts) - counts, counts)
+    return columns < np.repeat(cached[rows], counts)
 
 
 def released_columns(read_from: np.ndarray, window: int, tokens_per_block: int) -> np.ndarray:
@@ -90,7 +109,13 @@ class WindowRelease:
         if moved.size == 0:
             return outcome
         old = rows.released[moved].copy()
-        state.pool.release_unique(table.release_leading(moved, old, target[moved]))
+        blocks = table.release_leading(moved, old, target[moved])
+        cached = _cached_cells(moved, old, target[moved], rows.cached)
+        state.pool.release_unique(blocks[~cached])
+        for block in blocks[cached].tolist():
+            state.pool.refcounts[block] -= 1
+            if state.pool.refcounts[block] == 0:
+                state.pool.park(block)
         rows.released[moved] = target[moved]
         table.sync()
         return with_changes(outcome, moved, old, rows.num_blocks, table.host)

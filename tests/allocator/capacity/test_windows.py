@@ -17,6 +17,13 @@ boundaries. After every call:
   leave the same state, alone and in groups;
 - a plan some group refuses with a typed error (a strict grant one pool cannot serve, a grant
   for a request only another group has wholly prefilled) changes no group.
+
+With prefix caching (the ``Prefix`` machines) new requests come with token ids drawn as
+prefixes of two sequences that share their first 20 tokens, so they hit each other's cached
+blocks, including ones their windows released, and the pools are small enough to evict them;
+groups hear which tokens are written as the forwards run. Then, too: each hit needs only its
+window's blocks, the events remove a cached block only when the pool evicts it, and the two
+steps leave the same cache.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from kvalloc.allocator import (
     StepPlan,
 )
 from kvalloc.allocator.capacity.block_table import RELEASED
+from kvalloc.allocator.capacity.kv_events import BlockRemoved, BlockStored
 from kvalloc.allocator.capacity.step.compiled import available
 from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
 from kvalloc.allocator.errors import OutOfBlocks, PrefillIncomplete
@@ -73,9 +81,14 @@ class Request:
         return [f for f in self.steps + self.chunks if f.until >= call]
 
 
+# Prompts are prefixes of these: two requests' prompts share a prefix where they draw the same.
+PROMPT_TOKENS = [np.arange(MAX_SEQ) % 5, np.arange(MAX_SEQ) % 5 + (np.arange(MAX_SEQ) >= 20)]
+
+
 class WindowMachine(RuleBasedStateMachine):
     LAG = 2
     MIXED = False
+    PREFIX = False  # admit with prompt token ids, prefix caching on
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,13 +96,18 @@ class WindowMachine(RuleBasedStateMachine):
         self.requests: list[Request] = []
         compiled = [False, True] if available() else [False]
         if self.MIXED:
-            self.twins = [KVCacheGroups([GroupSpec("full", config(80, 4, None)),
-                                         GroupSpec("window", config(24, 2, 7))], compiled=c)
+            # With prefix caching the full pool is small enough to evict cached blocks.
+            full = 36 if self.PREFIX else 80
+            self.twins = [KVCacheGroups([GroupSpec("full", config(full, 4, None)),
+                                         GroupSpec("window", config(24, 2, 7))], compiled=c,
+                                        prefix_caching=self.PREFIX)
                           for c in compiled]
             self.groups = self.twins[0]
             self.windows = {"full": None, "window": 7}
         else:
-            self.managers = [KVCacheManager(config(40, 4, 9), compiled=c) for c in compiled]
+            self.managers = [KVCacheManager(config(16 if self.PREFIX else 40, 4, 9), compiled=c,
+                                            prefix_caching=self.PREFIX, kv_events=self.PREFIX)
+                             for c in compiled]
             self.windows = {"window": 9}
 
     # ------------------------------------------------------------------ one call
@@ -130,6 +148,8 @@ class WindowMachine(RuleBasedStateMachine):
         """One call; one in four makes its grants strict: a grant some group cannot serve
         then refuses the whole call."""
         now = self.call_no + 1
+        if self.MIXED and self.PREFIX:
+            self._mark_written(now)
         results = [r for r in self.requests if r.steps and r.steps[0].due == now]
         decoding = [r for r in self.requests if r.done >= r.prompt
                     and len(r.steps) - (r in results) < self.LAG]
@@ -139,12 +159,15 @@ class WindowMachine(RuleBasedStateMachine):
         chunks = [min(r.prompt - r.done, data.draw(st.integers(1, 16))) for r in prefilling]
         new = [prompt] if len(self.requests) < 4 and data.draw(st.booleans()) else []
         first = min(chunk, prompt)
+        tokens = ([PROMPT_TOKENS[data.draw(st.integers(0, 1))][:prompt]]
+                  if new and self.PREFIX else [])
         plan = StepPlan(
             result_rows=[r.row for r in results],
             num_accepted=[r.steps[0].accepted for r in results],
             grant_rows=[r.row for r in grants], draft_lens=drafts,
             prefill_rows=[r.row for r in prefilling], prefill_tokens=chunks,
-            prompt_lens=new, first_chunks=[first] if new else [], lag=self.LAG,
+            prompt_lens=new, first_chunks=[first] if new else [], prompt_tokens=tokens,
+            lag=self.LAG,
             strict_grants=strict == 0)
         out = self._refused(plan, OutOfBlocks)
         if out is None:
@@ -165,12 +188,25 @@ class WindowMachine(RuleBasedStateMachine):
                 r.done += c
         for i, row in enumerate(out.admitted_rows.tolist()):
             if row >= 0:
-                req = Request(row, new[i], first or new[i])
-                req.chunks.append(Forward(0, req.done, 0, until, 0))
+                hit = int(out.cached_tokens[i])
+                req = Request(row, new[i], min(new[i], hit + first) if first else new[i])
+                req.chunks.append(Forward(hit, req.done - hit, 0, until, 0))
                 self.requests.append(req)
         for r in list(self.requests):
             if r.done >= MAX_SEQ - 2 * (1 + MAX_DRAFT):
                 self._finish(r)
+
+    def _mark_written(self, now: int) -> None:
+        """The forwards that have run by call ``now`` wrote their prompt tokens: every group
+        hears so (`KVCacheGroups.mark_written`) before the call."""
+        if not self.requests:
+            return
+        written = [min([f.start for f in r.chunks if f.until >= now], default=r.done)
+                   for r in self.requests]
+        for twin in self.twins:
+            twin.mark_written(np.array([r.row for r in self.requests]),
+                              np.minimum(written, [r.prompt for r in self.requests]))
+            twin.drain_cache_changes()
 
     @rule(data=st.data())
     def grant_before_the_prompt_ends(self, data: st.DataObject) -> None:
@@ -213,6 +249,25 @@ class WindowMachine(RuleBasedStateMachine):
                     assert (columns >= 0).all(), (name, f, host)
 
     @invariant()
+    def a_cached_block_leaves_the_events_only_when_evicted(self) -> None:
+        """A window's released cached block stays in the cache: the events remove exactly the
+        blocks the pool evicted, each once, after it was stored."""
+        if not self.PREFIX or self.MIXED:
+            return
+        if not hasattr(self, "stored"):
+            self.stored: list[set[int]] = [set() for _ in self.managers]
+            self.removed = [0] * len(self.managers)
+        for i, m in enumerate(self.managers):
+            for event in (e.event for e in m.drain_kv_events()):
+                if isinstance(event, BlockStored):
+                    self.stored[i].update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    assert set(event.block_hashes) <= self.stored[i]
+                    self.stored[i] -= set(event.block_hashes)
+                    self.removed[i] += len(event.block_hashes)
+            assert self.removed[i] == m.counters.evicted_blocks
+
+    @invariant()
     def windowed_rows_stay_bounded(self) -> None:
         for name, manager in self._managers().items():
             if self.windows[name] is None:
@@ -228,27 +283,23 @@ SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-class WindowLag1(WindowMachine):
-    LAG = 1
+def machine(lag: int, mixed: bool = False, prefix: bool = False):  # type: ignore[no-untyped-def]
+    """The machine's test case at ``lag``, for a windowed group alone or beside a full one
+    (``mixed``), with prefix caching or not."""
+    name = f"{'Mixed' if mixed else 'Window'}{'Prefix' if prefix else ''}Lag{lag}"
+    case = type(name, (WindowMachine,), {"LAG": lag, "MIXED": mixed, "PREFIX": prefix}).TestCase
+    case.settings = SETTINGS
+    return case
 
 
-class MixedLag2(WindowMachine):
-    MIXED = True
-
-
-class MixedLag1(WindowMachine):
-    LAG = 1
-    MIXED = True
-
-
-TestWindowLag2 = WindowMachine.TestCase
-TestWindowLag2.settings = SETTINGS
-TestWindowLag1 = WindowLag1.TestCase
-TestWindowLag1.settings = SETTINGS
-TestMixedLag2 = MixedLag2.TestCase
-TestMixedLag2.settings = SETTINGS
-TestMixedLag1 = MixedLag1.TestCase
-TestMixedLag1.settings = SETTINGS
+TestWindowLag2 = machine(2)
+TestWindowLag1 = machine(1)
+TestMixedLag2 = machine(2, mixed=True)
+TestMixedLag1 = machine(1, mixed=True)
+TestPrefixLag2 = machine(2, prefix=True)
+TestPrefixLag1 = machine(1, prefix=True)
+TestMixedPrefixLag2 = machine(2, mixed=True, prefix=True)
+TestMixedPrefixLag1 = machine(1, mixed=True, prefix=True)
 
 
 def long_decode(lag: int, window: int, tokens_per_block: int, steps: int,
@@ -306,10 +357,11 @@ def test_a_windowed_pool_is_sized_by_its_window_not_its_row() -> None:
         config(5, 4, 8)
 
 
-def test_windowed_groups_keep_no_prefix_cache() -> None:
+def test_windowed_groups_keep_no_host_tier() -> None:
     with pytest.raises(InvalidValue) as info:
-        KVCacheManager(config(40, 4, 8), prefix_caching=True)
-    assert info.value.field == "prefix_caching"
+        KVCacheManager(config(40, 4, 8), prefix_caching=True, register_when_written=True,
+                       host_tier_blocks=8)
+    assert info.value.field == "host_tier_blocks"
 
 
 def test_groups_refuse_what_one_group_cannot_serve_and_the_other_gives_back() -> None:
@@ -360,6 +412,8 @@ def manager_state(m: KVCacheManager) -> dict:
     if m.window is not None:
         out.update({f"window.{k}": v.tolist() for k, v in vars(m.window).items()
                     if isinstance(v, np.ndarray)})
+    if m.cache is not None:
+        out["cache"] = sorted(m.cache.hash_of.items())
     return out
 
 

@@ -21,13 +21,14 @@ from kvalloc.allocator.capacity.step.compiled.tuples import (
 
 
 @inlined
-def park_prefix(pool: Pool, host: np.ndarray, row: int, cached: int) -> None:
-    """Release a finished row's ``cached`` columns, last first: a block nobody else holds is
-    parked at the LRU tail (so a prefix's end is evicted before its start)."""
-    for column in range(cached - 1, -1, -1):
+def park_prefix(pool: Pool, host: np.ndarray, row: int, first: int, cached: int) -> None:
+    """Release a finished row's cached columns from ``first`` (its released ones hold no block)
+    to ``cached``, last first: a block nobody else holds is parked at the LRU tail (so a
+    prefix's end is evicted before its start)."""
+    for column in range(cached - 1, first - 1, -1):
         block = _release(host, row, column, pool.refcounts)
         if block >= 0:
-            _park(block, pool)
+            park(block, pool)
 
 
 @inlined
@@ -93,7 +94,7 @@ def unpark(block: int, pool: Pool) -> None:
 
 
 @inlined
-def _park(block: int, pool: Pool) -> None:
+def park(block: int, pool: Pool) -> None:
     """`BlockPool.park`: ``block`` at the LRU tail."""
     lru_prev, lru_next, lru = pool.lru_prev, pool.lru_next, pool.lru
     tail = lru[LRU_TAIL]

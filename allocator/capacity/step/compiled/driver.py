@@ -167,11 +167,14 @@ class CompiledStep:
         self.tops[NUM_FREE_ROWS] = table.num_free_rows
         num_new = plan.prompt_lens.size
         hit_counts = hits.counts if hits.counts.size == num_new else self.no_hits[:num_new]
+        released = (hits.released if hits.released is not None and hits.released.size == num_new
+                    else self.no_hits[:num_new])
         step_state = (self.limits, _row_arrays(rows), _pool_arrays(pool), _table_arrays(table),
                       self.tops)
         (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
          changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
-            plan[:_plan_lists], plan.strict_grants, plan.lag, step_state, (hit_counts, hits.blocks),
+            plan[:_plan_lists], plan.strict_grants, plan.lag, step_state,
+            (hit_counts, hits.blocks, released),
             self.settled, self.scratch_arrays, self.window, error, deltas, apply)
         if error[0] or not apply:
             return StepRun(error)

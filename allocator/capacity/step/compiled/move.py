@@ -9,6 +9,7 @@ shrink, then every growth, so block ids, the free stack and the table's cells co
 from __future__ import annotations
 
 import numpy as np
+from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.allocator.capacity.step.compiled.block_moves import park_prefix, take, truncate, unpark
 from kvalloc.allocator.capacity.step.compiled.inlining import inlined
 from kvalloc.allocator.capacity.step.compiled.rules import admitted_tokens, blocks_for
@@ -45,7 +46,7 @@ def move_blocks(plan: Plan, state: State, served: Served, hits: HitArrays,
     rewritten[:] = False  # freed or admitted: from column 0
     for row in finished:
         rewritten[row] = True
-        park_prefix(pool, host, row, min(cached[row], num_blocks[row]))
+        park_prefix(pool, host, row, rows.released[row], min(cached[row], num_blocks[row]))
         for column in range(rows.released[row]):  # released columns hold no block
             host[row, column] = -1
     for row in range(num_blocks.size):
@@ -73,7 +74,7 @@ def move_blocks(plan: Plan, state: State, served: Served, hits: HitArrays,
 def _take_hits(refusals: np.ndarray, hits: HitArrays, pool: Pool) -> None:
     """Each admitted request takes a reference on its cached blocks, out of the LRU list if
     parked."""
-    counts, blocks = hits
+    counts, blocks = hits.counts, hits.blocks
     refcounts = pool.refcounts
     start = 0
     for i in range(refusals.size):
@@ -100,30 +101,34 @@ def _admit(prompt_lens: np.ndarray, first_chunks: np.ndarray, refusals: np.ndarr
            hits: HitArrays, rows: Rows, pool: Pool, host: np.ndarray, free_rows: np.ndarray,
            tops: np.ndarray, tpb: int, rewritten: np.ndarray,
            evicted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each admitted request (refusal 0) takes a free row, its cached blocks, then fresh ones.
-    Returns the admitted rows (-1: refused) and cached tokens, one per new request."""
-    counts, blocks = hits
+    """Each admitted request (refusal 0) takes a free row, its hit's released columns
+    (`RELEASED`) and cached blocks, then fresh ones. Returns the admitted rows (-1: refused) and
+    cached tokens, one per new request."""
+    counts, blocks, released = hits
     admitted_rows = np.full(prompt_lens.size, -1, dtype=np.int64)
     cached_tokens = np.zeros(prompt_lens.size, dtype=np.int64)
     end = 0
     for i in range(prompt_lens.size):
-        cached = counts[i]
-        start, end = end, end + cached
+        skipped, columns = released[i], released[i] + counts[i]
+        start, end = end, end + counts[i]
         if refusals[i] != 0:
             continue
         tops[NUM_FREE_ROWS] -= 1
         row = free_rows[tops[NUM_FREE_ROWS]]
-        tokens = admitted_tokens(prompt_lens[i], first_chunks[i], cached * tpb)
+        tokens = admitted_tokens(prompt_lens[i], first_chunks[i], columns * tpb)
         n = blocks_for(tokens, tpb)
-        for column in range(cached):
-            host[row, column] = blocks[start + column]
-        take(pool, tops, evicted, host, row, cached, n)
+        for column in range(skipped):
+            host[row, column] = RELEASED
+        for column in range(skipped, columns):
+            host[row, column] = blocks[start + column - skipped]
+        take(pool, tops, evicted, host, row, columns, n)
         rows.live[row] = True
         rows.capacity[row] = rows.history[row] = tokens
         rows.prompt_len[row] = prompt_lens[i]
         rows.num_blocks[row] = n
-        rows.cached[row] = cached
-        cached_tokens[i] = cached * tpb
+        rows.cached[row] = columns
+        rows.released[row] = skipped
+        cached_tokens[i] = columns * tpb
         rewritten[row] = True
         admitted_rows[i] = row
     return admitted_rows, cached_tokens

@@ -2,17 +2,20 @@
 (its reference, run after `reference_step`), row by row. Each live row's ``read_from`` moves to
 the lowest position a step that is scheduled, or yet to come, still reads; the leading columns
 wholly behind its window (``max(0, (read_from - W + 1) // T)``) go back to the pool, and the
-table says `RELEASED` there.
+table says `RELEASED` there. A released block nobody holds any more is parked when it is a
+cached one (one of the row's ``cached`` columns: the prefix cache keeps it, evictable), else
+pushed on the free stack.
 
 Invariants: a full-attention step (``window`` 0) runs none of it; rows are released in order,
-each row's columns in order, so the free stack comes out as the reference's; ``released_from``
-holds the first column a row released this step, -1 where it released none (`move.changes`
-starts that row's changes there).
+each row's columns in order, so the free stack and the LRU list come out as the reference's;
+``released_from`` holds the first column a row released this step, -1 where it released none
+(`move.changes` starts that row's changes there).
 """
 from __future__ import annotations
 
 import numpy as np
 from kvalloc.allocator.capacity.block_table import RELEASED
+from kvalloc.allocator.capacity.step.compiled.block_moves import park
 from kvalloc.allocator.capacity.step.compiled.inlining import inlined
 from kvalloc.allocator.capacity.step.compiled.tuples import NUM_FREE, Plan, State, Window
 
@@ -27,7 +30,7 @@ def release(plan: Plan, lag: int, state: State, window: Window, prefill_ok: np.n
     if size == 0:
         return
     rows, tops, tpb = state.rows, state.tops, state.limits.tokens_per_block
-    live, history, released = rows.live, rows.history, rows.released
+    live, history, released, cached = rows.live, rows.history, rows.released, rows.cached
     host, free_stack, refcounts = state.table.host, state.pool.free_stack, state.pool.refcounts
     starts, fresh = window.starts, window.fresh
     read_from, last_start, held_back = window.read_from, window.last_start, window.held_back
@@ -60,6 +63,9 @@ def release(plan: Plan, lag: int, state: State, window: Window, prefill_ok: np.n
             host[row, column] = RELEASED
             refcounts[block] -= 1
             if refcounts[block] == 0:
-                free_stack[tops[NUM_FREE]] = block
-                tops[NUM_FREE] += 1
+                if column < cached[row]:
+                    park(block, state.pool)
+                else:
+                    free_stack[tops[NUM_FREE]] = block
+                    tops[NUM_FREE] += 1
         released[row] = target

@@ -83,12 +83,14 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
 def _released(num_blocks: np.ndarray, cached: np.ndarray, behind_window: np.ndarray,
               capacity: np.ndarray, finished: np.ndarray, tokens_per_block: int) -> int:
     """Blocks the settled ``capacity`` frees: finished rows all theirs but their cached blocks
-    (those are parked, not free, until evicted) and the columns a window released (no block)."""
+    (those are parked, not free, until evicted) and the columns a window released (no block;
+    a released column may be a cached one)."""
     released = 0
     for row in range(num_blocks.size):
         released += num_blocks[row] - blocks_for(capacity[row], tokens_per_block)
     for row in finished:
-        released += blocks_for(capacity[row], tokens_per_block) - cached[row] - behind_window[row]
+        released += (blocks_for(capacity[row], tokens_per_block)
+                     - max(cached[row], behind_window[row]))
     return released
 
 
@@ -98,12 +100,13 @@ def serve_hits_in_order(prompt_lens: np.ndarray, first_chunks: np.ndarray, hits:
                         claimed: np.ndarray, refusals: np.ndarray) -> None:
     """`reference.serve_hits_in_order` (with no hits, `serve_in_order`) for the new requests:
     those not served are refused (``refusals``) for want of blocks."""
-    counts, blocks = hits
+    counts, blocks, released = hits
     left = available
     start = 0
     for i in range(prompt_lens.size):
-        tokens = admitted_tokens(prompt_lens[i], first_chunks[i], counts[i] * tokens_per_block)
-        need = blocks_for(tokens, tokens_per_block) - counts[i]
+        columns = counts[i] + released[i]
+        tokens = admitted_tokens(prompt_lens[i], first_chunks[i], columns * tokens_per_block)
+        need = blocks_for(tokens, tokens_per_block) - columns
         for k in range(start, start + counts[i]):  # parked blocks it takes back
             if refcounts[blocks[k]] == 0 and not claimed[blocks[k]]:
                 need += 1

@@ -95,10 +95,12 @@ class Window(NamedTuple):
 
 
 class HitArrays(NamedTuple):
-    """`Hits`' arrays: one count per new request, their blocks concatenated."""
+    """`Hits`' arrays: one count per new request, their blocks concatenated, and the leading
+    columns each hit starts released."""
 
     counts: np.ndarray
     blocks: np.ndarray
+    released: np.ndarray
 
 
 class Demand(NamedTuple):
@@ -112,9 +114,9 @@ class Demand(NamedTuple):
 
 
 class Served(NamedTuple):
-    """`reference.Served` without ``admitted``, ``first_tokens`` and ``hit_counts``: a new request
-    is admitted where its refusal is 0, and `move._admit` works out the rest from the plan and
-    hits."""
+    """`reference.Served` without ``admitted``, ``first_tokens``, ``hit_counts`` and
+    ``hit_columns``: a new request is admitted where its refusal is 0, and `move._admit` works
+    out the rest from the plan and hits."""
 
     item_ok: np.ndarray  # per row that grows (top-ups, grants, prefill chunks): a view of scratch
     granted: np.ndarray
