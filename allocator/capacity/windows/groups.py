@@ -36,6 +36,11 @@ and a block registered at scheduling would then be a hit for content no forward 
 admission given back, a chunk held ahead until every group has it). The caller drains each
 group's protection flips and events (``drain_cache_changes``).
 
+**Placement**: every group's tensors are made by one `TensorAllocator`; the first group's keep
+their own names (``block_table``, ``kv``), so a pool of one group is placed as a lone manager's,
+and another group's are named ``group-<name>-<tensor>`` (`group_placement`), so a service can
+export each group's table beside the first's.
+
 Invariants (``check_invariants``): every group's own; the same live rows in every group, with
 the same capacity and pending grants; a group's history is the common history plus its chunk
 tokens ahead, and only a request still prefilling has tokens ahead.
@@ -49,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from kvalloc.allocator.capacity.block_table import BlockTable
 from kvalloc.allocator.capacity.manager import KVCacheManager
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, Prompt
@@ -61,6 +67,7 @@ from kvalloc.allocator.capacity.step.plan import (
     with_changes,
 )
 from kvalloc.allocator.capacity.windows.hits import common_hit
+from kvalloc.allocator.common.placement import TensorAllocator, plain_tensor
 from kvalloc.allocator.config import PoolConfig
 from kvalloc.allocator.errors import InvalidValue, InvariantViolation
 
@@ -78,6 +85,21 @@ class GroupSpec:
     config: PoolConfig
 
 
+def group_tensor_name(specs: Sequence[GroupSpec], group: str, name: str) -> str:
+    """The name group ``group``'s tensor ``name`` is made under: its own for the first group,
+    ``group-<group>-<name>`` for another."""
+    return name if group == specs[0].name else f"group-{group}-{name}"
+
+
+def group_placement(specs: Sequence[GroupSpec], group: str,
+                    allocate: TensorAllocator) -> TensorAllocator:
+    """``allocate`` making group ``group``'s tensors under their `group_tensor_name`."""
+    def named(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        return allocate(group_tensor_name(specs, group, name), shape, dtype, device)
+    return named
+
+
 @dataclass(frozen=True)
 class GroupsOutcome:
     """What the step did to the request (``outcome``: grants, chunks and admissions every group
@@ -89,10 +111,11 @@ class GroupsOutcome:
 
 
 class KVCacheGroups:
-    def __init__(self, specs: Sequence[GroupSpec], *, compiled: bool | None = None,
-                 prefix_caching: bool = False, cache_key: bytes = b"",
-                 hash_seed: bytes = b"") -> None:
-        """``prefix_caching``: new requests admitted with their prompt token ids share cached
+    def __init__(self, specs: Sequence[GroupSpec], *, allocate: TensorAllocator = plain_tensor,
+                 compiled: bool | None = None, prefix_caching: bool = False,
+                 cache_key: bytes = b"", hash_seed: bytes = b"") -> None:
+        """``allocate``: where every group's table is made (`group_placement`).
+        ``prefix_caching``: new requests admitted with their prompt token ids share cached
         blocks in every group, with one hit (``cache_key`` and ``hash_seed`` as
         `KVCacheManager`'s)."""
         if not specs:
@@ -107,8 +130,9 @@ class KVCacheGroups:
                                        f"{specs[0].name}'s", field="groups")
         self.specs = tuple(specs)
         self.managers = {s.name: KVCacheManager(
-            s.config, compiled=compiled, prefix_caching=prefix_caching, cache_key=cache_key,
-            hash_seed=hash_seed, register_when_written=prefix_caching) for s in specs}
+            s.config, allocate=group_placement(specs, s.name, allocate), compiled=compiled,
+            prefix_caching=prefix_caching, cache_key=cache_key, hash_seed=hash_seed,
+            register_when_written=prefix_caching) for s in specs}
         self.prefix_caching = prefix_caching
         rows = specs[0].config.max_batch_size
         self.ahead = {s.name: np.zeros(rows, dtype=np.int64) for s in specs}
@@ -117,6 +141,22 @@ class KVCacheGroups:
     def tables(self) -> dict[str, BlockTable]:
         """Each group's `BlockTable` (its device copy is what the group's layers read)."""
         return {name: m.table for name, m in self.managers.items()}
+
+    def token_slots(self, rows: np.ndarray, starts: np.ndarray,
+                    num_tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """Each group's `KVCacheManager.token_slots` for the same runs (a windowed group's are -1
+        behind its window)."""
+        return {name: m.token_slots(rows, starts, num_tokens)
+                for name, m in self.managers.items()}
+
+    @property
+    def free_blocks(self) -> dict[str, int]:
+        return {name: m.free_blocks for name, m in self.managers.items()}
+
+    @property
+    def live_rows(self) -> np.ndarray:
+        """The live rows, the same in every group (`check_invariants`)."""
+        return self.managers[self.specs[0].name].live_rows
 
     def step(self, plan: StepPlan) -> GroupsOutcome:
         """Apply ``plan`` to every group, or, with the typed error of the first group (in the

@@ -32,6 +32,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -393,6 +394,29 @@ def test_a_windowed_group_ahead_by_a_chunk_keeps_the_window_the_chunk_reads() ->
     window = groups.managers["window"].table.host[a]
     assert (window[(32 - 7 + 1) // 2 : 64 // 2] >= 0).all()
     groups.check_invariants()
+
+
+def test_each_group_s_table_is_placed_under_its_own_name() -> None:
+    """One placement makes every group's table: the first group's under the lone manager's
+    name, another's under its group's, so a service can export both."""
+    made: dict[str, torch.Tensor] = {}
+
+    def placement(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        made[name] = torch.empty(shape, dtype=dtype, device=device)
+        return made[name]
+
+    groups = KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                            GroupSpec("window", config(36, 2, 7))], allocate=placement)
+    assert sorted(made) == ["block_table", "group-window-block_table"]
+    assert made["group-window-block_table"] is groups.tables["window"].device_table
+    row = int(groups.step(StepPlan(prompt_lens=[20])).outcome.admitted_rows[0])
+    slots = groups.token_slots(np.array([row]), np.array([0]), np.array([20]))
+    full, window = (groups.managers[g].table.host[row] for g in ("full", "window"))
+    assert slots["full"].tolist() == [int(full[p // 4]) * 4 + p % 4 for p in range(20)]
+    assert slots["window"].tolist() == [int(window[p // 2]) * 2 + p % 2 for p in range(20)]
+    assert groups.free_blocks == {"full": 75, "window": 26}
+    assert groups.live_rows.tolist() == [row]
 
 
 def manager_state(m: KVCacheManager) -> dict:
