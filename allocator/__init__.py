@@ -29,6 +29,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "StepPlan", "checked_plan", "compiled_type"),
     "capacity.table_validator": ("TableValidator",),
     "capacity.windows.groups": ("GroupSpec", "GroupsOutcome", "KVCacheGroups"),
+    "capacity.windows.layers": ("LayerGroup", "group_pools"),
     "capacity.tier_copies": ("NO_COPIES", "TierCopies"),
     "common.placement": ("TensorAllocator", "plain_tensor"),
     "config": ("KVDType", "KVLayout", "PoolConfig", "SlackPolicy", "shard_span"),

@@ -299,3 +299,9 @@ class ShardingInvalid(KVAllocServerError, ValueError):
     """Devices and a tensor-parallel degree that do not make a service: heads that do not split
     evenly, a device that does not exist, a device count that is not a multiple of the degree.
     Raised before anything of the pool is made."""
+
+
+class GroupsNotServed(KVAllocServerError, ValueError):
+    """A configuration of several KV cache groups (`ServiceConfig.groups`): the service does not
+    serve them, workers having no way to attach a pool per group. Raised before anything of the
+    pool is made."""

@@ -44,6 +44,7 @@ from kvalloc.allocator import (
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepCall, StepResult
 from kvalloc.server.contract.errors import (
+    GroupsNotServed,
     LimitExceeded,
     NotReady,
     StaleEpoch,
@@ -128,6 +129,9 @@ class _PauseWatch:
 class ServiceCore:
     def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic,
                  epoch: int | None = None) -> None:
+        if config.groups:
+            raise GroupsNotServed(f"groups: {[g.name for g in config.groups]}; a service "
+                                  "serves one pool of every layer")
         self.config = config
         self.clock = clock
         # 52 bits: exact in every JSON reader, doubles included (jq, JavaScript).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from kvalloc.allocator import PoolConfig, WireShape
+from kvalloc.allocator import LayerGroup, PoolConfig, WireShape, group_pools
 from kvalloc.server.contract.addresses import TOKEN_ENV
 from kvalloc.server.service.events.access import EventAccess
 from kvalloc.server.service.events.streams import WORKER_FIELD, per_worker
@@ -110,6 +110,11 @@ class ServiceConfig(BaseModel):
     tensor_parallel: int = Field(
         default=1, gt=0, description="Shards of one pool: each device holds num_kv_heads / "
                                      "tensor_parallel KV heads of every layer.")
+    groups: list[LayerGroup] = Field(
+        default_factory=list, description="KV cache groups whose layers partition the pool's, "
+                                          "each with its own window and blocks "
+                                          "(`allocator.capacity.windows.layers`); none: one "
+                                          "group of every layer, the pool.")
     data_parallel_rank: int | None = Field(
         default=None, ge=0, description="The data-parallel rank this service allocates for, "
                                         "when it serves one rank of several (a service of "
@@ -150,6 +155,19 @@ class ServiceConfig(BaseModel):
         if self.pool.window is not None and self.prefix_caching:
             raise ValueError("prefix_caching: a windowed pool (pool.window) keeps no prefix "
                              "cache")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_partition_the_pool(self) -> ServiceConfig:
+        if not self.groups:
+            return self
+        for name, why in (("prefix_caching", self.prefix_caching),
+                          ("tensor_parallel", self.tensor_parallel > 1),
+                          ("devices", len(self.devices) > 1)):
+            if why:
+                raise ValueError(f"{name}: not with groups (a grouped pool is one shard and "
+                                 "keeps no prefix cache)")
+        group_pools(self.pool, self.groups)
         return self
 
     @model_validator(mode="after")
