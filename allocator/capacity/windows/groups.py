@@ -162,9 +162,15 @@ class KVCacheGroups:
         """Apply ``plan`` to every group, or, with the typed error of the first group (in the
         order given) that refuses it, to none."""
         arrays = coerce(plan)
+        return self.step_arrays(arrays, prompt_token_arrays(plan.prompt_tokens,
+                                                            arrays.prompt_lens))
+
+    def step_arrays(self, arrays: PlanArrays, tokens: Sequence[Any] = ()) -> GroupsOutcome:
+        """`step` for a plan its caller already converted and checked (`coerce` or
+        `plan.checked_plan`; ``tokens`` as `prompt_token_arrays` returns them), as
+        `KVCacheManager.step_arrays` takes it."""
         plans = {name: self._chunks_left(name, arrays) for name in self.managers}
-        prompts, hit = self._prompts(prompt_token_arrays(plan.prompt_tokens, arrays.prompt_lens),
-                                     arrays.prompt_lens)
+        prompts, hit = self._prompts(tokens, arrays.prompt_lens)
         for name, manager in self.managers.items():
             manager.step_arrays(plans[name], prompts[name], apply=False, hit_tokens=hit)
         runs: dict[str, StepOutcome] = {}
@@ -193,7 +199,7 @@ class KVCacheGroups:
             cached_tokens=np.where(admitted, first.cached_tokens, 0))
         return GroupsOutcome(common, runs)
 
-    def _prompts(self, tokens: list[Any], prompt_lens: np.ndarray
+    def _prompts(self, tokens: Sequence[Any], prompt_lens: np.ndarray
                  ) -> tuple[dict[str, list[Prompt | None]], np.ndarray | None]:
         """Each group's prompts (hashed in its own blocks; a `Prompt` given is hashed again
         under its namespace) and the hit every group serves each new request (None: no lookup)."""

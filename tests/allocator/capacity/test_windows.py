@@ -43,6 +43,7 @@ from kvalloc.allocator import (
     PoolConfig,
     StepOutcome,
     StepPlan,
+    checked_plan,
 )
 from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.allocator.capacity.kv_events import BlockRemoved, BlockStored
@@ -417,6 +418,29 @@ def test_each_group_s_table_is_placed_under_its_own_name() -> None:
     assert slots["window"].tolist() == [int(window[p // 2]) * 2 + p % 2 for p in range(20)]
     assert groups.free_blocks == {"full": 75, "window": 26}
     assert groups.live_rows.tolist() == [row]
+
+
+COLUMNS = ("revert_rows", "result_rows", "num_accepted", "finished_rows", "grant_rows",
+           "draft_lens", "padding_rows", "padded_draft_lens", "prefill_rows", "prefill_tokens",
+           "prompt_lens", "first_chunks")
+
+
+def test_a_checked_plan_steps_the_groups_as_the_plan_does() -> None:
+    """`step_arrays` over `checked_plan`'s arrays (how a service steps) leaves every group as
+    `step` over the same plan."""
+    twins = [KVCacheGroups([GroupSpec("full", config(80, 4, None)),
+                            GroupSpec("window", config(36, 2, 7))]) for _ in range(2)]
+    plans = [dict(prompt_lens=[20, 9], first_chunks=[12, 0]),
+             dict(prefill_rows=[0], prefill_tokens=[8], grant_rows=[1], draft_lens=[2]),
+             dict(result_rows=[1], num_accepted=[1], grant_rows=[0, 1], draft_lens=[3, 3])]
+    for fields in plans:
+        by_plan = twins[0].step(StepPlan(**fields))
+        by_arrays = twins[1].step_arrays(checked_plan(**{
+            **dict.fromkeys(COLUMNS, np.zeros(0, dtype=np.int64)),
+            **{k: np.asarray(v, dtype=np.int64) for k, v in fields.items()}}))
+        assert outcome_of(by_plan.outcome) == outcome_of(by_arrays.outcome)
+        assert groups_state(twins[0]) == groups_state(twins[1])
+    twins[1].check_invariants()
 
 
 def manager_state(m: KVCacheManager) -> dict:
