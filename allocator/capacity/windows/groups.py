@@ -60,6 +60,7 @@ from kvalloc.allocator.capacity.manager import KVCacheManager
 from kvalloc.allocator.capacity.prefix_cache import CacheChanges, Prompt
 from kvalloc.allocator.capacity.step.plan import (
     PlanArrays,
+    RequestView,
     StepOutcome,
     StepPlan,
     coerce,
@@ -148,6 +149,11 @@ class KVCacheGroups:
         behind its window)."""
         return {name: m.token_slots(rows, starts, num_tokens)
                 for name, m in self.managers.items()}
+
+    def view(self, row: int) -> dict[str, RequestView]:
+        """Each group's `KVCacheManager.view` of live row ``row`` (its blocks are the group's;
+        `UnknownRequest` naming ``row`` where it is not live)."""
+        return {name: m.view(row) for name, m in self.managers.items()}
 
     @property
     def free_blocks(self) -> dict[str, int]:

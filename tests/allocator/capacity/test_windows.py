@@ -49,7 +49,7 @@ from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.allocator.capacity.kv_events import BlockRemoved, BlockStored
 from kvalloc.allocator.capacity.step.compiled import available
 from kvalloc.allocator.capacity.windows.groups import GroupSpec, KVCacheGroups
-from kvalloc.allocator.errors import OutOfBlocks, PrefillIncomplete
+from kvalloc.allocator.errors import OutOfBlocks, PrefillIncomplete, UnknownRequest
 
 MAX_DRAFT = 3
 MAX_SEQ = 120
@@ -418,6 +418,11 @@ def test_each_group_s_table_is_placed_under_its_own_name() -> None:
     assert slots["window"].tolist() == [int(window[p // 2]) * 2 + p % 2 for p in range(20)]
     assert groups.free_blocks == {"full": 75, "window": 26}
     assert groups.live_rows.tolist() == [row]
+    views = groups.view(row)
+    assert views["full"].block_ids.tolist() == full[:5].tolist()
+    assert views["window"].block_ids.tolist() == window[:10].tolist()
+    with pytest.raises(UnknownRequest):
+        groups.view(row + 1)
 
 
 COLUMNS = ("revert_rows", "result_rows", "num_accepted", "finished_rows", "grant_rows",
