@@ -82,6 +82,12 @@ class AttachedPool:
     protected: torch.Tensor | None = None  # cached prefix blocks (a prefix-caching service)
     heads: tuple[int, int] | None = None  # a shard's KV heads [start, stop); None: all of them
     shards: list[AttachedPool] = field(default_factory=list)
+    # A grouped pool's groups (`wire.GroupAttachment`), in group order; the fields above are
+    # group 0's. A group's own entry has its model ``layers`` (its layer i is the model's
+    # layers[i]) and ``window``; both None for a pool of one group of every layer.
+    groups: list[AttachedPool] = field(default_factory=list)
+    layers: tuple[int, ...] | None = None
+    window: int | None = None
     # What every write of this worker's own commit checks on the device (`WriterFence`).
     writer_fence: WriterFence | None = None
 

@@ -208,6 +208,24 @@ class Attachment(PoolHandles):
         default_factory=list, description="A tensor-parallel service's shards, in shard order "
                                           "(shard 0's tensors are the fields above); empty for "
                                           "a service of one pool.")
+    groups: list[GroupAttachment] = Field(
+        default_factory=list, description="A grouped pool's groups (`PoolLayout.groups`), in "
+                                          "group order (group 0's tensors are the fields "
+                                          "above); empty for a pool of one group of every "
+                                          "layer.")
+
+
+class GroupAttachment(PoolHandles):
+    """One group of a grouped pool, as `Attachment` describes the pool: its ``kv`` and
+    ``staging`` hold the model layers ``layers`` (in that order: the group's layer ``i`` is the
+    model's ``layers[i]``), its ``block_table`` is the group's own (a row is the same request in
+    every group, its columns the group's blocks), and ``window`` is the group's sliding window
+    (None: full attention). The step fence and the writer fence are the pool's (the fields of
+    `Attachment`): the groups share one device."""
+
+    name: str
+    layers: list[int]
+    window: int | None = None
 
 
 class ShardAttachment(PoolHandles):
@@ -252,6 +270,22 @@ class PoolLayout(Contract):
                                   "blocks behind (their block-table entries then hold -2): a "
                                   "worker may serve it only a model whose every layer reads "
                                   "no further back. None: full attention, nothing given back.")
+    groups: list[GroupLayout] = Field(
+        default_factory=list, description="A pool of several groups of layers (a model that "
+                                          "mixes full and windowed layers), each with its own "
+                                          "blocks, block table and window "
+                                          "(`Attachment.groups`); num_blocks and window above "
+                                          "are then group 0's. Empty: one group of every "
+                                          "layer.")
+
+
+class GroupLayout(Contract):
+    """One group of a grouped pool: the model layers it holds, their window, its blocks."""
+
+    name: str
+    layers: list[int]
+    window: int | None = None
+    num_blocks: int
 
 
 class Registration(Contract):
