@@ -28,12 +28,12 @@ import numpy as np
 from kvalloc.allocator import (
     KVCacheEvent,
     KVCacheManager,
+    PlanArrays,
     Prompt,
     StepOutcome,
     TierCopies,
     checked_plan,
 )
-from kvalloc.allocator.capacity.step.plan import PlanArrays
 from kvalloc.allocator.common.jit import jit, numba
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.columns import (
