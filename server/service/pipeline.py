@@ -17,7 +17,9 @@ Order inside one call (all checks come first; from the manager's step on nothing
    (`sync_cache`), all before the worker's step fence is recorded (its next forward reads the
    blocks onboarded for it); the reply is built from the outcome. An overlap worker commits its
    own tokens: for it, 4 reads no slots and 5 writes nothing, and the batch that retires is the
-   one whose results this call brought.
+   one whose results this call brought. A windowed caching pool learns what the settled batch
+   wrote before 2 instead (`StepPipeline._mark_settled`), or 2's window release would pass its
+   prompt columns before they register.
 """
 
 from __future__ import annotations
