@@ -114,10 +114,10 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, staged
 
 
 def sized_for(launch: LatentLaunch, dtype: torch.dtype, device: torch.device) -> LatentLaunch:
-    """``launch`` as it runs on queries of ``dtype`` on ``device``: cuts are stated for 2-byte queries, whose tiles
-    fill an sm_90 block's shared memory at the default; float32 queries on a GPU take half the
-    rows and half the latents a step, so their tiles take the same bytes (the whole cut needs
-    432 KiB there, which no launch gets)."""
+    """``launch`` as it runs on queries of ``dtype`` on ``device``: cuts are stated for 2-byte
+    queries, whose tiles fill an sm_90 block's shared memory at the default; float32 queries on
+    a GPU take half the rows and half the latents a step, so their tiles take the same bytes
+    (the whole cut needs 432 KiB there, which no launch gets)."""
     if device.type != "cuda" or dtype.itemsize <= 2:
         return launch
     rows = max(16, launch.max_rows // 2)
