@@ -210,7 +210,8 @@ class KVCacheGroups:
         return ok
 
     def _common_starts(self, rows: np.ndarray) -> np.ndarray:
-        """Where chunks of ``rows`` scheduled now start: the common history."""
+        """The common history of ``rows``: where their chunks start before a step serves them
+        (after it, less the tokens it served: `_chunk_starts`)."""
         name = self.specs[0].name
         return self.managers[name].rows.history[rows] - self.ahead[name][rows]
 
@@ -227,10 +228,8 @@ class KVCacheGroups:
 
     def _chunk_starts(self, arrays: PlanArrays, ok: np.ndarray) -> np.ndarray:
         """Each chunk's first position: the common history before it."""
-        name = self.specs[0].name
-        rows = arrays.prefill_rows
-        common = self.managers[name].rows.history[rows] - self.ahead[name][rows]
-        return common - np.where(ok, arrays.prefill_tokens, 0)
+        return (self._common_starts(arrays.prefill_rows)
+                - np.where(ok, arrays.prefill_tokens, 0))
 
     def _give_back(self, name: str, arrays: PlanArrays, out: StepOutcome, granted: np.ndarray,
                    admitted: np.ndarray) -> StepOutcome:
