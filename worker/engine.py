@@ -20,7 +20,8 @@ How the loop maps onto the step protocol (a pool with ``overlap_scheduler=True``
 - The reply schedules tokens in packed order, checked against the plan into the device step's
   `LaunchPlan` (`worker.launch_plans`); `DeviceStep` runs them as one sequence (batch 1)
   and the kvalloc attention stages each layer's K/V at ``staging[layer, :, token_offset + i]``,
-  reading history through the attached block table. Verification is greedy and on the device:
+  reading history through the attached block table (a grouped pool's: the layer's group's
+  staging and table, `worker.step.pool_groups`). Verification is greedy and on the device:
   a request accepts the longest prefix of its drafts that matches the model's own argmax, plus
   the model's token after it (the bonus), which becomes the next step's pending token. A
   prompt's last prefill chunk yields its first generated token.
