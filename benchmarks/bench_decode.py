@@ -283,7 +283,7 @@ def not_attending(model: Any, num_tokens: int) -> PoolStep:
                                tokens_per_block, rows=one, query_starts=one,
                                query_lens=np.array([num_tokens]), starts=one,
                                group_width=num_tokens)
-    return PoolStep(pool, staging, layout, attend=False)
+    return PoolStep.of(pool, staging, layout, attend=False)
 
 
 

@@ -26,7 +26,7 @@ from kvalloc.worker.attention.pool_attention_triton import LaunchConfig, pool_at
 from kvalloc.worker.attention.rotary import rotate_and_stage
 from kvalloc.worker.mlp.gated_mlp import silu_and_mul_triton
 from kvalloc.worker.norm.rms_norm import rms_norm_triton
-from kvalloc.worker.step.step_metadata import EntryColumns, step_metadata
+from kvalloc.worker.step.step_metadata import EntryColumns, GroupTable, step_metadata
 from pool_steps import random_step
 
 triton = pytest.importorskip("triton")
@@ -182,10 +182,11 @@ def test_the_step_metadata_kernel_compiles(launches: list[Launch]) -> None:
     table = torch.tensor([[9, 2, -1], [0, 5, 7]], dtype=torch.int32)
     cols = EntryColumns(*(torch.tensor(a) for a in (
         [0, 1], [0, 3], [3, 3], [1, 0], [1, 0], [0, 0, 0, 1, 1], [0, 70, 71, 80, 81])))
-    step_metadata(cols, torch.tensor([2, 7]), torch.tensor([42, 43]), table, 4,
-                  backend="triton")
+    # Two groups: the first group's launch stores every column, the second its slots alone.
+    tables = [GroupTable(table, 4), GroupTable(table[:, :2].contiguous(), 8)]
+    step_metadata(cols, torch.tensor([2, 7]), torch.tensor([42, 43]), tables, backend="triton")
     _compiles(launches)
-    assert len(launches) == 1
+    assert len(launches) == 2
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)

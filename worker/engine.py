@@ -20,7 +20,8 @@ How the loop maps onto the step protocol (a pool with ``overlap_scheduler=True``
 - The reply schedules tokens in packed order, checked against the plan into the device step's
   `LaunchPlan` (`worker.launch_plans`); `DeviceStep` runs them as one sequence (batch 1)
   and the kvalloc attention stages each layer's K/V at ``staging[layer, :, token_offset + i]``,
-  reading history through the attached block table. Verification is greedy and on the device:
+  reading history through the attached block table (a grouped pool's: the layer's group's
+  staging and table, `worker.step.pool_groups`). Verification is greedy and on the device:
   a request accepts the longest prefix of its drafts that matches the model's own argmax, plus
   the model's token after it (the bonus), which becomes the next step's pending token. A
   prompt's last prefill chunk yields its first generated token.
@@ -48,8 +49,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvalloc.allocator import PackedCommit, TableValidator
-from kvalloc.server.client import AttachedPool, Client
+from kvalloc.allocator import PackedCommit, TableValidator, WriterFence
+from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
 from kvalloc.worker.attention.mla import switch_mla_modules
@@ -57,11 +58,12 @@ from kvalloc.worker.drafters import DeviceOracleDrafter, Drafter
 from kvalloc.worker.errors import EngineError, LayoutMismatch, PoolTooSmall
 from kvalloc.worker.fusion import fuse_model
 from kvalloc.worker.launch_plans import launch_plan
-from kvalloc.worker.model import kv_layout, kv_shape, layer_windows, pool_window
+from kvalloc.worker.model import kv_layout, kv_shape, layer_windows, model_groups, pool_window
 from kvalloc.worker.requests import NamedPrompt, Request, int64s, new_request
 from kvalloc.worker.run_stats import DeviceClock, RunStats
 from kvalloc.worker.step.decode_graphs import DecodeGraphs, make_capturable
 from kvalloc.worker.step.device_step import DeviceStep, Launched, LaunchPlan, StepTensors
+from kvalloc.worker.step.pool_groups import PoolGroup, groups_mismatch, pool_groups, reads_further
 from kvalloc.worker.step.rows import DeviceRows
 from kvalloc.worker.step_plans import StepPlan, StepPlanner
 from transformers import PreTrainedModel
@@ -103,10 +105,12 @@ class Engine:
         layout = client.registration.layout
         self.layout = layout
         self._check_layout(model, layout, self.pool.staging.dtype)
+        self.groups = pool_groups(self.pool, layout)
         self.device = next(model.parameters()).device
-        if self.pool.kv.device != self.device:
-            raise LayoutMismatch(f"device: the pool is on {self.pool.kv.device}, the model on "
-                                 f"{self.device}; run the model where the pool is")
+        for group in self.groups:
+            if group.kv.device != self.device:
+                raise LayoutMismatch(f"device: the pool is on {group.kv.device}, the model on "
+                                     f"{self.device}; run the model where the pool is")
         if overlap != client.overlap:
             mode = "one step ahead" if overlap else "in step"
             raise EngineError(f"overlap: the engine runs {mode} but the client registered with "
@@ -129,8 +133,9 @@ class Engine:
         self.rows = DeviceRows(layout.max_batch_size, self.device,
                                truth_width=self.device_drafter.width
                                if self.device_drafter is not None else 0)
-        self.validator = (TableValidator(self.device, pool_window(model.config)) if validate
-                          else None)
+        # Each group's table checked for what its layers read.
+        self.validators = tuple(TableValidator(self.device, pool_window(model.config, g.layers))
+                                for g in self.groups) if validate else ()
         if cuda_graphs and self.device.type != "cuda":
             raise EngineError(f"cuda_graphs: the pool is on {self.device}; graphs need CUDA")
         self.pad_decodes = cuda_graphs if pad_decodes is None else pad_decodes
@@ -139,12 +144,13 @@ class Engine:
             make_capturable(model)
         if self.device.type == "cuda":  # a launch where transformers runs a dozen
             fuse_model(model)
-        self.step = DeviceStep(model, self.pool.kv, self.pool.staging, self.pool.block_table,
-                               self.rows, max_draft_len=layout.max_draft_len,
+        self.step = DeviceStep(model, self.groups, self.rows,
+                               max_draft_len=layout.max_draft_len,
                                stop_token_ids=self.stop_token_ids,
                                drafter=self.device_drafter,
-                               commit=_own_commit(self.pool) if overlap else None,
-                               validator=self.validator,
+                               commits=tuple(_own_commit(g, self.pool.writer_fence)
+                                             for g in self.groups) if overlap else (),
+                               validators=self.validators,
                                graphs=DecodeGraphs() if cuda_graphs else None,
                                pad_batches=self.pad_decodes)
         if self.step.graphs is not None:  # none evicted by another while serving
@@ -177,15 +183,22 @@ class Engine:
         elif model.dtype != staging_dtype:
             wrong.append(f"dtype: the pool stages {staging_dtype}, the model runs in "
                          f"{model.dtype}")
-        wrong += _window_mismatch(model.config, layout.window)
+        if layout.groups:
+            wrong += groups_mismatch(layout.groups, layer_windows(model.config))
+        else:
+            wrong += _window_mismatch(model.config, layout.window)
         if wrong:
             window = pool_window(model.config)
+            groups = "; ".join(f"{g.name} = layers {list(g.layers)}"
+                               + (f", window {g.window}" if g.window is not None else "")
+                               for g in model_groups(model.config, num_blocks=1))
             raise LayoutMismatch(
                 f"{'; '.join(wrong)}. A pool for this model: kvalloc serve --num-layers "
                 f"{layers} --num-kv-heads {heads * tp} --head-dim {head_dim} --dtype {dtype}"
                 f"{' --kv-layout latent' if latent else ''}"
                 f"{f' --window {window}' if window is not None else ''}"
-                f"{f' --tensor-parallel {tp}' if tp > 1 else ''}")
+                f"{f' --tensor-parallel {tp}' if tp > 1 else ''}"
+                f"{f', in layer groups {groups} (or one group of every layer)' if groups else ''}")
 
     # ------------------------------------------------------------------ before serving
 
@@ -261,11 +274,11 @@ class Engine:
                                   decode_only=not (plan.prefilling or plan.new))
         for flight in flights:  # forwards past every request's end: nothing to emit
             self._read(flight, on_progress)
-        if self.validator is not None:
-            self.stats.table_violations = self.validator.count()
-        if self.step.committer is not None:
-            self.stats.committed_tokens = int(self.step.committer.committed)
-            self.stats.refused_tokens = self.step.committer.refused
+        if self.validators:
+            self.stats.table_violations = sum(v.count() for v in self.validators)
+        if self.step.commits:  # every group commits the same tokens
+            self.stats.committed_tokens = int(self.step.commits[0].committed)
+            self.stats.refused_tokens = sum(c.refused for c in self.step.commits)
         if self.step.graphs is not None:
             self.stats.graph_replays = self.step.graphs.replayed
             self.stats.graphs_captured = self.step.graphs.captured
@@ -361,9 +374,7 @@ def _window_mismatch(config: Any, window: int | None) -> list[str]:
     """Why a pool that gives back the blocks behind ``window`` cannot serve the model: a layer
     that reads further back (a full-attention one, or a wider window) would read blocks
     released to other requests. Nothing for a full-attention pool."""
-    if window is None:
-        return []
-    wider = [(i, w) for i, w in enumerate(layer_windows(config)) if w is None or w > window]
+    wider = [(i, w) for i, w in enumerate(layer_windows(config)) if reads_further(w, window)]
     if not wider:
         return []
     i, w = wider[0]
@@ -381,9 +392,10 @@ class _Flight:
     requests: list[Request]
 
 
-def _own_commit(pool: AttachedPool) -> PackedCommit:
-    """An overlap worker's own commit into ``pool``: the library's, fenced by its session."""
-    layers, planes, blocks, tokens_per_block, heads, dim = pool.kv.shape
-    return PackedCommit(pool.kv.view(layers, planes, blocks * tokens_per_block, heads * dim),
-                        pool.staging.view(layers, planes, pool.staging.shape[2], heads * dim),
-                        tokens_per_block, protected=pool.protected, fence=pool.writer_fence)
+def _own_commit(group: PoolGroup, fence: WriterFence | None) -> PackedCommit:
+    """An overlap worker's own commit into one group of its pool: the library's, fenced by its
+    session (one fence for every group)."""
+    layers, planes, blocks, tokens_per_block, heads, dim = group.kv.shape
+    return PackedCommit(group.kv.view(layers, planes, blocks * tokens_per_block, heads * dim),
+                        group.staging.view(layers, planes, group.staging.shape[2], heads * dim),
+                        tokens_per_block, protected=group.protected, fence=fence)

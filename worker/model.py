@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from kvalloc.allocator import PoolConfig
+from kvalloc.allocator import LayerGroup, PoolConfig
 from kvalloc.worker.arguments import DTYPE_NAMES
 from kvalloc.worker.attention.hook import ATTN_IMPLEMENTATION, register
 from kvalloc.worker.errors import ModelLoadError
@@ -114,11 +115,28 @@ def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     return (window,) * layers
 
 
-def pool_window(config: PretrainedConfig) -> int | None:
-    """The window a pool may give back blocks behind for this model: its widest layer's when
-    every layer slides, else None (a full-attention layer reads every block)."""
+def pool_window(config: PretrainedConfig, layers: Sequence[int] | None = None) -> int | None:
+    """The window a pool of ``layers`` (by default every layer) may give back blocks behind
+    for this model: its widest layer's when every one slides, else None (a full-attention
+    layer reads every block)."""
     windows = layer_windows(config)
+    if layers is not None:
+        windows = tuple(windows[layer] for layer in layers)
     return None if None in windows else max(windows)  # type: ignore[type-var]
+
+
+def model_groups(config: PretrainedConfig, *, num_blocks: int) -> list[LayerGroup]:
+    """The groups of a pool for a model that mixes layer kinds: one of its full-attention
+    layers (``full``), one per distinct window (``window<W>``), each of ``num_blocks`` blocks;
+    none for a model whose layers are all of one kind (one pool of every layer, with
+    `pool_window`)."""
+    windows = layer_windows(config)
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    if len(kinds) < 2:
+        return []
+    return [LayerGroup(name="full" if w is None else f"window{w}",
+                       layers=tuple(i for i, have in enumerate(windows) if have == w),
+                       window=w, num_blocks=num_blocks) for w in kinds]
 
 
 def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 from cuda_checks import no_host_sync
+from grouped_pool import lockstep_groups
 from kvalloc.server.client import Client
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
 from kvalloc.worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
 from kvalloc.worker.engine import Engine
-from kvalloc.worker.model import pool_for_model, random_model
+from kvalloc.worker.model import layer_windows, pool_for_model, random_model
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.step.device_step import LaunchPlan
 from transformers import (
@@ -51,6 +52,10 @@ FAMILIES = {
 # The same MLA shape with a window of 32 in every layer (a look-alike of DeepSeek-V4's latent
 # cache: transformers' DeepSeek-V3 has none, so its reference is `windowed_sdpa`).
 DEEPSEEK_WINDOWED = DeepseekV3Config(**DEEPSEEK, sliding_window=32)
+
+# Layer 0 full, layer 1 sliding over 32 (layers from max_window_layers slide): a grouped pool's
+# model.
+MIXED = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=1)
 
 ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -150,6 +155,40 @@ def test_float32_on_a_windowed_cuda_pool_equals_generate(cuda_device: str, famil
     stats = engine.stats
     assert stats.table_violations == 0 and stats.accepted_drafts > 0
     assert (stats.cached_prompt_tokens > 0) == prefix_caching
+
+
+@pytest.mark.parametrize(("overlap", "cuda_graphs"), [(False, False), (True, True)],
+                         ids=["sync", "overlap-graphs"])
+def test_float32_on_a_grouped_cuda_pool_equals_generate(cuda_device: str, overlap: bool,
+                                                        cuda_graphs: bool) -> None:
+    """Qwen2 with layer 0 full and layer 1 sliding over 32 on a pool of two groups, each its
+    own KV, staging and block table (`grouped_pool`'s look-alike: two services in lockstep,
+    both pools and stagings poisoned with NaN): every layer through its group's table, the
+    kernels launched per group, decode steps replayed as graphs captured over both tables."""
+    model = random_model(MIXED, seed=0, device=cuda_device)
+    reference = random_model(MIXED, seed=0, device=cuda_device)
+    reference.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(3)
+    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((1, 17, 40, 130))]
+    expected = _generated(reference, prompts, 16)
+    cores, clients = zip(*(_client(model, longest=150, batch=4, dtype="float32",
+                                   overlap=overlap, window=window) for window in (None, 32)),
+                         strict=True)
+    try:
+        for part in clients:
+            part.pool.kv.fill_(float("nan"))
+            part.pool.staging.fill_(float("nan"))
+        client = lockstep_groups(*clients, layer_windows(MIXED))
+        engine = Engine(model, client, _drafter(expected, overlap), draft_len=3,
+                        overlap=overlap, validate=True, cuda_graphs=cuda_graphs)
+        assert engine.run(prompts, 16) == expected
+    finally:
+        for core in cores:
+            core.close()
+    stats = engine.stats
+    assert stats.table_violations == 0 and stats.accepted_drafts > 0
+    assert (stats.graph_replays > 0) == cuda_graphs
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

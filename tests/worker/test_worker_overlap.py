@@ -10,7 +10,7 @@ slot outside the request's blocks was written.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -26,12 +26,16 @@ pytest_plugins = ["worker_fixtures"]
 
 
 class CommitReplay:
-    """The on_step observer: the shadow of what the worker's commits wrote."""
+    """The on_step observer: the shadow of what the worker's commits wrote. ``group``: the
+    group of a grouped pool whose slots ``kv`` is read through; ``layers``: the layers of
+    ``kv`` that group commits, each model layer at its own index (every one by default)."""
 
-    def __init__(self, oracle: Oracle, kv: torch.Tensor) -> None:
-        self.oracle = oracle
-        layers, planes, blocks, tokens_per_block, heads, dim = kv.shape
-        self.pool = kv.view(layers, planes, blocks * tokens_per_block, heads, dim)
+    def __init__(self, oracle: Oracle, kv: torch.Tensor, *, group: int = 0,
+                 layers: Sequence[int] | None = None) -> None:
+        self.oracle, self.group = oracle, group
+        layer_count, planes, blocks, tokens_per_block, heads, dim = kv.shape
+        self.layers = range(layer_count) if layers is None else layers
+        self.pool = kv.view(layer_count, planes, blocks * tokens_per_block, heads, dim)
         self.shadow = torch.full_like(self.pool, float("nan"))
         self.kept = 0
 
@@ -41,10 +45,11 @@ class CommitReplay:
         sched = record.reply.scheduled
         for r, off, kept in zip(record.requests, np.asarray(sched.token_offsets).tolist(),
                                 tensors.kept.tolist(), strict=True):
-            slots = tensors.slots[off:off + kept]
+            slots = tensors.slots[self.group, off:off + kept]
             positions = tensors.positions[off:off + kept]
             assert bool((slots >= 0).all()), "a kept token without a slot"
-            self.shadow[:, :, slots] = self.oracle.kv[r.req_id][:, :, positions]
+            for layer in self.layers:
+                self.shadow[layer, :, slots] = self.oracle.kv[r.req_id][layer, :, positions]
             self.kept += kept
 
     def check(self) -> None:

@@ -207,6 +207,6 @@ def test_an_mla_model_not_switched_to_the_latent_forward_is_told_so(connect: Cal
     layout = PagedLayout.build(client.pool.block_table, 4, rows=np.array([0]),
                                query_starts=np.array([0]), query_lens=np.array([3]),
                                starts=np.array([0]), group_width=3)
-    step = PoolStep(client.pool.kv, client.pool.staging, layout)
+    step = PoolStep.of(client.pool.kv, client.pool.staging, layout)
     with pytest.raises(KvallocAttentionError, match=r"^kv_layout: .*switch_mla_modules"):
         plain(torch.tensor([[1, 2, 3]]), use_cache=False, kvalloc_step=step)

@@ -86,14 +86,14 @@ def attend_latent(step: PoolStep, layer: int, q_latent: torch.Tensor, q_rope: to
     itself for a step that does not attend)."""
     if not step.attend:
         return q_latent
-    pool = step.kv[layer, 0]
+    pool, layout = step.pool(layer, 0), step.layout(layer)
     kernel = kernel_takes(q_latent, pool)
     if not kernel and q_latent.is_cuda and torch.cuda.is_current_stream_capturing():
         raise KvallocAttentionError(
             f"cuda_graphs: a captured step needs the latent attention kernel, which does not "
             f"take {q_latent.dtype} queries over a {pool.dtype} pool (or Triton is missing)")
     return (latent_attention_triton if kernel else latent_attention)(
-        q_latent, q_rope, step.staged(layer, 0), pool, step.layout, scale=scale, window=window)
+        q_latent, q_rope, step.staged(layer, 0), pool, layout, scale=scale, window=window)
 
 
 def _forward(module: torch.nn.Module, hidden_states: torch.Tensor,

@@ -22,6 +22,7 @@ the same layout and are tested against it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -152,6 +153,16 @@ class PagedLayout:
             np.array([i]) for i in np.flatnonzero(lens > self.bounds.group_width)]
         return tuple(EntryGroup.of(self, upload_int64(m, self.rows.device), int(lens[m].max()),
                                    int(reach[m].max())) for m in members)
+
+    def over(self, block_table: torch.Tensor, tokens_per_block: int) -> PagedLayout:
+        """The same entries read through another block table: a grouped pool's group (its rows
+        are the same requests, its columns its own blocks). The host-derived columns are the
+        entries', so both layouts share them (`cached`); the reference's groups are the
+        table's own."""
+        layout = dataclasses.replace(self, block_table=block_table,
+                                     tokens_per_block=tokens_per_block)
+        object.__setattr__(layout, "_derived", self._derived)
+        return layout
 
     def cached(self, key: Hashable, build: Callable[[], np.ndarray]) -> torch.Tensor:
         """``build()``'s int64 values on the layout's device, uploaded on first use of ``key``

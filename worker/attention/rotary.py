@@ -137,7 +137,8 @@ def _takes(module: torch.nn.Module, hidden_states: torch.Tensor,
     # Shaped as one head of the projections (their dtype and device): what both rules read.
     probe = hidden_states.new_empty((1, 1, module.head_dim))
     return (hidden_states.shape[:2] == (1, step.num_tokens) and kernel_takes(probe, cos)
-            and attention_kernel_takes(probe, step.kv[module.layer_idx, 0], step.layout))
+            and attention_kernel_takes(probe, step.pool(module.layer_idx, 0),
+                                          step.layout(module.layer_idx)))
 
 
 def _forward(module: torch.nn.Module, hidden_states: torch.Tensor,

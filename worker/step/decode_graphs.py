@@ -8,7 +8,9 @@ padding grant, the batch grown to its bucket by `DeviceStep`, `worker.step.batch
 step replays in one launch.
 
 The graph reads static copies of the step's inputs: the uploaded columns and the metadata
-(`worker.step.step_metadata`), which run eagerly before each replay and are copied in. The first
+(`worker.step.step_metadata`, each group's slots of a grouped pool among them), which run
+eagerly before each replay and are copied in; each group's layout reads the static columns
+through the group's own block table (the service's, which it updates in place). The first
 step of a shape runs eagerly (it also warms every kernel up for the shape) and the graph is
 captured right after, for the next one; nothing of the capture itself runs. Graphs share one
 memory pool; the least recently used beyond ``max_graphs`` is dropped.
@@ -101,15 +103,16 @@ class DecodeGraphs:
         live = [key for key in self._replays if key in self._buckets]
         return self._buckets[max(live, key=self._replays.__getitem__)].replay if live else None
 
-    def run(self, plan: Any, layout: Any, meta: Any, cols: Any,
+    def run(self, plan: Any, layouts: tuple[Any, ...], meta: Any, cols: Any,
             body: Callable[..., Any]) -> Any:
-        """``body(plan, layout, meta, cols)`` for a decode-only ``plan``: replayed when its shape
-        was captured, else run now and captured for next time."""
+        """``body(plan, layouts, meta, cols)`` for a decode-only ``plan`` (``layouts``: the
+        step's entries through each group's block table, the columns the same in each):
+        replayed when its shape was captured, else run now and captured for next time."""
         key = _key(plan)
         bucket = self._buckets.get(key)
         if bucket is None:
-            outputs = body(plan, layout, meta, cols)
-            self._capture(key, plan, layout, meta, cols, body)
+            outputs = body(plan, layouts, meta, cols)
+            self._capture(key, plan, layouts, meta, cols, body)
             return outputs
         self._buckets.move_to_end(key)
         for static, now in zip(bucket.inputs, (cols.flat, *meta), strict=True):
@@ -118,16 +121,18 @@ class DecodeGraphs:
         self._replays[key] = self._replays.get(key, 0) + 1
         return outputs
 
-    def _capture(self, key: tuple[int, int], plan: Any, layout: Any, meta: Any, cols: Any,
-                 body: Callable[..., Any]) -> None:
+    def _capture(self, key: tuple[int, int], plan: Any, layouts: tuple[Any, ...], meta: Any,
+                 cols: Any, body: Callable[..., Any]) -> None:
         flat = cols.flat.clone()
         static_cols = cols.over(flat)
         static_meta = type(meta)(*(t.clone() for t in meta))
-        static_layout = dataclasses.replace(
-            layout, rows=static_cols.rows, query_starts=static_cols.offsets,
+        first = dataclasses.replace(
+            layouts[0], rows=static_cols.rows, query_starts=static_cols.offsets,
             query_lens=static_cols.num_tokens, history=static_meta.history,
             token_entry=static_cols.token_entry)
-        replay = self._capture_body(lambda: body(plan, static_layout, static_meta, static_cols))
+        static_layouts = tuple(first.over(layout.block_table, layout.tokens_per_block)
+                               for layout in layouts)
+        replay = self._capture_body(lambda: body(plan, static_layouts, static_meta, static_cols))
         self._buckets[key] = _Bucket(replay, (flat, *static_meta))
         self.captured += 1
         if len(self._buckets) > self.max_graphs:

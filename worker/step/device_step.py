@@ -22,13 +22,17 @@ is its place in its entry, and an entry keeps ``1 + accepted`` tokens (a decode)
 chunk (a prefill) while its request goes on, and nothing once the request ended, in this step or
 before (a wasted forward), so the pool receives exactly what a synchronous service would have
 committed.
+
+A grouped pool (`worker.step.pool_groups`) is the same step over several groups: one layout per
+group (the entries shared, each group's own table), each layer read and staged through its own
+group, one commit per group keeping the same tokens at the group's own slots.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,13 +40,19 @@ import numpy as np
 import torch
 from kvalloc.allocator import InvariantViolation, PackedCommit, TableValidator, accept
 from kvalloc.allocator.common.device_io import PinnedUploads
-from kvalloc.worker.attention.hook import PoolStep
+from kvalloc.worker.attention.hook import PoolStep, StepGroup
 from kvalloc.worker.attention.pool_attention import HostBounds, PagedLayout
 from kvalloc.worker.drafters import DeviceOracleDrafter
 from kvalloc.worker.step.batch_buckets import batch_bucket
 from kvalloc.worker.step.decode_graphs import DecodeGraphs
+from kvalloc.worker.step.pool_groups import PoolGroup, layer_places
 from kvalloc.worker.step.rows import DeviceRows
-from kvalloc.worker.step.step_metadata import EntryColumns, StepMetadata, step_metadata
+from kvalloc.worker.step.step_metadata import (
+    EntryColumns,
+    GroupTable,
+    StepMetadata,
+    step_metadata,
+)
 
 
 @dataclass(frozen=True)
@@ -156,25 +166,29 @@ class StepTensors:
     positions: torch.Tensor  # [N]
     logit_rows: np.ndarray
     logits: torch.Tensor  # [K, vocab]
-    slots: torch.Tensor  # [N]
+    slots: torch.Tensor  # [G, N]: each group's
     kept: torch.Tensor | None  # [R] tokens the worker's commit kept per entry (overlap only)
 
 
 class DeviceStep:
-    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, staging: torch.Tensor,
-                 block_table: torch.Tensor, rows: DeviceRows, *, max_draft_len: int,
-                 stop_token_ids: frozenset[int],
-                 drafter: DeviceOracleDrafter | None = None, commit: PackedCommit | None = None,
-                 validator: TableValidator | None = None,
+    def __init__(self, model: torch.nn.Module, groups: Sequence[PoolGroup], rows: DeviceRows,
+                 *, max_draft_len: int, stop_token_ids: frozenset[int],
+                 drafter: DeviceOracleDrafter | None = None,
+                 commits: Sequence[PackedCommit] = (),
+                 validators: Sequence[TableValidator] = (),
                  graphs: DecodeGraphs | None = None, pad_batches: bool = False) -> None:
-        """``pad_batches``: run a decode-only step as its batch bucket
+        """``groups``: the pool's (`worker.step.pool_groups`; one for a pool of every layer),
+        each layer read and staged through its own; ``commits`` and ``validators``: one per
+        group, in group order (an overlap worker's own commits; --validate's checks).
+        ``pad_batches``: run a decode-only step as its batch bucket
         (`worker.step.batch_buckets`), the shapes ``graphs`` capture; on with graphs."""
-        self.model, self.kv, self.staging, self.block_table = model, kv, staging, block_table
+        self.model, self.groups = model, tuple(groups)
+        self.where = layer_places(self.groups)
         self.rows, self.max_draft_len = rows, max_draft_len
-        self.drafter, self.committer, self.validator = drafter, commit, validator
+        self.drafter, self.commits, self.validators = drafter, tuple(commits), tuple(validators)
         self.graphs = graphs
         self.pad_batches = pad_batches or graphs is not None
-        self.device = kv.device
+        self.device = self.groups[0].kv.device
         self.stop = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=self.device)
         self.timed = self.device.type == "cuda"
         # Two, taken in turn: the host fills one while the device may still copy from the other
@@ -186,33 +200,31 @@ class DeviceStep:
         started = self._event()
         building = time.perf_counter()
         run = self._grown(plan)
-        layout, meta, cols = self._inputs(run)
+        layouts, meta, cols = self._inputs(run)
         metadata_s = time.perf_counter() - building
         # Entries on the spare row, always the last ones, address nothing.
-        if self.validator is not None:
-            r = int((run.rows != self.rows.spare).sum())
-            self.validator.check(layout.block_table, layout.rows[:r], layout.history[:r],
-                                 (layout.history + layout.query_lens)[:r],
-                                 layout.tokens_per_block)
+        r = int((run.rows != self.rows.spare).sum())
+        for validator, layout in zip(self.validators, layouts, strict=False):  # none or each
+            validator.check(layout.block_table, layout.rows[:r], layout.history[:r],
+                            (layout.history + layout.query_lens)[:r], layout.tokens_per_block)
         if self.graphs is not None and run.decode_only:
-            out = self.graphs.run(run, layout, meta, cols, self._body)
+            out = self.graphs.run(run, layouts, meta, cols, self._body)
         else:
-            out = self._body(run, layout, meta, cols)
+            out = self._body(run, layouts, meta, cols)
         host = out.packed
         if self.timed:  # the host reads it behind the step's event, never by waiting on it now
             host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             host.copy_(out.packed, non_blocking=True)
         n, k = int(plan.num_tokens.sum()), int(plan.widths.sum())
         record = StepTensors(meta.ids[:n], meta.positions[:n], plan.logit_rows, out.logits[:k],
-                             meta.slots[:n],
-                             out.kept[:plan.rows.size] if self.committer is not None else None)
+                             meta.slots[:, :n], out.kept[:plan.rows.size] if self.commits else None)
         return Launched(plan, host, out.width, run.emitting.size, self._event(), started, record,
                         metadata_s)
 
     @property
     def capacity(self) -> int:
         """The most tokens a step packs: the staging buffer's rows."""
-        return self.staging.shape[2]
+        return self.groups[0].staging.shape[2]
 
     def replays(self, plan: LaunchPlan) -> bool:
         """Whether launching ``plan`` now replays a captured graph (no capture, no eager run)."""
@@ -244,20 +256,23 @@ class DeviceStep:
         table has rows, their tokens all in staging."""
         return min(self.rows.spare, self.capacity // width)
 
-    def _body(self, plan: LaunchPlan, layout: PagedLayout, meta: StepMetadata,
+    def _body(self, plan: LaunchPlan, layouts: tuple[PagedLayout, ...], meta: StepMetadata,
               cols: _Columns) -> StepOutputs:
         """Forward, verification and commit: device work only, the same shapes for one plan
-        shape, so that `DecodeGraphs` can capture it."""
+        shape, so that `DecodeGraphs` can capture it. ``layouts``: the step's entries through
+        each group's table, in group order."""
+        step = PoolStep(tuple(StepGroup(g.kv, g.staging, layout)
+                              for g, layout in zip(self.groups, layouts, strict=True)),
+                        self.where)
         with torch.inference_mode():
             logits = self.model(
                 input_ids=meta.ids[None], position_ids=meta.positions[None], use_cache=False,
-                logits_to_keep=cols.logit_rows,
-                kvalloc_step=PoolStep(self.kv, self.staging, layout)).logits[0]
-            tokens, emitted, accepted, kept = self._verify(plan, layout, meta.ids,
+                logits_to_keep=cols.logit_rows, kvalloc_step=step).logits[0]
+            tokens, emitted, accepted, kept = self._verify(plan, layouts[0], meta.ids,
                                                            logits.argmax(-1), cols)
-            if self.committer is not None:
-                self.committer.commit(meta.slots, meta.index, cols.token_entry, kept,
-                                      layout.query_lens)
+            # Every group keeps the same tokens of each entry, each at its own slots.
+            for commit, slots in zip(self.commits, meta.slots, strict=False):
+                commit.commit(slots, meta.index, cols.token_entry, kept, layouts[0].query_lens)
             packed = torch.cat([tokens.flatten(), emitted, accepted])
         return StepOutputs(packed, tokens.shape[1], logits, kept)
 
@@ -268,22 +283,26 @@ class DeviceStep:
         event.record()
         return event
 
-    def _inputs(self, plan: LaunchPlan) -> tuple[PagedLayout, StepMetadata, _Columns]:
-        """The step's layout, metadata (input ids, positions, slots) and columns, from one
-        upload and one launch (`worker.step.step_metadata`)."""
+    def _inputs(self, plan: LaunchPlan) -> tuple[tuple[PagedLayout, ...], StepMetadata,
+                                                  _Columns]:
+        """The step's layouts (one per group), metadata (input ids, positions, each group's
+        slots) and columns, from one upload and one launch per group
+        (`worker.step.step_metadata`)."""
         self._launches += 1
         cols = _Columns.upload(plan, self._uploads[self._launches % 2])
         meta = step_metadata(
             EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
                          cols.token_entry, cols.host_ids),
-            self.rows.lead, self.rows.pending, self.block_table, self.kv.shape[3])
+            self.rows.lead, self.rows.pending,
+            [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups])
         # The host bounds each history by the most a lead can be.
         reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
-        layout = PagedLayout(self.block_table, self.kv.shape[3], cols.rows, cols.offsets,
+        first = self.groups[0]
+        layout = PagedLayout(first.block_table, first.tokens_per_block, cols.rows, cols.offsets,
                              cols.num_tokens, meta.history, cols.token_entry,
                              HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
         self._draft(plan, meta.ids, cols)
-        return layout, meta, cols
+        return group_layouts(layout, self.groups), meta, cols
 
     def _draft(self, plan: LaunchPlan, ids: torch.Tensor, cols: _Columns) -> None:
         """A device drafter's drafts into each decode's tokens after its first."""
@@ -377,6 +396,12 @@ class _Columns(NamedTuple):
             views.append(flat[start:start + column.numel()])
             start += column.numel()
         return _Columns(*views, flat)
+
+
+def group_layouts(layout: PagedLayout, groups: Sequence[PoolGroup]) -> tuple[PagedLayout, ...]:
+    """``layout``'s entries through each group's table, in group order (the first group's is
+    ``layout``)."""
+    return (layout, *(layout.over(g.block_table, g.tokens_per_block) for g in groups[1:]))
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:

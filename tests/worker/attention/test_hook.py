@@ -55,7 +55,7 @@ def test_equals_the_reference_two_source_attention(group_width: int, layer: int,
                                query_lens=lengths, starts=history - lead,
                                lead=torch.as_tensor(lead) if on_device else None,
                                lead_bound=3 if on_device else 0, group_width=group_width)
-    step = PoolStep(storage.kv, staging, layout)
+    step = PoolStep.of(storage.kv, staging, layout)
     module = torch.nn.Module()
     module.layer_idx = layer
     out, _ = kvalloc_attention(module, query, key, value, None, scaling=HEAD_DIM ** -0.5,
@@ -74,7 +74,7 @@ def test_rejects_what_it_does_not_implement() -> None:
     kv = torch.zeros(1, 2, 4, 4, 1, 8)
     staging = torch.zeros(1, 2, 8, 1, 8)
     table = torch.tensor([[0, 1, -1, -1]], dtype=torch.int32)
-    step = PoolStep(kv, staging, _layout(table, length=3, start=5))
+    step = PoolStep.of(kv, staging, _layout(table, length=3, start=5))
     module = torch.nn.Module()
     module.layer_idx = 0
     q, k = torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8)
@@ -83,7 +83,7 @@ def test_rejects_what_it_does_not_implement() -> None:
     with pytest.raises(KvallocAttentionError, match="expected one packed sequence of 3"):
         kvalloc_attention(module, torch.zeros(1, 1, 2, 8), k, k, None, kvalloc_step=step)
     with pytest.raises(KvallocAttentionError, match="staging holds 8"):
-        PoolStep(kv, staging, _layout(table, length=9, start=0))
+        PoolStep.of(kv, staging, _layout(table, length=9, start=0))
 
 
 def _layout(table: torch.Tensor, *, length: int, start: int) -> PagedLayout:
@@ -97,7 +97,7 @@ def test_a_step_that_does_not_attend_stages_its_keys_and_returns_the_query() -> 
     table = torch.zeros(1, 2, dtype=torch.int32)
     kv = torch.full((1, 2, 2, 4, 1, 8), float("nan"))
     staging = torch.zeros(1, 2, 8, 1, 8)
-    step = PoolStep(kv, staging, _layout(table, length=3, start=0), attend=False)
+    step = PoolStep.of(kv, staging, _layout(table, length=3, start=0), attend=False)
     module = torch.nn.Module()
     module.layer_idx = 0
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)

@@ -33,7 +33,7 @@ def _module_step(model: torch.nn.Module, dtype: torch.dtype, seed: int
     kv = torch.stack([rs.pool_k, rs.pool_v])[None].expand(2, -1, -1, -1, -1, -1).clone()
     n = rs.layout.num_tokens
     staging = torch.full((2, 2, n + 4, 2, 16), float("nan"), dtype=dtype)
-    step = PoolStep(kv, staging, rs.layout)
+    step = PoolStep.of(kv, staging, rs.layout)
     hidden = torch.randn(1, n, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
     index = torch.arange(n) - rs.layout.query_starts[rs.layout.token_entry]
     positions = (rs.layout.history[rs.layout.token_entry] + index)[None]
@@ -47,17 +47,18 @@ def test_a_fused_attention_module_gives_its_own_forwards_output_and_staging(
     model = random_model(FAMILIES[family], seed=11, dtype=dtype)
     assert fuse_attention_modules(model) == 2  # the merged q/k/v projection, the reference kept
     module, step, hidden, embeddings = _module_step(model, dtype, seed=11)
+    staging = step.groups[0].staging
     with torch.inference_mode():
         want, _ = type(module).forward(module, hidden, embeddings, None, kvalloc_step=step)
-        want_staging = step.staging[0].clone()  # layer 0's: the module's
-        step.staging.fill_(float("nan"))
+        want_staging = staging[0].clone()  # layer 0's: the module's
+        staging.fill_(float("nan"))
         got = fused_attention(module, hidden, embeddings, step)
     n = step.num_tokens
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 0.05, torch.float16: 0.01}[dtype]
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
-    torch.testing.assert_close(step.staging[0, :, :n], want_staging[:, :n], atol=tolerance,
+    torch.testing.assert_close(staging[0, :, :n], want_staging[:, :n], atol=tolerance,
                                rtol=tolerance)
-    assert step.staging[0, :, n:].isnan().all() and step.staging[1].isnan().all()
+    assert staging[0, :, n:].isnan().all() and staging[1].isnan().all()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -88,14 +89,15 @@ def test_the_compiled_fused_module_matches_its_own_forward_on_gpu(
     assert fuse_attention_modules(model) == 2
     module, step, hidden, embeddings = _module_step(model, dtype, seed=5)
     module.to(cuda_device)
-    moved = PoolStep(step.kv.to(cuda_device), step.staging.to(cuda_device),
-                     _to(step.layout, cuda_device))
+    (group,) = step.groups
+    moved = PoolStep.of(group.kv.to(cuda_device), group.staging.to(cuda_device),
+                        _to(group.layout, cuda_device))
     hidden = hidden.to(cuda_device)
     embeddings = tuple(e.to(cuda_device) for e in embeddings)
     assert kernel_takes(hidden.new_empty(1, 16), embeddings[0])
     with torch.inference_mode():
         want, _ = type(module).forward(module, hidden, embeddings, None, kvalloc_step=moved)
-        moved.staging.fill_(float("nan"))
+        moved.groups[0].staging.fill_(float("nan"))
         got = fused_attention(module, hidden, embeddings, moved)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 0.05, torch.float16: 0.01}[dtype]
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)

@@ -383,7 +383,7 @@ def test_the_workers_attention_takes_the_kernel_on_cuda(monkeypatch: pytest.Monk
     out, _ = hook.kvalloc_attention(
         module, step.query.transpose(0, 1)[None], step.staged_k[:n].transpose(0, 1)[None],
         step.staged_v[:n].transpose(0, 1)[None], None, scaling=0.125,
-        kvalloc_step=hook.PoolStep(kv, staging, step.layout))
+        kvalloc_step=hook.PoolStep.of(kv, staging, step.layout))
     assert len(calls) == 1 and calls[0] is step.layout
     want = pool_attention(step.query, step.staged_k, step.staged_v, step.pool_k, step.pool_v,
                           step.layout, scale=0.125)

@@ -139,7 +139,7 @@ def _pool_step(model: PreTrainedModel, ids: torch.Tensor, start: int, stop: int,
     with torch.inference_mode():
         logits = model(input_ids=ids[None, start:stop],
                        position_ids=torch.arange(start, stop)[None], use_cache=False,
-                       kvalloc_step=PoolStep(kv, staging, layout)).logits[0]
+                       kvalloc_step=PoolStep.of(kv, staging, layout)).logits[0]
     kv.flatten(2, 3)[:, :, layout.slots()] = staging[:, :, :n]
     return logits
 
