@@ -211,8 +211,10 @@ def layer_group(text: str) -> Any:
         return LayerGroup(name=name, layers=_layer_list(layers), num_blocks=_integer(blocks),
                           window=_integer(window[0]) if window else None)
     except ValidationError as exc:
-        raise ValueError(f"{text!r}: " + "; ".join(
-            f"{error['loc'][-1]}: {reason(error)}" for error in exc.errors())) from None
+        why = "; ".join(f"{error['loc'][-1]}: {reason(error)}" for error in exc.errors())
+    except ValueError as exc:  # the layers or a number
+        why = str(exc)
+    raise ValueError(f"{text!r}: {why}")
 
 
 def _layer_list(text: str) -> list[int]:
