@@ -385,10 +385,11 @@ class _LocalTransport:
     def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
+        share = self._core.shared_tensors(reg.worker_id)
         shards = [AttachedPool(kv, table, staging, fence, protected, heads,
                                writer_fence=WriterFence.of(word, reg.session))
                   for kv, table, staging, fence, word, protected, heads
-                  in self._core.shared_shards(reg.worker_id)]
+                  in share.shards]
         if shard is not None:
             if not shards:
                 raise AttachError("shard: the service has one pool, not tensor-parallel shards")
@@ -396,12 +397,12 @@ class _LocalTransport:
                 raise AttachError(f"shard: {shard} is not a shard of this pool "
                                   f"({len(shards)} shards)")
             return shards[shard]
-        kv, table, staging, fence, word, protected = self._core.shared_tensors(reg.worker_id)
+        kv, table, staging, fence, word, protected = share.pool
         writer = WriterFence.of(word, reg.session)
         groups = [AttachedPool(kv, table, staging, fence, protected, layers=tuple(layers),
                                window=window, writer_fence=writer)
                   for kv, table, staging, layers, window
-                  in self._core.shared_groups(reg.worker_id)]
+                  in share.groups]
         return AttachedPool(kv, table, staging, fence, protected, shards=shards, groups=groups,
                             layers=groups[0].layers if groups else None,
                             window=groups[0].window if groups else None, writer_fence=writer)

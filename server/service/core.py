@@ -65,12 +65,7 @@ from kvalloc.server.service.events.streams import EventStreams, per_worker
 from kvalloc.server.service.pipeline import StepPipeline
 from kvalloc.server.service.registry import Worker, WorkerRegistry
 from kvalloc.server.service.settings import ServiceConfig
-from kvalloc.server.service.shared_pool import (
-    GroupTensors,
-    ShardTensors,
-    SharedPool,
-    SharedTensors,
-)
+from kvalloc.server.service.shared_pool import InProcessShare, SharedPool
 
 log = logging.getLogger("kvalloc.service")
 
@@ -277,11 +272,11 @@ class ServiceCore:
         ttl = self.config.lease_ttl_s
         expired = self.registry.expired(now, ttl)
         for worker in expired:
-            free_before = self.pipeline.free_blocks
+            free_before = self.pipeline.scarcest.free_blocks
             n = self._drop(worker)
             log.warning("lease of worker %r expired (silent > %.1fs): freed %d requests, "
                         "%d blocks", worker.worker_id, ttl, n,
-                        self.pipeline.free_blocks - free_before)
+                        self.pipeline.scarcest.free_blocks - free_before)
         if expired:
             self.leases_expired += len(expired)
             self._observers.lease_expired(len(expired))
@@ -326,25 +321,12 @@ class ServiceCore:
             self._observers.state_changed()
             return result
 
-    def shared_tensors(self, worker_id: str) -> SharedTensors:
+    def shared_tensors(self, worker_id: str) -> InProcessShare:
         """The pool, the block table, ``worker_id``'s staging buffer and fence, and the
-        protection of cached blocks (prefix caching), as this process holds them: what an
-        in-process worker uses instead of mapping the handles."""
+        protection of cached blocks (prefix caching), with every shard's or group's, as this
+        process holds them: what an in-process worker uses instead of mapping the handles."""
         with self.lock:
             return self.pool.shared_tensors(self.registry.worker(worker_id, None))
-
-    def shared_groups(self, worker_id: str) -> list[GroupTensors]:
-        """Each group's pool, block table and ``worker_id``'s staging of it, with the group's
-        model layers and window, in group order (`SharedPool.shared_groups`); empty for a pool
-        that is not grouped."""
-        with self.lock:
-            return self.pool.shared_groups(self.registry.worker(worker_id, None))
-
-    def shared_shards(self, worker_id: str) -> list[ShardTensors]:
-        """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
-        the KV heads it holds; empty for a pool of one shard."""
-        with self.lock:
-            return self.pool.shared_shards(self.registry.worker(worker_id, None))
 
     # ------------------------------------------------------------------ inspection
 
@@ -365,12 +347,12 @@ class ServiceCore:
 
     def get_pool(self, req: wire.PoolQuery) -> wire.PoolState:
         """Occupancy, workers and counters (a grouped pool's: its group with the fewest free
-        blocks, `scarcest`); ``verify`` first puts back any shared state another process
-        changed (`repair_shared_state`), then checks every invariant."""
+        blocks, `StepPipeline.scarcest`); ``verify`` first puts back any shared state another
+        process changed (`repair_shared_state`), then checks every invariant."""
         repaired = req.verify and any(self.repair_shared_state().values())
         with self.lock:
             self._check_open()
-            mgr, now = self.scarcest, self.clock()
+            mgr, now = self.pipeline.scarcest, self.clock()
             if req.verify:
                 self.check_invariants()
             totals = mgr.totals()
@@ -390,14 +372,6 @@ class ServiceCore:
                 invariants=("unchecked" if not req.verify else "repaired" if repaired
                             else "ok"),
             )
-
-    @property
-    def scarcest(self) -> KVCacheManager:
-        """The manager whose occupancy the pool reports: the pool's, or a grouped pool's group
-        with the fewest free blocks (the first such), which refuses first."""
-        if self.groups is None:
-            return self.manager
-        return min(self.groups.managers.values(), key=lambda m: m.free_blocks)
 
     def repair_shared_state(self) -> dict[str, int]:
         """Compare what workers map read-only (every shard's block table, protection of cached

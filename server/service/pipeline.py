@@ -34,12 +34,12 @@ from kvalloc.allocator import (
     KVCacheEvent,
     KVCacheGroups,
     KVCacheManager,
+    PlanArrays,
     Prompt,
     StepOutcome,
     TierCopies,
     checked_plan,
 )
-from kvalloc.allocator.capacity.step.plan import PlanArrays
 from kvalloc.allocator.common.jit import jit, numba
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.columns import (
@@ -144,7 +144,7 @@ class StepPipeline:
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
             refused=self._refused(outcome, len(scheduled)), committed=committed,
-            free_blocks=self.free_blocks,
+            free_blocks=self.scarcest.free_blocks,
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
                 outcome.changed_block_ids.astype(np.int64)),
@@ -162,11 +162,12 @@ class StepPipeline:
         return stepped.outcome, [out.num_blocks for out in stepped.groups.values()]
 
     @property
-    def free_blocks(self) -> int:
-        """The pool's free blocks; a grouped pool's group with the fewest."""
+    def scarcest(self) -> KVCacheManager:
+        """The manager whose free blocks the replies report: the pool's, or a grouped pool's
+        group with the fewest (the first such), which refuses first."""
         if self.groups is None:
-            return self.manager.free_blocks
-        return min(self.groups.free_blocks.values())
+            return self.manager
+        return min(self.groups.managers.values(), key=lambda m: m.free_blocks)
 
     def _token_slots(self, scheduled: Scheduled) -> np.ndarray:
         """``[tables, tokens]``: where each scheduled token lives in each table's pool."""

@@ -23,8 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvalloc.allocator import KVStorage, LayerGroup, PoolConfig, group_pools, shard_span
-from kvalloc.allocator.capacity.windows.groups import group_tensor_name
+from kvalloc.allocator import (
+    KVStorage,
+    LayerGroup,
+    PoolConfig,
+    group_pools,
+    group_tensor_name,
+    shard_span,
+)
 from kvalloc.allocator.commands.config_errors import reasons
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.errors import ShardingInvalid

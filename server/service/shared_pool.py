@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from kvalloc.allocator import (
     CLOSED,
+    BlockTable,
     FenceWords,
     KVCacheGroups,
     KVCacheManager,
@@ -42,7 +43,6 @@ from kvalloc.allocator import (
     TierCopies,
     WriterFence,
 )
-from kvalloc.allocator.capacity.block_table import BlockTable
 from kvalloc.allocator.common.device_io import on_device
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import FenceGroup, StepFence, TensorExporter
@@ -64,6 +64,16 @@ ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None,
 # One group of a grouped pool: its pool, its block table and the worker's staging of it, its
 # model layers and window (the fences and the protection are the pool's: `SharedTensors`).
 GroupTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], int | None]
+
+
+class InProcessShare(NamedTuple):
+    """What an in-process worker uses instead of mapping the handles: part 0's tensors and its
+    own (``pool``), and each shard's of a tensor-parallel pool or each group's of a grouped
+    pool, in order (empty otherwise)."""
+
+    pool: SharedTensors
+    shards: list[ShardTensors]
+    groups: list[GroupTensors]
 
 
 # What `SharedPool.repair` compares and rewrites, as it names them.
@@ -290,13 +300,14 @@ class SharedPool:
         for shard in self.shards:
             self._exporter.release(shard.spec.name(f"staging-{worker_id}"))
 
-    def shared_tensors(self, worker: Worker) -> SharedTensors:
-        """Part 0's tensors (shard 0's, group 0's) and ``worker``'s, as this process holds
-        them."""
-        return (self.storage.kv, self.shards[0].table, worker.stagings[0], worker.fence,
-                worker.writers[0].word, self.committer.protected)
+    def shared_tensors(self, worker: Worker) -> InProcessShare:
+        """Part 0's tensors (shard 0's, group 0's) and ``worker``'s, and every shard's or
+        group's, as this process holds them."""
+        return InProcessShare((self.storage.kv, self.shards[0].table, worker.stagings[0],
+                               worker.fence, worker.writers[0].word, self.committer.protected),
+                              self._shared_shards(worker), self._shared_groups(worker))
 
-    def shared_groups(self, worker: Worker) -> list[GroupTensors]:
+    def _shared_groups(self, worker: Worker) -> list[GroupTensors]:
         """Each group's tensors and ``worker``'s staging of it, in group order, with the group's
         model layers and window; empty for a pool that is not grouped."""
         return [(shard.storage.kv, shard.table, staging, shard.spec.group.layers,
@@ -304,8 +315,8 @@ class SharedPool:
                 for shard, staging in zip(self.shards, worker.stagings, strict=True)
                 if shard.spec.group is not None]
 
-    def shared_shards(self, worker: Worker) -> list[ShardTensors]:
-        """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
+    def _shared_shards(self, worker: Worker) -> list[ShardTensors]:
+        """Part 0's tensors of every shard of a tensor-parallel pool, in shard order, each with
         the KV heads it holds; empty for a pool of one shard."""
         if len(self.shards) == 1 or self.groups is not None:
             return []
