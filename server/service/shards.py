@@ -16,6 +16,10 @@ Invariants:
   ``1 / N`` of a block's bytes);
 - a shard r > 0 exports its tensors as ``shard<r>-<name>``, which collides neither with shard 0's
   names (``kv``, ``block_table``, ``protected``, ``staging-<worker id>``) nor with another shard's.
+
+A grouped pool (`ServiceConfig.groups`) reuses the parts for its groups (`group_specs`): one
+device, a part per group with the group's pool over its layers, each exported under the names
+`KVCacheGroups` gives its table (group 0's plain, another's ``group-<group>-<tensor>``).
 """
 
 from __future__ import annotations

@@ -154,3 +154,24 @@ def test_the_invariant_check_covers_every_group(core: ServiceCore) -> None:
         core.check_invariants()
     assert kv.get_pool().free_blocks == min(core.groups.free_blocks.values())
     assert core.get_pool(wire.PoolQuery()).invariants == "unchecked"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_groups_share_one_step_fence_and_each_holds_its_committed_tokens() -> None:
+    """The CUDA run of `test_each_group_holds_exactly_the_committed_tokens_at_its_own_tables_slots`
+    (whose CPU run has no fences): one step fence for every group, and the same pools."""
+    core = ServiceCore(ServiceConfig(pool=POOL.model_copy(update={"device": "cuda"}),
+                                     max_step_tokens=64, groups=GROUPS))
+    try:
+        kv = registered(core)
+        attachment = kv.registration.attachment
+        assert attachment.forward_done is not None
+        assert all(g.forward_done is None and g.writer_fence is None for g in attachment.groups)
+        assert all(g.fence is kv.pool.fence is not None for g in kv.pool.groups)
+        assert all(g.kv.is_cuda and g.block_table.is_cuda for g in kv.pool.groups)
+        kv.step(new=(["long"], [24]))
+        kv.step()
+        assert nwor_scenario(kv).mismatches == []
+        core.check_invariants()
+    finally:
+        core.close()
