@@ -29,7 +29,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -73,7 +73,12 @@ class AttachedPool:
     order, each holding the KV heads ``heads`` of the model on its own device; the fields above
     them are shard 0's, and ``fence`` is every shard's (`FenceGroup`), for a worker that drives
     all shards from this process. A worker of one process per shard attaches its own alone
-    (`attach_shard`)."""
+    (`attach_shard`).
+
+    A grouped pool's has ``groups``: one `AttachedPool` per group, in group order, each with
+    its own ``kv``, ``block_table`` and ``staging`` over its model ``layers``, and its
+    ``window``; a group's ``fence``, ``writer_fence`` and ``protected`` are the pool's (the
+    groups share one device), and the fields above are group 0's."""
 
     kv: torch.Tensor
     block_table: torch.Tensor
@@ -83,8 +88,9 @@ class AttachedPool:
     heads: tuple[int, int] | None = None  # a shard's KV heads [start, stop); None: all of them
     shards: list[AttachedPool] = field(default_factory=list)
     # A grouped pool's groups (`wire.GroupAttachment`), in group order; the fields above are
-    # group 0's. A group's own entry has its model ``layers`` (its layer i is the model's
-    # layers[i]) and ``window``; both None for a pool of one group of every layer.
+    # group 0's, and so are ``layers`` and ``window`` here. A group's own entry has its model
+    # ``layers`` (its layer i is the model's layers[i]) and ``window``; both None for a pool of
+    # one group of every layer.
     groups: list[AttachedPool] = field(default_factory=list)
     layers: tuple[int, ...] | None = None
     window: int | None = None
@@ -94,6 +100,8 @@ class AttachedPool:
     @classmethod
     def attach(cls, attachment: wire.Attachment, session: int) -> AttachedPool:
         """The pool of the registration ``attachment`` came in, whose session is ``session``."""
+        if attachment.groups:
+            return cls._map_groups(attachment, session)
         if attachment.shards:
             shards = [cls.attach_shard(attachment, r, session)
                       for r in range(len(attachment.shards))]
@@ -103,6 +111,19 @@ class AttachedPool:
                        FenceGroup(fences) if fences else None, first.protected, shards=shards,
                        writer_fence=first.writer_fence)
         return cls._map(attachment, session)
+
+    @classmethod
+    def _map_groups(cls, attachment: wire.Attachment, session: int) -> AttachedPool:
+        """A grouped pool: group 0 is the attachment's own fields (mapped once), every other
+        group's tensors are mapped beside it with the pool's fences."""
+        pool = cls._map(attachment, session)
+        pool.groups = [replace(
+            pool if i == 0 else cls._map(described, session), fence=pool.fence,
+            writer_fence=pool.writer_fence, protected=pool.protected,
+            layers=tuple(described.layers), window=described.window)
+            for i, described in enumerate(attachment.groups)]
+        pool.layers, pool.window = pool.groups[0].layers, pool.groups[0].window
+        return pool
 
     @classmethod
     def attach_shard(cls, attachment: wire.Attachment, shard: int,
@@ -119,7 +140,7 @@ class AttachedPool:
         return mapped
 
     @classmethod
-    def _map(cls, handles: wire.Attachment | wire.ShardAttachment,
+    def _map(cls, handles: wire.Attachment | wire.ShardAttachment | wire.GroupAttachment,
              session: int) -> AttachedPool:
         fence = None
         if handles.forward_done is not None and handles.commit_done is not None:
@@ -364,10 +385,11 @@ class _LocalTransport:
     def attach(self, reg: wire.Registration, shard: int | None = None) -> AttachedPool:
         """The core's own tensors: a process cannot open its own CUDA IPC handles, and in one
         process there is nothing to map."""
+        share = self._core.shared_tensors(reg.worker_id)
         shards = [AttachedPool(kv, table, staging, fence, protected, heads,
                                writer_fence=WriterFence.of(word, reg.session))
                   for kv, table, staging, fence, word, protected, heads
-                  in self._core.shared_shards(reg.worker_id)]
+                  in share.shards]
         if shard is not None:
             if not shards:
                 raise AttachError("shard: the service has one pool, not tensor-parallel shards")
@@ -375,9 +397,15 @@ class _LocalTransport:
                 raise AttachError(f"shard: {shard} is not a shard of this pool "
                                   f"({len(shards)} shards)")
             return shards[shard]
-        kv, table, staging, fence, word, protected = self._core.shared_tensors(reg.worker_id)
-        return AttachedPool(kv, table, staging, fence, protected, shards=shards,
-                            writer_fence=WriterFence.of(word, reg.session))
+        kv, table, staging, fence, word, protected = share.pool
+        writer = WriterFence.of(word, reg.session)
+        groups = [AttachedPool(kv, table, staging, fence, protected, layers=tuple(layers),
+                               window=window, writer_fence=writer)
+                  for kv, table, staging, layers, window
+                  in share.groups]
+        return AttachedPool(kv, table, staging, fence, protected, shards=shards, groups=groups,
+                            layers=groups[0].layers if groups else None,
+                            window=groups[0].window if groups else None, writer_fence=writer)
 
     def close(self) -> None:
         pass

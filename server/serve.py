@@ -35,7 +35,7 @@ from types import FrameType
 
 import torch
 import uvicorn
-from kvalloc.allocator import SlackPolicy
+from kvalloc.allocator import InvalidValue, SlackPolicy, group_pools
 from kvalloc.allocator.commands.config_errors import flag_errors
 from kvalloc.server.contract.addresses import (
     claim_socket_path,
@@ -99,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (AddressError, ShardingInvalid) as exc:
         print(f"kvalloc serve: error: {exc}", file=sys.stderr)
+        return 2
+    except InvalidValue as exc:  # groups that do not partition the layers (`group_pools`)
+        print(f"kvalloc serve: error: --layer-group: {exc}", file=sys.stderr)
         return 2
     problem = _shm_dir_problem()
     if problem is not None:
@@ -179,10 +182,25 @@ def _layout_note(config: ServiceConfig) -> str:
     pool = config.pool
     window = ("" if pool.window is None else
               f", window {pool.window}, at most {pool.max_live_blocks_per_seq} blocks a request")
+    if config.groups:
+        window += ", groups " + ", ".join(
+            f"{g.name} (layers {_spans(g.layers)}, {g.num_blocks} blocks"
+            f"{'' if g.window is None else f', window {g.window}'})" for g in config.groups)
     if pool.kv_layout == "latent":
         return f"{pool.num_layers} layers x a latent of {pool.head_dim} (latent layout{window})"
     return (f"{pool.num_layers} layers x {pool.num_kv_heads} KV heads x {pool.head_dim} "
             f"(kv layout{window})")
+
+
+def _spans(layers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3, 8) -> 0-3,8: layers as ``--layer-group`` takes them."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _tier_note(config: ServiceConfig) -> str:
@@ -266,6 +284,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     devices = _devices(args)
     if devices:
         pool["device"] = devices[0]
+    if args.layer_groups:  # refused naming the flag, not the configuration
+        group_pools(default_pool(**pool), args.layer_groups)
     if pool.get("slack_policy", SlackPolicy.RECLAIM) != SlackPolicy.RECLAIM:
         log.warning("--slack-policy %s: overlap workers will crash or overflow their rows on "
                     "purpose (a reproduction, never for serving)", pool["slack_policy"])
@@ -282,6 +302,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
                          hash_seed=secret_from_env(HASH_SEED_ENV),
                          cache_groups=_groups(args.cache_group),
                          devices=devices, tensor_parallel=args.tensor_parallel,
+                         groups=args.layer_groups,
                          data_parallel_rank=args.data_parallel_rank, **service)
 
 

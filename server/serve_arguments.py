@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from typing import get_args
+from typing import Any, get_args
 
 from kvalloc.allocator import KVDType, KVLayout, PoolConfig, SlackPolicy, WireShape
 from kvalloc.allocator.commands.arguments import argument_type
@@ -97,6 +97,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shards.add_argument("--tensor-parallel", type=_positive(int), default=1, metavar="N",
                         help="shards the pool's KV heads are split into, one per device: "
                              "num_kv_heads / N heads each (default 1)")
+    shards.add_argument("--layer-group", dest="layer_groups", action="append",
+                        type=argument_type(layer_group), default=[],
+                        metavar="NAME:LAYERS:BLOCKS[:WINDOW]",
+                        help="a KV cache group (repeatable; their layers partition "
+                             "--num-layers): its model layers (e.g. 0-3,8,10-11), the blocks of "
+                             "its own pool, and its sliding window in tokens (none: full "
+                             "attention); workers must attach (same host). Not with "
+                             "--window, prefix caching or --tensor-parallel")
     shards.add_argument("--data-parallel-rank", type=int, metavar="K",
                         help="the data-parallel rank this service allocates for (one service "
                              "per rank): KV events carry it, workers of other ranks are refused")
@@ -184,6 +192,48 @@ def byte_size(text: str) -> int:
     if match is None:
         raise ValueError(f"{text!r} is not a size in bytes (e.g. 64GiB, 512MiB, 1048576)")
     return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def layer_group(text: str) -> Any:
+    """``NAME:LAYERS:BLOCKS[:WINDOW]`` as a `LayerGroup` (LAYERS: ``0-3,8,10-11``, in the order
+    the group's pool holds them); a ValueError saying what is wrong."""
+    # Imported here: the group's module imports torch, which --help must not.
+    from kvalloc.allocator import LayerGroup
+    from kvalloc.allocator.commands.config_errors import reason
+    from pydantic import ValidationError
+
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"{text!r} is not NAME:LAYERS:BLOCKS[:WINDOW] (e.g. full:0-3:4096 or "
+                         f"sliding:4-7:512:1024)")
+    name, layers, blocks, *window = parts
+    try:
+        return LayerGroup(name=name, layers=_layer_list(layers), num_blocks=_integer(blocks),
+                          window=_integer(window[0]) if window else None)
+    except ValidationError as exc:
+        why = "; ".join(f"{error['loc'][-1]}: {reason(error)}" for error in exc.errors())
+    except ValueError as exc:  # the layers or a number
+        why = str(exc)
+    raise ValueError(f"{text!r}: {why}")
+
+
+def _layer_list(text: str) -> list[int]:
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
+    layers: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        start = _integer(first)
+        stop = _integer(last) if dash else start
+        if stop < start:
+            raise ValueError(f"layers: {part!r} runs backwards")
+        layers += range(start, stop + 1)
+    return layers
+
+
+def _integer(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(text)
 
 
 def _cache_group(text: str) -> tuple[str, list[str]]:

@@ -110,6 +110,14 @@ class UnknownRank(ServiceError):
     status, code, field = 422, "unknown_rank", "data_parallel_rank"
 
 
+class AttachRequired(ServiceError):
+    """A worker that does not attach (``attached`` false) registered with a grouped pool: the
+    replies' table changes and slot mappings describe one block table, and a grouped pool has
+    one per group, so its workers map the pool (same host)."""
+
+    status, code, field = 422, "attach_required", "attached"
+
+
 class LimitExceeded(ServiceError):
     """A list is longer, or a step schedules more tokens, than the service allows."""
 
@@ -299,9 +307,3 @@ class ShardingInvalid(KVAllocServerError, ValueError):
     """Devices and a tensor-parallel degree that do not make a service: heads that do not split
     evenly, a device that does not exist, a device count that is not a multiple of the degree.
     Raised before anything of the pool is made."""
-
-
-class GroupsNotServed(KVAllocServerError, ValueError):
-    """A configuration of several KV cache groups (`ServiceConfig.groups`): the service does not
-    serve them, workers having no way to attach a pool per group. Raised before anything of the
-    pool is made."""

@@ -4,7 +4,8 @@ call that commits them, and `schedule`, which lays them out.
 The worker stages token ``i`` of its step at ``staging[layer, 0 or 1, i]``. The batch lists the
 scheduled requests in token order (granted decodes, then prefill chunks, then new requests); each
 owns a contiguous run of tokens at consecutive positions, the last ``num_drafts`` of which are
-drafts, and ``slots[i]`` is where token ``i`` lives in the pool.
+drafts, and ``slots[g, i]`` is where token ``i`` lives in the pool of table ``g`` (one table;
+a grouped pool's, one per group).
 
 Settling the batch (the next call) says, per request, how many of its drafts were accepted and
 whether it was dropped (reverted or finished), and yields the slots to commit: a dropped request
@@ -46,12 +47,14 @@ class Settlement(NamedTuple):
 class ScheduledBatch:
     scheduled: Scheduled
     num_decodes: int  # the first entries are decodes: only they must be settled
-    slots: np.ndarray  # per token: its pool slot (capacity covers it, so never -1)
+    # [tables, tokens]: each token's slot in each table's pool (capacity covers it: -1 only
+    # behind a windowed group's window)
+    slots: np.ndarray
     tokens_per_block: int
 
     @property
     def total_tokens(self) -> int:
-        return int(self.slots.size)
+        return int(self.slots.shape[1])
 
     def settle(self, result_rows: np.ndarray, num_accepted: np.ndarray,
                revert_rows: np.ndarray, finished_rows: np.ndarray, *, num_rows: int,
@@ -69,13 +72,14 @@ class ScheduledBatch:
                 f"({unsettled} unsettled)")
         return Settlement(accepted, dropped)
 
-    def owned_slots(self, dropped: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
-        """Slots to commit: -1 for ``dropped`` requests (per request) and for positions past the
-        blocks a request's row owns once the settling call has applied (``num_blocks``, per
-        block-table row)."""
+    def owned_slots(self, dropped: np.ndarray, num_blocks: np.ndarray,
+                    table: int = 0) -> np.ndarray:
+        """Slots to commit into table ``table``'s pool: -1 for ``dropped`` requests (per
+        request) and for positions past the blocks a request's row owns once the settling call
+        has applied (``num_blocks``, per row of that table)."""
         s = self.scheduled
         return mask_unowned_slots(s.rows, s.token_offsets, s.num_tokens, s.start_positions,
-                                  self.slots, dropped, num_blocks, self.tokens_per_block)
+                                  self.slots[table], dropped, num_blocks, self.tokens_per_block)
 
 
 def mask_unowned_slots_reference(rows: np.ndarray, token_offsets: np.ndarray,

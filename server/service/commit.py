@@ -97,16 +97,20 @@ class Committer:
 
 
 class ShardedCommitter:
-    """The service's commit on every shard of a tensor-parallel pool (`server.service.shards`):
-    one `Committer` per shard, each writing the same slots and counts from that shard's staging
-    on that shard's device (made current for it: its graphs and kernels live there). A pool of
-    one shard is the same with one committer.
+    """The service's commit on every part of the pool: one `Committer` per shard of a
+    tensor-parallel pool (`server.service.shards`), each writing the one table's slots from that
+    shard's staging on that shard's device (made current for it: its graphs and kernels live
+    there), or per group of a grouped pool (``grouped``), each writing its group's slots (its
+    own table's) from the worker's staging of that group. A pool of one shard is the same with
+    one committer.
 
-    Invariant: every shard commits the same tokens; a fallback on one shard (it wrote every
-    staged token) is reported for the whole step."""
+    Invariant: every part commits the same tokens (the counts are the same call's; a windowed
+    group's slots skip those behind its window); a fallback on one part (it wrote every staged
+    token) is reported for the whole step."""
 
-    def __init__(self, committers: list[Committer]) -> None:
+    def __init__(self, committers: list[Committer], *, grouped: bool = False) -> None:
         self.shards = committers
+        self.grouped = grouped
 
     def _on(self, index: int) -> contextlib.AbstractContextManager[object]:
         """Shard ``index``'s device made current; the first shard's is already."""
@@ -133,14 +137,16 @@ class ShardedCommitter:
 
     def write_batch(self, stagings: list[torch.Tensor], fences: list[WriterFence],
                     batch: ScheduledBatch, accepted: np.ndarray, dropped: np.ndarray,
-                    slots: np.ndarray) -> wire.CommitSummary:
-        """`Committer.write_batch` on every shard, ``stagings`` and ``fences`` in shard order."""
+                    slots: list[np.ndarray]) -> wire.CommitSummary:
+        """`Committer.write_batch` on every part, ``stagings`` and ``fences`` in part order;
+        ``slots`` per table (one per group; one for every shard)."""
         summaries = []
         for index, (committer, staging, fence) in enumerate(
                 zip(self.shards, stagings, fences, strict=True)):
             with self._on(index):
-                summaries.append(committer.write_batch(staging, fence, batch, accepted, dropped,
-                                                       slots))
+                summaries.append(committer.write_batch(
+                    staging, fence, batch, accepted, dropped,
+                    slots[index if self.grouped else 0]))
         first = summaries[0]
         fallback = next((s.fallback for s in summaries if s.fallback is not None), None)
         return first if fallback == first.fallback else wire.CommitSummary(

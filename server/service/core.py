@@ -20,7 +20,11 @@ Invariants:
 - a worker silent for ``lease_ttl_s`` loses its session, its requests and their blocks;
 - a tensor-parallel pool's shards (`server.service.shards`) hold the same blocks: one manager
   allocates them, every shard's table copy is synced by the same step, and the step's commit
-  writes every shard.
+  writes every shard;
+- a grouped pool's groups (`ServiceConfig.groups`, `KVCacheGroups`) hold the same requests in
+  the same rows: every step and every drop goes through all of them, and the step's commit
+  writes each group's pool at its own table's slots. Its workers attach (`AttachRequired`
+  otherwise): a reply's table changes and slot mapping would describe one table.
 """
 
 from __future__ import annotations
@@ -37,14 +41,16 @@ from typing import Protocol
 from kvalloc.allocator import (
     HashScope,
     InvariantViolation,
+    KVCacheGroups,
     KVCacheManager,
     StepPlan,
     TensorAllocator,
+    group_pools,
 )
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepCall, StepResult
 from kvalloc.server.contract.errors import (
-    GroupsNotServed,
+    AttachRequired,
     LimitExceeded,
     NotReady,
     StaleEpoch,
@@ -59,7 +65,7 @@ from kvalloc.server.service.events.streams import EventStreams, per_worker
 from kvalloc.server.service.pipeline import StepPipeline
 from kvalloc.server.service.registry import Worker, WorkerRegistry
 from kvalloc.server.service.settings import ServiceConfig
-from kvalloc.server.service.shared_pool import ShardTensors, SharedPool, SharedTensors
+from kvalloc.server.service.shared_pool import InProcessShare, SharedPool
 
 log = logging.getLogger("kvalloc.service")
 
@@ -129,16 +135,15 @@ class _PauseWatch:
 class ServiceCore:
     def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic,
                  epoch: int | None = None) -> None:
-        if config.groups:
-            raise GroupsNotServed(f"groups: {[g.name for g in config.groups]}; a service "
-                                  "serves one pool of every layer")
         self.config = config
         self.clock = clock
         # 52 bits: exact in every JSON reader, doubles included (jq, JavaScript).
         self.epoch = secrets.randbits(52) if epoch is None else epoch
         self.lock = threading.Lock()
         self.pool = SharedPool(config, self.epoch, functools.partial(_manager, config))
+        # A grouped pool's first group's manager: what `get_request` and /metrics read.
         self.manager = self.pool.manager
+        self.groups = self.pool.groups
         self.device = self.manager.device
         self.registry = WorkerRegistry(config.pool.max_batch_size, config.max_workers)
         # KV events: a service stream's first batch (AllBlocksCleared) goes out now: a new epoch,
@@ -149,7 +154,7 @@ class ServiceCore:
                                      publish=None if self.kv_events is None
                                      else self.kv_events.publish,
                                      copy_tier=self.pool.copy_tier if self.pool.tier_stores
-                                     else None)
+                                     else None, groups=self.groups)
         self.pipeline.sync_cache()
         self.layout = _layout(config, dtype_name(self.pool.staging_dtype))
         self._observers = _Observers()
@@ -185,6 +190,11 @@ class ServiceCore:
         with self.lock:
             self._check_open()
             _check_rank(self.config, req)
+            if self.groups is not None and not req.attached:
+                raise AttachRequired(
+                    f"attached: a grouped pool ({[g.name for g in self.config.groups]}) has a "
+                    "block table per group, and replies carry one table's changes; register "
+                    "attached (same host)")
             self._expire(self.clock())
             again = self.registry.retried(req)
             if again is not None:  # the first answer was lost: the same session, unchanged
@@ -262,11 +272,11 @@ class ServiceCore:
         ttl = self.config.lease_ttl_s
         expired = self.registry.expired(now, ttl)
         for worker in expired:
-            free_before = self.manager.free_blocks
+            free_before = self.pipeline.scarcest.free_blocks
             n = self._drop(worker)
             log.warning("lease of worker %r expired (silent > %.1fs): freed %d requests, "
                         "%d blocks", worker.worker_id, ttl, n,
-                        self.manager.free_blocks - free_before)
+                        self.pipeline.scarcest.free_blocks - free_before)
         if expired:
             self.leases_expired += len(expired)
             self._observers.lease_expired(len(expired))
@@ -277,7 +287,7 @@ class ServiceCore:
         rows = self.registry.remove(worker)
         self.pool.end_writes(worker)  # before its blocks can go to anyone else
         if rows.size:
-            self.manager.step(StepPlan(finished_rows=rows))
+            (self.groups or self.manager).step(StepPlan(finished_rows=rows))
         self.pool.release(worker)
         if self.kv_events is not None:
             self.kv_events.close_worker(worker.worker_id)
@@ -311,18 +321,12 @@ class ServiceCore:
             self._observers.state_changed()
             return result
 
-    def shared_tensors(self, worker_id: str) -> SharedTensors:
+    def shared_tensors(self, worker_id: str) -> InProcessShare:
         """The pool, the block table, ``worker_id``'s staging buffer and fence, and the
-        protection of cached blocks (prefix caching), as this process holds them: what an
-        in-process worker uses instead of mapping the handles."""
+        protection of cached blocks (prefix caching), with every shard's or group's, as this
+        process holds them: what an in-process worker uses instead of mapping the handles."""
         with self.lock:
             return self.pool.shared_tensors(self.registry.worker(worker_id, None))
-
-    def shared_shards(self, worker_id: str) -> list[ShardTensors]:
-        """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
-        the KV heads it holds; empty for a pool of one shard."""
-        with self.lock:
-            return self.pool.shared_shards(self.registry.worker(worker_id, None))
 
     # ------------------------------------------------------------------ inspection
 
@@ -342,12 +346,13 @@ class ServiceCore:
             )
 
     def get_pool(self, req: wire.PoolQuery) -> wire.PoolState:
-        """Occupancy, workers and counters; ``verify`` first puts back any shared state another
+        """Occupancy, workers and counters (a grouped pool's: its group with the fewest free
+        blocks, `StepPipeline.scarcest`); ``verify`` first puts back any shared state another
         process changed (`repair_shared_state`), then checks every invariant."""
         repaired = req.verify and any(self.repair_shared_state().values())
         with self.lock:
             self._check_open()
-            mgr, now = self.manager, self.clock()
+            mgr, now = self.pipeline.scarcest, self.clock()
             if req.verify:
                 self.check_invariants()
             totals = mgr.totals()
@@ -383,10 +388,11 @@ class ServiceCore:
             return repaired
 
     def check_invariants(self) -> None:
-        """The manager's invariants plus the registry's (workers own exactly the live requests,
-        in the rows the manager holds them) and the committer's."""
+        """The manager's invariants (every group's, and that they hold the same requests) plus
+        the registry's (workers own exactly the live requests, in the rows the manager holds
+        them) and the committers'."""
         try:
-            self.manager.check_invariants()
+            (self.groups or self.manager).check_invariants()
             self.registry.check_invariants(self.manager.live_rows)
             self.pool.check_invariants()
         except InvariantViolation:
@@ -419,8 +425,12 @@ def _check_limits(config: ServiceConfig, call: StepCall) -> None:
                                 field=name)
 
 
-def _manager(config: ServiceConfig, placement: TensorAllocator) -> KVCacheManager:
-    """The host-side manager, its block table made where the pool places it."""
+def _manager(config: ServiceConfig,
+             placement: TensorAllocator) -> KVCacheManager | KVCacheGroups:
+    """The host-side manager (a grouped pool's groups), its block tables made where the pool
+    places them. A grouped pool keeps no prefix cache (the configuration refuses one)."""
+    if config.groups:
+        return KVCacheGroups(group_pools(config.pool, config.groups), allocate=placement)
     return KVCacheManager(config.pool, allocate=placement, prefix_caching=config.prefix_caching,
                           hash_seed=_hash_seed(config), kv_events=config.kv_events is not None,
                           event_hashes=(HashScope.CONTENT if config.kv_events is not None
@@ -450,8 +460,10 @@ def _hash_seed(config: ServiceConfig) -> bytes:
 
 def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
     pool = config.pool
+    # A grouped pool's figures above its groups are its first group's.
     return wire.PoolLayout(
-        num_blocks=pool.total_blocks, tokens_per_block=pool.tokens_per_block,
+        num_blocks=config.groups[0].num_blocks if config.groups else pool.total_blocks,
+        tokens_per_block=pool.tokens_per_block,
         num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
         kv_layout=pool.kv_layout,
         dtype=pool.dtype, staging_dtype=staging_dtype, device=str(pool.device),
@@ -461,5 +473,7 @@ def _layout(config: ServiceConfig, staging_dtype: str) -> wire.PoolLayout:
         k_scales=list(pool.k_scales) if pool.k_scales else None,
         v_scales=list(pool.v_scales) if pool.v_scales else None,
         tensor_parallel=config.tensor_parallel, data_parallel_rank=config.data_parallel_rank,
-        window=pool.window,
+        window=config.groups[0].window if config.groups else pool.window,
+        groups=[wire.GroupLayout(name=g.name, layers=list(g.layers), window=g.window,
+                                 num_blocks=g.num_blocks) for g in config.groups],
     )

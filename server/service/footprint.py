@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kvalloc.allocator import group_pools
 from kvalloc.server.contract.errors import PoolTooLarge
 from kvalloc.server.contract.sharing import SHM_DIR
 from kvalloc.server.service.settings import ServiceConfig
@@ -49,8 +50,12 @@ def footprint(config: ServiceConfig) -> Footprint:
                   * pool.head_dim * staging_itemsize)
     devices = len(config.devices or [pool.device])
     ranks = max(1, devices // config.tensor_parallel)  # a pool and its workers' staging each
-    return Footprint(pool=ranks * pool.bytes_per_block * pool.total_blocks,
-                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq * devices,
+    # A grouped pool is a pool and a table per group (whose layers partition the pool's: the
+    # staging is the same).
+    pools = [g.config for g in group_pools(pool, config.groups)] if config.groups else [pool]
+    return Footprint(pool=ranks * sum(p.bytes_per_block * p.total_blocks for p in pools),
+                     block_table=4 * pool.max_batch_size * pool.max_blocks_per_seq * devices
+                     * len(pools),
                      staging=ranks * config.max_workers * per_worker,
                      fence_words=8 * config.max_workers * devices)
 

@@ -20,6 +20,11 @@ Order inside one call (all checks come first; from the manager's step on nothing
    one whose results this call brought. A windowed caching pool learns what the settled batch
    wrote before 2 instead (`StepPipeline._mark_settled`), or 2's window release would pass its
    prompt columns before they register.
+
+A grouped pool (`KVCacheGroups`, ``groups``) runs the same order: 2 steps every group (one
+outcome for the request, each group's own table changes), 4 reads each group's slots from its
+own table, 5 commits each group's staging at that group's slots (`ShardedCommitter`, grouped).
+The reply's ``free_blocks`` is the fewest any group has: the group that refuses first.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from kvalloc.allocator import (
     KVCacheEvent,
+    KVCacheGroups,
     KVCacheManager,
     PlanArrays,
     Prompt,
@@ -79,10 +85,13 @@ class StepPipeline:
                  registry: WorkerRegistry,
                  *, max_step_tokens: int,
                  publish: Callable[[list[KVCacheEvent]], None] | None = None,
-                 copy_tier: Callable[[TierCopies, TierCopies], None] | None = None) -> None:
+                 copy_tier: Callable[[TierCopies, TierCopies], None] | None = None,
+                 groups: KVCacheGroups | None = None) -> None:
         """``publish``: where the manager's KV events go after each step; ``copy_tier``: who
-        carries out the host tier's copies (onboards, offloads)."""
+        carries out the host tier's copies (onboards, offloads); ``groups``: a grouped pool's
+        groups, which every step steps (``manager`` is then its first group's)."""
         self.manager = manager
+        self.groups = groups
         self._caching = manager.prefix_caching
         # A windowed row gives back its leading columns in the step that settles its prefill,
         # and a column released before it registered never registers (`prefix_cache`): such a
@@ -123,8 +132,7 @@ class StepPipeline:
         prompts = _prompts(self.manager, worker, call) if self._caching else ()
         if self._written_first:
             self._mark_settled(worker, settled, plan, prompts)
-        outcome = self.manager.step_arrays(plan, prompts)
-        assert outcome is not None  # applied: only a check returns None
+        outcome, num_blocks = self._step(plan, prompts)
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
@@ -137,7 +145,7 @@ class StepPipeline:
             prefill_starts=outcome.prefill_starts,
             new_handles=admitted, admitted_rows=outcome.admitted_rows,
             prompt_tokens=prompt_tokens, prompt_lens=call.prompt_lens, new_starts=cached))
-        committed, slots = self._advance(worker, settled, scheduled, num_decodes, outcome,
+        committed, slots = self._advance(worker, settled, scheduled, num_decodes, num_blocks,
                                          call.step_id)
         self.sync_cache()  # before the fence: the worker's forward reads onboarded blocks
         if worker.fence is not None:
@@ -145,11 +153,37 @@ class StepPipeline:
         return StepResult(
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
             refused=self._refused(outcome, len(scheduled)), committed=committed,
-            free_blocks=self.manager.free_blocks,
+            free_blocks=self.scarcest.free_blocks,
             tables=None if worker.attached else TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
                 outcome.changed_block_ids.astype(np.int64)),
             slot_mapping=None if worker.attached else slots, cached_tokens=cached)
+
+    def _step(self, plan: PlanArrays, prompts: Sequence[Prompt]
+              ) -> tuple[StepOutcome, list[np.ndarray]]:
+        """Apply ``plan`` (every group's step, for a grouped pool): what it did to the
+        requests, and each table's blocks per row."""
+        if self.groups is None:
+            outcome = self.manager.step_arrays(plan, prompts)
+            assert outcome is not None  # applied: only a check returns None
+            return outcome, [outcome.num_blocks]
+        stepped = self.groups.step_arrays(plan)
+        return stepped.outcome, [out.num_blocks for out in stepped.groups.values()]
+
+    @property
+    def scarcest(self) -> KVCacheManager:
+        """The manager whose free blocks the replies report: the pool's, or a grouped pool's
+        group with the fewest (the first such), which refuses first."""
+        if self.groups is None:
+            return self.manager
+        return min(self.groups.managers.values(), key=lambda m: m.free_blocks)
+
+    def _token_slots(self, scheduled: Scheduled) -> np.ndarray:
+        """``[tables, tokens]``: where each scheduled token lives in each table's pool."""
+        runs = (scheduled.rows, scheduled.start_positions, scheduled.num_tokens)
+        if self.groups is None:
+            return self.manager.token_slots(*runs)[np.newaxis]
+        return np.stack(list(self.groups.token_slots(*runs).values()))
 
     def _settle(self, worker: Worker, result_rows: np.ndarray, num_accepted: np.ndarray,
                 revert_rows: np.ndarray, finished_rows: np.ndarray) -> Settlement | Settled | None:
@@ -165,13 +199,14 @@ class StepPipeline:
             step_id=worker.last_step_id)
 
     def _advance(self, worker: Worker, settled: Settlement | Settled | None,
-                 scheduled: Scheduled, num_decodes: int, outcome: StepOutcome,
+                 scheduled: Scheduled, num_decodes: int, num_blocks: list[np.ndarray],
                  step_id: int) -> tuple[wire.CommitSummary, np.ndarray]:
         """Keep the batch this call laid out and retire the one it settled; returns what the
-        service committed and the new batch's slots. An overlap worker writes its own tokens
-        and computes its own slots (the service knows only the host's start of a grant behind
-        an unsettled step): neither is done here, and its slots are none (empty on every
-        transport alike)."""
+        service committed and the new batch's slots (the first table's: a grouped pool's
+        workers attach, and read their slots from each group's table). An overlap worker
+        writes its own tokens and computes its own slots (the service knows only the host's
+        start of a grant behind an unsettled step): neither is done here, and its slots are
+        none (empty on every transport alike)."""
         if worker.overlap:
             assert isinstance(settled, Settled)
             retired = worker.flights.advance(settled, Flight.of(scheduled, num_decodes, step_id))
@@ -180,14 +215,13 @@ class StepPipeline:
             return NOTHING, NO_VALUES
         # Read before the commit, while the table rows the step just wrote are in the cache
         # (the commit streams the staged K/V through it); the commit changes no table cell.
-        slots = self.manager.token_slots(scheduled.rows, scheduled.start_positions,
-                                         scheduled.num_tokens)
+        slots = self._token_slots(scheduled)
         previous, worker.batch = worker.batch, ScheduledBatch(scheduled, num_decodes, slots,
                                                               self._tpb)
         if previous is None:
-            return NOTHING, slots
+            return NOTHING, slots[0]
         assert isinstance(settled, Settlement)
-        return self._write_previous(worker, previous, settled, outcome), slots
+        return self._write_previous(worker, previous, settled, num_blocks), slots[0]
 
     def sync_cache(self) -> None:
         """What the manager's prefix cache changed since the last call: the host tier's copies
@@ -225,9 +259,10 @@ class StepPipeline:
                                     field=name)
 
     def _write_previous(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
-                        outcome: StepOutcome) -> wire.CommitSummary:
+                        num_blocks: list[np.ndarray]) -> wire.CommitSummary:
         dropped = settlement.dropped
-        slots = batch.owned_slots(dropped, outcome.num_blocks)
+        slots = [batch.owned_slots(dropped, blocks, table)
+                 for table, blocks in enumerate(num_blocks)]
         summary = self.committer.write_batch(worker.stagings, worker.writers, batch,
                                              settlement.accepted, dropped, slots)
         if not self._written_first:

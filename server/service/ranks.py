@@ -154,8 +154,6 @@ class RankedService:
     def shared_tensors(self, worker_id: str) -> Any:
         return self._of(worker_id).shared_tensors(worker_id)
 
-    def shared_shards(self, worker_id: str) -> Any:
-        return self._of(worker_id).shared_shards(worker_id)
 
     def get_pool(self, req: wire.PoolQuery) -> wire.PoolState:
         """The ranks' states summed (workers listed together, counters added); the layout and

@@ -16,6 +16,10 @@ Invariants:
   ``1 / N`` of a block's bytes);
 - a shard r > 0 exports its tensors as ``shard<r>-<name>``, which collides neither with shard 0's
   names (``kv``, ``block_table``, ``protected``, ``staging-<worker id>``) nor with another shard's.
+
+A grouped pool (`ServiceConfig.groups`) reuses the parts for its groups (`group_specs`): one
+device, a part per group with the group's pool over its layers, each exported under the names
+`KVCacheGroups` gives its table (group 0's plain, another's ``group-<group>-<tensor>``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvalloc.allocator import KVStorage, PoolConfig, shard_span
+from kvalloc.allocator import (
+    KVStorage,
+    LayerGroup,
+    PoolConfig,
+    group_pools,
+    group_tensor_name,
+    shard_span,
+)
 from kvalloc.allocator.commands.config_errors import reasons
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.errors import ShardingInvalid
@@ -34,17 +45,22 @@ from pydantic import ValidationError
 
 @dataclass(frozen=True)
 class ShardSpec:
+    """A part of the pool with its own KV tensor and staging: a tensor-parallel shard, or a
+    group of a grouped pool (``group``; see `group_specs`)."""
+
     index: int
-    pool: PoolConfig  # this shard's pool: its device, its heads
+    pool: PoolConfig  # this part's pool: its device, its heads, a group's layers and blocks
     heads: tuple[int, int]  # the model's KV heads it holds: [start, stop)
+    group: LayerGroup | None = None  # the group it holds, in a grouped pool
+    prefix: str = ""  # of its exported names: none for the first part
 
     @property
     def device(self) -> torch.device:
         return torch.device(self.pool.device)
 
     def name(self, name: str) -> str:
-        """The exported name of this shard's tensor ``name``."""
-        return name if self.index == 0 else f"shard{self.index}-{name}"
+        """The exported name of this part's tensor ``name``."""
+        return self.prefix + name
 
 
 def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
@@ -73,8 +89,19 @@ def shard_specs(config: ServiceConfig) -> list[ShardSpec]:
         raise ShardingInvalid(f"devices: the first device {devices[0]!r} is not the pool's "
                               f"device {pool.device!r}")
     return [ShardSpec(r, _shard_pool(pool, device, pool.num_kv_heads // tp),
-                      shard_span(pool.num_kv_heads, r, tp))
+                      shard_span(pool.num_kv_heads, r, tp), prefix=f"shard{r}-" if r else "")
             for r, device in enumerate(devices)]
+
+
+def group_specs(config: ServiceConfig) -> list[ShardSpec]:
+    """A grouped pool's parts (`ServiceConfig.groups`), one per group on the pool's one device
+    (grouped and tensor-parallel is refused by the configuration), each named as the allocator
+    places its table (`group_tensor_name`), so its ``kv`` and staging sit beside it."""
+    pools = group_pools(config.pool, config.groups)
+    heads = (0, config.pool.num_kv_heads)
+    return [ShardSpec(i, spec.config, heads, group,
+                      group_tensor_name(pools, spec.name, ""))
+            for i, (spec, group) in enumerate(zip(pools, config.groups, strict=True))]
 
 
 def same_device(a: str, b: str) -> bool:

@@ -3,16 +3,20 @@
 Every tensor a worker maps is made here, exported where same-host workers can map it (shared
 memory on CPU, CUDA IPC on GPU): each shard's KV pool (`server.service.shards`), its copy of the
 block table and its protection of cached blocks; per worker, a staging buffer and (CUDA) a step
-fence on every shard. It holds the committers that write the staging into the pools, and closes
-the exporter, which unlinks everything, when the service closes. `ServiceCore` decides who is
-registered; this decides what a registration maps.
+fence on every shard. A grouped pool (`ServiceConfig.groups`) is one device whose parts are its
+groups (`shards.group_specs`): each group's KV pool over its layers, its own block table (the
+`KVCacheGroups` placement's), its committer, and per worker a staging buffer per group; the
+step fence and the fence word are one per worker, for every group. It holds the committers
+that write the staging into the pools, and closes the exporter, which unlinks everything, when
+the service closes. `ServiceCore` decides who is registered; this decides what a registration
+maps.
 
 Invariants:
 - a worker's staging buffers are exported from its registration until its session ends, under
   names made of its id (a successor of the same id reuses them only after the release);
-- a worker's step fences outlive its session (see `_fence`); its fence words (one per shard,
-  the same slot in each shard's `FenceWords`) are open exactly while its session is, and are
-  closed (`end_writes`) before its blocks are freed;
+- a worker's step fences outlive its session (see `_fence`); its fence words (one per device:
+  per shard, one for every group; the same slot in each `FenceWords`) are open exactly while
+  its session is, and are closed (`end_writes`) before its blocks are freed;
 - only a worker that does not commit its own tokens has its staging committed by the service;
 - what workers map read-only (the block table's copies, the protection of cached blocks, the
   fence words) is a copy of the service's host state, never the only one: `repair` compares
@@ -30,7 +34,9 @@ import numpy as np
 import torch
 from kvalloc.allocator import (
     CLOSED,
+    BlockTable,
     FenceWords,
+    KVCacheGroups,
     KVCacheManager,
     KVStorage,
     TensorAllocator,
@@ -43,7 +49,7 @@ from kvalloc.server.contract.sharing import FenceGroup, StepFence, TensorExporte
 from kvalloc.server.service.commit import Committer, ShardedCommitter
 from kvalloc.server.service.registry import Worker
 from kvalloc.server.service.settings import ServiceConfig
-from kvalloc.server.service.shards import PoolShard, ShardSpec, shard_specs
+from kvalloc.server.service.shards import PoolShard, ShardSpec, group_specs, shard_specs
 from kvalloc.server.service.tier_store import TierStore
 
 log = logging.getLogger("kvalloc.service")
@@ -55,6 +61,19 @@ SharedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None
 # The same of one shard of a tensor-parallel pool, with the model's KV heads it holds.
 ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None, torch.Tensor,
                      torch.Tensor | None, tuple[int, int]]
+# One group of a grouped pool: its pool, its block table and the worker's staging of it, its
+# model layers and window (the fences and the protection are the pool's: `SharedTensors`).
+GroupTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], int | None]
+
+
+class InProcessShare(NamedTuple):
+    """What an in-process worker uses instead of mapping the handles: part 0's tensors and its
+    own (``pool``), and each shard's of a tensor-parallel pool or each group's of a grouped
+    pool, in order (empty otherwise)."""
+
+    pool: SharedTensors
+    shards: list[ShardTensors]
+    groups: list[GroupTensors]
 
 
 # What `SharedPool.repair` compares and rewrites, as it names them.
@@ -63,8 +82,8 @@ SHARED_STATE = ("block_table", "protected", "fence_words")
 
 class WorkerShare(NamedTuple):
     """What a registration maps and what the service keeps of it: the worker's staging buffers
-    and fence words' views (one per shard), its attachment, its step fence, and the slot its
-    words hold."""
+    and fence words' views (one per part: a shard, or a group, whose views are one), its
+    attachment, its step fence, and the slot its words hold."""
 
     stagings: list[torch.Tensor]
     writers: list[WriterFence]
@@ -92,43 +111,58 @@ class ExportedTensors:
 
 class SharedPool:
     def __init__(self, config: ServiceConfig, epoch: int,
-                 manager: Callable[[TensorAllocator], KVCacheManager]) -> None:
-        """``manager`` makes the host-side manager on the placement it is given: its block table
-        is exported with the pool, and every other shard's table copy mirrors it."""
+                 manager: Callable[[TensorAllocator], KVCacheManager | KVCacheGroups]) -> None:
+        """``manager`` makes the host-side manager on the placement it is given (a
+        `KVCacheGroups` for a grouped pool): its block tables are exported with the pool, and
+        every other shard's table copy mirrors the one table.
+
+        ``shards`` are the pool's parts, each with its own KV pool, table copy and committer: a
+        tensor-parallel pool's shards, or a grouped pool's groups (``spec.group`` set)."""
         self.config = config
-        specs = shard_specs(config)  # before anything is made: what does not fit is refused
+        # Before anything is made: what does not fit is refused.
+        specs = group_specs(config) if config.groups else shard_specs(config)
+        # A grouped pool's groups share one device: one fence word and step fence per worker.
+        self._devices = specs[:1] if config.groups else specs
         self._exporter = TensorExporter(prefix=f"kvalloc-{epoch:016x}")
         placement = ExportedTensors(self._exporter)
         pool = config.pool
         self.staging_dtype = (torch.bfloat16 if pool.dtype == "fp8_e4m3" else pool.torch_dtype)
         try:  # a segment that cannot be backed (`InsufficientMemory`) leaves none of the others
             self.storage = KVStorage(specs[0].pool, allocate=placement)
-            self.manager = manager(placement)
-            self._block_table = placement.tensors["block_table"]
+            made = manager(placement)
+            self.groups = made if isinstance(made, KVCacheGroups) else None
+            # What a grouped pool reports one manager's figures of (`get_request`, /metrics).
+            self.manager = made.managers[made.specs[0].name] if isinstance(
+                made, KVCacheGroups) else made
             self.shards = [self._shard(spec, placement) for spec in specs]
             self.words = [FenceWords(config.max_workers, spec.device, placement,
-                                     spec.name("fence_words")) for spec in specs]
+                                     spec.name("fence_words")) for spec in self._devices]
         except BaseException:
             self._exporter.close()
             raise
-        self._word_handles = [placement.handles[spec.name("fence_words")] for spec in specs]
+        self._word_handles = [placement.handles[spec.name("fence_words")]
+                              for spec in self._devices]
         slots = config.host_tier_blocks
         self.tier_stores = [_tier_store(shard, slots) for shard in self.shards] if slots else []
         self.committer = self.shards[0].committer
-        self.commits = ShardedCommitter([shard.committer for shard in self.shards])
+        self.commits = ShardedCommitter([shard.committer for shard in self.shards],
+                                        grouped=self.groups is not None)
         self._fences: dict[tuple[str, int], tuple[StepFence, wire.EventHandle,
                                                   wire.EventHandle]] = {}
 
     def _shard(self, spec: ShardSpec, placement: ExportedTensors) -> PoolShard:
-        """Shard ``spec``'s pool, table copy, protection and committer (shard 0's pool and table
-        are the ones `__init__` made)."""
+        """Part ``spec``'s pool, table copy, protection and committer (part 0's pool, and each
+        group's table, are the ones `__init__` made)."""
         if spec.index == 0:
-            storage, table = self.storage, self._block_table
+            storage = self.storage
         else:
             def named(name: str, *args: Any) -> torch.Tensor:
                 return placement(spec.name(name), *args)
             with on_device(spec.device):
                 storage = KVStorage(spec.pool, allocate=named)
+        if spec.index == 0 or spec.group is not None:
+            table = placement.tensors[spec.name("block_table")]
+        else:
             table = self.manager.table.mirror(spec.device, placement, spec.name("block_table"))
         protected, protected_handle = None, None
         if self.config.prefix_caching:  # shared: overlap workers' own commits read it too
@@ -142,59 +176,66 @@ class SharedPool:
                          placement.handles[spec.name("block_table")], protected_handle)
 
     def attach(self, worker_id: str, session: int, *, overlap: bool) -> WorkerShare:
-        """``worker_id``'s staging buffers (one per shard), its fence words opened for
+        """``worker_id``'s staging buffers (one per part), its fence words opened for
         ``session``, what it maps, and its step fence. An overlap worker commits its own
         staging, so the service's commit never reads it."""
         slots = [words.open(session) for words in self.words]
         assert len(set(slots)) == 1, "every shard's table of words moves in lockstep"
-        stagings, shards, fences = [], [], []
+        stagings, parts, fences = [], [], []
         try:  # a staging buffer that cannot be backed (`InsufficientMemory`) leaves nothing
             for shard in self.shards:
-                staging, attachment, fence = self._attach_shard(shard, worker_id, slots[0])
+                staging, handles, fence = self._attach_shard(shard, worker_id, slots[0])
                 stagings.append(staging)
-                shards.append(attachment)
-                fences += [fence] if fence is not None else []
+                parts.append(handles)
+                fences += [fence] if fence is not None and fence not in fences else []
         except BaseException:
             for words in self.words:
                 words.close(slots[0])
             self._release_stagings(worker_id)
             raise
-        writers = [words.fence(slots[0]) for words in self.words]
+        own = [words.fence(slots[0]) for words in self.words]
+        writers = [own[self._device_of(shard.spec)] for shard in self.shards]
         if not overlap:
             self.commits.add_staging(stagings, writers)
-        first = shards[0]
-        attachment = wire.Attachment(kv=first.kv, block_table=first.block_table,
-                                     staging=first.staging, forward_done=first.forward_done,
-                                     commit_done=first.commit_done, protected=first.protected,
-                                     writer_fence=first.writer_fence,
-                                     shards=shards if len(shards) > 1 else [])
+        # A group's fences are the pool's (the top-level fields); a shard's are its own.
+        groups = [wire.GroupAttachment(
+            kv=p["kv"], block_table=p["block_table"], staging=p["staging"],
+            name=s.spec.group.name, layers=list(s.spec.group.layers), window=s.spec.group.window)
+            for p, s in zip(parts, self.shards, strict=True) if s.spec.group is not None]
+        shards = [] if groups or len(parts) == 1 else [wire.ShardAttachment(
+            **p, device=s.spec.pool.device, head_start=s.spec.heads[0],
+            head_stop=s.spec.heads[1]) for p, s in zip(parts, self.shards, strict=True)]
+        attachment = wire.Attachment(**parts[0], shards=shards, groups=groups)
         return WorkerShare(stagings, writers, attachment, _one_fence(fences), slots[0])
 
     def _attach_shard(self, shard: PoolShard, worker_id: str, fence_slot: int) -> tuple[
-            torch.Tensor, wire.ShardAttachment, StepFence | None]:
-        """``worker_id``'s staging buffer and fence on ``shard``, and the shard's attachment
-        (with the view of its fence word, ``fence_slot``)."""
+            torch.Tensor, dict[str, Any], StepFence | None]:
+        """``worker_id``'s staging buffer and fence on part ``shard``, and the part's handles
+        (`wire.PoolHandles`' fields, with the view of its fence word, ``fence_slot``)."""
         pool, spec = shard.spec.pool, shard.spec
         shape = (pool.num_layers, pool.kv_planes, self.config.max_step_tokens, pool.num_kv_heads,
                  pool.head_dim)
         staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
                                                self.staging_dtype, spec.device)
         fence, fwd, com = self._fence(worker_id, spec)
-        return staging, wire.ShardAttachment(
-            device=pool.device, head_start=spec.heads[0], head_stop=spec.heads[1],
-            kv=shard.kv_handle, block_table=shard.table_handle, staging=handle,
-            forward_done=fwd, commit_done=com, protected=shard.protected_handle,
-            writer_fence=_element(self._word_handles[spec.index], fence_slot)), fence
+        return staging, {
+            "kv": shard.kv_handle, "block_table": shard.table_handle, "staging": handle,
+            "forward_done": fwd, "commit_done": com, "protected": shard.protected_handle,
+            "writer_fence": _element(self._word_handles[self._device_of(spec)], fence_slot)}, fence
+
+    def _device_of(self, spec: ShardSpec) -> int:
+        """The index of part ``spec``'s device: its fence words' and step fence's."""
+        return 0 if spec.group is not None else spec.index
 
     def _fence(self, worker_id: str, spec: ShardSpec) -> tuple[
             StepFence | None, wire.EventHandle | None, wire.EventHandle | None]:
-        """The worker id's interprocess events on shard ``spec``'s device (CUDA pools only), made
+        """The worker id's interprocess events on part ``spec``'s device (CUDA pools only), made
         once and kept until the service closes: using an imported event after its exporter
         destroyed it is undefined, and a worker whose lease expired may still record its event
         once before it learns so."""
         if spec.device.type != "cuda":
             return None, None, None
-        key = (worker_id, spec.index)
+        key = (worker_id, self._device_of(spec))
         if key not in self._fences:
             self._fences[key] = StepFence.create(spec.device)
         return self._fences[key]
@@ -214,14 +255,15 @@ class SharedPool:
 
     def repair(self, open_words: dict[int, int]) -> dict[str, int]:
         """Put back what another process wrote into the state workers map read-only: every
-        shard's copy of the block table from the manager's host table, every shard's protection
+        shard's copy of the block table from the manager's host table (each group's table from
+        its group's), every shard's protection
         of cached blocks from the prefix cache's flags, every shard's fence words from
         ``open_words`` (slot -> the session open in it; every other word closed). Any process of
         the service's user can open those segments read-write; the host state is out of its
         reach. Returns the entries that differed and were rewritten, by what (`SHARED_STATE`).
         The caller has drained the cache's protection flips (`StepPipeline.sync_cache`)."""
-        table = self.manager.table
-        repaired = {"block_table": sum(_rewrite(copy, table.host) for copy in table.device_tables)}
+        repaired = {"block_table": sum(_rewrite(copy, table.host) for table in self.tables
+                                       for copy in table.device_tables)}
         cache = self.manager.cache
         repaired["protected"] = 0 if cache is None else sum(
             _rewrite(shard.committer.protected, cache.protected) for shard in self.shards
@@ -234,14 +276,22 @@ class SharedPool:
                         "own: %s entries rewritten", repaired)
         return repaired
 
+    @property
+    def tables(self) -> list[BlockTable]:
+        """The block tables: the manager's, or each group's in group order."""
+        if self.groups is None:
+            return [self.manager.table]
+        return list(self.groups.tables.values())
+
     def check_invariants(self) -> None:
-        """The committers' state, and every shard's fence words (read back)."""
+        """The committers' state (each shard's or group's), and every device's fence words
+        (read back)."""
         self.commits.check_invariants()
         for words in self.words:
             words.check_invariants()
 
     def release(self, worker: Worker) -> None:
-        """``worker``'s staging buffers, on every shard: no longer committed, no longer
+        """``worker``'s staging buffers, on every part: no longer committed, no longer
         exported."""
         self.commits.release_staging(worker.stagings)
         self._release_stagings(worker.worker_id)
@@ -250,15 +300,25 @@ class SharedPool:
         for shard in self.shards:
             self._exporter.release(shard.spec.name(f"staging-{worker_id}"))
 
-    def shared_tensors(self, worker: Worker) -> SharedTensors:
-        """Shard 0's tensors and ``worker``'s, as this process holds them."""
-        return (self.storage.kv, self._block_table, worker.stagings[0], worker.fence,
-                worker.writers[0].word, self.committer.protected)
+    def shared_tensors(self, worker: Worker) -> InProcessShare:
+        """Part 0's tensors (shard 0's, group 0's) and ``worker``'s, and every shard's or
+        group's, as this process holds them."""
+        return InProcessShare((self.storage.kv, self.shards[0].table, worker.stagings[0],
+                               worker.fence, worker.writers[0].word, self.committer.protected),
+                              self._shared_shards(worker), self._shared_groups(worker))
 
-    def shared_shards(self, worker: Worker) -> list[ShardTensors]:
-        """`shared_tensors` of every shard of a tensor-parallel pool, in shard order, each with
+    def _shared_groups(self, worker: Worker) -> list[GroupTensors]:
+        """Each group's tensors and ``worker``'s staging of it, in group order, with the group's
+        model layers and window; empty for a pool that is not grouped."""
+        return [(shard.storage.kv, shard.table, staging, shard.spec.group.layers,
+                 shard.spec.group.window)
+                for shard, staging in zip(self.shards, worker.stagings, strict=True)
+                if shard.spec.group is not None]
+
+    def _shared_shards(self, worker: Worker) -> list[ShardTensors]:
+        """Part 0's tensors of every shard of a tensor-parallel pool, in shard order, each with
         the KV heads it holds; empty for a pool of one shard."""
-        if len(self.shards) == 1:
+        if len(self.shards) == 1 or self.groups is not None:
             return []
         fences = worker.fence.fences if isinstance(worker.fence, FenceGroup) else None
         return [(shard.storage.kv, shard.table, staging,

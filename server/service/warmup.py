@@ -38,7 +38,8 @@ def warm_up(config: ServiceConfig) -> float:
     began = time.perf_counter()
     core = ServiceCore(_small(config))
     try:
-        for life, attached in enumerate((True, False)):  # the second's replies carry tables
+        # The second's replies carry tables; a grouped pool's workers all attach.
+        for life, attached in enumerate((True,) if config.groups else (True, False)):
             _life(core, life, attached)
     finally:
         core.close()
@@ -54,7 +55,9 @@ def _small(config: ServiceConfig) -> ServiceConfig:
     rows = type(pool).model_construct(**shape).max_blocks_per_seq  # (num_blocks not read)
     small = type(pool).model_validate({**shape, "num_blocks": _ROWS * rows})
     return config.model_copy(update={
-        "pool": small, "max_step_tokens": max(sum(_PROMPTS), _ROWS * (1 + small.max_draft_len)),
+        "pool": small, "groups": [g.model_copy(update={"num_blocks": small.num_blocks})
+                                  for g in config.groups],
+        "max_step_tokens": max(sum(_PROMPTS), _ROWS * (1 + small.max_draft_len)),
         "max_workers": 2, "token": None, "lease_ttl_s": _ENDLESS_LEASE_S,
         "kv_events": WARM_UP_EVENTS if config.kv_events is not None else None,
         "kv_events_replay": None})

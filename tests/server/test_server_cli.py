@@ -140,3 +140,39 @@ svc = ServiceProcess(Path({tmp!r}), "--device", "cpu", "--num-blocks", "300").st
 print(svc.proc.pid, flush=True)
 time.sleep(600)
 """
+
+
+def test_layer_groups_are_a_repeatable_flag() -> None:
+    config = serve._config(parse("--device", "cpu", "--num-layers", "12",
+                                 "--layer-group", "full:0-3,8,10-11:300",
+                                 "--layer-group", "sliding:4-7,9:80:1024"))
+    assert [(g.name, g.layers, g.num_blocks, g.window) for g in config.groups] == [
+        ("full", (0, 1, 2, 3, 8, 10, 11), 300, None), ("sliding", (4, 5, 6, 7, 9), 80, 1024)]
+    assert serve._config(parse("--device", "cpu")).groups == []
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("full:0-3", "is not NAME:LAYERS:BLOCKS[:WINDOW]"),
+    ("full:0-3:64:8:9", "is not NAME:LAYERS:BLOCKS[:WINDOW]"),
+    ("full:3-0:64", "layers: '3-0' runs backwards"),
+    ("full:0,x:64", "'x' is not a whole number"),
+    ("full:0-3:-5", "'-5' is not a whole number"),
+    ("full:0-3:0", "num_blocks: Input should be greater than 0"),
+    ("full:0-3:64:0", "window: Input should be greater than 0"),
+    ("bad-name:0-3:64", "name: String should match pattern"),
+])
+def test_a_bad_layer_group_is_an_error_naming_the_flag(value: str, says: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse("--layer-group", value)
+    err = capsys.readouterr().err
+    assert f"argument --layer-group: '{value}'" in err and says in err
+
+
+def test_groups_that_do_not_partition_the_layers_exit_2_naming_the_flag(
+        capsys: pytest.CaptureFixture) -> None:
+    args = parse("--device", "cpu", "--num-layers", "4", "--layer-group", "full:0-2:64",
+                 "--log-level", "error")
+    assert serve.run(args) == 2
+    assert ("--layer-group: groups: the groups' layers [0, 1, 2] do not partition the pool's 4 "
+            "layers") in capsys.readouterr().err

@@ -41,7 +41,8 @@ def committed_slots(reply: StepResult, slots: np.ndarray, tag: int,
                     ) -> dict[int, tuple[int, int]]:
     """slot -> (tag, token index) for the tokens of ``reply``'s step that the next call commits:
     every non-draft token and the first ``accepted[handle]`` drafts, none of a ``dropped``
-    request (reverted or finished). ``slots`` is the step's slot mapping."""
+    request (reverted or finished). ``slots`` is the step's slot mapping (-1: a token no slot
+    holds, behind a windowed group's window)."""
     out: dict[int, tuple[int, int]] = {}
     s = reply.scheduled
     for handle, offset, n, drafts in zip(s.handles.tolist(), s.token_offsets.tolist(),
@@ -51,7 +52,8 @@ def committed_slots(reply: StepResult, slots: np.ndarray, tag: int,
             continue
         keep = n - drafts + accepted.get(handle, 0)
         for i in range(offset, offset + keep):
-            out[int(slots[i])] = (tag, i)
+            if slots[i] >= 0:
+                out[int(slots[i])] = (tag, i)
     return out
 
 
@@ -122,23 +124,25 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
     Each forward stages `stage_pattern` (after ``slow_forward``, e.g. a long device sleep that
     proves the service waits for the forward). The pool is poisoned first; afterwards it must hold
     step 1's tokens, a's token and first draft, b's token and drafts, and poison everywhere else.
-    A tensor-parallel pool's forward stages every shard, and every shard must hold that.
+    A tensor-parallel pool's forward stages every shard, and every shard must hold that; a
+    grouped pool's stages every group, and each group's pool must hold that at the slots of its
+    own block table.
     """
     pool = client.pool
     assert pool is not None, "register() with attach first"
-    shards = pool.shards or [pool]
-    for shard in shards:
-        shard.kv.fill_(poison)
+    parts = pool.shards or pool.groups or [pool]
+    for part in parts:
+        part.kv.fill_(poison)
 
-    def forward(reply: StepResult, tag: int) -> np.ndarray:
-        """Stage the step's pattern; returns its slots, read from the attached block table as
-        the worker's forward would (read first: copying them to the host waits for the device,
-        which must not also wait for the slow forward)."""
-        slots = pool.slot_mapping(reply).cpu().numpy()
+    def forward(reply: StepResult, tag: int) -> list[np.ndarray]:
+        """Stage the step's pattern; returns its slots in each part's table, read from the
+        attached block tables as the worker's forward would (read first: copying them to the
+        host waits for the device, which must not also wait for the slow forward)."""
+        slots = [part.slot_mapping(reply).cpu().numpy() for part in parts]
         if slow_forward is not None:
             slow_forward()
-        for shard in shards:
-            stage_pattern(shard.staging, reply.scheduled.total_tokens, tag)
+        for part in parts:
+            stage_pattern(part.staging, reply.scheduled.total_tokens, tag)
         return slots
 
     first = client.step(new=(["a", "b", "c", "d"], [6, 3, 9, 4], [0, 0, 5, 0]))
@@ -149,8 +153,10 @@ def nwor_scenario(client: Client, slow_forward: Callable[[], None] | None = None
     accepted = {a: 1, b: 2}
     third = client.step(results=(list(accepted), list(accepted.values())), reverts=[d],
                         finished=[c])
-    expected = (committed_slots(first, first_slots, 1, {})
-                | committed_slots(second, second_slots, 2, accepted, {c, d}))
-    mismatches = [f"shard {r}: {m}" if pool.shards else m for r, shard in enumerate(shards)
-                  for m in pool_mismatches(shard.kv, expected, poison)]
+    label = "shard" if pool.shards else "group"
+    mismatches = [f"{label} {r}: {m}" if len(parts) > 1 else m
+                  for r, part in enumerate(parts)
+                  for m in pool_mismatches(part.kv, committed_slots(first, first_slots[r], 1, {})
+                                           | committed_slots(second, second_slots[r], 2,
+                                                             accepted, {c, d}), poison)]
     return NworOutcome(mismatches, third.committed)

@@ -9,10 +9,14 @@ every group (`allocator.capacity.windows.groups`).
 
 from __future__ import annotations
 
-from kvalloc.allocator.capacity.windows.groups import GroupSpec
+from typing import TYPE_CHECKING
+
 from kvalloc.allocator.config import PoolConfig
 from kvalloc.allocator.errors import InvalidValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if TYPE_CHECKING:
+    from kvalloc.allocator.capacity.windows.groups import GroupSpec
 
 
 class LayerGroup(BaseModel):
@@ -35,6 +39,10 @@ def group_pools(pool: PoolConfig, groups: list[LayerGroup]) -> list[GroupSpec]:
     the group's window and blocks. `InvalidValue` naming ``groups`` where the groups do not
     partition ``pool``'s layers, a name repeats, ``pool`` sets a window of its own, or a group's
     pool cannot be (a row longer than its blocks: the message names the pool's field)."""
+    # Imported here: `KVCacheGroups`' module imports torch, and a service's settings (read by
+    # commands' --help) validate groups with this module alone.
+    from kvalloc.allocator.capacity.windows.groups import GroupSpec
+
     _check_partition(pool, groups)
     specs = []
     for group in groups:

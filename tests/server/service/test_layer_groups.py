@@ -1,13 +1,12 @@
 """`ServiceConfig.groups`: KV cache groups whose layers partition the pool's, each pool derived
-from the service's; bad group specs are errors naming the field; the service refuses groups."""
+from the service's; bad group specs are errors naming the field; what groups do not serve
+is refused."""
 
 from __future__ import annotations
 
 import pytest
 from kvalloc.allocator import KVCacheGroups, LayerGroup, PoolConfig, group_pools
 from kvalloc.allocator.errors import InvalidValue
-from kvalloc.server.contract.errors import GroupsNotServed
-from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
 from pydantic import ValidationError
 
@@ -68,8 +67,3 @@ def test_a_bad_group_field_is_named(group_fields: dict, field: str) -> None:
 def test_what_groups_do_not_serve_is_refused(changes: dict, field: str) -> None:
     with pytest.raises(ValidationError, match=field):
         ServiceConfig(**{"pool": POOL, "groups": MIXED, **changes})
-
-
-def test_the_service_refuses_groups_before_making_anything() -> None:
-    with pytest.raises(GroupsNotServed, match="groups"):
-        ServiceCore(ServiceConfig(pool=POOL, groups=MIXED))
