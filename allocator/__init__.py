@@ -25,7 +25,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "capacity.slots": ("padded_slot_mapping", "slot_mapping"),
     "capacity.step.plan": (
         "ADMITTED", "REFUSED_BATCH_FULL", "REFUSED_ONBOARDING", "REFUSED_OUT_OF_BLOCKS",
-        "RequestView", "StepOutcome",
+        "PlanArrays", "RequestView", "StepOutcome",
         "StepPlan", "checked_plan", "compiled_type"),
     "capacity.table_validator": ("TableValidator",),
     "capacity.windows.groups": ("GroupSpec", "GroupsOutcome", "KVCacheGroups"),

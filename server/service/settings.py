@@ -149,12 +149,12 @@ class ServiceConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _window_keeps_no_cache(self) -> ServiceConfig:
-        # The allocator's windowed group keeps no prefix cache (`KVCacheManager`), so neither a
-        # host tier nor KV events, which need one, can serve a windowed pool either.
-        if self.pool.window is not None and self.prefix_caching:
-            raise ValueError("prefix_caching: a windowed pool (pool.window) keeps no prefix "
-                             "cache")
+    def _window_keeps_no_tier(self) -> ServiceConfig:
+        # A windowed group's cache hits need only a window's blocks, but the host tier looks a
+        # prompt up from its first block (`allocator.capacity.host_tier`), so it refuses one.
+        if self.pool.window is not None and self.host_tier_bytes:
+            raise ValueError("host_tier_bytes: a windowed pool (pool.window) keeps no host "
+                             "tier")
         return self
 
     @model_validator(mode="after")

@@ -134,8 +134,9 @@ def test_a_second_run_reuses_the_prefixes_the_first_run_cached(
     with ServiceProcess(tmp_path, *SERVICE_POOL, "--prefix-caching") as service:
         runs = []
         for _ in range(2):
+            # No oracle drafter (nor the overlap that needs one): it runs the prompts first.
             assert main(worker_args(config, prompts, "--address", service.stream,
-                                    "--draft-len", "2")) == 0
+                                    "--validate", "--draft-len", "2")) == 0
             runs.append(json.loads(capsys.readouterr().out))
         first, second = runs
         assert first["cached_prompt_tokens"] == 0 and second["cached_prompt_tokens"] > 0
@@ -215,6 +216,30 @@ def test_a_worker_process_against_a_windowed_service(tmp_path: Path, family: str
     assert state.layout.window == 16 and state.num_requests == 0 and state.used_blocks == 0
     layout = "latent" if family == WINDOWED_LATENT else "kv"
     assert f"({layout} layout, window 16, at most 8 blocks a request)" in service.log()
+
+
+@pytest.mark.parametrize("family", ["mistral", WINDOWED_LATENT])
+def test_a_second_run_hits_the_prefixes_a_windowed_service_parked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
+    """`kvalloc serve --window 16 --prefix-caching`: the first run's prompt blocks stay cached
+    (parked) after its requests end, and the second run's longer prompts hit them, needing
+    only the blocks of their windows; both runs give generate's tokens."""
+    oracle = make_oracle(family)
+    config, prompts = write_inputs(oracle, tmp_path)
+    with ServiceProcess(tmp_path, *windowed_pool(oracle), "--prefix-caching") as service:
+        runs = []
+        for _ in range(2):
+            # No oracle drafter (nor the overlap that needs one): it runs the prompts first.
+            assert main(worker_args(config, prompts, "--address", service.stream,
+                                    "--validate", "--draft-len", "2")) == 0
+            runs.append(json.loads(capsys.readouterr().out))
+        with Client(service.stream, worker_id="observer") as client:
+            state = client.get_pool(verify=True)
+    first, second = runs
+    assert first["cached_prompt_tokens"] == 0 and second["cached_prompt_tokens"] > 16
+    assert second["table_violations"] == 0
+    assert outputs(json.dumps(first)) == outputs(json.dumps(second)) == oracle.expected
+    assert state.num_requests == 0 and state.invariants == "ok"
 
 
 @pytest.mark.parametrize(("policy", "violations"), [("reclaim", False), ("none", True)])

@@ -120,28 +120,36 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
 
 
 @pytest.mark.parametrize("family", ["mistral", "deepseek_v3_window"])
-@pytest.mark.parametrize(("overlap", "cuda_graphs"), [(False, False), (True, False),
-                                                      (True, True)],
-                         ids=["sync", "overlap", "overlap-graphs"])
+@pytest.mark.parametrize(("overlap", "cuda_graphs", "prefix_caching"), [
+    (False, False, False), (True, False, False), (True, True, False), (False, False, True),
+    (True, False, True)],
+    ids=["sync", "overlap", "overlap-graphs", "sync-prefix-caching", "overlap-prefix-caching"])
 def test_float32_on_a_windowed_cuda_pool_equals_generate(cuda_device: str, family: str,
-                                                         overlap: bool, cuda_graphs: bool) -> None:
+                                                         overlap: bool, cuda_graphs: bool,
+                                                         prefix_caching: bool) -> None:
     """A pool that gives back the blocks behind the window of 32 (poisoned with NaN first):
     Mistral, and the DeepSeek-V3 shape with a window (transformers' sdpa given the window in
-    its mask is its reference), through the GQA and the latent kernels."""
+    its mask is its reference), through the GQA and the latent kernels. With prefix caching
+    the prompts share a 64-token prefix, twice the window: later ones hit it with their first
+    columns released, reading only the cached blocks of their window."""
     config = FAMILIES["mistral"] if family == "mistral" else DEEPSEEK_WINDOWED
     model = random_model(config, seed=0, device=cuda_device)
     reference = random_model(config, seed=0, device=cuda_device)
     AttentionInterface.register(WINDOWED_SDPA, windowed_sdpa)
     reference.set_attn_implementation("sdpa" if family == "mistral" else WINDOWED_SDPA)
     rng = np.random.default_rng(0)
-    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
+    shared = rng.integers(0, 96, 64).tolist() if prefix_caching else []
+    prompts = [NamedPrompt(str(i), shared + rng.integers(0, 96, n).tolist())
                for i, n in enumerate((1, 5, 17, 40, 130, 236))]
     expected = _generated(reference, prompts, 16)
+    # Two rows with prefix caching: later prompts are admitted once earlier ones finished.
     outputs, engine = _run(model, prompts, 16, _drafter(expected, overlap), 3, longest=316,
-                           batch=8, dtype="float32", overlap=overlap, cuda_graphs=cuda_graphs,
-                           window=32)
+                           batch=2 if prefix_caching else 8, dtype="float32", overlap=overlap,
+                           prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, window=32)
     assert outputs == expected
-    assert engine.stats.table_violations == 0 and engine.stats.accepted_drafts > 0
+    stats = engine.stats
+    assert stats.table_violations == 0 and stats.accepted_drafts > 0
+    assert (stats.cached_prompt_tokens > 0) == prefix_caching
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

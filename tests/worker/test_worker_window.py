@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import cache
 
 import pytest
 import torch
@@ -37,13 +38,15 @@ FAMILIES = ["mistral", "deepseek_v3_window"]
 class GiveBacks:
     """Wraps ``client.step``: after each reply every block no row holds is NaN in the pool and
     in ``shadow`` (the test's copy of what the pool must hold), and the most blocks a decoding
-    row holds is recorded (rows decode once two calls in a row schedule no prefill).
+    row holds is recorded (rows decode once two calls in a row schedule no prefill). With a
+    prefix cache, the blocks it keeps (parked or not) are spared.
     ``committed(call)``, when given, puts what the call committed into the shadow first: a
     call may commit a prefill chunk and give back its first blocks at once."""
 
     def __init__(self, client: Client, shadow: torch.Tensor,
                  committed: Callable[[dict], None] | None = None) -> None:
         self.pool, self.table = client.pool.kv, client.pool.block_table
+        self.cached = client.pool.protected  # the blocks a prefix cache keeps
         layers, planes, blocks, per_block, heads, dim = self.pool.shape
         self.shadow = shadow.view(layers, planes, blocks, per_block, heads, dim)
         self.most_decoding, self.released, self.poisoned = 0, 0, 0
@@ -62,6 +65,8 @@ class GiveBacks:
     def after(self, prefilling: bool) -> None:
         held = torch.zeros(self.pool.shape[2], dtype=torch.bool)
         held[self.table[self.table >= 0].long()] = True
+        if self.cached is not None:  # a parked cached block may be hit again
+            held |= self.cached
         free = torch.nonzero(~held)[:, 0]
         self.pool[:, :, free] = float("nan")
         self.shadow[:, :, free] = float("nan")
@@ -185,3 +190,49 @@ def test_a_model_of_full_and_sliding_layers_is_exact_on_a_full_pool(
     assert list(oracle.expected.values()) != list(full.expected.values())
     _, outputs, _ = run_worker(oracle, connect, make_drafter(oracle, 0.5), 3)
     assert outputs == oracle.expected
+
+
+@cache
+def shared_prefixes(family: str) -> tuple[list[NamedPrompt], dict[str, list[int]]]:
+    """Four prompts of 40 tokens sharing their first 32 (past the window of 16, so a hit's
+    first four columns start released), and generate's tokens for them."""
+    oracle = make_oracle(family)
+    base = oracle.prompts[-1].token_ids
+    prompts = [NamedPrompt(f"p{i}", base[:32] + base[40 + 2 * i : 48 + 2 * i])
+               for i in range(4)]
+    expected = {}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p.token_ids])
+            out = oracle.reference.generate(ids, attention_mask=torch.ones_like(ids),
+                                            do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+            expected[p.req_id] = out[0, ids.shape[1]:].tolist()
+    return prompts, expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("overlap", "draft_len", "rate"), [
+    (False, 0, None), (False, 3, 0.5), (True, 0, None), (True, 3, 0.5)])
+def test_shared_prefixes_hit_a_windowed_pool_with_the_exact_tokens(
+        connect: Callable, one_thread: None, family: str, overlap: bool, draft_len: int,
+        rate: float | None) -> None:
+    """Prefix caching on a windowed pool: a released cached block is parked, not poisoned
+    (the pool's protected mask keeps it), and a later prompt's hit reads only the blocks of
+    its window: tokens equal generate's, and whole shared blocks were skipped."""
+    oracle = make_oracle(family)
+    prompts, expected = shared_prefixes(family)
+    config = pool_config(oracle.model, window=WINDOW).model_copy(
+        update={"prefix_caching": True})
+    client = connect(config, overlap=overlap)
+    client.pool.kv.fill_(float("nan"))
+    gives = GiveBacks(client, torch.empty_like(client.pool.kv))
+    drafter = None if rate is None else DeviceOracleDrafter(
+        expected, rate, vocab_size=oracle.model.config.vocab_size, device="cpu", seed=3)
+    engine = Engine(oracle.model, client, drafter, draft_len=draft_len,
+                    stop_token_ids=oracle.stop_tokens(), overlap=overlap, validate=True,
+                    share_prefixes=True)
+    assert engine.run(prompts, MAX_NEW_TOKENS) == expected
+    stats = engine.stats
+    assert stats.cached_prompt_tokens > 0 and stats.cached_prompt_tokens % 4 == 0
+    assert stats.table_violations == 0
+    assert gives.released > 0 and gives.poisoned > 0

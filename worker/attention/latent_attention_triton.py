@@ -17,7 +17,7 @@ the query's dtype or fp8. On CPU tensors the kernel runs in Triton's interpreter
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from kvalloc.worker.attention.latent_attention import check_latent_inputs
@@ -109,8 +109,20 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, staged
                       f"{tuple(out.shape)}")
     if layout.num_tokens:
         _launch(q_latent, q_rope, staged, pool, layout, out, scale, window, kv_scale,
-                launch or LatentLaunch())
+                sized_for(launch or LatentLaunch(), q_latent.dtype, q_latent.device))
     return out
+
+
+def sized_for(launch: LatentLaunch, dtype: torch.dtype, device: torch.device) -> LatentLaunch:
+    """``launch`` as it runs on queries of ``dtype`` on ``device``: cuts are stated for 2-byte
+    queries, whose tiles fill an sm_90 block's shared memory at the default; float32 queries on
+    a GPU take half the rows and half the latents a step, so their tiles take the same bytes
+    (the whole cut needs 432 KiB there, which no launch gets)."""
+    if device.type != "cuda" or dtype.itemsize <= 2:
+        return launch
+    rows = max(16, launch.max_rows // 2)
+    return replace(launch, max_rows=rows, block_h=max(1, min(launch.block_h // 2, rows)),
+                   block_n=max(16, launch.block_n // 2))
 
 
 def _launch(q_latent: torch.Tensor, q_rope: torch.Tensor, staged: torch.Tensor,

@@ -180,6 +180,7 @@ class KVCacheGroups:
         for name, manager in self.managers.items():
             manager.step_arrays(plans[name], prompts[name], apply=False, hit_tokens=hit)
         runs: dict[str, StepOutcome] = {}
+        chunk_starts = self._common_starts(arrays.prefill_rows)
         for name, manager in self.managers.items():
             if manager.window is not None:
                 manager.window.held_back[:] = self.ahead[name]
@@ -188,9 +189,10 @@ class KVCacheGroups:
             runs[name] = out
         for ahead in self.ahead.values():
             ahead[arrays.finished_rows] = 0
+        chunk_ok = self._settle_chunks(arrays, runs)
+        self._chunks_start_where_they_run(arrays, chunk_ok, chunk_starts)
         granted = np.logical_and.reduce([o.granted for o in runs.values()])
         admitted = np.logical_and.reduce([o.admitted_rows >= 0 for o in runs.values()])
-        chunk_ok = self._settle_chunks(arrays, runs)
         for name, out in runs.items():
             runs[name] = self._give_back(name, arrays, out, granted, admitted)
         first = runs[self.specs[0].name]
@@ -259,12 +261,27 @@ class KVCacheGroups:
             self.ahead[name][rows] = h - np.where(ok, tokens, 0)
         return ok
 
+    def _common_starts(self, rows: np.ndarray) -> np.ndarray:
+        """The common history of ``rows``: where their chunks start before a step serves them
+        (after it, less the tokens it served: `_chunk_starts`)."""
+        name = self.specs[0].name
+        return self.managers[name].rows.history[rows] - self.ahead[name][rows]
+
+    def _chunks_start_where_they_run(self, arrays: PlanArrays, ok: np.ndarray,
+                                     starts: np.ndarray) -> None:
+        """A window that served a chunk ahead took its own history (or the end of what it held)
+        for the chunk's start; the chunk runs from the common one, and at lag 2 the next step
+        must keep that start readable while it may still run."""
+        rows = arrays.prefill_rows[ok]
+        for manager in self.managers.values():
+            if manager.window is not None and rows.size:
+                last = manager.window.last_start
+                last[rows] = np.minimum(last[rows], starts[ok])
+
     def _chunk_starts(self, arrays: PlanArrays, ok: np.ndarray) -> np.ndarray:
         """Each chunk's first position: the common history before it."""
-        name = self.specs[0].name
-        rows = arrays.prefill_rows
-        common = self.managers[name].rows.history[rows] - self.ahead[name][rows]
-        return common - np.where(ok, arrays.prefill_tokens, 0)
+        return (self._common_starts(arrays.prefill_rows)
+                - np.where(ok, arrays.prefill_tokens, 0))
 
     def _give_back(self, name: str, arrays: PlanArrays, out: StepOutcome, granted: np.ndarray,
                    admitted: np.ndarray) -> StepOutcome:
@@ -274,9 +291,14 @@ class KVCacheGroups:
         if reverts.size == 0 and frees.size == 0:
             return out
         manager = self.managers[name]
-        # The undo is part of this scheduler step, not a step of the window's timeline: the
-        # previous step's start must survive it (at lag 2 its chunk may still run).
+        # The undo is part of this scheduler step, not a step of the window's timeline: it may
+        # release nothing (at lag 2 the previous step's chunk may still run and read from its
+        # start, which the undo would take for history), and the previous step's start must
+        # survive it. With every row's last start at its read_from, the undo's release keeps
+        # read_from where this step left it.
         timeline = None if manager.window is None else manager.window.last_start.copy()
+        if manager.window is not None:
+            manager.window.last_start[:] = manager.window.read_from
         undo = manager.step(StepPlan(revert_rows=reverts, finished_rows=frees, lag=arrays.lag))
         if timeline is not None:
             manager.window.last_start[:] = np.where(manager.rows.live, timeline, 0)

@@ -1,22 +1,26 @@
 """A windowed pool (`PoolConfig.window`) through the service core: the registration says so,
 the released columns (-2) reach every copy of the table, a detached worker's deltas (through
-both wire encodings) and every shard's mirror, the warm-up runs it, and the combinations it
-cannot serve are refused naming the field."""
+both wire encodings) and every shard's mirror, the warm-up runs it, its prefix cache parks
+the cached blocks its windows pass, and a host tier is refused naming the field."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import zmq
 from kvalloc.allocator import PoolConfig
 from kvalloc.allocator.capacity.block_table import RELEASED
+from kvalloc.allocator.capacity.kv_events import router_hashes
 from kvalloc.server.client import Client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
+from kvalloc.server.contract.routing import worker_salt
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
 from kvalloc.server.service.warmup import warm_up
 from named_worker import NamedWorker
 from pydantic import ValidationError
+from service_harness import replayed_events, stage_pattern
 
 WINDOW = 8
 
@@ -103,10 +107,47 @@ def test_the_warm_up_runs_a_windowed_pool() -> None:
     assert warm_up(ServiceConfig(pool=windowed(), max_step_tokens=64)) > 0
 
 
-@pytest.mark.parametrize("cache", [
-    {"prefix_caching": True},
-    {"prefix_caching": True, "host_tier_bytes": 1 << 20},
-    {"prefix_caching": True, "kv_events": "inproc://windowed-events"}])
-def test_a_windowed_pool_keeps_no_prefix_cache(cache: dict) -> None:
-    with pytest.raises(ValidationError, match="prefix_caching: a windowed pool"):
-        ServiceConfig(pool=windowed(), max_step_tokens=64, **cache)
+def test_a_windowed_pool_keeps_no_host_tier() -> None:
+    with pytest.raises(ValidationError, match="host_tier_bytes: a windowed pool"):
+        ServiceConfig(pool=windowed(), max_step_tokens=64, prefix_caching=True,
+                      host_tier_bytes=1 << 20)
+
+
+def test_a_windowed_prefix_is_cached_parked_and_hit_with_its_window_alone(zmq_context) -> None:
+    """"a"'s 24-token prompt registers before the step that settles it releases its first four
+    columns (its decode at 24 reads 17..24); once "a" finishes its blocks are parked, still
+    cached and protected, and no BlockRemoved goes out. "c" shares 20 tokens: its hit needs
+    only the blocks covering 13..20, so its columns 0..2 start released."""
+    core = ServiceCore(ServiceConfig(
+        pool=windowed(), max_step_tokens=64, prefix_caching=True,
+        kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
+        kv_events_plaintext=True))
+    replay = zmq_context.socket(zmq.DEALER)
+    try:
+        replay.connect(core.kv_events.endpoints()[""].replay)
+        kv = Client.in_process(core, worker_id="w")
+        kv.register()
+        ids = np.arange(700, 724)
+        first = kv.step(new=(["a"], [24]), prompt_token_ids=ids)
+        stage_pattern(kv.pool.staging, 24, tag=1)
+        kv.step(grants=(first.admitted, [0]))  # commits the prompt, releases columns 0..3
+        assert kv.get_request("a").block_ids[:4] == [RELEASED] * 4
+        kv.step(finished=first.admitted)
+        assert core.manager.pool.num_parked == 6
+        again = kv.step(new=(["c"], [23]), prompt_token_ids=np.concatenate([ids[:20], [9] * 3]))
+        assert again.cached_tokens.tolist() == [20]
+        row_c = int(again.scheduled.rows[0])
+        assert core.manager.table.host[row_c, :3].tolist() == [RELEASED] * 3
+        assert (core.pool.storage.kv[:, :, core.manager.table.host[row_c, 3:5]][..., 0]
+                == 1).all()  # "a"'s prompt, written by the commit
+        protected = core.pool.committer.protected
+        assert protected is not None and protected.sum() == 6
+        assert (protected.numpy() == core.manager.cache.protected).all()
+        events = replayed_events(replay)
+        assert [e["type"] for e in events] == ["AllBlocksCleared", "BlockStored"]
+        assert events[1]["block_hashes"] == router_hashes(
+            ids, 4, namespace=worker_salt("w", {}))
+        assert core.get_pool(wire.PoolQuery(verify=True)).invariants == "ok"
+    finally:
+        replay.close(linger=0)
+        core.close()

@@ -21,6 +21,7 @@ from kvalloc.worker.attention.latent_attention_triton import (
     LATENT_CANDIDATES,
     LatentLaunch,
     latent_attention_triton,
+    sized_for,
 )
 from kvalloc.worker.errors import PoolAttentionInputError
 from pool_steps import RandomStep, assert_attention_matches, random_step
@@ -132,6 +133,19 @@ def test_the_default_cut_equals_the_reference() -> None:
     step = _latent_step(3, heads=16, rank=32, rope=16, dtype=torch.float32, device="cpu",
                         entries=3, tokens_per_block=4, max_history=30, max_query=4)
     assert_attention_matches(*_both(step, 32))
+
+
+@pytest.mark.parametrize("launch", LATENT_CANDIDATES, ids=repr)
+def test_float32_queries_on_a_gpu_take_tiles_of_the_same_bytes(launch: LatentLaunch) -> None:
+    """A cut is stated for 2-byte queries; float32 ones on a GPU get half its rows and latents
+    a step (the same shared memory), bf16 ones and every interpreter launch the cut as given."""
+    cuda = torch.device("cuda")
+    assert sized_for(launch, torch.bfloat16, cuda) == launch
+    assert sized_for(launch, torch.float32, torch.device("cpu")) == launch
+    fp32 = sized_for(launch, torch.float32, cuda)
+    assert fp32.max_rows * fp32.block_n * 4 <= launch.max_rows * launch.block_n * 2
+    assert fp32.max_rows == launch.max_rows // 2 and fp32.block_h <= fp32.max_rows
+    assert (fp32.max_rows // fp32.block_h) == (launch.max_rows // launch.block_h)  # queries
 
 
 def test_bad_input_is_a_typed_error_naming_it_and_writes_nothing() -> None:
