@@ -150,8 +150,6 @@ class WindowMachine(RuleBasedStateMachine):
         """One call; one in four makes its grants strict: a grant some group cannot serve
         then refuses the whole call."""
         now = self.call_no + 1
-        if self.MIXED and self.PREFIX:
-            self._mark_written(now)
         results = [r for r in self.requests if r.steps and r.steps[0].due == now]
         decoding = [r for r in self.requests if r.done >= r.prompt
                     and len(r.steps) - (r in results) < self.LAG]
@@ -194,13 +192,16 @@ class WindowMachine(RuleBasedStateMachine):
                 req = Request(row, new[i], min(new[i], hit + first) if first else new[i])
                 req.chunks.append(Forward(hit, req.done - hit, 0, until, 0))
                 self.requests.append(req)
+        if self.MIXED and self.PREFIX:
+            self._mark_written(now)
         for r in list(self.requests):
             if r.done >= MAX_SEQ - 2 * (1 + MAX_DRAFT):
                 self._finish(r)
 
     def _mark_written(self, now: int) -> None:
-        """The forwards that have run by call ``now`` wrote their prompt tokens: every group
-        hears so (`KVCacheGroups.mark_written`) before the call."""
+        """The forwards that settled by call ``now`` wrote their prompt tokens: every group
+        hears so (`KVCacheGroups.mark_written`) after the call's step, as a service's commit
+        follows it."""
         if not self.requests:
             return
         written = [min([f.start for f in r.chunks if f.until >= now], default=r.done)
