@@ -26,8 +26,9 @@ Invariants (``check_invariants`` verifies all of them):
 - full attention (``config.window`` None) releases nothing (a windowed group's hits and cached
   blocks: `prefix_cache`; it keeps no host tier); a windowed group's rows hold
   `RELEASED`, never a block, in their first ``released`` columns (cached ones among them),
-  exactly those wholly behind the window of the lowest position a step still reads, a real
-  block from there to their last block, and at most `config.window_row_blocks` blocks
+  exactly those wholly behind the window of the lowest position a step still reads short of a
+  prompt block still to register (the cache's ``registering`` rows), a real block from there
+  to their last block, and at most `config.window_row_blocks` blocks besides those kept
   (`capacity.windows` states and checks it);
 - the rows off the free-row stack are exactly the live rows; a row that is not live holds
   nothing (all its state is zero) and no request id.
@@ -99,17 +100,21 @@ class KVCacheManager(RequestApi):
         share cached full blocks (`prefix_cache`); ``cache_key`` separates model variants;
         ``hash_seed``: the secret the block hashes are keyed with (`prefix_cache.chain_root`);
         ``kv_events``: record KV events for ``drain_kv_events``, their block hashes over
-        ``event_hashes`` (`kv_events.router_hashes`); ``register_when_written``:
-        a prompt block becomes shareable when ``mark_written`` says its tokens are in the pool,
-        not when its prefill is scheduled; ``host_tier_blocks``: slots of a host tier below the
-        pool (`capacity.host_tier`), which needs both (only written blocks may be copied);
-        ``onboard_blocks_per_step``: the most blocks one step brings back from it (None: no
-        bound; `capacity.onboard`). With ``config.window`` the rows are one sliding-window
-        group's: the blocks behind every window go back to the pool after each step
-        (`capacity.windows`)."""
+        ``event_hashes`` (`kv_events.router_hashes`); ``register_when_written``: a prompt block
+        becomes shareable when ``mark_written`` says its tokens are in the pool, not when its
+        prefill is scheduled (a window keeps the block until then); ``host_tier_blocks``: slots
+        of a host tier below the pool (`capacity.host_tier`), which needs both (only written
+        blocks may be copied); ``onboard_blocks_per_step``: the most blocks one step brings
+        back from it (None: no bound; `capacity.onboard`). With ``config.window`` the rows are
+        one sliding-window group's: the blocks behind every window go back to the pool after
+        each step (`capacity.windows`)."""
         window = config.window
-        self.window = (None if window is None else
-                       WindowRelease(window, config.tokens_per_block, config.max_batch_size))
+        self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
+                                  config.max_batch_size, record_events=kv_events,
+                                  track_protection=register_when_written, window=window)
+                      if prefix_caching else None)
+        self.window = None if window is None else WindowRelease(
+            window, config.tokens_per_block, config.max_batch_size, self.cache)
         self.config = config
         self.device = torch.device(config.device)
         self.policy = SlackPolicy(config.slack_policy)
@@ -126,13 +131,8 @@ class KVCacheManager(RequestApi):
         self.compiled = compiled
         self._run = (step_compiled.CompiledStep(self.state, self.window).run if compiled
                      else reference_step)
-        self.cache_key = bytes(cache_key)
-        self.hash_seed = bytes(hash_seed)
+        self.cache_key, self.hash_seed = bytes(cache_key), bytes(hash_seed)
         chain_root(self.cache_key, seed=self.hash_seed)  # a seed too long fails here, not later
-        self.cache = (PrefixCache(config.total_blocks, config.tokens_per_block,
-                                  record_events=kv_events,
-                                  track_protection=register_when_written, window=window)
-                      if prefix_caching else None)
         self.register_when_written = register_when_written
         self.tier = (None if host_tier_blocks == 0 else
                      HostTier.below(self.cache, register_when_written, host_tier_blocks))
@@ -211,12 +211,13 @@ class KVCacheManager(RequestApi):
             if self.tier is not None:
                 self.tier.cancel_offloads(result.evicted)
         if cache.prompts and arrays.finished_rows.size:
+            cache.registering[arrays.finished_rows] = False
             for row in arrays.finished_rows.tolist():
                 cache.prompts.pop(row, None)
         for i, prompt in enumerate(prompts):
             row = int(outcome.admitted_rows[i])
             if prompt is not None and row >= 0:
-                cache.prompts[row] = prompt
+                cache.admit(row, prompt, int(self.rows.cached[row]))
                 if not self.register_when_written:
                     cache.register(row, self.rows, self.table.host)
                 self.counters.prefix_queried_tokens += prompt.tokens.size
@@ -370,7 +371,7 @@ class KVCacheManager(RequestApi):
         self.table.check_invariants(live, r.num_blocks[live], self.pool.num_blocks, synced=True,
                                     released=r.released[live])
         if self.window is not None:
-            self.window.check_invariants(r.live, r.history, r.capacity, r.num_blocks, r.released)
+            self.window.check_invariants(r)
         elif r.released.any():
             raise InvariantViolation("released columns under full attention")
         self.table.check_held_rows(r.live)

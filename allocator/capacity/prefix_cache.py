@@ -38,12 +38,15 @@ covering ``(h - W, h]``: those from `windows.hits.hit_released` on, the columns 
 found stands for its whole prefix even where earlier blocks were evicted. The window releases
 cached columns like any other, and a released cached block nobody holds is parked, not freed
 (`windows.release`): it stays evictable and reusable. A row's cached columns ``[0, cached)``
-may thus begin with released ones; it holds ``[released, cached)``. A column the window
-released before it registered (``register_when_written`` with a late ``mark_written``) ends
-the row's registering: the cached columns are a leading run.
+may thus begin with released ones; it holds ``[released, cached)``. The window never releases
+a block that is still to register: a row stays ``registering`` while its prompt has full blocks
+that may register (not all registered, and none found already held by another block), and the
+release keeps its columns from ``cached`` on meanwhile (`WindowRelease.keep_from`), however late
+``mark_written`` comes.
 
 Invariants (``check_invariants``): ``block_of`` and ``hash_of`` are inverse maps, ``origin`` has
-the keys of ``hash_of`` (with events); every row's cached columns it holds (``[released,
+the keys of ``hash_of`` (with events); a ``registering`` row is live with a prompt, fewer of
+whose full blocks are cached; every row's cached columns it holds (``[released,
 cached)``) are registered blocks whose hashes are the row's prompt hashes in order; every
 registered block is owned (in some row's cached columns) or parked, never on the free stack, so
 a cached block in no row is evictable; a block with more than one owner is registered.
@@ -171,7 +174,7 @@ class CacheChanges(NamedTuple):
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, tokens_per_block: int, *,
+    def __init__(self, num_blocks: int, tokens_per_block: int, num_rows: int, *,
                  record_events: bool = False, track_protection: bool = False,
                  window: int | None = None) -> None:
         """``track_protection``: keep the protection flips for ``drain_protection`` (whoever
@@ -185,6 +188,10 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.prompts: dict[int, Prompt] = {}  # rows admitted with token ids
+        # Per row: a row of ``prompts`` whose full prompt blocks may still register (not all
+        # are, and its run has met no block whose content another block holds). A window's
+        # release reads it in place (`WindowRelease.keep_from`).
+        self.registering = np.zeros(num_rows, dtype=bool)
         # With events: the registered blocks, in the order they registered.
         self.origin: dict[int, Origin] = {}
         self.record_events = record_events
@@ -271,6 +278,11 @@ class PrefixCache:
             self.events.append(NamespacedEvent(namespace, BlockRemoved(
                 hashes, MEDIUM_POOL, GROUP_INDEX)))
 
+    def admit(self, row: int, prompt: Prompt, cached: int) -> None:
+        """Row ``row`` was admitted with ``prompt``, its first ``cached`` blocks a hit."""
+        self.prompts[row] = prompt
+        self.registering[row] = cached < prompt.tokens.size // self.tokens_per_block
+
     def register(self, row: int, rows: RowState, host: np.ndarray,
                  written: int | None = None) -> None:
         """Register the row's prompt blocks that are now full and committed (and, when
@@ -280,14 +292,14 @@ class PrefixCache:
         full = min(int(rows.history[row]), prompt.tokens.size,
                    prompt.tokens.size if written is None else written) // tpb
         first = int(rows.cached[row])
-        # A column the window released before it registered holds nothing to register, and the
-        # row's cached columns are a leading run: the row registers no more.
-        if full <= first or first < rows.released[row]:
+        if full <= first or not self.registering[row]:
             return
         candidates = prompt.hashes[first:full]
         # The row's cached run ends at the first block whose content another block holds.
         held = list(map(self.block_of.__contains__, candidates))
         n = held.index(True) if True in held else len(candidates)
+        if n < len(candidates) or first + n == prompt.tokens.size // tpb:
+            self.registering[row] = False
         stored = candidates[:n]
         blocks = host[row, first : first + n].tolist()
         self.block_of.update(zip(stored, blocks, strict=True))
@@ -401,6 +413,11 @@ class PrefixCache:
         if self.record_events and self.origin.keys() != self.hash_of.keys():
             raise InvariantViolation("the registered blocks' origins are not exactly the "
                                      "registered blocks")
+        if any(not rows.live[r] or r not in self.prompts
+               or rows.cached[r] >= self.prompts[r].tokens.size // self.tokens_per_block
+               for r in np.flatnonzero(self.registering).tolist()):
+            raise InvariantViolation("a registering row is not live, has no prompt or has "
+                                     "cached every full prompt block")
         in_rows = np.zeros(pool.num_blocks, dtype=bool)
         for row in np.flatnonzero(rows.live).tolist():
             cached, first = int(rows.cached[row]), int(rows.released[row])

@@ -17,9 +17,10 @@ Order inside one call (all checks come first; from the manager's step on nothing
    (`sync_cache`), all before the worker's step fence is recorded (its next forward reads the
    blocks onboarded for it); the reply is built from the outcome. An overlap worker commits its
    own tokens: for it, 4 reads no slots and 5 writes nothing, and the batch that retires is the
-   one whose results this call brought. A windowed caching pool learns what the settled batch
-   wrote before 2 instead (`StepPipeline._mark_settled`), or 2's window release would pass its
-   prompt columns before they register.
+   one whose results this call brought. Every pool keeps this order, a windowed one too: its
+   window's release keeps a prompt block until it registers (`allocator.capacity.windows`), so
+   a prompt block becomes a hit from the call after the one whose commit wrote it, whatever
+   the pool's attention.
 
 A grouped pool (`KVCacheGroups`, ``groups``) runs the same order: 2 steps every group (one
 outcome for the request, each group's own table changes), 4 reads each group's slots from its
@@ -93,10 +94,6 @@ class StepPipeline:
         self.manager = manager
         self.groups = groups
         self._caching = manager.prefix_caching
-        # A windowed row gives back its leading columns in the step that settles its prefill,
-        # and a column released before it registered never registers (`prefix_cache`): such a
-        # pool learns what the settled batch wrote before the step, not after.
-        self._written_first = self._caching and manager.window is not None
         self.publish = publish
         self.copy_tier = copy_tier
         self.committer = committer
@@ -122,17 +119,14 @@ class StepPipeline:
         if worker.fence is not None:
             worker.fence.service_begin()
         # The call's columns were checked when it was built: the plan skips `coerce`.
-        plan = checked_plan(
+        outcome, num_blocks = self._step(checked_plan(
             revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
             prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
-            lag=2 if worker.overlap else 1)
-        prompts = _prompts(self.manager, worker, call) if self._caching else ()
-        if self._written_first:
-            self._mark_settled(worker, settled, plan, prompts)
-        outcome, num_blocks = self._step(plan, prompts)
+            lag=2 if worker.overlap else 1),
+            _prompts(self.manager, worker, call) if self._caching else ())
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
@@ -210,7 +204,7 @@ class StepPipeline:
         if worker.overlap:
             assert isinstance(settled, Settled)
             retired = worker.flights.advance(settled, Flight.of(scheduled, num_decodes, step_id))
-            if retired is not None and not self._written_first:
+            if retired is not None:
                 self._mark_written(retired.scheduled, retired.dropped)
             return NOTHING, NO_VALUES
         # Read before the commit, while the table rows the step just wrote are in the cache
@@ -265,23 +259,8 @@ class StepPipeline:
                  for table, blocks in enumerate(num_blocks)]
         summary = self.committer.write_batch(worker.stagings, worker.writers, batch,
                                              settlement.accepted, dropped, slots)
-        if not self._written_first:
-            self._mark_written(batch.scheduled, dropped)
+        self._mark_written(batch.scheduled, dropped)
         return summary
-
-    def _mark_settled(self, worker: Worker, settled: Settlement | Settled | None,
-                      plan: PlanArrays, prompts: Sequence[Prompt]) -> None:
-        """Before a windowed pool's step: the batch this call settles is written (an overlap
-        worker wrote it; the commit below writes it before any forward reads it). The step is
-        checked first, so a refused call registers nothing."""
-        if isinstance(settled, Settled):
-            retiring = None if settled.older is None else (settled.older.scheduled,
-                                                           settled.older.dropped)
-        else:
-            retiring = None if settled is None else (worker.batch.scheduled, settled.dropped)
-        if retiring is not None:
-            self.manager.step_arrays(plan, prompts, apply=False)
-            self._mark_written(*retiring)
 
     def _mark_written(self, scheduled: Scheduled, dropped: np.ndarray) -> None:
         """A retired batch's prompt blocks become shareable, and protected, now that their K/V

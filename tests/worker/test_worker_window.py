@@ -194,12 +194,12 @@ def test_a_model_of_full_and_sliding_layers_is_exact_on_a_full_pool(
 
 @cache
 def shared_prefixes(family: str) -> tuple[list[NamedPrompt], dict[str, list[int]]]:
-    """Four prompts of 40 tokens sharing their first 32 (past the window of 16, so a hit's
+    """Five prompts of 40 tokens sharing their first 32 (past the window of 16, so a hit's
     first four columns start released), and generate's tokens for them."""
     oracle = make_oracle(family)
     base = oracle.prompts[-1].token_ids
     prompts = [NamedPrompt(f"p{i}", base[:32] + base[40 + 2 * i : 48 + 2 * i])
-               for i in range(4)]
+               for i in range(5)]
     expected = {}
     with torch.inference_mode():
         for p in prompts:

@@ -200,7 +200,7 @@ class KVCacheGroups:
         common = StepOutcome(
             granted=granted, prefill_granted=chunk_ok,
             admitted_rows=np.where(admitted, first.admitted_rows, -1), new_refusals=refusals,
-            grant_starts=first.grant_starts, prefill_starts=self._chunk_starts(arrays, chunk_ok),
+            grant_starts=first.grant_starts, prefill_starts=chunk_starts,
             changed_rows=first.changed_rows, changed_from=first.changed_from,
             changed_num_blocks=first.changed_num_blocks,
             changed_block_ids=first.changed_block_ids, num_blocks=first.num_blocks,
@@ -262,8 +262,9 @@ class KVCacheGroups:
         return ok
 
     def _common_starts(self, rows: np.ndarray) -> np.ndarray:
-        """The common history of ``rows``: where their chunks start before a step serves them
-        (after it, less the tokens it served: `_chunk_starts`)."""
+        """The common history of ``rows`` before a step: where their chunks start. The step
+        leaves it there for a chunk it refuses (what a group served stays ahead) and moves it
+        past one it serves, so it is the chunk's start after the step too."""
         name = self.specs[0].name
         return self.managers[name].rows.history[rows] - self.ahead[name][rows]
 
@@ -277,11 +278,6 @@ class KVCacheGroups:
             if manager.window is not None and rows.size:
                 last = manager.window.last_start
                 last[rows] = np.minimum(last[rows], starts[ok])
-
-    def _chunk_starts(self, arrays: PlanArrays, ok: np.ndarray) -> np.ndarray:
-        """Each chunk's first position: the common history before it."""
-        return (self._common_starts(arrays.prefill_rows)
-                - np.where(ok, arrays.prefill_tokens, 0))
 
     def _give_back(self, name: str, arrays: PlanArrays, out: StepOutcome, granted: np.ndarray,
                    admitted: np.ndarray) -> StepOutcome:

@@ -108,16 +108,63 @@ def test_a_released_cached_block_leaves_the_events_only_when_evicted() -> None:
     assert sum(len(e.block_hashes) for e in removed) == m.counters.evicted_blocks == 3
 
 
-def test_a_block_the_window_passed_before_it_was_written_is_not_cached() -> None:
-    """With ``register_when_written`` a block registers when the caller says it is written:
-    one the window released before that holds nothing to register, and the row registers no
-    more (its cached columns are a leading run)."""
-    m = KVCacheManager(config(12, 4, 8), prefix_caching=True, register_when_written=True)
-    row = admit(m, PROMPT)
-    m.step(StepPlan(lag=1))
+def written_later(compiled: bool) -> KVCacheManager:
+    """W = 8, T = 4, blocks register when the caller says they are written."""
+    return KVCacheManager(config(12, 4, 8), prefix_caching=True, register_when_written=True,
+                          compiled=compiled)
+
+
+@pytest.mark.parametrize("compiled", STEPS)
+@pytest.mark.parametrize("lag", [1, 2])
+def test_the_window_keeps_a_prompt_block_until_it_registers(compiled: bool, lag: int) -> None:
+    """The 40-token prompt has run; the window has passed its first 8 columns (a query at 40
+    reads from 33), but none is written yet as far as the cache knows: the release keeps them
+    all. Once they register, the next step releases them, parked. At lag 2 the step after the
+    admission still reads from 0, so the window passes them one call later."""
+    m = written_later(compiled)
+    row = m.step(StepPlan(prompt_lens=[40], prompt_tokens=[PROMPT], lag=lag)).admitted_rows[0]
+    blocks = m.table.host[row, :10].copy()
+    for _ in range(lag):
+        m.step(StepPlan(lag=lag))
+        m.check_invariants()
+    assert m.rows.released[row] == 0 and m.window.keep_from[row] == 0 and m.free_blocks == 2
     m.mark_written(np.array([row]), np.array([40]))
     m.check_invariants()
-    assert m.rows.cached[row] == 0 and not m.cache.hash_of and m.pool.num_parked == 0
+    assert m.rows.cached[row] == 10 and m.rows.released[row] == 0
+    m.step(StepPlan(lag=lag))
+    m.check_invariants()
+    assert (m.table.host[row, :8] == RELEASED).all() and m.rows.cached[row] == 10
+    assert m.pool.parked() == blocks[:8].tolist() and m.held_blocks == 2
+
+
+@pytest.mark.parametrize("compiled", STEPS)
+def test_a_request_preempted_before_its_blocks_register_gives_them_all_back(
+        compiled: bool) -> None:
+    m = written_later(compiled)
+    row = admit(m, PROMPT)
+    m.step(StepPlan(lag=1))
+    m.step(StepPlan(finished_rows=[row]))
+    m.check_invariants()
+    assert m.free_blocks == 12 and m.pool.num_parked == 0 and not m.cache.hash_of
+    assert not m.cache.registering.any()
+
+
+@pytest.mark.parametrize("compiled", STEPS)
+def test_a_row_whose_blocks_another_row_registered_keeps_nothing(compiled: bool) -> None:
+    """Two requests with one prompt, admitted together (nothing cached yet): the first one's
+    blocks register, the second one's run stops at its first block (another holds its
+    content), so the window releases its blocks to the free stack."""
+    m = KVCacheManager(config(24, 4, 8), prefix_caching=True, register_when_written=True,
+                       compiled=compiled)
+    a, b = m.step(StepPlan(prompt_lens=[40, 40], prompt_tokens=[PROMPT, PROMPT])).admitted_rows
+    m.step(StepPlan(lag=1))
+    m.mark_written(np.array([a, b]), np.array([40, 40]))
+    m.check_invariants()
+    assert m.rows.cached[a] == 10 and m.rows.cached[b] == 0 and not m.cache.registering.any()
+    m.step(StepPlan(lag=1))
+    m.check_invariants()
+    assert m.rows.released[a] == m.rows.released[b] == 8
+    assert m.pool.num_parked == 8 and m.free_blocks == 4 + 8 and m.held_blocks == 4
 
 
 @pytest.mark.parametrize("hit", [6, 8])

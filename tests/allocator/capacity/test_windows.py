@@ -150,8 +150,6 @@ class WindowMachine(RuleBasedStateMachine):
         """One call; one in four makes its grants strict: a grant some group cannot serve
         then refuses the whole call."""
         now = self.call_no + 1
-        if self.MIXED and self.PREFIX:
-            self._mark_written(now)
         results = [r for r in self.requests if r.steps and r.steps[0].due == now]
         decoding = [r for r in self.requests if r.done >= r.prompt
                     and len(r.steps) - (r in results) < self.LAG]
@@ -194,13 +192,16 @@ class WindowMachine(RuleBasedStateMachine):
                 req = Request(row, new[i], min(new[i], hit + first) if first else new[i])
                 req.chunks.append(Forward(hit, req.done - hit, 0, until, 0))
                 self.requests.append(req)
+        if self.MIXED and self.PREFIX:
+            self._mark_written(now)
         for r in list(self.requests):
             if r.done >= MAX_SEQ - 2 * (1 + MAX_DRAFT):
                 self._finish(r)
 
     def _mark_written(self, now: int) -> None:
-        """The forwards that have run by call ``now`` wrote their prompt tokens: every group
-        hears so (`KVCacheGroups.mark_written`) before the call."""
+        """The forwards that settled by call ``now`` wrote their prompt tokens: every group
+        hears so (`KVCacheGroups.mark_written`) after the call's step, as a service's commit
+        follows it."""
         if not self.requests:
             return
         written = [min([f.start for f in r.chunks if f.until >= now], default=r.done)
@@ -394,6 +395,43 @@ def test_a_windowed_group_ahead_by_a_chunk_keeps_the_window_the_chunk_reads() ->
     assert out.outcome.prefill_starts.tolist() == [32]
     window = groups.managers["window"].table.host[a]
     assert (window[(32 - 7 + 1) // 2 : 64 // 2] >= 0).all()
+    groups.check_invariants()
+
+
+def test_a_give_back_keeps_the_window_of_a_chunk_in_flight_at_lag_2() -> None:
+    """A's first chunk (from 0) may still run when the next call schedules its second; in that
+    call the full group refuses B and the windowed group gives B's row back. That undo is no
+    step of the window's: A's first chunk still reads from column 0."""
+    groups = KVCacheGroups([GroupSpec("full", config(34, 4, None)),
+                            GroupSpec("window", config(120, 2, 7))])
+    a = int(groups.step(StepPlan(prompt_lens=[64], first_chunks=[32], lag=2)
+                        ).outcome.admitted_rows[0])
+    out = groups.step(StepPlan(prefill_rows=[a], prefill_tokens=[32], prompt_lens=[76],
+                               lag=2)).outcome
+    assert out.prefill_granted.tolist() == [True] and out.admitted_rows.tolist() == [-1]
+    window = groups.managers["window"]
+    assert window.rows.released[a] == 0 and (window.table.host[a, :32] >= 0).all()
+    groups.check_invariants()
+
+
+def test_a_chunk_held_ahead_keeps_its_window_until_it_has_run_at_lag_2() -> None:
+    """The windowed group served A's second chunk ahead of the full one; when every group has
+    it, it runs from 32 (the common start), not from the windowed group's history (64). At lag
+    2 the next call must keep its window: the columns from (32 - 7 + 1) // 2 = 13 on."""
+    groups = KVCacheGroups([GroupSpec("full", config(34, 4, None)),
+                            GroupSpec("window", config(120, 2, 7))])
+    a = int(groups.step(StepPlan(prompt_lens=[64], first_chunks=[32], lag=2)
+                        ).outcome.admitted_rows[0])
+    b = int(groups.step(StepPlan(prompt_lens=[100], first_chunks=[96], lag=2)
+                        ).outcome.admitted_rows[0])
+    out = groups.step(StepPlan(prefill_rows=[a], prefill_tokens=[32], lag=2)).outcome
+    assert out.prefill_granted.tolist() == [False] and groups.ahead["window"][a] == 32
+    out = groups.step(StepPlan(finished_rows=[b], prefill_rows=[a], prefill_tokens=[32],
+                               lag=2)).outcome
+    assert out.prefill_granted.tolist() == [True] and out.prefill_starts.tolist() == [32]
+    groups.step(StepPlan(lag=2))
+    window = groups.managers["window"]
+    assert window.rows.released[a] == 13 and (window.table.host[a, 13:32] >= 0).all()
     groups.check_invariants()
 
 

@@ -113,11 +113,37 @@ def test_a_windowed_pool_keeps_no_host_tier() -> None:
                       host_tier_bytes=1 << 20)
 
 
+@pytest.mark.parametrize(("overlap", "first_hit"), [(False, 2), (True, 3)])
+def test_a_prompt_is_a_hit_from_the_same_call_in_a_windowed_pool_as_in_a_full_one(
+        overlap: bool, first_hit: int) -> None:
+    """"a"'s 24-token prompt registers after the step of the call that settles its prefill
+    (the next call's, or an overlap worker's the call after), once it is written; a windowed
+    pool's window passes columns 0..3 before that and keeps them until they register. The
+    same prompt asked again in every later call first hits (20 tokens) in the same call,
+    whatever the pool's attention."""
+    ids = np.arange(700, 724)
+    for window in (WINDOW, None):
+        core = ServiceCore(ServiceConfig(pool=windowed(window=window), max_step_tokens=64,
+                                         prefix_caching=True))
+        try:
+            kv = Client.in_process(core, worker_id="w")
+            kv.register(overlap=overlap)
+            kv.step(new=(["a"], [24]), prompt_token_ids=ids)
+            hits = [int(kv.step(new=([f"b{k}"], [24]), prompt_token_ids=ids).cached_tokens[0])
+                    for k in range(1, 4)]
+            assert hits == [0] * (first_hit - 1) + [20] * (4 - first_hit), window
+            assert core.get_pool(wire.PoolQuery(verify=True)).invariants == "ok"
+        finally:
+            core.close()
+
+
 def test_a_windowed_prefix_is_cached_parked_and_hit_with_its_window_alone(zmq_context) -> None:
-    """"a"'s 24-token prompt registers before the step that settles it releases its first four
-    columns (its decode at 24 reads 17..24); once "a" finishes its blocks are parked, still
-    cached and protected, and no BlockRemoved goes out. "c" shares 20 tokens: its hit needs
-    only the blocks covering 13..20, so its columns 0..2 start released."""
+    """"a"'s 24-token prompt registers after the step that settles it, once the commit wrote
+    it, as in a full pool; that step's window (its decode at 24 reads 17..24) keeps the first
+    four columns until then, and the next step releases them, parked. Once "a" finishes all
+    its prompt blocks are parked, still cached and protected, and no BlockRemoved goes out.
+    "c" shares 20 tokens: its hit needs only the blocks covering 13..20, so its columns 0..2
+    start released."""
     core = ServiceCore(ServiceConfig(
         pool=windowed(), max_step_tokens=64, prefix_caching=True,
         kv_events="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
@@ -130,8 +156,12 @@ def test_a_windowed_prefix_is_cached_parked_and_hit_with_its_window_alone(zmq_co
         ids = np.arange(700, 724)
         first = kv.step(new=(["a"], [24]), prompt_token_ids=ids)
         stage_pattern(kv.pool.staging, 24, tag=1)
-        kv.step(grants=(first.admitted, [0]))  # commits the prompt, releases columns 0..3
+        kv.step(grants=(first.admitted, [0]))  # commits the prompt, which registers
+        assert RELEASED not in kv.get_request("a").block_ids[:4]
+        assert len(core.manager.cache.hash_of) == 6
+        kv.step(results=(first.admitted, [0]), grants=(first.admitted, [0]))
         assert kv.get_request("a").block_ids[:4] == [RELEASED] * 4
+        assert core.manager.pool.num_parked == 4
         kv.step(finished=first.admitted)
         assert core.manager.pool.num_parked == 6
         again = kv.step(new=(["c"], [23]), prompt_token_ids=np.concatenate([ids[:20], [9] * 3]))

@@ -151,9 +151,11 @@ class CompiledStep:
                                claimed=marks(blocks), rewritten=marks(), old_blocks=counts(),
                                released_from=np.full(n, -1, dtype=np.int64),
                                evicted=counts(blocks))
-        self.window = tuple(Window(0, *(counts(0),) * 4, marks(0)) if window is None else Window(
-            window.window, window.read_from, window.last_start, window.held_back, counts(),
-            marks()))
+        self.window = tuple(
+            Window(0, *(counts(0),) * 3, marks(0), counts(0), counts(0), marks(0))
+            if window is None else Window(
+                window.window, window.read_from, window.last_start, window.held_back,
+                window.registering, window.keep_from, counts(), marks()))
         self.scratch_arrays = tuple(self.scratch)
         self.tops = np.zeros(3, dtype=np.int64)
         self.no_hits = counts()

@@ -90,6 +90,8 @@ class Window(NamedTuple):
     read_from: np.ndarray
     last_start: np.ndarray
     held_back: np.ndarray
+    registering: np.ndarray
+    keep_from: np.ndarray
     starts: np.ndarray
     fresh: np.ndarray
 

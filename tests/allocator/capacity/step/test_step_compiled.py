@@ -76,7 +76,8 @@ def state_of(m: KVCacheManager) -> dict:
         "counters": dataclasses.asdict(m.counters),
         "ids": sorted(map(str, m.request_ids)),
         "window": None if m.window is None else [m.window.read_from.tolist(),
-                                                  m.window.last_start.tolist()],
+                                                  m.window.last_start.tolist(),
+                                                  m.window.keep_from.tolist()],
     })
     return out
 
