@@ -72,39 +72,46 @@ class ScheduledBatch:
                 f"({unsettled} unsettled)")
         return Settlement(accepted, dropped)
 
-    def owned_slots(self, dropped: np.ndarray, num_blocks: np.ndarray,
-                    table: int = 0) -> np.ndarray:
-        """Slots to commit into table ``table``'s pool: -1 for ``dropped`` requests (per
-        request) and for positions past the blocks a request's row owns once the settling call
-        has applied (``num_blocks``, per row of that table)."""
+    def owned_slots(self, dropped: np.ndarray, table: np.ndarray, index: int = 0) -> np.ndarray:
+        """Slots to commit into table ``index``'s pool: -1 for ``dropped`` requests (per
+        request) and for every token whose block is no longer its row's at that column once the
+        settling call has applied (``table``: that block table's host copy after the step):
+        past a row shrunk by a revert, and in a windowed row's leading columns the step gave
+        back (`RELEASED`), whose blocks may already be another row's."""
         s = self.scheduled
         return mask_unowned_slots(s.rows, s.token_offsets, s.num_tokens, s.start_positions,
-                                  self.slots[table], dropped, num_blocks, self.tokens_per_block)
+                                  self.slots[index], dropped, table, self.tokens_per_block)
 
 
 def mask_unowned_slots_reference(rows: np.ndarray, token_offsets: np.ndarray,
                                  num_tokens: np.ndarray, start_positions: np.ndarray,
-                                 slots: np.ndarray, dropped: np.ndarray, num_blocks: np.ndarray,
+                                 slots: np.ndarray, dropped: np.ndarray, table: np.ndarray,
                                  tokens_per_block: int) -> np.ndarray:
     """`ScheduledBatch.owned_slots` over the batch's columns (`Scheduled`'s, ``slots`` per
     token), in numpy."""
     request = np.repeat(np.arange(rows.size), num_tokens)
     positions = start_positions[request] + np.arange(request.size) - token_offsets[request]
-    owned = positions < num_blocks[rows[request]] * tokens_per_block
+    cols = positions // tokens_per_block
+    in_row = cols < table.shape[1]
+    held = np.where(in_row, table[rows[request], np.where(in_row, cols, 0)], -1)
+    owned = (slots >= 0) & (held == slots // tokens_per_block)
     return np.where(~dropped[request] & owned, slots, -1)
 
 
 def _mask_unowned_slots_loop(rows, token_offsets, num_tokens,  # type: ignore[no-untyped-def]
-                             start_positions, slots, dropped, num_blocks,
+                             start_positions, slots, dropped, table,
                              tokens_per_block):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
     out = np.empty(slots.size, np.int64)
+    width = table.shape[1]
     for e in range(rows.size):
-        first, end = token_offsets[e], token_offsets[e] + num_tokens[e]
-        # Tokens at positions start + k; those below ``owned`` are inside the row's blocks.
-        owned = 0 if dropped[e] else num_blocks[rows[e]] * tokens_per_block - start_positions[e]
-        for t in range(first, end):
-            out[t] = slots[t] if t - first < owned else -1
+        first = token_offsets[e]
+        for t in range(first, first + num_tokens[e]):
+            col = (start_positions[e] + t - first) // tokens_per_block
+            slot = slots[t]
+            keep = (not dropped[e] and slot >= 0 and col < width
+                    and table[rows[e], col] == slot // tokens_per_block)
+            out[t] = slot if keep else -1
     return out
 
 

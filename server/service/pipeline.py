@@ -119,7 +119,7 @@ class StepPipeline:
         if worker.fence is not None:
             worker.fence.service_begin()
         # The call's columns were checked when it was built: the plan skips `coerce`.
-        outcome, num_blocks = self._step(checked_plan(
+        outcome, tables = self._step(checked_plan(
             revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
@@ -139,7 +139,7 @@ class StepPipeline:
             prefill_starts=outcome.prefill_starts,
             new_handles=admitted, admitted_rows=outcome.admitted_rows,
             prompt_tokens=prompt_tokens, prompt_lens=call.prompt_lens, new_starts=cached))
-        committed, slots = self._advance(worker, settled, scheduled, num_decodes, num_blocks,
+        committed, slots = self._advance(worker, settled, scheduled, num_decodes, tables,
                                          call.step_id)
         self.sync_cache()  # before the fence: the worker's forward reads onboarded blocks
         if worker.fence is not None:
@@ -156,13 +156,13 @@ class StepPipeline:
     def _step(self, plan: PlanArrays, prompts: Sequence[Prompt]
               ) -> tuple[StepOutcome, list[np.ndarray]]:
         """Apply ``plan`` (every group's step, for a grouped pool): what it did to the
-        requests, and each table's blocks per row."""
+        requests, and each block table's host copy after it, in table order."""
         if self.groups is None:
             outcome = self.manager.step_arrays(plan, prompts)
             assert outcome is not None  # applied: only a check returns None
-            return outcome, [outcome.num_blocks]
+            return outcome, [self.manager.table.host]
         stepped = self.groups.step_arrays(plan)
-        return stepped.outcome, [out.num_blocks for out in stepped.groups.values()]
+        return stepped.outcome, [table.host for table in self.groups.tables.values()]
 
     @property
     def scarcest(self) -> KVCacheManager:
@@ -193,7 +193,7 @@ class StepPipeline:
             step_id=worker.last_step_id)
 
     def _advance(self, worker: Worker, settled: Settlement | Settled | None,
-                 scheduled: Scheduled, num_decodes: int, num_blocks: list[np.ndarray],
+                 scheduled: Scheduled, num_decodes: int, tables: list[np.ndarray],
                  step_id: int) -> tuple[wire.CommitSummary, np.ndarray]:
         """Keep the batch this call laid out and retire the one it settled; returns what the
         service committed and the new batch's slots (the first table's: a grouped pool's
@@ -215,7 +215,7 @@ class StepPipeline:
         if previous is None:
             return NOTHING, slots[0]
         assert isinstance(settled, Settlement)
-        return self._write_previous(worker, previous, settled, num_blocks), slots[0]
+        return self._write_previous(worker, previous, settled, tables), slots[0]
 
     def sync_cache(self) -> None:
         """What the manager's prefix cache changed since the last call: the host tier's copies
@@ -253,10 +253,9 @@ class StepPipeline:
                                     field=name)
 
     def _write_previous(self, worker: Worker, batch: ScheduledBatch, settlement: Settlement,
-                        num_blocks: list[np.ndarray]) -> wire.CommitSummary:
+                        tables: list[np.ndarray]) -> wire.CommitSummary:
         dropped = settlement.dropped
-        slots = [batch.owned_slots(dropped, blocks, table)
-                 for table, blocks in enumerate(num_blocks)]
+        slots = [batch.owned_slots(dropped, table, index) for index, table in enumerate(tables)]
         summary = self.committer.write_batch(worker.stagings, worker.writers, batch,
                                              settlement.accepted, dropped, slots)
         self._mark_written(batch.scheduled, dropped)

@@ -23,8 +23,14 @@ def test_the_compiled_mask_unowned_slots_equals_the_reference(seed: int, request
     start_positions = rng.integers(0, 64, requests)
     slots = rng.integers(-1, 1000, int(num_tokens.sum()))
     dropped = rng.random(requests) < 0.3
-    num_blocks = rng.integers(0, 20, 2 * requests).astype(block_dtype)
-    args = (rows, token_offsets, num_tokens, start_positions, slots, dropped, num_blocks, 4)
+    # A table whose cells sometimes hold the block a slot names, sometimes RELEASED or -1.
+    table = rng.integers(-2, 250, (max(2 * requests, 1), 20)).astype(block_dtype)
+    for e in range(requests):
+        first, cols = token_offsets[e], (start_positions[e] + np.arange(num_tokens[e])) // 4
+        held = cols < table.shape[1]
+        keep = held & (rng.random(num_tokens[e]) < 0.7)
+        table[rows[e], cols[keep]] = slots[first:first + num_tokens[e]][keep] // 4
+    args = (rows, token_offsets, num_tokens, start_positions, slots, dropped, table, 4)
     want = batch.mask_unowned_slots_reference(*args)
     got = batch.mask_unowned_slots(*args)
     assert got.dtype == np.int64 and np.array_equal(got, want)
@@ -32,11 +38,22 @@ def test_the_compiled_mask_unowned_slots_equals_the_reference(seed: int, request
 
 def test_a_dropped_request_and_positions_past_its_blocks_commit_nothing() -> None:
     # request 0 (row 1, positions 6-7) is dropped; request 1 (row 0, positions 6-8) owns 2
-    # blocks (positions 0-7), so position 8 is past them
+    # blocks (positions 0-7: blocks 3 and 5), so position 8 is past them
+    table = np.array([[3, 5, -1], [2, 2, -1]], dtype=np.int32)
     got = batch.mask_unowned_slots_reference(
         np.array([1, 0]), np.array([0, 2]), np.array([2, 3]), np.array([6, 6]),
-        np.array([10, 11, 20, 21, 22]), np.array([True, False]), np.array([2, 5]), 4)
-    assert got.tolist() == [-1, -1, 20, 21, -1]
+        np.array([10, 11, 22, 23, 24]), np.array([True, False]), table, 4)
+    assert got.tolist() == [-1, -1, 22, 23, -1]
+
+
+def test_a_column_the_step_gave_back_commits_nothing() -> None:
+    # a windowed row (row 0) staged positions 2-5 in blocks 7 and 9; the settling step gave
+    # its first column back (RELEASED): block 7 may be another row's now, so only 4-5 land
+    table = np.array([[-2, 9, -1]], dtype=np.int32)
+    got = batch.mask_unowned_slots_reference(
+        np.array([0]), np.array([0]), np.array([4]), np.array([2]),
+        np.array([30, 31, 36, 37]), np.array([False]), table, 4)
+    assert got.tolist() == [-1, -1, 36, 37]
 
 
 ROWS = 16

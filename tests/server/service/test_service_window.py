@@ -181,3 +181,27 @@ def test_a_windowed_prefix_is_cached_parked_and_hit_with_its_window_alone(zmq_co
     finally:
         replay.close(linger=0)
         core.close()
+
+
+def test_the_commit_never_writes_a_column_its_settling_step_gave_back() -> None:
+    """A 20-token prompt in a window of 8: the call that settles its prefill gives back the
+    columns behind the window (positions 0-11) before it commits the prompt's K/V, and those
+    blocks are free, maybe already another row's: the commit writes only the columns the row
+    still holds."""
+    core = ServiceCore(ServiceConfig(pool=windowed(), max_step_tokens=64))
+    try:
+        client = Client.in_process(core, worker_id="w")
+        client.register()
+        w = NamedWorker(client)
+        w.pool.kv.fill_(float("nan"))
+        w.step(new={"r": 20})
+        blocks = w.pool.block_table[0, :5].tolist()
+        stage_pattern(w.pool.staging, 20, tag=1)
+        w.step(grants={"r": 3})
+        given_back = w.pool.block_table[0, :5] == RELEASED
+        assert given_back.tolist() == [True, True, True, False, False]
+        for column, block in enumerate(blocks):
+            written = not w.pool.kv[:, :, block].isnan().any()
+            assert written == (not given_back[column]), (column, block)
+    finally:
+        core.close()
