@@ -156,6 +156,7 @@ def test_the_invariant_check_covers_every_group(core: ServiceCore) -> None:
     assert core.get_pool(wire.PoolQuery()).invariants == "unchecked"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_groups_share_one_step_fence_and_each_holds_its_committed_tokens() -> None:
     """The CUDA run of `test_each_group_holds_exactly_the_committed_tokens_at_its_own_tables_slots`
