@@ -13,7 +13,6 @@ arrived: a bad one raises `MalformedBody` naming the element (``grants.draft_len
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 import typing
 from collections.abc import Sequence
@@ -56,9 +55,13 @@ _REQUEST_COLUMNS: dict[str, tuple[str, str]] = {
 # (tested).
 _REQUEST_PATHS = wire.column_paths(protocol.StepRequest)
 _COLUMN_INDEX = {column: i for i, column in enumerate(_REQUEST_COLUMNS.values())}
-# Columns of one group that pair up element by element: (group, first, second).
-_PAIRED = (("results", "handles", "num_accepted"), ("grants", "handles", "draft_lens"),
-           ("padding", "handles", "padded_draft_lens"), ("prefill", "handles", "num_tokens"))
+# Columns of one group that pair up element by element: (group, first, second, and the two
+# columns' indices in `_REQUEST_COLUMNS` order).
+_PAIRED = tuple((group, first, second, _COLUMN_INDEX[group, first], _COLUMN_INDEX[group, second])
+                for group, first, second in (("results", "handles", "num_accepted"),
+                                             ("grants", "handles", "draft_lens"),
+                                             ("padding", "handles", "padded_draft_lens"),
+                                             ("prefill", "handles", "num_tokens")))
 
 
 @functools.cache
@@ -67,10 +70,15 @@ def _bounds(model: type[BaseModel]) -> dict[str, protocol.Column]:
     return {name: col for name, tp in hints.items() if (col := wire.column_of(tp)) is not None}
 
 
+_BYTES = (bytes, bytearray, memoryview)
+
+
 def as_int64(value: ColumnInput, where: str) -> np.ndarray:
     """``value`` as a flat int64 array (int64 bytes are viewed, not copied); `MalformedBody`
     naming ``where`` if it holds anything but integers."""
-    if isinstance(value, bytes | bytearray | memoryview):
+    if type(value) is np.ndarray and value.ndim == 1 and value.dtype == INT64:
+        return value if value.size else NO_VALUES  # a step's columns, usually: nothing to do
+    if isinstance(value, _BYTES):
         if not value:
             return NO_VALUES
         try:
@@ -160,7 +168,7 @@ class StepCall(_ArrayRecord):
               new_req_ids: Sequence[str] = (), **columns: ColumnInput) -> StepCall:
         """A call from columns given as sequences, arrays or int64 bytes (missing ones empty);
         `MalformedBody` naming the first bad element or mismatched length."""
-        unknown = set(columns) - set(_REQUEST_COLUMNS)
+        unknown = columns.keys() - _REQUEST_COLUMNS.keys()
         if unknown:
             raise TypeError(f"unknown columns: {sorted(unknown)}")
         arrays: list[np.ndarray] = []
@@ -179,8 +187,8 @@ class StepCall(_ArrayRecord):
                  req_ids: tuple[str, ...], arrays: list[np.ndarray]) -> StepCall:
         """The call of columns already typed and within their bounds, once their lengths
         agree."""
-        for group, first, second in _PAIRED:
-            a, b = arrays[_COLUMN_INDEX[group, first]], arrays[_COLUMN_INDEX[group, second]]
+        for group, first, second, i, j in _PAIRED:
+            a, b = arrays[i], arrays[j]
             if a.size != b.size:
                 raise MalformedBody(f"{group}.{second}: {b.size} values for {a.size} {first}",
                                     field=f"{group}.{second}")
@@ -277,14 +285,24 @@ def _unpacked(message: Any, paths: tuple[str, ...]) -> tuple[np.ndarray, list[in
 
 def _packed(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
     """``lengths`` and ``columns`` of a packed message holding ``arrays`` (ints), in order."""
+    # Joined as bytes: one copy of each non-empty column, where a concatenation copies twice and
+    # pays for every empty one (most of a step's columns are).
     return {"lengths": [a.size for a in arrays],
-            "columns": np.concatenate(arrays, dtype=INT64).tobytes()}
+            "columns": b"".join([(a if a.dtype == INT64 else a.astype(INT64)).tobytes()
+                                 for a in arrays if a.size])}
 
 
 def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
-    ends = list(itertools.accumulate(sizes))
-    return [values[end - size:end] if size else NO_VALUES for size, end in zip(sizes, ends,
-                                                                               strict=True)]
+    """``values`` cut into consecutive columns of ``sizes`` values (views; `NO_VALUES` for an
+    empty one)."""
+    out, end = [], 0
+    for size in sizes:
+        if size:
+            start, end = end, end + size
+            out.append(values[start:end])
+        else:
+            out.append(NO_VALUES)
+    return out
 
 
 def _check_bounds(values: np.ndarray, sizes: list[int]) -> None:
@@ -394,14 +412,39 @@ class TableChanges(_ArrayRecord):
     block_ids: np.ndarray
 
     def apply(self, table: np.ndarray) -> None:
-        """Bring a worker's own copy of the block table up to date."""
-        offset = 0
-        for row, start, count in zip(self.rows.tolist(), self.starts.tolist(),
-                                     self.num_blocks.tolist(), strict=True):
-            n = count - start
-            table[row, start:count] = self.block_ids[offset:offset + n]
-            table[row, count:] = -1
-            offset += n
+        """Bring a worker's own copy of the block table (rows x blocks, integers) up to date."""
+        apply_table_changes(table, self.rows, self.starts, self.num_blocks, self.block_ids)
+
+
+def apply_table_changes_reference(table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                                  num_blocks: np.ndarray, block_ids: np.ndarray) -> None:
+    """`TableChanges.apply` over its columns: each changed row takes the next ``num_blocks -
+    start`` of ``block_ids`` from column ``start`` on, and -1 past its ``num_blocks``."""
+    offset = 0
+    for row, start, count in zip(rows.tolist(), starts.tolist(), num_blocks.tolist(),
+                                 strict=True):
+        n = count - start
+        table[row, start:count] = block_ids[offset:offset + n]
+        table[row, count:] = -1
+        offset += n
+
+
+def _apply_table_changes_loop(table, rows, starts, num_blocks,  # type: ignore[no-untyped-def]
+                              block_ids):  # pragma: no cover
+    # Compiled by numba; the reference above states what it computes.
+    offset = 0
+    for i in range(rows.size):
+        row, start, count = rows[i], starts[i], num_blocks[i]
+        for column in range(start, count):
+            table[row, column] = block_ids[offset + column - start]
+        for column in range(count, table.shape[1]):
+            table[row, column] = -1
+        offset += count - start
+
+
+# A Python loop over the changed rows otherwise: one per request that grew or shrank.
+apply_table_changes = (jit(_apply_table_changes_loop) if numba is not None
+                       else apply_table_changes_reference)
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ worker). Tests compare the two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,7 +33,7 @@ from kvalloc.server.contract.columns import NO_VALUES, Scheduled
 from kvalloc.server.contract.errors import StepNotSettled
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen, as `columns`' records: built every step, never changed
 class Flight:
     """One step's batch as settling sees it; arrays per entry of ``scheduled``."""
 
@@ -45,8 +45,9 @@ class Flight:
     @classmethod
     def of(cls, scheduled: Scheduled, num_decodes: int, step_id: int) -> Flight:
         """A batch just laid out: its first ``num_decodes`` entries wait for results."""
-        entries = np.arange(len(scheduled))
-        return cls(scheduled, step_id, entries < num_decodes, np.zeros(entries.size, bool))
+        waiting = np.zeros(len(scheduled), bool)
+        waiting[:num_decodes] = True
+        return cls(scheduled, step_id, waiting, np.zeros(waiting.size, bool))
 
 
 class Settled(NamedTuple):
@@ -76,10 +77,11 @@ class InFlight:
                 f"results: the request of handle {int(o.scheduled.handles[missing])} ran "
                 f"in step {o.step_id}, two calls ago: report its accepted count, finish it, "
                 f"or revert it if that step is its newest ({count} unsettled)")
-        older = None if o is None else replace(o, waiting=np.zeros_like(o.waiting),
-                                               dropped=older_dropped)
-        newest = None if n is None else replace(n, waiting=newest_waiting,
-                                                dropped=newest_dropped)
+        # Built field by field: `dataclasses.replace` costs several constructors.
+        older = None if o is None else Flight(o.scheduled, o.step_id,
+                                              np.zeros(o.waiting.size, bool), older_dropped)
+        newest = None if n is None else Flight(n.scheduled, n.step_id, newest_waiting,
+                                               newest_dropped)
         return Settled(older, newest)
 
     def advance(self, settled: Settled, flight: Flight) -> Flight | None:

@@ -58,10 +58,17 @@ class ServiceMetrics:
         )
         for what in SHARED_STATE:  # at 0 from the start: an increase over a window needs it
             self.shared_state_repairs.labels(what=what)
+        # The step latency's series by transport, looked up once: `labels` costs several
+        # observations, and every step call pays it.
+        self._step_latency_of: dict[str, Any] = {}
 
     def observe_step(self, transport: str, seconds: float) -> None:
         """Record one per-step call's service time (``transport``: e.g. "ipc", "rest")."""
-        self.step_latency.labels(transport=transport).observe(seconds)
+        series = self._step_latency_of.get(transport)
+        if series is None:
+            series = self._step_latency_of[transport] = self.step_latency.labels(
+                transport=transport)
+        series.observe(seconds)
 
     def lease_expired(self, n: int = 1) -> None:
         """Count ``n`` expired worker leases."""

@@ -234,6 +234,8 @@ class WorkerRegistry:
 
     def release(self, worker: Worker, rows: np.ndarray) -> None:
         """The requests in ``rows`` are gone (finished, or their worker left)."""
+        if rows.size == 0:  # most steps finish nothing
+            return
         self.owner[rows] = NO_OWNER
         for row in rows.tolist():
             req_id = self._row_req_id[row]

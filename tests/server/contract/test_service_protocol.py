@@ -243,6 +243,42 @@ def test_the_compiled_bounds_check_equals_the_reference(parts: list[list[int]],
             == columns.first_outside_reference(values, sizes, low, high))
 
 
+@pytest.mark.skipif(numba is None, reason="numba is not installed")
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([np.int32, np.int64]), st.data())
+def test_the_compiled_table_changes_equal_the_reference(dtype: type, data: st.DataObject) -> None:
+    rows, width = 6, 5
+    before = np.array(data.draw(st.lists(st.integers(-1, 99), min_size=rows * width,
+                                         max_size=rows * width)), dtype=dtype).reshape(rows, width)
+    changed = data.draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows))
+    spans = [sorted(data.draw(st.lists(st.integers(0, width), min_size=2, max_size=2)))
+             for _ in changed]
+    ids = np.arange(sum(count - start for start, count in spans), dtype=np.int64) + 1000
+    args = [np.array(column, dtype=np.int64).reshape(-1)
+            for column in (changed, [s for s, _ in spans], [c for _, c in spans])]
+    want, got = before.copy(), before.copy()
+    columns.apply_table_changes_reference(want, *args, ids)
+    columns.apply_table_changes(got, *args, ids)
+    assert np.array_equal(got, want)
+    for row, (start, count) in zip(changed, spans, strict=True):  # what the reference states
+        assert (want[row, count:] == -1).all() and np.array_equal(want[row, :start],
+                                                                  before[row, :start])
+
+
+def test_a_reply_of_other_integer_columns_packs_them_as_int64() -> None:
+    empty = np.zeros(0, dtype=np.int32)
+    result = StepResult(
+        epoch=1, step_id=2, admitted=np.array([7, -1], dtype=np.int32),
+        scheduled=Scheduled(*[np.array([k, 2 * k], dtype=np.int32) for k in range(6)]),
+        refused=Refused(empty, empty, empty),
+        committed=wire.CommitSummary(tokens=0, written=0, fallback=None), free_blocks=3,
+        tables=None, slot_mapping=None)
+    back = StepResult.from_wire(wire.decode(wire.encode_msgpack(result.to_wire(binary=True)),
+                                            wire.StepReplyBinary))
+    assert back == result
+    assert back.admitted.dtype == np.int64 and back.refused.kinds is columns.NO_VALUES
+
+
 def test_integer_bounds_are_integers_in_the_openapi_document() -> None:
     """JSON Schema readers must see 2**63 - 1 exactly, not a float that rounds to 2**63."""
     schema = protocol.StepRequest.model_json_schema()
