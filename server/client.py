@@ -36,7 +36,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import msgspec
 import torch
 import zmq
-from kvalloc.allocator import PoolConfig, WriterFence
+from kvalloc.allocator import LayerGroup, PoolConfig, WriterFence
 from kvalloc.allocator import slot_mapping as table_slot_mapping
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
@@ -347,11 +347,12 @@ class Client:
 
 
 @contextlib.contextmanager
-def in_process_client(pool: PoolConfig, *, max_step_tokens: int,
-                      worker_id: str | None = None) -> Iterator[Client]:
-    """A client of a service core made in this process for ``pool``, not yet registered; the
-    core closes (its shared memory unlinked) when the block ends. What a worker that embeds the
-    service uses instead of ``kvalloc serve``."""
+def in_process_client(pool: PoolConfig, *, max_step_tokens: int, worker_id: str | None = None,
+                      groups: Sequence[LayerGroup] = ()) -> Iterator[Client]:
+    """A client of a service core made in this process for ``pool`` (in ``groups``, when a
+    model mixes layer kinds: `ServiceConfig.groups`), not yet registered; the core closes (its
+    shared memory unlinked) when the block ends. What a worker that embeds the service uses
+    instead of ``kvalloc serve``."""
     # Imported here: a client of a service in another process never loads the service.
     from kvalloc.server.service.core import ServiceCore
     from kvalloc.server.service.settings import ServiceConfig
@@ -359,7 +360,7 @@ def in_process_client(pool: PoolConfig, *, max_step_tokens: int,
     # The service lives and dies with this process, so a lease guards against nothing here but
     # would expire while the first steps compile their kernels (a cold Triton cache).
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=max_step_tokens,
-                                     lease_ttl_s=3600.0))
+                                     lease_ttl_s=3600.0, groups=list(groups)))
     try:
         yield Client.in_process(core, worker_id=worker_id)
     finally:

@@ -52,7 +52,12 @@ from kvalloc.server.contract.errors import (
     ShardingInvalid,
 )
 from kvalloc.server.contract.sharing import SHM_DIR, SHM_DIR_ENV, reap_dead_instances
-from kvalloc.server.serve_arguments import LIMIT_FLAGS, POOL_FLAGS, SERVICE_FLAGS
+from kvalloc.server.serve_arguments import (
+    LIMIT_FLAGS,
+    POOL_FLAGS,
+    SERVICE_FLAGS,
+    layer_spans,
+)
 from kvalloc.server.serve_arguments import add_arguments as add_arguments  # a command's two names
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.footprint import Footprint, check_fits, describe_bytes
@@ -184,23 +189,12 @@ def _layout_note(config: ServiceConfig) -> str:
               f", window {pool.window}, at most {pool.max_live_blocks_per_seq} blocks a request")
     if config.groups:
         window += ", groups " + ", ".join(
-            f"{g.name} (layers {_spans(g.layers)}, {g.num_blocks} blocks"
+            f"{g.name} (layers {layer_spans(g.layers)}, {g.num_blocks} blocks"
             f"{'' if g.window is None else f', window {g.window}'})" for g in config.groups)
     if pool.kv_layout == "latent":
         return f"{pool.num_layers} layers x a latent of {pool.head_dim} (latent layout{window})"
     return (f"{pool.num_layers} layers x {pool.num_kv_heads} KV heads x {pool.head_dim} "
             f"(kv layout{window})")
-
-
-def _spans(layers: tuple[int, ...]) -> str:
-    """(0, 1, 2, 3, 8) -> 0-3,8: layers as ``--layer-group`` takes them."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _tier_note(config: ServiceConfig) -> str:

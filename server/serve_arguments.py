@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
-from typing import Any, get_args
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, get_args
 
 from kvalloc.allocator import KVDType, KVLayout, PoolConfig, SlackPolicy, WireShape
 from kvalloc.allocator.commands.arguments import argument_type
@@ -23,6 +23,9 @@ from kvalloc.server.contract.addresses import (
 )
 from kvalloc.server.service.settings import DEFAULT_NUM_BLOCKS, ServiceConfig
 from kvalloc.server.transport.network import DEFAULT_LIMITS, http_parsers
+
+if TYPE_CHECKING:  # its module imports torch, which --help must not
+    from kvalloc.allocator import LayerGroup
 
 # PoolConfig fields that are flags, with their help. Unset flags keep `default_pool()`'s values.
 POOL_FLAGS: dict[str, tuple[type, str]] = {
@@ -215,6 +218,23 @@ def layer_group(text: str) -> Any:
     except ValueError as exc:  # the layers or a number
         why = str(exc)
     raise ValueError(f"{text!r}: {why}")
+
+
+def layer_group_flag(group: LayerGroup) -> str:
+    """A `LayerGroup` as the ``--layer-group`` flag `layer_group` parses back to it."""
+    window = "" if group.window is None else f":{group.window}"
+    return f"--layer-group {group.name}:{layer_spans(group.layers)}:{group.num_blocks}{window}"
+
+
+def layer_spans(layers: Sequence[int]) -> str:
+    """(0, 1, 2, 3, 8) -> 0-3,8: layers as ``--layer-group`` takes them."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _layer_list(text: str) -> list[int]:

@@ -18,7 +18,8 @@ synchronously or one step ahead of the host (an overlap worker).
   ``--help``).
 
 May import `allocator` and `server`'s client and contract (it is the client's user; its
-``--in-process`` service comes from `server.client.in_process_client`), never `server.service`;
-nothing imports it.
+``--in-process`` service comes from `server.client.in_process_client`), and
+`server.serve_arguments` to spell the ``kvalloc serve`` flags a refusal proposes; never
+`server.service`; nothing imports it.
 Needs the optional dependencies: ``pip install 'kvalloc[worker]'``.
 """

@@ -64,6 +64,7 @@ from kvalloc.worker.model import (
     pool_for_model,
     pool_window,
     random_model,
+    sized_groups,
 )
 from kvalloc.worker.parallel.local_ranks import run_local_ranks
 from kvalloc.worker.parallel.sharding import shard_model
@@ -309,9 +310,11 @@ def _client(args: argparse.Namespace, model: Any,
                 with contextlib.suppress(Exception):  # a lost service frees it by lease
                     client.deregister()
         return
-    with in_process_client(in_process_pool(args, model, prompts),
-                           max_step_tokens=args.max_step_tokens,
-                           worker_id=args.worker_id) as client:
+    pool = in_process_pool(args, model, prompts)
+    groups = sized_groups(model.config, pool, num_requests=len(prompts),
+                          max_step_tokens=args.max_step_tokens)
+    with in_process_client(pool, max_step_tokens=args.max_step_tokens,
+                           worker_id=args.worker_id, groups=groups) as client:
         client.register(overlap=args.overlap)
         yield client
 
@@ -319,7 +322,8 @@ def _client(args: argparse.Namespace, model: Any,
 def in_process_pool(args: argparse.Namespace, model: Any,
                     prompts: Sequence[NamedPrompt]) -> PoolConfig:
     """A pool shaped like ``model``'s KV, long enough for the longest prompt's output; a
-    windowed pool for a model whose every layer slides."""
+    windowed pool for a model whose every layer slides (one that mixes layer kinds is served
+    in the groups `sized_groups` makes of it)."""
     return pool_for_model(
         model.config, longest=max(len(p.token_ids) for p in prompts) + args.max_new_tokens,
         num_requests=len(prompts), draft_len=args.draft_len, dtype=args.dtype,

@@ -188,17 +188,20 @@ class Engine:
         else:
             wrong += _window_mismatch(model.config, layout.window)
         if wrong:
+            # Imported here: the serve command's flags, spelled as it parses them, matter only
+            # to a worker being refused.
+            from kvalloc.server.serve_arguments import layer_group_flag
+
             window = pool_window(model.config)
-            groups = "; ".join(f"{g.name} = layers {list(g.layers)}"
-                               + (f", window {g.window}" if g.window is not None else "")
-                               for g in model_groups(model.config, num_blocks=1))
+            groups = " ".join(layer_group_flag(g) for g in model_groups(
+                model.config, num_blocks=layout.num_blocks))
             raise LayoutMismatch(
                 f"{'; '.join(wrong)}. A pool for this model: kvalloc serve --num-layers "
                 f"{layers} --num-kv-heads {heads * tp} --head-dim {head_dim} --dtype {dtype}"
                 f"{' --kv-layout latent' if latent else ''}"
                 f"{f' --window {window}' if window is not None else ''}"
                 f"{f' --tensor-parallel {tp}' if tp > 1 else ''}"
-                f"{f', in layer groups {groups} (or one group of every layer)' if groups else ''}")
+                f"{f' {groups} (or without them: one pool of every layer)' if groups else ''}")
 
     # ------------------------------------------------------------------ before serving
 

@@ -139,6 +139,24 @@ def model_groups(config: PretrainedConfig, *, num_blocks: int) -> list[LayerGrou
                        window=w, num_blocks=num_blocks) for w in kinds]
 
 
+def sized_groups(config: PretrainedConfig, pool: PoolConfig, *, num_requests: int,
+                 max_step_tokens: int) -> list[LayerGroup]:
+    """`model_groups` for ``pool`` (none for a model of one layer kind): the full group of
+    ``pool``'s blocks, each windowed group of those its window needs for ``num_requests`` at
+    once, never more than ``pool``'s: per request what a decoding row holds at most
+    (`PoolConfig.max_live_blocks_per_seq`), and for the prefill chunks of the two steps in
+    flight (at most ``max_step_tokens`` each, over every request) their blocks and one more
+    per request for where they start in a block, twice. Fewer blocks defer or preempt
+    requests; they never change what a request reads."""
+    groups = model_groups(config, num_blocks=pool.total_blocks)
+    tokens_per_block = pool.tokens_per_block
+    chunks = -(-2 * max_step_tokens // tokens_per_block) + 2 * num_requests
+    return [g if g.window is None else g.model_copy(update={"num_blocks": min(
+        pool.total_blocks, num_requests * pool.model_copy(
+            update={"window": g.window}).max_live_blocks_per_seq + chunks)})
+        for g in groups]
+
+
 def pool_for_model(config: PretrainedConfig, *, longest: int, num_requests: int,
                    draft_len: int, dtype: str, device: str, tokens_per_block: int = 16,
                    max_batch_size: int = 64, num_blocks: int | None = None,

@@ -11,22 +11,33 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from command_help import help_and_imports
+from kvalloc.allocator import LayerGroup, PoolConfig
 from kvalloc.server.cli import main
-from kvalloc.server.client import Client
+from kvalloc.server.client import Client, in_process_client
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.sharing import OWNER_SUFFIX, SHM_DIR
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
+from kvalloc.server.serve_arguments import layer_group_flag
+from kvalloc.worker import cli as worker_cli
 from kvalloc.worker.cli import default_worker_id
-from kvalloc.worker.model import kv_layout, kv_shape
+from kvalloc.worker.model import kv_layout, kv_shape, sized_groups
 from sigint import Interrupted, interrupt_once_progressing
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
-from worker_oracle import MAX_DRAFT_LEN, MAX_NEW_TOKENS, TOKENS_PER_BLOCK, Oracle, make_oracle
+from worker_oracle import (
+    MAX_DRAFT_LEN,
+    MAX_NEW_TOKENS,
+    TOKENS_PER_BLOCK,
+    Oracle,
+    make_oracle,
+    pool_config,
+)
 
 pytest_plugins = ["worker_fixtures"]
 
@@ -258,6 +269,66 @@ def test_the_validator_sees_a_windowed_latent_service_without_slack(
     result = json.loads(capsys.readouterr().out)
     assert (result["table_violations"] > 0) == violations
     assert result["forwards_ahead"] > 0
+
+
+MIXED = "qwen2_mixed"  # layer 0 full, layer 1 sliding over 16
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_an_in_process_worker_serves_a_mixed_model_in_groups(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        overlap: bool) -> None:
+    """``--in-process`` for a model mixing full and sliding layers: its service holds a group
+    per layer kind (`sized_groups`: the windowed one of the blocks its window needs), and the
+    worker gives generate's tokens with the table validator seeing no violation."""
+    oracle = make_oracle(MIXED)
+    config, prompts = write_inputs(oracle, tmp_path)
+    served: list[list[LayerGroup]] = []
+
+    def recording(pool: PoolConfig, **kwargs: Any) -> Any:
+        served.append(list(kwargs["groups"]))
+        return in_process_client(pool, **kwargs)
+
+    monkeypatch.setattr(worker_cli, "in_process_client", recording)
+    assert main(worker_args(config, prompts, "--in-process", "--validate", "--draft-len", "3",
+                            "--drafter", "oracle:0.5", "--max-step-tokens", "48",
+                            "--max-batch-size", "8", *(["--overlap"] if overlap else []))) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert outputs(json.dumps(result)) == oracle.expected
+    assert result["table_violations"] == 0 and (result["forwards_ahead"] > 0) == overlap
+    (groups,) = served
+    assert [(g.name, g.layers, g.window) for g in groups] == [("full", (0,), None),
+                                                              ("window16", (1,), 16)]
+    assert groups[1].num_blocks < groups[0].num_blocks
+
+
+def test_a_worker_process_against_a_grouped_service(tmp_path: Path) -> None:
+    """`kvalloc serve --layer-group ...` (the groups ``--in-process`` would make) and `kvalloc
+    worker` each a process of their own, the worker mapping every group from the
+    registration's handles: generate's tokens synchronously and one step ahead, the validator
+    checking each group's table, and the service holds nothing after."""
+    oracle = make_oracle(MIXED)
+    config, prompts = write_inputs(oracle, tmp_path)
+    groups = sized_groups(oracle.model.config, pool_config(oracle.model).pool,
+                          num_requests=len(oracle.prompts), max_step_tokens=48)
+    flags = [part for g in groups for part in layer_group_flag(g).split()]
+    with ServiceProcess(tmp_path, *SERVICE_POOL, *flags, tcp=False) as service:
+        runs = [subprocess.run([*kvalloc_command(), *worker_args(
+            config, prompts, "--address", service.stream, "--draft-len", "3", "--drafter",
+            "oracle:0.5", "--validate", *mode)], capture_output=True, text=True, timeout=300)
+            for mode in ((), ("--overlap",))]
+        with Client(service.stream, worker_id="observer") as client:
+            state = client.get_pool(verify=True)
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+        assert outputs(r.stdout) == oracle.expected
+        assert json.loads(r.stdout)["table_violations"] == 0
+    assert json.loads(runs[1].stdout)["forwards_ahead"] > 0
+    assert [(g.name, g.window) for g in state.layout.groups] == [("full", None),
+                                                                ("window16", 16)]
+    assert state.num_requests == 0 and state.invariants == "ok"
+    assert (f"groups full (layers 0, 256 blocks), window16 (layers 1, {groups[1].num_blocks} "
+            f"blocks, window 16)") in service.log()
 
 
 def test_a_model_reading_past_the_services_window_is_a_one_line_error(

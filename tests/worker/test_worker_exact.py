@@ -11,7 +11,7 @@ exact and the committed slots right; the rejected drafts' slots then hold whatev
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -28,11 +28,14 @@ pytest_plugins = ["worker_fixtures"]
 
 
 class PoolWatch:
-    """The on_step observer: the pool must equal exactly the tokens committed so far."""
+    """The on_step observer: the pool must equal exactly the tokens committed so far.
+    ``layers``: the model layers ``kv`` holds, in order (every one by default: a grouped
+    pool's group holds some)."""
 
     def __init__(self, oracle: Oracle, kv: torch.Tensor, block_table: torch.Tensor,
-                 nwor: bool = True) -> None:
+                 nwor: bool = True, layers: Sequence[int] | None = None) -> None:
         self.oracle, self.block_table, self.nwor = oracle, block_table, nwor
+        self.layers = slice(None) if layers is None else list(layers)
         layers, planes, blocks, self.tokens_per_block, heads, dim = kv.shape
         self.pool = kv.view(layers, planes, blocks * self.tokens_per_block, heads, dim)
         self.shadow = torch.full_like(self.pool, float("nan"))
@@ -71,7 +74,8 @@ class PoolWatch:
             if r.handle in finished or r.handle < 0:
                 continue
             keep = n - drafts + accepted_by_handle.get(r.handle, 0)
-            self.shadow[:, :, slots[:keep]] = self.oracle.kv[r.req_id][:, :, start:start + keep]
+            self.shadow[:, :, slots[:keep]] = self.oracle.kv[r.req_id][
+                self.layers, :, start:start + keep]
             self.committed += keep
             if not self.nwor:  # rejected drafts were written too: their slots are unknown now
                 self.shadow[:, :, slots[keep:]] = float("nan")

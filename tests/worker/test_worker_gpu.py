@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 from cuda_checks import no_host_sync
-from grouped_pool import lockstep_groups
 from kvalloc.server.client import Client
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.service.settings import ServiceConfig
 from kvalloc.worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDrafter
 from kvalloc.worker.engine import Engine
-from kvalloc.worker.model import layer_windows, pool_for_model, random_model
+from kvalloc.worker.model import pool_for_model, random_model, sized_groups
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.step.device_step import LaunchPlan
 from transformers import (
@@ -64,11 +63,14 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
 
 def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
             overlap: bool = False, prefix_caching: bool = False,
-            window: int | None = None) -> tuple[ServiceCore, Client]:
+            window: int | None = None, grouped: bool = False) -> tuple[ServiceCore, Client]:
+    """``grouped``: in the groups `sized_groups` makes of a model that mixes layer kinds."""
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
                           dtype=dtype, device="cuda", max_batch_size=batch, window=window)
+    groups = sized_groups(model.config, pool, num_requests=batch,
+                          max_step_tokens=2048) if grouped else []
     # A lease past the first step's kernel compiles (tens of seconds on a cold cache).
-    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048,
+    core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048, groups=groups,
                                      prefix_caching=prefix_caching, lease_ttl_s=600.0))
     client = Client.in_process(core, worker_id="gpu-worker")
     client.register(overlap=overlap)
@@ -161,10 +163,11 @@ def test_float32_on_a_windowed_cuda_pool_equals_generate(cuda_device: str, famil
                          ids=["sync", "overlap-graphs"])
 def test_float32_on_a_grouped_cuda_pool_equals_generate(cuda_device: str, overlap: bool,
                                                         cuda_graphs: bool) -> None:
-    """Qwen2 with layer 0 full and layer 1 sliding over 32 on a pool of two groups, each its
-    own KV, staging and block table (`grouped_pool`'s look-alike: two services in lockstep,
-    both pools and stagings poisoned with NaN): every layer through its group's table, the
-    kernels launched per group, decode steps replayed as graphs captured over both tables."""
+    """Qwen2 with layer 0 full and layer 1 sliding over 32 on a service's pool of two groups
+    (`sized_groups`, as ``kvalloc worker --in-process`` makes them), each its own KV, staging
+    and block table, every pool and staging poisoned with NaN: every layer through its group's
+    table, the kernels launched per group, decode steps replayed as graphs captured over both
+    tables."""
     model = random_model(MIXED, seed=0, device=cuda_device)
     reference = random_model(MIXED, seed=0, device=cuda_device)
     reference.set_attn_implementation("sdpa")
@@ -172,20 +175,18 @@ def test_float32_on_a_grouped_cuda_pool_equals_generate(cuda_device: str, overla
     prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
                for i, n in enumerate((1, 17, 40, 130))]
     expected = _generated(reference, prompts, 16)
-    cores, clients = zip(*(_client(model, longest=150, batch=4, dtype="float32",
-                                   overlap=overlap, window=window) for window in (None, 32)),
-                         strict=True)
+    core, client = _client(model, longest=150, batch=4, dtype="float32", overlap=overlap,
+                           grouped=True)
     try:
-        for part in clients:
-            part.pool.kv.fill_(float("nan"))
-            part.pool.staging.fill_(float("nan"))
-        client = lockstep_groups(*clients, layer_windows(MIXED))
+        assert [g.window for g in client.pool.groups] == [None, 32]
+        for group in client.pool.groups:
+            group.kv.fill_(float("nan"))
+            group.staging.fill_(float("nan"))
         engine = Engine(model, client, _drafter(expected, overlap), draft_len=3,
                         overlap=overlap, validate=True, cuda_graphs=cuda_graphs)
         assert engine.run(prompts, 16) == expected
     finally:
-        for core in cores:
-            core.close()
+        core.close()
     stats = engine.stats
     assert stats.table_violations == 0 and stats.accepted_drafts > 0
     assert (stats.graph_replays > 0) == cuda_graphs

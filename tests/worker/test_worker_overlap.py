@@ -27,8 +27,8 @@ pytest_plugins = ["worker_fixtures"]
 
 class CommitReplay:
     """The on_step observer: the shadow of what the worker's commits wrote. ``group``: the
-    group of a grouped pool whose slots ``kv`` is read through; ``layers``: the layers of
-    ``kv`` that group commits, each model layer at its own index (every one by default)."""
+    group of a grouped pool whose slots ``kv`` is read through; ``layers``: the model layers
+    ``kv`` holds, in order (every one by default)."""
 
     def __init__(self, oracle: Oracle, kv: torch.Tensor, *, group: int = 0,
                  layers: Sequence[int] | None = None) -> None:
@@ -48,8 +48,8 @@ class CommitReplay:
             slots = tensors.slots[self.group, off:off + kept]
             positions = tensors.positions[off:off + kept]
             assert bool((slots >= 0).all()), "a kept token without a slot"
-            for layer in self.layers:
-                self.shadow[layer, :, slots] = self.oracle.kv[r.req_id][layer, :, positions]
+            for at, layer in enumerate(self.layers):
+                self.shadow[at, :, slots] = self.oracle.kv[r.req_id][layer, :, positions]
             self.kept += kept
 
     def check(self) -> None:

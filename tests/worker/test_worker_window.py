@@ -41,12 +41,15 @@ class GiveBacks:
     row holds is recorded (rows decode once two calls in a row schedule no prefill). With a
     prefix cache, the blocks it keeps (parked or not) are spared.
     ``committed(call)``, when given, puts what the call committed into the shadow first: a
-    call may commit a prefill chunk and give back its first blocks at once."""
+    call may commit a prefill chunk and give back its first blocks at once. ``group``: the
+    group of a grouped pool whose blocks these are (its KV, table and cached blocks)."""
 
     def __init__(self, client: Client, shadow: torch.Tensor,
-                 committed: Callable[[dict], None] | None = None) -> None:
-        self.pool, self.table = client.pool.kv, client.pool.block_table
-        self.cached = client.pool.protected  # the blocks a prefix cache keeps
+                 committed: Callable[[dict], None] | None = None,
+                 group: int | None = None) -> None:
+        pool = client.pool if group is None else client.pool.groups[group]
+        self.pool, self.table = pool.kv, pool.block_table
+        self.cached = pool.protected  # the blocks a prefix cache keeps
         layers, planes, blocks, per_block, heads, dim = self.pool.shape
         self.shadow = shadow.view(layers, planes, blocks, per_block, heads, dim)
         self.most_decoding, self.released, self.poisoned = 0, 0, 0

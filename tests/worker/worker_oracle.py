@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from kvalloc.allocator import PoolConfig
 from kvalloc.server.service.settings import ServiceConfig
-from kvalloc.worker.model import kv_layout, kv_shape, random_model
+from kvalloc.worker.model import kv_layout, kv_shape, random_model, sized_groups
 from kvalloc.worker.requests import NamedPrompt
 from kvalloc.worker.run_stats import RunStats
 from transformers import (
@@ -152,15 +152,20 @@ def _pool_rows(cache: DynamicCache, config: object) -> torch.Tensor:
     return torch.stack(planes).transpose(2, 3)
 
 
-def pool_config(model: PreTrainedModel, *, nwor: bool = True,
+def pool_config(model: PreTrainedModel, *, nwor: bool = True, grouped: bool = False,
                 **overrides: object) -> ServiceConfig:
+    """The tests' pool for ``model``; ``grouped``: in the groups `sized_groups` makes of a
+    model that mixes layer kinds, as ``kvalloc worker --in-process`` serves it."""
     layers, kv_heads, head_dim = kv_shape(model.config)
     pool = {"num_blocks": 256, "tokens_per_block": TOKENS_PER_BLOCK, "num_layers": layers,
             "num_kv_heads": kv_heads, "head_dim": head_dim,
             "kv_layout": kv_layout(model.config), "dtype": "float32",
             "device": "cpu", "max_batch_size": 8, "max_seq_len": 96,
             "max_draft_len": MAX_DRAFT_LEN, "overlap_scheduler": True, **overrides}
-    return ServiceConfig(pool=PoolConfig(**pool), max_step_tokens=MAX_STEP_TOKENS, nwor=nwor)
+    config = PoolConfig(**pool)
+    groups = sized_groups(model.config, config, num_requests=len(PROMPT_LENS),
+                          max_step_tokens=MAX_STEP_TOKENS) if grouped else []
+    return ServiceConfig(pool=config, max_step_tokens=MAX_STEP_TOKENS, nwor=nwor, groups=groups)
 
 
 def assert_acceptance(stats: RunStats, rate: object) -> None:
