@@ -318,6 +318,9 @@ class ServiceCore:
             result = self.pipeline.execute(worker, call, self.epoch)
             worker.last_step_id, worker.last_call, worker.last_result = (call.step_id, call,
                                                                          result)
+            # Silence counts from the reply: a step the service itself was slow to answer (a
+            # first call compiling the step's loops) is no silence of the worker's.
+            worker.last_seen = self.clock()
             self._observers.state_changed()
             return result
 

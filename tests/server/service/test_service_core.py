@@ -413,6 +413,27 @@ def test_a_call_after_the_ttl_finds_the_lease_gone_even_before_the_reaper(
     assert core.manager.num_requests == 0
 
 
+def test_a_step_the_service_is_slow_to_answer_starts_the_silence_at_its_reply(
+        core: ServiceCore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first step that compiles the step's loops may take longer than the TTL: the worker
+    waited on the service, it was not silent, so its lease runs TTL from the reply."""
+    w = worker(core)
+    execute = core.pipeline.execute
+
+    def slow(*args: object) -> object:
+        clock.now += 2 * TTL
+        return execute(*args)
+
+    monkeypatch.setattr(core.pipeline, "execute", slow)
+    w.step(new={"a": 4})
+    monkeypatch.setattr(core.pipeline, "execute", execute)
+    clock.now += TTL - 0.1
+    assert core.expire_leases() == 0
+    w.step()
+    clock.now += TTL + 0.1
+    assert core.expire_leases() == 1
+
+
 def test_a_watched_gap_extends_every_lease_and_silence_still_ends_one(
         core: ServiceCore, clock: FakeClock) -> None:
     """Under watch_pauses (what the reaper sets), a gap longer than the watch between two looks
