@@ -428,9 +428,11 @@ def _check_limits(config: ServiceConfig, call: StepCall) -> None:
 def _manager(config: ServiceConfig,
              placement: TensorAllocator) -> KVCacheManager | KVCacheGroups:
     """The host-side manager (a grouped pool's groups), its block tables made where the pool
-    places them. A grouped pool keeps no prefix cache (the configuration refuses one)."""
+    places them. A grouped pool's groups register blocks when they are written, as a pool does;
+    they publish no KV events and keep no host tier (the configuration refuses both)."""
     if config.groups:
-        return KVCacheGroups(group_pools(config.pool, config.groups), allocate=placement)
+        return KVCacheGroups(group_pools(config.pool, config.groups), allocate=placement,
+                             prefix_caching=config.prefix_caching, hash_seed=_hash_seed(config))
     return KVCacheManager(config.pool, allocate=placement, prefix_caching=config.prefix_caching,
                           hash_seed=_hash_seed(config), kv_events=config.kv_events is not None,
                           event_hashes=(HashScope.CONTENT if config.kv_events is not None
