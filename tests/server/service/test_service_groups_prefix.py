@@ -3,7 +3,8 @@ that shares a written prefix with an earlier one is admitted with one hit every 
 (the reply's ``cached_tokens``), the full group maps every block of the hit and the windowed
 group only its window's; each group's write protection (shared with the workers, one mask per
 group) marks exactly that group's cached blocks, for a worker the service commits for and for
-one that commits its own tokens; the repair puts each group's mask back from its own cache.
+one that commits its own tokens; another worker's namespace finds no hit in any group; the
+repair puts each group's mask back from its own cache.
 KV events and the host tier stay refused with groups, naming the field."""
 
 from __future__ import annotations
@@ -112,6 +113,18 @@ def test_a_finished_prefix_stays_protected_until_evicted(core: ServiceCore) -> N
         assert torch.nonzero(group.protected)[:, 0].tolist() == sorted(blocks)
     b = kv.step(new=(["b"], [27]), prompt_token_ids=SYSTEM + [2] * 3)
     assert b.cached_tokens.tolist() == [24]
+
+
+def test_a_worker_of_another_namespace_finds_no_hit(core: ServiceCore) -> None:
+    """Every group hashes a prompt in its worker's namespace: another worker's written prefix
+    is no hit in any group."""
+    kv = registered(core)
+    shared_prefix(kv, core)
+    other = Client.in_process(core, worker_id="other")
+    other.register()
+    reply = other.step(new=(["c"], [27]), prompt_token_ids=SYSTEM + [3] * 3)
+    assert reply.cached_tokens.tolist() == [0]
+    assert [m.counters.prefix_hit_tokens for m in core.groups.managers.values()] == [24, 24]
 
 
 def test_each_group_s_protection_is_put_back_from_its_own_cache(core: ServiceCore) -> None:
