@@ -23,8 +23,10 @@ Invariants:
   writes every shard;
 - a grouped pool's groups (`ServiceConfig.groups`, `KVCacheGroups`) hold the same requests in
   the same rows: every step and every drop goes through all of them, and the step's commit
-  writes each group's pool at its own table's slots. Its workers attach (`AttachRequired`
-  otherwise): a reply's table changes and slot mapping would describe one table.
+  writes each group's pool at its own table's slots; with prefix caching each group's cache
+  protects its own blocks (its committer's mask, the one its workers map). Its workers attach
+  (`AttachRequired` otherwise): a reply's table changes and slot mapping would describe one
+  table.
 """
 
 from __future__ import annotations
