@@ -76,9 +76,9 @@ class AttachedPool:
     (`attach_shard`).
 
     A grouped pool's has ``groups``: one `AttachedPool` per group, in group order, each with
-    its own ``kv``, ``block_table`` and ``staging`` over its model ``layers``, and its
-    ``window``; a group's ``fence``, ``writer_fence`` and ``protected`` are the pool's (the
-    groups share one device), and the fields above are group 0's."""
+    its own ``kv``, ``block_table``, ``staging`` and ``protected`` over its model ``layers``,
+    and its ``window``; a group's ``fence`` and ``writer_fence`` are the pool's (the groups
+    share one device), and the fields above are group 0's."""
 
     kv: torch.Tensor
     block_table: torch.Tensor
@@ -115,12 +115,12 @@ class AttachedPool:
     @classmethod
     def _map_groups(cls, attachment: wire.Attachment, session: int) -> AttachedPool:
         """A grouped pool: group 0 is the attachment's own fields (mapped once), every other
-        group's tensors are mapped beside it with the pool's fences."""
+        group's tensors (its protection too) are mapped beside it with the pool's fences."""
         pool = cls._map(attachment, session)
         pool.groups = [replace(
             pool if i == 0 else cls._map(described, session), fence=pool.fence,
-            writer_fence=pool.writer_fence, protected=pool.protected,
-            layers=tuple(described.layers), window=described.window)
+            writer_fence=pool.writer_fence, layers=tuple(described.layers),
+            window=described.window)
             for i, described in enumerate(attachment.groups)]
         pool.layers, pool.window = pool.groups[0].layers, pool.groups[0].window
         return pool
@@ -400,10 +400,9 @@ class _LocalTransport:
             return shards[shard]
         kv, table, staging, fence, word, protected = share.pool
         writer = WriterFence.of(word, reg.session)
-        groups = [AttachedPool(kv, table, staging, fence, protected, layers=tuple(layers),
+        groups = [AttachedPool(kv, table, staging, fence, group_protected, layers=tuple(layers),
                                window=window, writer_fence=writer)
-                  for kv, table, staging, layers, window
-                  in share.groups]
+                  for kv, table, staging, layers, window, group_protected in share.groups]
         return AttachedPool(kv, table, staging, fence, protected, shards=shards, groups=groups,
                             layers=groups[0].layers if groups else None,
                             window=groups[0].window if groups else None, writer_fence=writer)

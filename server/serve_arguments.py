@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--num-layers): its model layers (e.g. 0-3,8,10-11), the blocks of "
                              "its own pool, and its sliding window in tokens (none: full "
                              "attention); workers must attach (same host). Not with "
-                             "--window, prefix caching or --tensor-parallel")
+                             "--window, --host-tier, --kv-events or --tensor-parallel")
     shards.add_argument("--data-parallel-rank", type=int, metavar="K",
                         help="the data-parallel rank this service allocates for (one service "
                              "per rank): KV events carry it, workers of other ranks are refused")

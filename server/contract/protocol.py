@@ -220,8 +220,9 @@ class GroupAttachment(PoolHandles):
     ``staging`` hold the model layers ``layers`` (in that order: the group's layer ``i`` is the
     model's ``layers[i]``), its ``block_table`` is the group's own (a row is the same request in
     every group, its columns the group's blocks), and ``window`` is the group's sliding window
-    (None: full attention). The step fence and the writer fence are the pool's (the fields of
-    `Attachment`): the groups share one device."""
+    (None: full attention). ``protected`` (a service with prefix caching) is the group's own,
+    bool ``[its num_blocks]``: each group caches its own blocks. The step fence and the writer
+    fence are the pool's (the fields of `Attachment`): the groups share one device."""
 
     name: str
     layers: list[int]

@@ -130,8 +130,12 @@ class ShardedCommitter:
         for committer, staging in zip(self.shards, stagings, strict=True):
             committer.release_staging(staging)
 
-    def protect(self, blocks: np.ndarray, protected: np.ndarray) -> None:
+    def protect(self, blocks: np.ndarray, protected: np.ndarray, table: int = 0) -> None:
+        """`Committer.protect` on the parts of block table ``table``: every shard (of the one
+        table), or the group whose table it is."""
         for index, committer in enumerate(self.shards):
+            if self.grouped and index != table:
+                continue
             with self._on(index):
                 committer.protect(blocks, protected)
 

@@ -23,8 +23,10 @@ Invariants:
   writes every shard;
 - a grouped pool's groups (`ServiceConfig.groups`, `KVCacheGroups`) hold the same requests in
   the same rows: every step and every drop goes through all of them, and the step's commit
-  writes each group's pool at its own table's slots. Its workers attach (`AttachRequired`
-  otherwise): a reply's table changes and slot mapping would describe one table.
+  writes each group's pool at its own table's slots; with prefix caching each group's cache
+  protects its own blocks (its committer's mask, the one its workers map). Its workers attach
+  (`AttachRequired` otherwise): a reply's table changes and slot mapping would describe one
+  table.
 """
 
 from __future__ import annotations
@@ -431,9 +433,11 @@ def _check_limits(config: ServiceConfig, call: StepCall) -> None:
 def _manager(config: ServiceConfig,
              placement: TensorAllocator) -> KVCacheManager | KVCacheGroups:
     """The host-side manager (a grouped pool's groups), its block tables made where the pool
-    places them. A grouped pool keeps no prefix cache (the configuration refuses one)."""
+    places them. A grouped pool's groups register blocks when they are written, as a pool does;
+    they publish no KV events and keep no host tier (the configuration refuses both)."""
     if config.groups:
-        return KVCacheGroups(group_pools(config.pool, config.groups), allocate=placement)
+        return KVCacheGroups(group_pools(config.pool, config.groups), allocate=placement,
+                             prefix_caching=config.prefix_caching, hash_seed=_hash_seed(config))
     return KVCacheManager(config.pool, allocate=placement, prefix_caching=config.prefix_caching,
                           hash_seed=_hash_seed(config), kv_events=config.kv_events is not None,
                           event_hashes=(HashScope.CONTENT if config.kv_events is not None

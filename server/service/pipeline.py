@@ -25,7 +25,10 @@ Order inside one call (all checks come first; from the manager's step on nothing
 A grouped pool (`KVCacheGroups`, ``groups``) runs the same order: 2 steps every group (one
 outcome for the request, each group's own table changes), 4 reads each group's slots from its
 own table, 5 commits each group's staging at that group's slots (`ShardedCommitter`, grouped).
-The reply's ``free_blocks`` is the fewest any group has: the group that refuses first.
+With prefix caching, 2 admits a new request with one hit every group serves (the reply's
+``cached_tokens``), 5 marks the written prompt tokens in every group, and `sync_cache` drains
+each group's cache into that group's write protection. The reply's ``free_blocks`` is the
+fewest any group has: the group that refuses first.
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ class StepPipeline:
             outcome = self.manager.step_arrays(plan, prompts)
             assert outcome is not None  # applied: only a check returns None
             return outcome, [self.manager.table.host]
-        stepped = self.groups.step_arrays(plan)
+        stepped = self.groups.step_arrays(plan, prompts)
         return stepped.outcome, [table.host for table in self.groups.tables.values()]
 
     @property
@@ -218,18 +221,20 @@ class StepPipeline:
         return self._write_previous(worker, previous, settled, tables), slots[0]
 
     def sync_cache(self) -> None:
-        """What the manager's prefix cache changed since the last call: the host tier's copies
-        made, protection flips to the committer (blocks evicted since the last commit may be
-        written by the next one, blocks just registered must not be), KV events to
-        ``publish``."""
+        """What each table's prefix cache (the pool's, or every group's) changed since the last
+        call: the host tier's copies made, protection flips to that table's committers (blocks
+        evicted since the last commit may be written by the next one, blocks just registered
+        must not be), KV events to ``publish`` (a grouped pool has neither tier nor events)."""
         if not self._caching:
             return
-        changes = self.manager.drain_cache_changes()
-        if self.copy_tier is not None:
-            self.copy_tier(changes.onboards, changes.offloads)
-        self.committer.protect(changes.blocks, changes.protected)
-        if self.publish is not None:
-            self.publish(changes.events)
+        drained = ([self.manager.drain_cache_changes()] if self.groups is None
+                   else list(self.groups.drain_cache_changes().values()))
+        for table, changes in enumerate(drained):
+            if self.copy_tier is not None:
+                self.copy_tier(changes.onboards, changes.offloads)
+            self.committer.protect(changes.blocks, changes.protected, table)
+            if self.publish is not None:
+                self.publish(changes.events)
 
     def _drafts(self, grant_rows: np.ndarray, padding_rows: np.ndarray,
                 call: StepCall) -> np.ndarray:
@@ -263,10 +268,10 @@ class StepPipeline:
 
     def _mark_written(self, scheduled: Scheduled, dropped: np.ndarray) -> None:
         """A retired batch's prompt blocks become shareable, and protected, now that their K/V
-        is in the pool (``dropped`` requests, per entry, are skipped)."""
+        is in the pool, every group's (``dropped`` requests, per entry, are skipped)."""
         if self._caching:
             kept = ~dropped
-            self.manager.mark_written(
+            (self.groups or self.manager).mark_written(
                 scheduled.rows[kept], (scheduled.start_positions + scheduled.num_tokens)[kept])
 
     def _refused(self, outcome: StepOutcome, scheduled: int) -> Refused:

@@ -161,12 +161,19 @@ class ServiceConfig(BaseModel):
     def _groups_partition_the_pool(self) -> ServiceConfig:
         if not self.groups:
             return self
-        for name, why in (("prefix_caching", self.prefix_caching),
-                          ("tensor_parallel", self.tensor_parallel > 1),
-                          ("devices", len(self.devices) > 1)):
-            if why:
-                raise ValueError(f"{name}: not with groups (a grouped pool is one shard and "
-                                 "keeps no prefix cache)")
+        for name, refused in (("tensor_parallel", self.tensor_parallel > 1),
+                              ("devices", len(self.devices) > 1)):
+            if refused:
+                raise ValueError(f"{name}: not with groups (a grouped pool is one shard)")
+        # Each group caches under its own block size, so its own hashes: which group's blocks
+        # a router or the host tier should see is not defined yet.
+        for name, refused in (("kv_events", self.kv_events is not None),
+                              ("kv_events_replay", self.kv_events_replay is not None),
+                              ("host_tier_bytes", self.host_tier_bytes > 0)):
+            if refused:
+                raise ValueError(f"{name}: not with groups (each group caches its own blocks "
+                                 "under its own hashes; which group's a router or the host "
+                                 "tier would see is not defined)")
         group_pools(self.pool, self.groups)
         return self
 

@@ -62,8 +62,10 @@ SharedTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None
 ShardTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepFence | None, torch.Tensor,
                      torch.Tensor | None, tuple[int, int]]
 # One group of a grouped pool: its pool, its block table and the worker's staging of it, its
-# model layers and window (the fences and the protection are the pool's: `SharedTensors`).
-GroupTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], int | None]
+# model layers and window, and its protection of cached blocks (the fences are the pool's:
+# `SharedTensors`).
+GroupTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], int | None,
+                     torch.Tensor | None]
 
 
 class InProcessShare(NamedTuple):
@@ -197,10 +199,12 @@ class SharedPool:
         writers = [own[self._device_of(shard.spec)] for shard in self.shards]
         if not overlap:
             self.commits.add_staging(stagings, writers)
-        # A group's fences are the pool's (the top-level fields); a shard's are its own.
+        # A group's fences are the pool's (the top-level fields), its protection its own; a
+        # shard's are all its own.
         groups = [wire.GroupAttachment(
             kv=p["kv"], block_table=p["block_table"], staging=p["staging"],
-            name=s.spec.group.name, layers=list(s.spec.group.layers), window=s.spec.group.window)
+            protected=p["protected"], name=s.spec.group.name,
+            layers=list(s.spec.group.layers), window=s.spec.group.window)
             for p, s in zip(parts, self.shards, strict=True) if s.spec.group is not None]
         shards = [] if groups or len(parts) == 1 else [wire.ShardAttachment(
             **p, device=s.spec.pool.device, head_start=s.spec.heads[0],
@@ -256,18 +260,18 @@ class SharedPool:
     def repair(self, open_words: dict[int, int]) -> dict[str, int]:
         """Put back what another process wrote into the state workers map read-only: every
         shard's copy of the block table from the manager's host table (each group's table from
-        its group's), every shard's protection
-        of cached blocks from the prefix cache's flags, every shard's fence words from
+        its group's), every shard's protection of cached blocks from the prefix cache's flags
+        (each group's from its group's cache), every shard's fence words from
         ``open_words`` (slot -> the session open in it; every other word closed). Any process of
         the service's user can open those segments read-write; the host state is out of its
         reach. Returns the entries that differed and were rewritten, by what (`SHARED_STATE`).
         The caller has drained the cache's protection flips (`StepPipeline.sync_cache`)."""
         repaired = {"block_table": sum(_rewrite(copy, table.host) for table in self.tables
                                        for copy in table.device_tables)}
-        cache = self.manager.cache
-        repaired["protected"] = 0 if cache is None else sum(
-            _rewrite(shard.committer.protected, cache.protected) for shard in self.shards
-            if shard.committer.protected is not None)
+        repaired["protected"] = sum(
+            _rewrite(shard.committer.protected, manager.cache.protected)
+            for shard, manager in zip(self.shards, self._part_managers(), strict=True)
+            if shard.committer.protected is not None and manager.cache is not None)
         words = np.full(self.config.max_workers, CLOSED, dtype=np.int64)
         words[list(open_words)] = list(open_words.values())
         repaired["fence_words"] = sum(_rewrite(shard.words, words) for shard in self.words)
@@ -282,6 +286,13 @@ class SharedPool:
         if self.groups is None:
             return [self.manager.table]
         return list(self.groups.tables.values())
+
+    def _part_managers(self) -> list[KVCacheManager]:
+        """The manager of each part's blocks, in part order: the one manager for every shard, or
+        each group's."""
+        if self.groups is None:
+            return [self.manager] * len(self.shards)
+        return list(self.groups.managers.values())
 
     def check_invariants(self) -> None:
         """The committers' state (each shard's or group's), and every device's fence words
@@ -309,9 +320,9 @@ class SharedPool:
 
     def _shared_groups(self, worker: Worker) -> list[GroupTensors]:
         """Each group's tensors and ``worker``'s staging of it, in group order, with the group's
-        model layers and window; empty for a pool that is not grouped."""
+        model layers, window and protection; empty for a pool that is not grouped."""
         return [(shard.storage.kv, shard.table, staging, shard.spec.group.layers,
-                 shard.spec.group.window)
+                 shard.spec.group.window, shard.committer.protected)
                 for shard, staging in zip(self.shards, worker.stagings, strict=True)
                 if shard.spec.group is not None]
 

@@ -61,7 +61,8 @@ def test_a_bad_group_field_is_named(group_fields: dict, field: str) -> None:
 
 
 @pytest.mark.parametrize(("changes", "field"), [
-    ({"prefix_caching": True}, "prefix_caching"),
+    ({"tensor_parallel": 2}, "tensor_parallel: not with groups"),
+    ({"devices": ["cpu", "cpu"]}, "devices: not with groups"),
     ({"pool": POOL.model_copy(update={"window": 8})}, "groups: pool.window"),
 ])
 def test_what_groups_do_not_serve_is_refused(changes: dict, field: str) -> None:
