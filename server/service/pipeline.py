@@ -77,9 +77,10 @@ def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
     return np.split(token_ids, np.cumsum(prompt_lens)[:-1])
 
 
-def _prompts(manager: KVCacheManager, worker: Worker, call: StepCall) -> list[Prompt]:
-    """The new requests' prompts, hashed in the worker's namespace: its blocks are shared with
-    the workers of that namespace alone."""
+def _prompts(manager: KVCacheManager | KVCacheGroups, worker: Worker,
+             call: StepCall) -> list[Prompt] | list[dict[str, Prompt]]:
+    """The new requests' prompts, hashed in the worker's namespace (once per group of a grouped
+    pool): its blocks are shared with the workers of that namespace alone."""
     return [manager.prompt(tokens, worker.cache_salt)
             for tokens in _split(call.prompt_token_ids, call.prompt_lens)]
 
@@ -129,7 +130,7 @@ class StepPipeline:
             prefill_rows=prefill_rows, prefill_tokens=call.prefill_tokens,
             prompt_lens=call.prompt_lens, first_chunks=call.first_chunks,
             lag=2 if worker.overlap else 1),
-            _prompts(self.manager, worker, call) if self._caching else ())
+            _prompts(self.groups or self.manager, worker, call) if self._caching else ())
         # ---- applied: nothing below raises on input.
         registry.release(worker, finished_rows)
         admitted = registry.admit(worker, call.new_req_ids, outcome.admitted_rows)
@@ -156,7 +157,7 @@ class StepPipeline:
                 outcome.changed_block_ids.astype(np.int64)),
             slot_mapping=None if worker.attached else slots, cached_tokens=cached)
 
-    def _step(self, plan: PlanArrays, prompts: Sequence[Prompt]
+    def _step(self, plan: PlanArrays, prompts: Sequence[Prompt] | Sequence[dict[str, Prompt]]
               ) -> tuple[StepOutcome, list[np.ndarray]]:
         """Apply ``plan`` (every group's step, for a grouped pool): what it did to the
         requests, and each block table's host copy after it, in table order."""

@@ -207,14 +207,18 @@ class KVCacheGroups:
             cached_tokens=np.where(admitted, first.cached_tokens, 0))
         return GroupsOutcome(common, runs)
 
+    def prompt(self, tokens: np.ndarray, salt: bytes = b"") -> dict[str, Prompt]:
+        """``tokens`` hashed once in each group's blocks (`KVCacheManager.prompt`), for
+        `step_arrays`: hashing when a request arrives keeps it out of the step."""
+        return {name: m.prompt(tokens, salt) for name, m in self.managers.items()}
+
     def _prompts(self, tokens: Sequence[Any], prompt_lens: np.ndarray
                  ) -> tuple[dict[str, list[Prompt | None]], np.ndarray | None]:
-        """Each group's prompts (hashed in its own blocks; a `Prompt` given is hashed again
-        under its namespace) and the hit every group serves each new request (None: no lookup)."""
+        """Each group's prompts (`prompt`'s, or a `Prompt` or bare token ids hashed here in its
+        own blocks) and the hit every group serves each new request (None: no lookup)."""
         if not self.prefix_caching or all(t is None for t in tokens):
             return {name: [] for name in self.managers}, None
-        prompts = {name: [None if t is None else m.prompt(t.tokens, salt=t.namespace)
-                          if isinstance(t, Prompt) else m.prompt(t) for t in tokens]
+        prompts = {name: [_hashed(t, name, m) for t in tokens]
                    for name, m in self.managers.items()}
         hit = np.zeros(len(tokens), dtype=np.int64)
         for i in range(len(tokens)):
@@ -319,3 +323,13 @@ class KVCacheGroups:
                 raise InvariantViolation(f"group {name}'s requests differ from the first group's")
             if self.ahead[name][~live].any() or (r.pending & (self.ahead[name] > 0)).any():
                 raise InvariantViolation(f"group {name} holds chunk tokens ahead off a prefill")
+
+
+def _hashed(tokens: Any, group: str, manager: KVCacheManager) -> Prompt | None:
+    """One new request's prompt in ``group``'s blocks: from `KVCacheGroups.prompt`'s hashes,
+    else hashed now (a `Prompt` under its own namespace)."""
+    if tokens is None or isinstance(tokens, dict):
+        return None if tokens is None else tokens[group]
+    if isinstance(tokens, Prompt):
+        return manager.prompt(tokens.tokens, salt=tokens.namespace)
+    return manager.prompt(tokens)

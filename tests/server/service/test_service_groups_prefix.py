@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from kvalloc.allocator import PoolConfig
+from kvalloc.allocator import KVCacheManager, PoolConfig
 from kvalloc.allocator.capacity.block_table import RELEASED
 from kvalloc.server.client import AttachedPool, Client
 from kvalloc.server.service.core import ServiceCore
@@ -78,6 +78,23 @@ def test_a_shared_prefix_is_one_hit_in_every_group(core: ServiceCore, overlap: b
     # b runs from position 24, whose window reads back to 17: blocks 4 and 5 alone.
     assert sliding_b[:6] == [RELEASED] * 4 + sliding_a[4:6]
     assert kv.get_pool(verify=True).invariants == "ok"
+
+
+def test_a_new_prompt_is_hashed_once_in_each_group(core: ServiceCore,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hashing is the admission's per-token cost: each group hashes a prompt in its own blocks
+    once, and the step takes those hashes."""
+    hashed: list[int] = []
+    prompt = KVCacheManager.prompt
+
+    def counted(manager: KVCacheManager, *args: object, **kwargs: object) -> object:
+        hashed.append(id(manager))
+        return prompt(manager, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, "prompt", counted)
+    kv = registered(core)
+    kv.step(new=(["a", "b"], [28, 27]), prompt_token_ids=SYSTEM + [1] * 4 + SYSTEM + [2] * 3)
+    assert sorted(hashed) == sorted(2 * [id(m) for m in core.groups.managers.values()])
 
 
 @pytest.mark.parametrize("overlap", [False, True])
