@@ -68,24 +68,36 @@ def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Te
 
 def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
                   tables: Sequence[GroupTable], *,
-                  backend: Literal["auto", "torch", "triton"] = "auto") -> StepMetadata:
+                  backend: Literal["auto", "torch", "triton"] = "auto",
+                  out: StepMetadata | None = None) -> StepMetadata:
     """`metadata_reference`, as one Triton launch per group on CUDA (``auto``) or in Triton's
-    interpreter on CPU tensors (``triton``)."""
+    interpreter on CPU tensors (``triton``). ``out``: tensors of the step's shapes to store it
+    in (a captured graph's static inputs), returned."""
     if resolve_backend(backend, tables[0].table.device) == "torch":
-        return metadata_reference(cols, lead, pending, tables)
-    return metadata_triton(cols, lead, pending, tables)
+        meta = metadata_reference(cols, lead, pending, tables)
+        if out is None:
+            return meta
+        for into, values in zip(out, meta, strict=True):
+            into.copy_(values)
+        return out
+    return metadata_triton(cols, lead, pending, tables, out=out)
 
 
 def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
-                    tables: Sequence[GroupTable]) -> StepMetadata:
+                    tables: Sequence[GroupTable], *,
+                    out: StepMetadata | None = None) -> StepMetadata:
     """`metadata_reference` in one launch per group (Triton's interpreter for CPU tensors): the
-    first group's launch stores every column, each other group's its slots alone."""
+    first group's launch stores every column, each other group's its slots alone; into
+    ``out`` where given."""
     from kvalloc.worker.kernels import step_metadata as kernels
 
     n = cols.token_entry.numel()
-    history = torch.empty_like(cols.starts)
-    positions, ids, index = (torch.empty_like(cols.host_ids) for _ in range(3))
-    slots = cols.host_ids.new_empty((len(tables), n))
+    if out is not None:
+        history, positions, slots, ids, index = out
+    else:
+        history = torch.empty_like(cols.starts)
+        positions, ids, index = (torch.empty_like(cols.host_ids) for _ in range(3))
+        slots = cols.host_ids.new_empty((len(tables), n))
     for g, (table, tokens_per_block) in enumerate(tables):
         if not n:
             break
