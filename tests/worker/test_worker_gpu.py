@@ -314,29 +314,6 @@ def test_an_overlap_step_never_makes_the_host_wait(cuda_device: str, cuda_graphs
     assert (engine.stats.graph_replays > 0) == cuda_graphs
 
 
-def test_outcomes_stay_whole_with_two_pinned_buffers_taken_in_turn(cuda_device: str) -> None:
-    """Each launch copies its outcome into one of two pinned buffers, in turn: step k + 2 takes
-    step k's memory once the host has read step k (an overlap worker's order). A caller three
-    launches ahead of its reads still reads each step's own outcome: the third launch reads the
-    first before taking its buffer."""
-    model = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
-    core, client = _client(model, longest=64, batch=4, dtype="float32")
-    try:
-        engine = Engine(model, client, None, draft_len=0)
-        spare = engine.rows.spare
-        plans = [LaunchPlan.on_spare_row(np.full(n, 1), spare, decode=True) for n in (4, 2, 1)]
-        alone = [engine.step.launch(plan).outcome() for plan in plans]
-        # None read before the third; the first is the widest, so the third fits its buffer.
-        ahead = [engine.step.launch(plan) for plan in plans]
-        assert ahead[0].read and not ahead[1].read
-        assert ahead[2].host.data_ptr() == ahead[0].host.data_ptr()
-        for launched, want in zip(ahead, alone, strict=True):
-            for got, expected in zip(launched.outcome(), want, strict=True):
-                np.testing.assert_array_equal(got, expected)
-    finally:
-        core.close()
-
-
 def test_one_billion_shape_in_bfloat16_agrees_with_its_plain_run(
         cuda_device: str, record_property: Callable[[str, object], None]) -> None:
     model = random_model(ONE_B, seed=0, dtype=torch.bfloat16, device=cuda_device)

@@ -12,9 +12,8 @@ The graph reads static copies of the step's inputs: the uploaded columns and the
 eagerly before each replay and are copied in; each group's layout reads the static columns
 through the group's own block table (the service's, which it updates in place). The first
 step of a shape runs eagerly (it also warms every kernel up for the shape) and the graph is
-captured right after, for the next one; nothing of the capture itself runs. A step may build
-its inputs in the static copies themselves (`static_inputs`), which then need no copy. Graphs
-share one memory pool; the least recently used beyond ``max_graphs`` is dropped.
+captured right after, for the next one; nothing of the capture itself runs. Graphs share one
+memory pool; the least recently used beyond ``max_graphs`` is dropped.
 
 A replay runs what the capture recorded, host values and all: whatever the body read from the
 host at capture (the plan's sizes, the kernels' launch choices) holds for every step replayed.
@@ -104,13 +103,6 @@ class DecodeGraphs:
         live = [key for key in self._replays if key in self._buckets]
         return self._buckets[max(live, key=self._replays.__getitem__)].replay if live else None
 
-    def static_inputs(self, plan: Any) -> tuple[torch.Tensor, ...] | None:
-        """The static inputs a decode-only ``plan``'s replay reads (the columns' one tensor,
-        then the metadata's, in its field order) when its shape was captured: the step may
-        build its inputs there, and `run` copies nothing it finds in place."""
-        bucket = self._buckets.get(_key(plan))
-        return bucket.inputs if bucket is not None else None
-
     def run(self, plan: Any, layouts: tuple[Any, ...], meta: Any, cols: Any,
             body: Callable[..., Any]) -> Any:
         """``body(plan, layouts, meta, cols)`` for a decode-only ``plan`` (``layouts``: the
@@ -124,8 +116,7 @@ class DecodeGraphs:
             return outputs
         self._buckets.move_to_end(key)
         for static, now in zip(bucket.inputs, (cols.flat, *meta), strict=True):
-            if now is not static:
-                static.copy_(now)
+            static.copy_(now)
         outputs = bucket.replay()
         self._replays[key] = self._replays.get(key, 0) + 1
         return outputs

@@ -141,21 +141,11 @@ class Launched:
 
     def outcome(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens [E, W], emitted [E], accepted [E])``: entry e emitted ``tokens[e,
-        :emitted[e]]``; waits for the device. Read once; later calls return the same arrays."""
-        return self._settled
-
-    @property
-    def read(self) -> bool:
-        """Whether `outcome` has been read (its pinned buffer may be taken again)."""
-        return "_settled" in self.__dict__
-
-    @functools.cached_property
-    def _settled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        :emitted[e]]``; waits for the device."""
         if self.done is not None:
             self.done.synchronize()
         e, p, w = self.plan.emitting.size, self.ran, self.width
-        # A copy: the pinned buffer is the device step's, taken again two launches later.
-        flat = self.host.numpy().copy()
+        flat = self.host.numpy()
         return (flat[:p * w].reshape(p, w)[:e], flat[p * w:][:e], flat[p * w + p:][:e])
 
 
@@ -170,9 +160,7 @@ class StepOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class StepTensors:
-    """What the step ran, on the device, for observers (tests check the pool with it). A
-    replayed step's are its graph's static tensors, which the next replay of its shape
-    overwrites: an observer reads them before the next launch."""
+    """What the step ran, on the device, for observers (tests check the pool with it)."""
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
@@ -206,12 +194,7 @@ class DeviceStep:
         # Two, taken in turn: the host fills one while the device may still copy from the other
         # (an overlap worker's previous step), so filling never waits for the device.
         self._uploads = (PinnedUploads(self.device), PinnedUploads(self.device))
-        # The outcomes' pinned buffers, taken in the same turn: an overlap worker reads step k
-        # before it launches step k + 2, so the buffer step k + 2 copies into has been read.
-        self._outputs: list[torch.Tensor | None] = [None, None]
-        self._holders: list[Launched | None] = [None, None]
         self._launches = 0
-        self._tables = [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups]
 
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
@@ -230,32 +213,13 @@ class DeviceStep:
             out = self._body(run, layouts, meta, cols)
         host = out.packed
         if self.timed:  # the host reads it behind the step's event, never by waiting on it now
-            host = self._output(host.numel())
+            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
             host.copy_(out.packed, non_blocking=True)
         n, k = int(plan.num_tokens.sum()), int(plan.widths.sum())
         record = StepTensors(meta.ids[:n], meta.positions[:n], plan.logit_rows, out.logits[:k],
                              meta.slots[:, :n], out.kept[:plan.rows.size] if self.commits else None)
-        launched = Launched(plan, host, out.width, run.emitting.size, self._event(), started,
-                            record, metadata_s)
-        if self.timed:
-            self._holders[self._launches % 2] = launched
-        return launched
-
-    def _output(self, numel: int) -> torch.Tensor:
-        """This launch's pinned buffer for its outcome (int64, ``numel`` of it), in the turn of
-        its upload. A step still unread there (a caller three launches ahead of its reads) is
-        read first, which waits for its device work: its buffer is about to be overwritten."""
-        turn = self._launches % 2
-        holder = self._holders[turn]
-        if holder is not None and not holder.read:
-            holder.outcome()
-        self._holders[turn] = None
-        buffer = self._outputs[turn]
-        if buffer is None or buffer.numel() < numel:
-            grown = max(numel, 2 * buffer.numel()) if buffer is not None else numel
-            buffer = self._outputs[turn] = torch.empty(grown, dtype=torch.int64,
-                                                      pin_memory=True)
-        return buffer[:numel]
+        return Launched(plan, host, out.width, run.emitting.size, self._event(), started, record,
+                        metadata_s)
 
     @property
     def capacity(self) -> int:
@@ -325,16 +289,12 @@ class DeviceStep:
         slots) and columns, from one upload and one launch per group
         (`worker.step.step_metadata`)."""
         self._launches += 1
-        # A captured shape's replay reads static inputs: built there, nothing is copied in.
-        static = (self.graphs.static_inputs(plan)
-                  if self.graphs is not None and plan.decode_only else None)
-        cols = _Columns.upload(plan, self._uploads[self._launches % 2],
-                               into=static[0] if static is not None else None)
+        cols = _Columns.upload(plan, self._uploads[self._launches % 2])
         meta = step_metadata(
             EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
                          cols.token_entry, cols.host_ids),
-            self.rows.lead, self.rows.pending, self._tables,
-            out=StepMetadata(*static[1:]) if static is not None else None)
+            self.rows.lead, self.rows.pending,
+            [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups])
         # The host bounds each history by the most a lead can be.
         reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
         first = self.groups[0]
@@ -415,11 +375,8 @@ class _Columns(NamedTuple):
     flat: torch.Tensor  # the one tensor the others view
 
     @classmethod
-    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads, *,
-               into: torch.Tensor | None = None) -> _Columns:
-        """The columns through ``uploads``: valid until its next upload, in stream order.
-        ``into``: the device tensor to land in (a captured shape's static columns, which
-        hold exactly these) instead of the upload's own."""
+    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
+        """The columns through ``uploads``: valid until its next upload, in stream order."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
         decodes = plan.emitting[plan.decode]
         decoding[decodes] = 1
@@ -427,15 +384,7 @@ class _Columns(NamedTuple):
                  np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
                  plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
                  decodes]
-        packed = np.concatenate(parts).astype(np.int64, copy=False)
-        if into is None:
-            (flat,) = uploads.upload(packed)
-        else:
-            if into.numel() != packed.size:
-                raise InvariantViolation(f"columns: {packed.size} values for static columns "
-                                         f"of {into.numel()}")
-            uploads.into(into, packed)
-            flat = into
+        (flat,) = uploads.upload(np.concatenate(parts).astype(np.int64, copy=False))
         ends = np.cumsum([p.size for p in parts]).tolist()
         return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends, strict=True)), flat)
 

@@ -68,36 +68,24 @@ def metadata_reference(cols: EntryColumns, lead: torch.Tensor, pending: torch.Te
 
 def step_metadata(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
                   tables: Sequence[GroupTable], *,
-                  backend: Literal["auto", "torch", "triton"] = "auto",
-                  out: StepMetadata | None = None) -> StepMetadata:
+                  backend: Literal["auto", "torch", "triton"] = "auto") -> StepMetadata:
     """`metadata_reference`, as one Triton launch per group on CUDA (``auto``) or in Triton's
-    interpreter on CPU tensors (``triton``). ``out``: tensors of the step's shapes to store it
-    in (a captured graph's static inputs), returned."""
+    interpreter on CPU tensors (``triton``)."""
     if resolve_backend(backend, tables[0].table.device) == "torch":
-        meta = metadata_reference(cols, lead, pending, tables)
-        if out is None:
-            return meta
-        for into, values in zip(out, meta, strict=True):
-            into.copy_(values)
-        return out
-    return metadata_triton(cols, lead, pending, tables, out=out)
+        return metadata_reference(cols, lead, pending, tables)
+    return metadata_triton(cols, lead, pending, tables)
 
 
 def metadata_triton(cols: EntryColumns, lead: torch.Tensor, pending: torch.Tensor,
-                    tables: Sequence[GroupTable], *,
-                    out: StepMetadata | None = None) -> StepMetadata:
+                    tables: Sequence[GroupTable]) -> StepMetadata:
     """`metadata_reference` in one launch per group (Triton's interpreter for CPU tensors): the
-    first group's launch stores every column, each other group's its slots alone; into
-    ``out`` where given."""
+    first group's launch stores every column, each other group's its slots alone."""
     from kvalloc.worker.kernels import step_metadata as kernels
 
     n = cols.token_entry.numel()
-    if out is not None:
-        history, positions, slots, ids, index = out
-    else:
-        history = torch.empty_like(cols.starts)
-        positions, ids, index = (torch.empty_like(cols.host_ids) for _ in range(3))
-        slots = cols.host_ids.new_empty((len(tables), n))
+    history = torch.empty_like(cols.starts)
+    positions, ids, index = (torch.empty_like(cols.host_ids) for _ in range(3))
+    slots = cols.host_ids.new_empty((len(tables), n))
     for g, (table, tokens_per_block) in enumerate(tables):
         if not n:
             break

@@ -85,19 +85,6 @@ def test_the_kernel_is_the_reference_in_the_interpreter(seed: int) -> None:
 
 
 @needs_triton_interpreter
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_metadata_stored_into_given_tensors_is_the_same_and_lands_there(backend: str) -> None:
-    """A captured graph's static inputs take the metadata in place: every column stored into
-    the given tensors, which are what comes back."""
-    cols, lead, pending, tables = _layout(np.random.default_rng(7), "cpu")
-    want = metadata_reference(cols, lead, pending, tables)
-    out = type(want)(*(torch.full_like(t, -7) for t in want))
-    got = step_metadata(cols, lead, pending, tables, backend=backend, out=out)
-    for name, a, b, c in zip(want._fields, want, got, out, strict=True):
-        assert b is c and torch.equal(a, b), name
-
-
-@needs_triton_interpreter
 def test_the_kernels_slots_are_the_slot_rule_in_the_interpreter() -> None:
     """Over random tables with -1 past each row's blocks, entries reaching past them and entries
     on the spare row: the slot rule's numpy specification, over the table with a row of -1 for
