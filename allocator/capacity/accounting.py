@@ -52,10 +52,20 @@ def lag2_slack(draft_len, policy):  # type: ignore[no-untyped-def]
 def released_behind(behind_draft, policy):  # type: ignore[no-untyped-def]
     """Drafts of the behind step a lag-2 grant gives back at once: all of them under ``none``
     (the host assumes the unsettled drafts were rejected, and the device, which accepted some,
-    writes past capacity: the IMA on purpose), else none."""
+    writes past capacity: the IMA on purpose), else none. A revert of that grant leaves them
+    given back (`revert`)."""
     if policy == _NO_SLACK:
         return behind_draft
     return behind_draft * 0
+
+
+def revert(capacity, history, draft_len, slack):  # type: ignore[no-untyped-def]
+    """``revert_allocate_generation``: the pending grant's ``1 + D + slack`` taken back; what
+    `released_behind` gave back of a step behind it stays given back, so a revert never needs a
+    block. Capacity never drops below history: under ``none`` at lag 2 results can find fewer
+    tokens reserved than the device kept (`settle_behind` raises capacity to the new history,
+    eating into the pending grant's reservation). Arrays and integers alike, like `slack_rule`."""
+    return np.maximum(capacity - (1 + draft_len + slack), history)
 
 
 def settle_behind(capacity, history, behind_draft, behind_slack, accepted,  # type: ignore[no-untyped-def]

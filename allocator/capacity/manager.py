@@ -16,7 +16,7 @@ Invariants (``check_invariants`` verifies all of them):
 - a request holds at most one generation grant at a time, and at lag 2 at most one unsettled
   step behind it (granted at lag 2 too); the pending grant added exactly ``1 + draft + slack``
   (slack per `reference.grant_slack`: `accounting.slack_for` at lag 1, `accounting.lag2_slack`
-  at lag 2), which is what a revert takes back;
+  at lag 2), which is what a revert takes back (never below history: `accounting.revert`);
 - blocks are conserved (free + parked + owned == total); reference counts equal the number of
   rows holding a block, and a block held by more than one row, or parked, is a cached prefix
   block (`prefix_cache`): registered, write-protected, in the leading ``cached`` columns of

@@ -8,9 +8,10 @@
 2. ``settle``: reverts, then results, on copies of the row state (`Settled`);
 3. ``plan_grants`` / ``plan_prefill``: the capacity each grant, padding and prefill chunk wants
    (`Demand`);
-4. ``serve_blocks``: row overflow, then blocks served in order (running requests first, then
-   prefill, then new requests), then rows for the new requests (`Served`); parked blocks (unowned
-   cached content, `block_pool`) count as available, except those a new request reuses;
+4. ``serve_blocks``: row overflow, then blocks served in order (rows whose results outgrew
+   their blocks, then running requests, then prefill, then new requests), then rows for the new
+   requests (`Served`); parked blocks (unowned cached content, `block_pool`) count as
+   available, except those a new request reuses;
 
 and only then, when nothing can fail any more,
 
@@ -38,6 +39,7 @@ from kvalloc.allocator.capacity.accounting import (
     blocks_for,
     lag2_slack,
     released_behind,
+    revert,
     settle,
     settle_behind,
     slack_for,
@@ -253,9 +255,8 @@ def settle_step(plan: PlanArrays, state: CapacityState) -> Settled:
     reverts = plan.revert_rows
     if reverts.size:
         _first_where(~s.pending[reverts], codes.NO_PENDING_GRANT, codes.REVERTS)
-        # Exactly what the grant added; a lag-2 grant also gave back what `released_behind` says.
-        s.capacity[reverts] -= (1 + s.draft_len[reverts] + s.slack[reverts] - released_behind(
-            s.behind_draft[reverts], POLICY_CODES[state.limits.policy]))
+        s.capacity[reverts] = revert(s.capacity[reverts], s.history[reverts],
+                                     s.draft_len[reverts], s.slack[reverts])
         _revert_to_behind(s, reverts)
     results, accepted = plan.result_rows, plan.num_accepted
     if results.size:
@@ -398,6 +399,8 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
     kept = np.maximum(state.rows.cached[finished], state.rows.released[finished])
     released = int((state.rows.num_blocks - base_blocks).sum() - kept.sum())
     available = state.pool.num_free + state.pool.num_parked + released
+    if available < 0:
+        _fail_settled_growth(plan.result_rows, base_blocks, state.rows.num_blocks, available)
     hit_counts, hit_columns = hits.counts, hits.leading()
     first_tokens = admitted_tokens(plan.prompt_lens, plan.first_chunks, hit_columns * tpb)
     demands = grow_blocks - base_blocks[grow_rows]
@@ -427,6 +430,17 @@ def serve_blocks(plan: PlanArrays, state: CapacityState, settled: Settled,
                   first_tokens, np.where(admitted, hit_counts, 0),
                   np.where(admitted, hit_columns, 0),
                   grant_starts(plan.grant_rows, settled), settled.history[plan.prefill_rows])
+
+
+def _fail_settled_growth(results: np.ndarray, base_blocks: np.ndarray, num_blocks: np.ndarray,
+                         available: int) -> NoReturn:
+    """Results that commit more tokens than their row holds blocks for (only under ``none`` at
+    lag 2: the device kept drafts the host gave back, `accounting.released_behind`) grow the row
+    before anything else is served; a pool that cannot cover them stops the step. Fails on the
+    first such row, quoting the blocks there were before any row grew."""
+    grows = base_blocks[results] > num_blocks[results]
+    growth = int(np.maximum(base_blocks - num_blocks, 0).sum())
+    _fail(codes.OUT_OF_BLOCKS, codes.RESULTS, results[np.argmax(grows)], available + growth)
 
 
 def grant_starts(grants: np.ndarray, settled: Settled) -> np.ndarray:

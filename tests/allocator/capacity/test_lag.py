@@ -28,7 +28,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvalloc.allocator import BlockTableOverflow, GrantPending, KVCacheManager, PoolConfig, StepPlan
+from kvalloc.allocator import (
+    BlockTableOverflow,
+    GrantPending,
+    KVCacheManager,
+    OutOfBlocks,
+    PoolConfig,
+    StepPlan,
+)
 from kvalloc.allocator.capacity.step.compiled import available
 
 TPB = 4
@@ -245,4 +252,75 @@ def test_reference_values_at_lag_2(compiled: bool) -> None:
         mgr.step(StepPlan(grant_rows=row, draft_lens=[3], lag=2))
     mgr.step(StepPlan(result_rows=row, num_accepted=[3], revert_rows=row, lag=2))
     assert (mgr.capacity("a"), mgr.history("a")) == (107, 107)  # step 2 settles, 3 reverted
+    mgr.check_invariants()
+
+
+def none_manager(compiled: bool, num_blocks: int = 48) -> KVCacheManager:
+    """``none`` gives back the drafts of the step behind a lag-2 grant at once; its manager's
+    rows fit a 5-token prompt and two steps of MAX_DRAFT drafts (3 blocks)."""
+    return make_manager(compiled, "none", num_blocks=num_blocks, max_seq_len=8)
+
+
+@pytest.mark.parametrize("compiled", [False, *([True] if available() else [])])
+def test_a_revert_after_the_step_behind_settles_never_goes_below_history(compiled: bool) -> None:
+    """Under ``none`` the behind step's results find the device kept drafts the host gave
+    back: capacity rises to the new history, short of the pending grant's 1 + D. Reverting
+    that grant then leaves capacity at history, not below it."""
+    mgr = none_manager(compiled)
+    row = mgr.step(StepPlan(prompt_lens=[1], lag=2)).admitted_rows
+
+    def capacity_and_history() -> tuple[int, int]:
+        view = mgr.view(int(row[0]))
+        return view.capacity, view.history
+
+    mgr.step(StepPlan(grant_rows=row, draft_lens=[3], lag=2))
+    mgr.step(StepPlan(grant_rows=row, draft_lens=[0], lag=2))  # gives back the 3 drafts behind
+    assert capacity_and_history() == (3, 1)
+    mgr.step(StepPlan(result_rows=row, num_accepted=[1], lag=2))  # one of them was kept
+    assert capacity_and_history() == (3, 3)
+    mgr.step(StepPlan(revert_rows=row, lag=2))
+    assert capacity_and_history() == (3, 3)
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("compiled", [False, *([True] if available() else [])])
+def test_a_revert_leaves_the_drafts_given_back_behind_it_and_needs_no_block(
+        compiled: bool) -> None:
+    """Under ``none`` a lag-2 grant gives back the drafts of the step behind it, and their
+    block goes to another request; reverting the grant takes back only its own 1 + D, so the
+    row does not grow back into a pool that has nothing left."""
+    mgr = none_manager(compiled, num_blocks=4)
+    row = mgr.step(StepPlan(prompt_lens=[5], lag=2)).admitted_rows
+    mgr.step(StepPlan(grant_rows=row, draft_lens=[3], lag=2))  # 9 tokens: 3 blocks
+    mgr.step(StepPlan(grant_rows=row, draft_lens=[0], lag=2))  # 7 tokens: 2 blocks
+    mgr.step(StepPlan(prompt_lens=[8], lag=2))  # takes the 2 blocks left
+    assert mgr.free_blocks == 0
+    mgr.step(StepPlan(revert_rows=row, lag=2))
+    view = mgr.view(int(row[0]))
+    assert (view.capacity, view.history, view.num_blocks, view.pending_draft_len) == (6, 5, 2, 3)
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("compiled", [False, *([True] if available() else [])])
+def test_results_past_the_blocks_of_an_empty_pool_are_refused_whole(compiled: bool) -> None:
+    """Under ``none`` the behind step's results can commit drafts the host gave back (the
+    forward wrote past capacity): the row must grow to the new history before anything else,
+    and with no block left the step raises OutOfBlocks and changes nothing."""
+    mgr = none_manager(compiled, num_blocks=4)
+    row = mgr.step(StepPlan(prompt_lens=[5], lag=2)).admitted_rows
+    mgr.step(StepPlan(grant_rows=row, draft_lens=[3], lag=2))
+    mgr.step(StepPlan(grant_rows=row, draft_lens=[0], lag=2))
+    other = mgr.step(StepPlan(prompt_lens=[8], lag=2)).admitted_rows
+    before = mgr.view(int(row[0]))
+    with pytest.raises(OutOfBlocks, match="0 blocks available, not enough for row 0") as err:
+        mgr.step(StepPlan(result_rows=row, num_accepted=[3], lag=2))
+    assert err.value.field == "num_blocks"
+    after = mgr.view(int(row[0]))
+    assert (after.capacity, after.history, after.num_blocks) == (
+        before.capacity, before.history, before.num_blocks)
+    mgr.check_invariants()
+    # Freeing the other request in the same call makes room: history 5 + 1 + 3 in 3 blocks.
+    mgr.step(StepPlan(result_rows=row, num_accepted=[3], finished_rows=other, lag=2))
+    after = mgr.view(int(row[0]))
+    assert (after.capacity, after.history, after.num_blocks) == (9, 9, 3)
     mgr.check_invariants()

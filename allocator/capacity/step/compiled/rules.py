@@ -14,6 +14,7 @@ blocks_for = inlined(accounting.blocks_for)
 slack_for = inlined(accounting.slack_rule)
 lag2_slack = inlined(accounting.lag2_slack)
 released_behind = inlined(accounting.released_behind)
+revert = inlined(accounting.revert)
 settle_behind = inlined(accounting.settle_behind)
 
 

@@ -1,6 +1,6 @@
 """Phase 4 of the compiled step, `reference.serve_blocks`: row overflow, then blocks served in
-order (rows that grow, then new requests with their cached blocks), then rows for the new
-requests (`Served`).
+order (rows whose results outgrew their blocks, rows that grow, then new requests with their
+cached blocks), then rows for the new requests (`Served`).
 
 Invariants: parked blocks count as available, except those a new request takes back; padding
 of an earlier grant, and strict grants, are never refused (the step stops instead); nothing but
@@ -56,6 +56,10 @@ def serve_blocks(plan: Plan, strict: bool, state: State, settled: Settled, deman
             return served
     available = free_blocks + _released(num_blocks, cached, state.rows.released, capacity,
                                         finished, tpb)
+    if available < 0:
+        _fail_settled_growth(plan.result_rows, finished, num_blocks, capacity, tpb, available,
+                             scratch.seen, error)
+        return served
     left = serve_in_order(grow_rows, target, capacity, tpb, available, item_ok)
     serve_hits_in_order(prompt_lens, first_chunks, hits, refcounts, tpb, left, claimed, refusals)
     # Rows are the other resource: admit in order while rows last.
@@ -92,6 +96,28 @@ def _released(num_blocks: np.ndarray, cached: np.ndarray, behind_window: np.ndar
         released += (blocks_for(capacity[row], tokens_per_block)
                      - max(cached[row], behind_window[row]))
     return released
+
+
+@inlined
+def _fail_settled_growth(results: np.ndarray, finished: np.ndarray, num_blocks: np.ndarray,
+                         capacity: np.ndarray, tokens_per_block: int, available: int,
+                         finished_mark: np.ndarray, error: np.ndarray) -> None:
+    """`reference._fail_settled_growth`: OutOfBlocks on the first result row the settled
+    ``capacity`` grows (a finished one grows nothing), quoting the blocks there were before any
+    row grew. ``finished_mark``: a per-row scratch, all False on entry and on return."""
+    for row in finished:
+        finished_mark[row] = True
+    growth, first = 0, -1
+    for row in range(num_blocks.size):
+        if not finished_mark[row]:
+            growth += max(blocks_for(capacity[row], tokens_per_block) - num_blocks[row], 0)
+    for row in results:
+        if (first < 0 and not finished_mark[row]
+                and blocks_for(capacity[row], tokens_per_block) > num_blocks[row]):
+            first = row
+    for row in finished:
+        finished_mark[row] = False
+    fail(error, codes.OUT_OF_BLOCKS, codes.RESULTS, first, available + growth)
 
 
 @inlined

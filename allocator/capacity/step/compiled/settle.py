@@ -11,7 +11,7 @@ import numpy as np
 from kvalloc.allocator.capacity.step import codes
 from kvalloc.allocator.capacity.step.compiled.inlining import inlined
 from kvalloc.allocator.capacity.step.compiled.loops import copy_settled, fail, first_marked
-from kvalloc.allocator.capacity.step.compiled.rules import released_behind, settle_behind
+from kvalloc.allocator.capacity.step.compiled.rules import revert, settle_behind
 from kvalloc.allocator.capacity.step.compiled.tuples import RECLAIM, Plan, Settled, State
 
 
@@ -30,8 +30,7 @@ def settle_step(plan: Plan, state: State, settled: Settled, error: np.ndarray) -
     if i >= 0:
         return fail(error, codes.NO_PENDING_GRANT, codes.REVERTS, i, 0)
     for row in reverts:
-        capacity[row] -= 1 + draft_len[row] + slack[row] - released_behind(behind_draft[row],
-                                                                             policy)
+        capacity[row] = revert(capacity[row], history[row], draft_len[row], slack[row])
         if behind[row]:  # the step behind (its forward ran) is the pending one again
             draft_len[row], slack[row] = behind_draft[row], behind_slack[row]
             behind[row] = False
