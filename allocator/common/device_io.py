@@ -9,7 +9,8 @@ initialisation (Triton compilation, allocator growth) never happens inside a cap
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -121,9 +122,26 @@ def capture_graph(body: Callable[[], None], *, warmup: Callable[[], None] | None
             (warmup or body)()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         body()
     return graph
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph,
+              pool: tuple[int, int] | None = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's garbage collector held off: a
+    collection inside the capture may free an unreachable earlier graph (an engine dropped in a
+    cycle), and destroying a graph while a stream captures is an error that invalidates the
+    capture."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
