@@ -31,11 +31,14 @@ class TableValidator:
               reach: torch.Tensor, tokens_per_block: int) -> None:
         """Count the entries of ``table[rows[e]]`` that positions ``first .. reach[e] - 1``
         address and that hold no block, plus the positions' blocks past the row's end;
-        ``first`` is 0, or with a window the first key the query at ``history[e]`` reads."""
-        width = table.shape[1]
-        needed = (reach + tokens_per_block - 1) // tokens_per_block
+        ``first`` is 0, or with a window the first key the query at ``history[e]`` reads. An
+        entry on a row past the table's (a padded one, on a worker's spare row) addresses
+        nothing and counts nothing: device work only, so a captured step checks each replay."""
+        height, width = table.shape
+        padded = rows >= height
+        needed = torch.where(padded, 0, (reach + tokens_per_block - 1) // tokens_per_block)
         cols = torch.arange(width, device=table.device)
-        holes = (cols < needed[:, None]) & (table[rows] < 0)
+        holes = (cols < needed[:, None]) & (table[rows.clamp(max=height - 1)] < 0)
         if self.window is not None:
             first = (history - self.window + 1).clamp(min=0) // tokens_per_block
             holes &= cols >= first[:, None]

@@ -34,3 +34,15 @@ def test_a_window_checks_only_the_columns_its_first_query_reads() -> None:
     validator = TableValidator(torch.device("cpu"))
     validator.check(table, rows, history, reach, 4)
     assert validator.count() == 3 + 1
+
+
+def test_an_entry_on_a_row_past_the_table_is_padding_and_counts_nothing() -> None:
+    """A worker's padded entries run on its spare row, one past the table's: whatever their
+    reach, they address no block. A real entry beside them still counts."""
+    table = torch.tensor([[4, -1], [2, 3]], dtype=torch.int32)
+    validator = TableValidator(torch.device("cpu"))
+    validator.check(table, torch.tensor([1, 2, 2]), torch.tensor([0, 0, 40]),
+                    torch.tensor([8, 99, 99]), 4)
+    assert validator.count() == 0
+    validator.check(table, torch.tensor([0, 2]), torch.tensor([4, 0]), torch.tensor([5, 99]), 4)
+    assert validator.count() == 1  # row 0's second block
