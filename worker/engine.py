@@ -269,7 +269,10 @@ class Engine:
                 flights.append(self._launch(plan.call, reply, scheduled, bool(flights), on_step))
             else:
                 flights.append(None)
-                if not live and waiting and not reply.refused.onboarding():
+                # Refused with nothing else running, for want of blocks (requests preempted in
+                # this call wait to come back: they were not refused).
+                refused = reply.refused
+                if not live and refused.of_kind("new").size and not refused.onboarding():
                     raise PoolTooSmall(f"prompt {waiting[0].req_id!r} ({waiting[0].tokens.size} "
                                        f"tokens) was refused with nothing else running: the "
                                        f"pool is too small for it")
