@@ -31,7 +31,7 @@ decode step has one shape), the service in process. Side by side:
 
 Each worker row also has the replayed launches' host time (``step_launch_us``: inputs, replay
 and the outcome's copy; ``step_metadata_us`` of it for the inputs) and, with
-``--host-profile``, the functions it goes to.
+``--host-profile``, the functions it goes to, and those of the decode steps' service calls.
 
 Targets it reports as ratios of the same run: the replayed steps' median GPU time
 ``step_gpu_ms <= 1.15 x (no_attention + kv_bytes at 70% of the copy bandwidth)`` (``vs_target``;
@@ -141,14 +141,16 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                                     overlap=overlap, cuda_graphs=graphs, pad_decodes=True)
                     profiled = host_profile and run == "warm-up"
                     engine.warm_up()  # every graph captured before the first step
-                    steps = StepLog(engine, cProfile.Profile() if profiled else None)
+                    steps = StepLog(engine, cProfile.Profile() if profiled else None,
+                                    cProfile.Profile() if profiled else None)
                     engine.run(prompts, setup["new_tokens"])
                     if profiled:
-                        functions = steps.summary().get("launch_host_functions", [])
+                        functions = {key: value for key, value in steps.summary().items()
+                                     if key.endswith("_host_functions")}
                 row = {"mode": ("overlap" if overlap else "sync") + ("+graphs" if graphs else ""),
                        **steps.summary(), **run_figures(engine.stats)}
                 if host_profile:
-                    row["launch_host_functions"] = functions
+                    row.update(functions)
                 row["decode_tokens_per_s"] = round(
                     1e3 * setup["batch"] * (1 + row["acceptance_rate"] * DRAFT_LEN)
                     / row["decode_step_ms"], 1)
@@ -167,9 +169,11 @@ class StepLog:
     and upload its inputs, and the host time of the whole launch. ``profiler``: where the
     steady launches' host time goes (the replayed ones; every decode step's without graphs),
     function by function (cProfile, which slows what it times: its figures rank, the
-    unprofiled ones measure)."""
+    unprofiled ones measure); ``call_profiler``: the same for the service calls of decode-only
+    steps (those with no prompt in them)."""
 
-    def __init__(self, engine: Engine, profiler: cProfile.Profile | None = None) -> None:
+    def __init__(self, engine: Engine, profiler: cProfile.Profile | None = None,
+                 call_profiler: cProfile.Profile | None = None) -> None:
         self.steps: list[tuple[tuple[int, int], bool, Launched, float]] = []
         self.started: list[float] = []  # each logged step's launch, on the host's clock
         self.profiler, self.profiled = profiler, 0
@@ -193,6 +197,21 @@ class StepLog:
             return launched
 
         engine.step.launch = logged  # type: ignore[method-assign]
+        self.call_profiler, self.calls_profiled = call_profiler, 0
+        if call_profiler is not None:
+            step = engine.client.step
+
+            def profiled_call(**call: Any) -> Any:
+                if "new" in call or "prefill" in call:
+                    return step(**call)
+                self.calls_profiled += 1
+                call_profiler.enable()
+                try:
+                    return step(**call)
+                finally:
+                    call_profiler.disable()
+
+            engine.client.step = profiled_call  # type: ignore[method-assign]
 
     def step_wall_ms(self) -> float | None:
         """The median time from one replayed launch to the next of the same shape: the step's
@@ -224,6 +243,9 @@ class StepLog:
                    "step_wall_ms": self.step_wall_ms()}
         if self.profiler is not None and self.profiled:
             summary["launch_host_functions"] = host_functions(self.profiler, self.profiled)
+        if self.call_profiler is not None and self.calls_profiled:
+            summary["call_host_functions"] = host_functions(self.call_profiler,
+                                                            self.calls_profiled)
         return summary
 
 
