@@ -8,7 +8,8 @@
   replaced by a wrong one at a given rate, so tests and benchmarks can set acceptance anywhere
   from 0 to 100%. `DeviceOracleDrafter` is the same on the device, for a worker that drafts
   step k before the host has read step k-1's tokens (an overlap worker): a gather from the truth
-  at each row's device-side count of emitted tokens.
+  at each row's device-side count of emitted tokens, with counter-based draws (a hash of the
+  row, the position and the seed), so that a captured CUDA graph drafts anew on each replay.
 
 A drafter may propose fewer than ``num`` tokens (none at all when it has no guess); the engine
 then grants that request a shorter draft.
@@ -77,9 +78,11 @@ class OracleDrafter:
 
 
 class DeviceOracleDrafter:
-    """`OracleDrafter` on the device. ``truth`` as there; its random draws come from a torch
-    generator on ``device``, so the wrong tokens differ from `OracleDrafter`'s (the tokens a
-    greedy worker emits do not)."""
+    """`OracleDrafter` on the device. ``truth`` as there. Whether a draft is wrong, and what it
+    is then, are hashes of (seed, row, position): no generator state, so the draws hold inside
+    a CUDA graph; the wrong tokens differ from `OracleDrafter`'s (the tokens a greedy worker
+    emits do not). A step's drafts start after the last position any earlier step's acceptance
+    saw, so each draft is still right with probability ``rate``, independently of the others."""
 
     def __init__(self, truth: Mapping[str, Sequence[int]], rate: float, *, vocab_size: int,
                  device: torch.device, seed: int = 0) -> None:
@@ -88,7 +91,8 @@ class DeviceOracleDrafter:
         self.truth = {k: np.asarray(v, dtype=np.int64) for k, v in truth.items()}
         self.width = max((v.size for v in self.truth.values()), default=0)
         self.rate, self.vocab_size = rate, vocab_size
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.device, self.seed = device, seed & _MASK
+        self._right_below = round(rate * (_MASK + 1))  # a draw below it keeps the true token
 
     def truth_rows(self, req_ids: Sequence[str]) -> np.ndarray:
         """``[len(req_ids), width]``: each request's truth, padded with 0."""
@@ -98,17 +102,28 @@ class DeviceOracleDrafter:
             rows[i, :t.size] = t
         return rows
 
-    def draft(self, truth: torch.Tensor, generated: torch.Tensor, width: int) -> torch.Tensor:
-        """``[len(generated), width]`` drafts: row ``r`` follows its ``generated[r]`` emitted
-        tokens (``truth [R, W]``, one row per drafting request)."""
-        at = (generated[:, None] + torch.arange(width, device=truth.device)).clamp_(
-            max=truth.shape[1] - 1)
-        true = truth.gather(1, at)
-        wrong = torch.rand(true.shape, generator=self.generator,
-                           device=truth.device) >= self.rate
-        shift = torch.randint(1, max(self.vocab_size, 2), true.shape, generator=self.generator,
-                              device=truth.device)
+    def draft(self, truth: torch.Tensor, rows: torch.Tensor, generated: torch.Tensor,
+              width: int) -> torch.Tensor:
+        """``[len(rows), width]`` drafts: row ``rows[d]`` follows its ``generated[rows[d]]``
+        emitted tokens (``truth [R, W]`` and ``generated [R]``: every row's)."""
+        at = generated[rows][:, None] + torch.arange(width, device=truth.device)
+        true = truth[rows].gather(1, at.clamp(max=truth.shape[1] - 1))
+        key = (self.seed + rows[:, None] * _ROW + at * _POSITION) & _MASK
+        wrong = _mix(key) >= self._right_below
+        shift = 1 + _mix(key ^ _SECOND) % max(self.vocab_size - 1, 1)
         return torch.where(wrong, (true + shift) % self.vocab_size, true)
+
+
+# Counter-based draws: 31-bit values whose products stay within int64.
+_MASK = 0x7FFFFFFF
+_ROW, _POSITION, _SECOND = 0x2545F49, 0x9E3779B, 0x5BD1E995 & 0x7FFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash of each of ``x`` (in ``[0, 2**31)``): two multiply-xorshift rounds."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK
+    return x ^ (x >> 16)
 
 
 def parse_drafter_spec(spec: str) -> tuple[str, float | None]:

@@ -13,7 +13,12 @@ import torch
 from kvalloc.worker.attention.hook import PoolStep
 from kvalloc.worker.attention.pool_attention import PagedLayout
 from kvalloc.worker.cli import read_prompts
-from kvalloc.worker.drafters import NgramDrafter, OracleDrafter, parse_drafter_spec
+from kvalloc.worker.drafters import (
+    DeviceOracleDrafter,
+    NgramDrafter,
+    OracleDrafter,
+    parse_drafter_spec,
+)
 from kvalloc.worker.engine import Engine
 from kvalloc.worker.errors import (
     DrafterSpecError,
@@ -51,6 +56,32 @@ def test_oracle_drafts_the_truth_at_its_rate() -> None:
     half = OracleDrafter({"r": [3] * 4000}, 0.5, vocab_size=100, seed=1)
     right = (half.propose("r", np.zeros(1), 0, 4000) == 3).mean()
     assert 0.45 < right < 0.55
+
+
+def test_the_device_oracle_drafts_the_truth_at_its_rate_from_its_row_and_position() -> None:
+    """Its draws are a function of (seed, row, position): the same again for the same ones
+    (a replayed graph holds no generator state), independent across positions, at the rate."""
+    truth = torch.arange(10, 4010).repeat(4, 1)
+    rows, generated = torch.tensor([0, 2, 3]), torch.tensor([0, 7, 400, 400])
+
+    def drafter(rate: float, seed: int = 1) -> DeviceOracleDrafter:
+        return DeviceOracleDrafter({}, rate, vocab_size=5000, device=torch.device("cpu"),
+                                   seed=seed)
+
+    exact = drafter(1.0).draft(truth, rows, generated, 3)
+    assert exact.tolist() == [[10, 11, 12], [410, 411, 412], [410, 411, 412]]
+    wrong = drafter(0.0).draft(truth, rows, generated, 3)
+    assert ((wrong != exact) & (wrong >= 0) & (wrong < 5000)).all()
+    half = drafter(0.5)
+    many = half.draft(truth, torch.arange(4), torch.zeros(4, dtype=torch.int64), 3000)
+    right = (many == truth[:, :3000]).double().mean().item()
+    assert 0.47 < right < 0.53
+    assert torch.equal(half.draft(truth, rows, generated, 3),
+                       half.draft(truth, rows, generated, 3))
+    assert not torch.equal(many, drafter(0.5, seed=2).draft(
+        truth, torch.arange(4), torch.zeros(4, dtype=torch.int64), 3000))
+    # Two rows at one position draw apart.
+    assert not torch.equal(many[0], many[1])
 
 
 @pytest.mark.parametrize(("spec", "want"), [("ngram", ("ngram", None)),

@@ -7,13 +7,17 @@ to run them at small batches, so the GPU would wait for the host. Captured once 
 padding grant, the batch grown to its bucket by `DeviceStep`, `worker.step.batch_buckets`), the
 step replays in one launch.
 
-The graph reads static copies of the step's inputs: the uploaded columns and the metadata
-(`worker.step.step_metadata`, each group's slots of a grouped pool among them), which run
-eagerly before each replay and are copied in; each group's layout reads the static columns
-through the group's own block table (the service's, which it updates in place). The first
-step of a shape runs eagerly (it also warms every kernel up for the shape) and the graph is
-captured right after, for the next one; nothing of the capture itself runs. Graphs share one
-memory pool; the least recently used beyond ``max_graphs`` is dropped.
+The graph reads one static input: the step's columns as uploaded (`DeviceStep`), where a
+replayed step's upload lands directly. Everything else a step needs is device work inside
+the graph: its metadata (positions, each group's slots, input ids: `worker.step.step_metadata`),
+a device drafter's drafts, the table checks of ``--validate``, the forward, verification and an
+overlap worker's commit; each group's layout reads the static columns through the group's own
+block table (the service's, which it updates in place). A replay therefore costs the host one
+upload and one launch, whatever the model. Its outputs (the metadata among them) are the
+graph's static tensors, which the next replay of the shape overwrites. The first step of a
+shape runs eagerly (it also warms every kernel up for the shape) and the graph is captured
+right after, for the next one; nothing of the capture itself runs. Graphs share one memory
+pool; the least recently used beyond ``max_graphs`` is dropped.
 
 A replay runs what the capture recorded, host values and all: whatever the body read from the
 host at capture (the plan's sizes, the kernels' launch choices) holds for every step replayed.
@@ -24,12 +28,12 @@ of the plan that differs between two steps of one shape gives wrong tokens there
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from kvalloc.allocator.common.device_io import capturing
 
 # ``capture(body)`` -> ``replay``: each ``replay()`` does ``body``'s work again and returns its
 # outputs; capturing does none of it.
@@ -57,7 +61,7 @@ def capture_cuda_graph() -> Capture:
 
     def capture(body: Callable[[], Any]) -> Callable[[], Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with capturing(graph, pool):
             outputs = body()
 
         def replay() -> Any:
@@ -71,7 +75,7 @@ def capture_cuda_graph() -> Capture:
 
 class _Bucket(NamedTuple):
     replay: Callable[[], Any]
-    inputs: tuple[torch.Tensor, ...]  # static copies, in the order `run` loads them
+    columns: torch.Tensor  # the static copy of the step's columns the replay reads
 
 
 class DecodeGraphs:
@@ -103,40 +107,32 @@ class DecodeGraphs:
         live = [key for key in self._replays if key in self._buckets]
         return self._buckets[max(live, key=self._replays.__getitem__)].replay if live else None
 
-    def run(self, plan: Any, layouts: tuple[Any, ...], meta: Any, cols: Any,
-            body: Callable[..., Any]) -> Any:
-        """``body(plan, layouts, meta, cols)`` for a decode-only ``plan`` (``layouts``: the
-        step's entries through each group's block table, the columns the same in each):
-        replayed when its shape was captured, else run now and captured for next time."""
-        key = _key(plan)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            outputs = body(plan, layouts, meta, cols)
-            self._capture(key, plan, layouts, meta, cols, body)
-            return outputs
-        self._buckets.move_to_end(key)
-        for static, now in zip(bucket.inputs, (cols.flat, *meta), strict=True):
-            static.copy_(now)
-        outputs = bucket.replay()
-        self._replays[key] = self._replays.get(key, 0) + 1
-        return outputs
+    def static_columns(self, plan: Any) -> torch.Tensor | None:
+        """The static columns a decode-only ``plan``'s replay reads, once its shape is
+        captured (None before): the step's upload lands there, then `replay`."""
+        bucket = self._buckets.get(_key(plan))
+        return bucket.columns if bucket is not None else None
 
-    def _capture(self, key: tuple[int, int], plan: Any, layouts: tuple[Any, ...], meta: Any,
-                 cols: Any, body: Callable[..., Any]) -> None:
+    def replay(self, plan: Any) -> Any:
+        """Replay ``plan``'s shape over what its static columns hold now."""
+        key = _key(plan)
+        self._buckets.move_to_end(key)
+        self._replays[key] = self._replays.get(key, 0) + 1
+        return self._buckets[key].replay()
+
+    def run_and_capture(self, plan: Any, cols: Any, body: Callable[[Any, Any], Any]) -> Any:
+        """``body(plan, cols)`` run now for a decode-only ``plan`` whose shape has no graph
+        (``cols``: its uploaded columns, views of ``cols.flat`` that ``cols.over(flat)``
+        rebuilds over another copy), then captured over a static copy for next time."""
+        outputs = body(plan, cols)
         flat = cols.flat.clone()
         static_cols = cols.over(flat)
-        static_meta = type(meta)(*(t.clone() for t in meta))
-        first = dataclasses.replace(
-            layouts[0], rows=static_cols.rows, query_starts=static_cols.offsets,
-            query_lens=static_cols.num_tokens, history=static_meta.history,
-            token_entry=static_cols.token_entry)
-        static_layouts = tuple(first.over(layout.block_table, layout.tokens_per_block)
-                               for layout in layouts)
-        replay = self._capture_body(lambda: body(plan, static_layouts, static_meta, static_cols))
-        self._buckets[key] = _Bucket(replay, (flat, *static_meta))
+        key = _key(plan)
+        self._buckets[key] = _Bucket(self._capture_body(lambda: body(plan, static_cols)), flat)
         self.captured += 1
         if len(self._buckets) > self.max_graphs:
             self._buckets.popitem(last=False)
+        return outputs
 
 
 def _key(plan: Any) -> tuple[int, int]:

@@ -2,7 +2,9 @@
 without reading anything back.
 
 The host hands over what it knows of the step (`LaunchPlan`, from the service's reply) in one
-upload; the rest comes from the device (`DeviceRows`): the token each decode feeds first, its
+upload, and everything after it is device work (`DeviceStep._body`: the step's metadata, table
+checks, drafts, forward, verification, commit), which a captured graph replays whole; the rest
+of what the step needs comes from the device (`DeviceRows`): the token each decode feeds first, its
 drafts when a device drafter makes them, and, behind a step the host has not read (an overlap
 worker's), the lead its history starts after. Verification is greedy and on the device: a
 decode accepts the longest prefix of its drafts that the model's own argmax agrees with, plus
@@ -132,21 +134,42 @@ class Launched:
 
     plan: LaunchPlan
     host: torch.Tensor  # int64, pinned on CUDA: [P * W] argmax, [P] emitted, [P] accepted
-    width: int  # W
+    outputs: StepOutputs
     ran: int  # P >= E
     done: torch.cuda.Event | None
     started: torch.cuda.Event | None  # the forward's first and last work, for idle time
-    record: StepTensors
     metadata_s: float  # host time to lay the step out and upload it
 
     def outcome(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens [E, W], emitted [E], accepted [E])``: entry e emitted ``tokens[e,
-        :emitted[e]]``; waits for the device."""
+        :emitted[e]]``; waits for the device. Read once; later calls return the same arrays."""
+        return self._settled
+
+    @property
+    def read(self) -> bool:
+        """Whether `outcome` has been read (its pinned buffer may be taken again)."""
+        return "_settled" in self.__dict__
+
+    @functools.cached_property
+    def _settled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.done is not None:
             self.done.synchronize()
-        e, p, w = self.plan.emitting.size, self.ran, self.width
-        flat = self.host.numpy()
+        e, p, w = self.plan.emitting.size, self.ran, self.outputs.width
+        # A copy: the pinned buffer is the device step's, taken again two launches later.
+        flat = self.host.numpy().copy()
         return (flat[:p * w].reshape(p, w)[:e], flat[p * w:][:e], flat[p * w + p:][:e])
+
+    @functools.cached_property
+    def record(self) -> StepTensors:
+        """What the step ran, the planned entries' part. A replayed step's tensors are its
+        graph's static outputs, which the next replay of its shape overwrites: an observer
+        reads them before the next launch."""
+        plan, out = self.plan, self.outputs
+        n, k = int(plan.num_tokens.sum()), int(plan.widths.sum())
+        meta = out.meta
+        return StepTensors(meta.ids[:n], meta.positions[:n], plan.logit_rows, out.logits[:k],
+                           meta.slots[:, :n],
+                           out.kept[:plan.rows.size] if out.kept is not None else None)
 
 
 class StepOutputs(NamedTuple):
@@ -155,7 +178,8 @@ class StepOutputs(NamedTuple):
     packed: torch.Tensor  # int64 [E * W] argmax, [E] emitted, [E] accepted
     width: int  # W
     logits: torch.Tensor  # [K, vocab]
-    kept: torch.Tensor  # [R] tokens each entry commits
+    kept: torch.Tensor | None  # [R] tokens each entry commits (an overlap worker's)
+    meta: StepMetadata
 
 
 @dataclass(frozen=True)
@@ -194,32 +218,59 @@ class DeviceStep:
         # Two, taken in turn: the host fills one while the device may still copy from the other
         # (an overlap worker's previous step), so filling never waits for the device.
         self._uploads = (PinnedUploads(self.device), PinnedUploads(self.device))
+        # The outcomes' pinned buffers and the steps that hold them, taken in the same turn.
+        self._outputs: list[torch.Tensor | None] = [None, None]
+        self._holders: list[Launched | None] = [None, None]
         self._launches = 0
+        self._tables = [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups]
 
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
         building = time.perf_counter()
         run = self._grown(plan)
-        layouts, meta, cols = self._inputs(run)
-        metadata_s = time.perf_counter() - building
-        # Entries on the spare row, always the last ones, address nothing.
-        r = int((run.rows != self.rows.spare).sum())
-        for validator, layout in zip(self.validators, layouts, strict=False):  # none or each
-            validator.check(layout.block_table, layout.rows[:r], layout.history[:r],
-                            (layout.history + layout.query_lens)[:r], layout.tokens_per_block)
-        if self.graphs is not None and run.decode_only:
-            out = self.graphs.run(run, layouts, meta, cols, self._body)
+        self._launches += 1
+        uploads = self._uploads[self._launches % 2]
+        graphs = self.graphs if run.decode_only else None
+        static = graphs.static_columns(run) if graphs is not None else None
+        if static is not None:  # a captured shape: its columns straight into the graph's
+            packed = _Columns.pack(run)
+            if packed.size != static.numel():
+                raise InvariantViolation(f"columns: {packed.size} values for a captured "
+                                         f"shape's {static.numel()}")
+            uploads.into(static, packed)
+            metadata_s = time.perf_counter() - building
+            out = graphs.replay(run)
         else:
-            out = self._body(run, layouts, meta, cols)
-        host = out.packed
-        if self.timed:  # the host reads it behind the step's event, never by waiting on it now
-            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-            host.copy_(out.packed, non_blocking=True)
-        n, k = int(plan.num_tokens.sum()), int(plan.widths.sum())
-        record = StepTensors(meta.ids[:n], meta.positions[:n], plan.logit_rows, out.logits[:k],
-                             meta.slots[:, :n], out.kept[:plan.rows.size] if self.commits else None)
-        return Launched(plan, host, out.width, run.emitting.size, self._event(), started, record,
-                        metadata_s)
+            cols = _Columns.upload(run, uploads)
+            metadata_s = time.perf_counter() - building
+            out = (graphs.run_and_capture(run, cols, self._body) if graphs is not None
+                   else self._body(run, cols))
+        launched = Launched(plan, self._host_copy(out.packed), out, run.emitting.size,
+                            self._event(), started, metadata_s)
+        if self.timed:
+            self._holders[self._launches % 2] = launched
+        return launched
+
+    def _host_copy(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` where the host reads it: on CUDA a copy behind the step into one of two
+        pinned buffers, in the turn of the uploads (an overlap worker reads step k before it
+        launches step k + 2, so the buffer step k + 2 takes has been read). A step still
+        unread there (a caller further ahead) is read first, which waits for its device work."""
+        if not self.timed:
+            return packed
+        turn = self._launches % 2
+        holder = self._holders[turn]
+        if holder is not None and not holder.read:
+            holder.outcome()
+        self._holders[turn] = None
+        buffer = self._outputs[turn]
+        if buffer is None or buffer.numel() < packed.numel():
+            buffer = self._outputs[turn] = torch.empty(
+                max(packed.numel(), 2 * (buffer.numel() if buffer is not None else 0)),
+                dtype=torch.int64, pin_memory=True)
+        host = buffer[:packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        return host
 
     @property
     def capacity(self) -> int:
@@ -256,11 +307,19 @@ class DeviceStep:
         table has rows, their tokens all in staging."""
         return min(self.rows.spare, self.capacity // width)
 
-    def _body(self, plan: LaunchPlan, layouts: tuple[PagedLayout, ...], meta: StepMetadata,
-              cols: _Columns) -> StepOutputs:
-        """Forward, verification and commit: device work only, the same shapes for one plan
-        shape, so that `DecodeGraphs` can capture it. ``layouts``: the step's entries through
-        each group's table, in group order."""
+    def _body(self, plan: LaunchPlan, cols: _Columns) -> StepOutputs:
+        """The step's device work from its uploaded columns: metadata, table checks, drafts,
+        forward, verification and commit. Only device work, the same shapes for one plan
+        shape, so that `DecodeGraphs` can capture it."""
+        meta = step_metadata(
+            EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
+                         cols.token_entry, cols.host_ids),
+            self.rows.lead, self.rows.pending, self._tables)
+        layouts = self._layouts(plan, cols, meta)
+        for validator, layout in zip(self.validators, layouts, strict=False):  # none or each
+            validator.check(layout.block_table, layout.rows, layout.history,
+                            layout.history + layout.query_lens, layout.tokens_per_block)
+        self._draft(plan, meta.ids, cols)
         step = PoolStep(tuple(StepGroup(g.kv, g.staging, layout)
                               for g, layout in zip(self.groups, layouts, strict=True)),
                         self.where)
@@ -274,7 +333,19 @@ class DeviceStep:
             for commit, slots in zip(self.commits, meta.slots, strict=False):
                 commit.commit(slots, meta.index, cols.token_entry, kept, layouts[0].query_lens)
             packed = torch.cat([tokens.flatten(), emitted, accepted])
-        return StepOutputs(packed, tokens.shape[1], logits, kept)
+        return StepOutputs(packed, tokens.shape[1], logits, kept if self.commits else None,
+                           meta)
+
+    def _layouts(self, plan: LaunchPlan, cols: _Columns,
+                 meta: StepMetadata) -> tuple[PagedLayout, ...]:
+        """The step's entries through each group's table, in group order. The host bounds each
+        history by the most a lead can be."""
+        reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
+        first = self.groups[0]
+        layout = PagedLayout(first.block_table, first.tokens_per_block, cols.rows, cols.offsets,
+                             cols.num_tokens, meta.history, cols.token_entry,
+                             HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
+        return group_layouts(layout, self.groups)
 
     def _event(self) -> torch.cuda.Event | None:
         if not self.timed:
@@ -283,35 +354,14 @@ class DeviceStep:
         event.record()
         return event
 
-    def _inputs(self, plan: LaunchPlan) -> tuple[tuple[PagedLayout, ...], StepMetadata,
-                                                  _Columns]:
-        """The step's layouts (one per group), metadata (input ids, positions, each group's
-        slots) and columns, from one upload and one launch per group
-        (`worker.step.step_metadata`)."""
-        self._launches += 1
-        cols = _Columns.upload(plan, self._uploads[self._launches % 2])
-        meta = step_metadata(
-            EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
-                         cols.token_entry, cols.host_ids),
-            self.rows.lead, self.rows.pending,
-            [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups])
-        # The host bounds each history by the most a lead can be.
-        reach = plan.starts + plan.behind * self.max_draft_len + plan.num_tokens
-        first = self.groups[0]
-        layout = PagedLayout(first.block_table, first.tokens_per_block, cols.rows, cols.offsets,
-                             cols.num_tokens, meta.history, cols.token_entry,
-                             HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
-        self._draft(plan, meta.ids, cols)
-        return group_layouts(layout, self.groups), meta, cols
-
     def _draft(self, plan: LaunchPlan, ids: torch.Tensor, cols: _Columns) -> None:
         """A device drafter's drafts into each decode's tokens after its first."""
         width = int(plan.widths[plan.decode].max()) - 1 if plan.decode.any() else 0
         if self.drafter is None or width <= 0:
             return
-        dec_rows, first = cols.rows[cols.decodes], cols.offsets[cols.decodes]
-        drafts = self.drafter.draft(self.rows.truth[dec_rows], self.rows.generated[dec_rows],
-                                    width)
+        first = cols.offsets[cols.decodes]
+        drafts = self.drafter.draft(self.rows.truth, cols.rows[cols.decodes],
+                                    self.rows.generated, width)
         i = torch.arange(width, device=self.device)
         real = i[None, :] < cols.num_tokens[cols.decodes][:, None] - 1
         # Padded drafts land on one spare slot past the ids: a boolean mask would make the
@@ -374,19 +424,27 @@ class _Columns(NamedTuple):
 
     flat: torch.Tensor  # the one tensor the others view
 
-    @classmethod
-    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
-        """The columns through ``uploads``: valid until its next upload, in stream order."""
+    @staticmethod
+    def pack(plan: LaunchPlan) -> np.ndarray:
+        """The columns' values, one after the other in field order (``flat``'s layout)."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
         decodes = plan.emitting[plan.decode]
         decoding[decodes] = 1
-        parts = [plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
-                 np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
-                 plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
-                 decodes]
-        (flat,) = uploads.upload(np.concatenate(parts).astype(np.int64, copy=False))
-        ends = np.cumsum([p.size for p in parts]).tolist()
-        return cls(*(flat[end - p.size:end] for p, end in zip(parts, ends, strict=True)), flat)
+        return np.concatenate([
+            plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
+            np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
+            plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
+            decodes]).astype(np.int64, copy=False)
+
+    @classmethod
+    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
+        """The columns through ``uploads``: valid until its next upload, in stream order."""
+        (flat,) = uploads.upload(cls.pack(plan))
+        r, n, e = plan.rows.size, plan.host_ids.size, plan.emitting.size
+        sizes = (r, r, r, r, r, r, n, n, plan.logit_rows.size, e, e, e, e,
+                 int(plan.decode.sum()))
+        ends = np.cumsum(sizes).tolist()
+        return cls(*(flat[end - size:end] for size, end in zip(sizes, ends, strict=True)), flat)
 
     def over(self, flat: torch.Tensor) -> _Columns:
         """The same columns as views of ``flat`` (a copy of this ``flat``): laid out one after
