@@ -352,24 +352,25 @@ class Engine:
             return []
         tokens, emitted, accepted = flight.launched.outcome()
         self.clock.add(flight.launched)
-        stats, generated, results = self.stats, 0, []
-        plan = flight.launched.plan
-        for r, row, n, a, is_decode, proposed in zip(
-                flight.requests, tokens, emitted.tolist(), accepted.tolist(),
-                plan.decode.tolist(), plan.drafts.tolist(), strict=True):
+        stop, done = self.stop_token_ids, []
+        # One conversion of the step's tokens: slicing Python lists row by row is cheap.
+        for r, row, n in zip(flight.requests, tokens.tolist(), emitted.tolist(), strict=True):
             r.unread -= 1
-            if n == 0:  # it had ended already: a wasted forward
-                continue
-            r.output.extend(row[:n].tolist())
-            r.done = r.remaining == 0 or r.output[-1] in self.stop_token_ids
-            generated += n
-            if is_decode:
-                # Draft i proposes emitted token i: past a request's last token it proposes
-                # nothing the request needed (an overlap worker drafts before it knows the end).
-                drafts = min(proposed, n) if r.done else proposed
-                stats.proposed_drafts += drafts
-                stats.accepted_drafts += min(a, drafts)
-                results.append((r, a))
+            if n:  # else it had ended already: a wasted forward
+                output = r.output
+                output.extend(row[:n])
+                r.done = len(output) == r.max_new_tokens or output[-1] in stop
+            done.append(r.done)
+        plan, stats = flight.launched.plan, self.stats
+        settled = plan.decode & (emitted > 0)
+        # Draft i proposes emitted token i: past a request's last token it proposes nothing
+        # the request needed (an overlap worker drafts before it knows the end).
+        proposed = np.where(done, np.minimum(plan.drafts, emitted), plan.drafts)[settled]
+        stats.proposed_drafts += int(proposed.sum())
+        stats.accepted_drafts += int(np.minimum(accepted[settled], proposed).sum())
+        results = [(r, a) for r, a, s in zip(flight.requests, accepted.tolist(),
+                                              settled.tolist(), strict=True) if s]
+        generated = int(emitted.sum())
         stats.generated_tokens += generated
         if on_progress is not None:
             on_progress(generated)

@@ -46,12 +46,12 @@ class StepPlanner:
         """The step's call: settle what the host has read, then fill ``max_step_tokens`` with
         decodes, prefill chunks and new prompts, in that order."""
         plan = StepPlan()
-        plan.finished = [r for r in live.values() if r.done or r.preempted]
+        decoding, prefilling = self._by_kind(plan, live)
         results = [(r, a) for r, a in results if not (r.done or r.preempted or r.handle < 0)]
-        budget = self._grant(plan, live, self.layout.max_step_tokens)
-        for r in live.values():
-            if r.done or r.preempted or r.decoding or budget < 1:
-                continue
+        budget = self._grant(plan, decoding, self.layout.max_step_tokens)
+        for r in prefilling:
+            if budget < 1:
+                break
             r.chunk = min(r.admitted.size - r.scheduled, budget)
             budget -= r.chunk
             plan.prefilling.append(r)
@@ -67,23 +67,41 @@ class StepPlanner:
         self._columns(plan, results)
         return plan
 
-    def _grant(self, plan: StepPlan, live: dict[int, Request], budget: int) -> int:
-        """Grant every decoding request its pending token and drafts within ``budget``;
-        returns the budget left."""
+    @staticmethod
+    def _by_kind(plan: StepPlan, live: dict[int, Request]) -> tuple[list[Request], list[Request]]:
+        """One pass over ``live``: the requests that end (into ``plan.finished``), then those
+        decoding and those with prompt tokens left, each in ``live``'s order; no request is a
+        decode of the step until it is granted."""
+        decoding, prefilling = [], []
         for r in live.values():
             r.drafts, r.num_drafts = None, -1
+            if r.done or r.preempted:
+                plan.finished.append(r)
+            elif r.decoding:
+                decoding.append(r)
+            else:
+                prefilling.append(r)
+        return decoding, prefilling
+
+    def _grant(self, plan: StepPlan, decoding: list[Request], budget: int) -> int:
+        """Grant each of ``decoding`` its pending token and drafts within ``budget``; returns
+        the budget left."""
+        granted, draft_len, drafter = plan.granted, self.draft_len, self.host_drafter
+        for r in decoding:
+            if budget < 1:
+                break
             # An unread step emits at least one token: the request may end in it.
-            ahead = r.remaining - r.unread
-            if r.done or r.preempted or budget < 1 or not r.decoding or ahead < 1:
+            ahead = r.max_new_tokens - len(r.output) - r.unread
+            if ahead < 1:
                 continue
-            num = min(self.draft_len, ahead - 1, budget - 1)
-            if num > 0 and self.host_drafter is not None:
-                proposed = self.host_drafter.propose(r.req_id, r.tokens, len(r.output), num)
+            num = min(draft_len, ahead - 1, budget - 1)  # >= 0: ahead and budget are >= 1
+            if num > 0 and drafter is not None:
+                proposed = drafter.propose(r.req_id, r.tokens, len(r.output), num)
                 r.drafts = np.asarray(proposed, dtype=np.int64)[:num]
                 num = r.drafts.size
-            r.num_drafts = r.padded_drafts = max(num, 0)
-            budget -= 1 + r.num_drafts
-            plan.granted.append(r)
+            r.num_drafts = r.padded_drafts = num
+            budget -= 1 + num
+            granted.append(r)
         return budget
 
     def _pad(self, plan: StepPlan) -> None:

@@ -80,3 +80,14 @@ def test_what_the_host_read_is_settled_unless_the_call_finishes_its_request() ->
                                                      [(going, 2), (done, 1)])
     assert plan.finished == [done]
     assert _columns(plan.call) == {"results": ([0], [2]), "finished": [1], "grants": ([0], [0])}
+
+
+def test_a_decode_its_unread_steps_may_end_is_not_granted_and_the_next_one_is() -> None:
+    ending, going, done = _decoding(0), _decoding(1), _decoding(2)
+    ending.unread = ending.remaining  # its unread steps may emit every token it has left
+    done.done = True
+    plan = _planner(2, draft_len=3, drafted=[7, 8, 9]).plan(
+        deque(), {2: done, 0: ending, 1: going}, [])
+    assert plan.finished == [done] and plan.granted == [going]
+    assert (ending.num_drafts, going.num_drafts) == (-1, 1)  # the budget of 2 cuts its drafts
+    assert _columns(plan.call) == {"finished": [2], "grants": ([1], [1])}
