@@ -359,7 +359,7 @@ class Engine:
             if n:  # else it had ended already: a wasted forward
                 output = r.output
                 output.extend(row[:n])
-                r.done = len(output) == r.max_new_tokens or output[-1] in stop
+                r.done = r.remaining == 0 or output[-1] in stop
             done.append(r.done)
         plan, stats = flight.launched.plan, self.stats
         settled = plan.decode & (emitted > 0)

@@ -91,7 +91,7 @@ class StepPlanner:
             if budget < 1:
                 break
             # An unread step emits at least one token: the request may end in it.
-            ahead = r.max_new_tokens - len(r.output) - r.unread
+            ahead = r.remaining - r.unread
             if ahead < 1:
                 continue
             num = min(draft_len, ahead - 1, budget - 1)  # >= 0: ahead and budget are >= 1
