@@ -35,6 +35,9 @@ from typing import Any, NamedTuple
 import torch
 from kvalloc.allocator.common.device_io import capturing
 
+# A decode-only step's shape: (entries it runs, tokens each).
+Shape = tuple[int, int]
+
 # ``capture(body)`` -> ``replay``: each ``replay()`` does ``body``'s work again and returns its
 # outputs; capturing does none of it.
 Capture = Callable[[Callable[[], Any]], Callable[[], Any]]
@@ -83,17 +86,17 @@ class DecodeGraphs:
         """``capture``: `capture_cuda_graph()` by default."""
         self.max_graphs = max_graphs
         self._capture_body = capture or capture_cuda_graph()
-        self._buckets: OrderedDict[tuple[int, int], _Bucket] = OrderedDict()
-        self._replays: dict[tuple[int, int], int] = {}  # per shape
+        self._buckets: OrderedDict[Shape, _Bucket] = OrderedDict()
+        self._replays: dict[Shape, int] = {}
         self.captured = 0
 
     def make_room(self, graphs: int) -> None:
         """Hold at least ``graphs`` graphs before dropping any."""
         self.max_graphs = max(self.max_graphs, graphs)
 
-    def captured_for(self, plan: Any) -> bool:
-        """Whether a decode-only ``plan``'s shape has its graph (its launch replays it)."""
-        return _key(plan) in self._buckets
+    def captured_for(self, shape: Shape) -> bool:
+        """Whether a decode-only step of ``shape`` (entries run, tokens each) has its graph."""
+        return shape in self._buckets
 
     @property
     def replayed(self) -> int:
@@ -107,18 +110,17 @@ class DecodeGraphs:
         live = [key for key in self._replays if key in self._buckets]
         return self._buckets[max(live, key=self._replays.__getitem__)].replay if live else None
 
-    def static_columns(self, plan: Any) -> torch.Tensor | None:
-        """The static columns a decode-only ``plan``'s replay reads, once its shape is
-        captured (None before): the step's upload lands there, then `replay`."""
-        bucket = self._buckets.get(_key(plan))
+    def static_columns(self, shape: Shape) -> torch.Tensor | None:
+        """The static columns the replay of ``shape`` reads, once it is captured (None
+        before): the step's upload lands there, then `replay`."""
+        bucket = self._buckets.get(shape)
         return bucket.columns if bucket is not None else None
 
-    def replay(self, plan: Any) -> Any:
-        """Replay ``plan``'s shape over what its static columns hold now."""
-        key = _key(plan)
-        self._buckets.move_to_end(key)
-        self._replays[key] = self._replays.get(key, 0) + 1
-        return self._buckets[key].replay()
+    def replay(self, shape: Shape) -> Any:
+        """Replay ``shape``'s graph over what its static columns hold now."""
+        self._buckets.move_to_end(shape)
+        self._replays[shape] = self._replays.get(shape, 0) + 1
+        return self._buckets[shape].replay()
 
     def run_and_capture(self, plan: Any, cols: Any, body: Callable[[Any, Any], Any]) -> Any:
         """``body(plan, cols)`` run now for a decode-only ``plan`` whose shape has no graph
@@ -127,13 +129,10 @@ class DecodeGraphs:
         outputs = body(plan, cols)
         flat = cols.flat.clone()
         static_cols = cols.over(flat)
-        key = _key(plan)
-        self._buckets[key] = _Bucket(self._capture_body(lambda: body(plan, static_cols)), flat)
+        shape = (plan.rows.size, int(plan.num_tokens[0]))
+        self._buckets[shape] = _Bucket(self._capture_body(lambda: body(plan, static_cols)),
+                                       flat)
         self.captured += 1
         if len(self._buckets) > self.max_graphs:
             self._buckets.popitem(last=False)
         return outputs
-
-
-def _key(plan: Any) -> tuple[int, int]:
-    return plan.rows.size, int(plan.num_tokens[0])

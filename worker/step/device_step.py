@@ -46,7 +46,7 @@ from kvalloc.worker.attention.hook import PoolStep, StepGroup
 from kvalloc.worker.attention.pool_attention import HostBounds, PagedLayout
 from kvalloc.worker.drafters import DeviceOracleDrafter
 from kvalloc.worker.step.batch_buckets import batch_bucket
-from kvalloc.worker.step.decode_graphs import DecodeGraphs
+from kvalloc.worker.step.decode_graphs import DecodeGraphs, Shape
 from kvalloc.worker.step.pool_groups import PoolGroup, layer_places
 from kvalloc.worker.step.rows import DeviceRows
 from kvalloc.worker.step.step_metadata import (
@@ -223,30 +223,28 @@ class DeviceStep:
         self._holders: list[Launched | None] = [None, None]
         self._launches = 0
         self._tables = [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups]
+        self._templates = _DecodeTemplates(rows.spare)
 
     def launch(self, plan: LaunchPlan) -> Launched:
         started = self._event()
         building = time.perf_counter()
-        run = self._grown(plan)
         self._launches += 1
         uploads = self._uploads[self._launches % 2]
-        graphs = self.graphs if run.decode_only else None
-        static = graphs.static_columns(run) if graphs is not None else None
+        shape = self._shape(plan)
+        static = self.graphs.static_columns(shape) if shape is not None else None
         if static is not None:  # a captured shape: its columns straight into the graph's
-            packed = _Columns.pack(run)
-            if packed.size != static.numel():
-                raise InvariantViolation(f"columns: {packed.size} values for a captured "
-                                         f"shape's {static.numel()}")
-            uploads.into(static, packed)
+            uploads.into(static, self._templates.pack(plan, shape))
             metadata_s = time.perf_counter() - building
-            out = graphs.replay(run)
+            out, ran = self.graphs.replay(shape), shape[0]
         else:
+            run = self._grown(plan)
             cols = _Columns.upload(run, uploads)
             metadata_s = time.perf_counter() - building
-            out = (graphs.run_and_capture(run, cols, self._body) if graphs is not None
+            out = (self.graphs.run_and_capture(run, cols, self._body) if shape is not None
                    else self._body(run, cols))
-        launched = Launched(plan, self._host_copy(out.packed), out, run.emitting.size,
-                            self._event(), started, metadata_s)
+            ran = run.emitting.size
+        launched = Launched(plan, self._host_copy(out.packed), out, ran, self._event(),
+                            started, metadata_s)
         if self.timed:
             self._holders[self._launches % 2] = launched
         return launched
@@ -279,8 +277,16 @@ class DeviceStep:
 
     def replays(self, plan: LaunchPlan) -> bool:
         """Whether launching ``plan`` now replays a captured graph (no capture, no eager run)."""
-        return (self.graphs is not None and plan.decode_only
-                and self.graphs.captured_for(self._grown(plan)))
+        shape = self._shape(plan)
+        return shape is not None and self.graphs.captured_for(shape)
+
+    def _shape(self, plan: LaunchPlan) -> Shape | None:
+        """The shape a decode-only ``plan`` runs as with graphs (None without, or for a step
+        that is not decode-only)."""
+        if self.graphs is None or not plan.decode_only:
+            return None
+        width = int(plan.num_tokens[0])
+        return self._entries_run(plan.rows.size, width), width
 
     def decode_shapes(self, widths: Iterable[int]) -> list[tuple[int, int]]:
         """``(entries, tokens each)``: each batch bucket at each of ``widths``. With
@@ -454,6 +460,36 @@ class _Columns(NamedTuple):
             views.append(flat[start:start + column.numel()])
             start += column.numel()
         return _Columns(*views, flat)
+
+
+class _DecodeTemplates:
+    """`_Columns.pack` of a decode-only plan grown to its shape, from the shape's fixed values.
+    Two steps of one shape differ only in their planned entries' rows, starts, behinds, host
+    ids and drafts: the rest, and the padded entries' values, are those of the shape run on
+    the spare row (`LaunchPlan.on_spare_row`), packed once per shape."""
+
+    def __init__(self, spare: int) -> None:
+        self.spare = spare
+        self._packed: dict[Shape, np.ndarray] = {}
+
+    def pack(self, plan: LaunchPlan, shape: Shape) -> np.ndarray:
+        """``_Columns.pack(plan.padded(*shape))`` for a decode-only ``plan`` of ``shape``'s
+        width and at most its entries."""
+        template = self._packed.get(shape)
+        if template is None:
+            entries, width = shape
+            template = self._packed[shape] = _Columns.pack(LaunchPlan.on_spare_row(
+                np.full(entries, width), self.spare, decode=True))
+        p, e, n = shape[0], plan.rows.size, plan.host_ids.size
+        packed = template.copy()
+        # Offsets in the packed layout: per entry columns of p, per token of p * width.
+        tokens = p * shape[1]
+        packed[:e] = plan.rows
+        packed[3 * p:3 * p + e] = plan.starts
+        packed[4 * p:4 * p + e] = plan.behind
+        packed[6 * p + tokens:6 * p + tokens + n] = plan.host_ids
+        packed[9 * p + 3 * tokens:9 * p + 3 * tokens + e] = plan.drafts
+        return packed
 
 
 def group_layouts(layout: PagedLayout, groups: Sequence[PoolGroup]) -> tuple[PagedLayout, ...]:

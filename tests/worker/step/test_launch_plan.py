@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvalloc.allocator.errors import InvariantViolation
-from kvalloc.worker.step.device_step import LaunchPlan
+from kvalloc.worker.step.device_step import LaunchPlan, _Columns, _DecodeTemplates
 
 SPARE = 8
 
@@ -50,3 +50,21 @@ def test_only_a_decode_only_plan_grows() -> None:
     mixed = _decodes([0], 2).then(LaunchPlan.on_spare_row(np.array([5]), SPARE, decode=False))
     with pytest.raises(InvariantViolation, match="decode-only"):
         mixed.padded(4, SPARE)
+
+
+@pytest.mark.parametrize(("entries", "width", "shape"), [(1, 1, 1), (3, 4, 8), (5, 2, 5),
+                                                         (7, 3, 16)])
+def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
+        entries: int, width: int, shape: int) -> None:
+    """A replayed step packs its columns from its shape's template (`_DecodeTemplates`): the
+    same values as packing the plan grown to that shape, twice over one template."""
+    rng = np.random.default_rng(entries * 100 + width)
+    templates = _DecodeTemplates(SPARE)
+    for _ in range(2):
+        rows = rng.permutation(SPARE)[:entries]
+        plan = LaunchPlan(rows, width * np.arange(entries), np.full(entries, width),
+                          rng.integers(0, 99, entries), rng.integers(0, 2, entries),
+                          rng.integers(0, 500, entries * width), np.arange(entries),
+                          np.ones(entries, dtype=bool), rng.integers(0, width, entries))
+        want = _Columns.pack(plan.padded(shape, SPARE))
+        np.testing.assert_array_equal(templates.pack(plan, (shape, width)), want)
