@@ -15,12 +15,15 @@ synchronously, and the oracle drafted on the device by a worker one step ahead (
 them). ``idle_ms``: per step, the GPU time between the end of one step's device work and the
 start of the next one's (CUDA events on the worker's stream): a synchronous worker leaves the
 GPU idle for its whole call, an overlap worker makes the call while the GPU runs the previous
-step. ``metadata_us``: the worker's host time per step to lay out the step (inputs, positions,
-slots, one upload). On a GPU the overlap worker also runs with its decode steps replayed as CUDA
-graphs (``overlap+graphs``; ``graph_replays`` counts them). Each batch first runs untimed in
-process, so that the model's first steps at the batch's shapes count in no transport's figures.
+step. ``decode_idle_ms`` and ``decode_idle_share``: the same before decode-only steps alone, the
+steady state (the prefill steps' long forwards dominate ``idle_share``). ``metadata_us``: the
+worker's host time per step to lay out the step (its columns and their one upload). On a
+GPU the overlap worker also runs with its decode steps replayed as CUDA graphs
+(``overlap+graphs``; ``graph_replays`` counts them). Each batch first runs untimed in process,
+so that the model's first steps at the batch's shapes count in no transport's figures.
 
 ``--quick``: a 2-layer model in float32 on the CPU, batches of 4 and 8 prompts of 16-64 tokens.
+``--batches`` and ``--transports`` run a part of it.
 """
 
 from __future__ import annotations
@@ -127,6 +130,11 @@ def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: 
         # Decode-only steps' own GPU time: the prefill steps (long chunks on the reference
         # attention) dominate busy_ms and every mean over all steps.
         "decode_busy_ms": round(1e3 * s.decode_busy_s / max(s.decode_steps, 1), 3),
+        # The GPU's idle time before decode-only steps: the steady state's share, which the
+        # prefill steps' long forwards would hide in idle_share.
+        "decode_idle_ms": round(1e3 * s.decode_idle_s / max(s.decode_steps, 1), 3),
+        "decode_idle_share": round(
+            s.decode_idle_s / max(s.decode_idle_s + s.decode_busy_s, 1e-12), 4),
         "idle_share": round(s.device_idle_s / max(s.device_idle_s + s.device_busy_s, 1e-12), 4),
         "metadata_us": round(1e6 * s.metadata_s / s.steps, 1),
         "forwards_ahead": s.forwards_ahead, "graph_replays": s.graph_replays,
@@ -142,7 +150,8 @@ def measure(model: Any, client: Client, prompts: list[NamedPrompt], new_tokens: 
     }
 
 
-def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+def run(setup: dict[str, Any], seed: int,
+        transports: tuple[str, ...] = TRANSPORTS) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     dtype = getattr(torch, setup["dtype"])
     model = random_model(setup["model"], seed=seed, dtype=dtype, device=setup["device"])
@@ -167,7 +176,7 @@ def run(setup: dict[str, Any], seed: int) -> list[dict[str, Any]]:
                 with connect("in-process", core, overlap=True) as client:
                     measure(model, client, prompts, setup["new_tokens"], device_oracle(
                         truth, model, seed), DRAFT_LEN, overlap=True)
-            for transport in TRANSPORTS:
+            for transport in transports:
                 with service(transport, config, Path(tmp)) as target:
                     new = [{"batch": batch, "transport": transport, **row}
                            for row in transport_rows(model, target, transport, prompts,
@@ -211,7 +220,8 @@ def transport_rows(model: Any, target: Any, transport: str, prompts: list[NamedP
 
 
 COLUMNS = ("batch", "transport", "mode", "drafter", "tokens_per_s", "step_ms", "decode_step_ms",
-           "decode_call_ms", "decode_call_share", "idle_ms", "idle_share", "metadata_us",
+           "decode_call_ms", "decode_call_share", "idle_ms", "idle_share", "decode_idle_ms",
+           "decode_idle_share", "metadata_us",
            "forwards_ahead", "graph_replays", "acceptance_rate")
 
 
@@ -237,13 +247,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the rows and the machine as JSON")
+    parser.add_argument("--batches", type=int, nargs="+", help="these batch sizes only")
+    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=TRANSPORTS,
+                        help="these transports only")
     args = parser.parse_args()
     setup = QUICK if args.quick else FULL
+    if args.batches:
+        setup = {**setup, "batches": tuple(args.batches)}
     if args.quick:
         torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared CPU
     if setup["device"] == "cuda" and not torch.cuda.is_available():
         parser.error("the full benchmark needs CUDA; --quick runs on the CPU")
-    rows = run(setup, args.seed)
+    rows = run(setup, args.seed, tuple(args.transports))
     if args.out is not None:
         meta = {k: v for k, v in setup.items() if k != "model"}
         meta["model"] = setup["model"].to_diff_dict()

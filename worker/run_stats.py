@@ -42,6 +42,7 @@ class RunStats:
     device_idle_s: float = 0.0
     device_busy_s: float = 0.0
     decode_busy_s: float = 0.0  # of which in decode-only steps (every entry a decode)
+    decode_idle_s: float = 0.0  # idle before a decode-only step: the steady state's gaps
     # Block-table entries a step addressed that held no block (the validator, when on).
     table_violations: int = 0
     # An overlap worker's own commit: tokens it wrote, and kept tokens it refused because their
@@ -103,10 +104,12 @@ class DeviceClock:
         """``launched``'s device time, once its outcome has been read."""
         if launched.started is None or launched.done is None:
             return
-        if self._last_done is not None:
-            self.stats.device_idle_s += self._last_done.elapsed_time(launched.started) / 1e3
+        idle = (self._last_done.elapsed_time(launched.started) / 1e3
+                if self._last_done is not None else 0.0)
         busy = launched.started.elapsed_time(launched.done) / 1e3
+        self.stats.device_idle_s += idle
         self.stats.device_busy_s += busy
         if launched.plan.all_decodes:
+            self.stats.decode_idle_s += idle
             self.stats.decode_busy_s += busy
         self._last_done = launched.done
