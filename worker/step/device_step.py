@@ -226,14 +226,16 @@ class DeviceStep:
         self._templates = _DecodeTemplates(rows.spare)
 
     def launch(self, plan: LaunchPlan) -> Launched:
-        started = self._event()
+        # Looked up once: each look-up costs tens of microseconds of Python on a slow host.
+        stream = torch.cuda.current_stream(self.device) if self.timed else None
+        started = self._event(stream)
         building = time.perf_counter()
         self._launches += 1
         uploads = self._uploads[self._launches % 2]
         shape = self._shape(plan)
         static = self.graphs.static_columns(shape) if shape is not None else None
         if static is not None:  # a captured shape: its columns straight into the graph's
-            uploads.into(static, self._templates.pack(plan, shape))
+            uploads.into(static, self._templates.pack(plan, shape), stream=stream)
             metadata_s = time.perf_counter() - building
             out, ran = self.graphs.replay(shape), shape[0]
         else:
@@ -243,7 +245,7 @@ class DeviceStep:
             out = (self.graphs.run_and_capture(run, cols, self._body) if shape is not None
                    else self._body(run, cols))
             ran = run.emitting.size
-        launched = Launched(plan, self._host_copy(out.packed), out, ran, self._event(),
+        launched = Launched(plan, self._host_copy(out.packed), out, ran, self._event(stream),
                             started, metadata_s)
         if self.timed:
             self._holders[self._launches % 2] = launched
@@ -353,11 +355,12 @@ class DeviceStep:
                              HostBounds(plan.num_tokens, reach, 1 + self.max_draft_len))
         return group_layouts(layout, self.groups)
 
-    def _event(self) -> torch.cuda.Event | None:
-        if not self.timed:
+    def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """An event recorded on ``stream`` (CUDA; None elsewhere)."""
+        if stream is None:
             return None
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(stream)
         return event
 
     def _draft(self, plan: LaunchPlan, ids: torch.Tensor, cols: _Columns) -> None:
