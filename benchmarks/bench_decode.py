@@ -144,6 +144,7 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                     steps = StepLog(engine, cProfile.Profile() if profiled else None,
                                     cProfile.Profile() if profiled else None)
                     engine.run(prompts, setup["new_tokens"])
+                    steps.close()  # the client serves the next run's engine too
                     if profiled:
                         functions = {key: value for key, value in steps.summary().items()
                                      if key.endswith("_host_functions")}
@@ -212,6 +213,11 @@ class StepLog:
                     call_profiler.disable()
 
             engine.client.step = profiled_call  # type: ignore[method-assign]
+        self._client = engine.client
+
+    def close(self) -> None:
+        """Give the client its own ``step`` back: it outlives this log's engine."""
+        vars(self._client).pop("step", None)
 
     def step_wall_ms(self) -> float | None:
         """The median time from one replayed launch to the next of the same shape: the step's
