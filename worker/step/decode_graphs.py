@@ -122,14 +122,15 @@ class DecodeGraphs:
         self._replays[shape] = self._replays.get(shape, 0) + 1
         return self._buckets[shape].replay()
 
-    def run_and_capture(self, plan: Any, cols: Any, body: Callable[[Any, Any], Any]) -> Any:
-        """``body(plan, cols)`` run now for a decode-only ``plan`` whose shape has no graph
-        (``cols``: its uploaded columns, views of ``cols.flat`` that ``cols.over(flat)``
-        rebuilds over another copy), then captured over a static copy for next time."""
+    def run_and_capture(self, shape: Shape, plan: Any, cols: Any,
+                        body: Callable[[Any, Any], Any]) -> Any:
+        """``body(plan, cols)`` run now for a decode-only ``plan`` of ``shape``, which has no
+        graph yet (``cols``: its uploaded columns, views of ``cols.flat`` that
+        ``cols.over(flat)`` rebuilds over another copy), then captured over a static copy for
+        the next step of the shape."""
         outputs = body(plan, cols)
         flat = cols.flat.clone()
         static_cols = cols.over(flat)
-        shape = (plan.rows.size, int(plan.num_tokens[0]))
         self._buckets[shape] = _Bucket(self._capture_body(lambda: body(plan, static_cols)),
                                        flat)
         self.captured += 1

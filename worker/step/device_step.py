@@ -33,6 +33,7 @@ group, one commit per group keeping the same tokens at the group's own slots.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -242,8 +243,8 @@ class DeviceStep:
             run = self._grown(plan)
             cols = _Columns.upload(run, uploads)
             metadata_s = time.perf_counter() - building
-            out = (self.graphs.run_and_capture(run, cols, self._body) if shape is not None
-                   else self._body(run, cols))
+            out = (self.graphs.run_and_capture(shape, run, cols, self._body)
+                   if shape is not None else self._body(run, cols))
             ran = run.emitting.size
         launched = Launched(plan, self._host_copy(out.packed), out, ran, self._event(stream),
                             started, metadata_s)
@@ -445,15 +446,22 @@ class _Columns(NamedTuple):
             plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
             decodes]).astype(np.int64, copy=False)
 
-    @classmethod
-    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
-        """The columns through ``uploads``: valid until its next upload, in stream order."""
-        (flat,) = uploads.upload(cls.pack(plan))
+    @staticmethod
+    def places(plan: LaunchPlan) -> dict[str, int]:
+        """Where each column starts in `pack`'s layout, and ``"end"``."""
         r, n, e = plan.rows.size, plan.host_ids.size, plan.emitting.size
         sizes = (r, r, r, r, r, r, n, n, plan.logit_rows.size, e, e, e, e,
                  int(plan.decode.sum()))
         ends = np.cumsum(sizes).tolist()
-        return cls(*(flat[end - size:end] for size, end in zip(sizes, ends, strict=True)), flat)
+        return {**{name: end - size for name, size, end in zip(
+            _Columns._fields[:-1], sizes, ends, strict=True)}, "end": ends[-1]}
+
+    @classmethod
+    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
+        """The columns through ``uploads``: valid until its next upload, in stream order."""
+        (flat,) = uploads.upload(cls.pack(plan))
+        bounds = list(cls.places(plan).values())
+        return cls(*(flat[a:b] for a, b in itertools.pairwise(bounds)), flat)
 
     def over(self, flat: torch.Tensor) -> _Columns:
         """The same columns as views of ``flat`` (a copy of this ``flat``): laid out one after
@@ -471,27 +479,25 @@ class _DecodeTemplates:
     ids and drafts: the rest, and the padded entries' values, are those of the shape run on
     the spare row (`LaunchPlan.on_spare_row`), packed once per shape."""
 
+    VARYING = ("rows", "starts", "behind", "host_ids", "drafts")
+
     def __init__(self, spare: int) -> None:
         self.spare = spare
-        self._packed: dict[Shape, np.ndarray] = {}
+        self._shapes: dict[Shape, tuple[np.ndarray, dict[str, int]]] = {}
 
     def pack(self, plan: LaunchPlan, shape: Shape) -> np.ndarray:
         """``_Columns.pack(plan.padded(*shape))`` for a decode-only ``plan`` of ``shape``'s
         width and at most its entries."""
-        template = self._packed.get(shape)
-        if template is None:
+        known = self._shapes.get(shape)
+        if known is None:
             entries, width = shape
-            template = self._packed[shape] = _Columns.pack(LaunchPlan.on_spare_row(
-                np.full(entries, width), self.spare, decode=True))
-        p, e, n = shape[0], plan.rows.size, plan.host_ids.size
+            spare = LaunchPlan.on_spare_row(np.full(entries, width), self.spare, decode=True)
+            known = self._shapes[shape] = (_Columns.pack(spare), _Columns.places(spare))
+        template, places = known
         packed = template.copy()
-        # Offsets in the packed layout: per entry columns of p, per token of p * width.
-        tokens = p * shape[1]
-        packed[:e] = plan.rows
-        packed[3 * p:3 * p + e] = plan.starts
-        packed[4 * p:4 * p + e] = plan.behind
-        packed[6 * p + tokens:6 * p + tokens + n] = plan.host_ids
-        packed[9 * p + 3 * tokens:9 * p + 3 * tokens + e] = plan.drafts
+        for name in self.VARYING:
+            values = getattr(plan, name)
+            packed[places[name]:places[name] + values.size] = values
         return packed
 
 
