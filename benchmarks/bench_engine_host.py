@@ -44,7 +44,7 @@ from kvalloc.worker.engine import Engine, _Flight
 from kvalloc.worker.launch_plans import launch_plan
 from kvalloc.worker.requests import Request
 from kvalloc.worker.run_stats import DeviceClock, RunStats
-from kvalloc.worker.step.device_step import Launched, LaunchPlan
+from kvalloc.worker.step.device_step import Launched, LaunchPlan, StepOutputs
 from kvalloc.worker.step_plans import StepPlanner
 
 PROMPT_LEN, DRAFT_LEN, ACCEPT_RATE, VOCAB = 512, 3, 0.6, 32000
@@ -91,7 +91,9 @@ def device(plan: LaunchPlan, rng: np.random.Generator) -> Launched:
     accepted = np.minimum(np.cumprod(hits, axis=1).sum(axis=1), plan.drafts)
     tokens = rng.integers(0, VOCAB, (entries, width))
     host = torch.from_numpy(np.concatenate([tokens.ravel(), accepted + 1, accepted]))
-    return Launched(plan, host, width, entries, None, None, None, 0.0)  # type: ignore[arg-type]
+    # Only what the host reads: no logits, commit or metadata stand behind it.
+    outputs = StepOutputs(host, width, None, None, None)  # type: ignore[arg-type]
+    return Launched(plan, host, outputs, entries, None, None, 0.0)
 
 
 def count_emitted(emitted: dict[str, int], flight: _Flight) -> None:
