@@ -97,6 +97,8 @@ class StepPipeline:
         groups, which every step steps (``manager`` is then its first group's)."""
         self.manager = manager
         self.groups = groups
+        # Each block table's manager, in table order: the pool's, or every group's.
+        self._managers = tuple(groups.managers.values()) if groups is not None else (manager,)
         self._caching = manager.prefix_caching
         self.publish = publish
         self.copy_tier = copy_tier
@@ -164,24 +166,20 @@ class StepPipeline:
         if self.groups is None:
             outcome = self.manager.step_arrays(plan, prompts)
             assert outcome is not None  # applied: only a check returns None
-            return outcome, [self.manager.table.host]
-        stepped = self.groups.step_arrays(plan, prompts)
-        return stepped.outcome, [table.host for table in self.groups.tables.values()]
+        else:
+            outcome = self.groups.step_arrays(plan, prompts).outcome
+        return outcome, [m.table.host for m in self._managers]
 
     @property
     def scarcest(self) -> KVCacheManager:
         """The manager whose free blocks the replies report: the pool's, or a grouped pool's
         group with the fewest (the first such), which refuses first."""
-        if self.groups is None:
-            return self.manager
-        return min(self.groups.managers.values(), key=lambda m: m.free_blocks)
+        return min(self._managers, key=lambda m: m.free_blocks)
 
     def _token_slots(self, scheduled: Scheduled) -> np.ndarray:
         """``[tables, tokens]``: where each scheduled token lives in each table's pool."""
         runs = (scheduled.rows, scheduled.start_positions, scheduled.num_tokens)
-        if self.groups is None:
-            return self.manager.token_slots(*runs)[np.newaxis]
-        return np.stack(list(self.groups.token_slots(*runs).values()))
+        return np.stack([m.token_slots(*runs) for m in self._managers])
 
     def _settle(self, worker: Worker, result_rows: np.ndarray, num_accepted: np.ndarray,
                 revert_rows: np.ndarray, finished_rows: np.ndarray) -> Settlement | Settled | None:
@@ -228,9 +226,8 @@ class StepPipeline:
         must not be), KV events to ``publish`` (a grouped pool has neither tier nor events)."""
         if not self._caching:
             return
-        drained = ([self.manager.drain_cache_changes()] if self.groups is None
-                   else list(self.groups.drain_cache_changes().values()))
-        for table, changes in enumerate(drained):
+        for table, manager in enumerate(self._managers):
+            changes = manager.drain_cache_changes()
             if self.copy_tier is not None:
                 self.copy_tier(changes.onboards, changes.offloads)
             self.committer.protect(changes.blocks, changes.protected, table)
