@@ -3,14 +3,14 @@
 # `make SYSTEM_TORCH=1 .venv/.installed-dev` over a CUDA build of torch, then PYTHON=.venv/bin/python):
 # the GPU tests, then the GPU benchmarks.
 #   benchmarks/gpu_check.sh [SECTION...]   (default: all of them, in this order)
-#   sections: tests targets shards profile table split round_trip decode worker sweep commit
-#             attention mla host_tier (see below)
+#   sections: tests targets shards profile table split round_trip host_calls decode worker sweep
+#             commit attention mla host_tier (see below)
 #   PYTHON  the interpreter to use (default python3)
 #   OUT     where results go (default ./out): device.txt, the GPU test log and junit XML, and the
 #           benchmark JSON, to be committed under benchmarks/results/<date>-<gpu>/
 # Exit status: the GPU tests' (a failed benchmark is reported, not fatal).
 set -uo pipefail
-SECTIONS=" ${*:-tests targets shards profile table split round_trip decode worker sweep commit attention mla host_tier} "
+SECTIONS=" ${*:-tests targets shards profile table split round_trip host_calls decode worker sweep commit attention mla host_tier} "
 want() { [[ $SECTIONS == *" $1 "* ]]; }
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out}
@@ -92,6 +92,9 @@ done
 # round_trip: what the host adds to a local round trip with no service behind it (ZeroMQ and a
 # stream socket).
 want round_trip && step "$PYTHON" benchmarks/bench_round_trip.py --out "$OUT/bench_round_trip.json" 2>&1 | tee -a "$OUT/bench.log"
+# host_calls: what one host call into torch and CUDA costs here (a stream look-up, an event, an
+# upload, a launch, a graph replay): the units of the host path below, which hosts differ in.
+want host_calls && step "$PYTHON" benchmarks/bench_host_calls.py --out "$OUT/bench_host_calls.json" 2>&1 | tee -a "$OUT/bench.log"
 # decode: the worker's decode step alone (1B and 8B shapes, batch 64, 1.5k context, graphs)
 # against the same forward without attention, SDPA over a contiguous cache, the bytes it must
 # read and model.generate; where the launches' host time goes (profiled in the warm-up runs).

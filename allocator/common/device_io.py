@@ -24,6 +24,28 @@ def upload_int64(values: Sequence[int] | np.ndarray, device: torch.device) -> to
     return host.pin_memory().to(device, non_blocking=True)
 
 
+# Streams already built, by what identifies them (id, device index, device type).
+_STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+_MAX_STREAMS = 256  # a program that makes streams without end does not grow this without end
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)`` for CUDA device ``index``, at the cost of one C call.
+
+    torch's look-up checks its initialisation, resolves the device and builds a new `Stream`
+    each time: tens of microseconds of Python on a slow host, several times a step. Here what
+    identifies the current stream (the same C call's answer) finds the object built before.
+    """
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= _MAX_STREAMS:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream
+
+
+_MAX_VIEWS = 64  # of one pinned buffer; uploads of ever new sizes do not grow it without end
 _ALIGN = 8  # bytes: every array of a packed upload starts where any int dtype may be viewed
 
 
@@ -37,8 +59,20 @@ class PinnedBuffer:
         self._host = self.tensor.numpy()
         self._read = torch.cuda.Event()
         # With its index, the current stream is found without asking which device is current.
-        self._stream_device = torch.device("cuda", device.index if device.index is not None
-                                           else torch.cuda.current_device())
+        self._stream_index = device.index if device.index is not None else \
+            torch.cuda.current_device()
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+
+    def leading(self, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The buffer's first ``nbytes`` as a ``dtype`` tensor of ``shape``. Kept once made: a
+        step's uploads repeat a few sizes, and a slice and two views are three torch calls."""
+        key = (nbytes, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self.tensor[:nbytes].view(dtype).view(shape)
+        return view
 
     def writable(self) -> np.ndarray:
         """The buffer's bytes, once no copy still reads them."""
@@ -46,11 +80,9 @@ class PinnedBuffer:
         return self._host
 
     def read(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Record that the copies queued so far on ``stream`` (the current one by default: a
-        caller that already holds it saves the look-up, tens of microseconds) read the
-        buffer."""
-        self._read.record(stream if stream is not None
-                          else torch.cuda.current_stream(self._stream_device))
+        """Record that the copies queued so far on ``stream`` (the current one by default)
+        read the buffer."""
+        self._read.record(stream if stream is not None else current_stream(self._stream_index))
 
 
 class PinnedUploads:
@@ -74,8 +106,7 @@ class PinnedUploads:
             dst.numpy().reshape(-1)[:] = np.ravel(values)
             return
         (src,) = self._stage([np.ravel(values).astype(_NUMPY[dst.dtype], copy=False)])
-        source = self._buffer.tensor[src].view(dst.dtype)
-        dst.copy_(source if dst.dim() == 1 else source.view(dst.shape), non_blocking=True)
+        dst.copy_(self._buffer.leading(src.stop, dst.dtype, dst.shape), non_blocking=True)
         self._buffer.read(stream)
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:

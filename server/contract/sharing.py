@@ -41,6 +41,7 @@ import weakref
 from pathlib import Path
 
 import torch
+from kvalloc.allocator.common.device_io import current_stream
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.errors import AttachError, InsufficientMemory
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -327,9 +328,7 @@ class StepFence:
                  device: int) -> None:
         self.forward_done = forward_done
         self.commit_done = commit_done
-        # An indexed device: finding its current stream skips the lookup of the current device,
-        # which costs more than the wait or the record itself.
-        self._device = torch.device("cuda", device)
+        self._index = device
 
     @classmethod
     def create(cls, device: torch.device) -> tuple[StepFence, wire.EventHandle, wire.EventHandle]:
@@ -341,16 +340,16 @@ class StepFence:
         return cls(open_event(forward_done), open_event(commit_done), forward_done.device)
 
     def service_begin(self) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self.forward_done)
+        current_stream(self._index).wait_event(self.forward_done)
 
     def service_end(self) -> None:
-        self.commit_done.record(torch.cuda.current_stream(self._device))
+        self.commit_done.record(current_stream(self._index))
 
     def worker_forward_done(self) -> None:
-        self.forward_done.record(torch.cuda.current_stream(self._device))
+        self.forward_done.record(current_stream(self._index))
 
     def worker_before_forward(self) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self.commit_done)
+        current_stream(self._index).wait_event(self.commit_done)
 
 
 class FenceGroup:

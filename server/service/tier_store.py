@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from kvalloc.allocator import TierCopies
-from kvalloc.allocator.common.device_io import upload_int64
+from kvalloc.allocator.common.device_io import current_stream, upload_int64
 
 # Scratch for one direction's gather: large enough that a step's copies take one round.
 SCRATCH_BYTES = 256 << 20
@@ -133,7 +133,7 @@ class _CudaCopies:
 
     def copy(self, onboards: TierCopies, offloads: TierCopies) -> None:
         self._harvest()
-        current = torch.cuda.current_stream(self.device)
+        current = current_stream(self.device.index)
         if offloads.blocks.size:
             # The commit that wrote the blocks, taken before the service's stream waits for this
             # call's onboard.

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from kvalloc.allocator import InvariantViolation, PackedCommit, TableValidator, accept
-from kvalloc.allocator.common.device_io import PinnedUploads
+from kvalloc.allocator.common.device_io import PinnedUploads, current_stream
 from kvalloc.worker.attention.hook import PoolStep, StepGroup
 from kvalloc.worker.attention.pool_attention import HostBounds, PagedLayout
 from kvalloc.worker.drafters import DeviceOracleDrafter
@@ -227,8 +227,8 @@ class DeviceStep:
         self._templates = _DecodeTemplates(rows.spare)
 
     def launch(self, plan: LaunchPlan) -> Launched:
-        # Looked up once: each look-up costs tens of microseconds of Python on a slow host.
-        stream = torch.cuda.current_stream(self.device) if self.timed else None
+        # Looked up once, for the step's events and its upload.
+        stream = current_stream(self.device.index) if self.timed else None
         started = self._event(stream)
         building = time.perf_counter()
         self._launches += 1
