@@ -21,17 +21,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvalloc.allocator.common.device_io import capture_graph, current_stream
+from kvalloc.allocator.capacity.table_graphs import TableUploadGraphs
+from kvalloc.allocator.common.device_io import PinnedUploads, capture_graph, current_stream
 
 UPLOAD_BYTES = 10_240  # about a decode step's columns at batch 64
 OUTCOME_BYTES = 2_048
 
 
-def median_us(call: Callable[[], object], calls: int) -> float:
+def median_us(call: Callable[[], object], calls: int, *, busy: bool = False) -> float:
     """The median host time of ``call``, in microseconds (a tenth of ``calls`` warm it up), each
     call made with the device idle: a full launch queue would block the host, and the row would
     time the device instead."""
@@ -40,6 +42,8 @@ def median_us(call: Callable[[], object], calls: int) -> float:
     taken = []
     for _ in range(calls):
         torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(2_000_000)
         t0 = time.perf_counter_ns()
         call()
         taken.append(time.perf_counter_ns() - t0)
@@ -64,6 +68,18 @@ def measure(calls: int) -> dict[str, float]:
     source = pinned.view(torch.int64)
     x = torch.zeros(1, device="cuda")
     one, many = graph_of(1, x), graph_of(300, x)
+
+    def copy_then_kernel() -> None:
+        device_in.copy_(source, non_blocking=True)
+        x.add_(1)
+    with_upload = capture_graph(copy_then_kernel)
+    uploads = PinnedUploads(x.device)
+    columns = np.arange(UPLOAD_BYTES // 8, dtype=np.int64)
+    table = torch.zeros((64, 512), dtype=torch.int32, device="cuda")
+    table_graphs = TableUploadGraphs(table)
+    table_graphs.capture_all(np.zeros(table.numel(), dtype=np.int32))
+    cells = np.arange(0, table.numel(), 512)  # a new block for each of 64 rows
+    values = np.arange(table.numel(), dtype=np.int32)
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()
@@ -80,6 +96,14 @@ def measure(calls: int) -> dict[str, float]:
         "kernel_eager": median_us(lambda: x.add_(1), calls),
         "kernel_graph": median_us(one.replay, calls),
         "kernels_300_graph": median_us(many.replay, calls),
+        "upload_and_kernel_graph": median_us(with_upload.replay, calls),
+        "upload_10kb_busy": median_us(lambda: device_in.copy_(source, non_blocking=True),
+                                      calls, busy=True),
+        "kernel_graph_busy": median_us(one.replay, calls, busy=True),
+        "pinned_uploads_into_10kb": median_us(lambda: uploads.into(device_in, columns), calls),
+        "pinned_uploads_into_10kb_busy": median_us(lambda: uploads.into(device_in, columns),
+                                                   calls, busy=True),
+        "table_upload_64_cells": median_us(lambda: table_graphs.upload(cells, values), calls),
     }
 
 
