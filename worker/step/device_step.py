@@ -216,11 +216,13 @@ class DeviceStep:
         self.device = self.groups[0].kv.device
         self.stop = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=self.device)
         self.timed = self.device.type == "cuda"
-        # Two, taken in turn: the host fills one while the device may still copy from the other
-        # (an overlap worker's previous step), so filling never waits for the device.
+        # Two of each, taken in turn: the host fills one while the device may still copy from
+        # the other (an overlap worker's previous step), so filling never waits for the device.
+        # A replayed step's columns and every step's outcome travel through the pinned
+        # buffers of its turn, which the turn's last step holds until it is read; the columns
+        # of a step that runs eagerly, through the turn's uploads.
         self._uploads = (PinnedUploads(self.device), PinnedUploads(self.device))
-        # The outcomes' pinned buffers and the steps that hold them, taken in the same turn.
-        self._outputs: list[torch.Tensor | None] = [None, None]
+        self._inputs, self._outputs = _PinnedTurns(), _PinnedTurns()
         self._holders: list[Launched | None] = [None, None]
         self._launches = 0
         self._tables = [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups]
@@ -232,44 +234,53 @@ class DeviceStep:
         started = self._event(stream)
         building = time.perf_counter()
         self._launches += 1
-        uploads = self._uploads[self._launches % 2]
+        turn = self._launches % 2
+        self._free(turn)
         shape = self._shape(plan)
         static = self.graphs.static_columns(shape) if shape is not None else None
         if static is not None:  # a captured shape: its columns straight into the graph's
-            uploads.into(static, self._templates.pack(plan, shape), stream=stream)
+            self._upload_columns(turn, plan, shape, static)
             metadata_s = time.perf_counter() - building
             out, ran = self.graphs.replay(shape), shape[0]
         else:
             run = self._grown(plan)
-            cols = _Columns.upload(run, uploads)
+            cols = _Columns.upload(run, self._uploads[turn])
             metadata_s = time.perf_counter() - building
             out = (self.graphs.run_and_capture(shape, run, cols, self._body)
                    if shape is not None else self._body(run, cols))
             ran = run.emitting.size
-        launched = Launched(plan, self._host_copy(out.packed), out, ran, self._event(stream),
-                            started, metadata_s)
+        launched = Launched(plan, self._host_copy(turn, out.packed), out, ran,
+                            self._event(stream), started, metadata_s)
         if self.timed:
-            self._holders[self._launches % 2] = launched
+            self._holders[turn] = launched
         return launched
 
-    def _host_copy(self, packed: torch.Tensor) -> torch.Tensor:
-        """``packed`` where the host reads it: on CUDA a copy behind the step into one of two
-        pinned buffers, in the turn of the uploads (an overlap worker reads step k before it
-        launches step k + 2, so the buffer step k + 2 takes has been read). A step still
-        unread there (a caller further ahead) is read first, which waits for its device work."""
+    def _upload_columns(self, turn: int, plan: LaunchPlan, shape: Shape,
+                        static: torch.Tensor) -> None:
+        """A replayed step's columns into its graph's ``static`` copy: packed into ``turn``'s
+        pinned buffer and copied behind the step on CUDA, packed in place on a CPU device."""
         if not self.timed:
-            return packed
-        turn = self._launches % 2
+            self._templates.pack_into(plan, shape, static.numpy())
+            return
+        host = self._inputs.take(turn, static.numel())
+        self._templates.pack_into(plan, shape, host.numpy())
+        static.copy_(host, non_blocking=True)
+
+    def _free(self, turn: int) -> None:
+        """Free ``turn``'s pinned buffers: its last step, if still unread (a caller further
+        ahead; an overlap worker reads step k before it launches step k + 2), is read first,
+        which waits for its device work and so for its copies in and out."""
         holder = self._holders[turn]
         if holder is not None and not holder.read:
             holder.outcome()
         self._holders[turn] = None
-        buffer = self._outputs[turn]
-        if buffer is None or buffer.numel() < packed.numel():
-            buffer = self._outputs[turn] = torch.empty(
-                max(packed.numel(), 2 * (buffer.numel() if buffer is not None else 0)),
-                dtype=torch.int64, pin_memory=True)
-        host = buffer[:packed.numel()]
+
+    def _host_copy(self, turn: int, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` where the host reads it: on CUDA a copy behind the step into ``turn``'s
+        pinned buffer."""
+        if not self.timed:
+            return packed
+        host = self._outputs.take(turn, packed.numel())
         host.copy_(packed, non_blocking=True)
         return host
 
@@ -485,20 +496,36 @@ class _DecodeTemplates:
         self.spare = spare
         self._shapes: dict[Shape, tuple[np.ndarray, dict[str, int]]] = {}
 
-    def pack(self, plan: LaunchPlan, shape: Shape) -> np.ndarray:
-        """``_Columns.pack(plan.padded(*shape))`` for a decode-only ``plan`` of ``shape``'s
-        width and at most its entries."""
+    def pack_into(self, plan: LaunchPlan, shape: Shape, out: np.ndarray) -> None:
+        """``out[:] = _Columns.pack(plan.padded(*shape))`` for a decode-only ``plan`` of
+        ``shape``'s width and at most its entries (``out``: int64, that long)."""
         known = self._shapes.get(shape)
         if known is None:
             entries, width = shape
             spare = LaunchPlan.on_spare_row(np.full(entries, width), self.spare, decode=True)
             known = self._shapes[shape] = (_Columns.pack(spare), _Columns.places(spare))
         template, places = known
-        packed = template.copy()
+        out[:] = template
         for name in self.VARYING:
             values = getattr(plan, name)
-            packed[places[name]:places[name] + values.size] = values
-        return packed
+            out[places[name]:places[name] + values.size] = values
+
+
+class _PinnedTurns:
+    """Pinned int64 buffers, one per turn, each grown (to twice its size at least) when a
+    step needs more. A buffer is free once its turn's last step has been read."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def take(self, turn: int, numel: int) -> torch.Tensor:
+        """The first ``numel`` values of ``turn``'s buffer."""
+        buffer = self._buffers[turn]
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[turn] = torch.empty(
+                max(numel, 2 * (buffer.numel() if buffer is not None else 0)),
+                dtype=torch.int64, pin_memory=True)
+        return buffer[:numel]
 
 
 def group_layouts(layout: PagedLayout, groups: Sequence[PoolGroup]) -> tuple[PagedLayout, ...]:

@@ -56,10 +56,12 @@ def test_only_a_decode_only_plan_grows() -> None:
                                                          (7, 3, 16)])
 def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
         entries: int, width: int, shape: int) -> None:
-    """A replayed step packs its columns from its shape's template (`_DecodeTemplates`): the
-    same values as packing the plan grown to that shape, twice over one template."""
+    """A replayed step packs its columns from its shape's template (`_DecodeTemplates`) into
+    its pinned buffer: the same values as packing the plan grown to that shape, twice over one
+    template and one buffer (nothing of the earlier step, or of the buffer's garbage, stays)."""
     rng = np.random.default_rng(entries * 100 + width)
     templates = _DecodeTemplates(SPARE)
+    out = None
     for _ in range(2):
         rows = rng.permutation(SPARE)[:entries]
         plan = LaunchPlan(rows, width * np.arange(entries), np.full(entries, width),
@@ -67,4 +69,7 @@ def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
                           rng.integers(0, 500, entries * width), np.arange(entries),
                           np.ones(entries, dtype=bool), rng.integers(0, width, entries))
         want = _Columns.pack(plan.padded(shape, SPARE))
-        np.testing.assert_array_equal(templates.pack(plan, (shape, width)), want)
+        if out is None:
+            out = np.full(want.size, -7, dtype=np.int64)
+        templates.pack_into(plan, (shape, width), out)
+        np.testing.assert_array_equal(out, want)
