@@ -9,8 +9,10 @@ of 64 prompts of 1536 tokens decodes with D = 3 (every decode padded to 1 + 3 to
 decode step has one shape), the service in process. Side by side:
 
 - ``worker``: `worker.engine.Engine` with its decode steps replayed as CUDA graphs (each batch
-  bucket's captured by `Engine.warm_up` before the run), synchronous and one step ahead
-  (``--overlap``): the decode steps' GPU time (``decode_busy_ms``, CUDA events around each
+  bucket's captured by `Engine.warm_up` before the run), synchronous (``sync``: the service
+  commits the accepted tokens in its call; ``sync+own-commit``: registered as an overlap
+  worker, the worker commits them inside its step and the call commits nothing) and one step
+  ahead (``overlap``): the decode steps' GPU time (``decode_busy_ms``, CUDA events around each
   step's device work) and wall time, and tokens/s over the whole run. The steady step
   (``step_wall_ms``) is the median time from one replayed launch to the next at the full batch:
   the run's averages also hold the prefill chunks still on the device when decoding starts, up
@@ -130,8 +132,9 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
              for p in prompts}
     rows = []
     try:
-        for overlap in (False, True):
-            with connect("in-process", core, overlap=overlap) as client:
+        # (registered as an overlap worker: commits itself, runs one step ahead)
+        for registered, overlap in ((False, False), (True, False), (True, True)):
+            with connect("in-process", core, overlap=registered) as client:
                 functions = []
                 for run in ("warm-up", "measured"):  # the first run compiles for the shapes
                     drafter = DeviceOracleDrafter(truth, ORACLE_RATE,
@@ -148,7 +151,8 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                     if profiled:
                         functions = {key: value for key, value in steps.summary().items()
                                      if key.endswith("_host_functions")}
-                row = {"mode": ("overlap" if overlap else "sync") + ("+graphs" if graphs else ""),
+                mode = "overlap" if overlap else "sync+own-commit" if registered else "sync"
+                row = {"mode": mode + ("+graphs" if graphs else ""),
                        **steps.summary(), **run_figures(engine.stats)}
                 if host_profile:
                     row.update(functions)

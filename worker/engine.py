@@ -37,6 +37,11 @@ commits its own accepted tokens on the device right after verification, and the 
 k's outcome only when it plans step k+2. A request that ends in step k may then be scheduled in
 step k+1 already; that forward is wasted and commits nothing, and its grant is dropped when the
 request is finished.
+
+A worker registered with ``overlap=True`` commits its own accepted tokens whether it runs ahead
+or not: run in step (``overlap=False``), it reports every step's results in the next call (early,
+as the protocol allows) and the service's call does no commit of its own, the lighter call a
+synchronous worker with CUDA graphs wants.
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ class Engine:
         """``share_prefixes``: send prompts' token ids so that a service with prefix caching
         reuses cached prefix blocks; their prefill is skipped. ``overlap``: run one step ahead
         of the host (the client registered with ``overlap=True``; drafts, if any, from a
-        `DeviceOracleDrafter`). ``validate``: count block-table entries each step addresses
+        `DeviceOracleDrafter`); a client so registered has the worker commit its own tokens,
+        ahead or in step. ``validate``: count block-table entries each step addresses
         that hold no block (``RunStats.table_violations``). ``cuda_graphs``: replay decode steps
         as captured CUDA graphs (a CUDA pool), which pads every decode of a decode-only step to
         ``draft_len`` drafts through the padding grant and grows its batch to a bucket
@@ -111,10 +117,9 @@ class Engine:
             if group.kv.device != self.device:
                 raise LayoutMismatch(f"device: the pool is on {group.kv.device}, the model on "
                                      f"{self.device}; run the model where the pool is")
-        if overlap != client.overlap:
-            mode = "one step ahead" if overlap else "in step"
-            raise EngineError(f"overlap: the engine runs {mode} but the client registered with "
-                              f"overlap={client.overlap}")
+        if overlap and not client.overlap:
+            raise EngineError("overlap: the engine runs one step ahead but the client "
+                              "registered with overlap=False")
         if draft_len and drafter is None:
             raise EngineError("drafter: draft_len > 0 needs a drafter")
         if overlap and drafter is not None and not isinstance(drafter, DeviceOracleDrafter):
@@ -149,7 +154,7 @@ class Engine:
                                stop_token_ids=self.stop_token_ids,
                                drafter=self.device_drafter,
                                commits=tuple(_own_commit(g, self.pool.writer_fence)
-                                             for g in self.groups) if overlap else (),
+                                             for g in self.groups) if client.overlap else (),
                                validators=self.validators,
                                graphs=DecodeGraphs() if cuda_graphs else None,
                                pad_batches=self.pad_decodes)

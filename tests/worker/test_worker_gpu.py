@@ -78,9 +78,13 @@ def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
 
 
 def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, drafter: object,
-         draft_len: int, *, overlap: bool = False, prefix_caching: bool = False,
-         cuda_graphs: bool = False, **pool: object) -> tuple[dict[str, list[int]], Engine]:
-    core, client = _client(model, overlap=overlap, prefix_caching=prefix_caching, **pool)
+         draft_len: int, *, overlap: bool = False, own_commit: bool = False,
+         prefix_caching: bool = False, cuda_graphs: bool = False,
+         **pool: object) -> tuple[dict[str, list[int]], Engine]:
+    """``own_commit``: registered as an overlap worker, which commits its own tokens, however
+    the engine runs (``overlap``: ahead)."""
+    core, client = _client(model, overlap=overlap or own_commit, prefix_caching=prefix_caching,
+                           **pool)
     try:
         client.pool.kv.fill_(float("nan"))
         engine = Engine(model, client, drafter, draft_len=draft_len, overlap=overlap,
@@ -91,15 +95,19 @@ def _run(model: torch.nn.Module, prompts: list[NamedPrompt], new_tokens: int, dr
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize(("overlap", "prefix_caching", "cuda_graphs"), [
-    (False, False, False), (True, False, False), (True, True, False), (False, False, True),
-    (True, False, True)],
-    ids=["sync", "overlap", "overlap-prefix-caching", "sync-graphs", "overlap-graphs"])
+@pytest.mark.parametrize(("overlap", "own_commit", "prefix_caching", "cuda_graphs"), [
+    (False, False, False, False), (True, True, False, False), (True, True, True, False),
+    (False, False, False, True), (False, True, False, True), (True, True, False, True)],
+    ids=["sync", "overlap", "overlap-prefix-caching", "sync-graphs", "sync-own-commit-graphs",
+         "overlap-graphs"])
 def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap: bool,
-                                         prefix_caching: bool, cuda_graphs: bool) -> None:
+                                         own_commit: bool, prefix_caching: bool,
+                                         cuda_graphs: bool) -> None:
     """With prefix caching the prompts share a 64-token prefix: later ones skip its prefill
     and read the blocks an earlier one committed, under the service's write protection. With
-    CUDA graphs, decode-only steps are padded to D = 3 and replay a captured graph."""
+    CUDA graphs, decode-only steps are padded to D = 3 and replay a captured graph; in step
+    with its own commit, the worker commits inside the graph and the service's call does not
+    (host drafts)."""
     config = FAMILIES[family]
     model = random_model(config, seed=0, device=cuda_device)
     reference = random_model(config, seed=0, device=cuda_device)
@@ -114,9 +122,11 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     # so their shared prefix is cached by then.
     outputs, engine = _run(model, prompts, 16, drafter, 3, longest=316,
                            batch=2 if prefix_caching else 8, dtype="float32", overlap=overlap,
-                           prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
+                           own_commit=own_commit, prefix_caching=prefix_caching,
+                           cuda_graphs=cuda_graphs)
     assert outputs == expected
     stats = engine.stats
+    assert (stats.committed_tokens > 0) == own_commit
     assert (stats.cached_prompt_tokens > 0) == prefix_caching
     assert stats.accepted_drafts > 0 and stats.table_violations == 0
     assert (stats.forwards_ahead > 0) == overlap

@@ -61,10 +61,11 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
                 replay: bool = True, pad_decodes: bool = False, warm_up: bool = False,
                 graphs: Callable[[Engine], object] | None = None,
                 model: torch.nn.Module | None = None,
-                calls: list[dict] | None = None, **service: object
+                calls: list[dict] | None = None, ahead: bool = True, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
     """``prompts``: the oracle's by default; the replay knows only their K/V (none for
-    others)."""
+    others). ``ahead``: the engine runs one step ahead (else in step, on the same overlap
+    registration: it still commits its own tokens)."""
     replay = replay and all(p.req_id in oracle.kv for p in prompts or ())
     config = pool_config(oracle.model)
     pool = config.pool.model_copy(update=service)
@@ -76,7 +77,7 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
         oracle.expected, rate, vocab_size=oracle.model.config.vocab_size,
         device=client.pool.kv.device, seed=3)
     engine = Engine(model or oracle.model, client, drafter, draft_len=draft_len,
-                    stop_token_ids=oracle.stop_tokens(), overlap=True, validate=True,
+                    stop_token_ids=oracle.stop_tokens(), overlap=ahead, validate=True,
                     share_prefixes=share_prefixes, pad_decodes=pad_decodes)
     if graphs is not None:
         graphs(engine)
@@ -110,6 +111,25 @@ def test_tokens_and_pool_equal_generate_one_step_ahead(oracle: Oracle, connect: 
     assert stats.forwards_ahead > stats.steps // 2  # the device really ran ahead of the host
     assert stats.table_violations == 0
     assert stats.generated_tokens == sum(map(len, oracle.expected.values()))
+    assert_acceptance(stats, rate)
+
+
+@pytest.mark.parametrize(("draft_len", "rate"), [(0, None), (3, 0.5)])
+def test_in_step_on_an_overlap_registration_the_worker_commits_itself_exactly(
+        oracle: Oracle, connect: Callable, draft_len: int, rate: float | None) -> None:
+    """Run in step on an overlap registration, the worker reports each step's results in the
+    next call and commits its tokens itself: generate's tokens, and the pool holds exactly
+    what the worker's own commit kept (the service commits nothing for it)."""
+    calls: list[dict] = []
+    engine, outputs, replay = run_overlap(oracle, connect, rate, draft_len, ahead=False,
+                                          calls=calls)
+    assert outputs == oracle.expected
+    assert replay is not None
+    replay.check()
+    stats = engine.stats
+    assert replay.kept > 0 and stats.committed_tokens == replay.kept
+    assert stats.forwards_ahead == 0
+    assert stats.table_violations == 0
     assert_acceptance(stats, rate)
 
 
@@ -235,10 +255,8 @@ def test_an_overlap_worker_drafts_on_the_device(llama_oracle: Oracle, connect: C
         Engine(llama_oracle.model, client, NgramDrafter(), draft_len=3, overlap=True)
 
 
-@pytest.mark.parametrize("registered", [False, True])
-def test_the_engine_and_its_registration_agree_on_overlap(llama_oracle: Oracle,
-                                                          connect: Callable,
-                                                          registered: bool) -> None:
-    client = connect(pool_config(llama_oracle.model), overlap=registered)
-    with pytest.raises(EngineError, match=f"registered with overlap={registered}"):
-        Engine(llama_oracle.model, client, None, draft_len=0, overlap=not registered)
+def test_one_step_ahead_needs_an_overlap_registration(llama_oracle: Oracle,
+                                                     connect: Callable) -> None:
+    client = connect(pool_config(llama_oracle.model), overlap=False)
+    with pytest.raises(EngineError, match="registered with overlap=False"):
+        Engine(llama_oracle.model, client, None, draft_len=0, overlap=True)
