@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="run one step ahead of the host: the call for step k+1 and its launch "
                           "while the device runs step k; drafts (oracle only), verification and "
                           "the commit on the device")
+    svc.add_argument("--own-commit", action="store_true",
+                     help="register as an overlap worker (as --overlap does) but run in step: "
+                          "the worker commits its accepted tokens on the device inside its step "
+                          "and the service's call commits nothing (the lighter call)")
     svc.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                      help="run N processes, each holding its shard of the model's heads, "
                           "against a service of N shards (kvalloc serve --devices ... "

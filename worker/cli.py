@@ -12,6 +12,8 @@ probability RATE; the figures are the speculative run's.
 
 ``--overlap`` runs the worker one step ahead of the host (it registers with ``overlap=True``):
 drafts come from the device (``oracle:RATE`` only), and the worker commits its own tokens.
+``--own-commit`` registers so too but runs in step: the worker commits its own tokens, and its
+results come with the next call.
 
 ``--tensor-parallel N`` runs N processes against a ``kvalloc serve --devices ...
 --tensor-parallel N``: rank r holds its shard of the model and maps shard r of the pool, and
@@ -230,7 +232,7 @@ def _rank(rank: int, world: int, options: dict[str, Any],
     client = (Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout)
               if rank == 0 else None)
     shards = ShardClient(rank, world, client, stop=stop if rank == 0 else None)
-    shards.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank,
+    shards.register(overlap=_commits_itself(args), data_parallel_rank=args.data_parallel_rank,
                     replace=args.replace)
     try:
         return _serve(model, shards, prompts, args, StopRequest())
@@ -302,8 +304,8 @@ def _client(args: argparse.Namespace, model: Any,
     """A registered, attached client: to ``--address``, or to a service made in this process."""
     if not args.in_process:
         with Client(args.address, worker_id=args.worker_id, timeout_s=args.timeout) as client:
-            client.register(overlap=args.overlap, data_parallel_rank=args.data_parallel_rank,
-                            replace=args.replace)
+            client.register(overlap=_commits_itself(args),
+                            data_parallel_rank=args.data_parallel_rank, replace=args.replace)
             try:
                 yield client
             finally:
@@ -315,8 +317,13 @@ def _client(args: argparse.Namespace, model: Any,
                           max_step_tokens=args.max_step_tokens)
     with in_process_client(pool, max_step_tokens=args.max_step_tokens,
                            worker_id=args.worker_id, groups=groups) as client:
-        client.register(overlap=args.overlap)
+        client.register(overlap=_commits_itself(args))
         yield client
+
+
+def _commits_itself(args: argparse.Namespace) -> bool:
+    """Whether the worker registers as an overlap worker, which commits its own tokens."""
+    return args.overlap or args.own_commit
 
 
 def in_process_pool(args: argparse.Namespace, model: Any,

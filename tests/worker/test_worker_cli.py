@@ -74,6 +74,17 @@ def test_in_process_cli_prints_the_generated_tokens(oracle: Oracle, tmp_path: Pa
     assert 0 < json.loads(out)["acceptance_rate"] < 1
 
 
+def test_in_step_with_its_own_commit_the_worker_commits_and_gives_the_same_tokens(
+        oracle: Oracle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config, prompts = write_inputs(oracle, tmp_path)
+    assert main(worker_args(config, prompts, "--in-process", "--draft-len", "3", "--drafter",
+                            "oracle:0.5", "--own-commit", "--validate")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert outputs(json.dumps(result)) == oracle.expected
+    assert result["committed_tokens"] > 0 and result["forwards_ahead"] == 0
+    assert result["table_violations"] == 0
+
+
 SERVICE_POOL = ["--device", "cpu", "--dtype", "float32", "--num-layers", "2", "--num-kv-heads",
                 "2", "--head-dim", "8", "--num-blocks", "256", "--tokens-per-block",
                 str(TOKENS_PER_BLOCK), "--max-seq-len", "96", "--max-draft-len",
