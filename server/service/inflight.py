@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba, views
 from kvalloc.server.contract.columns import NO_VALUES, Scheduled
 from kvalloc.server.contract.errors import StepNotSettled
 
@@ -143,7 +143,14 @@ def _settle_loop(result_rows, revert_rows, finished_rows, num_rows, older_rows, 
     for i in range(newest_rows.size):
         if newest_waiting[i]:
             marks[newest_rows[i]] |= 8
-    dropped = older_dropped.copy()
+    # The three flag columns as one array: each array returned costs a conversion.
+    num_older, num_newest = older_rows.size, newest_rows.size
+    flags = np.empty(num_older + 2 * num_newest, np.bool_)
+    dropped = flags[:num_older]
+    waiting = flags[num_older:num_older + num_newest]
+    gone_flags = flags[num_older + num_newest:]
+    dropped[:] = older_dropped
+    gone_flags[:] = newest_dropped
     missing = -1
     older_waits = np.zeros(num_rows, np.bool_)
     for i in range(older_rows.size):
@@ -157,15 +164,13 @@ def _settle_loop(result_rows, revert_rows, finished_rows, num_rows, older_rows, 
             dropped[i] = True
         elif (m & 5) == 0 and missing < 0:
             missing = i
-    waiting = newest_waiting.copy()
-    gone_flags = newest_dropped.copy()
     for i in range(newest_rows.size):
         m = marks[newest_rows[i]]
         gone = (m & 4) != 0 or (newest_waiting[i] and (m & 2) != 0)
         early = (m & 1) != 0 and not older_waits[newest_rows[i]]
         waiting[i] = newest_waiting[i] and not gone and not early
         gone_flags[i] = gone_flags[i] or gone
-    return dropped, missing, waiting, gone_flags
+    return flags, missing
 
 
 if numba is not None:
@@ -173,8 +178,10 @@ if numba is not None:
 
 
 def settle_compiled(*args: Any) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-    """`settle_reference` as one compiled loop (same arguments, same result)."""
-    dropped, missing, waiting, gone = _compiled_settle(*args)
+    """`settle_reference` as one compiled loop (same arguments, same result: the flags are
+    views of the one array the loop returns)."""
+    flags, missing = _compiled_settle(*args)
+    dropped, waiting, gone = views(flags, (args[4].size, args[7].size))
     return dropped, int(missing), waiting, gone
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from kvalloc.allocator import InvariantViolation, WriterFence
-from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba, views
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import NO_VALUES, StepCall, StepResult
 from kvalloc.server.contract.errors import (
@@ -199,19 +199,14 @@ class WorkerRegistry:
                                         f"request of worker {worker.worker_id!r}",
                                         field=f"{where}[{bad}]")
                 bad -= part.size
-        out, start = [], 0
-        for part in lists:  # views of ``rows``: slicing costs no array operation
-            end = start + part.size
-            out.append(rows[start:end])
-            start = end
-        return out
+        return views(rows, [part.size for part in lists[:-1]])
 
     def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
         """New ids must be unique in the call and among the worker's live requests."""
         if not req_ids:
             return
         known = worker.req_ids
-        if len(set(req_ids)) != len(req_ids) or any(r in known for r in req_ids):
+        if len(set(req_ids)) != len(req_ids) or not known.keys().isdisjoint(req_ids):
             seen: set[str] = set()
             for i, req_id in enumerate(req_ids):
                 if req_id in known or req_id in seen:
