@@ -74,7 +74,7 @@ class StepPlan:
     prompt_tokens: Sequence[Any] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # built every step, never changed: a frozen constructor costs more
 class StepOutcome:
     """What a step did, as arrays (a worker or a service needs nothing else).
 
@@ -198,9 +198,10 @@ def checked_plan(*, revert_rows: np.ndarray, result_rows: np.ndarray, num_accept
 
 
 def compiled_type(values: np.ndarray) -> np.ndarray:
-    """An int64 array as the compiled loops take it, contiguous and writable: ``values`` itself,
-    or a copy (numba compiles a loop again for a read-only or strided array)."""
-    if values.flags.writeable and values.flags.c_contiguous:
+    """An int64 array as the compiled loops take it, contiguous, aligned and writable:
+    ``values`` itself, or a copy (numba compiles a loop again for a read-only, strided or
+    unaligned array)."""
+    if values.flags.carray:
         return values
     return np.array(values) if values.size else _EMPTY
 

@@ -51,7 +51,7 @@ from kvalloc.allocator.capacity.step.compiled.validate import validate
 from kvalloc.allocator.capacity.step.plan import PlanArrays, StepOutcome
 from kvalloc.allocator.capacity.step.reference import NO_HITS, Hits, StepRun
 from kvalloc.allocator.capacity.windows.release import WindowRelease
-from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba, views
 
 
 def available() -> bool:
@@ -65,9 +65,10 @@ def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settle
     """One step: `reference_step`. The arguments come as plain tuples (numba types a named
     tuple argument on a slow path, a microsecond a call) of the fields of `Plan`, `State` (its
     ``limits``, ``rows``, ``pool`` and ``table`` the same), `HitArrays`, `Settled`, `Scratch`
-    and `Window`. Returns the outcome's arrays, or empty arrays when ``error`` stops the step or,
-    with ``apply`` False, once every check has passed (nothing changed); ``deltas``: the counter
-    deltas."""
+    and `Window`. Returns the outcome's arrays as four (its bool columns joined, its int64
+    columns joined, the refusals, the changed ids) and the number of changed rows, or empty ones
+    when ``error`` stops the step or, with ``apply`` False, once every check has passed (nothing
+    changed); ``deltas``: the counter deltas."""
     plan, hits = Plan(*plan), HitArrays(*hits)
     settled, scratch = Settled(*settled), Scratch(*scratch)
     limits, rows, pool, table, tops = state
@@ -99,18 +100,20 @@ def _step(plan: tuple, strict: bool, lag: int, state: tuple, hits: tuple, settle
     deltas[COUNT_ADDED] = admitted
     deltas[COUNT_NOT_ADDED] = served.refusals.size - admitted
     deltas[COUNT_FREED] = plan.finished_rows.size
-    return (served.granted, served.prefill_ok, admitted_rows, served.refusals,
-            served.grant_starts, served.prefill_starts, changed_rows, changed_from,
-            changed_blocks, changed_ids, changed_cells, cached_tokens)
+    # Four arrays, not twelve: each array returned costs a conversion (`CompiledStep.run` cuts
+    # them into `StepOutcome`'s views).
+    return (np.concatenate((served.granted, served.prefill_ok)),
+            np.concatenate((admitted_rows, cached_tokens, served.grant_starts,
+                            served.prefill_starts, changed_rows, changed_from, changed_blocks,
+                            changed_cells)),
+            served.refusals, changed_ids, changed_rows.size)
 
 
 @inlined
 def _no_outcome() -> tuple:
     """`_step`'s outcome, empty."""
-    nothing = np.empty(0, dtype=np.int64)
-    no = np.empty(0, dtype=np.bool_)
-    return (no, no, nothing, np.empty(0, dtype=np.int8), nothing, nothing, nothing, nothing,
-            nothing, np.empty(0, dtype=np.int32), nothing, nothing)
+    return (np.empty(0, dtype=np.bool_), np.empty(0, dtype=np.int64),
+            np.empty(0, dtype=np.int8), np.empty(0, dtype=np.int32), 0)
 
 
 if numba is not None:
@@ -173,13 +176,17 @@ class CompiledStep:
                     else self.no_hits[:num_new])
         step_state = (self.limits, _row_arrays(rows), _pool_arrays(pool), _table_arrays(table),
                       self.tops)
-        (granted, chunk_ok, admitted_rows, refusals, grant_starts, chunk_starts, changed_rows,
-         changed_from, changed_blocks, changed_ids, changed_cells, cached_tokens) = _step(
+        flags, values, refusals, changed_ids, num_changed = _step(
             plan[:_plan_lists], plan.strict_grants, plan.lag, step_state,
             (hit_counts, hits.blocks, released),
             self.settled, self.scratch_arrays, self.window, error, deltas, apply)
         if error[0] or not apply:
             return StepRun(error)
+        num_grants, num_chunks = plan.grant_rows.size, plan.prefill_rows.size
+        granted, chunk_ok = views(flags, (num_grants,))
+        (admitted_rows, cached_tokens, grant_starts, chunk_starts, changed_rows, changed_from,
+         changed_blocks, changed_cells) = views(values, (num_new, num_new, num_grants, num_chunks,
+                                                         num_changed, num_changed, num_changed))
         pool.num_free = int(self.tops[NUM_FREE])
         table.num_free_rows = int(self.tops[NUM_FREE_ROWS])
         table.mark_cells(changed_cells)
