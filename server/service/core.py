@@ -424,7 +424,10 @@ def _check_rank(config: ServiceConfig, req: wire.RegisterRequest) -> None:
 
 def _check_limits(config: ServiceConfig, call: StepCall) -> None:
     cap = config.pool.max_batch_size
-    for name, n in call.entries().items():
+    entries = call.entries()
+    if max(entries.values()) <= cap:  # the common call: no list is named
+        return
+    for name, n in entries.items():
         if n > cap:
             raise LimitExceeded(f"{name}: {n} entries, more than max_batch_size={cap}",
                                 field=name)

@@ -33,6 +33,7 @@ fewest any group has: the group that refuses first.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -68,6 +69,7 @@ _HANDLE_LISTS = ("reverts.handles", "results.handles", "finished.handles", "gran
 _KIND = {name: code for code, name in protocol.REFUSED_KINDS.items()}
 _OUT_OF_BLOCKS = next(c for c, r in protocol.REFUSAL_REASONS.items() if r == "out_of_blocks")
 _NONE_REFUSED = Refused(NO_VALUES, NO_VALUES, NO_VALUES)
+_FREE_BLOCKS = operator.attrgetter("free_blocks")
 
 
 def _split(token_ids: np.ndarray, prompt_lens: np.ndarray) -> list[np.ndarray]:
@@ -174,7 +176,7 @@ class StepPipeline:
     def scarcest(self) -> KVCacheManager:
         """The manager whose free blocks the replies report: the pool's, or a grouped pool's
         group with the fewest (the first such), which refuses first."""
-        return min(self._managers, key=lambda m: m.free_blocks)
+        return min(self._managers, key=_FREE_BLOCKS)
 
     def _token_slots(self, scheduled: Scheduled) -> np.ndarray:
         """``[tables, tokens]``: where each scheduled token lives in each table's pool."""
@@ -247,6 +249,8 @@ class StepPipeline:
 
     def _check_demand(self, drafts: np.ndarray, prefill: np.ndarray, prompts: np.ndarray) -> None:
         demand = token_demand(drafts, prefill, prompts)
+        if sum(demand) <= self.max_step_tokens:  # the common step: no list is named
+            return
         total = 0
         for name, tokens in zip(_DEMAND, demand, strict=True):
             total += tokens
