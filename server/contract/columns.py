@@ -157,9 +157,9 @@ class StepCall(_ArrayRecord):
         if isinstance(message, wire.StepRequestBinary):
             # One copy out of the read-only message, for writable columns (see NO_VALUES).
             values, sizes = _unpacked(message, _REQUEST_PATHS)
-            values = values.copy()
-            _check_bounds(values, sizes)
-            return cls._checked(*header, tuple(message.req_ids), _split(values, sizes))
+            arrays = _split(values.copy(), sizes)
+            _check_bounds(arrays)
+            return cls._checked(*header, tuple(message.req_ids), arrays)
         return cls.build(*header, new_req_ids=tuple(message.new.req_ids),
                          **dict(zip(_REQUEST_COLUMNS, _request_columns(message), strict=True)))
 
@@ -168,18 +168,11 @@ class StepCall(_ArrayRecord):
               new_req_ids: Sequence[str] = (), **columns: ColumnInput) -> StepCall:
         """A call from columns given as sequences, arrays or int64 bytes (missing ones empty);
         `MalformedBody` naming the first bad element or mismatched length."""
-        unknown = columns.keys() - _REQUEST_COLUMNS.keys()
-        if unknown:
-            raise TypeError(f"unknown columns: {sorted(unknown)}")
-        arrays: list[np.ndarray] = []
-        for attr, where in zip(_REQUEST_COLUMNS, _request_bounds().names, strict=True):
-            try:
-                arrays.append(compiled_type(as_int64(columns[attr], where)) if attr in columns
-                              else NO_VALUES)
-            except MalformedBody:
-                _check_bounds(*_joined(arrays))  # a bad value in an earlier column is named first
-                raise
-        _check_bounds(*_joined(arrays))
+        try:
+            arrays = _converted(columns)
+        except (KeyError, MalformedBody):  # raised again, as the columns' order names it
+            arrays = _converted_in_order(columns)
+        _check_bounds(arrays)
         return cls._checked(worker_id, session, epoch, step_id, tuple(new_req_ids), arrays)
 
     @classmethod
@@ -263,11 +256,36 @@ def _request_bounds() -> _Bounds:
 
 _request_columns = operator.attrgetter(*_REQUEST_PATHS)
 _request_arrays = operator.attrgetter(*_REQUEST_COLUMNS)
+_COLUMN_AT = {attr: i for i, attr in enumerate(_REQUEST_COLUMNS)}
 
 
-def _joined(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """Columns as one array, and their sizes."""
-    return (np.concatenate(arrays) if arrays else NO_VALUES), [a.size for a in arrays]
+def _converted(columns: dict[str, ColumnInput]) -> list[np.ndarray]:
+    """`StepCall.build`'s columns as arrays, in `_REQUEST_COLUMNS` order, converting the given
+    ones only (a step gives a few); KeyError for an unknown one. An error may name another
+    column than `_converted_in_order`, which the caller then asks."""
+    arrays = [NO_VALUES] * len(_REQUEST_COLUMNS)
+    for attr, value in columns.items():
+        i = _COLUMN_AT[attr]
+        arrays[i] = compiled_type(as_int64(value, _REQUEST_PATHS[i]))
+    return arrays
+
+
+def _converted_in_order(columns: dict[str, ColumnInput]) -> list[np.ndarray]:
+    """`_converted`, one column after another: TypeError naming unknown columns, else
+    `MalformedBody` naming the first bad element (an earlier column's value outside its bounds
+    before a later column that does not convert)."""
+    unknown = columns.keys() - _REQUEST_COLUMNS.keys()
+    if unknown:
+        raise TypeError(f"unknown columns: {sorted(unknown)}")
+    arrays: list[np.ndarray] = []
+    for attr, where in zip(_REQUEST_COLUMNS, _REQUEST_PATHS, strict=True):
+        try:
+            arrays.append(compiled_type(as_int64(columns[attr], where)) if attr in columns
+                          else NO_VALUES)
+        except MalformedBody:
+            _check_bounds(arrays + [NO_VALUES] * (len(_REQUEST_COLUMNS) - len(arrays)))
+            raise
+    return arrays
 
 
 def _unpacked(message: Any, paths: tuple[str, ...]) -> tuple[np.ndarray, list[int]]:
@@ -305,44 +323,36 @@ def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     return out
 
 
-def _check_bounds(values: np.ndarray, sizes: list[int]) -> None:
-    """Columns (in `_REQUEST_COLUMNS` order, joined; ``sizes`` values each, the first ones if
-    not all converted yet) within their bounds, in one pass; `MalformedBody` naming the first
-    element outside."""
-    if not sizes:
-        return
+def _check_bounds(arrays: list[np.ndarray]) -> None:
+    """Columns (every one, in `_REQUEST_COLUMNS` order) within their bounds, in one pass;
+    `MalformedBody` naming the first element outside."""
     names, low, high = _request_bounds()
-    bad = first_outside(values, np.array(sizes, dtype=np.int64), low, high)
-    if bad < 0:
-        return
-    start = 0
-    for where, size, ge, le in zip(names, sizes, low.tolist(), high.tolist(), strict=False):
-        if bad < start + size:
-            i = bad - start
-            raise MalformedBody(f"{where}[{i}]: {int(values[bad])} is outside [{ge}, {le}]",
-                                field=f"{where}[{i}]")
-        start += size
+    # A tuple of one array type: one compiled loop over the columns where they lie.
+    column, i = first_outside(tuple(arrays), low, high)
+    if column >= 0:
+        raise MalformedBody(f"{names[column]}[{i}]: {int(arrays[column][i])} is outside "
+                            f"[{low[column]}, {high[column]}]", field=f"{names[column]}[{i}]")
 
 
-def first_outside_reference(values: np.ndarray, sizes: np.ndarray, low: np.ndarray,
-                            high: np.ndarray) -> int:
-    """Index in ``values`` (columns of ``sizes`` values, concatenated) of the first value outside
-    its column's ``[low, high]``; -1 when there is none."""
-    outside = ((values < np.repeat(low[:sizes.size], sizes))
-               | (values > np.repeat(high[:sizes.size], sizes)))
-    return int(np.argmax(outside)) if outside.any() else -1
+def first_outside_reference(columns: tuple[np.ndarray, ...], low: np.ndarray,
+                            high: np.ndarray) -> tuple[int, int]:
+    """The first value of ``columns`` outside its column's ``[low, high]``, as (column, index
+    in it); (-1, -1) when there is none."""
+    for column, values in enumerate(columns):
+        outside = np.flatnonzero((values < low[column]) | (values > high[column]))
+        if outside.size:
+            return column, int(outside[0])
+    return -1, -1
 
 
-def _first_outside_loop(values, sizes,  # type: ignore[no-untyped-def]
-                        low, high):  # pragma: no cover
+def _first_outside_loop(columns, low, high):  # type: ignore[no-untyped-def]  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
-    i = 0
-    for column in range(sizes.size):
-        for _ in range(sizes[column]):
+    for column in range(len(columns)):
+        values = columns[column]
+        for i in range(values.size):
             if values[i] < low[column] or values[i] > high[column]:
-                return i
-            i += 1
-    return -1
+                return column, i
+    return -1, -1
 
 
 first_outside = (jit(_first_outside_loop) if numba is not None

@@ -190,6 +190,11 @@ def test_the_first_bad_column_in_request_order_is_named(columns: dict[str, objec
     assert err.value.field == field
 
 
+def test_an_unknown_column_is_named_before_any_bad_value() -> None:
+    with pytest.raises(TypeError, match="unknown columns: \\['bogus'\\]"):
+        StepCall.build("w", 1, 1, 0, finished_handles=[1.5], bogus=[1])  # type: ignore[arg-type]
+
+
 def test_a_call_lists_its_columns_in_its_own_field_order_and_the_wire_order() -> None:
     names = [f.name for f in dataclasses.fields(StepCall)]
     assert [n for n in names if n not in ("worker_id", "session", "epoch", "step_id",
@@ -237,10 +242,10 @@ def test_the_compiled_bounds_check_equals_the_reference(parts: list[list[int]],
                                                         data: st.DataObject) -> None:
     low = np.array(data.draw(st.lists(st.integers(-2, 5), min_size=13, max_size=13)))
     high = low + np.array(data.draw(st.lists(st.integers(0, 8), min_size=13, max_size=13)))
-    values = np.array([v for part in parts for v in part], dtype=np.int64)
-    sizes = np.array([len(part) for part in parts], dtype=np.int64)
-    assert (columns.first_outside(values, sizes, low, high)
-            == columns.first_outside_reference(values, sizes, low, high))
+    given = tuple(np.array(part, dtype=np.int64) for part in parts)
+    calls = given + (columns.NO_VALUES,) * (13 - len(given))  # a call has every column
+    assert (columns.first_outside(calls, low, high)
+            == columns.first_outside_reference(calls, low, high))
 
 
 @pytest.mark.skipif(numba is None, reason="numba is not installed")
