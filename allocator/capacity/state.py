@@ -13,6 +13,7 @@ A row is ``live`` while a request holds it. For a row that is not live every ent
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import compress
 
 import numpy as np
 from kvalloc.allocator.capacity.block_pool import BlockPool
@@ -47,9 +48,10 @@ class ManagerCounters:
 
     def add(self, deltas: np.ndarray) -> None:
         """Add a step's ``deltas`` (one per field, in field order)."""
-        for name, delta in zip(COUNTER_NAMES, deltas.tolist(), strict=True):
-            if delta:
-                setattr(self, name, getattr(self, name) + delta)
+        values = deltas.tolist()
+        # The moved ones only, picked in C: most counters stay still in a step.
+        for name, delta in compress(zip(COUNTER_NAMES, values, strict=True), values):
+            setattr(self, name, getattr(self, name) + delta)
 
 
 COUNTER_NAMES = tuple(f.name for f in fields(ManagerCounters))

@@ -191,14 +191,11 @@ class WorkerRegistry:
         """Rows of every list of handles, in order, checked in one pass; `UnknownHandle` naming
         the first that is not a live request of ``worker`` (``<name>[<index>]``, ``names`` one
         per list)."""
-        rows, bad = live_rows(np.concatenate(lists), self.handles, self.owner, worker.session)
+        rows, bad, i = live_rows(lists, self.handles, self.owner, worker.session)
         if bad >= 0:
-            for where, part in zip(names, lists, strict=True):
-                if bad < part.size:
-                    raise UnknownHandle(f"{where}[{bad}]: handle {int(part[bad])} names no live "
-                                        f"request of worker {worker.worker_id!r}",
-                                        field=f"{where}[{bad}]")
-                bad -= part.size
+            raise UnknownHandle(f"{names[bad]}[{i}]: handle {int(lists[bad][i])} names no live "
+                                f"request of worker {worker.worker_id!r}",
+                                field=f"{names[bad]}[{i}]")
         return views(rows, [part.size for part in lists[:-1]])
 
     def check_new(self, worker: Worker, req_ids: tuple[str, ...]) -> None:
@@ -268,27 +265,43 @@ class WorkerRegistry:
             raise InvariantViolation("a worker lists a request the registry does not own")
 
 
-def live_rows_reference(handles: np.ndarray, row_handles: np.ndarray, owner: np.ndarray,
-                        session: int) -> tuple[np.ndarray, int]:
-    """The row each handle names, and the index of the first handle that is not a live request
-    of ``session`` (-1: every one is). ``row_handles`` and ``owner`` are the registry's arrays,
-    their last entry the sentinel row."""
+def live_rows_reference(lists: tuple[np.ndarray, ...], row_handles: np.ndarray,
+                        owner: np.ndarray, session: int) -> tuple[np.ndarray, int, int]:
+    """The row each handle of ``lists`` names (every list's, one after another), and the first
+    handle that is not a live request of ``session``, as its list and its index there (-1, -1:
+    every one is; the rows are then unspecified). ``row_handles`` and ``owner`` are the
+    registry's arrays, their last entry the sentinel row."""
+    handles = np.concatenate(lists)
     rows = np.minimum(handles & (MAX_ROWS - 1), owner.size - 1)
     live = (row_handles[rows] == handles) & (owner[rows] == session)
-    return rows, -1 if live.all() else int(np.argmin(live))
+    start = 0
+    for where, part in enumerate(lists):
+        dead = np.flatnonzero(~live[start:start + part.size])
+        if dead.size:
+            return rows, where, int(dead[0])
+        start += part.size
+    return rows, -1, -1
 
 
-def _live_rows_loop(handles, row_handles, owner,  # type: ignore[no-untyped-def]
+def _live_rows_loop(lists, row_handles, owner,  # type: ignore[no-untyped-def]
                     session):  # pragma: no cover
-    # Compiled by numba; the reference above states what it computes.
-    rows = np.empty(handles.size, np.int64)
+    # Compiled by numba; the reference above states what it computes. The lists come as a tuple
+    # of one array type and are read where they lie (no joined copy).
+    total = 0
+    for where in range(len(lists)):
+        total += lists[where].size
+    rows = np.empty(total, np.int64)
     sentinel = owner.size - 1
-    for i in range(handles.size):
-        row = min(handles[i] & (MAX_ROWS - 1), sentinel)
-        if row_handles[row] != handles[i] or owner[row] != session:
-            return rows, i
-        rows[i] = row
-    return rows, -1
+    e = 0
+    for where in range(len(lists)):
+        handles = lists[where]
+        for i in range(handles.size):
+            row = min(handles[i] & (MAX_ROWS - 1), sentinel)
+            if row_handles[row] != handles[i] or owner[row] != session:
+                return rows, where, i
+            rows[e] = row
+            e += 1
+    return rows, -1, -1
 
 
 live_rows = jit(_live_rows_loop) if numba is not None else live_rows_reference

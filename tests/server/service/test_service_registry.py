@@ -40,30 +40,42 @@ def calls(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(calls())
-def test_the_compiled_check_equals_the_reference(call: tuple[np.ndarray, ...]) -> None:
+@given(calls(), st.lists(st.integers(0, 20), min_size=5, max_size=5))
+def test_the_compiled_check_equals_the_reference(call: tuple[np.ndarray, ...],
+                                                 cuts: list[int]) -> None:
     handles, row_handles, owner = call
-    want_rows, want_bad = registry.live_rows_reference(handles, row_handles, owner, SESSION)
-    got_rows, got_bad = registry.live_rows(handles, row_handles, owner, SESSION)
-    assert got_bad == want_bad
-    if want_bad < 0:
+    # A call's six lists of handles, some empty.
+    lists = tuple(part.copy() for part in np.split(handles, np.minimum(sorted(cuts),
+                                                                       handles.size)))
+    want_rows, want_list, want_index = registry.live_rows_reference(lists, row_handles, owner,
+                                                                    SESSION)
+    got_rows, got_list, got_index = registry.live_rows(lists, row_handles, owner, SESSION)
+    assert (got_list, got_index) == (want_list, want_index)
+    if want_list < 0:
         assert np.array_equal(got_rows, want_rows) and got_rows.dtype == np.int64
     else:  # the first bad handle is the first one the reference finds not live
+        first = sum(part.size for part in lists[:want_list]) + want_index
         live = (owner[want_rows] == SESSION) & (row_handles[want_rows] == handles)
-        assert live[:want_bad].all() and not live[want_bad]
+        assert live[:first].all() and not live[first]
 
 
 def test_the_reference_names_the_first_handle_not_live() -> None:
     row_handles = np.array([1 << 20, 2 << 20 | 1, 2], dtype=np.int64)  # rows 0, 1, sentinel
     owner = np.array([SESSION, SESSION + 1, registry.NO_OWNER], dtype=np.int64)
     mine, theirs = row_handles[0], row_handles[1]
+
+    def first_bad(check, *lists: list[int]) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+        arrays = tuple(np.array(part, dtype=np.int64) for part in lists)
+        return check(arrays, row_handles, owner, SESSION)[1:]
+
     for check in (registry.live_rows_reference, registry.live_rows):
-        rows, bad = check(np.array([mine, mine], dtype=np.int64), row_handles, owner, SESSION)
-        assert (rows.tolist(), bad) == ([0, 0], -1)
-        assert check(np.array([mine, theirs], dtype=np.int64), row_handles, owner,
-                     SESSION)[1] == 1
-        assert check(np.array([mine, 5], dtype=np.int64), row_handles, owner, SESSION)[1] == 1
-        assert check(np.array([-1], dtype=np.int64), row_handles, owner, SESSION)[1] == 0
+        rows, *bad = check((np.array([mine, mine], dtype=np.int64),), row_handles, owner,
+                           SESSION)
+        assert (rows.tolist(), bad) == ([0, 0], [-1, -1])
+        assert first_bad(check, [mine, theirs]) == (0, 1)
+        assert first_bad(check, [mine, 5]) == (0, 1)
+        assert first_bad(check, [-1]) == (0, 0)
+        assert first_bad(check, [mine], [], [mine, mine, theirs]) == (2, 2)
 
 
 @settings(max_examples=300, deadline=None)
