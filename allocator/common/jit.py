@@ -32,7 +32,7 @@ def jit(function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
 def views(values: np.ndarray, sizes: Iterable[int]) -> list[np.ndarray]:
     """``values`` cut into consecutive views of ``sizes`` values each, then one of the rest: how
     a caller takes apart the one array a compiled loop returns in place of several (numba
-    converts each array it returns, about a microsecond apiece; a view costs a tenth of that)."""
+    converts each array it returns, most of a microsecond apiece; a view costs a fraction)."""
     out, end = [], 0
     for size in sizes:
         start, end = end, end + size
