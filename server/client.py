@@ -448,7 +448,7 @@ class _Frames(_Remote):
         return [self._seq.to_bytes(8, "big"), self._token, op.name.encode(),
                 wire.encode_msgpack(op.encode_call(request, binary=True))]
 
-    def answer(self, op: Operation, status: bytes, payload: bytes) -> Any:
+    def answer(self, op: Operation, status: stream.Frame, payload: stream.Frame) -> Any:
         if status == OK:
             return op.decode_reply(wire.decode(payload, op.reply_struct(binary=True)))
         assert status == ERROR
@@ -515,13 +515,14 @@ class _StreamTransport(_Frames, _KeptConnection):
         self._timeout_s = timeout_s
         self._reply_wait = Wait(spin_s=reply_spin_s)
         self._conn: stream.Inbox | None = None  # the kept connection, read through its inbox
+        self._outbox: stream.Outbox | None = None  # and written through this one
 
     def call(self, op: Operation, request: Any) -> Any:
         frames = self.frames(op, request)
         reused = self._conn is not None
-        inbox = self._connect()
+        inbox, outbox = self._connect()
         try:
-            inbox.conn.sendall(stream.pack(frames))
+            outbox.send(frames)
             while True:
                 reply = inbox.next_message(wait=self._reply_wait)
                 if reply is None:
@@ -538,12 +539,12 @@ class _StreamTransport(_Frames, _KeptConnection):
                 return self.call(op, request)  # a connection the service dropped while idle
             raise ServiceUnreachable(self._address, str(exc) or type(exc).__name__) from None
 
-    def _connect(self) -> stream.Inbox:
-        if self._conn is None:
+    def _connect(self) -> tuple[stream.Inbox, stream.Outbox]:
+        if self._conn is None or self._outbox is None:
             sock = _connected(self._address, self._path, self._timeout_s)
             stream.set_timeouts(sock, self._timeout_s)
-            self._conn = stream.Inbox(sock)
-        return self._conn
+            self._conn, self._outbox = stream.Inbox(sock), stream.Outbox(sock)
+        return self._conn, self._outbox
 
 
 class _RestTransport(_Remote, _KeptConnection):

@@ -3,7 +3,7 @@
 The core consumes a `StepCall` and produces a `StepResult`, both made of int64 numpy columns, so
 the step path holds no Python object per request between the wire and the manager. A transport
 converts once at its edge: an IPC message packs its columns into one buffer of little-endian
-int64 (`np.frombuffer` and views, no copy), REST columns are JSON lists; the in-process client
+int64 (one copy out of the message, then views), REST columns are JSON lists; the in-process client
 hands the arrays over as they are.
 
 Every column is checked here, with the bounds its `protocol.Column` declares, whichever way it
@@ -155,9 +155,8 @@ class StepCall(_ArrayRecord):
         `protocol.StepRequest` model: columns checked, lengths matched."""
         header = (message.worker_id, message.session, message.epoch, message.step_id)
         if isinstance(message, wire.StepRequestBinary):
-            # One copy out of the read-only message, for writable columns (see NO_VALUES).
             values, sizes = _unpacked(message, _REQUEST_PATHS)
-            arrays = _split(values.copy(), sizes)
+            arrays = _split(values, sizes)
             _check_bounds(arrays)
             return cls._checked(*header, tuple(message.req_ids), arrays)
         return cls.build(*header, new_req_ids=tuple(message.new.req_ids),
@@ -289,8 +288,10 @@ def _converted_in_order(columns: dict[str, ColumnInput]) -> list[np.ndarray]:
 
 
 def _unpacked(message: Any, paths: tuple[str, ...]) -> tuple[np.ndarray, list[int]]:
-    """A packed message's ``columns`` as one int64 array (viewed, not copied), and its
-    ``lengths``; `MalformedBody` if they do not describe ``paths`` columns exactly."""
+    """A packed message's ``columns`` as one int64 array, and its ``lengths``; `MalformedBody`
+    if they do not describe ``paths`` columns exactly. The array is the one copy out of the
+    message: its columns outlive the buffer the message was received in, and are writable (see
+    NO_VALUES)."""
     lengths, data = message.lengths, message.columns
     if len(lengths) != len(paths):
         raise MalformedBody(f"lengths: {len(lengths)} lengths for the {len(paths)} columns "
@@ -298,7 +299,7 @@ def _unpacked(message: Any, paths: tuple[str, ...]) -> tuple[np.ndarray, list[in
     if len(data) != INT64.itemsize * sum(lengths):
         raise MalformedBody(f"columns: {len(data)} bytes, where lengths give "
                             f"{sum(lengths)} int64 values", field="columns")
-    return np.frombuffer(data, dtype=INT64), lengths
+    return np.frombuffer(data, dtype=INT64).copy(), lengths
 
 
 def _packed(arrays: Sequence[np.ndarray]) -> dict[str, Any]:

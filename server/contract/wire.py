@@ -11,8 +11,8 @@ The step's messages exist in two encodings. ``struct_for(M)`` keeps the model's 
 `StepRequestBinary` and `StepReplyBinary` carry the same fields packed: every column of the
 message, in the order `column_paths` gives, back to back in one buffer of little-endian int64
 (``columns``, a msgpack ``bin``) with each column's length (``lengths``); the scalars and strings
-beside them keep their annotations. One buffer a message costs one copy and one view on each
-side, where a buffer per column cost a Python call per column.
+beside them keep their annotations. One buffer a message costs one copy on each side, where a
+buffer per column cost a Python call per column.
 
 Invariant: for every model M, ``struct_for(M)`` has the same field names, order and defaults, and
 msgspec's JSON for a struct validates as M (tested in
@@ -99,9 +99,12 @@ def _annotation(model: type[BaseModel], name: str) -> Any:
     return _wire_type(typing.get_type_hints(model, include_extras=True)[name])
 
 
+# ``columns`` decodes as a view of the message it came in (msgpack's ``bin`` either way): a
+# carrier hands over the received bytes without copying them, and the columns are copied once,
+# out of the message (`columns.StepCall.from_wire`, `columns.StepResult.from_wire`).
 _PACKED: list[tuple[str, Any, Any]] = [
     ("lengths", list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.field(default_factory=list)),
-    ("columns", bytes, b""),
+    ("columns", memoryview, b""),
 ]
 StepRequestBinary = _struct("StepRequestBinary", [
     *[(name, _annotation(protocol.StepRequest, name))
@@ -166,7 +169,8 @@ def _decoder(fmt: str, struct: type[S]) -> msgspec.msgpack.Decoder[S] | msgspec.
     return (msgspec.msgpack.Decoder if fmt == "msgpack" else msgspec.json.Decoder)(struct)
 
 
-def decode(data: bytes, struct: type[S], fmt: Literal["msgpack", "json"] = "msgpack") -> S:
+def decode(data: bytes | memoryview, struct: type[S],
+           fmt: Literal["msgpack", "json"] = "msgpack") -> S:
     """Decode and validate; raises ``msgspec.ValidationError`` / ``DecodeError``."""
     return _decoder(fmt, struct).decode(data)
 

@@ -39,7 +39,7 @@ from kvalloc.server.contract.errors import (
 from kvalloc.server.contract.operations import ERROR, OK, OPERATIONS
 from kvalloc.server.service.core import ServiceCore
 from kvalloc.server.transport.polling import CallPacer, Wait, wait_for
-from kvalloc.server.transport.stream import StreamListener
+from kvalloc.server.transport.stream import Frame, StreamListener
 from pydantic import SecretStr
 
 log = logging.getLogger("kvalloc.ipc")
@@ -128,7 +128,7 @@ class IpcServer:
     def _arrived(self) -> bool:
         return bool(self._sock.poll(0))
 
-    def handle(self, frames: list[bytes], transport: str = "ipc") -> list[bytes]:
+    def handle(self, frames: Sequence[Frame], transport: str = "ipc") -> list[Frame]:
         """One message (without the identity frame) -> its reply frames; ``transport`` labels
         the step's service time."""
         start = time.perf_counter()
@@ -142,7 +142,7 @@ class IpcServer:
             if len(payload) > self._limit:
                 raise BodyTooLarge(f"body: {len(payload)} bytes, more than max_body_bytes="
                                    f"{self._limit}")
-            op_name = op.decode("utf-8", "replace")
+            op_name = str(op, "utf-8", "replace")
             operation = OPERATIONS.get(op_name)
             if operation is None:
                 raise UnknownOperation(f"op: {op_name!r} is not one of {sorted(OPERATIONS)}")
@@ -163,7 +163,7 @@ class IpcServer:
             raise Unauthorized("authorization: missing or wrong token")
 
 
-def _decode(payload: bytes, struct: type[wire.S]) -> wire.S:
+def _decode(payload: Frame, struct: type[wire.S]) -> wire.S:
     try:
         return wire.decode(payload, struct)
     except msgspec.ValidationError as exc:

@@ -56,20 +56,32 @@ HANDSHAKE_S = 5.0
 _POLL_S = 0.1  # how often the accepting thread looks at its stop flag
 LENGTH = struct.Struct("<I")
 _INBOX_BYTES = 1 << 16  # a batch-256 step's messages are ~10 KB: one recv each
-_FRAMES = msgspec.msgpack.Decoder(list[bytes])
-_encode = msgspec.msgpack.Encoder().encode
+# Frames are decoded as views of the received bytes, not copies: a step's columns are copied
+# once, out of the message (`columns._unpacked`).
+_FRAMES = msgspec.msgpack.Decoder(list[memoryview])
+_encode_into = msgspec.msgpack.Encoder().encode_into
 
-Handle = Callable[[list[bytes]], list[bytes]]
+Frame = bytes | memoryview
+Handle = Callable[[list[memoryview]], list[Frame]]
 
 
-def pack(frames: list[bytes]) -> bytes:
+def pack_into(buffer: bytearray, frames: list[Frame]) -> None:
+    """Make ``buffer`` the frames as one length-prefixed message, encoded in place (one copy of
+    each frame, and no new buffer once ``buffer`` has grown to a message's size)."""
+    _encode_into(frames, buffer, LENGTH.size)
+    LENGTH.pack_into(buffer, 0, len(buffer) - LENGTH.size)
+
+
+def pack(frames: list[Frame]) -> bytes:
     """Frames as one length-prefixed message."""
-    body = _encode(frames)
-    return LENGTH.pack(len(body)) + body
+    buffer = bytearray()
+    pack_into(buffer, frames)
+    return bytes(buffer)
 
 
-def unpack(body: bytes | memoryview) -> list[bytes]:
-    """A message's frames; `MalformedBody` if it is not an array of byte strings."""
+def unpack(body: bytes | memoryview) -> list[memoryview]:
+    """A message's frames, views of ``body``; `MalformedBody` if it is not an array of byte
+    strings."""
     try:
         return _FRAMES.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -88,10 +100,24 @@ def set_timeouts(conn: socket.socket, seconds: float) -> None:
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
+class Outbox:
+    """Length-prefixed messages to one socket, each encoded into one buffer kept between them
+    and sent with one ``sendall``."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self._buffer = bytearray()
+
+    def send(self, frames: list[Frame]) -> None:
+        pack_into(self._buffer, frames)
+        self.conn.sendall(self._buffer)
+
+
 class Inbox:
     """Length-prefixed messages from one socket set up by `set_timeouts`. Reads as much
     as the socket holds into one buffer, so a message usually costs one ``recv``; bytes past a
-    message stay for the next."""
+    message stay for the next. A message's frames are views of that buffer, valid until the
+    next message is read (copy what must outlive it)."""
 
     def __init__(self, conn: socket.socket, *, max_bytes: int | None = None) -> None:
         self.conn = conn
@@ -104,7 +130,7 @@ class Inbox:
     def next_message(self, *, wait: Wait = BLOCK, within_s: float | None = None,
                      idle_ok: bool = False,
                      vet: Callable[[memoryview, bool], bool] | None = None
-                     ) -> list[bytes] | None:
+                     ) -> list[memoryview] | None:
         """The next message's frames; None if the peer closed between messages.
 
         ``wait``: how to wait for its first bytes before blocking (`polling.wait_for`).
@@ -343,6 +369,7 @@ class StreamListener:
         # held the token, and the hot path pays nothing twice), a refused token closing it too.
         set_timeouts(conn, HANDSHAKE_S)
         inbox = Inbox(conn, max_bytes=self.max_frame_bytes)
+        outbox = Outbox(conn)
         pacer = CallPacer(self.spin_s)
         verified = False  # a message came (with the token, if there is one)
         refused: list[bytes] = []  # the sequence frame of a message the vet refused
@@ -354,12 +381,12 @@ class StreamListener:
             except MessageTooLarge as exc:
                 too_big = BodyTooLarge(f"body: {exc.size} bytes, more than "
                                        f"{self.max_frame_bytes}")
-                conn.sendall(pack([b"", ERROR, wire.encode_msgpack(describe(too_big))]))
+                outbox.send([b"", ERROR, wire.encode_msgpack(describe(too_big))])
                 return
             except (MalformedBody, Unauthorized) as exc:
                 # Echoed, so that the client takes the refusal as its call's answer.
                 seq = refused[0] if refused else b""
-                conn.sendall(pack([seq, ERROR, wire.encode_msgpack(describe(exc))]))
+                outbox.send([seq, ERROR, wire.encode_msgpack(describe(exc))])
                 if vet is not None and not verified:
                     return
                 pacer.answered(ok=False)
@@ -371,7 +398,7 @@ class StreamListener:
                 verified = True
                 self._verified()
             reply = self.handle(frames)
-            conn.sendall(pack(reply))
+            outbox.send(reply)
             if reply[1] != OK and _refused_token(reply):
                 return
             pacer.answered(ok=reply[1] == OK)
@@ -388,7 +415,7 @@ class StreamListener:
         return shown
 
 
-def _refused_token(reply: list[bytes]) -> bool:
+def _refused_token(reply: list[Frame]) -> bool:
     """Whether an error reply refused the message's token."""
     try:
         return wire.decode(reply[2], wire.ErrorBody).code == Unauthorized.code
