@@ -167,10 +167,7 @@ class StepCall(_ArrayRecord):
               new_req_ids: Sequence[str] = (), **columns: ColumnInput) -> StepCall:
         """A call from columns given as sequences, arrays or int64 bytes (missing ones empty);
         `MalformedBody` naming the first bad element or mismatched length."""
-        try:
-            arrays = _converted(columns)
-        except (KeyError, MalformedBody):  # raised again, as the columns' order names it
-            arrays = _converted_in_order(columns)
+        arrays = _converted(columns)
         _check_bounds(arrays)
         return cls._checked(worker_id, session, epoch, step_id, tuple(new_req_ids), arrays)
 
@@ -260,29 +257,19 @@ _COLUMN_AT = {attr: i for i, attr in enumerate(_REQUEST_COLUMNS)}
 
 def _converted(columns: dict[str, ColumnInput]) -> list[np.ndarray]:
     """`StepCall.build`'s columns as arrays, in `_REQUEST_COLUMNS` order, converting the given
-    ones only (a step gives a few); KeyError for an unknown one. An error may name another
-    column than `_converted_in_order`, which the caller then asks."""
-    arrays = [NO_VALUES] * len(_REQUEST_COLUMNS)
-    for attr, value in columns.items():
-        i = _COLUMN_AT[attr]
-        arrays[i] = compiled_type(as_int64(value, _REQUEST_PATHS[i]))
-    return arrays
-
-
-def _converted_in_order(columns: dict[str, ColumnInput]) -> list[np.ndarray]:
-    """`_converted`, one column after another: TypeError naming unknown columns, else
-    `MalformedBody` naming the first bad element (an earlier column's value outside its bounds
-    before a later column that does not convert)."""
-    unknown = columns.keys() - _REQUEST_COLUMNS.keys()
+    ones only (a step gives a few): TypeError naming unknown columns, else `MalformedBody`
+    naming the first bad element (an earlier column's value outside its bounds before a later
+    column that does not convert)."""
+    unknown = columns.keys() - _COLUMN_AT.keys()
     if unknown:
         raise TypeError(f"unknown columns: {sorted(unknown)}")
-    arrays: list[np.ndarray] = []
-    for attr, where in zip(_REQUEST_COLUMNS, _REQUEST_PATHS, strict=True):
+    arrays = [NO_VALUES] * len(_COLUMN_AT)
+    for attr in sorted(columns, key=_COLUMN_AT.__getitem__):
+        i = _COLUMN_AT[attr]
         try:
-            arrays.append(compiled_type(as_int64(columns[attr], where)) if attr in columns
-                          else NO_VALUES)
+            arrays[i] = compiled_type(as_int64(columns[attr], _REQUEST_PATHS[i]))
         except MalformedBody:
-            _check_bounds(arrays + [NO_VALUES] * (len(_REQUEST_COLUMNS) - len(arrays)))
+            _check_bounds(arrays)  # the columns before this one, converted
             raise
     return arrays
 
