@@ -47,7 +47,6 @@ def current_stream(index: int) -> torch.cuda.Stream:
     return stream
 
 
-_MAX_VIEWS = 64  # of one pinned buffer; uploads of ever new sizes do not grow it without end
 _ALIGN = 8  # bytes: every array of a packed upload starts where any int dtype may be viewed
 
 
@@ -63,18 +62,6 @@ class PinnedBuffer:
         # With its index, the current stream is found without asking which device is current.
         self._stream_index = device.index if device.index is not None else \
             torch.cuda.current_device()
-        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
-
-    def leading(self, nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """The buffer's first ``nbytes`` as a ``dtype`` tensor of ``shape``. Kept once made: a
-        step's uploads repeat a few sizes, and a slice and two views are three torch calls."""
-        key = (nbytes, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= _MAX_VIEWS:
-                self._views.clear()
-            view = self._views[key] = self.tensor[:nbytes].view(dtype).view(shape)
-        return view
 
     def writable(self) -> np.ndarray:
         """The buffer's bytes, once no copy still reads them."""
@@ -108,7 +95,7 @@ class PinnedUploads:
             dst.numpy().reshape(-1)[:] = np.ravel(values)
             return
         (src,) = self._stage([np.ravel(values).astype(_NUMPY[dst.dtype], copy=False)])
-        dst.copy_(self._buffer.leading(src.stop, dst.dtype, dst.shape), non_blocking=True)
+        dst.copy_(self._buffer.tensor[src].view(dst.dtype).view(dst.shape), non_blocking=True)
         self._buffer.read(stream)
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:

@@ -31,8 +31,9 @@ def jit(function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
 
 def views(values: np.ndarray, sizes: Iterable[int]) -> list[np.ndarray]:
     """``values`` cut into consecutive views of ``sizes`` values each, then one of the rest: how
-    a caller takes apart the one array a compiled loop returns in place of several (numba
-    converts each array it returns, most of a microsecond apiece; a view costs a fraction)."""
+    a caller takes apart one array that stands for several (a compiled loop's result, where
+    numba converts each array it returns, most of a microsecond apiece; a message's packed
+    columns). A view costs a fraction of a copy."""
     out, end = [], 0
     for size in sizes:
         start, end = end, end + size

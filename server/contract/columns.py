@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from kvalloc.allocator import compiled_type
-from kvalloc.allocator.common.jit import jit, numba
+from kvalloc.allocator.common.jit import jit, numba, views
 from kvalloc.server.contract import protocol, wire
 from kvalloc.server.contract.errors import MalformedBody
 from pydantic import BaseModel
@@ -301,14 +301,7 @@ def _packed(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
 def _split(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """``values`` cut into consecutive columns of ``sizes`` values (views; `NO_VALUES` for an
     empty one)."""
-    out, end = [], 0
-    for size in sizes:
-        if size:
-            start, end = end, end + size
-            out.append(values[start:end])
-        else:
-            out.append(NO_VALUES)
-    return out
+    return [column if column.size else NO_VALUES for column in views(values, sizes[:-1])]
 
 
 def _check_bounds(arrays: list[np.ndarray]) -> None:
