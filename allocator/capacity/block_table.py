@@ -10,7 +10,12 @@ Invariants (checked by ``check_invariants`` against the counts the caller owns):
   two apart; a kernel never reads either: a windowed layer's reads start at its window's first
   block, and the slot rule writes nothing into a negative entry;
 - a row is either held (acquired, not released) or on the free-row stack, exactly once;
-- after ``sync()`` every device copy equals the host mirror.
+- after ``sync()`` every device copy equals the host mirror, except in the rows a worker keeps
+  (``worker_kept``): rows whose changes a ``sync()`` inside ``left_to_worker()`` did not upload,
+  because the worker they belong to keeps its own device copy of them from its steps'
+  `TableChanges` (an overlap worker: then the service does no device work on its calls). Nothing
+  reads such a row on the shared copies until a ``sync()`` outside uploads a change to it, and
+  that sync sends the whole row.
 
 Only the cells changed since the last ``sync()`` travel to the device: a step touches the tail
 of a few rows (tens of cells), not whole 2049-wide rows. On CUDA they travel by replaying a
@@ -25,6 +30,9 @@ reads the same block ids.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -56,6 +64,8 @@ class BlockTable:
         self.num_free_rows = max_batch_size
         # Flat indices of the cells changed since the last sync, one array per change.
         self._changed: list[np.ndarray] = []
+        self.worker_kept = np.zeros(max_batch_size, dtype=bool)  # see the module's invariants
+        self._left_to_worker = False
         self._upload_graphs = upload_graphs
         self._copies = [DeviceCopy(self.device_table, self._host_cells, upload_graphs)]
         self.upload_graphs = self._copies[0].graphs
@@ -131,13 +141,34 @@ class BlockTable:
         if cells.size:
             self._changed.append(cells)
 
+    @contextlib.contextmanager
+    def left_to_worker(self) -> Iterator[None]:
+        """Syncs inside upload nothing: the rows they changed become ``worker_kept``, their
+        worker's to bring up to date on its own copy (one worker's step: all its changes are
+        that worker's rows). Changes made before are uploaded first: they may be anyone's."""
+        self.sync()
+        self._left_to_worker = True
+        try:
+            yield
+        finally:
+            self._left_to_worker = False
+
     def sync(self) -> None:
         """Upload the cells changed since the last sync (non-blocking from pinned memory on
-        CUDA)."""
+        CUDA), and the whole of every ``worker_kept`` row among them (no longer kept)."""
         if not self._changed:
             return
         cells = self._changed[0] if len(self._changed) == 1 else np.concatenate(self._changed)
         self._changed.clear()
+        rows = cells // self.max_blocks_per_seq
+        if self._left_to_worker:
+            self.worker_kept[rows] = True
+            return
+        kept = np.unique(rows[self.worker_kept[rows]])
+        if kept.size:  # a cell twice is harmless: both carry the host's value
+            self.worker_kept[kept] = False
+            cells = np.concatenate([cells, (kept[:, None] * self.max_blocks_per_seq
+                                            + np.arange(self.max_blocks_per_seq)).reshape(-1)])
         for copy in self._copies:
             copy.write(cells, self._host_cells)
 
@@ -166,7 +197,8 @@ class BlockTable:
             raise InvariantViolation("a released column holds something other than RELEASED")
         if (table[~owned & ~behind] != -1).any():
             raise InvariantViolation("a row holds something other than -1 past its block count")
-        if synced and any(not np.array_equal(copy.tensor.cpu().numpy(), self.host)
+        shared = ~self.worker_kept
+        if synced and any(not np.array_equal(copy.tensor.cpu().numpy()[shared], self.host[shared])
                           for copy in self._copies):
             raise InvariantViolation("a device block table differs from the host mirror")
 

@@ -253,6 +253,33 @@ def test_check_invariants_catches_each_kind_of_corruption(device, corrupt):
 
 
 @on_each_device
+def test_rows_left_to_their_worker_are_not_uploaded_until_a_change_outside(device):
+    """Inside ``left_to_worker`` a sync uploads nothing and the rows it changed become the
+    worker's to keep (their worker keeps its own device copy); what changed before is uploaded
+    on entry, being anyone's. The next sync outside that touches a kept row uploads the whole
+    row, so a shared copy nobody rewrote meanwhile (tampered, say) is exact again."""
+    t = make_table(device)
+    fill_row(t, 0, [3, 4])  # before: uploaded when the worker's step begins
+    with t.left_to_worker():
+        fill_row(t, 1, [5, 6, 7])
+        t.sync()
+    assert t.worker_kept.tolist() == [False, True, False, False, False, False]
+    assert device_rows(t)[0, :2].tolist() == [3, 4] and (device_rows(t)[1] == -1).all()
+    t.check_invariants(np.array([0, 1]), np.array([2, 3]), 10, synced=True)
+    t.device_table[1, 4] = POISON  # a kept row's shared copy is read by nobody: not checked
+    t.check_invariants(np.array([0, 1]), np.array([2, 3]), 10, synced=True)
+    t.device_table[0, 4] = POISON
+    with pytest.raises(InvariantViolation):
+        t.check_invariants(np.array([0, 1]), np.array([2, 3]), 10, synced=True)
+    t.device_table[0, 4] = -1
+
+    t.truncate(np.array([1]), np.array([2]), np.array([1]))  # a change outside: the whole row
+    t.sync()
+    assert not t.worker_kept.any()
+    np.testing.assert_array_equal(device_rows(t), t.host)
+
+
+@on_each_device
 def test_manager_keeps_the_device_table_exact_through_a_scheduler_run(device):
     """Through a KVCacheManager on `device`: after every step the device table equals the host,
     each live row holds exactly ceil(capacity / tpb) valid ids and -1 beyond, and every position a
