@@ -395,42 +395,65 @@ class Refused(_ArrayRecord):
 
 @dataclass(eq=False)
 class TableChanges(_ArrayRecord):
-    """Block-table changes for a worker that did not map the table (`protocol.TableDeltas`)."""
+    """Block-table changes for a worker that keeps its own copy of the table
+    (`protocol.TableDeltas`)."""
 
     rows: np.ndarray
     starts: np.ndarray
     num_blocks: np.ndarray
     block_ids: np.ndarray
 
-    def apply(self, table: np.ndarray) -> None:
-        """Bring a worker's own copy of the block table (rows x blocks, integers) up to date."""
-        apply_table_changes(table, self.rows, self.starts, self.num_blocks, self.block_ids)
+    def apply(self, table: np.ndarray) -> np.ndarray:
+        """Bring a worker's own copy of the block table (rows x blocks, integers, -1 past each
+        row's blocks as every table is) up to date; returns the flat indices of the cells it
+        changed, for a device copy to follow."""
+        changed = np.empty(int((table.shape[1] - self.starts).sum()), dtype=np.int64)
+        n = apply_table_changes(table, self.rows, self.starts, self.num_blocks, self.block_ids,
+                                changed)
+        return changed[:n]
 
 
 def apply_table_changes_reference(table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
-                                  num_blocks: np.ndarray, block_ids: np.ndarray) -> None:
+                                  num_blocks: np.ndarray, block_ids: np.ndarray,
+                                  changed: np.ndarray) -> int:
     """`TableChanges.apply` over its columns: each changed row takes the next ``num_blocks -
-    start`` of ``block_ids`` from column ``start`` on, and -1 past its ``num_blocks``."""
-    offset = 0
+    start`` of ``block_ids`` from column ``start`` on, and -1 past its ``num_blocks`` (up to
+    its first -1: the table holds -1 past every row's blocks). Writes the flat index of each
+    cell whose value changed into ``changed`` and returns how many."""
+    width, offset, n = table.shape[1], 0, 0
     for row, start, count in zip(rows.tolist(), starts.tolist(), num_blocks.tolist(),
                                  strict=True):
-        n = count - start
-        table[row, start:count] = block_ids[offset:offset + n]
-        table[row, count:] = -1
-        offset += n
+        for column in range(start, width):
+            value = block_ids[offset + column - start] if column < count else -1
+            if column >= count and table[row, column] == -1:
+                break
+            if table[row, column] != value:
+                table[row, column] = value
+                changed[n] = row * width + column
+                n += 1
+        offset += count - start
+    return n
 
 
 def _apply_table_changes_loop(table, rows, starts, num_blocks,  # type: ignore[no-untyped-def]
-                              block_ids):  # pragma: no cover
+                              block_ids, changed):  # pragma: no cover
     # Compiled by numba; the reference above states what it computes.
-    offset = 0
+    width, offset, n = table.shape[1], 0, 0
     for i in range(rows.size):
         row, start, count = rows[i], starts[i], num_blocks[i]
-        for column in range(start, count):
-            table[row, column] = block_ids[offset + column - start]
-        for column in range(count, table.shape[1]):
-            table[row, column] = -1
+        for column in range(start, width):
+            if column < count:
+                value = block_ids[offset + column - start]
+            elif table[row, column] == -1:
+                break
+            else:
+                value = -1
+            if table[row, column] != value:
+                table[row, column] = value
+                changed[n] = row * width + column
+                n += 1
         offset += count - start
+    return n
 
 
 # A Python loop over the changed rows otherwise: one per request that grew or shrank.
@@ -480,17 +503,18 @@ class StepResult(_ArrayRecord):
 
     @classmethod
     def from_wire(cls, reply: Any) -> StepResult:
-        """From either reply struct. ``tables`` and ``slot_mapping`` are None for an attached
-        worker (the service sends tables exactly to workers that did not attach). Columns are
-        typed, not range-checked: the service checked what it computed them from."""
+        """From either reply struct. ``tables`` and ``slot_mapping`` are None unless the worker
+        keeps its own block table (``Registration.own_table``: the service sends tables exactly
+        to those). Columns are typed, not range-checked: the service checked what it computed
+        them from."""
         if isinstance(reply, wire.StepReplyBinary):
             c = _split(*_unpacked(reply, wire.column_paths(protocol.StepReply)))
-            attached = not reply.with_tables
+            own = reply.with_tables
             return cls(epoch=reply.epoch, step_id=reply.step_id, admitted=c[0],
                        scheduled=Scheduled(*c[1:7]), refused=Refused(*c[7:10]),
                        committed=reply.committed, free_blocks=reply.free_blocks,
-                       tables=None if attached else TableChanges(*c[10:14]),
-                       slot_mapping=None if attached else c[14], cached_tokens=c[15])
+                       tables=TableChanges(*c[10:14]) if own else None,
+                       slot_mapping=c[14] if own else None, cached_tokens=c[15])
 
         def read(part: Any, holder: type) -> Any:
             return holder(*[as_int64(getattr(part, name), name)

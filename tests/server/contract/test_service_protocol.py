@@ -253,8 +253,14 @@ def test_the_compiled_bounds_check_equals_the_reference(parts: list[list[int]],
 @given(st.sampled_from([np.int32, np.int64]), st.data())
 def test_the_compiled_table_changes_equal_the_reference(dtype: type, data: st.DataObject) -> None:
     rows, width = 6, 5
-    before = np.array(data.draw(st.lists(st.integers(-1, 99), min_size=rows * width,
-                                         max_size=rows * width)), dtype=dtype).reshape(rows, width)
+    # Every table holds blocks from its released columns (-2) on and -1 past them.
+    before = np.full((rows, width), -1, dtype=dtype)
+    for row in range(rows):
+        released, held = sorted(data.draw(st.lists(st.integers(0, width), min_size=2,
+                                                   max_size=2)))
+        before[row, :released] = -2
+        before[row, released:held] = data.draw(st.lists(
+            st.integers(0, 99), min_size=held - released, max_size=held - released))
     changed = data.draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows))
     spans = [sorted(data.draw(st.lists(st.integers(0, width), min_size=2, max_size=2)))
              for _ in changed]
@@ -262,9 +268,11 @@ def test_the_compiled_table_changes_equal_the_reference(dtype: type, data: st.Da
     args = [np.array(column, dtype=np.int64).reshape(-1)
             for column in (changed, [s for s, _ in spans], [c for _, c in spans])]
     want, got = before.copy(), before.copy()
-    columns.apply_table_changes_reference(want, *args, ids)
-    columns.apply_table_changes(got, *args, ids)
-    assert np.array_equal(got, want)
+    want_cells, got_cells = (np.empty(rows * width, dtype=np.int64) for _ in range(2))
+    n = columns.apply_table_changes_reference(want, *args, ids, want_cells)
+    assert columns.apply_table_changes(got, *args, ids, got_cells) == n
+    assert np.array_equal(got, want) and np.array_equal(got_cells[:n], want_cells[:n])
+    assert np.array_equal(np.sort(want_cells[:n]), np.flatnonzero(want != before))
     for row, (start, count) in zip(changed, spans, strict=True):  # what the reference states
         assert (want[row, count:] == -1).all() and np.array_equal(want[row, :start],
                                                                   before[row, :start])
