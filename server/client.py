@@ -36,7 +36,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import msgspec
 import torch
 import zmq
-from kvalloc.allocator import LayerGroup, PoolConfig, WriterFence
+from kvalloc.allocator import BlockTable, LayerGroup, PoolConfig, WriterFence
 from kvalloc.allocator import slot_mapping as table_slot_mapping
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
@@ -111,6 +111,13 @@ class AttachedPool:
                        FenceGroup(fences) if fences else None, first.protected, shards=shards,
                        writer_fence=first.writer_fence)
         return cls._map(attachment, session)
+
+    def with_own_table(self) -> tuple[AttachedPool, BlockTable]:
+        """This pool read through a block table of the worker's own, and that table: the shared
+        one's shape and device, empty (-1), as every row a new session will hold is."""
+        shared = self.block_table
+        table = BlockTable(*shared.shape, shared.device)
+        return replace(self, block_table=table.device_table), table
 
     @classmethod
     def _map_groups(cls, attachment: wire.Attachment, session: int) -> AttachedPool:
@@ -220,6 +227,8 @@ class Client:
         self.registration: wire.Registration | None = None
         self.overlap = False  # the registration's: steps at lag 2, the worker commits
         self.pool: AttachedPool | None = None
+        # This worker's own copy of the block table, where it keeps one (`register`).
+        self._own_table: BlockTable | None = None
         self.next_step_id = 0
         # Runs after the forward's fence is recorded and before the step is sent: where the
         # ranks of a tensor-parallel worker meet.
@@ -229,19 +238,26 @@ class Client:
 
     def register(self, *, attach: bool = True, replace: bool = False,
                  overlap: bool = False, shard: int | None = None,
-                 data_parallel_rank: int | None = None) -> wire.Registration:
+                 data_parallel_rank: int | None = None,
+                 own_table: bool | None = None) -> wire.Registration:
         """Open a session and, unless ``attach`` is False (another host: replies then carry table
         deltas and slot mappings), map the pool, block table and staging buffer. ``replace``
         takes the worker id over from a live session (a restarted worker), freeing its requests.
         ``overlap``: steps run at lag 2 and the worker commits its own tokens (docs/protocol.md,
         "Overlap workers"). ``shard``: of a tensor-parallel pool, map that shard alone (a rank
         of a worker with one process per shard). ``data_parallel_rank``: the worker's rank, which
-        a service allocating for another refuses."""
+        a service allocating for another refuses. ``own_table`` (default: ``overlap``, attached):
+        keep this worker's own device copy of the block table from every reply's table changes,
+        and read the pool through it (``pool.block_table``), where the service grants it; then
+        an overlap worker's calls cost the device nothing on the service's side."""
+        if own_table is None:
+            own_table = overlap and attach
         # A retry after a timeout resends the nonce: the service answers it with the session
         # the first attempt opened, instead of refusing the id that session now holds.
         reg = self.call("register", wire.RegisterRequest(worker_id=self.worker_id,
                                                          attached=attach, replace=replace,
                                                          overlap=overlap,
+                                                         own_table=own_table and attach,
                                                          data_parallel_rank=data_parallel_rank,
                                                          nonce=secrets.randbits(63)))
         self.registration, self.next_step_id = reg, reg.next_step_id
@@ -253,6 +269,9 @@ class Client:
                 self.deregister()
             self.registration = self.pool = None
             raise
+        self._own_table = None
+        if self.pool is not None and reg.own_table:
+            self.pool, self._own_table = self.pool.with_own_table()
         return reg
 
     def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
@@ -302,6 +321,11 @@ class Client:
             self.before_step()
         reply = self.call("step", call)
         self.next_step_id = call.step_id + 1
+        if self._own_table is not None:
+            # On the current stream, behind the forward still reading the table.
+            assert reply.tables is not None  # the service sends them to such a worker
+            self._own_table.mark_cells(reply.tables.apply(self._own_table.host))
+            self._own_table.sync()
         if fence is not None:
             fence.worker_before_forward()
         return reply
@@ -321,7 +345,7 @@ class Client:
             raise RuntimeError("register() first")
         out = self.call("deregister", wire.WorkerRef(worker_id=self.worker_id,
                                                      session=self.registration.session))
-        self.registration = self.pool = None
+        self.registration = self.pool = self._own_table = None
         return out
 
     def call(self, op: str, request: Any) -> Any:

@@ -122,6 +122,15 @@ class RegisterRequest(Contract):
                                    "caching, refusing the cached blocks the attachment's "
                                    "protected mask marks. The service commits nothing for it "
                                    "(committed is 0, 0, null) and sends it no slot_mapping.")
+    own_table: bool = Field(
+        default=False, description="An attached worker asks to keep its own device copy of "
+                                   "the block table: every reply then carries its table "
+                                   "deltas (tables), which it applies on its own stream "
+                                   "before its next forward, and the service no longer "
+                                   "uploads its rows. Granted (Registration.own_table) for a "
+                                   "pool of one block table on one device; an overlap "
+                                   "worker's calls then cost the device nothing (no step "
+                                   "fence) unless the pool caches prefixes.")
     data_parallel_rank: int | None = Field(
         default=None, ge=0, description="The worker's data-parallel rank: a service that "
                                         "allocates for another rank refuses it (409 "
@@ -298,6 +307,10 @@ class Registration(Contract):
     next_step_id: int = Field(description="Step ids start here and only increase.")
     layout: PoolLayout
     attachment: Attachment
+    own_table: bool = Field(
+        default=False, description="The worker keeps its own device copy of the block table "
+                                   "from every reply's tables (RegisterRequest.own_table, "
+                                   "granted); false: it reads the attachment's block_table.")
 
 
 class Deregistered(Contract):
@@ -472,8 +485,9 @@ class StepReply(Contract):
     committed: CommitSummary
     free_blocks: int
     tables: TableDeltas | None = Field(
-        default=None, description="Only for workers registered with attached=false.")
-    slot_mapping: _column(-1, INT63_MAX, "Only for workers registered with attached=false: the "
+        default=None, description="Only for workers that keep their own block table "
+                                   "(Registration.own_table).")
+    slot_mapping: _column(-1, INT63_MAX, "Only for workers that keep their own block table: the "
                                          "pool slot of each token of the step; -1: skip. Empty "
                                          "for an overlap worker (it computes its slots).")
     cached_tokens: _column(0, INT32_MAX, "Per new request: prompt tokens already in the pool "

@@ -112,7 +112,7 @@ StepRequestBinary = _struct("StepRequestBinary", [
     ("req_ids", _annotation(protocol.NewColumns, "req_ids"), msgspec.field(default_factory=list)),
     *_PACKED])
 # ``with_tables``: whether the columns of ``tables`` and ``slot_mapping`` were sent (to a worker
-# that did not attach), rather than left empty.
+# that keeps its own block table), rather than left empty.
 StepReplyBinary = _struct("StepReplyBinary", [
     *[(name, _annotation(protocol.StepReply, name))
       for name in ("epoch", "step_id", "committed", "free_blocks")],

@@ -211,13 +211,16 @@ class ServiceCore:
                 self.pipeline.sync_cache()
                 self.kv_events.open_worker(req.worker_id,
                                            worker_salt(req.worker_id, self.config.cache_groups))
+            own_table = not req.attached or (req.own_table and self.groups is None
+                                             and len(self.pool.shards) == 1)
             worker = self.registry.add(lambda session: _new_worker(
-                self.pool, req, session, self.clock(), self.config.cache_groups))
+                self.pool, req, session, self.clock(), self.config.cache_groups,
+                own_table=own_table, caching=self.manager.prefix_caching))
             self._observers.state_changed()
             registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
                 lease_ttl_s=self.config.lease_ttl_s, next_step_id=0, layout=self.layout,
-                attachment=worker.attachment,
+                attachment=worker.attachment, own_table=own_table,
             )
             worker.registered = (req, registration)
             return registration
@@ -406,13 +409,19 @@ class ServiceCore:
 
 
 def _new_worker(pool: SharedPool, req: wire.RegisterRequest, session: int, now: float,
-                cache_groups: dict[str, list[str]]) -> Worker:
-    """The worker ``req`` registers in ``session``, with what the pool shares with it."""
-    share = pool.attach(req.worker_id, session, overlap=req.overlap)
+                cache_groups: dict[str, list[str]], *, own_table: bool,
+                caching: bool) -> Worker:
+    """The worker ``req`` registers in ``session``, with what the pool shares with it. Its
+    calls need a step fence unless the service does no device work on them: the worker commits
+    its own tokens (overlap) and keeps its own block table, and no prefix cache protects blocks
+    or copies them from the host tier."""
+    fenced = not (own_table and req.overlap and not caching)
+    share = pool.attach(req.worker_id, session, overlap=req.overlap, fenced=fenced)
     return Worker(req.worker_id, session, req.attached, stagings=share.stagings,
                   writers=share.writers, fence_slot=share.fence_slot,
                   attachment=share.attachment, fence=share.fence, last_seen=now,
-                  overlap=req.overlap, cache_salt=worker_salt(req.worker_id, cache_groups))
+                  overlap=req.overlap, own_table=own_table,
+                  cache_salt=worker_salt(req.worker_id, cache_groups))
 
 
 def _check_rank(config: ServiceConfig, req: wire.RegisterRequest) -> None:

@@ -33,6 +33,7 @@ fewest any group has: the group that refuses first.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 
@@ -127,7 +128,7 @@ class StepPipeline:
         if worker.fence is not None:
             worker.fence.service_begin()
         # The call's columns were checked when it was built: the plan skips `coerce`.
-        outcome, tables = self._step(checked_plan(
+        outcome, tables = self._step(worker, checked_plan(
             revert_rows=revert_rows, result_rows=result_rows, num_accepted=call.num_accepted,
             finished_rows=finished_rows, grant_rows=grant_rows, draft_lens=call.draft_lens,
             padding_rows=padding_rows, padded_draft_lens=call.padded_draft_lens,
@@ -156,17 +157,22 @@ class StepPipeline:
             epoch=epoch, step_id=call.step_id, admitted=admitted, scheduled=scheduled,
             refused=self._refused(outcome, len(scheduled)), committed=committed,
             free_blocks=self.scarcest.free_blocks,
-            tables=None if worker.attached else TableChanges(
+            tables=TableChanges(
                 outcome.changed_rows, outcome.changed_from, outcome.changed_num_blocks,
-                outcome.changed_block_ids.astype(np.int64)),
-            slot_mapping=None if worker.attached else slots, cached_tokens=cached)
+                outcome.changed_block_ids.astype(np.int64)) if worker.own_table else None,
+            slot_mapping=slots if worker.own_table else None, cached_tokens=cached)
 
-    def _step(self, plan: PlanArrays, prompts: Sequence[Prompt] | Sequence[dict[str, Prompt]]
+    def _step(self, worker: Worker, plan: PlanArrays,
+              prompts: Sequence[Prompt] | Sequence[dict[str, Prompt]]
               ) -> tuple[StepOutcome, list[np.ndarray]]:
         """Apply ``plan`` (every group's step, for a grouped pool): what it did to the
-        requests, and each block table's host copy after it, in table order."""
+        requests, and each block table's host copy after it, in table order. The rows of a
+        worker that keeps its own table change on the host alone (only a pool of one table
+        grants that)."""
         if self.groups is None:
-            outcome = self.manager.step_arrays(plan, prompts)
+            with (self.manager.table.left_to_worker() if worker.own_table
+                  else contextlib.nullcontext()):
+                outcome = self.manager.step_arrays(plan, prompts)
             assert outcome is not None  # applied: only a check returns None
         else:
             outcome = self.groups.step_arrays(plan, prompts).outcome

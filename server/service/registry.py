@@ -72,6 +72,9 @@ class Worker:
     last_seen: float  # the clock at its last call; only grows (the clock is monotonic)
     # Its steps run at lag 2 (`server.service.inflight`) and it commits its own tokens.
     overlap: bool = False
+    # It keeps its own device copy of the block table from its replies' table changes: the
+    # service uploads none of its rows (`BlockTable.left_to_worker`).
+    own_table: bool = False
     cache_salt: bytes = b""  # its prompts' prefix-cache namespace (`server.contract.routing`)
     # The request that opened the session and its answer, to answer a retry of it again.
     registered: tuple[wire.RegisterRequest, wire.Registration] | None = None

@@ -177,16 +177,20 @@ class SharedPool:
         return PoolShard(spec, storage, table, committer, placement.handles[spec.name("kv")],
                          placement.handles[spec.name("block_table")], protected_handle)
 
-    def attach(self, worker_id: str, session: int, *, overlap: bool) -> WorkerShare:
+    def attach(self, worker_id: str, session: int, *, overlap: bool,
+               fenced: bool = True) -> WorkerShare:
         """``worker_id``'s staging buffers (one per part), its fence words opened for
-        ``session``, what it maps, and its step fence. An overlap worker commits its own
-        staging, so the service's commit never reads it."""
+        ``session``, what it maps, and its step fence unless ``fenced`` is False (the service
+        does no device work on its calls: an overlap worker that keeps its own block table, of
+        a pool without prefix caching). An overlap worker commits its own staging, so the
+        service's commit never reads it."""
         slots = [words.open(session) for words in self.words]
         assert len(set(slots)) == 1, "every shard's table of words moves in lockstep"
         stagings, parts, fences = [], [], []
         try:  # a staging buffer that cannot be backed (`InsufficientMemory`) leaves nothing
             for shard in self.shards:
-                staging, handles, fence = self._attach_shard(shard, worker_id, slots[0])
+                staging, handles, fence = self._attach_shard(shard, worker_id, slots[0],
+                                                             fenced)
                 stagings.append(staging)
                 parts.append(handles)
                 fences += [fence] if fence is not None and fence not in fences else []
@@ -212,8 +216,8 @@ class SharedPool:
         attachment = wire.Attachment(**parts[0], shards=shards, groups=groups)
         return WorkerShare(stagings, writers, attachment, _one_fence(fences), slots[0])
 
-    def _attach_shard(self, shard: PoolShard, worker_id: str, fence_slot: int) -> tuple[
-            torch.Tensor, dict[str, Any], StepFence | None]:
+    def _attach_shard(self, shard: PoolShard, worker_id: str, fence_slot: int,
+                      fenced: bool) -> tuple[torch.Tensor, dict[str, Any], StepFence | None]:
         """``worker_id``'s staging buffer and fence on part ``shard``, and the part's handles
         (`wire.PoolHandles`' fields, with the view of its fence word, ``fence_slot``)."""
         pool, spec = shard.spec.pool, shard.spec
@@ -221,7 +225,7 @@ class SharedPool:
                  pool.head_dim)
         staging, handle = self._exporter.empty(spec.name(f"staging-{worker_id}"), shape,
                                                self.staging_dtype, spec.device)
-        fence, fwd, com = self._fence(worker_id, spec)
+        fence, fwd, com = self._fence(worker_id, spec) if fenced else (None, None, None)
         return staging, {
             "kv": shard.kv_handle, "block_table": shard.table_handle, "staging": handle,
             "forward_done": fwd, "commit_done": com, "protected": shard.protected_handle,
@@ -260,13 +264,15 @@ class SharedPool:
     def repair(self, open_words: dict[int, int]) -> dict[str, int]:
         """Put back what another process wrote into the state workers map read-only: every
         shard's copy of the block table from the manager's host table (each group's table from
-        its group's), every shard's protection of cached blocks from the prefix cache's flags
-        (each group's from its group's cache), every shard's fence words from
+        its group's) but for the rows workers keep themselves, which nobody reads there, every
+        shard's protection of cached blocks from the prefix cache's flags (each group's from its
+        group's cache), every shard's fence words from
         ``open_words`` (slot -> the session open in it; every other word closed). Any process of
         the service's user can open those segments read-write; the host state is out of its
         reach. Returns the entries that differed and were rewritten, by what (`SHARED_STATE`).
         The caller has drained the cache's protection flips (`StepPipeline.sync_cache`)."""
-        repaired = {"block_table": sum(_rewrite(copy, table.host) for table in self.tables
+        repaired = {"block_table": sum(_rewrite(copy, table.host, table.worker_kept)
+                                       for table in self.tables
                                        for copy in table.device_tables)}
         repaired["protected"] = sum(
             _rewrite(shard.committer.protected, manager.cache.protected)
@@ -343,14 +349,17 @@ class SharedPool:
         self._exporter.close()
 
 
-def _rewrite(shared: torch.Tensor, own: np.ndarray) -> int:
+def _rewrite(shared: torch.Tensor, own: np.ndarray, skip_rows: np.ndarray | None = None) -> int:
     """How many entries of ``shared`` differ from ``own`` (the same shape), after rewriting
-    them all from it."""
+    them all from it; rows ``skip_rows`` marks (a bool per row) are neither."""
     expected = torch.from_numpy(own).to(shared.device)
-    differ = int((shared != expected).sum())
-    if differ:
-        shared.copy_(expected)
-    return differ
+    differ = shared != expected
+    if skip_rows is not None and skip_rows.any():
+        differ[torch.from_numpy(skip_rows).to(shared.device)] = False
+    count = int(differ.sum())
+    if count:
+        shared[differ] = expected[differ]
+    return count
 
 
 def _tier_store(shard: PoolShard, slots: int) -> TierStore:
