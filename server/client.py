@@ -248,8 +248,9 @@ class Client:
         of a worker with one process per shard). ``data_parallel_rank``: the worker's rank, which
         a service allocating for another refuses. ``own_table`` (default: ``overlap``, attached):
         keep this worker's own device copy of the block table from every reply's table changes,
-        and read the pool through it (``pool.block_table``), where the service grants it; then
-        an overlap worker's calls cost the device nothing on the service's side."""
+        and read the pool through it (``pool.block_table``), where the service grants it (one
+        table on one CUDA device: ``registration.own_table``); then an overlap worker's calls
+        cost the device nothing on the service's side."""
         if own_table is None:
             own_table = overlap and attach
         # A retry after a timeout resends the nonce: the service answers it with the session

@@ -160,17 +160,24 @@ class BlockTable:
             return
         cells = self._changed[0] if len(self._changed) == 1 else np.concatenate(self._changed)
         self._changed.clear()
-        rows = cells // self.max_blocks_per_seq
         if self._left_to_worker:
-            self.worker_kept[rows] = True
+            self.worker_kept[cells // self.max_blocks_per_seq] = True
             return
-        kept = np.unique(rows[self.worker_kept[rows]])
-        if kept.size:  # a cell twice is harmless: both carry the host's value
-            self.worker_kept[kept] = False
-            cells = np.concatenate([cells, (kept[:, None] * self.max_blocks_per_seq
-                                            + np.arange(self.max_blocks_per_seq)).reshape(-1)])
+        if self.worker_kept.any():  # only a service with such workers pays for the look-up
+            cells = self._with_kept_rows(cells)
         for copy in self._copies:
             copy.write(cells, self._host_cells)
+
+    def _with_kept_rows(self, cells: np.ndarray) -> np.ndarray:
+        """``cells`` and every cell of the kept rows among theirs, which are kept no longer (a
+        cell twice is harmless: both carry the host's value)."""
+        rows = cells // self.max_blocks_per_seq
+        kept = np.unique(rows[self.worker_kept[rows]])
+        if kept.size == 0:
+            return cells
+        self.worker_kept[kept] = False
+        width = self.max_blocks_per_seq
+        return np.concatenate([cells, (kept[:, None] * width + np.arange(width)).reshape(-1)])
 
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor,
                      tokens_per_block: int) -> torch.Tensor:

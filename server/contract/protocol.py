@@ -128,7 +128,7 @@ class RegisterRequest(Contract):
                                    "deltas (tables), which it applies on its own stream "
                                    "before its next forward, and the service no longer "
                                    "uploads its rows. Granted (Registration.own_table) for a "
-                                   "pool of one block table on one device; an overlap "
+                                   "pool of one block table on one CUDA device; an overlap "
                                    "worker's calls then cost the device nothing (no step "
                                    "fence) unless the pool caches prefixes.")
     data_parallel_rank: int | None = Field(

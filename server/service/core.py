@@ -211,8 +211,11 @@ class ServiceCore:
                 self.pipeline.sync_cache()
                 self.kv_events.open_worker(req.worker_id,
                                            worker_salt(req.worker_id, self.config.cache_groups))
+            # Granted where it spares the service device work: one table on one CUDA device.
+            # A shared-memory table costs a worker nothing to read; a copy would only cost it.
             own_table = not req.attached or (req.own_table and self.groups is None
-                                             and len(self.pool.shards) == 1)
+                                             and len(self.pool.shards) == 1
+                                             and self.device.type == "cuda")
             worker = self.registry.add(lambda session: _new_worker(
                 self.pool, req, session, self.clock(), self.config.cache_groups,
                 own_table=own_table, caching=self.manager.prefix_caching))

@@ -63,8 +63,10 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
 
 def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
             overlap: bool = False, prefix_caching: bool = False,
-            window: int | None = None, grouped: bool = False) -> tuple[ServiceCore, Client]:
-    """``grouped``: in the groups `sized_groups` makes of a model that mixes layer kinds."""
+            window: int | None = None, grouped: bool = False,
+            own_table: bool | None = None) -> tuple[ServiceCore, Client]:
+    """``grouped``: in the groups `sized_groups` makes of a model that mixes layer kinds;
+    ``own_table``: as `Client.register`."""
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
                           dtype=dtype, device="cuda", max_batch_size=batch, window=window)
     groups = sized_groups(model.config, pool, num_requests=batch,
@@ -73,7 +75,7 @@ def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048, groups=groups,
                                      prefix_caching=prefix_caching, lease_ttl_s=600.0))
     client = Client.in_process(core, worker_id="gpu-worker")
-    client.register(overlap=overlap)
+    client.register(overlap=overlap, own_table=own_table)
     return core, client
 
 
@@ -134,6 +136,35 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     assert (stats.graph_replays > 0 and stats.graphs_captured > 0) == cuda_graphs
     # Six requests decode as a batch of eight, then fewer: the grown entries are exact too.
     assert (stats.padded_entries > 0) == cuda_graphs
+
+
+@pytest.mark.parametrize("own_table", [True, False], ids=["own-table", "shared-table"])
+def test_one_step_ahead_the_worker_reads_its_own_table_or_the_shared_one_alike(
+        cuda_device: str, own_table: bool) -> None:
+    """On a CUDA pool an overlap worker keeps its own block table by default (each reply's
+    changes, applied on its stream behind the forward still reading it), and the service needs
+    no step fence on its calls; reading the table the service uploads instead gives the same
+    tokens. Six prompts on four rows: finished requests' rows are handed out again."""
+    model = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
+    reference = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
+    reference.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(1)
+    prompts = [NamedPrompt(str(i), rng.integers(0, 96, n).tolist())
+               for i, n in enumerate((3, 40, 17, 130, 64, 9))]
+    expected = _generated(reference, prompts, 16)
+    core, client = _client(model, longest=200, batch=4, dtype="float32", overlap=True,
+                           own_table=own_table)
+    try:
+        assert client.registration is not None
+        assert client.registration.own_table is own_table
+        assert (client.pool is not None and client.pool.fence is None) is own_table
+        engine = Engine(model, client, _drafter(expected, True), draft_len=3, overlap=True,
+                        validate=True, cuda_graphs=True)
+        assert engine.run(prompts, 16) == expected
+        assert engine.stats.forwards_ahead > 0 and engine.stats.table_violations == 0
+        assert engine.stats.graph_replays > 0
+    finally:
+        core.close()
 
 
 @pytest.mark.parametrize("family", ["mistral", "deepseek_v3_window"])

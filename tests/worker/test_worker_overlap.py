@@ -61,17 +61,16 @@ def run_overlap(oracle: Oracle, connect: Callable, rate: float | None, draft_len
                 replay: bool = True, pad_decodes: bool = False, warm_up: bool = False,
                 graphs: Callable[[Engine], object] | None = None,
                 model: torch.nn.Module | None = None,
-                calls: list[dict] | None = None, ahead: bool = True,
-                own_table: bool | None = None, **service: object
+                calls: list[dict] | None = None, ahead: bool = True, **service: object
                 ) -> tuple[Engine, dict[str, list[int]], CommitReplay | None]:
     """``prompts``: the oracle's by default; the replay knows only their K/V (none for
     others). ``ahead``: the engine runs one step ahead (else in step, on the same overlap
-    registration: it still commits its own tokens). ``own_table``: as `Client.register`."""
+    registration: it still commits its own tokens)."""
     replay = replay and all(p.req_id in oracle.kv for p in prompts or ())
     config = pool_config(oracle.model)
     pool = config.pool.model_copy(update=service)
     config = config.model_copy(update={"pool": pool, "prefix_caching": share_prefixes})
-    client = connect(config, overlap=True, own_table=own_table)
+    client = connect(config, overlap=True)
     client.pool.kv.fill_(float("nan"))
     watch = CommitReplay(oracle, client.pool.kv) if replay else None
     drafter = None if rate is None else DeviceOracleDrafter(
@@ -203,15 +202,9 @@ def test_a_batch_grown_to_its_bucket_gives_the_exact_tokens(oracle: Oracle,
     assert engine.stats.table_violations == 0 and engine.stats.padded_entries > 0
 
 
-@pytest.mark.parametrize("own_table", [True, False], ids=["own-table", "shared-table"])
-def test_preemption_on_a_small_pool_still_gives_the_exact_tokens(
-        llama_oracle: Oracle, connect: Callable, own_table: bool) -> None:
-    """Preemption frees rows and hands them out again. An overlap worker keeps its own copy of
-    the block table by default (each reply's changes, applied in stream order behind the
-    forward still reading it); reading the table the service uploads instead gives the same."""
-    engine, outputs, replay = run_overlap(llama_oracle, connect, 0.5, 3, num_blocks=30,
-                                          own_table=own_table)
-    assert engine.client.registration.own_table is own_table
+def test_preemption_on_a_small_pool_still_gives_the_exact_tokens(llama_oracle: Oracle,
+                                                                 connect: Callable) -> None:
+    engine, outputs, replay = run_overlap(llama_oracle, connect, 0.5, 3, num_blocks=30)
     assert outputs == llama_oracle.expected
     assert replay is not None
     replay.check()
