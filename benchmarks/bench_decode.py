@@ -132,9 +132,10 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
              for p in prompts}
     rows = []
     try:
-        # (registered as an overlap worker: commits itself, runs one step ahead)
+        # (registered as an overlap worker: commits itself, runs one step ahead; it keeps its
+        # own block table where it runs ahead, as `kvalloc worker` registers)
         for registered, overlap in ((False, False), (True, False), (True, True)):
-            with connect("in-process", core, overlap=registered) as client:
+            with connect("in-process", core, overlap=registered, own_table=overlap) as client:
                 functions = []
                 for run in ("warm-up", "measured"):  # the first run compiles for the shapes
                     drafter = DeviceOracleDrafter(truth, ORACLE_RATE,

@@ -89,13 +89,15 @@ def service(transport: str, config: ServiceConfig, workdir: Path) -> Iterator[An
 
 
 @contextlib.contextmanager
-def connect(transport: str, target: Any, *, overlap: bool = False) -> Iterator[Client]:
+def connect(transport: str, target: Any, *, overlap: bool = False,
+            own_table: bool | None = None) -> Iterator[Client]:
     """A registered, attached client of ``target`` (`service`'s): in process, or over IPC
-    (``ipc``: ZeroMQ; ``stream``: the plain Unix stream socket)."""
+    (``ipc``: ZeroMQ; ``stream``: the plain Unix stream socket); ``overlap`` and ``own_table``
+    as `Client.register` takes them."""
     client = (Client.in_process(target, worker_id="bench") if transport == "in-process"
               else Client(getattr(target, transport), worker_id="bench", timeout_s=120.0))
     with client:
-        client.register(overlap=overlap)
+        client.register(overlap=overlap, own_table=own_table)
         try:
             yield client
         finally:
