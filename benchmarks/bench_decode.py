@@ -122,9 +122,10 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                           dtype=setup["dtype"], device=setup["device"],
                           max_batch_size=setup["batch"])
     # The first steps at a shape compile its kernels (Triton, cold cache): they may keep the
-    # worker silent for longer than the default lease.
+    # worker silent for longer than the default lease. One worker at a time: a service of one
+    # worker needs no step fence for the overlap worker (docs/protocol.md).
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"],
-                                     lease_ttl_s=600.0))
+                                     lease_ttl_s=600.0, max_workers=1))
     # Random weights: the drafts' truth is random too, so acceptance stays near the oracle's
     # rate times the model's own agreement; every decode runs 1 + D tokens all the same.
     rng = np.random.default_rng(seed)

@@ -166,9 +166,10 @@ def run(setup: dict[str, Any], seed: int,
                               num_requests=batch, draft_len=DRAFT_LEN, dtype=setup["dtype"],
                               device=setup["device"], max_batch_size=batch)
         # The first steps at a shape compile its kernels (Triton, cold cache): they may keep
-        # the worker silent for longer than the default lease.
+        # the worker silent for longer than the default lease. One worker at a time: a service
+        # of one worker needs no step fence for the overlap worker (docs/protocol.md).
         config = ServiceConfig(pool=pool, max_step_tokens=setup["max_step_tokens"],
-                               lease_ttl_s=600.0)
+                               lease_ttl_s=600.0, max_workers=1)
         with tempfile.TemporaryDirectory() as tmp:
             # Untimed, at the measured shapes: the model's first steps at a new batch shape pick
             # and compile its kernels, which would otherwise slow the first transport's runs.

@@ -130,7 +130,8 @@ class RegisterRequest(Contract):
                                    "uploads its rows. Granted (Registration.own_table) for a "
                                    "pool of one block table on one CUDA device; an overlap "
                                    "worker's calls then cost the device nothing (no step "
-                                   "fence) unless the pool caches prefixes.")
+                                   "fence) on a service of one worker (max_workers 1) "
+                                   "without prefix caching.")
     data_parallel_rank: int | None = Field(
         default=None, ge=0, description="The worker's data-parallel rank: a service that "
                                         "allocates for another rank refuses it (409 "

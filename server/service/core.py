@@ -216,9 +216,16 @@ class ServiceCore:
             own_table = not req.attached or (req.own_table and self.groups is None
                                              and len(self.pool.shards) == 1
                                              and self.device.type == "cuda")
+            # No step fence where the service does no device work on the worker's calls (it
+            # commits its own tokens and keeps its own table, and no prefix cache writes
+            # protection or host-tier copies) and no other worker can be handed a block its
+            # forward still writes (a freed block goes to others only behind the fence's order):
+            # a service of one worker.
+            unfenced = (own_table and req.overlap and not self.manager.prefix_caching
+                        and self.config.max_workers == 1)
             worker = self.registry.add(lambda session: _new_worker(
                 self.pool, req, session, self.clock(), self.config.cache_groups,
-                own_table=own_table, caching=self.manager.prefix_caching))
+                own_table=own_table, fenced=not unfenced))
             self._observers.state_changed()
             registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
@@ -413,12 +420,8 @@ class ServiceCore:
 
 def _new_worker(pool: SharedPool, req: wire.RegisterRequest, session: int, now: float,
                 cache_groups: dict[str, list[str]], *, own_table: bool,
-                caching: bool) -> Worker:
-    """The worker ``req`` registers in ``session``, with what the pool shares with it. Its
-    calls need a step fence unless the service does no device work on them: the worker commits
-    its own tokens (overlap) and keeps its own block table, and no prefix cache protects blocks
-    or copies them from the host tier."""
-    fenced = not (own_table and req.overlap and not caching)
+                fenced: bool) -> Worker:
+    """The worker ``req`` registers in ``session``, with what the pool shares with it."""
     share = pool.attach(req.worker_id, session, overlap=req.overlap, fenced=fenced)
     return Worker(req.worker_id, session, req.attached, stagings=share.stagings,
                   writers=share.writers, fence_slot=share.fence_slot,

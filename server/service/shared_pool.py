@@ -181,9 +181,8 @@ class SharedPool:
                fenced: bool = True) -> WorkerShare:
         """``worker_id``'s staging buffers (one per part), its fence words opened for
         ``session``, what it maps, and its step fence unless ``fenced`` is False (the service
-        does no device work on its calls: an overlap worker that keeps its own block table, of
-        a pool without prefix caching). An overlap worker commits its own staging, so the
-        service's commit never reads it."""
+        does no device work on its calls, and serves no other worker: `ServiceCore.register`).
+        An overlap worker commits its own staging, so the service's commit never reads it."""
         slots = [words.open(session) for words in self.words]
         assert len(set(slots)) == 1, "every shard's table of words moves in lockstep"
         stagings, parts, fences = [], [], []

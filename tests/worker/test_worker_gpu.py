@@ -64,16 +64,17 @@ ONE_B = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
 def _client(model: torch.nn.Module, *, longest: int, batch: int, dtype: str,
             overlap: bool = False, prefix_caching: bool = False,
             window: int | None = None, grouped: bool = False,
-            own_table: bool | None = None) -> tuple[ServiceCore, Client]:
+            own_table: bool | None = None, **service: object) -> tuple[ServiceCore, Client]:
     """``grouped``: in the groups `sized_groups` makes of a model that mixes layer kinds;
-    ``own_table``: as `Client.register`."""
+    ``own_table``: as `Client.register`; ``service``: more `ServiceConfig` fields."""
     pool = pool_for_model(model.config, longest=longest, num_requests=batch, draft_len=3,
                           dtype=dtype, device="cuda", max_batch_size=batch, window=window)
     groups = sized_groups(model.config, pool, num_requests=batch,
                           max_step_tokens=2048) if grouped else []
     # A lease past the first step's kernel compiles (tens of seconds on a cold cache).
     core = ServiceCore(ServiceConfig(pool=pool, max_step_tokens=2048, groups=groups,
-                                     prefix_caching=prefix_caching, lease_ttl_s=600.0))
+                                     prefix_caching=prefix_caching, lease_ttl_s=600.0,
+                                     **service))
     client = Client.in_process(core, worker_id="gpu-worker")
     client.register(overlap=overlap, own_table=own_table)
     return core, client
@@ -142,9 +143,10 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
 def test_one_step_ahead_the_worker_reads_its_own_table_or_the_shared_one_alike(
         cuda_device: str, own_table: bool) -> None:
     """On a CUDA pool an overlap worker keeps its own block table by default (each reply's
-    changes, applied on its stream behind the forward still reading it), and the service needs
-    no step fence on its calls; reading the table the service uploads instead gives the same
-    tokens. Six prompts on four rows: finished requests' rows are handed out again."""
+    changes, applied on its stream behind the forward still reading it), and a service of one
+    worker needs no step fence on its calls; reading the table the service uploads instead
+    gives the same tokens. Six prompts on four rows: finished requests' rows are handed out
+    again."""
     model = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
     reference = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
     reference.set_attn_implementation("sdpa")
@@ -153,7 +155,7 @@ def test_one_step_ahead_the_worker_reads_its_own_table_or_the_shared_one_alike(
                for i, n in enumerate((3, 40, 17, 130, 64, 9))]
     expected = _generated(reference, prompts, 16)
     core, client = _client(model, longest=200, batch=4, dtype="float32", overlap=True,
-                           own_table=own_table)
+                           own_table=own_table, max_workers=1)
     try:
         assert client.registration is not None
         assert client.registration.own_table is own_table

@@ -6,9 +6,9 @@ were on the shared copies, which nobody reads there, a repair leaves them alone,
 that hands such a row to another worker uploads all of it. A worker that did not attach always
 keeps its own. An attached worker asks with ``own_table`` (an overlap worker does by default) and
 is granted it for a pool of one block table on one CUDA device: it applies the changes on its
-stream behind its forward, and for an overlap worker of a pool without prefix caching the service
-then does no device work on its calls at all (no step fence). A CPU pool's table is shared
-memory, which costs a worker nothing to read: it is not granted there.
+stream behind its forward, and for the overlap worker of a service of one worker without prefix
+caching the service then does no device work on its calls at all (no step fence). A CPU pool's
+table is shared memory, which costs a worker nothing to read: it is not granted there.
 """
 
 from __future__ import annotations
@@ -129,18 +129,21 @@ def test_a_cuda_worker_keeps_its_own_table_and_the_service_uploads_none_of_it(
     assert w.client.get_pool(verify=True).invariants == "ok"
 
 
-@pytest.mark.parametrize(("register", "caching", "fenced"), [
-    ({"overlap": True}, False, False),
-    ({"overlap": True}, True, True),  # the service protects cached blocks on the device
-    ({"overlap": True, "own_table": False}, False, True),  # it uploads the worker's rows
-    ({"own_table": True}, False, True),  # it commits for a synchronous worker
-], ids=["overlap", "overlap_caching", "overlap_shared_table", "synchronous"])
+@pytest.mark.parametrize(("register", "service", "fenced"), [
+    ({"overlap": True}, {}, False),
+    # Another worker could be handed a block this one's forward, launched ahead, still writes.
+    ({"overlap": True}, {"max_workers": 2}, True),
+    ({"overlap": True}, {"prefix_caching": True}, True),  # it protects cached blocks on the GPU
+    ({"overlap": True, "own_table": False}, {}, True),  # it uploads the worker's rows
+    ({"own_table": True}, {}, True),  # it commits for a synchronous worker
+], ids=["overlap", "overlap_two_workers", "overlap_caching", "overlap_shared_table",
+        "synchronous"])
 @pytest.mark.gpu
 @pytest.mark.usefixtures("cuda_device")  # skips without CUDA
-def test_only_an_overlap_worker_that_keeps_its_table_goes_unfenced(
-        cuda_core: Callable[..., ServiceCore], register: dict, caching: bool,
+def test_only_the_one_overlap_worker_that_keeps_its_table_goes_unfenced(
+        cuda_core: Callable[..., ServiceCore], register: dict, service: dict,
         fenced: bool) -> None:
-    core = cuda_core(prefix_caching=caching)
+    core = cuda_core(**{"max_workers": 1, **service})
     w = registered(core, **register)
     assert (w.client.registration.attachment.forward_done is not None) is fenced
     assert (w.pool.fence is not None) is fenced
