@@ -205,7 +205,9 @@ class Attachment(PoolHandles):
     max_step_tokens, num_kv_heads, head_dim]``: the worker writes token i of a step
     (``slot_mapping[i]``) at ``staging[layer, plane, i]``.
     On CUDA the worker records ``forward_done`` after its forward and waits on ``commit_done``
-    before its next forward; on CPU both are absent. ``protected`` (a service with prefix
+    before its next forward; on CPU both are absent, and so they are for the overlap worker of a
+    service of one worker that keeps its own table (`RegisterRequest.own_table`), on whose calls
+    the service does no device work. ``protected`` (a service with prefix
     caching) is bool ``[num_blocks]``, True for a cached prefix block that other requests read:
     a worker that commits its own tokens must not write those blocks. ``writer_fence`` is int64
     ``[1]``, the session's fence word: it holds the registration's ``session`` while the session
