@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvalloc.server.client import AttachedPool, Client
+from kvalloc.server.client import Client
 from kvalloc.server.contract.errors import RemoteError
 from kvalloc.server.contract.sharing import SHM_DIR
 from kvalloc.server.devtools.launch import ServiceProcess, kvalloc_command
@@ -56,8 +56,9 @@ def one_shard_worker(addr: str) -> tuple[tuple[int, int] | None, list[int]]:
     """Map shard 1 alone; admit a request and read its row from that shard's table."""
     torch.set_num_threads(1)
     with Client(addr, worker_id="rank1") as client:
-        reg = client.register(attach=False)
-        shard = AttachedPool.attach_shard(reg.attachment, 1, reg.session)
+        client.register(shard=1)
+        shard = client.pool
+        assert shard is not None
         reply = client.step(new=(["a"], [9]))
         row = shard.block_table[int(reply.scheduled.rows[0])].tolist()
         client.deregister()
