@@ -211,10 +211,10 @@ class ServiceCore:
                 self.pipeline.sync_cache()
                 self.kv_events.open_worker(req.worker_id,
                                            worker_salt(req.worker_id, self.config.cache_groups))
-            own_table = self._keeps_own_table(req)
+            own_table = _keeps_own_table(self.config, self.pool, req)
             worker = self.registry.add(lambda session: _new_worker(
                 self.pool, req, session, self.clock(), self.config.cache_groups,
-                own_table=own_table, fenced=self._needs_fence(req, own_table)))
+                own_table=own_table, fenced=_needs_fence(self.config, req, own_table)))
             self._observers.state_changed()
             registration = wire.Registration(
                 worker_id=worker.worker_id, session=worker.session, epoch=self.epoch,
@@ -223,24 +223,6 @@ class ServiceCore:
             )
             worker.registered = (req, registration)
             return registration
-
-    def _keeps_own_table(self, req: wire.RegisterRequest) -> bool:
-        """Whether ``req``'s worker keeps its own block table: one that did not attach always;
-        one that asks, where that spares the service device work (one table on one CUDA
-        device: a shared-memory table costs a worker nothing to read, a copy would only cost
-        it)."""
-        return not req.attached or (req.own_table and self.groups is None
-                                    and len(self.pool.shards) == 1
-                                    and self.device.type == "cuda")
-
-    def _needs_fence(self, req: wire.RegisterRequest, own_table: bool) -> bool:
-        """Whether ``req``'s worker needs a step fence: unless the service does no device work
-        on its calls (it commits its own tokens and keeps its own table, and no prefix cache
-        writes protection or host-tier copies) and no other worker can be handed a block its
-        forward, launched ahead, still writes (a freed block reaches another worker's forward
-        only behind the fence's order): a service of one worker."""
-        return not (own_table and req.overlap and not self.manager.prefix_caching
-                    and self.config.max_workers == 1)
 
     def holds(self, worker_id: str) -> bool:
         """Whether a live session holds ``worker_id``."""
@@ -435,6 +417,25 @@ def _new_worker(pool: SharedPool, req: wire.RegisterRequest, session: int, now: 
                   attachment=share.attachment, fence=share.fence, last_seen=now,
                   overlap=req.overlap, own_table=own_table,
                   cache_salt=worker_salt(req.worker_id, cache_groups))
+
+
+def _keeps_own_table(config: ServiceConfig, pool: SharedPool,
+                     req: wire.RegisterRequest) -> bool:
+    """Whether ``req``'s worker keeps its own block table: one that did not attach always; one
+    that asks, where that spares the service device work (one table on one CUDA device: a
+    shared-memory table costs a worker nothing to read, a copy would only cost it)."""
+    return not req.attached or (req.own_table and not config.groups and len(pool.shards) == 1
+                                and pool.shards[0].spec.device.type == "cuda")
+
+
+def _needs_fence(config: ServiceConfig, req: wire.RegisterRequest, own_table: bool) -> bool:
+    """Whether ``req``'s worker needs a step fence: unless the service does no device work on
+    its calls (it commits its own tokens and keeps its own table, and no prefix cache writes
+    protection or host-tier copies) and no other worker can be handed a block its forward,
+    launched ahead, still writes (a freed block reaches another worker's forward only behind
+    the fence's order): a service of one worker."""
+    return not (own_table and req.overlap and not config.prefix_caching
+                and config.max_workers == 1)
 
 
 def _check_rank(config: ServiceConfig, req: wire.RegisterRequest) -> None:
