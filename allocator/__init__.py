@@ -14,7 +14,7 @@ from typing import Any
 # module (under kvalloc.allocator) -> the names the library's users import from it.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "capacity.block_pool": ("BlockPool",),
-    "capacity.block_table": ("BlockTable",),
+    "capacity.block_table": ("BlockTable", "DeviceCopy"),
     "capacity.host_tier": ("HostTier", "TierCounters"),
     "capacity.kv_events": (
         "AllBlocksCleared", "BlockRemoved", "BlockStored", "HashScope", "KVCacheEvent",

@@ -34,6 +34,10 @@ decode step has one shape), the service in process. Side by side:
 Each worker row also has the replayed launches' host time (``step_launch_us``: inputs, replay
 and the outcome's copy; ``step_metadata_us`` of it for the inputs) and, with
 ``--host-profile``, the functions it goes to, and those of the decode steps' service calls.
+With ``--gap-profile`` the one-step-ahead row also has ``device_gaps``: over a few steady
+decode steps of its warm-up run, the device's busy and idle time a step (torch's profiler), and
+the idle time by the two device operations on either side of it: what the device waited
+between.
 
 Targets it reports as ratios of the same run: the replayed steps' median GPU time
 ``step_gpu_ms <= 1.15 x (no_attention + kv_bytes at 70% of the copy bandwidth)`` (``vs_target``;
@@ -113,9 +117,11 @@ def prompts_for(model: Any, setup: dict[str, Any], seed: int) -> list[NamedPromp
 
 
 def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
-                seed: int, *, host_profile: bool = False) -> list[dict[str, Any]]:
+                seed: int, *, host_profile: bool = False,
+                gap_profile: bool = False) -> list[dict[str, Any]]:
     """The engine's decode steps, synchronous and one step ahead, graphs on where CUDA is;
-    ``host_profile``: the warm-up run's launches profiled on the host, the measured run not."""
+    ``host_profile``: the warm-up run's launches profiled on the host, ``gap_profile``: the
+    one-step-ahead warm-up run's device timeline (`device_gaps`); the measured runs neither."""
     graphs = setup["device"] == "cuda"
     pool = pool_for_model(model.config, longest=setup["prompt_len"] + setup["new_tokens"],
                           num_requests=setup["batch"], draft_len=DRAFT_LEN,
@@ -137,7 +143,7 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
         # own block table where it runs ahead, as `kvalloc worker` registers)
         for registered, overlap in ((False, False), (True, False), (True, True)):
             with connect("in-process", core, overlap=registered, own_table=overlap) as client:
-                functions = []
+                functions: dict[str, Any] = {}
                 for run in ("warm-up", "measured"):  # the first run compiles for the shapes
                     drafter = DeviceOracleDrafter(truth, ORACLE_RATE,
                                                   vocab_size=model.config.vocab_size,
@@ -145,19 +151,22 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                     engine = Engine(model, client, drafter, draft_len=DRAFT_LEN,
                                     overlap=overlap, cuda_graphs=graphs, pad_decodes=True)
                     profiled = host_profile and run == "warm-up"
+                    traced = gap_profile and overlap and graphs and run == "warm-up"
                     engine.warm_up()  # every graph captured before the first step
                     steps = StepLog(engine, cProfile.Profile() if profiled else None,
-                                    cProfile.Profile() if profiled else None)
+                                    cProfile.Profile() if profiled else None,
+                                    trace=GapTrace() if traced else None)
                     engine.run(prompts, setup["new_tokens"])
                     steps.close()  # the client serves the next run's engine too
                     if profiled:
                         functions = {key: value for key, value in steps.summary().items()
                                      if key.endswith("_host_functions")}
+                    if traced:
+                        functions["device_gaps"] = steps.summary()["device_gaps"]
                 mode = "overlap" if overlap else "sync+own-commit" if registered else "sync"
                 row = {"mode": mode + ("+graphs" if graphs else ""),
                        **steps.summary(), **run_figures(engine.stats)}
-                if host_profile:
-                    row.update(functions)
+                row.update(functions)
                 row["decode_tokens_per_s"] = round(
                     1e3 * setup["batch"] * (1 + row["acceptance_rate"] * DRAFT_LEN)
                     / row["decode_step_ms"], 1)
@@ -180,8 +189,11 @@ class StepLog:
     steps (those with no prompt in them)."""
 
     def __init__(self, engine: Engine, profiler: cProfile.Profile | None = None,
-                 call_profiler: cProfile.Profile | None = None) -> None:
+                 call_profiler: cProfile.Profile | None = None, *,
+                 trace: GapTrace | None = None) -> None:
+        """``trace``: told of every replayed decode launch (`GapTrace.launched`)."""
         self.steps: list[tuple[tuple[int, int], bool, Launched, float]] = []
+        self.trace = trace
         self.started: list[float] = []  # each logged step's launch, on the host's clock
         self.profiler, self.profiled = profiler, 0
         launch, graphs = engine.step.launch, engine.step.graphs
@@ -201,6 +213,8 @@ class StepLog:
                 self.steps.append(((launched.ran, int(plan.num_tokens[0])), replays,
                                    launched, host_s))
                 self.started.append(started)
+                if trace is not None and replays:
+                    trace.launched()
             return launched
 
         engine.step.launch = logged  # type: ignore[method-assign]
@@ -224,6 +238,8 @@ class StepLog:
     def close(self) -> None:
         """Give the client its own ``step`` back: it outlives this log's engine."""
         vars(self._client).pop("step", None)
+        if self.trace is not None:
+            self.trace.close()
 
     def step_wall_ms(self) -> float | None:
         """The median time from one replayed launch to the next of the same shape: the step's
@@ -258,7 +274,64 @@ class StepLog:
         if self.call_profiler is not None and self.calls_profiled:
             summary["call_host_functions"] = host_functions(self.call_profiler,
                                                             self.calls_profiled)
+        if self.trace is not None:
+            summary["device_gaps"] = self.trace.gaps()
         return summary
+
+
+class GapTrace:
+    """The device's timeline over ``active`` replayed decode steps after the first ``skip``
+    (torch's profiler, CUDA activity only): what the device did, and waited for, between two
+    forwards."""
+
+    def __init__(self, skip: int = 16, active: int = 8) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.active = active
+        self._profile = profile(activities=[ProfilerActivity.CUDA],
+                                schedule=schedule(wait=skip, warmup=1, active=active, repeat=1))
+        self._profile.start()
+        self._open = True
+
+    def launched(self) -> None:
+        """A replayed decode step was launched: the schedule moves one step on."""
+        if self._open:
+            self._profile.step()
+
+    def close(self) -> None:
+        if self._open:
+            torch.cuda.synchronize()
+            self._profile.stop()
+            self._open = False
+
+    def gaps(self, top: int = 12) -> dict[str, Any]:
+        """Busy and idle microseconds a step over the traced steps, and the idle time between
+        each pair of device operations (``after`` -> ``before``), the largest first."""
+        from torch.autograd import DeviceType
+
+        events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+                        for e in self._profile.profiler.kineto_results.events()
+                        if e.device_type() == DeviceType.CUDA)
+        if not events:
+            return {}
+        busy = idle = 0
+        between: dict[tuple[str, str], list[float]] = {}
+        end, last = events[0][0], events[0][2]
+        for start, stop, name in events:
+            if start > end:
+                idle += start - end
+                between.setdefault((last[:70], name[:70]), []).append(start - end)
+            busy += max(0, stop - max(start, end))
+            if stop > end:
+                end, last = stop, name
+        steps = self.active
+        pairs = sorted(between.items(), key=lambda item: -sum(item[1]))[:top]
+        return {"steps": steps, "busy_us_per_step": round(busy / 1e3 / steps, 1),
+                "idle_us_per_step": round(idle / 1e3 / steps, 1),
+                "idle_between": [{"after": a, "before": b,
+                                  "us_per_step": round(sum(gaps) / 1e3 / steps, 2),
+                                  "times_per_step": round(len(gaps) / steps, 2)}
+                                 for (a, b), gaps in pairs]}
 
 
 def host_functions(profiler: cProfile.Profile, steps: int, top: int = 15
@@ -438,7 +511,7 @@ def generate_row(model: Any, prompts: list[NamedPrompt], new_tokens: int) -> dic
 
 
 def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int, *,
-              host_profile: bool = False) -> dict[str, Any]:
+              host_profile: bool = False, gap_profile: bool = False) -> dict[str, Any]:
     model = random_model(config, seed=seed, dtype=getattr(torch, setup["dtype"]),
                          device=setup["device"])
     prompts = prompts_for(model, setup, seed)
@@ -448,7 +521,8 @@ def shape_row(name: str, config: Any, setup: dict[str, Any], seed: int, *,
                            "no_attention_stock_ms": no_attention_ms(model, setup)}
     fuse_model(model)  # what the worker's engine does on CUDA: the forward it runs
     row.update(reference_rows(model, setup))
-    row["worker"] = worker_rows(model, prompts, setup, seed, host_profile=host_profile)
+    row["worker"] = worker_rows(model, prompts, setup, seed, host_profile=host_profile,
+                                gap_profile=gap_profile)
     bandwidth = row["copy_gbps"] * 1e6  # bytes per ms
     row["bytes_floor_ms"] = round((row["weight_bytes"] + row["kv_bytes"]) / bandwidth, 3)
     row["target_ms"] = round(1.15 * (row["no_attention_ms"]
@@ -474,6 +548,9 @@ def main() -> int:
     parser.add_argument("--host-profile", action="store_true",
                         help="where the launches' host time goes, function by function (from "
                              "each warm-up run; the measured runs stay unprofiled)")
+    parser.add_argument("--gap-profile", action="store_true",
+                        help="the device's idle time between two forwards one step ahead, and "
+                             "what it lies between (the warm-up run's; CUDA graphs only)")
     args = parser.parse_args()
     setup = SMALL if args.quick else FULL
     if setup["device"] == "cuda" and not torch.cuda.is_available():
@@ -481,7 +558,8 @@ def main() -> int:
     if args.quick:
         torch.set_num_threads(1)
     shapes = {"quick": QUICK} if args.quick else {s: SHAPES[s] for s in args.shapes}
-    rows = [shape_row(name, config, setup, args.seed, host_profile=args.host_profile)
+    rows = [shape_row(name, config, setup, args.seed, host_profile=args.host_profile,
+                      gap_profile=args.gap_profile)
             for name, config in shapes.items()]
     if args.out is not None:
         args.out.write_text(json.dumps({"machine": machine(setup["device"]), "setup": setup,

@@ -34,13 +34,14 @@ from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
 import msgspec
+import numpy as np
 import torch
 import zmq
-from kvalloc.allocator import BlockTable, LayerGroup, PoolConfig, WriterFence
+from kvalloc.allocator import DeviceCopy, LayerGroup, PoolConfig, WriterFence
 from kvalloc.allocator import slot_mapping as table_slot_mapping
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.addresses import TOKEN_ENV, default_client_address, transport_of
-from kvalloc.server.contract.columns import ColumnInput, StepCall, StepResult
+from kvalloc.server.contract.columns import ColumnInput, StepCall, StepResult, TableChanges
 from kvalloc.server.contract.errors import (
     AttachError,
     KVAllocServerError,
@@ -112,12 +113,10 @@ class AttachedPool:
                        writer_fence=first.writer_fence)
         return cls._map(attachment, session)
 
-    def with_own_table(self) -> tuple[AttachedPool, BlockTable]:
-        """This pool read through a block table of the worker's own, and that table: the shared
-        one's shape and device, empty (-1), as every row a new session will hold is."""
-        shared = self.block_table
-        table = BlockTable(*shared.shape, shared.device)
-        return replace(self, block_table=table.device_table), table
+    def with_own_table(self) -> tuple[AttachedPool, OwnTable]:
+        """This pool read through a block table of the worker's own, and that table."""
+        table = OwnTable.like(self.block_table)
+        return replace(self, block_table=table.device.tensor), table
 
     @classmethod
     def _map_groups(cls, attachment: wire.Attachment, session: int) -> AttachedPool:
@@ -168,6 +167,31 @@ class AttachedPool:
         shared block table (-1 where a position lies past its row's blocks); ``lead`` as
         `step_slots` takes it."""
         return step_slots(self.block_table, self.kv.shape[3], reply, lead)
+
+
+@dataclass
+class OwnTable:
+    """A worker's own copy of the block table (``Client.register(own_table=...)``): the host
+    mirror each reply's `TableChanges` update, and the device copy the pool is read through,
+    which only the changed cells travel to (on CUDA one graph replay on the current stream:
+    behind the forward still reading the table)."""
+
+    host: np.ndarray
+    device: DeviceCopy
+
+    @classmethod
+    def like(cls, shared: torch.Tensor) -> OwnTable:
+        """A table of ``shared``'s shape on its device, empty (-1) as every row a new session
+        will hold is."""
+        host = np.full(tuple(shared.shape), -1, dtype=np.int32)
+        tensor = torch.full(tuple(shared.shape), -1, dtype=torch.int32, device=shared.device)
+        return cls(host, DeviceCopy(tensor, host.reshape(-1), upload_graphs=True))
+
+    def apply(self, changes: TableChanges) -> None:
+        """Bring both copies up to date with one reply's changes."""
+        cells = changes.apply(self.host)
+        if cells.size:
+            self.device.write(cells, self.host.reshape(-1))
 
 
 def step_slots(table: torch.Tensor, tokens_per_block: int, reply: StepResult,
@@ -228,7 +252,7 @@ class Client:
         self.overlap = False  # the registration's: steps at lag 2, the worker commits
         self.pool: AttachedPool | None = None
         # This worker's own copy of the block table, where it keeps one (`register`).
-        self._own_table: BlockTable | None = None
+        self._own_table: OwnTable | None = None
         self.next_step_id = 0
         # Runs after the forward's fence is recorded and before the step is sent: where the
         # ranks of a tensor-parallel worker meet.
@@ -325,8 +349,7 @@ class Client:
         if self._own_table is not None:
             # On the current stream, behind the forward still reading the table.
             assert reply.tables is not None  # the service sends them to such a worker
-            self._own_table.mark_cells(reply.tables.apply(self._own_table.host))
-            self._own_table.sync()
+            self._own_table.apply(reply.tables)
         if fence is not None:
             fence.worker_before_forward()
         return reply

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from kvalloc.server.client import Client, step_slots
+from kvalloc.server.client import Client, OwnTable, step_slots
 from kvalloc.server.service.core import ServiceCore
 from named_worker import NamedWorker
 
@@ -34,15 +34,16 @@ def shared(core: ServiceCore) -> np.ndarray:
 
 
 class KeptTable:
-    """A detached worker's own copy of the table, brought up to date from its replies."""
+    """A detached worker's own copy of the table, brought up to date from its replies as an
+    attached worker's client does (`OwnTable`, here over a CPU tensor)."""
 
     def __init__(self, core: ServiceCore) -> None:
-        self.table = np.full(core.manager.table.host.shape, -1, dtype=np.int32)
+        self.own = OwnTable.like(core.manager.table.device_table)
 
     def step(self, worker: NamedWorker, **columns: object) -> None:
         reply = worker.step(**columns)  # type: ignore[arg-type]
         assert reply.tables is not None
-        reply.tables.apply(self.table)
+        self.own.apply(reply.tables)
 
 
 def test_the_rows_of_a_worker_that_keeps_its_own_table_are_never_uploaded(
@@ -53,7 +54,8 @@ def test_the_rows_of_a_worker_that_keeps_its_own_table_are_never_uploaded(
     kept.step(w, new={"a": 20, "b": 9})
     kept.step(w, grants={"a": 3, "b": 3})
     kept.step(w, results={"a": 3, "b": 1}, grants={"a": 3}, finished=["b"])
-    np.testing.assert_array_equal(kept.table, core.manager.table.host)
+    np.testing.assert_array_equal(kept.own.host, core.manager.table.host)
+    np.testing.assert_array_equal(kept.own.device.tensor.numpy(), core.manager.table.host)
     assert (core.manager.table.host != -1).any()
     assert (shared(core) == -1).all()  # nothing of it was uploaded
     core.check_invariants()
