@@ -35,9 +35,9 @@ Each worker row also has the replayed launches' host time (``step_launch_us``: i
 and the outcome's copy; ``step_metadata_us`` of it for the inputs) and, with
 ``--host-profile``, the functions it goes to, and those of the decode steps' service calls.
 With ``--gap-profile`` the one-step-ahead row also has ``device_gaps``: over a few steady
-decode steps of its warm-up run, the device's busy and idle time a step (torch's profiler), and
-the idle time by the two device operations on either side of it: what the device waited
-between.
+decode steps of a third run after the measured one, the device's busy and idle time a step
+(torch's profiler), and the idle time by the two device operations on either side of it: what
+the device waited between.
 
 Targets it reports as ratios of the same run: the replayed steps' median GPU time
 ``step_gpu_ms <= 1.15 x (no_attention + kv_bytes at 70% of the copy bandwidth)`` (``vs_target``;
@@ -121,7 +121,7 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
                 gap_profile: bool = False) -> list[dict[str, Any]]:
     """The engine's decode steps, synchronous and one step ahead, graphs on where CUDA is;
     ``host_profile``: the warm-up run's launches profiled on the host, ``gap_profile``: the
-    one-step-ahead warm-up run's device timeline (`device_gaps`); the measured runs neither."""
+    device's timeline one step ahead (`GapTrace`) in a run after the measured one."""
     graphs = setup["device"] == "cuda"
     pool = pool_for_model(model.config, longest=setup["prompt_len"] + setup["new_tokens"],
                           num_requests=setup["batch"], draft_len=DRAFT_LEN,
@@ -144,34 +144,38 @@ def worker_rows(model: Any, prompts: list[NamedPrompt], setup: dict[str, Any],
         for registered, overlap in ((False, False), (True, False), (True, True)):
             with connect("in-process", core, overlap=registered, own_table=overlap) as client:
                 functions: dict[str, Any] = {}
-                for run in ("warm-up", "measured"):  # the first run compiles for the shapes
+                # The first run compiles for the shapes; the device's timeline is traced in a
+                # run after the measured one: once torch's profiler has run, every launch
+                # costs the host more.
+                runs = ["warm-up", "measured"] + (["traced"] if gap_profile and overlap
+                                                  and graphs else [])
+                for run in runs:
                     drafter = DeviceOracleDrafter(truth, ORACLE_RATE,
                                                   vocab_size=model.config.vocab_size,
                                                   device=model.device, seed=seed)
                     engine = Engine(model, client, drafter, draft_len=DRAFT_LEN,
                                     overlap=overlap, cuda_graphs=graphs, pad_decodes=True)
                     profiled = host_profile and run == "warm-up"
-                    traced = gap_profile and overlap and graphs and run == "warm-up"
                     engine.warm_up()  # every graph captured before the first step
                     steps = StepLog(engine, cProfile.Profile() if profiled else None,
                                     cProfile.Profile() if profiled else None,
-                                    trace=GapTrace() if traced else None)
+                                    trace=GapTrace() if run == "traced" else None)
                     engine.run(prompts, setup["new_tokens"])
                     steps.close()  # the client serves the next run's engine too
                     if profiled:
                         functions = {key: value for key, value in steps.summary().items()
                                      if key.endswith("_host_functions")}
-                    if traced:
+                    if run == "measured":
+                        measured = {**steps.summary(), **run_figures(engine.stats)}
+                        if graphs and overlap:
+                            measured["replay_kernels"] = replay_kernels(engine)
+                    if run == "traced":
                         functions["device_gaps"] = steps.summary()["device_gaps"]
                 mode = "overlap" if overlap else "sync+own-commit" if registered else "sync"
-                row = {"mode": mode + ("+graphs" if graphs else ""),
-                       **steps.summary(), **run_figures(engine.stats)}
-                row.update(functions)
+                row = {"mode": mode + ("+graphs" if graphs else ""), **measured, **functions}
                 row["decode_tokens_per_s"] = round(
                     1e3 * setup["batch"] * (1 + row["acceptance_rate"] * DRAFT_LEN)
                     / row["decode_step_ms"], 1)
-                if graphs and overlap:
-                    row["replay_kernels"] = replay_kernels(engine)
                 rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -550,7 +554,8 @@ def main() -> int:
                              "each warm-up run; the measured runs stay unprofiled)")
     parser.add_argument("--gap-profile", action="store_true",
                         help="the device's idle time between two forwards one step ahead, and "
-                             "what it lies between (the warm-up run's; CUDA graphs only)")
+                             "what it lies between (a run after the measured one; CUDA graphs "
+                             "only)")
     args = parser.parse_args()
     setup = SMALL if args.quick else FULL
     if setup["device"] == "cuda" and not torch.cuda.is_available():

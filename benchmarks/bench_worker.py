@@ -111,6 +111,8 @@ def serve_flags(config: ServiceConfig) -> list[str]:
         "device", "max_batch_size", "max_seq_len", "max_draft_len")}
     flags["max_step_tokens"] = config.max_step_tokens
     flags["lease_ttl_s"] = config.lease_ttl_s
+    # A service of more workers fences an overlap worker's steps (docs/protocol.md).
+    flags["max_workers"] = config.max_workers
     return [*(arg for name, value in flags.items()
               for arg in (f"--{name.replace('_', '-')}", str(value))),
             *(() if config.nwor else ("--no-nwor",))]
