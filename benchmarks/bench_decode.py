@@ -99,6 +99,7 @@ SMALL = {"batch": 4, "prompt_len": 48, "new_tokens": 6, "max_step_tokens": 256,
 DRAFT_LEN = 3
 ORACLE_RATE = 0.6
 CONTIGUOUS = "bench_sdpa_contiguous"
+FIRST_KERNEL = "_metadata"  # every decode graph's first kernel (`worker.kernels.step_metadata`)
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, *, repeats: int = 20) -> float:
@@ -308,9 +309,11 @@ class GapTrace:
             self._profile.stop()
             self._open = False
 
-    def gaps(self, top: int = 12) -> dict[str, Any]:
-        """Busy and idle microseconds a step over the traced steps, and the idle time between
-        each pair of device operations (``after`` -> ``before``), the largest first."""
+    def gaps(self, top: int = 12, lead: int = 8) -> dict[str, Any]:
+        """Busy and idle microseconds a step over the traced steps; the idle time between each
+        pair of device operations (``after`` -> ``before``), the largest first; and
+        ``before_forward``: the ``lead`` operations before the last traced forward's first
+        kernel (the step's metadata, `FIRST_KERNEL`), each with the idle time before it."""
         from torch.autograd import DeviceType
 
         events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
@@ -320,22 +323,30 @@ class GapTrace:
             return {}
         busy = idle = 0
         between: dict[tuple[str, str], list[float]] = {}
+        waited = [0.0] * len(events)  # idle time before each operation
         end, last = events[0][0], events[0][2]
-        for start, stop, name in events:
+        for i, (start, stop, name) in enumerate(events):
             if start > end:
                 idle += start - end
+                waited[i] = start - end
                 between.setdefault((last[:70], name[:70]), []).append(start - end)
             busy += max(0, stop - max(start, end))
             if stop > end:
                 end, last = stop, name
         steps = self.active
         pairs = sorted(between.items(), key=lambda item: -sum(item[1]))[:top]
+        firsts = [i for i, (_, _, name) in enumerate(events) if name == FIRST_KERNEL]
+        lead_in = range(max(0, firsts[-1] - lead), firsts[-1] + 1) if firsts else range(0)
         return {"steps": steps, "busy_us_per_step": round(busy / 1e3 / steps, 1),
                 "idle_us_per_step": round(idle / 1e3 / steps, 1),
                 "idle_between": [{"after": a, "before": b,
                                   "us_per_step": round(sum(gaps) / 1e3 / steps, 2),
                                   "times_per_step": round(len(gaps) / steps, 2)}
-                                 for (a, b), gaps in pairs]}
+                                 for (a, b), gaps in pairs],
+                "before_forward": [{"op": events[i][2][:70],
+                                    "us": round((events[i][1] - events[i][0]) / 1e3, 2),
+                                    "idle_before_us": round(waited[i] / 1e3, 2)}
+                                   for i in lead_in]}
 
 
 def host_functions(profiler: cProfile.Profile, steps: int, top: int = 15
