@@ -173,11 +173,15 @@ class AttachedPool:
 class OwnTable:
     """A worker's own copy of the block table (``Client.register(own_table=...)``): the host
     mirror each reply's `TableChanges` update, and the device copy the pool is read through,
-    which only the changed cells travel to (on CUDA one graph replay on the current stream:
-    behind the forward still reading the table)."""
+    which only the changed cells travel to: at once (on CUDA one graph replay on the current
+    stream, behind the forward still reading the table), or, once a launcher said it will
+    carry them (`fold`), in that launcher's next step (`take`)."""
 
     host: np.ndarray
     device: DeviceCopy
+    # Cells changed on the host since the last `take`, while folded.
+    pending: list[np.ndarray] = field(default_factory=list)
+    folded: bool = False
 
     @classmethod
     def like(cls, shared: torch.Tensor) -> OwnTable:
@@ -188,10 +192,47 @@ class OwnTable:
         return cls(host, DeviceCopy(tensor, host.reshape(-1), upload_graphs=True))
 
     def apply(self, changes: TableChanges) -> None:
-        """Bring both copies up to date with one reply's changes."""
+        """Bring the host mirror up to date with one reply's changes, and the device copy, or
+        leave its part to the next `take` where folded."""
         cells = changes.apply(self.host)
-        if cells.size:
+        if not cells.size:
+            return
+        if self.folded:
+            self.pending.append(cells)
+        else:
             self.device.write(cells, self.host.reshape(-1))
+
+    def fold(self) -> None:
+        """From now on the changes wait for a launcher's `take`: it scatters them into the
+        device copy inside its own step, ahead of everything that reads the table there, which
+        spares each step one upload and its replay. It must `flush` when it stops launching."""
+        self.folded = True
+
+    def take(self, cells: np.ndarray, values: np.ndarray) -> None:
+        """Write the pending changes into ``cells`` (flat indices) and ``values`` (the host's,
+        now), two int64 arrays of one length, padded with the first pair (cell 0 and its value
+        when none is pending: writing a cell's own value changes nothing); the caller scatters
+        all of them into the device copy behind everything queued on the stream. More pending
+        changes than they hold are uploaded now, the usual way, and only padding is taken."""
+        changed = self._drain()
+        if changed.size > cells.size:
+            self.device.write(changed, self.host.reshape(-1))
+            changed = changed[:0]
+        cells[:changed.size] = changed
+        cells[changed.size:] = changed[0] if changed.size else 0
+        values[:] = self.host.reshape(-1)[cells]
+
+    def flush(self) -> None:
+        """Upload the pending changes now (on the current stream)."""
+        changed = self._drain()
+        if changed.size:
+            self.device.write(changed, self.host.reshape(-1))
+
+    def _drain(self) -> np.ndarray:
+        changed = (np.concatenate(self.pending) if self.pending
+                   else np.empty(0, dtype=np.int64))
+        self.pending.clear()
+        return changed
 
 
 def step_slots(table: torch.Tensor, tokens_per_block: int, reply: StepResult,
@@ -252,7 +293,7 @@ class Client:
         self.overlap = False  # the registration's: steps at lag 2, the worker commits
         self.pool: AttachedPool | None = None
         # This worker's own copy of the block table, where it keeps one (`register`).
-        self._own_table: OwnTable | None = None
+        self.own_table: OwnTable | None = None
         self.next_step_id = 0
         # Runs after the forward's fence is recorded and before the step is sent: where the
         # ranks of a tensor-parallel worker meet.
@@ -294,9 +335,9 @@ class Client:
                 self.deregister()
             self.registration = self.pool = None
             raise
-        self._own_table = None
+        self.own_table = None
         if self.pool is not None and reg.own_table:
-            self.pool, self._own_table = self.pool.with_own_table()
+            self.pool, self.own_table = self.pool.with_own_table()
         return reg
 
     def step(self, *, results: tuple[ColumnInput, ColumnInput] | None = None,
@@ -346,10 +387,10 @@ class Client:
             self.before_step()
         reply = self.call("step", call)
         self.next_step_id = call.step_id + 1
-        if self._own_table is not None:
+        if self.own_table is not None:
             # On the current stream, behind the forward still reading the table.
             assert reply.tables is not None  # the service sends them to such a worker
-            self._own_table.apply(reply.tables)
+            self.own_table.apply(reply.tables)
         if fence is not None:
             fence.worker_before_forward()
         return reply
@@ -369,7 +410,7 @@ class Client:
             raise RuntimeError("register() first")
         out = self.call("deregister", wire.WorkerRef(worker_id=self.worker_id,
                                                      session=self.registration.session))
-        self.registration = self.pool = self._own_table = None
+        self.registration = self.pool = self.own_table = None
         return out
 
     def call(self, op: str, request: Any) -> Any:

@@ -157,7 +157,7 @@ class Engine:
                                              for g in self.groups) if client.overlap else (),
                                validators=self.validators,
                                graphs=DecodeGraphs() if cuda_graphs else None,
-                               pad_batches=self.pad_decodes)
+                               pad_batches=self.pad_decodes, own_table=client.own_table)
         if self.step.graphs is not None:  # none evicted by another while serving
             self.step.graphs.make_room(len(self._decode_shapes()))
         self.planner = StepPlanner(layout, draft_len,
@@ -285,6 +285,7 @@ class Engine:
                                   decode_only=not (plan.prefilling or plan.new))
         for flight in flights:  # forwards past every request's end: nothing to emit
             self._read(flight, on_progress)
+        self.step.flush_table()  # the last calls' changes, which no launch carried
         if self.validators:
             self.stats.table_violations = sum(v.count() for v in self.validators)
         if self.step.commits:  # every group commits the same tokens

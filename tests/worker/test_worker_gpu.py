@@ -22,6 +22,7 @@ from kvalloc.worker.drafters import DeviceOracleDrafter, NgramDrafter, OracleDra
 from kvalloc.worker.engine import Engine
 from kvalloc.worker.model import pool_for_model, random_model, sized_groups
 from kvalloc.worker.requests import NamedPrompt
+from kvalloc.worker.step import device_step
 from kvalloc.worker.step.device_step import LaunchPlan
 from transformers import (
     AttentionInterface,
@@ -139,14 +140,18 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
     assert (stats.padded_entries > 0) == cuda_graphs
 
 
-@pytest.mark.parametrize("own_table", [True, False], ids=["own-table", "shared-table"])
+@pytest.mark.parametrize(("own_table", "table_cells"), [
+    (True, device_step.TABLE_CELLS), (True, 1), (False, device_step.TABLE_CELLS)],
+    ids=["own-table", "own-table-uploaded-apart", "shared-table"])
 def test_one_step_ahead_the_worker_reads_its_own_table_or_the_shared_one_alike(
-        cuda_device: str, own_table: bool) -> None:
+        cuda_device: str, own_table: bool, table_cells: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CUDA pool an overlap worker keeps its own block table by default (each reply's
-    changes, applied on its stream behind the forward still reading it), and a service of one
-    worker needs no step fence on its calls; reading the table the service uploads instead
-    gives the same tokens. Six prompts on four rows: finished requests' rows are handed out
-    again."""
+    changes scattered into it by the next step, ahead of everything reading it there; more
+    than a step carries, ``table_cells``, uploaded apart first), and a service of one worker
+    needs no step fence on its calls; reading the table the service uploads instead gives the
+    same tokens. Six prompts on four rows: finished requests' rows are handed out again."""
+    monkeypatch.setattr(device_step, "TABLE_CELLS", table_cells)
     model = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
     reference = random_model(FAMILIES["llama"], seed=0, device=cuda_device)
     reference.set_attn_implementation("sdpa")
@@ -165,6 +170,9 @@ def test_one_step_ahead_the_worker_reads_its_own_table_or_the_shared_one_alike(
         assert engine.run(prompts, 16) == expected
         assert engine.stats.forwards_ahead > 0 and engine.stats.table_violations == 0
         assert engine.stats.graph_replays > 0
+        torch.cuda.synchronize()  # the run's last changes, flushed behind its last step
+        np.testing.assert_array_equal(client.pool.block_table.cpu().numpy(),
+                                      core.manager.table.host)
     finally:
         core.close()
 

@@ -25,6 +25,11 @@ chunk (a prefill) while its request goes on, and nothing once the request ended,
 before (a wasted forward), so the pool receives exactly what a synchronous service would have
 committed.
 
+A worker that keeps its own block table (`server.client.OwnTable`) sends the table's changes
+since its last step in the same upload: the step scatters them into the table before anything
+reads it (`TABLE_CELLS` of them at most, padded; more are uploaded on their own first), so that
+bringing the table up to date costs no copy, replay or wait of its own between two forwards.
+
 A grouped pool (`worker.step.pool_groups`) is the same step over several groups: one layout per
 group (the entries shared, each group's own table), each layer read and staged through its own
 group, one commit per group keeping the same tokens at the group's own slots.
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 from kvalloc.allocator import InvariantViolation, PackedCommit, TableValidator, accept
 from kvalloc.allocator.common.device_io import PinnedUploads, current_stream
+from kvalloc.server.client import OwnTable
 from kvalloc.worker.attention.hook import PoolStep, StepGroup
 from kvalloc.worker.attention.pool_attention import HostBounds, PagedLayout
 from kvalloc.worker.drafters import DeviceOracleDrafter
@@ -56,6 +62,10 @@ from kvalloc.worker.step.step_metadata import (
     StepMetadata,
     step_metadata,
 )
+
+# The most own-table cells a step carries in its upload: a step's appends and a few finished
+# rows' blocks (8 KiB more to copy); a step that changed more uploads them on their own first.
+TABLE_CELLS = 512
 
 
 @dataclass(frozen=True)
@@ -201,12 +211,15 @@ class DeviceStep:
                  drafter: DeviceOracleDrafter | None = None,
                  commits: Sequence[PackedCommit] = (),
                  validators: Sequence[TableValidator] = (),
-                 graphs: DecodeGraphs | None = None, pad_batches: bool = False) -> None:
+                 graphs: DecodeGraphs | None = None, pad_batches: bool = False,
+                 own_table: OwnTable | None = None) -> None:
         """``groups``: the pool's (`worker.step.pool_groups`; one for a pool of every layer),
         each layer read and staged through its own; ``commits`` and ``validators``: one per
         group, in group order (an overlap worker's own commits; --validate's checks).
         ``pad_batches``: run a decode-only step as its batch bucket
-        (`worker.step.batch_buckets`), the shapes ``graphs`` capture; on with graphs."""
+        (`worker.step.batch_buckets`), the shapes ``graphs`` capture; on with graphs.
+        ``own_table``: the worker's own block table (the one group's), whose changes each
+        launch from now on carries (`OwnTable.fold`)."""
         self.model, self.groups = model, tuple(groups)
         self.where = layer_places(self.groups)
         self.rows, self.max_draft_len = rows, max_draft_len
@@ -226,7 +239,13 @@ class DeviceStep:
         self._holders: list[Launched | None] = [None, None]
         self._launches = 0
         self._tables = [GroupTable(g.block_table, g.tokens_per_block) for g in self.groups]
-        self._templates = _DecodeTemplates(rows.spare)
+        self.own_table = own_table
+        if own_table is not None:
+            if len(self.groups) != 1:
+                raise InvariantViolation("own_table: only a pool of one block table has one")
+            own_table.fold()
+        self._table_cells = TABLE_CELLS if own_table is not None else 0
+        self._templates = _DecodeTemplates(rows.spare, self._table_cells)
 
     def launch(self, plan: LaunchPlan) -> Launched:
         # Looked up once, for the step's events and its upload.
@@ -238,13 +257,14 @@ class DeviceStep:
         self._free(turn)
         shape = self._shape(plan)
         static = self.graphs.static_columns(shape) if shape is not None else None
+        table = self._table_changes()
         if static is not None:  # a captured shape: its columns straight into the graph's
-            self._upload_columns(turn, plan, shape, static)
+            self._upload_columns(turn, plan, shape, static, table)
             metadata_s = time.perf_counter() - building
             out, ran = self.graphs.replay(shape), shape[0]
         else:
             run = self._grown(plan)
-            cols = _Columns.upload(run, self._uploads[turn])
+            cols = _Columns.upload(run, table, self._uploads[turn])
             metadata_s = time.perf_counter() - building
             out = (self.graphs.run_and_capture(shape, run, cols, self._body)
                    if shape is not None else self._body(run, cols))
@@ -256,15 +276,28 @@ class DeviceStep:
         return launched
 
     def _upload_columns(self, turn: int, plan: LaunchPlan, shape: Shape,
-                        static: torch.Tensor) -> None:
+                        static: torch.Tensor, table: np.ndarray) -> None:
         """A replayed step's columns into its graph's ``static`` copy: packed into ``turn``'s
         pinned buffer and copied behind the step on CUDA, packed in place on a CPU device."""
         if not self.timed:
-            self._templates.pack_into(plan, shape, static.numpy())
+            self._templates.pack_into(plan, shape, static.numpy(), table)
             return
         host = self._inputs.take(turn, static.numel())
-        self._templates.pack_into(plan, shape, host.numpy())
+        self._templates.pack_into(plan, shape, host.numpy(), table)
         static.copy_(host, non_blocking=True)
+
+    def _table_changes(self) -> np.ndarray:
+        """The own table's changes this step carries (`_Columns.table_cells`, then
+        ``table_values``); nothing without an own table."""
+        changes = np.empty(2 * self._table_cells, dtype=np.int64)
+        if self.own_table is not None:
+            self.own_table.take(changes[:self._table_cells], changes[self._table_cells:])
+        return changes
+
+    def flush_table(self) -> None:
+        """Upload the own table's changes no launch carried (the last calls of a run)."""
+        if self.own_table is not None:
+            self.own_table.flush()
 
     def _free(self, turn: int) -> None:
         """Free ``turn``'s pinned buffers: its last step, if still unread (a caller further
@@ -331,6 +364,9 @@ class DeviceStep:
         """The step's device work from its uploaded columns: metadata, table checks, drafts,
         forward, verification and commit. Only device work, the same shapes for one plan
         shape, so that `DecodeGraphs` can capture it."""
+        if cols.table_cells.numel():  # the own table's changes, before anything reads it
+            self.groups[0].block_table.view(-1).index_copy_(
+                0, cols.table_cells, cols.table_values.to(torch.int32))
         meta = step_metadata(
             EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
                          cols.token_entry, cols.host_ids),
@@ -426,7 +462,8 @@ class _Columns(NamedTuple):
     """A `LaunchPlan`'s columns on the device, from one upload (views of one tensor): per entry
     ``rows, offsets, num_tokens, starts, behind, decoding``, per token ``token_entry,
     host_ids``, the kept logits' ``logit_rows``, per emitting entry ``emitting, widths, decode,
-    drafts``, and ``decodes`` (the entries that decode)."""
+    drafts``, ``decodes`` (the entries that decode), and an own table's ``table_cells`` and
+    ``table_values`` (`DeviceStep._table_changes`; none without)."""
 
     rows: torch.Tensor
     offsets: torch.Tensor
@@ -442,12 +479,15 @@ class _Columns(NamedTuple):
     decode: torch.Tensor
     drafts: torch.Tensor
     decodes: torch.Tensor
+    table_cells: torch.Tensor
+    table_values: torch.Tensor
 
     flat: torch.Tensor  # the one tensor the others view
 
     @staticmethod
-    def pack(plan: LaunchPlan) -> np.ndarray:
-        """The columns' values, one after the other in field order (``flat``'s layout)."""
+    def pack(plan: LaunchPlan, table: np.ndarray) -> np.ndarray:
+        """The columns' values, one after the other in field order (``flat``'s layout);
+        ``table``: the own table's cells then values."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
         decodes = plan.emitting[plan.decode]
         decoding[decodes] = 1
@@ -455,23 +495,23 @@ class _Columns(NamedTuple):
             plan.rows, plan.offsets, plan.num_tokens, plan.starts, plan.behind, decoding,
             np.repeat(np.arange(plan.rows.size), plan.num_tokens), plan.host_ids,
             plan.logit_rows, plan.emitting, plan.widths, plan.decode, plan.drafts,
-            decodes]).astype(np.int64, copy=False)
+            decodes, table]).astype(np.int64, copy=False)
 
     @staticmethod
-    def places(plan: LaunchPlan) -> dict[str, int]:
+    def places(plan: LaunchPlan, table_cells: int) -> dict[str, int]:
         """Where each column starts in `pack`'s layout, and ``"end"``."""
         r, n, e = plan.rows.size, plan.host_ids.size, plan.emitting.size
         sizes = (r, r, r, r, r, r, n, n, plan.logit_rows.size, e, e, e, e,
-                 int(plan.decode.sum()))
+                 int(plan.decode.sum()), table_cells, table_cells)
         ends = np.cumsum(sizes).tolist()
         return {**{name: end - size for name, size, end in zip(
             _Columns._fields[:-1], sizes, ends, strict=True)}, "end": ends[-1]}
 
     @classmethod
-    def upload(cls, plan: LaunchPlan, uploads: PinnedUploads) -> _Columns:
+    def upload(cls, plan: LaunchPlan, table: np.ndarray, uploads: PinnedUploads) -> _Columns:
         """The columns through ``uploads``: valid until its next upload, in stream order."""
-        (flat,) = uploads.upload(cls.pack(plan))
-        bounds = list(cls.places(plan).values())
+        (flat,) = uploads.upload(cls.pack(plan, table))
+        bounds = list(cls.places(plan, table.size // 2).values())
         return cls(*(flat[a:b] for a, b in itertools.pairwise(bounds)), flat)
 
     def over(self, flat: torch.Tensor) -> _Columns:
@@ -492,23 +532,27 @@ class _DecodeTemplates:
 
     VARYING = ("rows", "starts", "behind", "host_ids", "drafts")
 
-    def __init__(self, spare: int) -> None:
-        self.spare = spare
+    def __init__(self, spare: int, table_cells: int) -> None:
+        self.spare, self.table_cells = spare, table_cells
         self._shapes: dict[Shape, tuple[np.ndarray, dict[str, int]]] = {}
 
-    def pack_into(self, plan: LaunchPlan, shape: Shape, out: np.ndarray) -> None:
-        """``out[:] = _Columns.pack(plan.padded(*shape))`` for a decode-only ``plan`` of
-        ``shape``'s width and at most its entries (``out``: int64, that long)."""
+    def pack_into(self, plan: LaunchPlan, shape: Shape, out: np.ndarray,
+                  table: np.ndarray) -> None:
+        """``out[:] = _Columns.pack(plan.padded(*shape), table)`` for a decode-only ``plan``
+        of ``shape``'s width and at most its entries (``out``: int64, that long)."""
         known = self._shapes.get(shape)
         if known is None:
             entries, width = shape
             spare = LaunchPlan.on_spare_row(np.full(entries, width), self.spare, decode=True)
-            known = self._shapes[shape] = (_Columns.pack(spare), _Columns.places(spare))
+            known = self._shapes[shape] = (
+                _Columns.pack(spare, np.zeros(2 * self.table_cells, dtype=np.int64)),
+                _Columns.places(spare, self.table_cells))
         template, places = known
         out[:] = template
         for name in self.VARYING:
             values = getattr(plan, name)
             out[places[name]:places[name] + values.size] = values
+        out[places["table_cells"]:places["end"]] = table
 
 
 class _PinnedTurns:

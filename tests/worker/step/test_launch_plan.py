@@ -52,15 +52,17 @@ def test_only_a_decode_only_plan_grows() -> None:
         mixed.padded(4, SPARE)
 
 
+@pytest.mark.parametrize("table_cells", [0, 4], ids=["shared-table", "own-table"])
 @pytest.mark.parametrize(("entries", "width", "shape"), [(1, 1, 1), (3, 4, 8), (5, 2, 5),
                                                          (7, 3, 16)])
 def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
-        entries: int, width: int, shape: int) -> None:
+        entries: int, width: int, shape: int, table_cells: int) -> None:
     """A replayed step packs its columns from its shape's template (`_DecodeTemplates`) into
     its pinned buffer: the same values as packing the plan grown to that shape, twice over one
-    template and one buffer (nothing of the earlier step, or of the buffer's garbage, stays)."""
+    template and one buffer (nothing of the earlier step, or of the buffer's garbage, stays);
+    an own table's changes last."""
     rng = np.random.default_rng(entries * 100 + width)
-    templates = _DecodeTemplates(SPARE)
+    templates = _DecodeTemplates(SPARE, table_cells)
     out = None
     for _ in range(2):
         rows = rng.permutation(SPARE)[:entries]
@@ -68,8 +70,11 @@ def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
                           rng.integers(0, 99, entries), rng.integers(0, 2, entries),
                           rng.integers(0, 500, entries * width), np.arange(entries),
                           np.ones(entries, dtype=bool), rng.integers(0, width, entries))
-        want = _Columns.pack(plan.padded(shape, SPARE))
+        table = rng.integers(0, 99, 2 * table_cells)
+        grown = plan.padded(shape, SPARE)
+        want = _Columns.pack(grown, table)
         if out is None:
             out = np.full(want.size, -7, dtype=np.int64)
-        templates.pack_into(plan, (shape, width), out)
+        templates.pack_into(plan, (shape, width), out, table)
         np.testing.assert_array_equal(out, want)
+        assert _Columns.places(grown, table_cells)["table_cells"] == want.size - table.size
