@@ -209,11 +209,12 @@ class OwnTable:
         self.folded = True
 
     def take(self, cells: np.ndarray, values: np.ndarray) -> None:
-        """Write the pending changes into ``cells`` (flat indices) and ``values`` (the host's,
-        now), two int64 arrays of one length, padded with the first pair (cell 0 and its value
-        when none is pending: writing a cell's own value changes nothing); the caller scatters
-        all of them into the device copy behind everything queued on the stream. More pending
-        changes than they hold are uploaded now, the usual way, and only padding is taken."""
+        """Write the pending changes into ``cells`` (flat indices, int64) and ``values`` (the
+        host's, now; integers), two arrays of one length, padded with the first pair (cell 0
+        and its value when none is pending: writing a cell's own value changes nothing); the
+        caller scatters all of them into the device copy behind everything queued on the
+        stream. More pending changes than they hold are uploaded now, the usual way, and only
+        padding is taken."""
         changed = self._drain()
         if changed.size > cells.size:
             self.device.write(changed, self.host.reshape(-1))

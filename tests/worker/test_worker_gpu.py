@@ -141,7 +141,7 @@ def test_float32_on_cuda_equals_generate(cuda_device: str, family: str, overlap:
 
 
 @pytest.mark.parametrize(("own_table", "table_cells"), [
-    (True, device_step.TABLE_CELLS), (True, 1), (False, device_step.TABLE_CELLS)],
+    (True, device_step.TABLE_CELLS), (True, 2), (False, device_step.TABLE_CELLS)],
     ids=["own-table", "own-table-uploaded-apart", "shared-table"])
 def test_one_step_ahead_the_worker_reads_its_own_table_or_the_shared_one_alike(
         cuda_device: str, own_table: bool, table_cells: int,

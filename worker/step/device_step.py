@@ -63,9 +63,11 @@ from kvalloc.worker.step.step_metadata import (
     step_metadata,
 )
 
-# The most own-table cells a step carries in its upload: a step's appends and a few finished
-# rows' blocks (8 KiB more to copy); a step that changed more uploads them on their own first.
-TABLE_CELLS = 512
+# The most own-table cells a step carries in its upload (even: their int32 values pack two to an
+# int64): a step's appends and a finished row's blocks or two, 1.5 KiB more to copy. A step
+# that changed more uploads them on their own first; every padded cell is one more write of
+# cell 0 in the scatter, which costs more device time than the copy.
+TABLE_CELLS = 128
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,7 @@ class DeviceStep:
             out, ran = self.graphs.replay(shape), shape[0]
         else:
             run = self._grown(plan)
-            cols = _Columns.upload(run, table, self._uploads[turn])
+            cols = _Columns.upload(run, table, self._table_cells, self._uploads[turn])
             metadata_s = time.perf_counter() - building
             out = (self.graphs.run_and_capture(shape, run, cols, self._body)
                    if shape is not None else self._body(run, cols))
@@ -289,9 +291,10 @@ class DeviceStep:
     def _table_changes(self) -> np.ndarray:
         """The own table's changes this step carries (`_Columns.table_cells`, then
         ``table_values``); nothing without an own table."""
-        changes = np.empty(2 * self._table_cells, dtype=np.int64)
+        cells = self._table_cells
+        changes = np.empty(cells + cells // 2, dtype=np.int64)
         if self.own_table is not None:
-            self.own_table.take(changes[:self._table_cells], changes[self._table_cells:])
+            self.own_table.take(changes[:cells], changes[cells:].view(np.int32))
         return changes
 
     def flush_table(self) -> None:
@@ -366,7 +369,7 @@ class DeviceStep:
         shape, so that `DecodeGraphs` can capture it."""
         if cols.table_cells.numel():  # the own table's changes, before anything reads it
             self.groups[0].block_table.view(-1).index_copy_(
-                0, cols.table_cells, cols.table_values.to(torch.int32))
+                0, cols.table_cells, cols.table_values.view(torch.int32))
         meta = step_metadata(
             EntryColumns(cols.rows, cols.offsets, cols.starts, cols.behind, cols.decoding,
                          cols.token_entry, cols.host_ids),
@@ -463,7 +466,8 @@ class _Columns(NamedTuple):
     ``rows, offsets, num_tokens, starts, behind, decoding``, per token ``token_entry,
     host_ids``, the kept logits' ``logit_rows``, per emitting entry ``emitting, widths, decode,
     drafts``, ``decodes`` (the entries that decode), and an own table's ``table_cells`` and
-    ``table_values`` (`DeviceStep._table_changes`; none without)."""
+    ``table_values`` (`DeviceStep._table_changes`, none without; the int32 values two to an
+    int64, viewed as int32 where read)."""
 
     rows: torch.Tensor
     offsets: torch.Tensor
@@ -487,7 +491,7 @@ class _Columns(NamedTuple):
     @staticmethod
     def pack(plan: LaunchPlan, table: np.ndarray) -> np.ndarray:
         """The columns' values, one after the other in field order (``flat``'s layout);
-        ``table``: the own table's cells then values."""
+        ``table``: the own table's cells then values (`DeviceStep._table_changes`)."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
         decodes = plan.emitting[plan.decode]
         decoding[decodes] = 1
@@ -502,16 +506,18 @@ class _Columns(NamedTuple):
         """Where each column starts in `pack`'s layout, and ``"end"``."""
         r, n, e = plan.rows.size, plan.host_ids.size, plan.emitting.size
         sizes = (r, r, r, r, r, r, n, n, plan.logit_rows.size, e, e, e, e,
-                 int(plan.decode.sum()), table_cells, table_cells)
+                 int(plan.decode.sum()), table_cells, table_cells // 2)
         ends = np.cumsum(sizes).tolist()
         return {**{name: end - size for name, size, end in zip(
             _Columns._fields[:-1], sizes, ends, strict=True)}, "end": ends[-1]}
 
     @classmethod
-    def upload(cls, plan: LaunchPlan, table: np.ndarray, uploads: PinnedUploads) -> _Columns:
-        """The columns through ``uploads``: valid until its next upload, in stream order."""
+    def upload(cls, plan: LaunchPlan, table: np.ndarray, table_cells: int,
+               uploads: PinnedUploads) -> _Columns:
+        """The columns through ``uploads``: valid until its next upload, in stream order;
+        ``table``: ``table_cells`` own-table changes."""
         (flat,) = uploads.upload(cls.pack(plan, table))
-        bounds = list(cls.places(plan, table.size // 2).values())
+        bounds = list(cls.places(plan, table_cells).values())
         return cls(*(flat[a:b] for a, b in itertools.pairwise(bounds)), flat)
 
     def over(self, flat: torch.Tensor) -> _Columns:
@@ -545,7 +551,7 @@ class _DecodeTemplates:
             entries, width = shape
             spare = LaunchPlan.on_spare_row(np.full(entries, width), self.spare, decode=True)
             known = self._shapes[shape] = (
-                _Columns.pack(spare, np.zeros(2 * self.table_cells, dtype=np.int64)),
+                _Columns.pack(spare, np.zeros(self.table_cells * 3 // 2, dtype=np.int64)),
                 _Columns.places(spare, self.table_cells))
         template, places = known
         out[:] = template

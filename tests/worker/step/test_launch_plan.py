@@ -70,7 +70,7 @@ def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
                           rng.integers(0, 99, entries), rng.integers(0, 2, entries),
                           rng.integers(0, 500, entries * width), np.arange(entries),
                           np.ones(entries, dtype=bool), rng.integers(0, width, entries))
-        table = rng.integers(0, 99, 2 * table_cells)
+        table = rng.integers(0, 99, table_cells * 3 // 2)
         grown = plan.padded(shape, SPARE)
         want = _Columns.pack(grown, table)
         if out is None:
