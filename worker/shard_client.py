@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from kvalloc.server.client import AttachedPool, Client
+from kvalloc.server.client import AttachedPool, Client, OwnTable
 from kvalloc.server.contract import wire
 from kvalloc.server.contract.columns import StepResult
 from kvalloc.server.contract.errors import describe, remote_error
@@ -59,6 +59,7 @@ class ShardClient:
         self._source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         self.registration: wire.Registration | None = None
         self.pool: AttachedPool | None = None
+        self.own_table: OwnTable | None = None  # each rank reads its shard's table
         self.overlap = False
         self._met = False  # whether this step's ranks met yet
 
