@@ -321,18 +321,8 @@ class GapTrace:
                         if e.device_type() == DeviceType.CUDA)
         if not events:
             return {}
-        busy = idle = 0
-        between: dict[tuple[str, str], list[float]] = {}
-        waited = [0.0] * len(events)  # idle time before each operation
-        end, last = events[0][0], events[0][2]
-        for i, (start, stop, name) in enumerate(events):
-            if start > end:
-                idle += start - end
-                waited[i] = start - end
-                between.setdefault((last[:70], name[:70]), []).append(start - end)
-            busy += max(0, stop - max(start, end))
-            if stop > end:
-                end, last = stop, name
+        busy, waited, between = idle_sweep(events)
+        idle = sum(waited)
         steps = self.active
         pairs = sorted(between.items(), key=lambda item: -sum(item[1]))[:top]
         firsts = [i for i, (_, _, name) in enumerate(events) if name == FIRST_KERNEL]
@@ -347,6 +337,26 @@ class GapTrace:
                                     "us": round((events[i][1] - events[i][0]) / 1e3, 2),
                                     "idle_before_us": round(waited[i] / 1e3, 2)}
                                    for i in lead_in]}
+
+
+def idle_sweep(events: list[tuple[int, int, str]]
+               ) -> tuple[int, list[int], dict[tuple[str, str], list[int]]]:
+    """Over device operations ``(start_ns, stop_ns, name)`` sorted by start (overlapping where
+    streams run side by side): the nanoseconds some operation ran, the idle time before each
+    operation, and the idle times by the operation that ended last before them and the one
+    they ended at (names cut to 70 characters)."""
+    busy = 0
+    waited = [0] * len(events)
+    between: dict[tuple[str, str], list[int]] = {}
+    end, last = events[0][0], events[0][2]
+    for i, (start, stop, name) in enumerate(events):
+        if start > end:
+            waited[i] = start - end
+            between.setdefault((last[:70], name[:70]), []).append(start - end)
+        busy += max(0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    return busy, waited, between
 
 
 def host_functions(profiler: cProfile.Profile, steps: int, top: int = 15

@@ -179,9 +179,9 @@ class OwnTable:
 
     host: np.ndarray
     device: DeviceCopy
-    # Cells changed on the host since the last `take`, while folded.
-    pending: list[np.ndarray] = field(default_factory=list)
-    folded: bool = False
+    # Cells changed on the host since the last `take`, while folded: the launcher's to carry.
+    _pending: list[np.ndarray] = field(default_factory=list, init=False, repr=False)
+    _folded: bool = field(default=False, init=False)
 
     @classmethod
     def like(cls, shared: torch.Tensor) -> OwnTable:
@@ -197,8 +197,8 @@ class OwnTable:
         cells = changes.apply(self.host)
         if not cells.size:
             return
-        if self.folded:
-            self.pending.append(cells)
+        if self._folded:
+            self._pending.append(cells)
         else:
             self.device.write(cells, self.host.reshape(-1))
 
@@ -206,7 +206,7 @@ class OwnTable:
         """From now on the changes wait for a launcher's `take`: it scatters them into the
         device copy inside its own step, ahead of everything that reads the table there, which
         spares each step one upload and its replay. It must `flush` when it stops launching."""
-        self.folded = True
+        self._folded = True
 
     def take(self, cells: np.ndarray, values: np.ndarray) -> None:
         """Write the pending changes into ``cells`` (flat indices, int64) and ``values`` (the
@@ -230,9 +230,9 @@ class OwnTable:
             self.device.write(changed, self.host.reshape(-1))
 
     def _drain(self) -> np.ndarray:
-        changed = (np.concatenate(self.pending) if self.pending
+        changed = (np.concatenate(self._pending) if self._pending
                    else np.empty(0, dtype=np.int64))
-        self.pending.clear()
+        self._pending.clear()
         return changed
 
 

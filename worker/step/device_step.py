@@ -259,13 +259,14 @@ class DeviceStep:
         self._free(turn)
         shape = self._shape(plan)
         static = self.graphs.static_columns(shape) if shape is not None else None
-        table = self._table_changes()
         if static is not None:  # a captured shape: its columns straight into the graph's
-            self._upload_columns(turn, plan, shape, static, table)
+            self._upload_columns(turn, plan, shape, static)
             metadata_s = time.perf_counter() - building
             out, ran = self.graphs.replay(shape), shape[0]
         else:
             run = self._grown(plan)
+            table = np.empty(self._table_cells * 3 // 2, dtype=np.int64)
+            self._take_table(table)
             cols = _Columns.upload(run, table, self._table_cells, self._uploads[turn])
             metadata_s = time.perf_counter() - building
             out = (self.graphs.run_and_capture(shape, run, cols, self._body)
@@ -278,24 +279,23 @@ class DeviceStep:
         return launched
 
     def _upload_columns(self, turn: int, plan: LaunchPlan, shape: Shape,
-                        static: torch.Tensor, table: np.ndarray) -> None:
+                        static: torch.Tensor) -> None:
         """A replayed step's columns into its graph's ``static`` copy: packed into ``turn``'s
         pinned buffer and copied behind the step on CUDA, packed in place on a CPU device."""
         if not self.timed:
-            self._templates.pack_into(plan, shape, static.numpy(), table)
+            self._take_table(self._templates.pack_into(plan, shape, static.numpy()))
             return
         host = self._inputs.take(turn, static.numel())
-        self._templates.pack_into(plan, shape, host.numpy(), table)
+        self._take_table(self._templates.pack_into(plan, shape, host.numpy()))
         static.copy_(host, non_blocking=True)
 
-    def _table_changes(self) -> np.ndarray:
-        """The own table's changes this step carries (`_Columns.table_cells`, then
-        ``table_values``); nothing without an own table."""
-        cells = self._table_cells
-        changes = np.empty(cells + cells // 2, dtype=np.int64)
+    def _take_table(self, segment: np.ndarray) -> None:
+        """Write the own table's changes this step carries into ``segment``, the columns'
+        last int64s (`_Columns.table_cells`, then ``table_values``), where they travel with
+        the rest of the step's upload; nothing without an own table."""
         if self.own_table is not None:
-            self.own_table.take(changes[:cells], changes[cells:].view(np.int32))
-        return changes
+            cells = self._table_cells
+            self.own_table.take(segment[:cells], segment[cells:].view(np.int32))
 
     def flush_table(self) -> None:
         """Upload the own table's changes no launch carried (the last calls of a run)."""
@@ -466,7 +466,7 @@ class _Columns(NamedTuple):
     ``rows, offsets, num_tokens, starts, behind, decoding``, per token ``token_entry,
     host_ids``, the kept logits' ``logit_rows``, per emitting entry ``emitting, widths, decode,
     drafts``, ``decodes`` (the entries that decode), and an own table's ``table_cells`` and
-    ``table_values`` (`DeviceStep._table_changes`, none without; the int32 values two to an
+    ``table_values`` (`DeviceStep._take_table`, none without; the int32 values two to an
     int64, viewed as int32 where read)."""
 
     rows: torch.Tensor
@@ -491,7 +491,7 @@ class _Columns(NamedTuple):
     @staticmethod
     def pack(plan: LaunchPlan, table: np.ndarray) -> np.ndarray:
         """The columns' values, one after the other in field order (``flat``'s layout);
-        ``table``: the own table's cells then values (`DeviceStep._table_changes`)."""
+        ``table``: the own table's cells then values (`DeviceStep._take_table`)."""
         decoding = np.zeros(plan.rows.size, dtype=np.int64)
         decodes = plan.emitting[plan.decode]
         decoding[decodes] = 1
@@ -542,10 +542,11 @@ class _DecodeTemplates:
         self.spare, self.table_cells = spare, table_cells
         self._shapes: dict[Shape, tuple[np.ndarray, dict[str, int]]] = {}
 
-    def pack_into(self, plan: LaunchPlan, shape: Shape, out: np.ndarray,
-                  table: np.ndarray) -> None:
+    def pack_into(self, plan: LaunchPlan, shape: Shape, out: np.ndarray) -> np.ndarray:
         """``out[:] = _Columns.pack(plan.padded(*shape), table)`` for a decode-only ``plan``
-        of ``shape``'s width and at most its entries (``out``: int64, that long)."""
+        of ``shape``'s width and at most its entries (``out``: int64, that long), but for
+        the own table's changes: ``out``'s segment for them is returned, for the caller to
+        write ``table`` into in place."""
         known = self._shapes.get(shape)
         if known is None:
             entries, width = shape
@@ -558,7 +559,7 @@ class _DecodeTemplates:
         for name in self.VARYING:
             values = getattr(plan, name)
             out[places[name]:places[name] + values.size] = values
-        out[places["table_cells"]:places["end"]] = table
+        return out[places["table_cells"]:places["end"]]
 
 
 class _PinnedTurns:

@@ -75,6 +75,6 @@ def test_a_captured_shapes_columns_from_its_template_are_the_grown_plans(
         want = _Columns.pack(grown, table)
         if out is None:
             out = np.full(want.size, -7, dtype=np.int64)
-        templates.pack_into(plan, (shape, width), out, table)
+        templates.pack_into(plan, (shape, width), out)[:] = table
         np.testing.assert_array_equal(out, want)
         assert _Columns.places(grown, table_cells)["table_cells"] == want.size - table.size
